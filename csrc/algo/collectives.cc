@@ -1,0 +1,219 @@
+#include "algo/collectives.h"
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+
+#include "core/error.h"
+#include "core/reduce.h"
+
+namespace smddp::algo {
+namespace {
+
+constexpr size_t kAlignBytes = 64;  // slice boundaries on cache lines: no false sharing, aligned SIMD
+
+// Splits `count` elements into `parts` slices whose boundaries are multiples of `align` elements.
+struct Slices {
+  size_t per;
+  size_t count;
+  size_t begin(int p) const { return std::min(per * p, count); }
+  size_t end(int p) const { return std::min(per * (p + 1), count); }
+};
+Slices slicesOf(size_t count, int parts, size_t align) {
+  size_t per = (count + parts - 1) / parts;
+  per = (per + align - 1) / align * align;
+  return Slices{per, count};
+}
+
+struct Expect {
+  OpKind kind;
+  DataType dtype;
+  ReduceOp redop;
+  int root;
+};
+
+void writeDescriptor(OpContext& ctx, uint64_t phase, const Expect& e, uint64_t count) {
+  shm::OpDescriptor& d = ctx.domain->descriptor(ctx.rank, phase);
+  d.seq = ctx.seq;
+  d.kind = static_cast<uint32_t>(e.kind);
+  d.dtype = static_cast<uint32_t>(e.dtype);
+  d.redop = static_cast<uint32_t>(e.redop);
+  d.root = e.root;
+  d.count = count;
+}
+
+// After the first phase of an op: every peer must be running the same collective with matching
+// arguments. `countOf(p)` is the element count this rank expects rank p to have announced.
+template <class CountOf>
+void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf countOf) {
+  for (int p = 0; p < ctx.size; ++p) {
+    if (p == ctx.rank) continue;
+    const shm::OpDescriptor& d = ctx.domain->descriptor(p, phase);
+    if (d.seq == ctx.seq && d.kind == static_cast<uint32_t>(e.kind) && d.dtype == static_cast<uint32_t>(e.dtype) &&
+        d.redop == static_cast<uint32_t>(e.redop) && d.root == e.root && d.count == countOf(p)) {
+      continue;
+    }
+    throwError(ErrorCode::kInvalidUsage,
+               "collectives do not match across ranks: this rank runs %s #%llu (%s, %s, root %d, expecting %llu "
+               "elements from rank %d) but rank %d runs %s #%llu (%s, %s, root %d, %llu elements). Every rank must "
+               "issue the same collectives in the same order with matching sizes and dtypes",
+               opKindName(e.kind), static_cast<unsigned long long>(ctx.seq), dataTypeName(e.dtype),
+               reduceOpName(e.redop), e.root, static_cast<unsigned long long>(countOf(p)), p, p,
+               opKindName(static_cast<OpKind>(d.kind)), static_cast<unsigned long long>(d.seq),
+               d.dtype < kNumDataTypes ? dataTypeName(static_cast<DataType>(d.dtype)) : "?",
+               d.redop < kNumReduceOps ? reduceOpName(static_cast<ReduceOp>(d.redop)) : "?", d.root,
+               static_cast<unsigned long long>(d.count));
+  }
+}
+
+// One step of the protocol in shm_domain.h: announce (first phase only), publish, wait, verify.
+uint64_t step(OpContext& ctx, bool first, const Expect& e, uint64_t myCount,
+              const std::function<uint64_t(int)>& countOf, const std::function<void(uint8_t*)>& stage) {
+  const uint64_t k = ctx.domain->nextPhase();
+  if (stage) stage(ctx.domain->slot(ctx.rank, k));
+  if (first) writeDescriptor(ctx, k, e, myCount);
+  ctx.domain->publish(k);
+  ctx.domain->waitAll(k, ctx.wait);
+  if (first) checkDescriptors(ctx, k, e, countOf);
+  return k;
+}
+
+inline const uint8_t* bytes(const void* p) { return static_cast<const uint8_t*>(p); }
+inline uint8_t* bytes(void* p) { return static_cast<uint8_t*>(p); }
+
+void allreduceOneShot(OpContext& ctx, const AllreduceOptions& o, const Expect& e) {
+  const size_t nbytes = o.count * elementSize(o.dtype);
+  const uint64_t k = step(ctx, true, e, o.count, [&](int) { return o.count; },
+                          [&](uint8_t* slot) { std::memcpy(slot, o.input, nbytes); });
+  if (o.root >= 0 && o.root != ctx.rank) return;
+  std::vector<const void*> srcs(ctx.size);
+  for (int p = 0; p < ctx.size; ++p) srcs[p] = ctx.domain->slot(p, k);
+  reduce(o.dtype, o.reduction, o.output, srcs.data(), ctx.size, o.count);
+}
+
+void allreduceTwoPhase(OpContext& ctx, const AllreduceOptions& o, const Expect& e) {
+  shm::Domain& d = *ctx.domain;
+  const size_t es = elementSize(o.dtype);
+  const size_t chunkElems = d.slotBytes() / es;
+  std::vector<const void*> srcs(ctx.size);
+  for (size_t off = 0; off < o.count; off += chunkElems) {
+    const size_t ce = std::min(chunkElems, o.count - off);
+    const Slices sl = slicesOf(ce, ctx.size, kAlignBytes / es);
+    // Phase A: stage the chunk; reduce my slice of it into my next slot.
+    const uint64_t k = step(ctx, off == 0, e, o.count, [&](int) { return o.count; },
+                            [&](uint8_t* slot) { std::memcpy(slot, bytes(o.input) + off * es, ce * es); });
+    const size_t b = sl.begin(ctx.rank), n = sl.end(ctx.rank) - b;
+    for (int p = 0; p < ctx.size; ++p) srcs[p] = d.slot(p, k) + b * es;
+    if (n > 0) reduce(o.dtype, o.reduction, d.slot(ctx.rank, k + 1) + b * es, srcs.data(), ctx.size, n);
+    // Phase B: everyone's reduced slices are ready; gather them into the output.
+    const uint64_t k2 = step(ctx, false, e, o.count, nullptr, nullptr);
+    if (o.root >= 0 && o.root != ctx.rank) continue;
+    for (int p = 0; p < ctx.size; ++p) {
+      const size_t pb = sl.begin(p), pn = sl.end(p) - pb;
+      if (pn > 0) std::memcpy(bytes(o.output) + (off + pb) * es, d.slot(p, k2) + pb * es, pn * es);
+    }
+  }
+}
+
+}  // namespace
+
+const char* opKindName(OpKind kind) {
+  switch (kind) {
+    case OpKind::kAllreduce: return "allreduce";
+    case OpKind::kReduce: return "reduce";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kAllgather: return "allgather";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+void allreduce(OpContext& ctx, const AllreduceOptions& o) {
+  if (o.count == 0) return;
+  if (ctx.size == 1) {
+    const void* src = o.input;
+    reduce(o.dtype, o.reduction, o.output, &src, 1, o.count);  // AVG and PREMUL_SUM still apply
+    return;
+  }
+  const Expect e{o.root >= 0 ? OpKind::kReduce : OpKind::kAllreduce, o.dtype, o.reduction.op, o.root};
+  const size_t nbytes = o.count * elementSize(o.dtype);
+  if (nbytes <= ctx.oneShotMaxBytes && nbytes <= ctx.domain->slotBytes()) {
+    allreduceOneShot(ctx, o, e);
+  } else {
+    allreduceTwoPhase(ctx, o, e);
+  }
+}
+
+void broadcast(OpContext& ctx, const BroadcastOptions& o) {
+  if (o.count == 0 || ctx.size == 1) return;
+  shm::Domain& d = *ctx.domain;
+  const size_t total = o.count * elementSize(o.dtype);
+  const Expect e{OpKind::kBroadcast, o.dtype, ReduceOp::kSum, o.root};
+  const bool isRoot = ctx.rank == o.root;
+  for (size_t off = 0; off < total; off += d.slotBytes()) {
+    const size_t n = std::min(d.slotBytes(), total - off);
+    const uint64_t k = step(ctx, off == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
+      if (isRoot) std::memcpy(slot, bytes(o.buffer) + off, n);
+    });
+    if (!isRoot) std::memcpy(bytes(o.buffer) + off, d.slot(o.root, k), n);
+  }
+}
+
+void allgather(OpContext& ctx, const AllgatherOptions& o) {
+  const size_t es = elementSize(o.dtype);
+  const size_t mine = o.counts[ctx.rank] * es;
+  if (mine > 0 && o.outputs[ctx.rank] != o.input) std::memmove(o.outputs[ctx.rank], o.input, mine);
+  if (ctx.size == 1) return;
+  shm::Domain& d = *ctx.domain;
+  const size_t maxBytes = *std::max_element(o.counts.begin(), o.counts.end()) * es;
+  const Expect e{OpKind::kAllgather, o.dtype, ReduceOp::kSum, -1};
+  // Stage from the output copy of our piece: the input may alias another rank's output slot.
+  const uint8_t* src = bytes(o.outputs[ctx.rank]);
+  for (size_t off = 0; off < maxBytes; off += d.slotBytes()) {
+    const uint64_t k = step(ctx, off == 0, e, o.counts[ctx.rank], [&](int p) { return o.counts[p]; },
+                            [&](uint8_t* slot) {
+                              if (off < mine) std::memcpy(slot, src + off, std::min(d.slotBytes(), mine - off));
+                            });
+    for (int p = 0; p < ctx.size; ++p) {
+      const size_t pbytes = o.counts[p] * es;
+      if (p == ctx.rank || off >= pbytes) continue;
+      std::memcpy(bytes(o.outputs[p]) + off, d.slot(p, k), std::min(d.slotBytes(), pbytes - off));
+    }
+  }
+}
+
+void reduceScatter(OpContext& ctx, const ReduceScatterOptions& o) {
+  if (o.count == 0) return;
+  if (ctx.size == 1) {
+    const void* src = o.inputs[0];
+    reduce(o.dtype, o.reduction, o.output, &src, 1, o.count);
+    return;
+  }
+  shm::Domain& d = *ctx.domain;
+  const size_t es = elementSize(o.dtype);
+  size_t piece = d.slotBytes() / (ctx.size * es);
+  piece = piece >= kAlignBytes / es ? piece / (kAlignBytes / es) * (kAlignBytes / es) : piece;
+  if (piece == 0) {
+    throwError(ErrorCode::kNotSupported, "SMDDP_SHM_SLOT_BYTES=%zu is too small for %d ranks", d.slotBytes(),
+               ctx.size);
+  }
+  const Expect e{OpKind::kReduceScatter, o.dtype, o.reduction.op, -1};
+  std::vector<const void*> srcs(ctx.size);
+  for (size_t off = 0; off < o.count; off += piece) {
+    const size_t pe = std::min(piece, o.count - off);
+    const uint64_t k = step(ctx, off == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
+      for (int p = 0; p < ctx.size; ++p) std::memcpy(slot + p * piece * es, bytes(o.inputs[p]) + off * es, pe * es);
+    });
+    for (int q = 0; q < ctx.size; ++q) srcs[q] = d.slot(q, k) + ctx.rank * piece * es;
+    reduce(o.dtype, o.reduction, bytes(o.output) + off * es, srcs.data(), ctx.size, pe);
+  }
+}
+
+void barrier(OpContext& ctx) {
+  if (ctx.size == 1) return;
+  const Expect e{OpKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, -1};
+  step(ctx, true, e, 0, [](int) { return 0; }, nullptr);
+}
+
+}  // namespace smddp::algo

@@ -1,0 +1,82 @@
+// Collective algorithms over the shared-memory domain, as option structs + free functions.
+//
+// All algorithms are "direct" (mesh): every rank reads every peer's staging slot in one hop.
+//   allreduce, small: one-shot. Everyone stages its input, then every rank reduces all inputs
+//                     (in rank order, so results are bit-identical everywhere).
+//   allreduce, large: per slot-sized chunk, reduce-scatter (rank r reduces slice r of the chunk
+//                     from all slots) then all-gather (every rank copies every reduced slice).
+//   reduce_scatter:   per chunk, each rank stages the W blocks of its input; rank r reduces block r.
+//   allgather:        per chunk, each rank stages its piece; everyone copies all pieces.
+//   broadcast:        per chunk, the root stages; everyone copies.
+// Messages larger than a slot are pipelined chunk by chunk, so staging memory is fixed.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/types.h"
+#include "transport/shm_domain.h"
+
+namespace smddp::algo {
+
+enum class OpKind : uint32_t {
+  kAllreduce = 1,
+  kReduce,
+  kBroadcast,
+  kAllgather,
+  kReduceScatter,
+  kBarrier,
+};
+const char* opKindName(OpKind kind);
+
+// Per-op state shared by the algorithms.
+struct OpContext {
+  shm::Domain* domain = nullptr;  // null when the group has one rank
+  int rank = 0;
+  int size = 1;
+  uint64_t seq = 0;  // the op's sequence number in its group (same on every rank)
+  shm::WaitContext wait;
+  size_t oneShotMaxBytes = 0;
+};
+
+struct AllreduceOptions {
+  DataType dtype;
+  Reduction reduction;
+  size_t count = 0;
+  const void* input = nullptr;
+  void* output = nullptr;  // may equal input
+  int root = -1;           // >= 0: a reduce; only the root's output is written
+};
+void allreduce(OpContext& ctx, const AllreduceOptions& opts);
+
+struct BroadcastOptions {
+  DataType dtype;
+  size_t count = 0;
+  void* buffer = nullptr;
+  int root = 0;
+};
+void broadcast(OpContext& ctx, const BroadcastOptions& opts);
+
+struct AllgatherOptions {
+  DataType dtype;
+  const void* input = nullptr;   // counts[rank] elements
+  std::vector<void*> outputs;    // one per rank; outputs[rank] may equal input
+  std::vector<size_t> counts;    // elements contributed by each rank (may differ)
+};
+void allgather(OpContext& ctx, const AllgatherOptions& opts);
+
+struct ReduceScatterOptions {
+  DataType dtype;
+  Reduction reduction;
+  std::vector<const void*> inputs;  // one block per rank, `count` elements each
+  void* output = nullptr;           // `count` elements; may alias this rank's own input block
+  size_t count = 0;
+};
+void reduceScatter(OpContext& ctx, const ReduceScatterOptions& opts);
+
+void barrier(OpContext& ctx);
+
+}  // namespace smddp::algo

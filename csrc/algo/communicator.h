@@ -1,0 +1,53 @@
+// One process group's communicator on one host: owns the shared-memory domain, numbers the ops
+// and turns any failure into a broken state, since after a failed collective ranks no longer
+// agree on where they are in the protocol (as with NCCL, re-create the group to recover).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "algo/collectives.h"
+#include "core/store.h"
+#include "transport/shm_domain.h"
+
+namespace smddp::algo {
+
+class Communicator {
+ public:
+  // Collective over the group (bootstrap through `store`).
+  Communicator(Store& store, int rank, int size);
+  ~Communicator();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // Each runs one collective to completion on the calling thread; calls must be serialised by
+  // the caller (the engine runs them in issue order). Errors throw smddp::Error whose message
+  // names the op and its sequence number.
+  void allreduce(const AllreduceOptions& opts, std::chrono::milliseconds timeout);
+  void broadcast(const BroadcastOptions& opts, std::chrono::milliseconds timeout);
+  void allgather(const AllgatherOptions& opts, std::chrono::milliseconds timeout);
+  void reduceScatter(const ReduceScatterOptions& opts, std::chrono::milliseconds timeout);
+  void barrier(std::chrono::milliseconds timeout);
+
+  // Makes every current and future wait fail promptly with kAborted. Thread-safe.
+  void abort();
+
+ private:
+  template <class Fn>
+  void run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn);
+
+  int rank_;
+  int size_;
+  std::unique_ptr<shm::Domain> domain_;
+  size_t oneShotMaxBytes_;
+  uint64_t seq_ = 0;
+  std::atomic<bool> aborted_{false};
+  std::string brokenBy_;  // set by the first failed op; later ops fail fast with it
+};
+
+}  // namespace smddp::algo

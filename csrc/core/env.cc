@@ -1,0 +1,90 @@
+#include "core/env.h"
+
+#include <cstdlib>
+#include <mutex>
+#include <stdexcept>
+
+#include "core/error.h"
+
+namespace smddp::env {
+namespace {
+
+struct Param {
+  const char* name;
+  const char* defaultValue;
+  const char* help;
+};
+
+// Keep this table and README.md's variable table in step (tests/test_env.py checks it).
+constexpr Param kParams[] = {
+    {"SMDDP_SHM_SLOT_BYTES", "1048576",
+     "Bytes of each of the two shared-memory staging slots per rank and process group. Messages "
+     "larger than a slot are pipelined through it, so staging memory does not grow with message size."},
+    {"SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES", "65536",
+     "Allreduces up to this size use the one-shot algorithm (every rank reads every input); larger "
+     "ones use reduce-scatter + all-gather."},
+    {"SMDDP_SPIN_POLLS", "-1",
+     "Polls of a peer's flag before a waiting thread sleeps on a futex. -1 picks a value from the "
+     "number of ranks per core (little spinning when ranks outnumber cores)."},
+    {"SMDDP_SIMD", "auto", "Reduce-kernel instruction set: auto, avx512, avx2 or scalar."},
+    {"SMDDP_DEBUG", "WARN", "Log level: NONE, WARN, INFO or TRACE."},
+    {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, ENV or ALL; ^ inverts."},
+};
+
+const Param& find(const char* name) {
+  for (const Param& p : kParams) {
+    if (std::string(p.name) == name) return p;
+  }
+  throw std::logic_error(std::string("smddp: undeclared parameter ") + name);
+}
+
+std::string readString(const char* name) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::string(v) : std::string(find(name).defaultValue);
+}
+
+int64_t readInt(const char* name) {
+  const std::string text = readString(name);
+  char* end = nullptr;
+  const long long v = std::strtoll(text.c_str(), &end, 0);
+  if (end == text.c_str() || *end != '\0') {
+    throwError(ErrorCode::kInvalidUsage, "smddp: environment variable %s=%s is not an integer", name, text.c_str());
+  }
+  return v;
+}
+
+}  // namespace
+
+std::vector<ParamInfo> allParams() {
+  std::vector<ParamInfo> out;
+  for (const Param& p : kParams) out.push_back({p.name, p.defaultValue, p.help, readString(p.name)});
+  return out;
+}
+
+// Function-local statics give thread-safe read-once caching.
+int64_t shmSlotBytes() {
+  static const int64_t v = readInt("SMDDP_SHM_SLOT_BYTES");
+  return v;
+}
+int64_t allreduceOneShotMaxBytes() {
+  static const int64_t v = readInt("SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES");
+  return v;
+}
+int64_t spinPolls() {
+  static const int64_t v = readInt("SMDDP_SPIN_POLLS");
+  return v;
+}
+const std::string& debugLevel() {
+  static const std::string v = readString("SMDDP_DEBUG");
+  return v;
+}
+const std::string& debugSubsys() {
+  static const std::string v = readString("SMDDP_DEBUG_SUBSYS");
+  return v;
+}
+const std::string& simd() {
+  static const std::string v = readString("SMDDP_SIMD");
+  return v;
+}
+
+}  // namespace smddp::env

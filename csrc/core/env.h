@@ -1,0 +1,37 @@
+// The one registry of SMDDP_* environment variables.
+//
+// Every tunable is declared once in env.cc with its default and a help line; the README table is
+// generated from the same list (`python -m smddp.env`). Each value is read from the environment
+// on first use and then cached for the life of the process, like NCCL's NCCL_PARAM.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace smddp::env {
+
+struct ParamInfo {
+  std::string name;          // full variable name, e.g. "SMDDP_SHM_SLOT_BYTES"
+  std::string defaultValue;  // as text
+  std::string help;
+  std::string value;         // the value in force (default when unset)
+};
+
+// All parameters, in declaration order, with the values in force.
+std::vector<ParamInfo> allParams();
+
+// Per-rank staging: bytes of one of the two shared-memory slots each rank owns.
+int64_t shmSlotBytes();
+// Allreduce of at most this many bytes uses the one-shot algorithm (every rank reduces all inputs).
+int64_t allreduceOneShotMaxBytes();
+// Polls of a peer flag before a waiting thread goes to sleep; -1 = choose from the core count.
+int64_t spinPolls();
+// Log level: NONE, WARN (default), INFO, TRACE.
+const std::string& debugLevel();
+// Comma list of subsystems to log (INIT, COLL, SHM, ENV or ALL); a leading ^ inverts.
+const std::string& debugSubsys();
+// Reduce-kernel instruction set: auto (default), avx512, avx2, scalar.
+const std::string& simd();
+
+}  // namespace smddp::env

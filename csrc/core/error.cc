@@ -1,0 +1,37 @@
+#include "core/error.h"
+
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+
+namespace smddp {
+
+const char* errorCodeName(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kInvalidUsage: return "invalid usage";
+    case ErrorCode::kNotSupported: return "not supported";
+    case ErrorCode::kSystemError: return "system error";
+    case ErrorCode::kTimeout: return "timeout";
+    case ErrorCode::kRemoteError: return "remote error";
+    case ErrorCode::kAborted: return "aborted";
+  }
+  return "error";
+}
+
+void throwError(ErrorCode code, const char* fmt, ...) {
+  char buf[2048];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  throw Error(code, buf);
+}
+
+std::string errnoString(int err) {
+  char buf[256];
+  // GNU strerror_r may return a static string instead of filling buf.
+  const char* s = strerror_r(err, buf, sizeof(buf));
+  return std::string(s) + " (errno " + std::to_string(err) + ")";
+}
+
+}  // namespace smddp

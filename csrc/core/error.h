@@ -1,0 +1,36 @@
+// Typed errors of the core. The torch layer maps each code to a Python exception type, so a
+// caller can tell a usage mistake (ValueError) from a failure of the group (DistBackendError).
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace smddp {
+
+enum class ErrorCode {
+  kInvalidUsage,  // the caller passed something wrong (shapes, dtypes, mismatched collectives)
+  kNotSupported,  // a valid request this version does not implement
+  kSystemError,   // an OS call failed (shm_open, mmap, ...)
+  kTimeout,       // peers did not arrive in time
+  kRemoteError,   // a peer died or reported a failure
+  kAborted,       // the group was shut down or broken by an earlier error
+};
+
+const char* errorCodeName(ErrorCode code);
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  ErrorCode code() const { return code_; }
+
+ private:
+  ErrorCode code_;
+};
+
+// Formats like printf and throws smddp::Error.
+[[noreturn]] void throwError(ErrorCode code, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+
+// errno as text, for messages about failed system calls.
+std::string errnoString(int err);
+
+}  // namespace smddp

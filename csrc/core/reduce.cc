@@ -1,0 +1,80 @@
+#include "core/reduce.h"
+
+#include <string>
+
+#include "core/env.h"
+#include "core/error.h"
+#include "core/log.h"
+
+namespace smddp {
+namespace {
+
+Isa pickIsa() {
+  const std::string& want = env::simd();
+  Isa best = isaSupported(Isa::kAvx512) ? Isa::kAvx512 : isaSupported(Isa::kAvx2) ? Isa::kAvx2 : Isa::kScalar;
+  Isa chosen = best;
+  if (want == "scalar") chosen = Isa::kScalar;
+  else if (want == "avx2") chosen = Isa::kAvx2;
+  else if (want == "avx512") chosen = Isa::kAvx512;
+  else if (want != "auto") SMDDP_WARN(kEnv, "SMDDP_SIMD=%s is not one of auto, avx512, avx2, scalar; using %s",
+                                      want.c_str(), isaName(best));
+  if (!isaSupported(chosen)) {
+    SMDDP_WARN(kEnv, "SMDDP_SIMD=%s is not supported by this CPU; using %s", want.c_str(), isaName(best));
+    chosen = best;
+  }
+  SMDDP_INFO(kInit, "reduce kernels: %s", isaName(chosen));
+  return chosen;
+}
+
+kernels::ReduceFn lookup(Isa isa, DataType dtype, ReduceOp op) {
+  switch (isa) {
+    case Isa::kAvx512: return kernels::avx512::lookup(dtype, op);
+    case Isa::kAvx2: return kernels::avx2::lookup(dtype, op);
+    case Isa::kScalar: break;
+  }
+  return kernels::scalar::lookup(dtype, op);
+}
+
+}  // namespace
+
+const char* isaName(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kScalar: return "scalar";
+  }
+  return "?";
+}
+
+bool isaSupported(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::kScalar: return true;
+  }
+  return false;
+}
+
+Isa activeIsa() {
+  static const Isa isa = pickIsa();
+  return isa;
+}
+
+void reduceWithIsa(Isa isa, DataType dtype, const Reduction& r, void* dst, const void* const* srcs, int n,
+                   size_t count) {
+  kernels::ReduceFn fn = lookup(isa, dtype, r.op);
+  if (fn == nullptr) {
+    throwError(ErrorCode::kNotSupported, "smddp: reduce op %s is not supported on %s", reduceOpName(r.op),
+               dataTypeName(dtype));
+  }
+  fn(dst, srcs, n, count, r);
+}
+
+void reduce(DataType dtype, const Reduction& r, void* dst, const void* const* srcs, int n, size_t count) {
+  reduceWithIsa(activeIsa(), dtype, r, dst, srcs, n, count);
+}
+
+}  // namespace smddp

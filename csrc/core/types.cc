@@ -1,0 +1,78 @@
+#include "core/types.h"
+
+namespace smddp {
+
+size_t elementSize(DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat64:
+    case DataType::kInt64:
+      return 8;
+    case DataType::kFloat32:
+    case DataType::kInt32:
+      return 4;
+    case DataType::kFloat16:
+    case DataType::kBFloat16:
+    case DataType::kInt16:
+      return 2;
+    case DataType::kInt8:
+    case DataType::kUInt8:
+    case DataType::kBool:
+      return 1;
+  }
+  return 0;
+}
+
+const char* dataTypeName(DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat32: return "float32";
+    case DataType::kFloat64: return "float64";
+    case DataType::kFloat16: return "float16";
+    case DataType::kBFloat16: return "bfloat16";
+    case DataType::kInt8: return "int8";
+    case DataType::kUInt8: return "uint8";
+    case DataType::kInt16: return "int16";
+    case DataType::kInt32: return "int32";
+    case DataType::kInt64: return "int64";
+    case DataType::kBool: return "bool";
+  }
+  return "?";
+}
+
+const char* reduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kProduct: return "prod";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kBand: return "band";
+    case ReduceOp::kBor: return "bor";
+    case ReduceOp::kBxor: return "bxor";
+    case ReduceOp::kPremulSum: return "premul_sum";
+  }
+  return "?";
+}
+
+bool isFloatingPoint(DataType dtype) {
+  return dtype == DataType::kFloat32 || dtype == DataType::kFloat64 || dtype == DataType::kFloat16 ||
+         dtype == DataType::kBFloat16;
+}
+
+const char* unsupportedReason(DataType dtype, ReduceOp op) {
+  const bool isFloat = isFloatingPoint(dtype);
+  const bool isBool = dtype == DataType::kBool;
+  switch (op) {
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      return isFloat ? "bitwise reductions are defined only on integer and bool tensors" : nullptr;
+    case ReduceOp::kAvg:
+      return isBool ? "AVG is not defined on bool tensors" : nullptr;
+    case ReduceOp::kPremulSum:
+      return isFloat ? nullptr : "PREMUL_SUM is defined only on floating-point tensors";
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace smddp

@@ -1,0 +1,55 @@
+// Element types and reduction operators understood by the core, independent of torch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace smddp {
+
+enum class DataType : uint8_t {
+  kFloat32,
+  kFloat64,
+  kFloat16,
+  kBFloat16,
+  kInt8,
+  kUInt8,
+  kInt16,
+  kInt32,
+  kInt64,
+  kBool,
+};
+constexpr int kNumDataTypes = 10;
+
+enum class ReduceOp : uint8_t {
+  kSum,
+  kAvg,
+  kProduct,
+  kMin,
+  kMax,
+  kBand,
+  kBor,
+  kBxor,
+  kPremulSum,
+};
+constexpr int kNumReduceOps = 9;
+
+size_t elementSize(DataType dtype);
+const char* dataTypeName(DataType dtype);
+const char* reduceOpName(ReduceOp op);
+
+bool isFloatingPoint(DataType dtype);
+
+// Returns nullptr when `op` is defined on `dtype`, otherwise why it is not (for error messages).
+// The contract (see README "Reduction semantics"): bool SUM/MAX = OR, PRODUCT/MIN = AND;
+// integer SUM/PRODUCT wrap around; integer AVG truncates toward zero; bitwise ops only on
+// integers and bool; AVG and PREMUL_SUM not on bool; PREMUL_SUM only on floating point.
+const char* unsupportedReason(DataType dtype, ReduceOp op);
+
+// A reduction as the kernels see it: the operator plus the scalars its finalisation needs.
+struct Reduction {
+  ReduceOp op = ReduceOp::kSum;
+  double premulFactor = 1.0;  // PREMUL_SUM: result = factor * sum
+  int avgDivisor = 1;         // AVG: result = sum / avgDivisor (the group size)
+};
+
+}  // namespace smddp

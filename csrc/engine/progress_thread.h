@@ -1,0 +1,42 @@
+// Runs a process group's operations one at a time, in issue order, on a dedicated thread, so
+// `async_op=True` overlaps communication with the caller's compute. An idle thread sleeps on a
+// condition variable and costs nothing.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace smddp::engine {
+
+class ProgressThread {
+ public:
+  using Task = std::function<void()>;
+
+  explicit ProgressThread(std::string name);
+  ~ProgressThread();  // runs what is queued, then joins
+
+  // Tasks must not throw: each one reports its own outcome (the torch layer completes a Work).
+  void enqueue(Task task);
+  // Runs `task` on the calling thread if nothing is queued or running, which preserves issue
+  // order and saves two thread hand-offs for blocking ops. Returns false (task not run) otherwise.
+  bool tryRunInline(const Task& task);
+  // Stops after the queued tasks have run. Idempotent.
+  void stop();
+
+ private:
+  void loop();
+
+  std::string name_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;
+  bool stopping_ = false;
+  bool busy_ = false;  // a task is running, on the thread or inline
+  std::thread thread_;
+};
+
+}  // namespace smddp::engine

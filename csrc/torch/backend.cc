@@ -1,0 +1,516 @@
+#include "torch/backend.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <unistd.h>
+
+#include <fstream>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "core/types.h"
+
+namespace smddp::torchext {
+namespace {
+
+// ---- errors ---------------------------------------------------------------------------------
+
+// smddp::Error -> the c10 error type Python maps to the right exception class.
+std::exception_ptr toTorchError(const Error& e, int rank) {
+  const std::string msg = "smddp rank " + std::to_string(rank) + ": " + e.what();
+  const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
+  switch (e.code()) {
+    case ErrorCode::kInvalidUsage: return std::make_exception_ptr(c10::ValueError(loc, msg));
+    case ErrorCode::kNotSupported: return std::make_exception_ptr(c10::NotImplementedError(loc, msg));
+    default: return std::make_exception_ptr(c10::DistBackendError(loc, msg));
+  }
+}
+
+// ---- validation (phase 1, on the caller's thread) -------------------------------------------
+
+std::optional<DataType> toDataType(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DataType::kFloat32;
+    case at::kDouble: return DataType::kFloat64;
+    case at::kHalf: return DataType::kFloat16;
+    case at::kBFloat16: return DataType::kBFloat16;
+    case at::kChar: return DataType::kInt8;
+    case at::kByte: return DataType::kUInt8;
+    case at::kShort: return DataType::kInt16;
+    case at::kInt: return DataType::kInt32;
+    case at::kLong: return DataType::kInt64;
+    case at::kBool: return DataType::kBool;
+    default: return std::nullopt;
+  }
+}
+
+// Checks a tensor can be handed to the core and returns its element type.
+DataType checkTensor(const at::Tensor& t, int rank, const char* op) {
+  TORCH_CHECK_VALUE(t.defined(), "smddp rank ", rank, ": ", op, ": got an undefined tensor");
+  TORCH_CHECK_NOT_IMPLEMENTED(t.device().is_cpu(), "smddp rank ", rank, ": ", op, ": tensors on ", t.device(),
+                              " are not supported yet; smddp handles CPU tensors");
+  TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == at::kStrided, "smddp rank ", rank, ": ", op,
+                              ": only dense (strided) tensors are supported, got layout ", t.layout());
+  auto dt = toDataType(t.scalar_type());
+  TORCH_CHECK_NOT_IMPLEMENTED(dt.has_value(), "smddp rank ", rank, ": ", op, ": dtype ", t.scalar_type(),
+                              " is not supported (supported: float32, float64, float16, bfloat16, int8, uint8, "
+                              "int16, int32, int64, bool)");
+  return *dt;
+}
+
+void checkSameType(const at::Tensor& a, const at::Tensor& b, int rank, const char* op) {
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "smddp rank ", rank, ": ", op,
+                   ": input and output dtypes differ (", b.scalar_type(), " vs ", a.scalar_type(), ")");
+}
+
+const at::Tensor& single(const std::vector<at::Tensor>& tensors, int rank, const char* op) {
+  TORCH_CHECK_VALUE(tensors.size() == 1, "smddp rank ", rank, ": ", op, " takes exactly one tensor per process, got ",
+                    tensors.size());
+  return tensors[0];
+}
+
+Reduction toReduction(const c10d::ReduceOp& op, DataType dtype, int size, int rank, const char* opName) {
+  Reduction r;
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: r.op = ReduceOp::kSum; break;
+    case c10d::ReduceOp::AVG: r.op = ReduceOp::kAvg; break;
+    case c10d::ReduceOp::PRODUCT: r.op = ReduceOp::kProduct; break;
+    case c10d::ReduceOp::MIN: r.op = ReduceOp::kMin; break;
+    case c10d::ReduceOp::MAX: r.op = ReduceOp::kMax; break;
+    case c10d::ReduceOp::BAND: r.op = ReduceOp::kBand; break;
+    case c10d::ReduceOp::BOR: r.op = ReduceOp::kBor; break;
+    case c10d::ReduceOp::BXOR: r.op = ReduceOp::kBxor; break;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      r.op = ReduceOp::kPremulSum;
+      auto* s = static_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+      TORCH_CHECK_VALUE(s != nullptr, "smddp rank ", rank, ": ", opName, ": PREMUL_SUM without a factor");
+      r.premulFactor = s->tensor_factor.defined() ? s->tensor_factor.item<double>() : s->double_factor;
+      break;
+    }
+    default:
+      TORCH_CHECK_NOT_IMPLEMENTED(false, "smddp rank ", rank, ": ", opName, ": reduce op ", static_cast<int>(op.op_),
+                                  " is not supported");
+  }
+  r.avgDivisor = size;
+  const char* why = unsupportedReason(dtype, r.op);
+  TORCH_CHECK_NOT_IMPLEMENTED(why == nullptr, "smddp rank ", rank, ": ", opName, ": reduce op ", reduceOpName(r.op),
+                              " is not supported on ", dataTypeName(dtype), " (", why ? why : "", ")");
+  return r;
+}
+
+// A tensor as the core sees it: `work` is contiguous; when the user's tensor was not, `work` is a
+// contiguous copy and results are copied back after the op.
+struct Staged {
+  at::Tensor user;
+  at::Tensor work;
+  bool copyBack = false;
+};
+
+Staged stageInOut(const at::Tensor& t) {  // read and written (allreduce, broadcast)
+  if (t.is_contiguous()) return {t, t, false};
+  return {t, t.contiguous(), true};
+}
+Staged stageOut(const at::Tensor& t) {  // only written
+  if (t.is_contiguous()) return {t, t, false};
+  return {t, at::empty(t.sizes(), t.options()), true};
+}
+at::Tensor stageIn(const at::Tensor& t) { return t.contiguous(); }
+
+void finishStaged(const Staged& s) {
+  if (s.copyBack) s.user.copy_(s.work);
+}
+
+inline uint8_t* bytePtr(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  const uint8_t* a0 = bytePtr(a);
+  const uint8_t* b0 = bytePtr(b);
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// ---- bootstrap ------------------------------------------------------------------------------
+
+class C10dStore : public Store {
+ public:
+  explicit C10dStore(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::string& value) override {
+    store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  }
+  std::string get(const std::string& key) override {
+    auto v = store_->get(key);
+    return std::string(v.begin(), v.end());
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+std::string hostIdentity() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  std::string boot;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::getline(f, boot);
+  return std::string(host) + "/" + boot;
+}
+
+// Shared memory needs every rank on one machine; the inter-host transport is not built yet.
+void checkSingleHost(Store& store, int rank, int size) {
+  const std::string me = hostIdentity();
+  store.set("smddp/host/" + std::to_string(rank), me);
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) continue;
+    const std::string other = store.get("smddp/host/" + std::to_string(r));
+    if (other != me) {
+      throwError(ErrorCode::kNotSupported,
+                 "this process group spans more than one host (rank %d is on %s, rank %d on %s): smddp's "
+                 "inter-host transport is not implemented yet; use gloo for multi-host CPU groups for now",
+                 rank, me.c_str(), r, other.c_str());
+    }
+  }
+}
+
+}  // namespace
+
+// ---- Work -----------------------------------------------------------------------------------
+
+SmddpWork::SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, std::vector<at::Tensor> outputs,
+                     const std::optional<std::vector<at::Tensor>>& inputs)
+    : c10d::Work(rank, opType, profilingTitle, inputs),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+void SmddpWork::complete(std::exception_ptr error) {
+  if (error) {
+    future_->setError(error);
+    finish(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+    finish();
+  }
+}
+
+// ---- Backend --------------------------------------------------------------------------------
+
+SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                           std::chrono::milliseconds timeout)
+    : c10d::Backend(rank, size), timeoutMs_(timeout.count()) {
+  C10dStore s(store);
+  try {
+    checkSingleHost(s, rank, size);
+    comm_ = std::make_unique<algo::Communicator>(s, rank, size);
+  } catch (const Error& e) {
+    std::rethrow_exception(toTorchError(e, rank));
+  }
+  progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank));
+  SMDDP_INFO(kInit, "rank %d/%d: process group ready", rank, size);
+}
+
+SmddpBackend::~SmddpBackend() { shutdown(); }
+
+void SmddpBackend::shutdown() {
+  std::call_once(shutdownOnce_, [this] {
+    if (comm_) comm_->abort();
+    if (progress_) progress_->stop();
+  });
+}
+
+std::chrono::milliseconds SmddpBackend::resolveTimeout(std::chrono::milliseconds requested) const {
+  return requested == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : requested;
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const char* title,
+                                                     std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
+                                                     std::chrono::milliseconds timeout, bool async, Body body) {
+  auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, std::move(outputs),
+                                             std::optional<std::vector<at::Tensor>>(std::move(inputs)));
+  algo::Communicator* comm = comm_.get();
+  const int rank = rank_;
+  auto task = [work, comm, rank, timeout, body = std::move(body)]() {
+    std::exception_ptr error;
+    try {
+      body(*comm, timeout);
+    } catch (const Error& e) {
+      error = toTorchError(e, rank);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    work->complete(error);
+  };
+  // A blocking call (async_op=False) is waited at once: when the group is idle, running it here
+  // saves two thread hand-offs, which dominate small-message latency.
+  if (!async && progress_->tryRunInline(task)) return work;
+  try {
+    progress_->enqueue(std::move(task));
+  } catch (const std::logic_error& e) {
+    TORCH_CHECK(false, "smddp rank ", rank_, ": ", title, ": the process group has been shut down");
+  }
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                       const c10d::AllreduceOptions& opts) {
+  const at::Tensor& t = single(tensors, rank_, "allreduce");
+  const DataType dtype = checkTensor(t, rank_, "allreduce");
+  const Reduction red = toReduction(opts.reduceOp, dtype, size_, rank_, "allreduce");
+  Staged s = stageInOut(t);
+  return enqueue(c10d::OpType::ALLREDUCE, "smddp:all_reduce", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
+                 [s, dtype, red](algo::Communicator& c, std::chrono::milliseconds to) {
+                   void* p = s.work.data_ptr();
+                   c.allreduce({dtype, red, static_cast<size_t>(s.work.numel()), p, p, -1}, to);
+                   finishStaged(s);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                 const c10d::AllreduceCoalescedOptions& opts) {
+  std::vector<Staged> staged;
+  std::vector<std::pair<DataType, Reduction>> kinds;
+  for (const at::Tensor& t : tensors) {
+    const DataType dtype = checkTensor(t, rank_, "allreduce_coalesced");
+    kinds.emplace_back(dtype, toReduction(opts.reduceOp, dtype, size_, rank_, "allreduce_coalesced"));
+    staged.push_back(stageInOut(t));
+  }
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors, tensors,
+                 resolveTimeout(opts.timeout), opts.asyncOp,
+                 [staged, kinds](algo::Communicator& c, std::chrono::milliseconds to) {
+                   for (size_t i = 0; i < staged.size(); ++i) {
+                     void* p = staged[i].work.data_ptr();
+                     c.allreduce({kinds[i].first, kinds[i].second, static_cast<size_t>(staged[i].work.numel()), p,
+                                  p, -1},
+                                 to);
+                     finishStaged(staged[i]);
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                    const c10d::ReduceOptions& opts) {
+  const at::Tensor& t = single(tensors, rank_, "reduce");
+  const DataType dtype = checkTensor(t, rank_, "reduce");
+  const Reduction red = toReduction(opts.reduceOp, dtype, size_, rank_, "reduce");
+  const int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp rank ", rank_, ": reduce: root ", root,
+                    " is not a rank of this group of size ", size_);
+  Staged s = stageInOut(t);
+  return enqueue(c10d::OpType::REDUCE, "smddp:reduce", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
+                 [s, dtype, red, root](algo::Communicator& c, std::chrono::milliseconds to) {
+                   void* p = s.work.data_ptr();
+                   c.allreduce({dtype, red, static_cast<size_t>(s.work.numel()), p, p, root}, to);
+                   finishStaged(s);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                       const c10d::BroadcastOptions& opts) {
+  const at::Tensor& t = single(tensors, rank_, "broadcast");
+  const DataType dtype = checkTensor(t, rank_, "broadcast");
+  const int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp rank ", rank_, ": broadcast: root ", root,
+                    " is not a rank of this group of size ", size_);
+  Staged s = stageInOut(t);
+  return enqueue(c10d::OpType::BROADCAST, "smddp:broadcast", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
+                 [s, dtype, root](algo::Communicator& c, std::chrono::milliseconds to) {
+                   c.broadcast({dtype, static_cast<size_t>(s.work.numel()), s.work.data_ptr(), root}, to);
+                   finishStaged(s);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::AllgatherOptions& opts) {
+  const at::Tensor& in = single(inputs, rank_, "allgather");
+  TORCH_CHECK_VALUE(outputs.size() == 1, "smddp rank ", rank_, ": allgather takes one output list, got ",
+                    outputs.size());
+  const DataType dtype = checkTensor(in, rank_, "allgather");
+  std::vector<at::Tensor>& outs = outputs[0];
+  TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == size_, "smddp rank ", rank_, ": allgather: the output list has ",
+                    outs.size(), " tensors but the group has ", size_, " ranks");
+  std::vector<Staged> staged;
+  std::vector<size_t> counts;
+  for (const at::Tensor& o : outs) {
+    checkTensor(o, rank_, "allgather");
+    checkSameType(o, in, rank_, "allgather");
+    staged.push_back(stageOut(o));
+    counts.push_back(static_cast<size_t>(o.numel()));
+  }
+  TORCH_CHECK_VALUE(counts[rank_] == static_cast<size_t>(in.numel()), "smddp rank ", rank_, ": allgather: output ",
+                    rank_, " has ", counts[rank_], " elements but the input has ", in.numel());
+  at::Tensor src = stageIn(in);
+  return enqueue(c10d::OpType::ALLGATHER, "smddp:all_gather", outs, inputs, resolveTimeout(opts.timeout), opts.asyncOp,
+                 [staged, counts, src, dtype](algo::Communicator& c, std::chrono::milliseconds to) {
+                   algo::AllgatherOptions o{dtype, src.data_ptr(), {}, counts};
+                   for (const Staged& s : staged) o.outputs.push_back(s.work.data_ptr());
+                   c.allgather(o, to);
+                   for (const Staged& s : staged) finishStaged(s);
+                 });
+}
+
+namespace {
+// The flat all-gather shared by _allgather_base and the coalesced form. The output may be shaped
+// [world * n, ...] or [world, n, ...]: only the element count matters, as with NCCL.
+struct FlatGather {
+  Staged out;
+  at::Tensor in;
+  DataType dtype;
+};
+
+FlatGather prepareFlatGather(const at::Tensor& output, const at::Tensor& input, int rank, int size, const char* op) {
+  const DataType dtype = checkTensor(input, rank, op);
+  checkTensor(output, rank, op);
+  checkSameType(output, input, rank, op);
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * size, "smddp rank ", rank, ": ", op, ": the output has ",
+                    output.numel(), " elements but must have world size (", size, ") x input (", input.numel(),
+                    ") = ", input.numel() * size);
+  FlatGather g{stageOut(output), stageIn(input), dtype};
+  // The input may be this rank's own slice of the output (FSDP2); any other overlap would be
+  // overwritten while still being read, so go through a copy.
+  if (overlaps(g.in, g.out.work) &&
+      bytePtr(g.in) != bytePtr(g.out.work) + static_cast<size_t>(rank) * g.in.nbytes()) {
+    g.in = g.in.clone();
+  }
+  return g;
+}
+
+void runFlatGather(algo::Communicator& c, const FlatGather& g, int size, std::chrono::milliseconds to) {
+  const size_t n = static_cast<size_t>(g.in.numel());
+  algo::AllgatherOptions o{g.dtype, g.in.data_ptr(), {}, std::vector<size_t>(size, n)};
+  for (int p = 0; p < size; ++p) o.outputs.push_back(bytePtr(g.out.work) + p * g.in.nbytes());
+  c.allgather(o, to);
+  finishStaged(g.out);
+}
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                             const c10d::AllgatherOptions& opts) {
+  FlatGather g = prepareFlatGather(output, input, rank_, size_, "all_gather_into_tensor");
+  const int size = size_;
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, "smddp:all_gather_into_tensor", {output}, {input},
+                 resolveTimeout(opts.timeout), opts.asyncOp, [g, size](algo::Communicator& c, std::chrono::milliseconds to) {
+                   runFlatGather(c, g, size, to);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                             std::vector<at::Tensor>& inputs,
+                                                                             const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "smddp rank ", rank_,
+                    ": allgather_into_tensor_coalesced: got ", outputs.size(), " outputs for ", inputs.size(),
+                    " inputs");
+  std::vector<FlatGather> gathers;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    gathers.push_back(prepareFlatGather(outputs[i], inputs[i], rank_, size_, "allgather_into_tensor_coalesced"));
+  }
+  const int size = size_;
+  return enqueue(c10d::OpType::COALESCED, "smddp:all_gather_into_tensor_coalesced", outputs, inputs,
+                 resolveTimeout(opts.timeout), opts.asyncOp, [gathers, size](algo::Communicator& c, std::chrono::milliseconds to) {
+                   for (const FlatGather& g : gathers) runFlatGather(c, g, size, to);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                            std::vector<std::vector<at::Tensor>>& inputs,
+                                                            const c10d::ReduceScatterOptions& opts) {
+  const at::Tensor& out = single(outputs, rank_, "reduce_scatter");
+  TORCH_CHECK_VALUE(inputs.size() == 1, "smddp rank ", rank_, ": reduce_scatter takes one input list, got ",
+                    inputs.size());
+  const DataType dtype = checkTensor(out, rank_, "reduce_scatter");
+  const Reduction red = toReduction(opts.reduceOp, dtype, size_, rank_, "reduce_scatter");
+  const std::vector<at::Tensor>& ins = inputs[0];
+  TORCH_CHECK_VALUE(static_cast<int>(ins.size()) == size_, "smddp rank ", rank_, ": reduce_scatter: the input list has ",
+                    ins.size(), " tensors but the group has ", size_, " ranks");
+  std::vector<at::Tensor> srcs;
+  for (const at::Tensor& i : ins) {
+    checkTensor(i, rank_, "reduce_scatter");
+    checkSameType(out, i, rank_, "reduce_scatter");
+    TORCH_CHECK_VALUE(i.numel() == out.numel(), "smddp rank ", rank_, ": reduce_scatter: every input must have the "
+                      "output's ", out.numel(), " elements, got one with ", i.numel());
+    at::Tensor c = stageIn(i);
+    srcs.push_back(overlaps(c, out) ? c.clone() : c);
+  }
+  Staged s = stageOut(out);
+  return enqueue(c10d::OpType::REDUCE_SCATTER, "smddp:reduce_scatter", outputs, ins, resolveTimeout(opts.timeout), opts.asyncOp,
+                 [s, srcs, dtype, red](algo::Communicator& c, std::chrono::milliseconds to) {
+                   algo::ReduceScatterOptions o{dtype, red, {}, s.work.data_ptr(), static_cast<size_t>(s.work.numel())};
+                   for (const at::Tensor& t : srcs) o.inputs.push_back(t.data_ptr());
+                   c.reduceScatter(o, to);
+                   finishStaged(s);
+                 });
+}
+
+namespace {
+struct FlatScatter {
+  Staged out;
+  at::Tensor in;
+  DataType dtype;
+  Reduction red;
+};
+
+FlatScatter prepareFlatScatter(const at::Tensor& output, const at::Tensor& input, const c10d::ReduceOp& op, int rank,
+                               int size, const char* name) {
+  const DataType dtype = checkTensor(input, rank, name);
+  checkTensor(output, rank, name);
+  checkSameType(output, input, rank, name);
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * size, "smddp rank ", rank, ": ", name, ": the input has ",
+                    input.numel(), " elements but must have world size (", size, ") x output (", output.numel(),
+                    ") = ", output.numel() * size);
+  FlatScatter f{stageOut(output), stageIn(input), dtype, toReduction(op, dtype, size, rank, name)};
+  // The output may be exactly one block of the input (DeepSpeed ZeRO-3 passes a view of it):
+  // each block is staged before the matching part of the output is written. Any other overlap
+  // goes through a copy.
+  if (overlaps(f.in, f.out.work)) {
+    const ptrdiff_t off = bytePtr(f.out.work) - bytePtr(f.in);
+    const ptrdiff_t block = static_cast<ptrdiff_t>(f.out.work.nbytes());
+    if (block == 0 || off % block != 0) f.in = f.in.clone();
+  }
+  return f;
+}
+
+void runFlatScatter(algo::Communicator& c, const FlatScatter& f, int size, std::chrono::milliseconds to) {
+  const size_t n = static_cast<size_t>(f.out.work.numel());
+  algo::ReduceScatterOptions o{f.dtype, f.red, {}, f.out.work.data_ptr(), n};
+  for (int p = 0; p < size; ++p) o.inputs.push_back(bytePtr(f.in) + p * f.out.work.nbytes());
+  c.reduceScatter(o, to);
+  finishStaged(f.out);
+}
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                  const c10d::ReduceScatterOptions& opts) {
+  FlatScatter f = prepareFlatScatter(output, input, opts.reduceOp, rank_, size_, "reduce_scatter_tensor");
+  const int size = size_;
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "smddp:reduce_scatter_tensor", {output}, {input},
+                 resolveTimeout(opts.timeout), opts.asyncOp, [f, size](algo::Communicator& c, std::chrono::milliseconds to) {
+                   runFlatScatter(c, f, size, to);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                             std::vector<at::Tensor>& inputs,
+                                                                             const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "smddp rank ", rank_,
+                    ": reduce_scatter_tensor_coalesced: got ", outputs.size(), " outputs for ", inputs.size(),
+                    " inputs");
+  std::vector<FlatScatter> scatters;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    scatters.push_back(
+        prepareFlatScatter(outputs[i], inputs[i], opts.reduceOp, rank_, size_, "reduce_scatter_tensor_coalesced"));
+  }
+  const int size = size_;
+  return enqueue(c10d::OpType::COALESCED, "smddp:reduce_scatter_tensor_coalesced", outputs, inputs,
+                 resolveTimeout(opts.timeout), opts.asyncOp, [scatters, size](algo::Communicator& c, std::chrono::milliseconds to) {
+                   for (const FlatScatter& f : scatters) runFlatScatter(c, f, size, to);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::barrier(const c10d::BarrierOptions& opts) {
+  return enqueue(c10d::OpType::BARRIER, "smddp:barrier", {}, {}, resolveTimeout(opts.timeout), opts.asyncOp,
+                 [](algo::Communicator& c, std::chrono::milliseconds to) { c.barrier(to); });
+}
+
+c10::intrusive_ptr<c10d::Backend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                std::chrono::milliseconds timeout) {
+  return c10::make_intrusive<SmddpBackend>(store, rank, size, timeout);
+}
+
+}  // namespace smddp::torchext

@@ -1,0 +1,94 @@
+// The c10d::Backend that torch.distributed talks to: the only place (with module.cc) that
+// includes torch. Each op runs in three phases, as in ProcessGroupGloo: (1) validate and stage
+// on the caller's thread, raising usage errors at once; (2) run on the group's progress thread
+// via the torch-free Communicator; (3) complete the Work and its future, or fail both.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+
+#include "algo/communicator.h"
+#include "engine/progress_thread.h"
+
+namespace smddp::torchext {
+
+class SmddpWork : public c10d::Work {
+ public:
+  SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, std::vector<at::Tensor> outputs,
+            const std::optional<std::vector<at::Tensor>>& inputs);
+
+  // DDP consumes its gradient allreduce only through this future.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+
+  // Called once, on the progress thread.
+  void complete(std::exception_ptr error);
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+class SmddpBackend : public c10d::Backend {
+ public:
+  // Collective over the group: checks the ranks share a host and maps the shared memory.
+  SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout);
+  ~SmddpBackend() override;
+
+  const std::string getBackendName() const override { return "smddp"; }
+  void setTimeout(std::chrono::milliseconds timeout) override { timeoutMs_.store(timeout.count()); }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // destroy_process_group calls this on every group: fails whatever is still queued promptly
+  // (no hang on peers that are gone) and joins the progress thread. Idempotent.
+  void shutdown() override;
+  void abort() override { shutdown(); }
+
+ private:
+  using Body = std::function<void(algo::Communicator&, std::chrono::milliseconds)>;
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType opType, const char* title, std::vector<at::Tensor> outputs,
+                                         std::vector<at::Tensor> inputs, std::chrono::milliseconds timeout,
+                                         bool async, Body body);
+  std::chrono::milliseconds resolveTimeout(std::chrono::milliseconds requested) const;
+
+  std::atomic<int64_t> timeoutMs_;
+  std::unique_ptr<algo::Communicator> comm_;
+  std::unique_ptr<engine::ProgressThread> progress_;
+  std::once_flag shutdownOnce_;
+};
+
+c10::intrusive_ptr<c10d::Backend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                std::chrono::milliseconds timeout);
+
+}  // namespace smddp::torchext

@@ -1,0 +1,40 @@
+// The Python extension smddp._C: the backend class, its creator and a few introspection helpers.
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "core/env.h"
+#include "core/reduce.h"
+#include "torch/backend.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "smddp: shared-memory collective backend for torch.distributed";
+  // The c10d::Backend base type and the intrusive_ptr holder come from torch's own bindings.
+  py::module::import("torch._C._distributed_c10d");
+  py::class_<smddp::torchext::SmddpBackend, c10d::Backend, c10::intrusive_ptr<smddp::torchext::SmddpBackend>>(
+      m, "SmddpBackend");
+
+  m.def(
+      "_create_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+         const std::chrono::duration<float>& timeout) {
+        return smddp::torchext::createBackend(store, rank, size,
+                                              std::chrono::duration_cast<std::chrono::milliseconds>(timeout));
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+      // Bootstrap blocks on the store: let other Python threads run meanwhile.
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def("_torch_version", [] { return std::string(SMDDP_TORCH_VERSION); });
+  m.def("_reduce_isa", [] { return std::string(smddp::isaName(smddp::activeIsa())); });
+  m.def("_env_params", [] {
+    py::list out;
+    for (const auto& p : smddp::env::allParams()) {
+      out.append(py::dict(py::arg("name") = p.name, py::arg("default") = p.defaultValue, py::arg("help") = p.help,
+                          py::arg("value") = p.value));
+    }
+    return out;
+  });
+}

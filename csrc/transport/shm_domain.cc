@@ -1,0 +1,215 @@
+#include "transport/shm_domain.h"
+
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/random.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "core/env.h"
+#include "core/error.h"
+#include "core/log.h"
+
+namespace smddp::shm {
+
+namespace {
+constexpr uint64_t kMagic = 0x736d646470736d31ull;  // "smddpsm1"
+constexpr size_t kHeaderBytes = 4096;
+constexpr auto kSleepTick = std::chrono::milliseconds(50);  // how often a sleeper checks deadline/peers
+
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// The futex word is the low half of the 64-bit phase counter (little endian).
+inline uint32_t* futexWord(std::atomic<uint64_t>* phase) { return reinterpret_cast<uint32_t*>(phase); }
+
+void futexWait(std::atomic<uint64_t>* phase, uint32_t expected, std::chrono::nanoseconds timeout) {
+  struct timespec ts;
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
+  // Not FUTEX_PRIVATE: the word is shared between processes.
+  syscall(SYS_futex, futexWord(phase), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futexWakeAll(std::atomic<uint64_t>* phase) {
+  syscall(SYS_futex, futexWord(phase), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+std::string randomToken() {
+  uint64_t v = 0;
+  if (getrandom(&v, sizeof(v), 0) != sizeof(v)) {
+    v = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^ getpid();
+  }
+  char buf[32];
+  snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+int usableCpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::thread::hardware_concurrency());
+}
+
+}  // namespace
+
+// Lives at the start of each rank's segment. Fields written by the owner and fields written by
+// peers sit on separate cache lines.
+struct Domain::Control {
+  uint64_t magic;
+  int32_t pid;
+  int32_t rank;
+  uint64_t slotBytes;
+  alignas(64) std::atomic<uint64_t> phase;     // written by the owner; peers wait on it
+  alignas(64) std::atomic<uint32_t> sleepers;  // peers asleep on `phase`; the owner wakes them
+  alignas(64) OpDescriptor desc[2];             // by phase parity, like the slots
+};
+
+
+Domain::Domain(int rank, int size, size_t slotBytes) : rank_(rank), size_(size), slotBytes_(slotBytes) {
+  static_assert(sizeof(Control) <= kHeaderBytes, "control block must fit the header page");
+}
+
+Domain::~Domain() = default;
+
+Domain::Control* Domain::control(int rank) const { return static_cast<Control*>(segments_[rank].data()); }
+
+OpDescriptor& Domain::descriptor(int rank, uint64_t phase) const { return control(rank)->desc[phase & 1]; }
+
+std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t slotBytes) {
+  if (slotBytes < 4096 || slotBytes % 4096 != 0) {
+    throwError(ErrorCode::kInvalidUsage, "smddp rank %d: SMDDP_SHM_SLOT_BYTES=%zu must be a multiple of 4096", rank,
+               slotBytes);
+  }
+  std::unique_ptr<Domain> d(new Domain(rank, size, slotBytes));
+  if (size == 1) return d;
+
+  const int cpus = usableCpus();
+  const int64_t polls = env::spinPolls();
+  // When ranks outnumber cores, a spinning waiter takes the core the rank it waits for needs.
+  const bool oversubscribed = size > cpus;
+  d->spinPolls_ = polls >= 0 ? static_cast<int>(polls) : (oversubscribed ? 64 : 20000);
+  d->yields_ = oversubscribed ? 8 : 0;
+
+  if (rank == 0) store.set("smddp/shm/token", randomToken());
+  const std::string token = store.get("smddp/shm/token");
+  auto nameOf = [&](int r) { return "/smddp-" + token + "-" + std::to_string(r); };
+
+  const size_t segBytes = kHeaderBytes + 2 * slotBytes;
+  d->segments_.resize(size);
+  try {
+    d->segments_[rank] = Segment::create(nameOf(rank), segBytes, segBytes * size, rank);
+  } catch (const Error& e) {
+    store.set("smddp/shm/created/" + std::to_string(rank), std::string("err ") + e.what());
+    throw;
+  }
+  Control* mine = new (d->segments_[rank].data()) Control();
+  mine->pid = getpid();
+  mine->rank = rank;
+  mine->slotBytes = slotBytes;
+  mine->phase.store(0);
+  mine->sleepers.store(0);
+  mine->magic = kMagic;
+  store.set("smddp/shm/created/" + std::to_string(rank), "ok");
+
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) continue;
+    const std::string status = store.get("smddp/shm/created/" + std::to_string(r));
+    if (status.rfind("err ", 0) == 0) {
+      throwError(ErrorCode::kRemoteError, "smddp rank %d: rank %d could not create its shared memory: %s", rank, r,
+                 status.c_str() + 4);
+    }
+    d->segments_[r] = Segment::open(nameOf(r), rank, r);
+    Control* c = d->control(r);
+    if (d->segments_[r].size() != segBytes || c->magic != kMagic || c->rank != r || c->slotBytes != slotBytes) {
+      throwError(ErrorCode::kInvalidUsage,
+                 "smddp rank %d: rank %d's shared memory does not match ours (different SMDDP_SHM_SLOT_BYTES or "
+                 "smddp version across ranks?)",
+                 rank, r);
+    }
+  }
+  // Once everybody has mapped everything the names are no longer needed: remove them now, so a
+  // crash later cannot leave anything behind in /dev/shm.
+  store.set("smddp/shm/attached/" + std::to_string(rank), "1");
+  for (int r = 0; r < size; ++r) {
+    if (r != rank) store.get("smddp/shm/attached/" + std::to_string(r));
+  }
+  d->segments_[rank].unlink();
+
+  d->slots_.resize(size);
+  for (int r = 0; r < size; ++r) {
+    uint8_t* base = static_cast<uint8_t*>(d->segments_[r].data()) + kHeaderBytes;
+    d->slots_[r] = {base, base + slotBytes};
+  }
+  SMDDP_INFO(kInit, "rank %d/%d: shm domain ready, 2 x %zu byte slots per rank, spin %d polls + %d yields", rank,
+             size, slotBytes, d->spinPolls_, d->yields_);
+  return d;
+}
+
+void Domain::publish(uint64_t phase) {
+  Control* c = control(rank_);
+  c->phase.store(phase, std::memory_order_seq_cst);
+  // Pairs with the sleeper's increment-then-recheck: either it sees the new phase, or we see it.
+  if (c->sleepers.load(std::memory_order_seq_cst) != 0) futexWakeAll(&c->phase);
+}
+
+bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
+  Control* c = control(peer);
+  std::atomic<uint64_t>& flag = c->phase;
+  for (int i = 0; i < spinPolls_; ++i) {
+    if (flag.load(std::memory_order_acquire) >= phase) return true;
+    cpuRelax();
+  }
+  for (int i = 0; i < yields_; ++i) {
+    if (flag.load(std::memory_order_acquire) >= phase) return true;
+    sched_yield();
+  }
+  while (true) {
+    c->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    uint64_t seen = flag.load(std::memory_order_seq_cst);
+    if (seen < phase) {
+      auto now = std::chrono::steady_clock::now();
+      auto left = ctx.deadline - now;
+      auto tick = left < kSleepTick ? left : std::chrono::duration_cast<std::chrono::nanoseconds>(kSleepTick);
+      if (tick.count() > 0) futexWait(&flag, static_cast<uint32_t>(seen), tick);
+    }
+    c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (flag.load(std::memory_order_acquire) >= phase) return true;
+    if (ctx.abort != nullptr && ctx.abort->load(std::memory_order_relaxed)) {
+      throwError(ErrorCode::kAborted, "the process group was shut down or aborted while waiting for rank %d", peer);
+    }
+    if (kill(c->pid, 0) != 0 && errno == ESRCH) {
+      throwError(ErrorCode::kRemoteError, "rank %d (pid %d) exited while this rank was waiting for it", peer, c->pid);
+    }
+    if (std::chrono::steady_clock::now() >= ctx.deadline) return false;
+  }
+}
+
+void Domain::waitAll(uint64_t phase, const WaitContext& ctx) {
+  for (int i = 1; i < size_; ++i) {
+    const int peer = (rank_ + i) % size_;
+    if (waitFor(peer, phase, ctx)) continue;
+    // Timed out: report every rank that has not arrived, not just the first.
+    std::string missing;
+    for (int r = 0; r < size_; ++r) {
+      if (r != rank_ && control(r)->phase.load() < phase) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    throwError(ErrorCode::kTimeout,
+               "timed out waiting for rank(s) [%s] to reach step %llu; they may have hung, be doing other work, or "
+               "be issuing a different sequence of collectives",
+               missing.c_str(), static_cast<unsigned long long>(phase));
+  }
+}
+
+}  // namespace smddp::shm

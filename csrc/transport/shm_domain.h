@@ -1,0 +1,77 @@
+// The shared-memory domain of one process group on one host: every rank's segment mapped into
+// every rank, and the step ("phase") flags ranks use to hand data to each other.
+//
+// Protocol. Each rank owns two staging slots and a monotonically increasing phase counter. In
+// phase k a rank (1) writes its slot k%2, (2) publishes k, (3) waits until every peer published
+// k, (4) reads any peer's slot k%2 and may write its own slot (k+1)%2. Because a rank publishes
+// k+1 only after it finished reading phase k, a slot written in phase k+2 is never still being
+// read: the two slots rotate with no trailing barrier, across ops as well as within them.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/store.h"
+#include "transport/shm_segment.h"
+
+namespace smddp::shm {
+
+// What a rank says it is doing at the first phase of each op, so peers can refuse a mismatch
+// (different op, dtype or size) instead of silently reducing garbage.
+struct alignas(64) OpDescriptor {
+  uint64_t seq;
+  uint32_t kind;
+  uint32_t dtype;
+  uint32_t redop;
+  int32_t root;
+  uint64_t count;  // elements this rank contributes or expects
+};
+
+struct WaitContext {
+  std::chrono::steady_clock::time_point deadline;
+  const std::atomic<bool>* abort = nullptr;  // set by shutdown/abort: waits end with kAborted
+};
+
+class Domain {
+ public:
+  // Collective over the group: creates this rank's segment, maps every peer's and unlinks the
+  // names once all ranks are attached. size == 1 creates nothing.
+  static std::unique_ptr<Domain> create(Store& store, int rank, int size, size_t slotBytes);
+  ~Domain();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  size_t slotBytes() const { return slotBytes_; }
+
+  // The next phase number this rank will publish.
+  uint64_t nextPhase() { return ++phase_; }
+  uint8_t* slot(int rank, uint64_t phase) const { return slots_[rank][phase & 1]; }
+  OpDescriptor& descriptor(int rank, uint64_t phase) const;
+
+  void publish(uint64_t phase);
+  // Waits until every peer has published `phase`. Throws kTimeout naming the missing ranks,
+  // kRemoteError if one of them exited, kAborted if ctx.abort was set.
+  void waitAll(uint64_t phase, const WaitContext& ctx);
+
+ private:
+  struct Control;
+  Domain(int rank, int size, size_t slotBytes);
+  Control* control(int rank) const;
+  bool waitFor(int peer, uint64_t phase, const WaitContext& ctx);
+
+  int rank_;
+  int size_;
+  size_t slotBytes_;
+  uint64_t phase_ = 0;
+  int spinPolls_ = 0;
+  int yields_ = 0;
+  std::vector<Segment> segments_;
+  std::vector<std::array<uint8_t*, 2>> slots_;
+};
+
+}  // namespace smddp::shm

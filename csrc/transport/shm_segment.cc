@@ -1,0 +1,121 @@
+#include "transport/shm_segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <utility>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace smddp::shm {
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+[[noreturn]] void throwNoSpace(int rank, size_t groupBytes, size_t freeBytes, const char* what) {
+  throwError(ErrorCode::kSystemError,
+             "smddp rank %d: /dev/shm is too small (%s): this process group needs %.1f MiB of shared memory on "
+             "this host and %.1f MiB are free. Fix: give the container more shared memory (e.g. docker run "
+             "--shm-size=1g, or a larger /dev/shm tmpfs), or lower SMDDP_SHM_SLOT_BYTES.",
+             rank, what, groupBytes / kMiB, freeBytes / kMiB);
+}
+
+}  // namespace
+
+size_t shmFreeBytes() {
+  struct statvfs st;
+  if (statvfs("/dev/shm", &st) != 0) return SIZE_MAX;  // unknown: let fallocate decide
+  return static_cast<size_t>(st.f_bavail) * st.f_frsize;
+}
+
+Segment Segment::create(const std::string& name, size_t bytes, size_t groupBytes, int rank) {
+  const size_t freeBytes = shmFreeBytes();
+  // Peers allocate concurrently, so only our own share can be checked here; fallocate catches the rest.
+  if (bytes > freeBytes) throwNoSpace(rank, groupBytes, freeBytes, "checked before allocating");
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    throwError(ErrorCode::kSystemError, "smddp rank %d: shm_open(%s) failed: %s", rank, name.c_str(),
+               errnoString(errno).c_str());
+  }
+  Segment seg;
+  seg.name_ = name;
+  seg.linked_ = true;  // from here on, the destructor removes the name on every error path
+  int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (err != 0) {
+    close(fd);
+    if (err == ENOSPC) throwNoSpace(rank, groupBytes, shmFreeBytes(), "allocation failed");
+    throwError(ErrorCode::kSystemError, "smddp rank %d: allocating %zu bytes for %s failed: %s", rank, bytes,
+               name.c_str(), errnoString(err).c_str());
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  err = errno;
+  close(fd);
+  if (p == MAP_FAILED) {
+    throwError(ErrorCode::kSystemError, "smddp rank %d: mmap of %s (%zu bytes) failed: %s", rank, name.c_str(),
+               bytes, errnoString(err).c_str());
+  }
+  seg.data_ = p;
+  seg.size_ = bytes;
+  SMDDP_INFO(kShm, "rank %d created %s (%zu bytes)", rank, name.c_str(), bytes);
+  return seg;
+}
+
+Segment Segment::open(const std::string& name, int rank, int ownerRank) {
+  int fd = shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    throwError(ErrorCode::kSystemError, "smddp rank %d: cannot open rank %d's shared memory %s: %s", rank,
+               ownerRank, name.c_str(), errnoString(errno).c_str());
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    int err = errno;
+    close(fd);
+    throwError(ErrorCode::kSystemError, "smddp rank %d: fstat(%s) failed: %s", rank, name.c_str(),
+               errnoString(err).c_str());
+  }
+  void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int err = errno;
+  close(fd);
+  if (p == MAP_FAILED) {
+    throwError(ErrorCode::kSystemError, "smddp rank %d: mmap of rank %d's %s failed: %s", rank, ownerRank,
+               name.c_str(), errnoString(err).c_str());
+  }
+  Segment seg;
+  seg.name_ = name;
+  seg.data_ = p;
+  seg.size_ = static_cast<size_t>(st.st_size);
+  return seg;
+}
+
+Segment::Segment(Segment&& other) noexcept { *this = std::move(other); }
+
+Segment& Segment::operator=(Segment&& other) noexcept {
+  if (this != &other) {
+    this->~Segment();
+    name_ = std::move(other.name_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    linked_ = std::exchange(other.linked_, false);
+  }
+  return *this;
+}
+
+void Segment::unlink() {
+  if (linked_) {
+    shm_unlink(name_.c_str());
+    linked_ = false;
+  }
+}
+
+Segment::~Segment() {
+  unlink();
+  if (data_ != nullptr) munmap(data_, size_);
+  data_ = nullptr;
+}
+
+}  // namespace smddp::shm

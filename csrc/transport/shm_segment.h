@@ -1,0 +1,43 @@
+// One POSIX shared-memory segment: created and pre-faulted by its owner, opened by peers.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace smddp::shm {
+
+class Segment {
+ public:
+  // Creates `name` (which must not exist) with `bytes` of backing store allocated up front, so a
+  // full /dev/shm fails here with a clear message rather than later with SIGBUS. `groupBytes` is
+  // what the whole group needs on this host, for the message.
+  static Segment create(const std::string& name, size_t bytes, size_t groupBytes, int rank);
+  // Maps an existing segment created by a peer.
+  static Segment open(const std::string& name, int rank, int ownerRank);
+
+  Segment() = default;
+  Segment(Segment&& other) noexcept;
+  Segment& operator=(Segment&& other) noexcept;
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  ~Segment();
+
+  // Removes the name; the mapping stays valid. Idempotent. Done as soon as every rank attached, so
+  // nothing is left in /dev/shm even if the processes are later killed.
+  void unlink();
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  std::string name_;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  bool linked_ = false;  // we created the name and have not unlinked it yet
+};
+
+// Free bytes in /dev/shm (where POSIX shm_open places segments on Linux).
+size_t shmFreeBytes();
+
+}  // namespace smddp::shm

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing), installs the pinned dependencies and builds smddp into it.
+# Sourced by scripts/test.sh and scripts/bench.sh so that each is a single command on a fresh machine.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${SMDDP_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.requirements.sha"
+want="$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -r "$ROOT/requirements.txt"
+  echo "$want" > "$stamp"
+fi
+# Incremental: the CMake build tree lives in build/ and survives between runs.
+"$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e "$ROOT"
+export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,56 @@
+"""Builds smddp: CMake + ninja compile the C++ core and the torch extension smddp._C.
+
+Install against the torch already in the environment (never an isolated build env, which would
+pull a second torch):  pip install --no-build-isolation -e .
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+VERSION = "0.1.0"
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        import torch  # the torch this build must match at import time
+
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        # A persistent build tree keeps rebuilds incremental (and fast) across pip installs.
+        build_dir = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cfg = os.environ.get("SMDDP_BUILD_TYPE", "Release")
+        subprocess.run(
+            ["cmake", "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
+             f"-DCMAKE_BUILD_TYPE={cfg}", f"-DPython_EXECUTABLE={sys.executable}",
+             f"-DSMDDP_OUTPUT_DIR={out_dir}"],
+            check=True)
+        subprocess.run(["cmake", "--build", str(build_dir)], check=True)
+        info = ROOT / "python" / "smddp" / "_build_info.py"
+        text = f'TORCH_VERSION = "{torch.__version__}"\nVERSION = "{VERSION}"\n'
+        for target in {info, out_dir / "_build_info.py"}:
+            if not target.exists() or target.read_text() != text:
+                target.write_text(text)
+
+
+setup(
+    name="smddp",
+    version=VERSION,
+    description="Shared-memory collective backend for torch.distributed with SMP-style FSDP helpers",
+    package_dir={"": "python"},
+    packages=find_packages("python"),
+    ext_modules=[CMakeExtension("smddp._C")],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.10",
+    install_requires=["torch"],
+    zip_safe=False,
+)
