@@ -91,26 +91,42 @@ void allreduceOneShot(OpContext& ctx, const AllreduceOptions& o, const Expect& e
   reduce(o.dtype, o.reduction, o.output, srcs.data(), ctx.size, o.count);
 }
 
-void allreduceTwoPhase(OpContext& ctx, const AllreduceOptions& o, const Expect& e) {
+// Reduce-scatter + all-gather, pipelined: each slot holds an input region (a chunk) and a result
+// region (this rank's reduced slice of the previous chunk). Step j stages chunk j, gathers every
+// rank's reduced slice of chunk j-1, and reduces this rank's slice of chunk j into the result
+// region of its next slot, so a message of C chunks takes C+1 steps.
+void allreducePipelined(OpContext& ctx, const AllreduceOptions& o, const Expect& e) {
   shm::Domain& d = *ctx.domain;
+  const int W = ctx.size;
   const size_t es = elementSize(o.dtype);
-  const size_t chunkElems = d.slotBytes() / es;
-  std::vector<const void*> srcs(ctx.size);
-  for (size_t off = 0; off < o.count; off += chunkElems) {
-    const size_t ce = std::min(chunkElems, o.count - off);
-    const Slices sl = slicesOf(ce, ctx.size, kAlignBytes / es);
-    // Phase A: stage the chunk; reduce my slice of it into my next slot.
-    const uint64_t k = step(ctx, off == 0, e, o.count, [&](int) { return o.count; },
-                            [&](uint8_t* slot) { std::memcpy(slot, bytes(o.input) + off * es, ce * es); });
-    const size_t b = sl.begin(ctx.rank), n = sl.end(ctx.rank) - b;
-    for (int p = 0; p < ctx.size; ++p) srcs[p] = d.slot(p, k) + b * es;
-    if (n > 0) reduce(o.dtype, o.reduction, d.slot(ctx.rank, k + 1) + b * es, srcs.data(), ctx.size, n);
-    // Phase B: everyone's reduced slices are ready; gather them into the output.
-    const uint64_t k2 = step(ctx, false, e, o.count, nullptr, nullptr);
-    if (o.root >= 0 && o.root != ctx.rank) continue;
-    for (int p = 0; p < ctx.size; ++p) {
-      const size_t pb = sl.begin(p), pn = sl.end(p) - pb;
-      if (pn > 0) std::memcpy(bytes(o.output) + (off + pb) * es, d.slot(p, k2) + pb * es, pn * es);
+  const size_t unit = kAlignBytes / es * W;  // chunks split into W cache-line aligned slices
+  const size_t chunkElems = std::max<size_t>(unit, d.slotBytes() * W / (W + 1) / es / unit * unit);
+  const size_t resultOff = chunkElems * es;
+  if (resultOff + chunkElems / W * es > d.slotBytes()) {
+    throwError(ErrorCode::kNotSupported, "SMDDP_SHM_SLOT_BYTES=%zu is too small for %d ranks", d.slotBytes(), W);
+  }
+  const size_t chunks = (o.count + chunkElems - 1) / chunkElems;
+  const bool gathers = o.root < 0 || o.root == ctx.rank;
+  std::vector<const void*> srcs(W);
+  for (size_t j = 0; j <= chunks; ++j) {
+    const size_t off = j * chunkElems;
+    const size_t ce = j < chunks ? std::min(chunkElems, o.count - off) : 0;
+    const uint64_t k = step(ctx, j == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
+      if (ce > 0) std::memcpy(slot, bytes(o.input) + off * es, ce * es);
+    });
+    if (j > 0 && gathers) {
+      const size_t prevOff = off - chunkElems;
+      const Slices prev = slicesOf(std::min(chunkElems, o.count - prevOff), W, kAlignBytes / es);
+      for (int p = 0; p < W; ++p) {
+        const size_t pb = prev.begin(p), pn = prev.end(p) - pb;
+        if (pn > 0) std::memcpy(bytes(o.output) + (prevOff + pb) * es, d.slot(p, k) + resultOff, pn * es);
+      }
+    }
+    if (ce > 0) {
+      const Slices sl = slicesOf(ce, W, kAlignBytes / es);
+      const size_t b = sl.begin(ctx.rank), n = sl.end(ctx.rank) - b;
+      for (int p = 0; p < W; ++p) srcs[p] = d.slot(p, k) + b * es;
+      if (n > 0) reduce(o.dtype, o.reduction, d.slot(ctx.rank, k + 1) + resultOff, srcs.data(), W, n);
     }
   }
 }
@@ -141,7 +157,7 @@ void allreduce(OpContext& ctx, const AllreduceOptions& o) {
   if (nbytes <= ctx.oneShotMaxBytes && nbytes <= ctx.domain->slotBytes()) {
     allreduceOneShot(ctx, o, e);
   } else {
-    allreduceTwoPhase(ctx, o, e);
+    allreducePipelined(ctx, o, e);
   }
 }
 

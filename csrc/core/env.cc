@@ -23,9 +23,9 @@ constexpr Param kParams[] = {
     {"SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES", "65536",
      "Allreduces up to this size use the one-shot algorithm (every rank reads every input); larger "
      "ones use reduce-scatter + all-gather."},
-    {"SMDDP_SPIN_POLLS", "-1",
-     "Polls of a peer's flag before a waiting thread sleeps on a futex. -1 picks a value from the "
-     "number of ranks per core (little spinning when ranks outnumber cores)."},
+    {"SMDDP_SPIN_US", "-1",
+     "Microseconds a waiting thread polls a peer's flag before it sleeps on a futex. -1 picks 50 us, "
+     "or 2 us plus a few yields when ranks outnumber cores."},
     {"SMDDP_SIMD", "auto", "Reduce-kernel instruction set: auto, avx512, avx2 or scalar."},
     {"SMDDP_DEBUG", "WARN", "Log level: NONE, WARN, INFO or TRACE."},
     {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, ENV or ALL; ^ inverts."},
@@ -70,8 +70,8 @@ int64_t allreduceOneShotMaxBytes() {
   static const int64_t v = readInt("SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES");
   return v;
 }
-int64_t spinPolls() {
-  static const int64_t v = readInt("SMDDP_SPIN_POLLS");
+int64_t spinMicros() {
+  static const int64_t v = readInt("SMDDP_SPIN_US");
   return v;
 }
 const std::string& debugLevel() {

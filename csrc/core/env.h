@@ -25,8 +25,8 @@ std::vector<ParamInfo> allParams();
 int64_t shmSlotBytes();
 // Allreduce of at most this many bytes uses the one-shot algorithm (every rank reduces all inputs).
 int64_t allreduceOneShotMaxBytes();
-// Polls of a peer flag before a waiting thread goes to sleep; -1 = choose from the core count.
-int64_t spinPolls();
+// Microseconds a waiting thread polls a peer's flag before it sleeps; -1 = choose from the core count.
+int64_t spinMicros();
 // Log level: NONE, WARN (default), INFO, TRACE.
 const std::string& debugLevel();
 // Comma list of subsystems to log (INIT, COLL, SHM, ENV or ALL); a leading ^ inverts.

@@ -96,10 +96,12 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   if (size == 1) return d;
 
   const int cpus = usableCpus();
-  const int64_t polls = env::spinPolls();
-  // When ranks outnumber cores, a spinning waiter takes the core the rank it waits for needs.
+  const int64_t spinUs = env::spinMicros();
+  // When ranks outnumber cores, a spinning waiter takes the core the rank it waits for needs:
+  // then barely spin, and yield to let the peer run. Spinning is bounded in time, not in polls,
+  // because the cost of a pause instruction varies tenfold between CPUs.
   const bool oversubscribed = size > cpus;
-  d->spinPolls_ = polls >= 0 ? static_cast<int>(polls) : (oversubscribed ? 64 : 20000);
+  d->spin_ = std::chrono::microseconds(spinUs >= 0 ? spinUs : (oversubscribed ? 2 : 50));
   d->yields_ = oversubscribed ? 8 : 0;
 
   if (rank == 0) store.set("smddp/shm/token", randomToken());
@@ -152,8 +154,8 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
     uint8_t* base = static_cast<uint8_t*>(d->segments_[r].data()) + kHeaderBytes;
     d->slots_[r] = {base, base + slotBytes};
   }
-  SMDDP_INFO(kInit, "rank %d/%d: shm domain ready, 2 x %zu byte slots per rank, spin %d polls + %d yields", rank,
-             size, slotBytes, d->spinPolls_, d->yields_);
+  SMDDP_INFO(kInit, "rank %d/%d: shm domain ready, 2 x %zu byte slots per rank, spin %lld us + %d yields", rank,
+             size, slotBytes, static_cast<long long>(d->spin_.count()), d->yields_);
   return d;
 }
 
@@ -167,10 +169,14 @@ void Domain::publish(uint64_t phase) {
 bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
   Control* c = control(peer);
   std::atomic<uint64_t>& flag = c->phase;
-  for (int i = 0; i < spinPolls_; ++i) {
-    if (flag.load(std::memory_order_acquire) >= phase) return true;
-    cpuRelax();
-  }
+  if (flag.load(std::memory_order_acquire) >= phase) return true;
+  const auto spinEnd = std::chrono::steady_clock::now() + spin_;
+  do {
+    for (int i = 0; i < 32; ++i) {
+      if (flag.load(std::memory_order_acquire) >= phase) return true;
+      cpuRelax();
+    }
+  } while (std::chrono::steady_clock::now() < spinEnd);
   for (int i = 0; i < yields_; ++i) {
     if (flag.load(std::memory_order_acquire) >= phase) return true;
     sched_yield();

@@ -68,7 +68,7 @@ class Domain {
   int size_;
   size_t slotBytes_;
   uint64_t phase_ = 0;
-  int spinPolls_ = 0;
+  std::chrono::microseconds spin_{0};
   int yields_ = 0;
   std::vector<Segment> segments_;
   std::vector<std::array<uint8_t*, 2>> slots_;

@@ -1,0 +1,978 @@
+#!/usr/bin/env python3
+"""Side-by-side collective benchmark: smddp (candidate) vs gloo (baseline).
+
+nccl-tests style output.  The script is its own launcher: the parent process
+spawns one worker process per rank (``python bench_vs_gloo.py --_worker ...``)
+for each world size, collects the results that rank 0 streams back over a pipe,
+and prints the tables / writes the JSON lines.
+
+In every rank:
+
+* the candidate backend is the default process group
+  (``dist.init_process_group(backend="smddp")``, after ``import smddp``);
+* each baseline (for now only gloo) sets itself up on the same ranks
+  (``dist.new_group(backend="gloo")``);
+* a separate gloo group (the *control* group) carries the benchmark's own
+  traffic (barriers, iteration count broadcast, time / #wrong reductions), so
+  the measured groups only ever see measured operations.
+
+For each op and size the backends are checked for correctness and then timed
+back to back (candidate first, then the baselines), so noise hits all alike.
+
+Run ``python benchmarks/bench_vs_gloo.py --help`` for the options, and see
+benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+# --------------------------------------------------------------------------
+# Shared definitions (parent and workers).  The parent never imports torch.
+# --------------------------------------------------------------------------
+
+# name -> (element size in bytes, is_floating_point)
+DTYPES = {
+    "float32": (4, True),
+    "float16": (2, True),
+    "bfloat16": (2, True),
+    "float64": (8, True),
+    "int32": (4, False),
+    "int64": (8, False),
+    "int8": (1, False),
+    "uint8": (1, False),
+}
+REDOPS = ("sum", "avg", "max", "min", "prod")
+OPS = ("allreduce", "allgather", "reduce_scatter")
+
+# busbw = algbw * factor(n)  (nccl-tests PERFORMANCE.md)
+BUSBW_FACTOR = {
+    "allreduce": lambda n: 2.0 * (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+}
+
+KIB, MIB = 1024, 1024 * 1024
+# Size classes for the geometric-mean speedup summary (inclusive bounds).
+SIZE_CLASSES = (
+    ("small (<=4 KiB)", 0, 4 * KIB),
+    ("medium (64 KiB-8 MiB)", 64 * KIB, 8 * MIB),
+    ("large (>=32 MiB)", 32 * MIB, float("inf")),
+)
+
+MSG_PREFIX = "@@BENCH "  # protocol lines on the rank-0 -> parent pipe
+
+
+def parse_size(text: str) -> int:
+    """'8', '64K', '64M', '1G', '4KiB', '2MB' -> bytes (binary units)."""
+    s = text.strip().upper()
+    if s.endswith("IB"):
+        s = s[:-2]
+    elif s.endswith("B"):
+        s = s[:-1]
+    mult = {"K": KIB, "M": MIB, "G": 1024 * MIB}
+    if s and s[-1] in mult:
+        value = float(s[:-1]) * mult[s[-1]]
+    else:
+        value = float(s)
+    if value < 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"bad size {text!r}")
+    return int(value)
+
+
+def size_list(minbytes: int, maxbytes: int, factor: float) -> list[int]:
+    sizes, s = [], max(minbytes, 1)
+    while s <= maxbytes:
+        sizes.append(int(s))
+        if factor <= 1:
+            break
+        nxt = int(s * factor)
+        s = nxt if nxt > s else s + 1
+    return sizes
+
+
+def geometry(op: str, size: int, world: int, esize: int):
+    """nccl-tests semantics.  Returns (count, in_numel, out_numel, eff_size).
+
+    allreduce:      size = tensor bytes,            count = elements
+    allgather:      size = total output bytes,      count = elements per rank
+    reduce_scatter: size = total input bytes,       count = output elements per rank
+    eff_size is the size actually moved after rounding down to whole elements.
+    """
+    if op == "allreduce":
+        count = size // esize
+        return count, count, count, count * esize
+    count = size // (esize * world)
+    if op == "allgather":
+        return count, count, count * world, count * world * esize
+    if op == "reduce_scatter":
+        return count, count * world, count, count * world * esize
+    raise ValueError(op)
+
+
+# --------------------------------------------------------------------------
+# Backends.  A backend is a small object with setup / collective calls /
+# teardown.  The candidate is the default process group; baselines register
+# themselves in BASELINES.  To add one (e.g. MPI via mpi4py), subclass
+# Backend, implement setup/all_reduce/all_gather/reduce_scatter/teardown and
+# add it to BASELINES.  Tensors are contiguous CPU torch tensors.
+# --------------------------------------------------------------------------
+
+
+class Backend:
+    name = "?"  # backend name
+    label = ""  # unique column label (defaults to name)
+    description = ""
+
+    def setup(self, ctx: "WorkerContext") -> None:  # collective over all ranks
+        raise NotImplementedError
+
+    def all_reduce(self, t, redop: str) -> None:  # in place, blocking
+        raise NotImplementedError
+
+    def all_gather(self, out, inp) -> None:  # out = cat(inp of all ranks)
+        raise NotImplementedError
+
+    def reduce_scatter(self, out, inp, redop: str) -> None:
+        raise NotImplementedError
+
+    def teardown(self) -> None:
+        pass
+
+    def version(self) -> str:
+        return ""
+
+    def make_call(self, op: str, out, inp, redop: str):
+        """Return a zero-argument closure running one blocking collective."""
+        if op == "allreduce":
+            f = self.all_reduce
+            return lambda: f(inp, redop)
+        if op == "allgather":
+            f = self.all_gather
+            return lambda: f(out, inp)
+        if op == "reduce_scatter":
+            f = self.reduce_scatter
+            return lambda: f(out, inp, redop)
+        raise ValueError(op)
+
+
+class TorchDistBackend(Backend):
+    """A torch.distributed process group (group=None: the default group)."""
+
+    def __init__(self, name: str, group=None):
+        self.name = name
+        self.group = group
+        self.description = f'torch.distributed backend "{name}"'
+
+    def setup(self, ctx):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._ops = {
+            "sum": dist.ReduceOp.SUM,
+            "avg": dist.ReduceOp.AVG,
+            "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN,
+            "prod": dist.ReduceOp.PRODUCT,
+        }
+
+    def all_reduce(self, t, redop):
+        self._dist.all_reduce(t, op=self._ops[redop], group=self.group, async_op=False)
+
+    def all_gather(self, out, inp):
+        self._dist.all_gather_into_tensor(out, inp, group=self.group, async_op=False)
+
+    def reduce_scatter(self, out, inp, redop):
+        self._dist.reduce_scatter_tensor(out, inp, op=self._ops[redop], group=self.group, async_op=False)
+
+
+class CandidateBackend(TorchDistBackend):
+    """The backend under test, initialised as the default process group."""
+
+    def __init__(self, name: str):
+        super().__init__(name, group=None)
+        self.description = f'dist.init_process_group(backend="{name}") (default group)'
+        self._version = ""
+
+    def init_default_group(self, ctx):
+        import importlib
+
+        import torch.distributed as dist
+
+        if self.name not in ("gloo", "mpi", "nccl", "ucc", "xccl"):
+            mod = importlib.import_module(self.name)  # registers the backend
+            self._version = str(getattr(mod, "__version__", "unknown"))
+        dist.init_process_group(
+            backend=self.name, init_method=ctx.init_method, rank=ctx.rank, world_size=ctx.world
+        )
+
+    def version(self):
+        return self._version
+
+
+class GlooBaseline(TorchDistBackend):
+    """gloo via dist.new_group(backend="gloo") over all ranks.
+
+    gloo has no integer AVG (torch divides with true division and fails);
+    it is emulated as SUM followed by an in-place floor division.
+    """
+
+    def __init__(self):
+        super().__init__("gloo", group=None)
+        self.description = 'dist.new_group(backend="gloo")'
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.group = self._dist.new_group(backend="gloo")
+        self._world = ctx.world
+
+    def _int_avg(self, t, redop):
+        return redop == "avg" and not t.is_floating_point()
+
+    def all_reduce(self, t, redop):
+        if self._int_avg(t, redop):
+            super().all_reduce(t, "sum")
+            t.div_(self._world, rounding_mode="floor")
+        else:
+            super().all_reduce(t, redop)
+
+    def reduce_scatter(self, out, inp, redop):
+        if self._int_avg(inp, redop):
+            super().reduce_scatter(out, inp, "sum")
+            out.div_(self._world, rounding_mode="floor")
+        else:
+            super().reduce_scatter(out, inp, redop)
+
+    def teardown(self):
+        if self.group is not None:
+            self._dist.destroy_process_group(self.group)
+            self.group = None
+
+
+BASELINES = {
+    "gloo": GlooBaseline,
+    # "mpi": MpiBaseline,  # later: mpi4py; needs an mpiexec launcher as well
+}
+
+
+# --------------------------------------------------------------------------
+# Worker (one process per rank)
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerContext:
+    rank: int
+    world: int
+    init_method: str
+    cfg: dict
+    ctrl: object = None  # gloo control group
+
+
+class Patterns:
+    """Deterministic rank-dependent small-integer inputs, cheap at any size.
+
+    A base table of L (prime) pseudo-random values in 1..m is tiled into one
+    long periodic tensor P per dtype; rank q's input is the view
+    P[off(q) : off(q) + numel] with off(q) = q * SHIFT mod L.  Views, no copies.
+    m is 2 for prod (results stay exact up to 2**world) and 4 otherwise.
+    """
+
+    L = 1021
+    SHIFT = 389
+
+    def __init__(self, torch, dtype, m):
+        self.torch, self.dtype, self.m = torch, dtype, m
+        x = torch.arange(1, self.L + 1, dtype=torch.int64)  # 32-bit integer hash
+        x = (x * 0x9E3779B1) & 0xFFFFFFFF
+        x = ((x ^ (x >> 15)) * 0x85EBCA6B) & 0xFFFFFFFF
+        x = x ^ (x >> 13)
+        self.base = (x % m + 1).to(dtype)
+        self.P = self.base[:0]
+
+    def get(self, q: int, numel: int, start: int = 0):
+        off = (q * self.SHIFT) % self.L + start
+        need = off + numel
+        if self.P.numel() < need:
+            reps = (need + self.L - 1) // self.L
+            self.P = self.base.repeat(reps)
+        return self.P.narrow(0, off, numel)
+
+
+def _reduce_ref(torch, chunks, redop, dtype, world):
+    """Reference reduction of a list of equally shaped tensors."""
+    if redop == "avg":
+        if dtype.is_floating_point:
+            acc = chunks[0].to(torch.float64, copy=True)
+            for c in chunks[1:]:
+                acc.add_(c.to(torch.float64))
+            return acc.div_(world).to(dtype)
+        acc = chunks[0].to(torch.int64, copy=True)
+        for c in chunks[1:]:
+            acc.add_(c.to(torch.int64))
+        return acc.div_(world, rounding_mode="floor").to(dtype)
+    acc = chunks[0].clone()
+    for c in chunks[1:]:
+        if redop == "sum":
+            acc.add_(c)
+        elif redop == "prod":
+            acc.mul_(c)
+        elif redop == "max":
+            torch.maximum(acc, c, out=acc)
+        elif redop == "min":
+            torch.minimum(acc, c, out=acc)
+    return acc
+
+
+def _count_wrong(torch, got, ref, redop) -> int:
+    if redop == "avg" and got.is_floating_point():
+        eps = torch.finfo(got.dtype).eps
+        ok = torch.isclose(got, ref, rtol=4 * eps, atol=0.0)
+        return int((~ok).sum().item())
+    return int((got != ref).sum().item())
+
+
+class Worker:
+    def __init__(self, ctx: WorkerContext, out_fd):
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        self.ctx = ctx
+        self.cfg = cfg = ctx.cfg
+        self.rank, self.world = ctx.rank, ctx.world
+        self.out = os.fdopen(out_fd, "w", buffering=1) if out_fd is not None else None
+        self.dtype = getattr(torch, cfg["dtype"])
+        self.esize = torch.empty(0, dtype=self.dtype).element_size()
+        self.redop = cfg["redop"]
+        m = 2 if self.redop == "prod" else 4
+        self.pat = Patterns(torch, self.dtype, m)
+
+    # -- protocol to the parent (rank 0 only) --
+    def send(self, **msg):
+        if self.out is not None:
+            self.out.write(MSG_PREFIX + json.dumps(msg) + "\n")
+
+    # -- control-group helpers (gloo, never measured) --
+    def ctrl_allreduce(self, values, op="sum", dtype=None):
+        t = self.torch.tensor(values, dtype=dtype or self.torch.float64)
+        ops = {"sum": self.dist.ReduceOp.SUM, "max": self.dist.ReduceOp.MAX, "min": self.dist.ReduceOp.MIN}
+        self.dist.all_reduce(t, op=ops[op], group=self.ctx.ctrl)
+        return t.tolist()
+
+    def ctrl_bcast_int(self, value: int) -> int:
+        t = self.torch.tensor([value], dtype=self.torch.int64)
+        self.dist.broadcast(t, src=0, group=self.ctx.ctrl)
+        return int(t.item())
+
+    def barrier(self):
+        self.dist.barrier(group=self.ctx.ctrl)
+
+    # -- setup --
+    def setup(self):
+        torch, dist, cfg, ctx = self.torch, self.dist, self.cfg, self.ctx
+        torch.set_num_threads(cfg["threads"])
+        self.candidate = CandidateBackend(cfg["backend"])
+        self.candidate.init_default_group(ctx)
+        self.candidate.setup(ctx)
+        ctx.ctrl = dist.new_group(backend="gloo")
+        self.baselines = []
+        for name in cfg["baselines"]:
+            b = BASELINES[name]()
+            b.setup(ctx)
+            self.baselines.append(b)
+        self.backends = [self.candidate] + self.baselines
+        for b in self.backends:
+            b.label = b.name
+        if self.candidate.name in cfg["baselines"]:  # e.g. --backend gloo
+            self.candidate.label = self.candidate.name + "-cand"
+        self.barrier()
+        self.send(
+            type="meta",
+            world=self.world,
+            torch=torch.__version__,
+            backends=[{"name": b.name, "label": b.label, "desc": b.description, "version": b.version()}
+                      for b in self.backends],
+            threads=torch.get_num_threads(),
+            smddp=_smddp_version(),
+        )
+
+    def teardown(self):
+        self.barrier()
+        for b in self.baselines:
+            b.teardown()
+        self.dist.destroy_process_group()
+
+    # -- buffers, reference, check --
+    def buffers(self, op, count):
+        torch, w = self.torch, self.world
+        if op == "allreduce":
+            inp = torch.empty(count, dtype=self.dtype)
+            return inp, inp
+        if op == "allgather":
+            return torch.empty(count * w, dtype=self.dtype), torch.empty(count, dtype=self.dtype)
+        return torch.empty(count, dtype=self.dtype), torch.empty(count * w, dtype=self.dtype)
+
+    def fill_input(self, op, out, inp):
+        out.zero_()  # 0 is never a valid result (inputs are >= 1)
+        inp.copy_(self.pat.get(self.rank, inp.numel()))
+
+    def reference(self, op, count):
+        """Expected output of this rank (None for allgather: checked chunkwise)."""
+        w, r = self.world, self.rank
+        if op == "allreduce":
+            return _reduce_ref(self.torch, [self.pat.get(q, count) for q in range(w)], self.redop, self.dtype, w)
+        if op == "reduce_scatter":
+            chunks = [self.pat.get(q, count, start=r * count) for q in range(w)]
+            return _reduce_ref(self.torch, chunks, self.redop, self.dtype, w)
+        return None
+
+    def count_wrong(self, op, out, ref, count) -> int:
+        if op == "allgather":
+            return sum(
+                _count_wrong(self.torch, out.narrow(0, q * count, count), self.pat.get(q, count), "sum")
+                for q in range(self.world)
+            )
+        return _count_wrong(self.torch, out, ref, self.redop)
+
+    def check(self, backend, op, out, inp, ref, count):
+        """Run once on known data.  Returns (#wrong summed over ranks, error or None).
+
+        An exception on any rank marks the backend as failed for this row on
+        all ranks (agreed over the control group)."""
+        err, wrong = None, 0
+        try:
+            self.fill_input(op, out, inp)
+            backend.make_call(op, out, inp, self.redop)()
+            if self.cfg["check"]:
+                wrong = self.count_wrong(op, out, ref, count)
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            err = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        failed, total_wrong = self.ctrl_allreduce([1.0 if err else 0.0, float(wrong)])
+        if failed:
+            return None, err or "failed on another rank"
+        return int(total_wrong), None
+
+    # -- timing --
+    def measure(self, backend, op, out, inp):
+        cfg = self.cfg
+        call = backend.make_call(op, out, inp, self.redop)
+        auto = cfg["iters"] <= 0
+        nwarm = cfg["warmup"] if (cfg["warmup"] > 0 or not auto) else 1
+        self.barrier()
+        t0 = time.perf_counter()
+        for _ in range(nwarm):
+            call()
+        warm_s = time.perf_counter() - t0
+        if auto:
+            iters = 0
+            if self.rank == 0:
+                per = warm_s / nwarm
+                iters = int(math.ceil(cfg["target_ms"] * 1e-3 / per)) if per > 0 else cfg["max_iters"]
+                iters = max(cfg["min_iters"], min(cfg["max_iters"], iters))
+            iters = self.ctrl_bcast_int(iters)
+        else:
+            iters = cfg["iters"]
+        self.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        per_op = (time.perf_counter() - t0) / iters
+        agg = cfg["time_agg"]
+        if agg == "avg":
+            per_op = self.ctrl_allreduce([per_op], "sum")[0] / self.world
+        elif agg in ("max", "min"):
+            per_op = self.ctrl_allreduce([per_op], agg)[0]
+        else:  # rank0
+            per_op = self.ctrl_allreduce([per_op if self.rank == 0 else 0.0], "sum")[0]
+        return per_op, iters
+
+    # -- main loop --
+    def run(self):
+        cfg, w = self.cfg, self.world
+        sizes = size_list(cfg["minbytes"], cfg["maxbytes"], cfg["stepfactor"])
+        for op in cfg["ops"]:
+            self.send(type="table_begin", world=w, op=op)
+            seen = set()
+            for size in sizes:
+                count, _, _, eff = geometry(op, size, w, self.esize)
+                if count == 0 or eff in seen:
+                    continue
+                seen.add(eff)
+                out, inp = self.buffers(op, count)
+                ref = self.reference(op, count) if cfg["check"] else None
+                results = {}
+                for b in self.backends:  # correctness, back to back
+                    wrong, err = self.check(b, op, out, inp, ref, count)
+                    results[b.label] = {"backend": b.label, "wrong": wrong, "error": err}
+                del ref
+                if op == "allreduce":
+                    inp.zero_()  # repeated in-place reductions of 0 stay 0 (no overflow/inf)
+                for b in self.backends:  # timing, interleaved per size
+                    r = results[b.label]
+                    if r["error"] is not None:
+                        r.update(time_us=None, algbw=None, busbw=None, iters=0)
+                        continue
+                    sec, iters = self.measure(b, op, out, inp)
+                    algbw = eff / sec / 1e9
+                    r.update(
+                        time_us=sec * 1e6, algbw=algbw, busbw=algbw * BUSBW_FACTOR[op](w), iters=iters
+                    )
+                del out, inp
+                self.send(
+                    type="row", world=w, op=op, size=eff, count=count, dtype=cfg["dtype"],
+                    redop=self.redop if op != "allgather" else "none",
+                    results=[results[b.label] for b in self.backends],
+                )
+            self.send(type="table_end", world=w, op=op)
+
+
+def _smddp_version() -> str:
+    try:
+        import smddp
+    except Exception as e:  # noqa: BLE001
+        return f"not importable ({type(e).__name__})"
+    return str(getattr(smddp, "__version__", "unknown version"))
+
+
+def _set_parent_death_signal(parent_pid: int):
+    """Die with the parent (no orphans even if the parent is SIGKILLed)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort, non-Linux
+        pass
+    if os.getppid() != parent_pid:  # parent already gone
+        os._exit(1)
+
+
+def worker_main(cfg: dict) -> int:
+    rank = cfg["rank"]
+    _set_parent_death_signal(cfg["parent_pid"])
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*(all_gather_into_tensor|reduce_scatter_tensor)")
+    ctx = WorkerContext(rank=rank, world=cfg["world"], init_method=cfg["init_method"], cfg=cfg)
+    try:
+        w = Worker(ctx, cfg.get("out_fd"))
+        w.setup()
+        w.run()
+        w.teardown()
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        tb = traceback.format_exc()
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in tb.rstrip().splitlines()))
+        sys.stderr.flush()
+        os._exit(1)
+    return 0
+
+
+# --------------------------------------------------------------------------
+# Parent: formatting
+# --------------------------------------------------------------------------
+
+
+def fit_num(value, width: int) -> str:
+    """nccl-tests style: %.2f, then %.1f, then %.0f, then %e, fitted to width."""
+    if value is None:
+        return f"{'n/a':>{width}}"
+    for fmt in ("{:.2f}", "{:.1f}", "{:.0f}"):
+        s = fmt.format(value)
+        if len(s) <= width:
+            return s.rjust(width)
+    for prec in range(3, -1, -1):
+        s = f"{value:.{prec}e}"
+        if len(s) <= width:
+            return s.rjust(width)
+    return f"{value:.0e}"
+
+
+def fmt_speedup(x) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:.2f}x" if x < 1 else f"{x:.1f}x"
+
+
+def geomean(xs):
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+PRE_FMT = "{:>12}  {:>12}  {:>8}  {:>6}"
+BE_FMT = "  {:>7}  {:>6}  {:>6}  {:>6}"
+SP_FMT = "  {:>7}"
+BE_WIDTH = len(BE_FMT.format("", "", "", ""))
+
+
+def _hash_line(s: str) -> str:
+    return "#" + s[1:]
+
+
+class Reporter:
+    def __init__(self, args, json_file):
+        self.args = args
+        self.json = json_file
+        self.rows = []
+        self.header_done = False
+        self.total_wrong = 0
+        self.candidate_errors = 0
+        self.names = []  # column labels, candidate first (from the workers' meta)
+
+    def out(self, line=""):
+        print(line, flush=True)
+
+    def header(self, meta):
+        a = self.args
+        cpu = cpu_model()
+        it = f"{a.iters}" if a.iters > 0 else f"auto (target {a.target_ms:g} ms, {a.min_iters}..{a.max_iters})"
+        self.names = [b["label"] for b in meta["backends"]]
+        self.cand, self.bases = self.names[0], self.names[1:]
+        cand, bases = meta["backends"][0], meta["backends"][1:]
+        self.out(f"# bench_vs_gloo: {self.cand} vs {', '.join(self.bases)}  (nccl-tests style)")
+        self.out(
+            f"# worlds: {','.join(map(str, a.worlds))}  ops: {','.join(a.ops)}  dtype: {a.dtype}  redop: {a.op}"
+        )
+        self.out(
+            f"# minBytes {a.minbytes} maxBytes {a.maxbytes} step: {a.stepfactor:g}(factor) "
+            f"warmup iters: {a.warmup} iters: {it} time: {a.time_agg} over ranks  validation: {int(a.check)}"
+        )
+        self.out("#")
+        self.out(f"# machine: {cpu}, {physical_cores()} cores / {os.cpu_count()} cpus, {platform.system()} {platform.release()}")
+        self.out(f"# torch {meta['torch']}  smddp {meta['smddp']}  python {platform.python_version()}  "
+                 f"threads/rank: {meta['threads']}")
+        self.out(f"# candidate: {self.cand}: {cand['desc']}")
+        for b in bases:
+            self.out(f"# baseline:  {b['label']}: {b['desc']}")
+        self.out("# control traffic (barriers, iteration broadcast, time reduction) on a separate gloo group")
+        self.out("# time = per-op time in us (loop of blocking ops / iters), " + {
+            "avg": "averaged over ranks", "max": "max over ranks", "min": "min over ranks", "rank0": "of rank 0"}[a.time_agg]
+            + "; algbw = size / time (GB/s, GB = 1e9); busbw = algbw * factor")
+        self.header_done = True
+
+    def table_begin(self, world, op):
+        self.rows = []
+        self.errors_seen = set()
+        self.t_begin = time.monotonic()
+        factor = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n"}[op]
+        self.out("#")
+        self.out(f"# world {world}  {op}  dtype {self.args.dtype}  busbw factor {factor} = {BUSBW_FACTOR[op](world):.3f}")
+        pre = " " * len(PRE_FMT.format("", "", "", ""))
+        groups = "".join(("  " + n).center(BE_WIDTH) for n in self.names)
+        self.out(_hash_line(pre + groups).rstrip())
+        l1 = PRE_FMT.format("size", "count", "type", "redop") + "".join(
+            BE_FMT.format("time", "algbw", "busbw", "#wrong") for _ in self.names
+        ) + "".join(SP_FMT.format("speedup") for _ in self.bases)
+        l2 = PRE_FMT.format("(B)", "(elements)", "", "") + "".join(
+            BE_FMT.format("(us)", "(GB/s)", "(GB/s)", "") for _ in self.names
+        ) + "".join(SP_FMT.format(f"vs {b}"[:7]) for b in self.bases)
+        self.out(_hash_line(l1))
+        self.out(_hash_line(l2))
+
+    def row(self, msg):
+        res = {r["backend"]: r for r in msg["results"]}
+        line = PRE_FMT.format(msg["size"], msg["count"], msg["dtype"], msg["redop"])
+        for n in self.names:
+            r = res[n]
+            wrong = "n/a" if r["wrong"] is None else str(r["wrong"])
+            line += BE_FMT.format(fit_num(r["time_us"], 7), fit_num(r["algbw"], 6), fit_num(r["busbw"], 6), wrong)
+            if r["wrong"]:
+                self.total_wrong += r["wrong"]
+            if r["error"] and n == self.cand:
+                self.candidate_errors += 1
+        c = res[self.cand]["time_us"]
+        sp = {}
+        for b in self.bases:
+            t = res[b]["time_us"]
+            sp[b] = t / c if (t and c) else None
+            line += SP_FMT.format(fmt_speedup(sp[b]))
+        self.out(line)
+        for r in msg["results"]:
+            if r["error"] and (r["backend"], r["error"]) not in self.errors_seen:
+                self.errors_seen.add((r["backend"], r["error"]))
+                self.out(f"# ({r['backend']} failed at size {msg['size']}: {r['error']}; not repeated)")
+            if self.json:
+                rec = {k: msg[k] for k in ("world", "op", "dtype", "redop", "size", "count")}
+                rec.update({k: r[k] for k in ("backend", "time_us", "algbw", "busbw", "wrong")})
+                rec.update(iters=r["iters"], error=r["error"])
+                self.json.write(json.dumps(rec) + "\n")
+                self.json.flush()
+        self.rows.append((msg["size"], res, sp))
+
+    def table_end(self, world, op):
+        labels = {n: f"Avg bus bandwidth ({n})" for n in self.names}
+        width = max(len(x) for x in labels.values())
+        for n in self.names:
+            bw = [res[n]["busbw"] for _, res, _ in self.rows if res[n]["busbw"] is not None]
+            avg = f"{sum(bw) / len(bw):.4g} GB/s" if bw else "n/a"
+            self.out(f"# {labels[n].ljust(width)} : {avg}")
+        wrong = sum((res[n]["wrong"] or 0) for _, res, _ in self.rows for n in self.names)
+        self.out(f"# {'#wrong (all backends)'.ljust(width)} : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+        for b in self.bases:
+            parts = []
+            for label, lo, hi in SIZE_CLASSES:
+                xs = [sp[b] for size, _, sp in self.rows if lo <= size <= hi and sp[b]]
+                parts.append(f"{label} {fmt_speedup(geomean(xs))} (n={len(xs)})")
+            self.out(f"# Speedup {self.cand} vs {b} (geomean of {b}_time/{self.cand}_time): " + "  ".join(parts))
+        self.out(f"# table time: {time.monotonic() - self.t_begin:.1f} s")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown cpu"
+
+
+def physical_cores() -> int:
+    try:
+        cores = set()
+        phys = None
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    cores.add((phys, line.split(":")[1].strip()))
+        if cores:
+            return len(cores)
+    except OSError:
+        pass
+    return os.cpu_count() or 1
+
+
+# --------------------------------------------------------------------------
+# Parent: launching and supervising the ranks
+# --------------------------------------------------------------------------
+
+
+class RunFailed(Exception):
+    pass
+
+
+def _kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.terminate()
+            except OSError:
+                pass
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.kill()
+            except OSError:
+                pass
+            p.wait()
+
+
+def _describe_failures(procs) -> str:
+    """'rank 2 killed by signal 9 (SIGKILL); rank 0, 1 exited with code 1'."""
+    by_desc: dict[str, list[int]] = {}
+    for rank, p in enumerate(procs):
+        rc = p.poll()
+        if rc is None or rc == 0:
+            continue
+        if rc < 0:
+            try:
+                desc = f"killed by signal {-rc} ({signal.Signals(-rc).name})"
+            except ValueError:
+                desc = f"killed by signal {-rc}"
+        else:
+            desc = f"exited with code {rc}"
+        by_desc.setdefault(desc, []).append(rank)
+    # signals first: a rank killed by a signal is the likely culprit
+    items = sorted(by_desc.items(), key=lambda kv: (not kv[0].startswith("killed"), kv[1]))
+    return "; ".join(f"rank {', '.join(map(str, ranks))} {desc}" for desc, ranks in items)
+
+
+def run_world(world: int, args, base_cfg: dict, reporter: Reporter, deadline: float):
+    """Spawn `world` ranks, stream rank 0's records to the reporter."""
+    tmp = tempfile.mkdtemp(prefix="smddp_bench_")
+    store = os.path.join(tmp, "store")
+    rfd, wfd = os.pipe()
+    procs = []
+    env = dict(os.environ)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    try:
+        for rank in range(world):
+            cfg = dict(base_cfg, rank=rank, world=world, init_method=f"file://{store}",
+                       out_fd=wfd if rank == 0 else None)
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(cfg)],
+                stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(), env=env,
+                pass_fds=(wfd,) if rank == 0 else (),
+            ))
+        os.close(wfd)
+        wfd = -1
+        q: queue.Queue = queue.Queue()
+
+        def reader():
+            with os.fdopen(rfd, "r") as f:
+                for line in f:
+                    q.put(line)
+            q.put(None)
+
+        threading.Thread(target=reader, daemon=True).start()
+        eof = False
+        while True:
+            try:
+                line = q.get(timeout=0.2)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                eof = True
+            elif line:
+                if line.startswith(MSG_PREFIX):
+                    msg = json.loads(line[len(MSG_PREFIX):])
+                    t = msg["type"]
+                    if t == "meta":
+                        if not reporter.header_done:
+                            reporter.header(msg)
+                    elif t == "table_begin":
+                        reporter.table_begin(msg["world"], msg["op"])
+                    elif t == "row":
+                        reporter.row(msg)
+                    elif t == "table_end":
+                        reporter.table_end(msg["world"], msg["op"])
+                else:
+                    sys.stderr.write(line)
+            if any(p.poll() not in (None, 0) for p in procs):
+                time.sleep(0.5)  # let the others notice, so the report names the culprit(s)
+                raise RunFailed(f"world {world}: " + _describe_failures(procs))
+            if eof and all(p.poll() == 0 for p in procs):
+                return
+            if time.monotonic() > deadline:
+                raise RunFailed(f"world {world}: run exceeded --timeout {args.timeout:g} s")
+    finally:
+        if wfd >= 0:
+            os.close(wfd)
+        _kill_all(procs)
+        for name in os.listdir(tmp):
+            try:
+                os.unlink(os.path.join(tmp, name))
+            except OSError:
+                pass
+        try:
+            os.rmdir(tmp)
+        except OSError:
+            pass
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        description="nccl-tests style side-by-side benchmark of a torch.distributed backend (default smddp) vs gloo.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--backend", default="smddp", help="candidate backend (default group); non-builtin names are imported first")
+    p.add_argument("--baselines", default="gloo", help=f"comma list of baselines ({','.join(BASELINES)})")
+    p.add_argument("--worlds", default="2,4", help="comma list of world sizes")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {','.join(OPS)}")
+    p.add_argument("-d", "--dtype", default="float32", choices=list(DTYPES), help="datatype")
+    p.add_argument("-o", "--op", default="sum", choices=list(REDOPS), help="reduction op")
+    p.add_argument("-b", "--minbytes", default="8", type=parse_size, help="smallest size (K/M/G suffixes, binary)")
+    p.add_argument("-e", "--maxbytes", default="64M", type=parse_size, help="largest size")
+    p.add_argument("-f", "--stepfactor", default=2.0, type=float, help="size multiplication factor")
+    p.add_argument("-n", "--iters", default=0, type=int, help="timed iterations; 0 = auto (see --target-ms)")
+    p.add_argument("-w", "--warmup", default=3, type=int, help="warmup iterations per measurement")
+    p.add_argument("--target-ms", default=200.0, type=float, help="auto iterations: aim for this much timed time per measurement")
+    p.add_argument("--min-iters", default=5, type=int, help="auto iterations: lower bound")
+    p.add_argument("--max-iters", default=1000, type=int, help="auto iterations: upper bound")
+    p.add_argument("-a", "--time-agg", default="avg", choices=["avg", "max", "min", "rank0"],
+                   help="how per-rank times are combined (nccl-tests default: avg)")
+    p.add_argument("-c", "--check", default=1, type=int, choices=[0, 1], help="validate results (#wrong)")
+    p.add_argument("--threads", default=1, type=int, help="torch intra-op threads (and OMP_NUM_THREADS) per rank")
+    p.add_argument("-J", "--json", default=None, help="also write JSON lines (one per measurement) to this file")
+    p.add_argument("--timeout", default=1800.0, type=float, help="whole-run time limit in seconds")
+    p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._worker is not None:
+        return args
+    args.worlds = [int(x) for x in args.worlds.split(",") if x.strip()]
+    args.ops = [x.strip() for x in args.ops.split(",") if x.strip()]
+    args.baselines = [x.strip() for x in args.baselines.split(",") if x.strip()]
+    for o in args.ops:
+        if o not in OPS:
+            p.error(f"unknown op {o!r} (choose from {', '.join(OPS)})")
+    for b in args.baselines:
+        if b not in BASELINES:
+            p.error(f"unknown baseline {b!r} (available: {', '.join(BASELINES)})")
+    if not args.baselines:
+        p.error("need at least one baseline")
+    if any(w < 1 for w in args.worlds):
+        p.error("world sizes must be >= 1")
+    if args.minbytes > args.maxbytes:
+        p.error("--minbytes > --maxbytes")
+    if args.min_iters < 1 or args.max_iters < args.min_iters:
+        p.error("need 1 <= --min-iters <= --max-iters")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args._worker is not None:
+        return worker_main(json.loads(args._worker))
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    base_cfg = {
+        "parent_pid": os.getpid(),
+        "backend": args.backend, "baselines": args.baselines, "ops": args.ops,
+        "dtype": args.dtype, "redop": args.op,
+        "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
+        "iters": args.iters, "warmup": args.warmup, "target_ms": args.target_ms,
+        "min_iters": args.min_iters, "max_iters": args.max_iters, "time_agg": args.time_agg,
+        "check": bool(args.check), "threads": args.threads,
+    }
+    json_file = open(args.json, "w") if args.json else None
+    reporter = Reporter(args, json_file)
+    t0 = time.monotonic()
+    deadline = t0 + args.timeout
+    try:
+        for world in args.worlds:
+            run_world(world, args, base_cfg, reporter, deadline)
+    except RunFailed as e:
+        print(f"# ERROR: {e}; all ranks killed", flush=True)
+        print(f"bench_vs_gloo: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench_vs_gloo: interrupted; all ranks killed", file=sys.stderr)
+        return 130
+    finally:
+        if json_file:
+            json_file.close()
+    print("#")
+    print(f"# total #wrong: {reporter.total_wrong}  candidate errors: {reporter.candidate_errors}  "
+          f"elapsed: {time.monotonic() - t0:.1f} s")
+    return 2 if (reporter.total_wrong or reporter.candidate_errors) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
