@@ -17,7 +17,10 @@ namespace {
 
 // smddp::Error -> the c10 error type Python maps to the right exception class.
 std::exception_ptr toTorchError(const Error& e, int rank) {
-  const std::string msg = "smddp rank " + std::to_string(rank) + ": " + e.what();
+  // Messages from code that knows the rank already start with "smddp rank N: ".
+  const std::string prefix = "smddp rank " + std::to_string(rank) + ": ";
+  const std::string what = e.what();
+  const std::string msg = what.rfind(prefix, 0) == 0 ? what : prefix + what;
   const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
   switch (e.code()) {
     case ErrorCode::kInvalidUsage: return std::make_exception_ptr(c10::ValueError(loc, msg));

@@ -27,6 +27,9 @@ class SmddpWork : public c10d::Work {
   // DDP consumes its gradient allreduce only through this future.
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
+  // Completed as soon as the future is, so work.is_completed() is true once get_future().wait()
+  // returns (the base class flag is set a moment later, by finish()).
+  bool isCompleted() override { return future_->completed(); }
 
   // Called once, on the progress thread.
   void complete(std::exception_ptr error);

@@ -15,14 +15,27 @@
 namespace smddp::shm {
 namespace {
 
-constexpr double kMiB = 1024.0 * 1024.0;
+std::string humanBytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  while (b >= 1024 && u < 5) {
+    b /= 1024;
+    ++u;
+  }
+  char buf[32];
+  snprintf(buf, sizeof(buf), "%.1f %s", b, units[u]);
+  return buf;
+}
 
 [[noreturn]] void throwNoSpace(int rank, size_t groupBytes, size_t freeBytes, const char* what) {
+  // Suggest a docker --shm-size that fits the group with room to spare, rounded up to whole MiB.
+  const size_t suggestMiB = (groupBytes * 2 + (1u << 20) - 1) >> 20;
   throwError(ErrorCode::kSystemError,
-             "smddp rank %d: /dev/shm is too small (%s): this process group needs %.1f MiB of shared memory on "
-             "this host and %.1f MiB are free. Fix: give the container more shared memory (e.g. docker run "
-             "--shm-size=1g, or a larger /dev/shm tmpfs), or lower SMDDP_SHM_SLOT_BYTES.",
-             rank, what, groupBytes / kMiB, freeBytes / kMiB);
+             "smddp rank %d: /dev/shm is too small (%s): this process group needs %s of shared memory on this "
+             "host and %s are free. Fix: give the container more shared memory (e.g. docker run --shm-size=%zum, "
+             "or remount /dev/shm larger), or lower SMDDP_SHM_SLOT_BYTES (staging per rank = 4 KiB + 2 x slot).",
+             rank, what, humanBytes(static_cast<double>(groupBytes)).c_str(),
+             humanBytes(static_cast<double>(freeBytes)).c_str(), suggestMiB);
 }
 
 }  // namespace

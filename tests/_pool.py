@@ -1,0 +1,393 @@
+"""A pool of long-lived torch.distributed ranks for the multi-process tests.
+
+The test process (pytest) starts ``world`` worker processes; each one imports
+torch (and smddp, unless SMDDP_TEST_BACKEND says otherwise), joins a process
+group, and then serves tasks: a task is ``(module name, function name, args)``;
+the worker imports the module (the tests directory is on its sys.path), calls
+``fn(rank, world, *args)`` and sends back the (picklable) result, or the
+exception as a formatted traceback.
+
+Robustness rules:
+  * every task has a deadline; if it expires, or a worker dies, the whole pool
+    is killed (every process) and the caller gets an AssertionError saying what
+    each rank did (result / exception / timeout / exit code) plus the tail of
+    each worker's log (its stdout+stderr);
+  * if any rank raises, the remaining ranks get a short grace period to answer
+    (they may be stuck in a collective with the failed rank), then the pool is
+    killed too: after an exception the ranks' collective state is unknown, so
+    the pool is never reused after a failure;
+  * workers watch their parent and exit if it goes away.
+
+This file doubles as the worker's entry point (``python _pool.py worker ...``).
+"""
+
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+DEFAULT_TASK_TIMEOUT = float(os.environ.get("SMDDP_TEST_TASK_TIMEOUT", "120"))
+# Starting a rank costs `import torch` (seconds each, and the ranks share 2 cores).
+DEFAULT_INIT_TIMEOUT = float(os.environ.get("SMDDP_TEST_INIT_TIMEOUT", "240"))
+# After one rank raised, how long the others may still take to answer.
+ERROR_GRACE = 10.0
+LOG_TAIL = 3000
+
+
+def backend_name():
+    return os.environ.get("SMDDP_TEST_BACKEND", "smddp")
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path, n=LOG_TAIL):
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - n))
+            data = f.read().decode("utf-8", "replace")
+        return data if size <= n else "..." + data
+    except OSError as e:
+        return f"<no log: {e}>"
+
+
+class PoolError(AssertionError):
+    """A task failed on some rank (or the pool broke). Always an AssertionError."""
+
+
+# ---------------------------------------------------------------------------
+# test-process side
+# ---------------------------------------------------------------------------
+class Pool:
+    def __init__(self, world, backend=None, init_timeout=DEFAULT_INIT_TIMEOUT, extra_env=None):
+        from multiprocessing.connection import Connection
+
+        self.world = world
+        self.backend = backend or backend_name()
+        self.dead = False
+        self.procs = []
+        self.conns = [None] * world
+        self.tmpdir = tempfile.mkdtemp(prefix=f"smddp-test-pool{world}-")
+        self.logs = [os.path.join(self.tmpdir, f"rank{r}.log") for r in range(world)]
+        self.ntasks = 0
+        sock_path = os.path.join(self.tmpdir, "ctl.sock")
+        self._lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._lsock.bind(sock_path)
+        self._lsock.listen(world)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = TESTS_DIR + os.pathsep + env.get("PYTHONPATH", "")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if extra_env:
+            env.update(extra_env)
+        deadline = time.monotonic() + init_timeout
+        try:
+            for r in range(world):
+                logf = open(self.logs[r], "wb")
+                p = subprocess.Popen(
+                    [sys.executable, "-u", os.path.abspath(__file__), "worker", sock_path,
+                     str(r), str(world), self.backend, init_method, str(os.getpid())],
+                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                    env=env, cwd=TESTS_DIR,
+                )
+                logf.close()
+                self.procs.append(p)
+            # accept the control connections; each worker first says hello with its rank
+            for _ in range(world):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise socket.timeout()
+                self._lsock.settimeout(remaining)
+                s, _ = self._lsock.accept()
+                s.settimeout(None)
+                c = Connection(s.detach())
+                if not c.poll(max(0.0, deadline - time.monotonic())):
+                    raise socket.timeout()
+                kind, r = c.recv()
+                assert kind == "hello", kind
+                self.conns[r] = c
+            # then each one reports that init_process_group finished
+            statuses = self._collect(deadline, what="init_process_group")
+            bad = [r for r, st in enumerate(statuses) if st[0] != "ok"]
+            if bad:
+                raise PoolError(self._describe("pool start (import + init_process_group)", statuses))
+        except socket.timeout:
+            missing = [r for r in range(world) if self.conns[r] is None]
+            msg = (f"pool start (world={world}, backend={self.backend}): ranks {missing} did not "
+                   f"connect within {init_timeout:.0f}s\n" + self._all_logs())
+            self.kill()
+            raise PoolError(msg) from None
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            self._lsock.close()
+
+    # -- helpers -------------------------------------------------------------
+    def _all_logs(self, ranks=None):
+        ranks = range(self.world) if ranks is None else ranks
+        out = []
+        for r in ranks:
+            rc = self.procs[r].poll() if r < len(self.procs) else None
+            out.append(f"--- rank {r} log (exit code {rc}) ---\n{_tail(self.logs[r])}")
+        return "\n".join(out)
+
+    def _collect(self, deadline, what):
+        """Wait for one message per rank. Returns per-rank ('ok', value) /
+        ('err', type name, traceback) / ('timeout',) / ('died', rc)."""
+        from multiprocessing.connection import wait
+
+        statuses = [None] * self.world
+        pending = {self.conns[r]: r for r in range(self.world)}
+        first_err = None
+        while pending:
+            now = time.monotonic()
+            limit = deadline if first_err is None else min(deadline, first_err + ERROR_GRACE)
+            if now >= limit:
+                break
+            ready = wait(list(pending), timeout=min(1.0, limit - now))
+            for c in ready:
+                r = pending.pop(c)
+                try:
+                    msg = c.recv()
+                except (EOFError, OSError):
+                    rc = None
+                    for _ in range(20):
+                        rc = self.procs[r].poll()
+                        if rc is not None:
+                            break
+                        time.sleep(0.1)
+                    statuses[r] = ("died", rc)
+                    msg = None
+                if msg is not None:
+                    statuses[r] = msg
+                if statuses[r][0] != "ok" and first_err is None:
+                    first_err = time.monotonic()
+            # a worker that died without closing its socket (should not happen, but be safe)
+            for c, r in list(pending.items()):
+                rc = self.procs[r].poll()
+                if rc is not None:
+                    pending.pop(c)
+                    statuses[r] = ("died", rc)
+                    if first_err is None:
+                        first_err = time.monotonic()
+        for r in pending.values():
+            statuses[r] = ("timeout",)
+        return statuses
+
+    def _describe(self, what, statuses, elapsed=None):
+        lines = [f"{what} failed on world={self.world} (backend={self.backend})"
+                 + (f" after {elapsed:.1f}s" if elapsed is not None else "") + ":"]
+        bad = []
+        for r, st in enumerate(statuses):
+            if st[0] == "ok":
+                lines.append(f"  rank {r}: ok")
+            elif st[0] == "err":
+                bad.append(r)
+                lines.append(f"  rank {r}: raised {st[1]}:\n" + _indent(st[2], "      "))
+            elif st[0] == "timeout":
+                bad.append(r)
+                lines.append(f"  rank {r}: no answer before the deadline (hung?)")
+            elif st[0] == "died":
+                bad.append(r)
+                lines.append(f"  rank {r}: worker process died (exit code {st[1]})")
+            else:
+                bad.append(r)
+                lines.append(f"  rank {r}: unexpected message {st!r}")
+        lines.append("The pool was killed; the next test gets a fresh one.")
+        lines.append(self._all_logs(bad or None))
+        return "\n".join(lines)
+
+    # -- API ----------------------------------------------------------------
+    def run(self, fn, *args, timeout=DEFAULT_TASK_TIMEOUT):
+        """Run fn(rank, world, *args) on every rank; returns the list of results
+        (index = rank). Raises PoolError (an AssertionError) naming the failed ranks."""
+        __tracebackhide__ = True
+        if self.dead:
+            raise PoolError(f"pool world={self.world} is dead")
+        mod = fn.__module__
+        if mod == "__main__":
+            raise ValueError("task functions must live in an importable module")
+        task = ("task", mod, fn.__qualname__, args)
+        payload = pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL)
+        self.ntasks += 1
+        t0 = time.monotonic()
+        try:
+            for c in self.conns:
+                c.send_bytes(payload)
+            statuses = self._collect(t0 + timeout, what=fn.__name__)
+        except BaseException:
+            # interrupted (pytest-timeout, Ctrl-C, broken pipe): the ranks are in an unknown state
+            self.kill()
+            raise
+        if any(st[0] != "ok" for st in statuses):
+            msg = self._describe(f"task {mod}.{fn.__qualname__}{_short_args(args)}", statuses,
+                                 time.monotonic() - t0)
+            self.kill()
+            raise PoolError(msg)
+        return [st[1] for st in statuses]
+
+    def close(self, timeout=30.0):
+        """Ask every rank to destroy its process group and exit; kill stragglers.
+        Returns a list of problems seen on the way (empty if all went well)."""
+        if self.dead:
+            return []
+        problems = []
+        try:
+            for c in self.conns:
+                c.send(("shutdown",))
+            statuses = self._collect(time.monotonic() + timeout, what="shutdown")
+            for r, st in enumerate(statuses):
+                if st[0] == "err":
+                    problems.append(f"world={self.world} rank {r}: destroy_process_group raised "
+                                    f"{st[1]}: {st[2].strip().splitlines()[-1]}")
+                elif st[0] == "timeout":
+                    problems.append(f"world={self.world} rank {r}: destroy_process_group did not "
+                                    f"return within {timeout:.0f}s")
+                elif st[0] == "died":
+                    problems.append(f"world={self.world} rank {r}: died during shutdown (exit code {st[1]})")
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"world={self.world}: shutdown failed: {e!r}")
+        deadline = time.monotonic() + 10
+        for r, p in enumerate(self.procs):
+            try:
+                rc = p.wait(max(0.1, deadline - time.monotonic()))
+                if rc != 0 and not any(f"rank {r}:" in x for x in problems):
+                    problems.append(f"world={self.world} rank {r}: exited with code {rc} after shutdown")
+            except subprocess.TimeoutExpired:
+                problems.append(f"world={self.world} rank {r}: still running 10s after shutdown (killed)")
+        self.kill()
+        return problems
+
+    def kill(self):
+        self.dead = True
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.kill()
+                except OSError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        for c in self.conns:
+            if c is not None:
+                try:
+                    c.close()
+                except OSError:
+                    pass
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _indent(text, prefix):
+    return "\n".join(prefix + line for line in str(text).rstrip().splitlines())
+
+
+def _short_args(args):
+    s = repr(args)
+    return s if len(s) <= 200 else s[:200] + "...)"
+
+
+# ---------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------
+def _watch_parent(ppid):
+    import threading
+
+    def loop():
+        while True:
+            time.sleep(2.0)
+            if os.getppid() != ppid:
+                os._exit(3)
+
+    threading.Thread(target=loop, daemon=True, name="parent-watchdog").start()
+
+
+def _err_msg(exc):
+    return ("err", type(exc).__name__, "".join(traceback.format_exception(exc)))
+
+
+def _worker_main(argv):
+    from multiprocessing.connection import Connection
+
+    sock_path, rank, world, backend, init_method, ppid = argv
+    rank, world, ppid = int(rank), int(world), int(ppid)
+    if TESTS_DIR not in sys.path:
+        sys.path.insert(0, TESTS_DIR)
+    _watch_parent(ppid)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sock_path)
+    conn = Connection(s.detach())
+    conn.send(("hello", rank))
+    try:
+        import warnings
+        from datetime import timedelta
+
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if backend == "smddp":
+            import smddp  # noqa: F401  (registers the "smddp" backend)
+        t0 = time.monotonic()
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+                                world_size=world, timeout=timedelta(seconds=60))
+        print(f"[rank {rank}] init_process_group({backend}, world={world}) took "
+              f"{time.monotonic() - t0:.2f}s", file=sys.stderr, flush=True)
+        conn.send(("ok", None))
+    except BaseException as e:  # noqa: BLE001
+        conn.send(_err_msg(e))
+        conn.close()
+        return 1
+
+    import importlib
+
+    while True:
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return 2  # parent went away
+        if msg[0] == "shutdown":
+            try:
+                dist.destroy_process_group()
+                conn.send(("ok", None))
+            except BaseException as e:  # noqa: BLE001
+                conn.send(_err_msg(e))
+            conn.close()
+            return 0
+        _, modname, qualname, args = msg
+        print(f"[rank {rank}] task {modname}.{qualname}{_short_args(args)}", file=sys.stderr,
+              flush=True)
+        try:
+            fn = importlib.import_module(modname)
+            for part in qualname.split("."):
+                fn = getattr(fn, part)
+            result = fn(rank, world, *args)
+            reply = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException as e:  # noqa: BLE001
+            reply = pickle.dumps(_err_msg(e), protocol=pickle.HIGHEST_PROTOCOL)
+        conn.send_bytes(reply)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "worker":
+        sys.exit(_worker_main(sys.argv[2:]))
+    print("usage: _pool.py worker <sock> <rank> <world> <backend> <init_method> <ppid>",
+          file=sys.stderr)
+    sys.exit(2)

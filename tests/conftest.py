@@ -1,0 +1,134 @@
+"""pytest glue for the smddp multi-process tests.
+
+* SMDDP_TEST_BACKEND selects the backend under test: "smddp" (default) or e.g.
+  "gloo" (harness development; smddp is then never imported).
+* Ranks live in pools (tests/_pool.py), one world size at a time: the tests are
+  reordered by their ``world`` parameter so each pool is started once, and the
+  previous pool is shut down when a test asks for another world size (idle
+  ranks of other pools would otherwise share the 2 cores / spin).
+* Every test gets a pytest-timeout mark (last resort against hangs; the pool
+  has its own per-task deadlines).
+* Cells that the backend cannot do (only with gloo) are reported at the end.
+"""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _pool  # noqa: E402
+import _util  # noqa: E402
+
+DEFAULT_TEST_TIMEOUT = int(os.environ.get("SMDDP_TEST_PYTEST_TIMEOUT", "420"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "timeout(seconds): pytest-timeout limit")
+
+
+def _world_of(item):
+    cs = getattr(item, "callspec", None)
+    if cs is not None and "world" in cs.params:
+        return cs.params["world"]
+    return 0  # tests without a pool (or with their own processes) first
+
+
+def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(DEFAULT_TEST_TIMEOUT))
+    # stable sort: every test of a world size runs with the same pool
+    items.sort(key=_world_of)
+
+
+class Pools:
+    """Lazily created pool per world size; at most one alive at a time."""
+
+    def __init__(self):
+        self.live = {}
+        self.started = 0
+
+    def get(self, world):
+        pool = self.live.get(world)
+        if pool is not None and not pool.dead:
+            return pool
+        for w, p in list(self.live.items()):
+            if w != world:
+                SHUTDOWN_PROBLEMS.extend(p.close())
+            del self.live[w]
+        pool = _pool.Pool(world)
+        self.started += 1
+        self.live[world] = pool
+        return pool
+
+    def run(self, world, fn, *args, timeout=_pool.DEFAULT_TASK_TIMEOUT):
+        __tracebackhide__ = True
+        return self.get(world).run(fn, *args, timeout=timeout)
+
+    def check(self, world, fn, *args, timeout=_pool.DEFAULT_TASK_TIMEOUT):
+        """Run a checking task (returns _util.Report dicts) and assert on the merged report."""
+        __tracebackhide__ = True
+        pool = self.get(world)
+        results = pool.run(fn, *args, timeout=timeout)
+        try:
+            _util.assert_reports(results, world)
+        except AssertionError:
+            # a failed cell may have left the process group broken or out of step
+            # (smddp poisons a group after a failed collective): never reuse it
+            pool.kill()
+            raise
+        return results
+
+    def close_all(self):
+        for p in list(self.live.values()):
+            SHUTDOWN_PROBLEMS.extend(p.close())
+        self.live.clear()
+
+
+_POOLS = None
+SHUTDOWN_PROBLEMS = []  # ranks that did not destroy_process_group + exit cleanly
+
+
+@pytest.fixture(scope="session")
+def pools():
+    global _POOLS
+    _POOLS = Pools()
+    yield _POOLS
+    _POOLS.close_all()
+
+
+def pytest_unconfigure(config):
+    # belt and braces: never leave ranks behind (e.g. after Ctrl-C)
+    if _POOLS is not None:
+        for p in list(_POOLS.live.values()):
+            p.kill()
+
+
+def pytest_report_header(config):
+    return [f"smddp tests: backend={_pool.backend_name()}, "
+            f"large elems={_util.large_elems_desc()}"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    tr = terminalreporter
+    if _util.STATS["tasks"]:
+        tr.write_line(f"smddp tests: backend={_pool.backend_name()}: {_util.STATS['checks']} per-rank checks "
+                      f"passed in {_util.STATS['tasks']} passing multi-rank tasks; "
+                      f"{_POOLS.started if _POOLS else 0} rank pool(s) started")
+    if SHUTDOWN_PROBLEMS:
+        tr.section("rank pool shutdown problems (destroy_process_group / exit)", red=True)
+        for line in SHUTDOWN_PROBLEMS:
+            tr.write_line(line)
+    skips = _util.SKIPPED_CELLS
+    if not skips:
+        return
+    tr.section(f"cells skipped for backend {_pool.backend_name()}")
+    for reason, cells in sorted(skips.items()):
+        cells = sorted(cells)
+        tr.write_line(f"{reason}: {len(cells)} cell(s)")
+        for c in cells[:3]:
+            tr.write_line(f"    {c}")
+        if len(cells) > 3:
+            tr.write_line(f"    ... and {len(cells) - 3} more")

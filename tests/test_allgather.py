@@ -1,0 +1,113 @@
+"""all_gather (list), all_gather_into_tensor / all_gather_single (cat and stack
+output forms, 1-D and 2-D), the FSDP2 in-place form, large sizes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _util import DTYPES, SMALL_SIZES, Report, backend_skip, dname, gen_all, large_elems
+
+WORLDS = [1, 2, 3, 4]
+
+
+def _apis():
+    apis = [("all_gather_into_tensor", dist.all_gather_into_tensor)]
+    if hasattr(dist, "all_gather_single"):
+        apis.append(("all_gather_single", dist.all_gather_single))
+    return apis
+
+
+def all_gather_list(rank, world, sizes, dtypes):
+    rep = Report(rank)
+    for n in sizes:
+        for dtype in [getattr(torch, d) for d in dtypes]:
+            for shape in ((n,), (n, 3)):
+                label = f"all_gather(list) dtype={dname(dtype)} world={world} input shape={shape}"
+                why = backend_skip("all_gather", dtype)
+                if why:
+                    rep.skip(label, why)
+                    continue
+                with rep.cell(label):
+                    numel = n * (shape[1] if len(shape) > 1 else 1)
+                    ins = [x.reshape(shape) for x in gen_all("agl", world, numel, dtype)]
+                    outs = [torch.empty(shape, dtype=dtype) for _ in range(world)]
+                    dist.all_gather(outs, ins[rank].clone())
+                    for r in range(world):
+                        rep.check(f"{label} output[{r}]", outs[r], ins[r])
+    return rep.to_dict()
+
+
+def all_gather_tensor_forms(rank, world, sizes, dtypes):
+    rep = Report(rank)
+    for size in sizes:
+        for dtype in [getattr(torch, d) for d in dtypes]:
+            n = large_elems(dtype) if size == "large" else size
+            for api_name, api in _apis():
+                why = backend_skip(api_name, dtype)
+                forms = [
+                    # (description, input shape, output shape)
+                    ("cat 1-D", (n,), (world * n,)),
+                    ("stack 1-D", (n,), (world, n)),
+                    ("cat 2-D", (n, 3), (world * n, 3)),
+                    ("stack 2-D", (n, 3), (world, n, 3)),
+                ]
+                if size == "large":
+                    forms = forms[:2]
+                for desc, ishape, oshape in forms:
+                    label = (f"{api_name} [{desc}: {list(ishape)} -> {list(oshape)}] "
+                             f"dtype={dname(dtype)} world={world}")
+                    why_f = why or backend_skip(api_name, dtype, variant=desc.split()[0])
+                    if why_f:
+                        rep.skip(label, why_f)
+                        continue
+                    with rep.cell(label):
+                        numel = 1
+                        for s in ishape:
+                            numel *= s
+                        ins = [x.reshape(ishape) for x in gen_all(f"agt|{desc}", world, numel, dtype)]
+                        out = torch.full(oshape, 1, dtype=dtype) if numel else torch.empty(oshape, dtype=dtype)
+                        api(out, ins[rank].clone())
+                        ref = torch.cat(ins) if desc.startswith("cat") else torch.stack(ins)
+                        rep.check(label, out, ref)
+                # FSDP2: the input is this rank's slice of the output buffer itself
+                label = f"{api_name} [in-place: input = out.narrow(0, rank*{n}, {n})] dtype={dname(dtype)} world={world}"
+                if why:
+                    rep.skip(label, why)
+                    continue
+                with rep.cell(label):
+                    ins = gen_all("agip", world, n, dtype)
+                    out = torch.zeros(world * n, dtype=dtype)
+                    inp = out.narrow(0, rank * n, n)
+                    inp.copy_(ins[rank])
+                    api(out, inp)
+                    rep.check(label, out, torch.cat(ins))
+                # 2-D FSDP2 flavour: rows of a (world*n, 3) buffer
+                if size != "large":
+                    label = (f"{api_name} [in-place 2-D: input = out.narrow(0, rank*{n}, {n}) of "
+                             f"({world}*{n},3)] dtype={dname(dtype)} world={world}")
+                    with rep.cell(label):
+                        ins = [x.reshape(n, 3) for x in gen_all("agip2", world, 3 * n, dtype)]
+                        out = torch.zeros(world * n, 3, dtype=dtype)
+                        inp = out.narrow(0, rank * n, n)
+                        inp.copy_(ins[rank])
+                        api(out, inp)
+                        rep.check(label, out, torch.cat(ins))
+    return rep.to_dict()
+
+
+ALL = [dname(d) for d in DTYPES]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_gather_list(pools, world):
+    pools.check(world, all_gather_list, SMALL_SIZES, ALL, timeout=240)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_gather_into_tensor(pools, world):
+    pools.check(world, all_gather_tensor_forms, SMALL_SIZES, ALL, timeout=240)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_gather_into_tensor_large(pools, world):
+    pools.check(world, all_gather_tensor_forms, ["large"], ["float32", "bfloat16"], timeout=300)

@@ -1,0 +1,375 @@
+"""all_reduce: every dtype x every reduce op x sizes, large (pipelined) sizes,
+non-contiguous in-place, all_reduce_coalesced, _coalescing_manager and the
+functional collectives."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _util import (DTYPES, FC_OPS, FLOAT_DTYPES, REDOPS, SMALL_SIZES, Report, backend_skip, dname,
+                   exact_op, gen, gen_all, is_float, large_elems, make_op, reduce_ref, refused)
+
+WORLDS = [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------------
+# tasks (run inside the ranks)
+# ---------------------------------------------------------------------------
+def allreduce_matrix(rank, world, sizes, dtypes, opnames, key="ar"):
+    """sizes: list of ints, or ["large"] for large_elems(dtype)."""
+    rep = Report(rank)
+    dtypes = [getattr(torch, d) for d in dtypes]
+    for size in sizes:
+        for dtype in dtypes:
+            n = large_elems(dtype) if size == "large" else size
+            for opname in opnames:
+                label = f"all_reduce dtype={dname(dtype)} op={opname} world={world} size={n}"
+                with rep.cell(label):
+                    if refused(dtype, opname):
+                        t = gen(key, rank, n, dtype, "SUM")
+                        if rep.expect_refusal(label + " (must be refused)",
+                                              lambda: dist.all_reduce(t, op=make_op(opname, dtype))):
+                            rep.group_still_works(label + " (after refusal)", world, rank)
+                        continue
+                    why = backend_skip("all_reduce", dtype, opname)
+                    if why:
+                        rep.skip(label, why)
+                        continue
+                    inputs = gen_all(f"{key}|{size}", world, n, dtype, opname)
+                    t = inputs[rank].clone()
+                    dist.all_reduce(t, op=make_op(opname, dtype))
+                    rep.check(label, t, reduce_ref(inputs, dtype, opname),
+                              exact=exact_op(dtype, opname), inputs=inputs)
+    return rep.to_dict()
+
+
+def allreduce_refusal_async(rank, world):
+    """A refused cell must also be refused at call time with async_op=True."""
+    rep = Report(rank)
+    for dtype, opname in [(torch.float32, "BXOR"), (torch.int32, "PREMUL_SUM_F"),
+                          (torch.bool, "AVG")]:
+        label = f"all_reduce(async_op=True) dtype={dname(dtype)} op={opname} world={world} size=5"
+        t = gen("ara", rank, 5, dtype, "SUM")
+        if rep.expect_refusal(label + " (must be refused)",
+                              lambda: dist.all_reduce(t, op=make_op(opname, dtype), async_op=True)):
+            rep.group_still_works(label + " (after refusal)", world, rank)
+    return rep.to_dict()
+
+
+def _views(base_shape_kind, n):
+    """(storage shape, function storage -> non-contiguous view, description)."""
+    if base_shape_kind == "stride2":
+        return (2 * n + 1,), lambda b: b[::2], "t[::2]"
+    if base_shape_kind == "transposed":
+        return (5, n), lambda b: b.t(), f"(5,{n}).t()"
+    if base_shape_kind == "colslice":
+        return (6, n + 4), lambda b: b[:, 2:2 + n], f"(6,{n + 4})[:, 2:{2 + n}]"
+    raise ValueError(base_shape_kind)
+
+
+def allreduce_noncontig(rank, world, n, dtypes=None, opnames=None):
+    rep = Report(rank)
+    for dtype in [getattr(torch, d) for d in dtypes] if dtypes else DTYPES:
+        ops = opnames or ["SUM", "MAX", "MIN"] + (["BXOR"] if not is_float(dtype) else ["AVG"])
+        for opname in ops:
+            if refused(dtype, opname):
+                continue
+            for kind in ("stride2", "transposed", "colslice"):
+                shape, view, desc = _views(kind, n)
+                label = (f"all_reduce in-place on non-contiguous view {desc} dtype={dname(dtype)} "
+                         f"op={opname} world={world}")
+                why = backend_skip("all_reduce", dtype, opname, variant="noncontig")
+                if why:
+                    rep.skip(label, why)
+                    continue
+                with rep.cell(label):
+                    numel = 1
+                    for s in shape:
+                        numel *= s
+                    bases = [b.reshape(shape)
+                             for b in gen_all(f"nc|{kind}|{n}", world, numel, dtype, opname)]
+                    base = bases[rank].clone()
+                    before = base.clone()
+                    v = view(base)
+                    assert not v.is_contiguous()
+                    dist.all_reduce(v, op=make_op(opname, dtype))
+                    ins = [view(b) for b in bases]
+                    rep.check(label, v, reduce_ref(ins, dtype, opname), exact=exact_op(dtype, opname),
+                              inputs=ins)
+                    # everything outside the view must be untouched
+                    mask = torch.ones(shape, dtype=torch.bool)
+                    view(mask).fill_(False)
+                    rep.check(label + " [elements outside the view]", base[mask], before[mask],
+                              cross_rank=False)
+    return rep.to_dict()
+
+
+def avg_is_division(rank, world):
+    """Stricter than the tolerance check of the matrix: with exact integer sums, AVG must be
+    bit-identical to sum / world computed in the accumulation type (fp32 for fp32/fp16/bf16,
+    fp64 for fp64) and rounded once -- multiplying by 1/world differs for world=3."""
+    rep = Report(rank)
+    for dtype in FLOAT_DTYPES:
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        n = 1001
+        label = f"all_reduce AVG bitwise == (sum in {dname(acc)}) / world dtype={dname(dtype)} world={world} size={n}"
+        with rep.cell(label):
+            ins = gen_all("avgdiv", world, n, dtype, "AVG")
+            t = ins[rank].clone()
+            dist.all_reduce(t, op=dist.ReduceOp.AVG)
+            ref = (torch.stack(ins).to(acc).sum(0) / world).to(dtype)
+            rep.check(label, t, ref, inputs=ins)
+        label = f"reduce_scatter_tensor AVG bitwise == (sum in {dname(acc)}) / world dtype={dname(dtype)} world={world} out size={n}"
+        with rep.cell(label):
+            ins = gen_all("avgdivrs", world, world * n, dtype, "AVG")
+            out = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(out, ins[rank].clone(), op=dist.ReduceOp.AVG)
+            mine = [x[rank * n:(rank + 1) * n] for x in ins]
+            ref = (torch.stack(mine).to(acc).sum(0) / world).to(dtype)
+            rep.check(label, out, ref, inputs=mine, cross_rank=False)
+    return rep.to_dict()
+
+
+COALESCED_SIZES = [1, 7, 0, 1001, 3]
+
+
+def allreduce_coalesced(rank, world):
+    rep = Report(rank)
+    for dtype in DTYPES:
+        for opname in REDOPS:
+            label = f"all_reduce_coalesced dtype={dname(dtype)} op={opname} world={world} sizes={COALESCED_SIZES}"
+            with rep.cell(label):
+                if refused(dtype, opname):
+                    if opname in ("BAND", "PREMUL_SUM_F", "AVG"):
+                        ts = [gen("arcr", rank, s, dtype, "SUM") for s in COALESCED_SIZES]
+                        if rep.expect_refusal(
+                                label + " (must be refused)",
+                                lambda: dist.all_reduce_coalesced(ts, op=make_op(opname, dtype))):
+                            rep.group_still_works(label + " (after refusal)", world, rank)
+                    continue
+                why = backend_skip("all_reduce_coalesced", dtype, opname)
+                if why:
+                    rep.skip(label, why)
+                    continue
+                ins = [gen_all(f"arc|{i}", world, s, dtype, opname)
+                       for i, s in enumerate(COALESCED_SIZES)]
+                ts = [x[rank].clone() for x in ins]
+                dist.all_reduce_coalesced(ts, op=make_op(opname, dtype))
+                for i, (t, x) in enumerate(zip(ts, ins)):
+                    rep.check(f"{label} tensor#{i}", t, reduce_ref(x, dtype, opname),
+                              exact=exact_op(dtype, opname), inputs=x)
+    # async form: returns a future
+    for dtype in (torch.float32, torch.int64):
+        label = f"all_reduce_coalesced(async_op=True) dtype={dname(dtype)} op=SUM world={world}"
+        with rep.cell(label):
+            ins = [gen_all(f"arca|{i}", world, s, dtype, "SUM") for i, s in enumerate(COALESCED_SIZES)]
+            ts = [x[rank].clone() for x in ins]
+            fut = dist.all_reduce_coalesced(ts, async_op=True)
+            fut.wait()
+            for i, (t, x) in enumerate(zip(ts, ins)):
+                rep.check(f"{label} tensor#{i}", t, reduce_ref(x, dtype, "SUM"), inputs=x)
+    return rep.to_dict()
+
+
+def coalescing_manager(rank, world):
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    rep = Report(rank)
+    sizes = [5, 1001, 1, 64]
+    for dtype in DTYPES:
+        for opname in ("SUM", "MAX", "AVG", "PREMUL_SUM_F"):
+            if refused(dtype, opname):
+                continue
+            for async_ops in (True, False):
+                label = (f"_coalescing_manager(async_ops={async_ops}) x{len(sizes)} all_reduce "
+                         f"dtype={dname(dtype)} op={opname} world={world}")
+                why = backend_skip("all_reduce_coalesced", dtype, opname)
+                if why:
+                    rep.skip(label, why)
+                    continue
+                with rep.cell(label):
+                    ins = [gen_all(f"cm|{i}", world, s, dtype, opname) for i, s in enumerate(sizes)]
+                    ts = [x[rank].clone() for x in ins]
+                    with _coalescing_manager(group=None, async_ops=async_ops) as cm:
+                        for t in ts:
+                            dist.all_reduce(t, op=make_op(opname, dtype))
+                    if async_ops:
+                        cm.wait()
+                    for i, (t, x) in enumerate(zip(ts, ins)):
+                        rep.check(f"{label} tensor#{i}", t, reduce_ref(x, dtype, opname),
+                                  exact=exact_op(dtype, opname), inputs=x)
+    # all_gather_single / reduce_scatter_single under the coalescing manager (torch >= 2.13)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        label = f"_coalescing_manager(async_ops=True) x3 all_gather_single dtype={dname(dtype)} world={world}"
+        why = backend_skip("all_gather_single_coalesced", dtype)
+        if why:
+            rep.skip(label, why)
+        else:
+            with rep.cell(label):
+                ns = [3, 1001, 1]
+                ins = [gen_all(f"cmag|{i}", world, n, dtype) for i, n in enumerate(ns)]
+                outs = [torch.empty(world * n, dtype=dtype) for n in ns]
+                with _coalescing_manager(group=None, async_ops=True) as cm:
+                    for o, x in zip(outs, ins):
+                        dist.all_gather_single(o, x[rank].clone())
+                cm.wait()
+                for i, (o, x) in enumerate(zip(outs, ins)):
+                    rep.check(f"{label} tensor#{i}", o, torch.cat(x))
+        opname = "SUM" if dtype != torch.bool else "MAX"
+        label = (f"_coalescing_manager(async_ops=True) x3 reduce_scatter_single dtype={dname(dtype)} "
+                 f"op={opname} world={world}")
+        why = backend_skip("reduce_scatter_single_coalesced", dtype, opname)
+        if why:
+            rep.skip(label, why)
+        else:
+            with rep.cell(label):
+                ns = [3, 1001, 1]
+                ins = [gen_all(f"cmrs|{i}", world, world * n, dtype, opname) for i, n in enumerate(ns)]
+                outs = [torch.empty(n, dtype=dtype) for n in ns]
+                with _coalescing_manager(group=None, async_ops=True) as cm:
+                    for o, x in zip(outs, ins):
+                        dist.reduce_scatter_single(o, x[rank].clone(), op=make_op(opname, dtype))
+                cm.wait()
+                for i, (o, x, n) in enumerate(zip(outs, ins, ns)):
+                    chunk = [xi[rank * n:(rank + 1) * n] for xi in x]
+                    rep.check(f"{label} tensor#{i}", o, reduce_ref(chunk, dtype, opname),
+                              inputs=chunk, cross_rank=False)
+    return rep.to_dict()
+
+
+def functional_collectives(rank, world):
+    import torch.distributed._functional_collectives as fc
+
+    rep = Report(rank)
+    group = dist.group.WORLD
+    for dtype in DTYPES:
+        for opname, s in FC_OPS.items():
+            if refused(dtype, opname):
+                continue
+            n = 7 if opname not in ("SUM", "MAX") else 1001
+            label = f"_functional_collectives.all_reduce dtype={dname(dtype)} op={s} world={world} size={n}"
+            why = backend_skip("all_reduce", dtype, opname)
+            if why:
+                rep.skip(label, why)
+                continue
+            with rep.cell(label):
+                ins = gen_all("fcar", world, n, dtype, opname)
+                x = ins[rank].clone()
+                y = fc.wait_tensor(fc.all_reduce(x, s, group))
+                rep.check(label, y, reduce_ref(ins, dtype, opname), exact=exact_op(dtype, opname),
+                          inputs=ins)
+                rep.check(label + " [input must be left unchanged]", x, ins[rank], cross_rank=False)
+        # all_gather_tensor (-> allgather_into_tensor_coalesced / _allgather_base)
+        for n, shape in ((0, (0,)), (1, (1,)), (7, (7, 1)), (1001, (1001,))):
+            label = f"_functional_collectives.all_gather_tensor dtype={dname(dtype)} world={world} shape={shape}"
+            why = backend_skip("all_gather_into_tensor", dtype)
+            if why:
+                rep.skip(label, why)
+                continue
+            with rep.cell(label):
+                ins = [x.reshape(shape) for x in gen_all("fcag", world, n, dtype)]
+                y = fc.wait_tensor(fc.all_gather_tensor(ins[rank].clone(), 0, group))
+                rep.check(label, y, torch.cat(ins))
+        # reduce_scatter_tensor (-> reduce_scatter_tensor_coalesced / _reduce_scatter_base)
+        for opname in ("SUM", "MAX", "AVG"):
+            if refused(dtype, opname):
+                continue
+            for n in (1, 7, 333):
+                label = (f"_functional_collectives.reduce_scatter_tensor dtype={dname(dtype)} "
+                         f"op={FC_OPS[opname]} world={world} out size={n}")
+                why = backend_skip("reduce_scatter_tensor", dtype, opname)
+                if why:
+                    rep.skip(label, why)
+                    continue
+                with rep.cell(label):
+                    ins = gen_all("fcrs", world, world * n, dtype, opname)
+                    y = fc.wait_tensor(fc.reduce_scatter_tensor(ins[rank].clone(), FC_OPS[opname], 0,
+                                                                group))
+                    chunk = [x[rank * n:(rank + 1) * n] for x in ins]
+                    rep.check(label, y, reduce_ref(chunk, dtype, opname), exact=exact_op(dtype, opname),
+                              inputs=chunk, cross_rank=False)
+    # coalesced functional variants
+    for dtype in (torch.float32, torch.bfloat16, torch.int32, torch.uint8):
+        ns = [3, 1001, 1]
+        label = f"_functional_collectives.all_reduce_coalesced dtype={dname(dtype)} op=sum world={world}"
+        with rep.cell(label):
+            ins = [gen_all(f"fcarc|{i}", world, n, dtype, "SUM") for i, n in enumerate(ns)]
+            ys = fc.all_reduce_coalesced([x[rank].clone() for x in ins], "sum", group)
+            for i, (y, x) in enumerate(zip(ys, ins)):
+                rep.check(f"{label} tensor#{i}", fc.wait_tensor(y), reduce_ref(x, dtype, "SUM"), inputs=x)
+        label = f"_functional_collectives.all_gather_into_tensor_coalesced dtype={dname(dtype)} world={world}"
+        with rep.cell(label):
+            ins = [gen_all(f"fcagc|{i}", world, n, dtype) for i, n in enumerate(ns)]
+            ys = fc.all_gather_into_tensor_coalesced([x[rank].clone() for x in ins], group)
+            for i, (y, x) in enumerate(zip(ys, ins)):
+                rep.check(f"{label} tensor#{i}", fc.wait_tensor(y), torch.cat(x))
+        label = (f"_functional_collectives.reduce_scatter_tensor_coalesced dtype={dname(dtype)} "
+                 f"op=sum world={world}")
+        with rep.cell(label):
+            ins = [gen_all(f"fcrsc|{i}", world, world * n, dtype, "SUM") for i, n in enumerate(ns)]
+            ys = fc.reduce_scatter_tensor_coalesced([x[rank].clone() for x in ins], "sum",
+                                                    [0] * len(ns), group)
+            for i, (y, x, n) in enumerate(zip(ys, ins, ns)):
+                chunk = [xi[rank * n:(rank + 1) * n] for xi in x]
+                rep.check(f"{label} tensor#{i}", fc.wait_tensor(y), reduce_ref(chunk, dtype, "SUM"),
+                          inputs=chunk, cross_rank=False)
+    return rep.to_dict()
+
+
+# ---------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------
+ALL_DTYPE_NAMES = [dname(d) for d in DTYPES]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_reduce_every_dtype_op_size(pools, world):
+    pools.check(world, allreduce_matrix, SMALL_SIZES, ALL_DTYPE_NAMES, REDOPS, timeout=240)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_reduce_large(pools, world):
+    pools.check(world, allreduce_matrix, ["large"], ["float32", "bfloat16", "int64"],
+                ["SUM", "MAX", "AVG"], "arL", timeout=300)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_avg_is_division_bitwise(pools, world):
+    pools.check(world, avg_is_division)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_reduce_refused_async(pools, world):
+    pools.check(world, allreduce_refusal_async)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_reduce_noncontiguous(pools, world):
+    pools.check(world, allreduce_noncontig, 13)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_noncontiguous_large(pools, world):
+    # strided views of > 1 MiB: the copy-in/copy-out must also go through the staging buffers
+    pools.check(world, allreduce_noncontig, 300_001, ["float32", "bfloat16", "int64"], ["SUM", "MAX"],
+                timeout=300)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_reduce_coalesced(pools, world):
+    pools.check(world, allreduce_coalesced, timeout=240)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_coalescing_manager(pools, world):
+    pools.check(world, coalescing_manager, timeout=240)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_functional_collectives(pools, world):
+    pools.check(world, functional_collectives, timeout=240)
+
+
+def test_float_dtypes_listed():
+    # guard against an accidental edit of the dtype list
+    assert set(FLOAT_DTYPES) <= set(DTYPES) and len(DTYPES) == 10

@@ -1,0 +1,142 @@
+"""reduce_scatter (list input), reduce_scatter_tensor / reduce_scatter_single
+(cat and stack input forms), the DeepSpeed form (output is a view into the
+input buffer), every dtype x reduce op, large sizes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _util import (DTYPES, REDOPS, Report, backend_skip, dname, exact_op, gen, gen_all, large_elems,
+                   make_op, reduce_ref, refused)
+
+WORLDS = [1, 2, 3, 4]
+
+
+def _apis():
+    apis = [("reduce_scatter_tensor", dist.reduce_scatter_tensor)]
+    if hasattr(dist, "reduce_scatter_single"):
+        apis.append(("reduce_scatter_single", dist.reduce_scatter_single))
+    return apis
+
+
+def reduce_scatter_list(rank, world, sizes, dtypes, opnames):
+    rep = Report(rank)
+    for n in sizes:
+        for dtype in [getattr(torch, d) for d in dtypes]:
+            for opname in opnames:
+                label = f"reduce_scatter(list) dtype={dname(dtype)} op={opname} world={world} size={n}"
+                with rep.cell(label):
+                    if refused(dtype, opname):
+                        if n != sizes[0]:
+                            continue
+                        ins = [gen("rslr", rank, n, dtype, "SUM") for _ in range(world)]
+                        out = torch.empty(n, dtype=dtype)
+                        if rep.expect_refusal(label + " (must be refused)",
+                                              lambda: dist.reduce_scatter(out, ins,
+                                                                          op=make_op(opname, dtype))):
+                            rep.group_still_works(label + " (after refusal)", world, rank)
+                        continue
+                    why = backend_skip("reduce_scatter", dtype, opname)
+                    if why:
+                        rep.skip(label, why)
+                        continue
+                    # ins[r][j] = rank r's input chunk destined to rank j
+                    ins = [[gen(f"rsl|{j}", r, n, dtype, opname) for j in range(world)]
+                           for r in range(world)]
+                    out = torch.empty(n, dtype=dtype)
+                    dist.reduce_scatter(out, [x.clone() for x in ins[rank]], op=make_op(opname, dtype))
+                    mine = [ins[r][rank] for r in range(world)]
+                    rep.check(label, out, reduce_ref(mine, dtype, opname),
+                              exact=exact_op(dtype, opname), inputs=mine, cross_rank=False)
+    return rep.to_dict()
+
+
+def reduce_scatter_tensor_forms(rank, world, sizes, dtypes, opnames, key="rst"):
+    rep = Report(rank)
+    for size in sizes:
+        for dtype in [getattr(torch, d) for d in dtypes]:
+            n = large_elems(dtype) if size == "large" else size
+            for opname in opnames:
+                for api_name, api in _apis():
+                    base = f"{api_name} dtype={dname(dtype)} op={opname} world={world}"
+                    if refused(dtype, opname):
+                        if size != sizes[0]:
+                            continue
+                        label = f"{base} out size={n}"
+                        with rep.cell(label):
+                            inp = gen(key, rank, world * n, dtype, "SUM")
+                            out = torch.empty(n, dtype=dtype)
+                            if rep.expect_refusal(label + " (must be refused)",
+                                                  lambda: api(out, inp, op=make_op(opname, dtype))):
+                                rep.group_still_works(label + " (after refusal)", world, rank)
+                        continue
+                    why = backend_skip(api_name, dtype, opname)
+                    forms = [("cat 1-D", (world * n,), (n,)),
+                             ("stack 1-D", (world, n), (n,)),
+                             ("cat 2-D", (world * n, 3), (n, 3))]
+                    if size == "large":
+                        forms = forms[:1]
+                    for desc, ishape, oshape in forms:
+                        label = f"{base} [{desc}: {list(ishape)} -> {list(oshape)}]"
+                        why_f = why or backend_skip(api_name, dtype, opname, variant=desc.split()[0])
+                        if why_f:
+                            rep.skip(label, why_f)
+                            continue
+                        with rep.cell(label):
+                            numel = 1
+                            for s in ishape:
+                                numel *= s
+                            ins = [x.reshape(ishape)
+                                   for x in gen_all(f"{key}|{desc}|{size}", world, numel, dtype, opname)]
+                            out = torch.empty(oshape, dtype=dtype)
+                            api(out, ins[rank].clone(), op=make_op(opname, dtype))
+                            if desc.startswith("stack"):
+                                mine = [x[rank] for x in ins]
+                            else:
+                                mine = [x.narrow(0, rank * n, n) for x in ins]
+                            rep.check(label, out, reduce_ref(mine, dtype, opname),
+                                      exact=exact_op(dtype, opname), inputs=mine, cross_rank=False)
+                    # DeepSpeed: the output is this rank's chunk of the input buffer itself
+                    label = f"{base} [in-place: out = inp.narrow(0, rank*{n}, {n})]"
+                    if why:
+                        rep.skip(label, why)
+                        continue
+                    with rep.cell(label):
+                        ins = gen_all(f"{key}|ds|{size}", world, world * n, dtype, opname)
+                        inp = ins[rank].clone()
+                        out = inp.narrow(0, rank * n, n)
+                        api(out, inp, op=make_op(opname, dtype))
+                        mine = [x.narrow(0, rank * n, n) for x in ins]
+                        rep.check(label, out, reduce_ref(mine, dtype, opname),
+                                  exact=exact_op(dtype, opname), inputs=mine, cross_rank=False)
+    return rep.to_dict()
+
+
+ALL = [dname(d) for d in DTYPES]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_scatter_list(pools, world):
+    pools.check(world, reduce_scatter_list, [1, 7, 1001], ALL, REDOPS, timeout=300)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_scatter_list_empty(pools, world):
+    pools.check(world, reduce_scatter_list, [0], ALL, ["SUM", "MAX", "AVG"])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_scatter_tensor(pools, world):
+    pools.check(world, reduce_scatter_tensor_forms, [1, 333], ALL, REDOPS, timeout=300)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_scatter_tensor_empty_and_odd(pools, world):
+    pools.check(world, reduce_scatter_tensor_forms, [0, 7], ALL, ["SUM", "MIN", "AVG", "PREMUL_SUM_T"],
+                "rst0", timeout=240)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_scatter_tensor_large(pools, world):
+    pools.check(world, reduce_scatter_tensor_forms, ["large"], ["float32", "bfloat16", "int64"],
+                ["SUM", "AVG"], "rstL", timeout=300)
