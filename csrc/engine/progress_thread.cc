@@ -4,21 +4,27 @@
 
 #include <stdexcept>
 
+#include "core/spin.h"
+
 namespace smddp::engine {
 
-ProgressThread::ProgressThread(std::string name) : name_(std::move(name)) {
+ProgressThread::ProgressThread(std::string name, std::chrono::microseconds linger)
+    : name_(std::move(name)), linger_(linger) {
   thread_ = std::thread([this] { loop(); });
 }
 
 ProgressThread::~ProgressThread() { stop(); }
 
 void ProgressThread::enqueue(Task task) {
+  bool wake;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_) throw std::logic_error("smddp: operation issued after the process group was shut down");
     queue_.push_back(std::move(task));
+    queued_.store(queue_.size(), std::memory_order_release);
+    wake = sleeping_;
   }
-  cv_.notify_one();
+  if (wake) cv_.notify_one();
 }
 
 bool ProgressThread::tryRunInline(const Task& task) {
@@ -28,11 +34,13 @@ bool ProgressThread::tryRunInline(const Task& task) {
     busy_ = true;
   }
   task();
+  bool wake;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     busy_ = false;
+    wake = sleeping_ && !queue_.empty();  // something was queued meanwhile
   }
-  cv_.notify_one();  // something may have been queued meanwhile
+  if (wake) cv_.notify_one();
   return true;
 }
 
@@ -49,12 +57,16 @@ void ProgressThread::loop() {
   pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
   while (true) {
     Task task;
+    spinUntil(linger_, [this] { return queued_.load(std::memory_order_acquire) != 0; });
     {
       std::unique_lock<std::mutex> lock(mutex_);
+      sleeping_ = true;
       cv_.wait(lock, [this] { return !busy_ && (stopping_ || !queue_.empty()); });
+      sleeping_ = false;
       if (queue_.empty()) return;  // stopping and drained
       task = std::move(queue_.front());
       queue_.pop_front();
+      queued_.store(queue_.size(), std::memory_order_release);
       busy_ = true;
     }
     task();

@@ -3,6 +3,8 @@
 // condition variable and costs nothing.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -16,7 +18,9 @@ class ProgressThread {
  public:
   using Task = std::function<void()>;
 
-  explicit ProgressThread(std::string name);
+  // After a task, the thread polls for the next one for `linger` before sleeping: a burst of
+  // async ops then avoids a wake-up per op.
+  ProgressThread(std::string name, std::chrono::microseconds linger);
   ~ProgressThread();  // runs what is queued, then joins
 
   // Tasks must not throw: each one reports its own outcome (the torch layer completes a Work).
@@ -35,7 +39,10 @@ class ProgressThread {
   std::condition_variable cv_;
   std::deque<Task> queue_;
   bool stopping_ = false;
-  bool busy_ = false;  // a task is running, on the thread or inline
+  bool busy_ = false;      // a task is running, on the thread or inline
+  bool sleeping_ = false;  // the thread waits on cv_ (only then is a notify needed)
+  std::atomic<size_t> queued_{0};
+  std::chrono::microseconds linger_;
   std::thread thread_;
 };
 

@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/spin.h"
 #include "core/types.h"
 
 namespace smddp::torchext {
@@ -178,10 +179,16 @@ void checkSingleHost(Store& store, int rank, int size) {
 // ---- Work -----------------------------------------------------------------------------------
 
 SmddpWork::SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, std::vector<at::Tensor> outputs,
-                     const std::optional<std::vector<at::Tensor>>& inputs)
+                     const std::optional<std::vector<at::Tensor>>& inputs, std::chrono::microseconds spin)
     : c10d::Work(rank, opType, profilingTitle, inputs),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
+      spin_(spin) {}
+
+bool SmddpWork::wait(std::chrono::milliseconds timeout) {
+  spinUntil(spin_, [this] { return future_->completed(); });
+  return c10d::Work::wait(timeout);
+}
 
 void SmddpWork::complete(std::exception_ptr error) {
   if (error) {
@@ -197,7 +204,7 @@ void SmddpWork::complete(std::exception_ptr error) {
 
 SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout)
-    : c10d::Backend(rank, size), timeoutMs_(timeout.count()) {
+    : c10d::Backend(rank, size), timeoutMs_(timeout.count()), spin_(spinBudget(size)) {
   C10dStore s(store);
   try {
     checkSingleHost(s, rank, size);
@@ -205,7 +212,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, rank));
   }
-  progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank));
+  progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank), spin_);
   SMDDP_INFO(kInit, "rank %d/%d: process group ready", rank, size);
 }
 
@@ -226,7 +233,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
                                                      std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
                                                      std::chrono::milliseconds timeout, bool async, Body body) {
   auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, std::move(outputs),
-                                             std::optional<std::vector<at::Tensor>>(std::move(inputs)));
+                                             std::optional<std::vector<at::Tensor>>(std::move(inputs)), spin_);
   algo::Communicator* comm = comm_.get();
   const int rank = rank_;
   auto task = [work, comm, rank, timeout, body = std::move(body)]() {

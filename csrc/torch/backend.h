@@ -22,7 +22,11 @@ namespace smddp::torchext {
 class SmddpWork : public c10d::Work {
  public:
   SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, std::vector<at::Tensor> outputs,
-            const std::optional<std::vector<at::Tensor>>& inputs);
+            const std::optional<std::vector<at::Tensor>>& inputs, std::chrono::microseconds spin);
+
+  // Polls briefly before blocking: an async op is often waited on right after a short op, and
+  // a sleep plus wake-up costs tens of microseconds.
+  bool wait(std::chrono::milliseconds timeout) override;
 
   // DDP consumes its gradient allreduce only through this future.
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
@@ -37,6 +41,7 @@ class SmddpWork : public c10d::Work {
  private:
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::chrono::microseconds spin_;
 };
 
 class SmddpBackend : public c10d::Backend {
@@ -86,6 +91,7 @@ class SmddpBackend : public c10d::Backend {
   std::chrono::milliseconds resolveTimeout(std::chrono::milliseconds requested) const;
 
   std::atomic<int64_t> timeoutMs_;
+  std::chrono::microseconds spin_;
   std::unique_ptr<algo::Communicator> comm_;
   std::unique_ptr<engine::ProgressThread> progress_;
   std::once_flag shutdownOnce_;

@@ -17,6 +17,7 @@
 #include "core/env.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/spin.h"
 
 namespace smddp::shm {
 
@@ -24,12 +25,6 @@ namespace {
 constexpr uint64_t kMagic = 0x736d646470736d31ull;  // "smddpsm1"
 constexpr size_t kHeaderBytes = 4096;
 constexpr auto kSleepTick = std::chrono::milliseconds(50);  // how often a sleeper checks deadline/peers
-
-inline void cpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
 
 // The futex word is the low half of the 64-bit phase counter (little endian).
 inline uint32_t* futexWord(std::atomic<uint64_t>* phase) { return reinterpret_cast<uint32_t*>(phase); }
@@ -54,12 +49,6 @@ std::string randomToken() {
   char buf[32];
   snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
   return buf;
-}
-
-int usableCpus() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
-  return static_cast<int>(std::thread::hardware_concurrency());
 }
 
 }  // namespace
@@ -95,14 +84,10 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   std::unique_ptr<Domain> d(new Domain(rank, size, slotBytes));
   if (size == 1) return d;
 
-  const int cpus = usableCpus();
-  const int64_t spinUs = env::spinMicros();
-  // When ranks outnumber cores, a spinning waiter takes the core the rank it waits for needs:
-  // then barely spin, and yield to let the peer run. Spinning is bounded in time, not in polls,
-  // because the cost of a pause instruction varies tenfold between CPUs.
-  const bool oversubscribed = size > cpus;
-  d->spin_ = std::chrono::microseconds(spinUs >= 0 ? spinUs : (oversubscribed ? 2 : 50));
-  d->yields_ = oversubscribed ? 8 : 0;
+  // Spinning is bounded in time, not in polls, because the cost of a pause instruction varies
+  // tenfold between CPUs. When ranks outnumber cores, yield a few times to let the peer run.
+  d->spin_ = spinBudget(size);
+  d->yields_ = oversubscribed(size) ? 8 : 0;
 
   if (rank == 0) store.set("smddp/shm/token", randomToken());
   const std::string token = store.get("smddp/shm/token");
@@ -169,14 +154,7 @@ void Domain::publish(uint64_t phase) {
 bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
   Control* c = control(peer);
   std::atomic<uint64_t>& flag = c->phase;
-  if (flag.load(std::memory_order_acquire) >= phase) return true;
-  const auto spinEnd = std::chrono::steady_clock::now() + spin_;
-  do {
-    for (int i = 0; i < 32; ++i) {
-      if (flag.load(std::memory_order_acquire) >= phase) return true;
-      cpuRelax();
-    }
-  } while (std::chrono::steady_clock::now() < spinEnd);
+  if (spinUntil(spin_, [&] { return flag.load(std::memory_order_acquire) >= phase; })) return true;
   for (int i = 0; i < yields_; ++i) {
     if (flag.load(std::memory_order_acquire) >= phase) return true;
     sched_yield();

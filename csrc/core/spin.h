@@ -1,0 +1,37 @@
+// How long a thread may busy-wait before it sleeps. Spinning buys microseconds of latency when
+// every rank has a core; when ranks outnumber cores it steals the core the awaited rank needs.
+#pragma once
+
+#include <chrono>
+
+namespace smddp {
+
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// CPUs this process may run on.
+int usableCpus();
+
+// SMDDP_SPIN_US when set (>= 0), else 50 us, or 2 us when `ranksOnHost` exceeds usableCpus().
+std::chrono::microseconds spinBudget(int ranksOnHost);
+bool oversubscribed(int ranksOnHost);
+
+// Polls `done()` until it returns true or the budget is spent; returns done()'s last value.
+template <class Done>
+bool spinUntil(std::chrono::microseconds budget, Done done) {
+  if (done()) return true;
+  if (budget.count() <= 0) return false;
+  const auto end = std::chrono::steady_clock::now() + budget;
+  do {
+    for (int i = 0; i < 32; ++i) {
+      if (done()) return true;
+      cpuRelax();
+    }
+  } while (std::chrono::steady_clock::now() < end);
+  return done();
+}
+
+}  // namespace smddp
