@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Side-by-side collective benchmark: smddp (candidate) vs gloo (baseline).
+"""Side-by-side collective benchmark: smddp (candidate) vs gloo and MPICH.
 
 nccl-tests style output.  The script is its own launcher: the parent process
 spawns one worker process per rank (``python bench_vs_gloo.py --_worker ...``)
@@ -10,7 +10,7 @@ In every rank:
 
 * the candidate backend is the default process group
   (``dist.init_process_group(backend="smddp")``, after ``import smddp``);
-* each baseline (for now only gloo) sets itself up on the same ranks
+* each in-process baseline (gloo) sets itself up on the same ranks
   (``dist.new_group(backend="gloo")``);
 * a separate gloo group (the *control* group) carries the benchmark's own
   traffic (barriers, iteration count broadcast, time / #wrong reductions), so
@@ -19,6 +19,15 @@ In every rank:
 For each op and size the backends are checked for correctness and then timed
 back to back (candidate first, then the baselines), so noise hits all alike.
 
+Job baselines (MPICH) run as a separate job per world, just before that
+world's torch job: ``mpiexec -n W python benchmarks/bench_mpi_worker.py``
+(mpi4py on numpy buffers, no torch), same sizes / method / check; the parent
+merges their rows into the same tables.
+
+After the tables each torch job measures the idle CPU cost of its ranks
+(``--idle-seconds``), and rank 0 of the first world measures single-thread
+memcpy bandwidth before creating any process group (printed in the header).
+
 Run ``python benchmarks/bench_vs_gloo.py --help`` for the options, and see
 benchmarks/README.md.
 """
@@ -26,11 +35,14 @@ benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
 import platform
 import queue
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -263,8 +275,9 @@ class GlooBaseline(TorchDistBackend):
 
 BASELINES = {
     "gloo": GlooBaseline,
-    # "mpi": MpiBaseline,  # later: mpi4py; needs an mpiexec launcher as well
 }
+# Baselines that run as a job of their own (not in the torch ranks) are in
+# JOB_BASELINES, in the parent section below (JobBaseline, MpichBaseline).
 
 
 # --------------------------------------------------------------------------
@@ -384,6 +397,10 @@ class Worker:
     def setup(self):
         torch, dist, cfg, ctx = self.torch, self.dist, self.cfg, self.ctx
         torch.set_num_threads(cfg["threads"])
+        memcpy = None
+        if cfg.get("memcpy") and self.rank == 0:
+            # before any process group exists; the other ranks wait in the rendezvous
+            memcpy = [{"bytes": n, "gbps": measure_memcpy(torch, n)} for n in MEMCPY_SIZES]
         self.candidate = CandidateBackend(cfg["backend"])
         self.candidate.init_default_group(ctx)
         self.candidate.setup(ctx)
@@ -407,7 +424,36 @@ class Worker:
                       for b in self.backends],
             threads=torch.get_num_threads(),
             smddp=_smddp_version(),
+            memcpy=memcpy,
         )
+
+    def idle_cost(self):
+        """CPU time each rank burns while asleep with all groups alive.
+
+        process CPU time (all threads: backend progress threads included) /
+        wall time, over --idle-seconds of time.sleep()."""
+        secs = self.cfg.get("idle_seconds", 0)
+        if secs <= 0:
+            return
+        self.barrier()
+        t0 = _thread_cpu()
+        c0, w0 = time.process_time(), time.monotonic()
+        time.sleep(secs)
+        c1, w1 = time.process_time(), time.monotonic()
+        t1 = _thread_cpu()
+        wall = w1 - w0
+        frac = [0.0] * self.world
+        frac[self.rank] = (c1 - c0) / wall
+        frac = self.ctrl_allreduce(frac, "sum")
+        # the busiest threads of each rank (name, share of a core; /proc has 10 ms ticks), for the report
+        top = sorted(((name, (cpu - t0[tid][1]) / wall) for tid, (name, cpu) in t1.items() if tid in t0),
+                     key=lambda x: -x[1])[:2]
+        top = [(n, f) for n, f in top if f >= 0.0005]
+        blob = json.dumps(top)
+        gathered = [None] * self.world
+        self.dist.all_gather_object(gathered, blob, group=self.ctx.ctrl)
+        self.send(type="idle", world=self.world, seconds=secs, frac=frac,
+                  threads=[json.loads(g) for g in gathered])
 
     def teardown(self):
         self.barrier()
@@ -539,6 +585,55 @@ class Worker:
             self.send(type="table_end", world=w, op=op)
 
 
+def _thread_cpu() -> dict:
+    """{tid: (thread name, CPU seconds)} of this process, from /proc (Linux)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                st = f.read()
+        except OSError:
+            continue
+        name = st[st.index("(") + 1:st.rindex(")")]
+        fields = st[st.rindex(")") + 2:].split()
+        out[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+    return out
+
+
+MEMCPY_SIZES = (64 * MIB, 1 * MIB)
+
+
+def measure_memcpy(torch, nbytes: int, seconds: float = 0.3, reps: int = 5) -> float:
+    """Single-thread copy bandwidth in GB/s (GB = 1e9): bytes copied per second
+    (one copy of n bytes counts n, although it reads n and writes n) of
+    ``dst.copy_(src)`` on float32 tensors of nbytes; best of `reps` loops."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = nbytes // 4
+        src = torch.ones(n, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault the pages in
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        one = max(time.perf_counter() - t0, 1e-7)
+        iters = max(1, int(seconds / reps / one))
+        best = 0.0
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dst.copy_(src)
+            best = max(best, nbytes * iters / (time.perf_counter() - t0) / 1e9)
+        return best
+    finally:
+        torch.set_num_threads(old)
+
+
 def _smddp_version() -> str:
     try:
         import smddp
@@ -571,6 +666,7 @@ def worker_main(cfg: dict) -> int:
         w = Worker(ctx, cfg.get("out_fd"))
         w.setup()
         w.run()
+        w.idle_cost()
         w.teardown()
     except BaseException:  # noqa: BLE001
         import traceback
@@ -615,7 +711,7 @@ def geomean(xs):
 
 PRE_FMT = "{:>12}  {:>12}  {:>8}  {:>6}"
 BE_FMT = "  {:>7}  {:>6}  {:>6}  {:>6}"
-SP_FMT = "  {:>7}"
+SP_FMT = "  {:>8}"
 BE_WIDTH = len(BE_FMT.format("", "", "", ""))
 
 
@@ -623,24 +719,41 @@ def _hash_line(s: str) -> str:
     return "#" + s[1:]
 
 
+def fmt_bytes(n: int) -> str:
+    """67108864 -> '64 MiB', 1536 -> '1536 B'."""
+    for unit, mult in (("GiB", 1024 * MIB), ("MiB", MIB), ("KiB", KIB)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult} {unit}"
+    return f"{n} B"
+
+
 class Reporter:
-    def __init__(self, args, json_file):
+    def __init__(self, args, json_file, jobs):
         self.args = args
         self.json = json_file
+        self.jobs = jobs  # JobBaseline objects, in --baselines order
         self.rows = []
         self.header_done = False
         self.total_wrong = 0
         self.candidate_errors = 0
-        self.names = []  # column labels, candidate first (from the workers' meta)
+        self.names = []  # column labels, candidate first (from the workers' meta), then the job baselines
+        self.memcpy = None
+        self.notes = []  # '#' lines to print before the next table
+        self.world_results = {}  # job label -> {(op, size): result} for the current world
+        self.world_status = {}  # job label -> None or why the whole column is n/a / incomplete
 
     def out(self, line=""):
         print(line, flush=True)
+
+    def set_job_results(self, label, results, status):
+        self.world_results[label] = results
+        self.world_status[label] = status
 
     def header(self, meta):
         a = self.args
         cpu = cpu_model()
         it = f"{a.iters}" if a.iters > 0 else f"auto (target {a.target_ms:g} ms, {a.min_iters}..{a.max_iters})"
-        self.names = [b["label"] for b in meta["backends"]]
+        self.names = [b["label"] for b in meta["backends"]] + [j.label for j in self.jobs]
         self.cand, self.bases = self.names[0], self.names[1:]
         cand, bases = meta["backends"][0], meta["backends"][1:]
         self.out(f"# bench_vs_gloo: {self.cand} vs {', '.join(self.bases)}  (nccl-tests style)")
@@ -655,22 +768,39 @@ class Reporter:
         self.out(f"# machine: {cpu}, {physical_cores()} cores / {os.cpu_count()} cpus, {platform.system()} {platform.release()}")
         self.out(f"# torch {meta['torch']}  smddp {meta['smddp']}  python {platform.python_version()}  "
                  f"threads/rank: {meta['threads']}")
+        self.memcpy = meta.get("memcpy")
+        if self.memcpy:
+            parts = "  ".join(f"{fmt_bytes(m['bytes'])}: {m['gbps']:.2f} GB/s" for m in self.memcpy)
+            self.out(f"# memcpy bandwidth (rank 0, 1 thread, float32 dst.copy_(src), bytes copied/s, GB = 1e9, "
+                     f"best of 5): {parts}")
         self.out(f"# candidate: {self.cand}: {cand['desc']}")
         for b in bases:
             self.out(f"# baseline:  {b['label']}: {b['desc']}")
-        self.out("# control traffic (barriers, iteration broadcast, time reduction) on a separate gloo group")
+        for j in self.jobs:
+            self.out(f"# baseline:  {j.label}: {j.description()}")
+        for note in getattr(a, "notes", []):
+            self.out(f"# note: {note}")
+        self.out("# control traffic (barriers, iteration broadcast, time reduction) on a separate gloo group"
+                 + (" (MPI: a Dup of COMM_WORLD)" if self.jobs else ""))
         self.out("# time = per-op time in us (loop of blocking ops / iters), " + {
             "avg": "averaged over ranks", "max": "max over ranks", "min": "min over ranks", "rank0": "of rank 0"}[a.time_agg]
-            + "; algbw = size / time (GB/s, GB = 1e9); busbw = algbw * factor")
+            + "; algbw = size / time (GB/s, GB = 1e9); busbw = algbw * factor; vs X = X_time / "
+            + f"{self.cand}_time (> 1: {self.cand} faster)")
         self.header_done = True
 
     def table_begin(self, world, op):
         self.rows = []
         self.errors_seen = set()
         self.t_begin = time.monotonic()
-        factor = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n"}[op]
         self.out("#")
+        for note in self.notes:
+            self.out(note)
+        self.notes = []
+        factor = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n"}[op]
         self.out(f"# world {world}  {op}  dtype {self.args.dtype}  busbw factor {factor} = {BUSBW_FACTOR[op](world):.3f}")
+        for j in self.jobs:
+            if self.world_status.get(j.label):
+                self.out(f"# ({j.label}: {self.world_status[j.label]})")
         pre = " " * len(PRE_FMT.format("", "", "", ""))
         groups = "".join(("  " + n).center(BE_WIDTH) for n in self.names)
         self.out(_hash_line(pre + groups).rstrip())
@@ -679,11 +809,20 @@ class Reporter:
         ) + "".join(SP_FMT.format("speedup") for _ in self.bases)
         l2 = PRE_FMT.format("(B)", "(elements)", "", "") + "".join(
             BE_FMT.format("(us)", "(GB/s)", "(GB/s)", "") for _ in self.names
-        ) + "".join(SP_FMT.format(f"vs {b}"[:7]) for b in self.bases)
+        ) + "".join(SP_FMT.format(f"vs {b}"[:8]) for b in self.bases)
         self.out(_hash_line(l1))
         self.out(_hash_line(l2))
 
+    def _job_result(self, label, op, size):
+        r = self.world_results.get(label, {}).get((op, size))
+        if r is None:
+            why = self.world_status.get(label) or "no result"
+            r = {"backend": label, "time_us": None, "algbw": None, "busbw": None, "wrong": None,
+                 "iters": 0, "error": why, "na": True}
+        return r
+
     def row(self, msg):
+        msg["results"] = list(msg["results"]) + [self._job_result(j.label, msg["op"], msg["size"]) for j in self.jobs]
         res = {r["backend"]: r for r in msg["results"]}
         line = PRE_FMT.format(msg["size"], msg["count"], msg["dtype"], msg["redop"])
         for n in self.names:
@@ -702,7 +841,7 @@ class Reporter:
             line += SP_FMT.format(fmt_speedup(sp[b]))
         self.out(line)
         for r in msg["results"]:
-            if r["error"] and (r["backend"], r["error"]) not in self.errors_seen:
+            if r["error"] and not r.get("na") and (r["backend"], r["error"]) not in self.errors_seen:
                 self.errors_seen.add((r["backend"], r["error"]))
                 self.out(f"# ({r['backend']} failed at size {msg['size']}: {r['error']}; not repeated)")
             if self.json:
@@ -726,9 +865,35 @@ class Reporter:
             parts = []
             for label, lo, hi in SIZE_CLASSES:
                 xs = [sp[b] for size, _, sp in self.rows if lo <= size <= hi and sp[b]]
-                parts.append(f"{label} {fmt_speedup(geomean(xs))} (n={len(xs)})")
+                mn = f"min {fmt_speedup(min(xs))}, " if xs else ""
+                parts.append(f"{label} {fmt_speedup(geomean(xs))} ({mn}n={len(xs)})")
             self.out(f"# Speedup {self.cand} vs {b} (geomean of {b}_time/{self.cand}_time): " + "  ".join(parts))
+        if self.rows and self.memcpy:
+            size, res, _ = self.rows[-1]  # the largest size
+            # compare with the copy of similar footprint: 64 MiB copy above 4 MiB, else the 1 MiB copy
+            ref = min(self.memcpy, key=lambda m: (m["bytes"] < 4 * MIB) != (size < 4 * MIB))
+            bw = res[self.cand]["busbw"]
+            if bw is not None and ref["gbps"] > 0:
+                pct = 100 * bw / ref["gbps"]
+                pct = f"{pct:.0f}" if pct >= 10 else f"{pct:.2g}"
+                self.out(f"# {self.cand} busbw at {fmt_bytes(size)} = {bw:.3g} GB/s = {pct}% "
+                         f"of memcpy bandwidth ({fmt_bytes(ref['bytes'])} copy: {ref['gbps']:.2f} GB/s)")
+            else:
+                self.out(f"# {self.cand} busbw at {fmt_bytes(size)} = n/a")
         self.out(f"# table time: {time.monotonic() - self.t_begin:.1f} s")
+
+    def idle(self, msg):
+        fr = msg["frac"]
+        self.out("#")
+        self.out(f"# idle cost (world {msg['world']}): process CPU time / wall time over {msg['seconds']:g} s of "
+                 f"time.sleep() per rank, {self.cand} default group and gloo groups alive")
+        threads = msg.get("threads") or [[] for _ in fr]
+        for r, f in enumerate(fr):
+            busiest = ", ".join(f"{n} {100 * x:.2f}%" for n, x in threads[r])
+            self.out(f"# idle cost: rank {r}: {100 * f:.2f}% of a core"
+                     + (f"  (busiest threads: {busiest})" if busiest else ""))
+        mx = max(fr) if fr else 0.0
+        self.out(f"# idle cost: max {100 * mx:.2f}% of a core  (target < 1%: {'OK' if mx < 0.01 else 'ABOVE'})")
 
 
 def cpu_model() -> str:
@@ -810,6 +975,204 @@ def _describe_failures(procs) -> str:
     return "; ".join(f"rank {', '.join(map(str, ranks))} {desc}" for desc, ranks in items)
 
 
+# --------------------------------------------------------------------------
+# Parent: job baselines (a separate job per world, e.g. MPICH via mpiexec)
+# --------------------------------------------------------------------------
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of all descendants of pid, from /proc."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                st = f.read()
+            fields = st[st.rindex(")") + 2:].split()
+            children.setdefault(int(fields[1]), []).append((int(e), fields[19]))  # ppid, starttime
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c[0])
+    return out
+
+
+def _start_time(pid: int):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            st = f.read()
+        return st[st.rindex(")") + 2:].split()[19]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _kill_tree(p: subprocess.Popen):
+    """Stop a launcher and everything below it.  hydra puts its proxy and the
+    ranks in sessions of their own, so a process-group kill would miss them:
+    SIGTERM to mpiexec (hydra then stops its ranks), then SIGKILL, by pid, to
+    whatever is left of the tree (checked by start time, so a reused pid is
+    left alone)."""
+    if p.poll() is not None:
+        return
+    tree = _descendants(p.pid)
+    try:
+        p.terminate()
+        p.wait(timeout=3.0)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    if p.poll() is None:
+        tree += [d for d in _descendants(p.pid) if d not in tree]
+        try:
+            p.kill()
+        except OSError:
+            pass
+        p.wait()
+    for pid, start in tree:
+        if _start_time(pid) == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+class JobBaseline:
+    """A baseline that runs as its own job for each world (not in the torch
+    ranks).  run() returns ({(op, size): result}, status, note): status None if all
+    went well, else a short text shown above the tables (the missing rows are
+    n/a), and note is a '#' line for the report.  RunFailed is raised only
+    when the whole run's --timeout expires."""
+
+    name = label = "?"
+
+    def unsupported(self) -> str | None:
+        return None
+
+    def description(self) -> str:
+        return ""
+
+    def run(self, world: int, base_cfg: dict, deadline: float):
+        raise NotImplementedError
+
+
+class MpichBaseline(JobBaseline):
+    name = label = "mpich"
+
+    def __init__(self, args):
+        self.args = args
+        self.mpiexec = args.mpiexec
+        self.worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_mpi_worker.py")
+        self.meta = None
+        self.target_ms = args.mpich_target_ms if args.mpich_target_ms is not None else args.target_ms
+
+    @staticmethod
+    def find_mpiexec(explicit=None):
+        if explicit:
+            return explicit if shutil.which(explicit) else None
+        # the mpiexec next to the venv's python (PyPI "mpich" installs it there)
+        here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        if os.path.isfile(here) and os.access(here, os.X_OK):
+            return here
+        return shutil.which("mpiexec")
+
+    @classmethod
+    def availability(cls, explicit_mpiexec=None):
+        """(mpiexec path or None, why not available or None)."""
+        missing = [m for m in ("mpi4py", "numpy") if importlib.util.find_spec(m) is None]
+        exe = cls.find_mpiexec(explicit_mpiexec)
+        why = []
+        if missing:
+            why.append(f"python module {', '.join(missing)} not importable")
+        if exe is None:
+            why.append(f"no mpiexec ({explicit_mpiexec or 'next to ' + sys.executable + ' or on PATH'})")
+        return exe, ("; ".join(why) or None)
+
+    def unsupported(self):
+        if os.path.dirname(self.worker) not in sys.path:
+            sys.path.insert(0, os.path.dirname(self.worker))
+        from bench_mpi_worker import unsupported  # noqa: E402 - no torch, no mpi4py import
+
+        return unsupported(self.args.dtype, self.args.op)
+
+    def command(self, world):
+        extra = shlex.split(self.args.mpiexec_args) if self.args.mpiexec_args else []
+        return [self.mpiexec, *extra, "-n", str(world), sys.executable, self.worker]
+
+    def description(self):
+        why = self.unsupported()
+        if why:
+            return why
+        m = self.meta
+        lib = (f"{m['library']} (MPI {m['standard']}) via mpi4py {m['mpi4py']}, numpy {m['numpy']} buffers, "
+               "no torch; " if m else "")
+
+        def short(x):
+            return os.path.relpath(x) if os.path.isabs(x) else x
+
+        cmd = self.command(0)
+        launch = " ".join([short(cmd[0])] + cmd[1:-4] + ["-n W", short(cmd[-2]), short(cmd[-1])])
+        return (f"{lib}separate job per world, run before its torch job: "
+                f"HYDRA_LAUNCHER={os.environ.get('HYDRA_LAUNCHER', 'fork')} {launch}  (target {self.target_ms:g} ms)")
+
+    def run(self, world, base_cfg, deadline):
+        tmp = tempfile.mkdtemp(prefix="smddp_bench_mpi_")
+        result_file = os.path.join(tmp, "results.jsonl")
+        cfg = dict(base_cfg, world=world, result_file=result_file, target_ms=self.target_ms)
+        env = dict(os.environ)
+        env.setdefault("HYDRA_LAUNCHER", "fork")  # hydra: start ranks locally, no ssh
+        env["OMP_NUM_THREADS"] = str(self.args.threads)
+        t0 = time.monotonic()
+        p = None
+        try:
+            p = subprocess.Popen(self.command(world) + [json.dumps(cfg)], stdin=subprocess.DEVNULL,
+                                 stdout=sys.stderr.fileno(), env=env, start_new_session=True)
+            while p.poll() is None:
+                if time.monotonic() > deadline:
+                    _kill_tree(p)
+                    raise RunFailed(f"world {world}: {self.label} job exceeded --timeout {self.args.timeout:g} s")
+                time.sleep(0.1)
+            rc = p.returncode
+        except OSError as e:
+            rc = f"could not start: {e}"
+        finally:
+            if p is not None:
+                _kill_tree(p)
+        results, done = {}, False
+        try:
+            with open(result_file) as f:
+                for line in f:
+                    try:
+                        msg = json.loads(line)
+                    except ValueError:
+                        continue  # a torn last line
+                    if msg["type"] == "meta":
+                        self.meta = self.meta or msg
+                    elif msg["type"] == "row":
+                        results[(msg["op"], msg["size"])] = msg["result"]
+                    elif msg["type"] == "done":
+                        done = True
+        except OSError:
+            pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        secs = time.monotonic() - t0
+        if rc == 0 and done:
+            return results, None, f"# {self.label} job (world {world}): {len(results)} rows in {secs:.1f} s"
+        what = f"exit code {rc}" if isinstance(rc, int) else rc
+        status = f"job FAILED ({what}) after {len(results)} rows; missing rows n/a, see stderr"
+        return results, status, f"# ERROR: {self.label} job (world {world}) {status}"
+
+
+JOB_BASELINES = {"mpich": MpichBaseline}
+
+
 def run_world(world: int, args, base_cfg: dict, reporter: Reporter, deadline: float):
     """Spawn `world` ranks, stream rank 0's records to the reporter."""
     tmp = tempfile.mkdtemp(prefix="smddp_bench_")
@@ -860,6 +1223,8 @@ def run_world(world: int, args, base_cfg: dict, reporter: Reporter, deadline: fl
                         reporter.row(msg)
                     elif t == "table_end":
                         reporter.table_end(msg["world"], msg["op"])
+                    elif t == "idle":
+                        reporter.idle(msg)
                 else:
                     sys.stderr.write(line)
             if any(p.poll() not in (None, 0) for p in procs):
@@ -886,11 +1251,14 @@ def run_world(world: int, args, base_cfg: dict, reporter: Reporter, deadline: fl
 
 def parse_args(argv):
     p = argparse.ArgumentParser(
-        description="nccl-tests style side-by-side benchmark of a torch.distributed backend (default smddp) vs gloo.",
+        description="nccl-tests style side-by-side benchmark of a torch.distributed backend (default smddp) "
+                    "vs gloo and MPICH.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--backend", default="smddp", help="candidate backend (default group); non-builtin names are imported first")
-    p.add_argument("--baselines", default="gloo", help=f"comma list of baselines ({','.join(BASELINES)})")
+    p.add_argument("--baselines", default=None,
+                   help=f"comma list of baselines ({','.join(list(BASELINES) + list(JOB_BASELINES))}); "
+                        "default gloo,mpich if mpi4py, numpy and mpiexec are available, else gloo")
     p.add_argument("--worlds", default="2,4", help="comma list of world sizes")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {','.join(OPS)}")
     p.add_argument("-d", "--dtype", default="float32", choices=list(DTYPES), help="datatype")
@@ -909,19 +1277,40 @@ def parse_args(argv):
     p.add_argument("--threads", default=1, type=int, help="torch intra-op threads (and OMP_NUM_THREADS) per rank")
     p.add_argument("-J", "--json", default=None, help="also write JSON lines (one per measurement) to this file")
     p.add_argument("--timeout", default=1800.0, type=float, help="whole-run time limit in seconds")
+    p.add_argument("--idle-seconds", default=5.0, type=float,
+                   help="after the tables, per world: measure each rank's CPU use while asleep this long (0: off)")
+    p.add_argument("--mpiexec", default=None,
+                   help="mpiexec for the mpich baseline (default: the one next to this python, else on PATH)")
+    p.add_argument("--mpiexec-args", default="", help="extra mpiexec arguments, e.g. '-bind-to core'")
+    p.add_argument("--mpich-target-ms", default=None, type=float,
+                   help="auto iterations of the mpich baseline (default: --target-ms)")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._worker is not None:
         return args
     args.worlds = [int(x) for x in args.worlds.split(",") if x.strip()]
     args.ops = [x.strip() for x in args.ops.split(",") if x.strip()]
+    args.notes = []
+    exe, why = MpichBaseline.availability(args.mpiexec)
+    if args.baselines is None:
+        if why:
+            args.baselines = "gloo"
+            args.notes.append(f"mpich baseline off: {why} (pip install -r requirements-bench.txt)")
+        else:
+            args.baselines = "gloo,mpich"
     args.baselines = [x.strip() for x in args.baselines.split(",") if x.strip()]
+    if "mpich" in args.baselines:
+        if why:
+            p.error(f"mpich baseline unavailable: {why} (pip install -r requirements-bench.txt)")
+        args.mpiexec = exe
     for o in args.ops:
         if o not in OPS:
             p.error(f"unknown op {o!r} (choose from {', '.join(OPS)})")
     for b in args.baselines:
-        if b not in BASELINES:
-            p.error(f"unknown baseline {b!r} (available: {', '.join(BASELINES)})")
+        if b not in BASELINES and b not in JOB_BASELINES:
+            p.error(f"unknown baseline {b!r} (available: {', '.join(list(BASELINES) + list(JOB_BASELINES))})")
+    if len(set(args.baselines)) != len(args.baselines):
+        p.error("a baseline is listed twice")
     if not args.baselines:
         p.error("need at least one baseline")
     if any(w < 1 for w in args.worlds):
@@ -930,6 +1319,8 @@ def parse_args(argv):
         p.error("--minbytes > --maxbytes")
     if args.min_iters < 1 or args.max_iters < args.min_iters:
         p.error("need 1 <= --min-iters <= --max-iters")
+    if args.idle_seconds < 0:
+        p.error("--idle-seconds must be >= 0")
     return args
 
 
@@ -944,20 +1335,29 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     base_cfg = {
         "parent_pid": os.getpid(),
-        "backend": args.backend, "baselines": args.baselines, "ops": args.ops,
+        "backend": args.backend, "baselines": [b for b in args.baselines if b in BASELINES], "ops": args.ops,
         "dtype": args.dtype, "redop": args.op,
         "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
         "iters": args.iters, "warmup": args.warmup, "target_ms": args.target_ms,
         "min_iters": args.min_iters, "max_iters": args.max_iters, "time_agg": args.time_agg,
-        "check": bool(args.check), "threads": args.threads,
+        "check": bool(args.check), "threads": args.threads, "idle_seconds": args.idle_seconds,
     }
+    jobs = [JOB_BASELINES[b](args) for b in args.baselines if b in JOB_BASELINES]
     json_file = open(args.json, "w") if args.json else None
-    reporter = Reporter(args, json_file)
+    reporter = Reporter(args, json_file, jobs)
     t0 = time.monotonic()
     deadline = t0 + args.timeout
     try:
-        for world in args.worlds:
-            run_world(world, args, base_cfg, reporter, deadline)
+        for i, world in enumerate(args.worlds):
+            for job in jobs:  # each job baseline: its own job, before the torch job of this world
+                why = job.unsupported()
+                if why:
+                    reporter.set_job_results(job.label, {}, why)
+                    continue
+                results, status, note = job.run(world, base_cfg, deadline)
+                reporter.set_job_results(job.label, results, status)
+                reporter.notes.append(note)
+            run_world(world, args, dict(base_cfg, memcpy=(i == 0)), reporter, deadline)
     except RunFailed as e:
         print(f"# ERROR: {e}; all ranks killed", flush=True)
         print(f"bench_vs_gloo: error: {e}", file=sys.stderr)
