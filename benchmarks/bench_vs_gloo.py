@@ -204,10 +204,13 @@ class TorchDistBackend(Backend):
         self._dist.all_reduce(t, op=self._ops[redop], group=self.group, async_op=False)
 
     def all_gather(self, out, inp):
-        self._dist.all_gather_into_tensor(out, inp, group=self.group, async_op=False)
+        # torch 2.13's names; the deprecated ones cost a filtered FutureWarning on every call.
+        fn = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+        fn(out, inp, group=self.group, async_op=False)
 
     def reduce_scatter(self, out, inp, redop):
-        self._dist.reduce_scatter_tensor(out, inp, op=self._ops[redop], group=self.group, async_op=False)
+        fn = getattr(self._dist, "reduce_scatter_single", None) or self._dist.reduce_scatter_tensor
+        fn(out, inp, op=self._ops[redop], group=self.group, async_op=False)
 
 
 class CandidateBackend(TorchDistBackend):

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <functional>
 
+#include "core/copy.h"
 #include "core/error.h"
 #include "core/reduce.h"
 
@@ -179,22 +180,31 @@ void broadcast(OpContext& ctx, const BroadcastOptions& o) {
 void allgather(OpContext& ctx, const AllgatherOptions& o) {
   const size_t es = elementSize(o.dtype);
   const size_t mine = o.counts[ctx.rank] * es;
-  if (mine > 0 && o.outputs[ctx.rank] != o.input) std::memmove(o.outputs[ctx.rank], o.input, mine);
-  if (ctx.size == 1) return;
+  const bool ownCopy = mine > 0 && o.outputs[ctx.rank] != o.input;
+  if (ctx.size == 1) {
+    if (ownCopy) std::memmove(o.outputs[0], o.input, mine);
+    return;
+  }
   shm::Domain& d = *ctx.domain;
   const size_t maxBytes = *std::max_element(o.counts.begin(), o.counts.end()) * es;
   const Expect e{OpKind::kAllgather, o.dtype, ReduceOp::kSum, -1};
-  // Stage from the output copy of our piece: the input may alias another rank's output slot.
-  const uint8_t* src = bytes(o.outputs[ctx.rank]);
+  size_t total = 0;
+  for (size_t c : o.counts) total += c * es;
+  const bool stream = shouldStream(total);
   for (size_t off = 0; off < maxBytes; off += d.slotBytes()) {
+    const size_t myN = off < mine ? std::min(d.slotBytes(), mine - off) : 0;
     const uint64_t k = step(ctx, off == 0, e, o.counts[ctx.rank], [&](int p) { return o.counts[p]; },
                             [&](uint8_t* slot) {
-                              if (off < mine) std::memcpy(slot, src + off, std::min(d.slotBytes(), mine - off));
+                              if (myN == 0) return;
+                              std::memcpy(slot, bytes(o.input) + off, myN);
+                              // Our own piece goes to the output from the slot, still in cache,
+                              // rather than in a separate pass over the whole input.
+                              if (ownCopy) copyOut(bytes(o.outputs[ctx.rank]) + off, slot, myN, stream);
                             });
     for (int p = 0; p < ctx.size; ++p) {
       const size_t pbytes = o.counts[p] * es;
       if (p == ctx.rank || off >= pbytes) continue;
-      std::memcpy(bytes(o.outputs[p]) + off, d.slot(p, k), std::min(d.slotBytes(), pbytes - off));
+      copyOut(bytes(o.outputs[p]) + off, d.slot(p, k), std::min(d.slotBytes(), pbytes - off), stream);
     }
   }
 }

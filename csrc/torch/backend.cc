@@ -347,6 +347,15 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather(std::vector<std::vector<a
   TORCH_CHECK_VALUE(counts[rank_] == static_cast<size_t>(in.numel()), "smddp rank ", rank_, ": allgather: output ",
                     rank_, " has ", counts[rank_], " elements but the input has ", in.numel());
   at::Tensor src = stageIn(in);
+  // Pieces are written while the input is still being staged chunk by chunk: an input that
+  // overlaps an output (other than being exactly this rank's own output) goes through a copy.
+  for (int p = 0; p < size_; ++p) {
+    const at::Tensor& o = staged[p].work;
+    if (overlaps(src, o) && !(p == rank_ && o.data_ptr() == src.data_ptr())) {
+      src = src.clone();
+      break;
+    }
+  }
   return enqueue(c10d::OpType::ALLGATHER, "smddp:all_gather", outs, inputs, resolveTimeout(opts.timeout), opts.asyncOp,
                  [staged, counts, src, dtype](algo::Communicator& c, std::chrono::milliseconds to) {
                    algo::AllgatherOptions o{dtype, src.data_ptr(), {}, counts};
