@@ -32,7 +32,6 @@ This file imports no torch.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import sys
@@ -41,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_vs_gloo import BUSBW_FACTOR, geometry, size_list  # noqa: E402  (no torch import)
+from bench_vs_gloo import BUSBW_FACTOR, geometry, measure_call, size_list  # noqa: E402  (no torch import)
 
 # bench dtype name -> (numpy dtype name, MPI datatype attribute name)
 MPI_DTYPES = {
@@ -215,37 +214,7 @@ class MpiWorker:
         return int(total), None
 
     def measure(self, op, out, inp):
-        cfg = self.cfg
-        call = self.make_call(op, out, inp)
-        auto = cfg["iters"] <= 0
-        nwarm = cfg["warmup"] if (cfg["warmup"] > 0 or not auto) else 1
-        self.barrier()
-        t0 = time.perf_counter()
-        for _ in range(nwarm):
-            call()
-        warm_s = time.perf_counter() - t0
-        if auto:
-            iters = 0
-            if self.rank == 0:
-                per = warm_s / nwarm
-                iters = int(math.ceil(cfg["target_ms"] * 1e-3 / per)) if per > 0 else cfg["max_iters"]
-                iters = max(cfg["min_iters"], min(cfg["max_iters"], iters))
-            iters = self.ctrl_bcast_int(iters)
-        else:
-            iters = cfg["iters"]
-        self.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            call()
-        per_op = (time.perf_counter() - t0) / iters
-        agg = cfg["time_agg"]
-        if agg == "avg":
-            per_op = self.ctrl_allreduce([per_op], "sum")[0] / self.world
-        elif agg in ("max", "min"):
-            per_op = self.ctrl_allreduce([per_op], agg)[0]
-        else:  # rank0
-            per_op = self.ctrl_allreduce([per_op if self.rank == 0 else 0.0], "sum")[0]
-        return per_op, iters
+        return measure_call(self, self.make_call(op, out, inp))
 
     def run(self):
         cfg, w, MPI = self.cfg, self.world, self.MPI

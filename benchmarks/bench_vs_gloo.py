@@ -38,6 +38,7 @@ import argparse
 import importlib.util
 import json
 import math
+import statistics
 import os
 import platform
 import queue
@@ -142,6 +143,52 @@ def geometry(op: str, size: int, world: int, esize: int):
 # add it to BASELINES.  Tensors are contiguous CPU torch tensors.
 # --------------------------------------------------------------------------
 
+
+
+def measure_call(worker, call):
+    """Times `call` on `worker` (a torch or an MPI rank: rank, world, cfg, barrier,
+    ctrl_bcast_int, ctrl_allreduce) and returns (seconds per op, iterations).
+
+    The timed iterations are split into cfg["reps"] repetitions, each after a barrier; a rank's
+    time is the median over its repetitions, so a burst of noise (a descheduled rank on a busy
+    or virtualised host) spoils one repetition instead of the whole measurement. The per-rank
+    times are then combined as cfg["time_agg"] says (nccl-tests averages them).
+    """
+    cfg = worker.cfg
+    auto = cfg["iters"] <= 0
+    nwarm = cfg["warmup"] if (cfg["warmup"] > 0 or not auto) else 1
+    worker.barrier()
+    t0 = time.perf_counter()
+    for _ in range(nwarm):
+        call()
+    warm_s = time.perf_counter() - t0
+    if auto:
+        iters = 0
+        if worker.rank == 0:
+            per = warm_s / nwarm
+            iters = int(math.ceil(cfg["target_ms"] * 1e-3 / per)) if per > 0 else cfg["max_iters"]
+            iters = max(cfg["min_iters"], min(cfg["max_iters"], iters))
+        iters = worker.ctrl_bcast_int(iters)
+    else:
+        iters = cfg["iters"]
+    reps = max(1, min(cfg.get("reps", 1), iters))
+    per_rep = int(math.ceil(iters / reps))
+    samples = []
+    for _ in range(reps):
+        worker.barrier()
+        t0 = time.perf_counter()
+        for _ in range(per_rep):
+            call()
+        samples.append((time.perf_counter() - t0) / per_rep)
+    per_op = statistics.median(samples)
+    agg = cfg["time_agg"]
+    if agg == "avg":
+        per_op = worker.ctrl_allreduce([per_op], "sum")[0] / worker.world
+    elif agg in ("max", "min"):
+        per_op = worker.ctrl_allreduce([per_op], agg)[0]
+    else:  # rank0
+        per_op = worker.ctrl_allreduce([per_op if worker.rank == 0 else 0.0], "sum")[0]
+    return per_op, per_rep * reps
 
 class Backend:
     name = "?"  # backend name
@@ -516,37 +563,7 @@ class Worker:
 
     # -- timing --
     def measure(self, backend, op, out, inp):
-        cfg = self.cfg
-        call = backend.make_call(op, out, inp, self.redop)
-        auto = cfg["iters"] <= 0
-        nwarm = cfg["warmup"] if (cfg["warmup"] > 0 or not auto) else 1
-        self.barrier()
-        t0 = time.perf_counter()
-        for _ in range(nwarm):
-            call()
-        warm_s = time.perf_counter() - t0
-        if auto:
-            iters = 0
-            if self.rank == 0:
-                per = warm_s / nwarm
-                iters = int(math.ceil(cfg["target_ms"] * 1e-3 / per)) if per > 0 else cfg["max_iters"]
-                iters = max(cfg["min_iters"], min(cfg["max_iters"], iters))
-            iters = self.ctrl_bcast_int(iters)
-        else:
-            iters = cfg["iters"]
-        self.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            call()
-        per_op = (time.perf_counter() - t0) / iters
-        agg = cfg["time_agg"]
-        if agg == "avg":
-            per_op = self.ctrl_allreduce([per_op], "sum")[0] / self.world
-        elif agg in ("max", "min"):
-            per_op = self.ctrl_allreduce([per_op], agg)[0]
-        else:  # rank0
-            per_op = self.ctrl_allreduce([per_op if self.rank == 0 else 0.0], "sum")[0]
-        return per_op, iters
+        return measure_call(self, backend.make_call(op, out, inp, self.redop))
 
     # -- main loop --
     def run(self):
@@ -765,7 +782,7 @@ class Reporter:
         )
         self.out(
             f"# minBytes {a.minbytes} maxBytes {a.maxbytes} step: {a.stepfactor:g}(factor) "
-            f"warmup iters: {a.warmup} iters: {it} time: {a.time_agg} over ranks  validation: {int(a.check)}"
+            f"warmup iters: {a.warmup} iters: {it} in {a.reps} reps (median) time: {a.time_agg} over ranks  validation: {int(a.check)}"
         )
         self.out("#")
         self.out(f"# machine: {cpu}, {physical_cores()} cores / {os.cpu_count()} cpus, {platform.system()} {platform.release()}")
@@ -785,7 +802,7 @@ class Reporter:
             self.out(f"# note: {note}")
         self.out("# control traffic (barriers, iteration broadcast, time reduction) on a separate gloo group"
                  + (" (MPI: a Dup of COMM_WORLD)" if self.jobs else ""))
-        self.out("# time = per-op time in us (loop of blocking ops / iters), " + {
+        self.out(f"# time = per-op time in us (loop of blocking ops / iters; median of {a.reps} reps per rank), " + {
             "avg": "averaged over ranks", "max": "max over ranks", "min": "min over ranks", "rank0": "of rank 0"}[a.time_agg]
             + "; algbw = size / time (GB/s, GB = 1e9); busbw = algbw * factor; vs X = X_time / "
             + f"{self.cand}_time (> 1: {self.cand} faster)")
@@ -1274,6 +1291,8 @@ def parse_args(argv):
     p.add_argument("--target-ms", default=200.0, type=float, help="auto iterations: aim for this much timed time per measurement")
     p.add_argument("--min-iters", default=5, type=int, help="auto iterations: lower bound")
     p.add_argument("--max-iters", default=1000, type=int, help="auto iterations: upper bound")
+    p.add_argument("--reps", type=int, default=5,
+                   help="split the timed iterations into this many repetitions and take each rank's median")
     p.add_argument("-a", "--time-agg", default="avg", choices=["avg", "max", "min", "rank0"],
                    help="how per-rank times are combined (nccl-tests default: avg)")
     p.add_argument("-c", "--check", default=1, type=int, choices=[0, 1], help="validate results (#wrong)")
@@ -1342,7 +1361,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype, "redop": args.op,
         "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
         "iters": args.iters, "warmup": args.warmup, "target_ms": args.target_ms,
-        "min_iters": args.min_iters, "max_iters": args.max_iters, "time_agg": args.time_agg,
+        "min_iters": args.min_iters, "max_iters": args.max_iters, "time_agg": args.time_agg, "reps": args.reps,
         "check": bool(args.check), "threads": args.threads, "idle_seconds": args.idle_seconds,
     }
     jobs = [JOB_BASELINES[b](args) for b in args.baselines if b in JOB_BASELINES]

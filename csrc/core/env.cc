@@ -24,8 +24,8 @@ constexpr Param kParams[] = {
      "Allreduces up to this size use the one-shot algorithm (every rank reads every input); larger "
      "ones use reduce-scatter + all-gather."},
     {"SMDDP_SPIN_US", "-1",
-     "Microseconds a waiting thread polls a peer's flag before it sleeps on a futex. -1 picks 50 us, "
-     "or 2 us plus a few yields when ranks outnumber cores."},
+     "Microseconds a rank polls a peer's flag inside a collective before it sleeps on a futex. -1 "
+     "picks 500 us, or 2 us plus a few yields when ranks outnumber cores."},
     {"SMDDP_SIMD", "auto", "Reduce-kernel instruction set: auto, avx512, avx2 or scalar."},
     {"SMDDP_DEBUG", "WARN", "Log level: NONE, WARN, INFO or TRACE."},
     {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, ENV or ALL; ^ inverts."},

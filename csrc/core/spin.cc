@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "core/env.h"
@@ -19,7 +20,13 @@ bool oversubscribed(int ranksOnHost) { return ranksOnHost > usableCpus(); }
 std::chrono::microseconds spinBudget(int ranksOnHost) {
   const int64_t us = env::spinMicros();
   if (us >= 0) return std::chrono::microseconds(us);
-  return std::chrono::microseconds(oversubscribed(ranksOnHost) ? 2 : 50);
+  // A peer that is late by more than this has most likely been descheduled; past it, sleeping
+  // costs a wake-up (tens of microseconds) but frees the core.
+  return std::chrono::microseconds(oversubscribed(ranksOnHost) ? 2 : 500);
+}
+
+std::chrono::microseconds lingerBudget(int ranksOnHost) {
+  return std::min(spinBudget(ranksOnHost), std::chrono::microseconds(50));
 }
 
 }  // namespace smddp

@@ -15,8 +15,12 @@ inline void cpuRelax() {
 // CPUs this process may run on.
 int usableCpus();
 
-// SMDDP_SPIN_US when set (>= 0), else 50 us, or 2 us when `ranksOnHost` exceeds usableCpus().
+// How long a rank polls a peer's flag inside a collective: SMDDP_SPIN_US when set (>= 0), else
+// 500 us, or 2 us when `ranksOnHost` exceeds usableCpus().
 std::chrono::microseconds spinBudget(int ranksOnHost);
+// How long the progress thread polls for the next op, and Work::wait for completion, before
+// sleeping: at most 50 us, since these spins run between ops, beside the user's compute.
+std::chrono::microseconds lingerBudget(int ranksOnHost);
 bool oversubscribed(int ranksOnHost);
 
 // Polls `done()` until it returns true or the budget is spent; returns done()'s last value.

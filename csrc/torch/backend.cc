@@ -204,7 +204,7 @@ void SmddpWork::complete(std::exception_ptr error) {
 
 SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout)
-    : c10d::Backend(rank, size), timeoutMs_(timeout.count()), spin_(spinBudget(size)) {
+    : c10d::Backend(rank, size), timeoutMs_(timeout.count()), spin_(lingerBudget(size)) {
   C10dStore s(store);
   try {
     checkSingleHost(s, rank, size);
