@@ -35,6 +35,7 @@ benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import math
@@ -174,12 +175,20 @@ def measure_call(worker, call):
     reps = max(1, min(cfg.get("reps", 1), iters))
     per_rep = int(math.ceil(iters / reps))
     samples = []
-    for _ in range(reps):
-        worker.barrier()
-        t0 = time.perf_counter()
-        for _ in range(per_rep):
-            call()
-        samples.append((time.perf_counter() - t0) / per_rep)
+    # As timeit does: a cyclic-GC pass (milliseconds with torch loaded) on one rank would stall
+    # every rank of a fast collective and say nothing about the backend.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(reps):
+            worker.barrier()
+            t0 = time.perf_counter()
+            for _ in range(per_rep):
+                call()
+            samples.append((time.perf_counter() - t0) / per_rep)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     per_op = statistics.median(samples)
     agg = cfg["time_agg"]
     if agg == "avg":
