@@ -165,6 +165,28 @@ void checkNanPropagates(Isa isa) {
   }
 }
 
+// 16-bit float conversions: every bit pattern (inf, NaN, subnormals included) must round-trip
+// through float exactly (NaN as some NaN), identically on every instruction set.
+void checkHalfRoundTrip(Isa isa) {
+  for (DataType dt : {DataType::kFloat16, DataType::kBFloat16}) {
+    std::vector<uint16_t> in(65536), out(65536);
+    for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<uint16_t>(i);
+    const void* src = in.data();
+    reduceWithIsa(isa, dt, Reduction{ReduceOp::kMax}, out.data(), &src, 1, in.size());
+    size_t bad = 0;
+    for (size_t i = 0; i < in.size(); ++i) {
+      const bool nan = dt == DataType::kFloat16 ? ((i & 0x7c00) == 0x7c00 && (i & 0x3ff))
+                                                : ((i & 0x7f80) == 0x7f80 && (i & 0x7f));
+      const bool outNan = dt == DataType::kFloat16 ? ((out[i] & 0x7c00) == 0x7c00 && (out[i] & 0x3ff))
+                                                   : ((out[i] & 0x7f80) == 0x7f80 && (out[i] & 0x7f));
+      if (nan ? !outNan : out[i] != in[i]) {
+        if (bad++ < 3) printf("FAIL %s %s round trip of 0x%04zx gave 0x%04x\n", isaName(isa), dataTypeName(dt), i, out[i]);
+      }
+    }
+    (bad == 0 ? passed : failed)++;
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -188,6 +210,7 @@ int main() {
       }
     }
     checkNanPropagates(isa);
+    checkHalfRoundTrip(isa);
   }
   printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
