@@ -142,6 +142,9 @@ const char* opKindName(OpKind kind) {
     case OpKind::kAllgather: return "allgather";
     case OpKind::kReduceScatter: return "reduce_scatter";
     case OpKind::kBarrier: return "barrier";
+    case OpKind::kGather: return "gather";
+    case OpKind::kScatter: return "scatter";
+    case OpKind::kAlltoall: return "alltoall";
   }
   return "?";
 }
@@ -180,14 +183,15 @@ void broadcast(OpContext& ctx, const BroadcastOptions& o) {
 void allgather(OpContext& ctx, const AllgatherOptions& o) {
   const size_t es = elementSize(o.dtype);
   const size_t mine = o.counts[ctx.rank] * es;
-  const bool ownCopy = mine > 0 && o.outputs[ctx.rank] != o.input;
+  const bool receives = o.root < 0 || o.root == ctx.rank;
+  const bool ownCopy = receives && mine > 0 && o.outputs[ctx.rank] != o.input;
   if (ctx.size == 1) {
     if (ownCopy) std::memmove(o.outputs[0], o.input, mine);
     return;
   }
   shm::Domain& d = *ctx.domain;
   const size_t maxBytes = *std::max_element(o.counts.begin(), o.counts.end()) * es;
-  const Expect e{OpKind::kAllgather, o.dtype, ReduceOp::kSum, -1};
+  const Expect e{o.root < 0 ? OpKind::kAllgather : OpKind::kGather, o.dtype, ReduceOp::kSum, o.root};
   size_t total = 0;
   for (size_t c : o.counts) total += c * es;
   const bool stream = shouldStream(total);
@@ -201,7 +205,7 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
                               // rather than in a separate pass over the whole input.
                               if (ownCopy) copyOut(bytes(o.outputs[ctx.rank]) + off, slot, myN, stream);
                             });
-    for (int p = 0; p < ctx.size; ++p) {
+    for (int p = 0; receives && p < ctx.size; ++p) {
       const size_t pbytes = o.counts[p] * es;
       if (p == ctx.rank || off >= pbytes) continue;
       copyOut(bytes(o.outputs[p]) + off, d.slot(p, k), std::min(d.slotBytes(), pbytes - off), stream);
@@ -233,6 +237,100 @@ void reduceScatter(OpContext& ctx, const ReduceScatterOptions& o) {
     });
     for (int q = 0; q < ctx.size; ++q) srcs[q] = d.slot(q, k) + ctx.rank * piece * es;
     reduce(o.dtype, o.reduction, bytes(o.output) + off * es, srcs.data(), ctx.size, pe);
+  }
+}
+
+namespace {
+// Bytes of the per-destination region when a slot is split W ways, on cache-line boundaries.
+size_t regionBytes(const shm::Domain& d, int W) {
+  const size_t r = d.slotBytes() / W / kAlignBytes * kAlignBytes;
+  if (r == 0) {
+    throwError(ErrorCode::kNotSupported, "SMDDP_SHM_SLOT_BYTES=%zu is too small for %d ranks", d.slotBytes(), W);
+  }
+  return r;
+}
+}  // namespace
+
+void scatter(OpContext& ctx, const ScatterOptions& o) {
+  const size_t total = o.count * elementSize(o.dtype);
+  const bool isRoot = ctx.rank == o.root;
+  if (isRoot && total > 0 && o.output != o.inputs[ctx.rank]) std::memmove(o.output, o.inputs[ctx.rank], total);
+  if (total == 0 || ctx.size == 1) return;
+  shm::Domain& d = *ctx.domain;
+  const size_t region = regionBytes(d, ctx.size);
+  const Expect e{OpKind::kScatter, o.dtype, ReduceOp::kSum, o.root};
+  for (size_t off = 0; off < total; off += region) {
+    const size_t n = std::min(region, total - off);
+    const uint64_t k = step(ctx, off == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
+      if (!isRoot) return;
+      for (int p = 0; p < ctx.size; ++p) {
+        if (p != ctx.rank) std::memcpy(slot + p * region, bytes(o.inputs[p]) + off, n);
+      }
+    });
+    if (!isRoot) std::memcpy(bytes(o.output) + off, d.slot(o.root, k) + ctx.rank * region, n);
+  }
+}
+
+void alltoall(OpContext& ctx, const AlltoallOptions& o) {
+  const size_t es = elementSize(o.dtype);
+  const int W = ctx.size;
+  if (o.outCounts[ctx.rank] != o.inCounts[ctx.rank]) {
+    throwError(ErrorCode::kInvalidUsage, "alltoall: this rank sends itself %zu elements but expects %zu",
+               o.inCounts[ctx.rank], o.outCounts[ctx.rank]);
+  }
+  if (o.inCounts[ctx.rank] > 0 && o.outputs[ctx.rank] != o.inputs[ctx.rank]) {
+    std::memmove(o.outputs[ctx.rank], o.inputs[ctx.rank], o.inCounts[ctx.rank] * es);
+  }
+  if (W == 1) return;
+  shm::Domain& d = *ctx.domain;
+  if (2 * static_cast<size_t>(W) * sizeof(uint64_t) > d.slotBytes()) {
+    throwError(ErrorCode::kNotSupported, "alltoall: SMDDP_SHM_SLOT_BYTES=%zu is too small for %d ranks",
+               d.slotBytes(), W);
+  }
+  const Expect e{OpKind::kAlltoall, o.dtype, ReduceOp::kSum, -1};
+  // Step 1 publishes every rank's send and receive counts. Every rank checks the whole matrix,
+  // so a mismatch fails on all ranks alike (not as a hang on some), and all agree on how many
+  // data steps the largest block needs.
+  const uint64_t k0 = step(ctx, true, e, static_cast<uint64_t>(W), [&](int) { return static_cast<uint64_t>(W); },
+                           [&](uint8_t* slot) {
+                             for (int p = 0; p < W; ++p) {
+                               const uint64_t counts[2] = {o.inCounts[p], o.outCounts[p]};
+                               std::memcpy(slot + p * sizeof(uint64_t), &counts[0], sizeof(uint64_t));
+                               std::memcpy(slot + (W + p) * sizeof(uint64_t), &counts[1], sizeof(uint64_t));
+                             }
+                           });
+  auto countAt = [&](int owner, int index) {
+    uint64_t c;
+    std::memcpy(&c, d.slot(owner, k0) + index * sizeof(uint64_t), sizeof(c));
+    return c;
+  };
+  size_t maxBytes = 0;
+  for (int q = 0; q < W; ++q) {
+    for (int p = 0; p < W; ++p) {
+      const uint64_t sends = countAt(q, p), expects = countAt(p, W + q);
+      maxBytes = std::max<size_t>(maxBytes, sends * es);
+      if (sends != expects) {
+        throwError(ErrorCode::kInvalidUsage,
+                   "alltoall: rank %d sends %llu elements to rank %d, which expects %llu from it (the split sizes "
+                   "do not match across ranks)",
+                   q, static_cast<unsigned long long>(sends), p, static_cast<unsigned long long>(expects));
+      }
+    }
+  }
+  const size_t region = regionBytes(d, W);
+  for (size_t off = 0; off < maxBytes; off += region) {
+    const uint64_t k = step(ctx, false, e, 0, nullptr, [&](uint8_t* slot) {
+      for (int p = 0; p < W; ++p) {
+        const size_t pb = o.inCounts[p] * es;
+        if (p != ctx.rank && off < pb) std::memcpy(slot + p * region, bytes(o.inputs[p]) + off, std::min(region, pb - off));
+      }
+    });
+    for (int q = 0; q < W; ++q) {
+      const size_t qb = o.outCounts[q] * es;
+      if (q != ctx.rank && off < qb) {
+        std::memcpy(bytes(o.outputs[q]) + off, d.slot(q, k) + ctx.rank * region, std::min(region, qb - off));
+      }
+    }
   }
 }
 

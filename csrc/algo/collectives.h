@@ -29,6 +29,9 @@ enum class OpKind : uint32_t {
   kAllgather,
   kReduceScatter,
   kBarrier,
+  kGather,
+  kScatter,
+  kAlltoall,
 };
 const char* opKindName(OpKind kind);
 
@@ -63,8 +66,9 @@ void broadcast(OpContext& ctx, const BroadcastOptions& opts);
 struct AllgatherOptions {
   DataType dtype;
   const void* input = nullptr;   // counts[rank] elements
-  std::vector<void*> outputs;    // one per rank; outputs[rank] may equal input
+  std::vector<void*> outputs;    // one per rank; outputs[rank] may equal input (only the root's for a gather)
   std::vector<size_t> counts;    // elements contributed by each rank (may differ)
+  int root = -1;                 // >= 0: a gather; only the root's outputs are written
 };
 void allgather(OpContext& ctx, const AllgatherOptions& opts);
 
@@ -76,6 +80,27 @@ struct ReduceScatterOptions {
   size_t count = 0;
 };
 void reduceScatter(OpContext& ctx, const ReduceScatterOptions& opts);
+
+struct ScatterOptions {
+  DataType dtype;
+  std::vector<const void*> inputs;  // at the root: one block of `count` elements per rank
+  void* output = nullptr;           // `count` elements
+  size_t count = 0;
+  int root = 0;
+};
+void scatter(OpContext& ctx, const ScatterOptions& opts);
+
+// Rank r sends inputs[p] (inCounts[p] elements) to rank p, which receives it in its outputs[r]
+// (outCounts[r] elements). The first step exchanges the counts, so a mismatch between what one
+// rank sends and what its peer expects is an error, never a silent short read.
+struct AlltoallOptions {
+  DataType dtype;
+  std::vector<const void*> inputs;
+  std::vector<size_t> inCounts;
+  std::vector<void*> outputs;
+  std::vector<size_t> outCounts;
+};
+void alltoall(OpContext& ctx, const AlltoallOptions& opts);
 
 void barrier(OpContext& ctx);
 

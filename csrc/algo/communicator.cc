@@ -58,7 +58,16 @@ void Communicator::broadcast(const BroadcastOptions& opts, std::chrono::millisec
 }
 
 void Communicator::allgather(const AllgatherOptions& opts, std::chrono::milliseconds timeout) {
-  run(OpKind::kAllgather, timeout, [&](OpContext& ctx) { algo::allgather(ctx, opts); });
+  run(opts.root >= 0 ? OpKind::kGather : OpKind::kAllgather, timeout,
+      [&](OpContext& ctx) { algo::allgather(ctx, opts); });
+}
+
+void Communicator::scatter(const ScatterOptions& opts, std::chrono::milliseconds timeout) {
+  run(OpKind::kScatter, timeout, [&](OpContext& ctx) { algo::scatter(ctx, opts); });
+}
+
+void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::milliseconds timeout) {
+  run(OpKind::kAlltoall, timeout, [&](OpContext& ctx) { algo::alltoall(ctx, opts); });
 }
 
 void Communicator::reduceScatter(const ReduceScatterOptions& opts, std::chrono::milliseconds timeout) {

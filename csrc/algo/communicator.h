@@ -32,6 +32,8 @@ class Communicator {
   void broadcast(const BroadcastOptions& opts, std::chrono::milliseconds timeout);
   void allgather(const AllgatherOptions& opts, std::chrono::milliseconds timeout);
   void reduceScatter(const ReduceScatterOptions& opts, std::chrono::milliseconds timeout);
+  void scatter(const ScatterOptions& opts, std::chrono::milliseconds timeout);
+  void alltoall(const AlltoallOptions& opts, std::chrono::milliseconds timeout);
   void barrier(std::chrono::milliseconds timeout);
 
   // Makes every current and future wait fail promptly with kAborted. Thread-safe.

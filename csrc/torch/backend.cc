@@ -522,6 +522,182 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
                  });
 }
 
+namespace {
+int checkRoot(int64_t root, int rank, int size, const char* op) {
+  TORCH_CHECK_VALUE(root >= 0 && root < size, "smddp rank ", rank, ": ", op, ": root ", root,
+                    " is not a rank of this group of size ", size);
+  return static_cast<int>(root);
+}
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                    std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  const at::Tensor& in = single(inputs, rank_, "gather");
+  const DataType dtype = checkTensor(in, rank_, "gather");
+  const int root = checkRoot(opts.rootRank, rank_, size_, "gather");
+  std::vector<Staged> staged;
+  std::vector<at::Tensor> outs;
+  if (rank_ == root) {
+    TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_, "smddp rank ", rank_,
+                      ": gather: the root needs one output list of ", size_, " tensors");
+    outs = outputs[0];
+    for (const at::Tensor& o : outs) {
+      checkTensor(o, rank_, "gather");
+      checkSameType(o, in, rank_, "gather");
+      TORCH_CHECK_VALUE(o.numel() == in.numel(), "smddp rank ", rank_, ": gather: every output must have the input's ",
+                        in.numel(), " elements, got one with ", o.numel());
+      staged.push_back(stageOut(o));
+    }
+  } else {
+    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "smddp rank ", rank_,
+                      ": gather: only the root (rank ", root, ") takes an output list");
+  }
+  at::Tensor src = stageIn(in);
+  for (const Staged& s : staged) {
+    if (overlaps(src, s.work)) {
+      src = src.clone();
+      break;
+    }
+  }
+  const int size = size_;
+  return enqueue(c10d::OpType::GATHER, "smddp:gather", outs, inputs, resolveTimeout(opts.timeout), opts.asyncOp,
+                 [staged, src, dtype, root, size](algo::Communicator& c, std::chrono::milliseconds to) {
+                   const size_t n = static_cast<size_t>(src.numel());
+                   algo::AllgatherOptions o{dtype, src.data_ptr(), {}, std::vector<size_t>(size, n), root};
+                   for (const Staged& s : staged) o.outputs.push_back(s.work.data_ptr());
+                   c.allgather(o, to);
+                   for (const Staged& s : staged) finishStaged(s);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                     std::vector<std::vector<at::Tensor>>& inputs,
+                                                     const c10d::ScatterOptions& opts) {
+  const at::Tensor& out = single(outputs, rank_, "scatter");
+  const DataType dtype = checkTensor(out, rank_, "scatter");
+  const int root = checkRoot(opts.rootRank, rank_, size_, "scatter");
+  std::vector<at::Tensor> srcs;
+  if (rank_ == root) {
+    TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_, "smddp rank ", rank_,
+                      ": scatter: the root needs one input list of ", size_, " tensors");
+    for (const at::Tensor& i : inputs[0]) {
+      checkTensor(i, rank_, "scatter");
+      checkSameType(out, i, rank_, "scatter");
+      TORCH_CHECK_VALUE(i.numel() == out.numel(), "smddp rank ", rank_, ": scatter: every input must have the "
+                        "output's ", out.numel(), " elements, got one with ", i.numel());
+      at::Tensor c = stageIn(i);
+      srcs.push_back(overlaps(c, out) ? c.clone() : c);
+    }
+  } else {
+    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "smddp rank ", rank_,
+                      ": scatter: only the root (rank ", root, ") takes an input list");
+  }
+  Staged s = stageOut(out);
+  std::vector<at::Tensor> ins = srcs;
+  return enqueue(c10d::OpType::SCATTER, "smddp:scatter", outputs, ins, resolveTimeout(opts.timeout), opts.asyncOp,
+                 [s, srcs, dtype, root](algo::Communicator& c, std::chrono::milliseconds to) {
+                   algo::ScatterOptions o{dtype, {}, s.work.data_ptr(), static_cast<size_t>(s.work.numel()), root};
+                   for (const at::Tensor& t : srcs) o.inputs.push_back(t.data_ptr());
+                   c.scatter(o, to);
+                   finishStaged(s);
+                 });
+}
+
+namespace {
+// Element counts of the dim-0 blocks of `t`: `splits` rows each, or an even split when empty.
+std::vector<size_t> blockCounts(const at::Tensor& t, const std::vector<int64_t>& splits, int rank, int size,
+                                const char* what) {
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  const int64_t rowElems = rows == 0 ? 0 : t.numel() / rows;
+  std::vector<size_t> counts(size);
+  if (splits.empty()) {
+    TORCH_CHECK_VALUE(rows % size == 0, "smddp rank ", rank, ": all_to_all_single: the ", what, "'s first dimension (",
+                      rows, ") is not divisible by the group size (", size, ") and no split sizes were given");
+    for (int p = 0; p < size; ++p) counts[p] = static_cast<size_t>(rows / size * rowElems);
+    return counts;
+  }
+  TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == size, "smddp rank ", rank, ": all_to_all_single: ", what,
+                    " split sizes have ", splits.size(), " entries for a group of ", size);
+  int64_t sum = 0;
+  for (int p = 0; p < size; ++p) {
+    TORCH_CHECK_VALUE(splits[p] >= 0, "smddp rank ", rank, ": all_to_all_single: negative ", what, " split size");
+    sum += splits[p];
+    counts[p] = static_cast<size_t>(splits[p] * rowElems);
+  }
+  TORCH_CHECK_VALUE(sum == rows, "smddp rank ", rank, ": all_to_all_single: ", what, " split sizes add up to ", sum,
+                    " but the ", what, " has ", rows, " rows");
+  return counts;
+}
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                           std::vector<int64_t>& outputSplitSizes,
+                                                           std::vector<int64_t>& inputSplitSizes,
+                                                           const c10d::AllToAllOptions& opts) {
+  const DataType dtype = checkTensor(input, rank_, "all_to_all_single");
+  checkTensor(output, rank_, "all_to_all_single");
+  checkSameType(output, input, rank_, "all_to_all_single");
+  const std::vector<size_t> inCounts = blockCounts(input, inputSplitSizes, rank_, size_, "input");
+  const std::vector<size_t> outCounts = blockCounts(output, outputSplitSizes, rank_, size_, "output");
+  Staged out = stageOut(output);
+  at::Tensor in = stageIn(input);
+  if (overlaps(in, out.work)) in = in.clone();
+  const size_t es = in.element_size();
+  return enqueue(c10d::OpType::ALLTOALL_BASE, "smddp:all_to_all_single", {output}, {input},
+                 resolveTimeout(opts.timeout), opts.asyncOp,
+                 [out, in, inCounts, outCounts, dtype, es](algo::Communicator& c, std::chrono::milliseconds to) {
+                   algo::AlltoallOptions o{dtype, {}, inCounts, {}, outCounts};
+                   size_t inOff = 0, outOff = 0;
+                   for (size_t p = 0; p < inCounts.size(); ++p) {
+                     o.inputs.push_back(bytePtr(in) + inOff * es);
+                     o.outputs.push_back(bytePtr(out.work) + outOff * es);
+                     inOff += inCounts[p];
+                     outOff += outCounts[p];
+                   }
+                   c.alltoall(o, to);
+                   finishStaged(out);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                      std::vector<at::Tensor>& inputs,
+                                                      const c10d::AllToAllOptions& opts) {
+  TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_ && static_cast<int>(inputs.size()) == size_,
+                    "smddp rank ", rank_, ": all_to_all takes ", size_, " inputs and ", size_, " outputs, got ",
+                    inputs.size(), " and ", outputs.size());
+  const DataType dtype = checkTensor(inputs[0], rank_, "all_to_all");
+  std::vector<Staged> outs;
+  std::vector<at::Tensor> ins;
+  std::vector<size_t> inCounts, outCounts;
+  for (int p = 0; p < size_; ++p) {
+    checkTensor(inputs[p], rank_, "all_to_all");
+    checkTensor(outputs[p], rank_, "all_to_all");
+    checkSameType(outputs[p], inputs[0], rank_, "all_to_all");
+    checkSameType(inputs[p], inputs[0], rank_, "all_to_all");
+    outs.push_back(stageOut(outputs[p]));
+    ins.push_back(stageIn(inputs[p]));
+    inCounts.push_back(static_cast<size_t>(inputs[p].numel()));
+    outCounts.push_back(static_cast<size_t>(outputs[p].numel()));
+  }
+  for (at::Tensor& i : ins) {
+    for (const Staged& o : outs) {
+      if (overlaps(i, o.work)) {
+        i = i.clone();
+        break;
+      }
+    }
+  }
+  return enqueue(c10d::OpType::ALLTOALL, "smddp:all_to_all", outputs, inputs, resolveTimeout(opts.timeout),
+                 opts.asyncOp,
+                 [outs, ins, inCounts, outCounts, dtype](algo::Communicator& c, std::chrono::milliseconds to) {
+                   algo::AlltoallOptions o{dtype, {}, inCounts, {}, outCounts};
+                   for (const at::Tensor& t : ins) o.inputs.push_back(t.data_ptr());
+                   for (const Staged& s : outs) o.outputs.push_back(s.work.data_ptr());
+                   c.alltoall(o, to);
+                   for (const Staged& s : outs) finishStaged(s);
+                 });
+}
+
 c10::intrusive_ptr<c10d::Work> SmddpBackend::barrier(const c10d::BarrierOptions& opts) {
   return enqueue(c10d::OpType::BARRIER, "smddp:barrier", {}, {}, resolveTimeout(opts.timeout), opts.asyncOp,
                  [](algo::Communicator& c, std::chrono::milliseconds to) { c.barrier(to); });

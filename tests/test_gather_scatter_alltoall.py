@@ -1,0 +1,119 @@
+"""gather and scatter from/to every root, all_to_all_single (even and uneven splits, split
+mismatch refused) and list all_to_all, every dtype, small and pipelined sizes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _util import DTYPES, SMALL_SIZES, Report, dname, gen, gen_all, large_elems
+
+WORLDS = [1, 2, 3, 4]
+ALL = [dname(d) for d in DTYPES]
+
+
+def gather_scatter_all_roots(rank, world, sizes, dtypes):
+    rep = Report(rank)
+    for size in sizes:
+        for dtype in [getattr(torch, d) for d in dtypes]:
+            n = large_elems(dtype) if size == "large" else size
+            for root in range(world):
+                label = f"gather dtype={dname(dtype)} root={root} world={world} size={n}"
+                with rep.cell(label):
+                    ins = gen_all(f"ga|{root}|{n}", world, n, dtype)
+                    outs = [torch.empty_like(ins[0]) for _ in range(world)] if rank == root else None
+                    dist.gather(ins[rank].clone(), outs, dst=root)
+                    if rank == root:
+                        for p in range(world):
+                            rep.check(f"{label} piece {p}", outs[p], ins[p], cross_rank=False)
+                label = f"scatter dtype={dname(dtype)} root={root} world={world} size={n}"
+                with rep.cell(label):
+                    chunks = gen_all(f"sc|{root}|{n}", world, n, dtype)
+                    out = torch.empty_like(chunks[0])
+                    dist.scatter(out, [c.clone() for c in chunks] if rank == root else None, src=root)
+                    rep.check(label, out, chunks[rank], cross_rank=False)
+    return rep.to_dict()
+
+
+def alltoall_cases(rank, world, rows_per_peer, dtypes):
+    rep = Report(rank)
+    for dtype in [getattr(torch, d) for d in dtypes]:
+        # Every rank's full input, so each rank can compute what it must receive.
+        cols = 3
+        ins = [gen(f"a2a|{r}", r, world * rows_per_peer * cols, dtype).reshape(world * rows_per_peer, cols)
+               for r in range(world)]
+        label = f"all_to_all_single even dtype={dname(dtype)} world={world} rows/peer={rows_per_peer}"
+        with rep.cell(label):
+            out = torch.empty_like(ins[rank])
+            dist.all_to_all_single(out, ins[rank].clone())
+            ref = torch.cat([ins[q][rank * rows_per_peer:(rank + 1) * rows_per_peer] for q in range(world)])
+            rep.check(label, out, ref, cross_rank=False)
+        # Uneven: rank q sends (q + p) % 3 * rows_per_peer + p rows to rank p.
+        def rows(q, p):
+            return (q + p) % 3 * rows_per_peer + p
+        label = f"all_to_all_single uneven dtype={dname(dtype)} world={world} rows/peer={rows_per_peer}"
+        with rep.cell(label):
+            src = [gen(f"a2u|{q}", q, sum(rows(q, p) for p in range(world)) * cols, dtype).reshape(-1, cols)
+                   for q in range(world)]
+            in_splits = [rows(rank, p) for p in range(world)]
+            out_splits = [rows(q, rank) for q in range(world)]
+            out = torch.empty(sum(out_splits), cols, dtype=dtype)
+            dist.all_to_all_single(out, src[rank].clone(), out_splits, in_splits)
+            pieces = []
+            for q in range(world):
+                start = sum(rows(q, p) for p in range(rank))
+                pieces.append(src[q][start:start + rows(q, rank)])
+            rep.check(label, out, torch.cat(pieces), cross_rank=False)
+        label = f"all_to_all (lists) dtype={dname(dtype)} world={world}"
+        with rep.cell(label):
+            lists = [[gen(f"a2l|{q}|{p}", q, rows_per_peer + p, dtype) for p in range(world)] for q in range(world)]
+            outs = [torch.empty(rows_per_peer + rank, dtype=dtype) for _ in range(world)]
+            dist.all_to_all(outs, [t.clone() for t in lists[rank]])
+            for q in range(world):
+                rep.check(f"{label} from {q}", outs[q], lists[q][rank], cross_rank=False)
+    return rep.to_dict()
+
+
+def alltoall_split_mismatch(rank, world):
+    """Rank 0 expects one row more from rank 1 than rank 1 sends: an error on every rank (not a
+    short read, not a hang of the ranks that did nothing wrong)."""
+    rep = Report(rank)
+    out_splits = [2] * world
+    if rank == 0:
+        out_splits[1] = 3
+    out = torch.empty(sum(out_splits), dtype=torch.float32)
+    inp = torch.ones(2 * world)
+    try:
+        dist.all_to_all_single(out, inp, out_splits, [2] * world)
+        rep.expect(False, f"rank {rank}: mismatched split sizes were not detected")
+    except Exception as e:  # noqa: BLE001
+        rep.expect("split sizes do not match" in str(e) and "rank 1 sends 2 elements to rank 0" in str(e),
+                   f"rank {rank}: unexpected error: {e}")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gather_scatter(pools, world):
+    pools.check(world, gather_scatter_all_roots, SMALL_SIZES, ALL, timeout=240)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gather_scatter_large(pools, world):
+    pools.check(world, gather_scatter_all_roots, ["large"], ["float32"], timeout=300)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_alltoall(pools, world):
+    pools.check(world, alltoall_cases, 5, ALL, timeout=240)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_alltoall_large(pools, world):
+    # about 1.5 MiB per peer block: several pipelined steps
+    pools.check(world, alltoall_cases, 1 << 17, ["float32"], timeout=300)
+
+
+def test_alltoall_split_mismatch_is_an_error(pools):
+    # The group is unusable afterwards (ranks disagree on the protocol): the pool is discarded.
+    results = pools.run(2, alltoall_split_mismatch)
+    from _util import assert_reports
+    assert_reports(results, 2)
