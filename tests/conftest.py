@@ -81,6 +81,12 @@ class Pools:
             raise
         return results
 
+    def discard(self, world):
+        """Close the pool of this world size: for tests that leave its group unusable on purpose."""
+        pool = self.live.pop(world, None)
+        if pool is not None:
+            pool.close()
+
     def close_all(self):
         for p in list(self.live.values()):
             SHUTDOWN_PROBLEMS.extend(p.close())

@@ -24,6 +24,8 @@ class Communicator {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // The shared-memory domain, for the point-to-point engine (it maps nothing in a group of one).
+  shm::Domain* domain() const { return domain_.get(); }
 
   // Each runs one collective to completion on the calling thread; calls must be serialised by
   // the caller (the engine runs them in issue order). Errors throw smddp::Error whose message

@@ -213,6 +213,9 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     std::rethrow_exception(toTorchError(e, rank));
   }
   progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank), spin_);
+  if (size > 1) {
+    p2p_ = std::make_unique<engine::P2pEngine>(comm_->domain(), spin_, "smddp-p2p" + std::to_string(rank));
+  }
   SMDDP_INFO(kInit, "rank %d/%d: process group ready", rank, size);
 }
 
@@ -221,7 +224,9 @@ SmddpBackend::~SmddpBackend() { shutdown(); }
 void SmddpBackend::shutdown() {
   std::call_once(shutdownOnce_, [this] {
     if (comm_) comm_->abort();
+    if (p2p_) p2p_->abort();
     if (progress_) progress_->stop();
+    p2p_.reset();  // joins its thread before the domain it uses goes away
   });
 }
 
@@ -701,6 +706,60 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& o
 c10::intrusive_ptr<c10d::Work> SmddpBackend::barrier(const c10d::BarrierOptions& opts) {
   return enqueue(c10d::OpType::BARRIER, "smddp:barrier", {}, {}, resolveTimeout(opts.timeout), opts.asyncOp,
                  [](algo::Communicator& c, std::chrono::milliseconds to) { c.barrier(to); });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Tensor>& tensors, int peer, int tag) {
+  const char* op = isSend ? "send" : "recv";
+  const at::Tensor& t = single(tensors, rank_, op);
+  checkTensor(t, rank_, op);
+  TORCH_CHECK_VALUE((peer == -1 && !isSend) || (peer >= 0 && peer < size_ && peer != rank_), "smddp rank ", rank_,
+                    ": ", op,
+                    ": peer ", peer, " is not another rank of this group of size ", size_);
+  TORCH_CHECK_VALUE(p2p_ != nullptr, "smddp rank ", rank_, ": ", op, ": a group of one rank has no peer");
+  Staged s = isSend ? Staged{t, stageIn(t), false} : stageOut(t);
+  auto work = c10::make_intrusive<SmddpWork>(rank_, isSend ? c10d::OpType::SEND : c10d::OpType::RECV,
+                                             isSend ? "smddp:send" : "smddp:recv", tensors,
+                                             std::optional<std::vector<at::Tensor>>(tensors), spin_);
+  engine::P2pOp o;
+  o.isSend = isSend;
+  o.peer = peer;
+  o.tag = tag;
+  o.buffer = static_cast<uint8_t*>(s.work.data_ptr());
+  o.bytes = s.work.nbytes();
+  o.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs_.load());
+  const int rank = rank_;
+  o.done = [work, s, rank](std::exception_ptr error, int source) {
+    if (!error) {
+      try {
+        finishStaged(s);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    } else {
+      try {
+        std::rethrow_exception(error);
+      } catch (const Error& e) {
+        error = toTorchError(e, rank);
+      } catch (...) {
+      }
+    }
+    work->setSourceRank(source);
+    work->complete(error);
+  };
+  p2p_->submit(std::move(o));
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  return p2p(true, tensors, dstRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  return p2p(false, tensors, srcRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return p2p(false, tensors, -1, tag);
 }
 
 c10::intrusive_ptr<c10d::Backend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,

@@ -15,6 +15,7 @@
 #include <mutex>
 
 #include "algo/communicator.h"
+#include "engine/p2p_engine.h"
 #include "engine/progress_thread.h"
 
 namespace smddp::torchext {
@@ -35,13 +36,18 @@ class SmddpWork : public c10d::Work {
   // returns (the base class flag is set a moment later, by finish()).
   bool isCompleted() override { return future_->completed(); }
 
-  // Called once, on the progress thread.
+  // Called once, on the progress (or p2p) thread.
   void complete(std::exception_ptr error);
+
+  // For recv from any source: the rank the message came from.
+  int sourceRank() const override { return sourceRank_.load(); }
+  void setSourceRank(int rank) { sourceRank_.store(rank); }
 
  private:
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::chrono::microseconds spin_;
+  std::atomic<int> sourceRank_{-1};
 };
 
 class SmddpBackend : public c10d::Backend {
@@ -89,6 +95,10 @@ class SmddpBackend : public c10d::Backend {
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
   // destroy_process_group calls this on every group: fails whatever is still queued promptly
   // (no hang on peers that are gone) and joins the progress thread. Idempotent.
   void shutdown() override;
@@ -100,11 +110,13 @@ class SmddpBackend : public c10d::Backend {
                                          std::vector<at::Tensor> inputs, std::chrono::milliseconds timeout,
                                          bool async, Body body);
   std::chrono::milliseconds resolveTimeout(std::chrono::milliseconds requested) const;
+  c10::intrusive_ptr<c10d::Work> p2p(bool isSend, std::vector<at::Tensor>& tensors, int peer, int tag);
 
   std::atomic<int64_t> timeoutMs_;
   std::chrono::microseconds spin_;
   std::unique_ptr<algo::Communicator> comm_;
   std::unique_ptr<engine::ProgressThread> progress_;
+  std::unique_ptr<engine::P2pEngine> p2p_;  // null for a group of one
   std::once_flag shutdownOnce_;
 };
 

@@ -63,7 +63,16 @@ struct Domain::Control {
   alignas(64) std::atomic<uint64_t> phase;     // written by the owner; peers wait on it
   alignas(64) std::atomic<uint32_t> sleepers;  // peers asleep on `phase`; the owner wakes them
   alignas(64) OpDescriptor desc[2];             // by phase parity, like the slots
+  alignas(64) std::atomic<uint32_t> doorbell;   // point-to-point: rung by anyone the owner may wait for
+  alignas(64) std::atomic<uint32_t> doorbellSleepers;
 };
+
+namespace {
+// Per-peer point-to-point counters follow the control page: [sentTo peer][consumedFrom peer],
+// each on its own cache line.
+constexpr size_t kCounterStride = 64;
+size_t roundUpPage(size_t n) { return (n + 4095) / 4096 * 4096; }
+}  // namespace
 
 
 Domain::Domain(int rank, int size, size_t slotBytes) : rank_(rank), size_(size), slotBytes_(slotBytes) {
@@ -93,7 +102,10 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   const std::string token = store.get("smddp/shm/token");
   auto nameOf = [&](int r) { return "/smddp-" + token + "-" + std::to_string(r); };
 
-  const size_t segBytes = kHeaderBytes + 2 * slotBytes;
+  d->p2pCountersOffset_ = kHeaderBytes;
+  const size_t slotsOffset = kHeaderBytes + roundUpPage(2 * size * kCounterStride);
+  d->p2pOutboxOffset_ = slotsOffset + 2 * slotBytes;
+  const size_t segBytes = d->p2pOutboxOffset_ + static_cast<size_t>(size) * 2 * kP2pChunkBytes;
   d->segments_.resize(size);
   try {
     d->segments_[rank] = Segment::create(nameOf(rank), segBytes, segBytes * size, rank);
@@ -107,6 +119,12 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   mine->slotBytes = slotBytes;
   mine->phase.store(0);
   mine->sleepers.store(0);
+  mine->doorbell.store(0);
+  mine->doorbellSleepers.store(0);
+  for (int p = 0; p < size; ++p) {
+    new (&d->sentTo(rank, p)) std::atomic<uint64_t>(0);
+    new (&d->consumedFrom(rank, p)) std::atomic<uint64_t>(0);
+  }
   mine->magic = kMagic;
   store.set("smddp/shm/created/" + std::to_string(rank), "ok");
 
@@ -136,13 +154,52 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
 
   d->slots_.resize(size);
   for (int r = 0; r < size; ++r) {
-    uint8_t* base = static_cast<uint8_t*>(d->segments_[r].data()) + kHeaderBytes;
+    uint8_t* base = static_cast<uint8_t*>(d->segments_[r].data()) + slotsOffset;
     d->slots_[r] = {base, base + slotBytes};
   }
   SMDDP_INFO(kInit, "rank %d/%d: shm domain ready, 2 x %zu byte slots per rank, spin %lld us + %d yields", rank,
              size, slotBytes, static_cast<long long>(d->spin_.count()), d->yields_);
   return d;
 }
+
+uint8_t* Domain::outbox(int owner, int peer, uint64_t chunk) const {
+  return static_cast<uint8_t*>(segments_[owner].data()) + p2pOutboxOffset_ +
+         (static_cast<size_t>(peer) * 2 + (chunk & 1)) * kP2pChunkBytes;
+}
+
+std::atomic<uint64_t>& Domain::sentTo(int owner, int peer) const {
+  auto* base = static_cast<uint8_t*>(segments_[owner].data()) + p2pCountersOffset_;
+  return *reinterpret_cast<std::atomic<uint64_t>*>(base + static_cast<size_t>(peer) * kCounterStride);
+}
+
+std::atomic<uint64_t>& Domain::consumedFrom(int owner, int peer) const {
+  auto* base = static_cast<uint8_t*>(segments_[owner].data()) + p2pCountersOffset_;
+  return *reinterpret_cast<std::atomic<uint64_t>*>(base + static_cast<size_t>(size_ + peer) * kCounterStride);
+}
+
+uint32_t Domain::doorbell() const { return control(rank_)->doorbell.load(std::memory_order_seq_cst); }
+
+void Domain::ringDoorbell(int rank) {
+  Control* c = control(rank);
+  c->doorbell.fetch_add(1, std::memory_order_seq_cst);
+  if (c->doorbellSleepers.load(std::memory_order_seq_cst) != 0) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&c->doorbell), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+  }
+}
+
+void Domain::sleepOnDoorbell(uint32_t seen, std::chrono::nanoseconds max) {
+  Control* c = control(rank_);
+  c->doorbellSleepers.fetch_add(1, std::memory_order_seq_cst);
+  if (c->doorbell.load(std::memory_order_seq_cst) == seen && max.count() > 0) {
+    struct timespec ts;
+    ts.tv_sec = static_cast<time_t>(max.count() / 1000000000);
+    ts.tv_nsec = static_cast<long>(max.count() % 1000000000);
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&c->doorbell), FUTEX_WAIT, seen, &ts, nullptr, 0);
+  }
+  c->doorbellSleepers.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+bool Domain::peerAlive(int rank) const { return !(kill(control(rank)->pid, 0) != 0 && errno == ESRCH); }
 
 void Domain::publish(uint64_t phase) {
   Control* c = control(rank_);
@@ -173,7 +230,7 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
     if (ctx.abort != nullptr && ctx.abort->load(std::memory_order_relaxed)) {
       throwError(ErrorCode::kAborted, "the process group was shut down or aborted while waiting for rank %d", peer);
     }
-    if (kill(c->pid, 0) != 0 && errno == ESRCH) {
+    if (!peerAlive(peer)) {
       throwError(ErrorCode::kRemoteError, "rank %d (pid %d) exited while this rank was waiting for it", peer, c->pid);
     }
     if (std::chrono::steady_clock::now() >= ctx.deadline) return false;

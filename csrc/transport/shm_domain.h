@@ -54,6 +54,20 @@ class Domain {
   OpDescriptor& descriptor(int rank, uint64_t phase) const;
 
   void publish(uint64_t phase);
+
+  // ---- point-to-point mailboxes (used by engine/p2p_engine) ----
+  // Each rank owns, for every peer, an outbox of two chunks; chunk i of the stream to that peer
+  // lives in buffer i % 2. Counters: chunks the owner published for a peer, chunks the owner
+  // consumed from a peer. A rank's doorbell is rung whenever something it may wait for changes.
+  static constexpr size_t kP2pChunkBytes = 64 * 1024;
+  uint8_t* outbox(int owner, int peer, uint64_t chunk) const;
+  std::atomic<uint64_t>& sentTo(int owner, int peer) const;
+  std::atomic<uint64_t>& consumedFrom(int owner, int peer) const;
+  uint32_t doorbell() const;
+  void ringDoorbell(int rank);
+  // Sleeps until this rank's doorbell differs from `seen` (or `max` passes).
+  void sleepOnDoorbell(uint32_t seen, std::chrono::nanoseconds max);
+  bool peerAlive(int rank) const;
   // Waits until every peer has published `phase`. Throws kTimeout naming the missing ranks,
   // kRemoteError if one of them exited, kAborted if ctx.abort was set.
   void waitAll(uint64_t phase, const WaitContext& ctx);
@@ -72,6 +86,8 @@ class Domain {
   int yields_ = 0;
   std::vector<Segment> segments_;
   std::vector<std::array<uint8_t*, 2>> slots_;
+  size_t p2pCountersOffset_ = 0;
+  size_t p2pOutboxOffset_ = 0;
 };
 
 }  // namespace smddp::shm

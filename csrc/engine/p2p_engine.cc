@@ -1,0 +1,249 @@
+#include "engine/p2p_engine.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+#include "core/spin.h"
+
+namespace smddp::engine {
+namespace {
+
+struct ChunkHeader {
+  uint64_t messageBytes;
+  int32_t tag;
+  uint32_t chunkBytes;
+};
+constexpr size_t kHeader = 64;  // payload starts on its own cache line
+constexpr size_t kPayload = shm::Domain::kP2pChunkBytes - kHeader;
+constexpr auto kActiveTick = std::chrono::milliseconds(50);
+constexpr auto kIdleTick = std::chrono::seconds(1);
+
+std::exception_ptr errorOf(ErrorCode code, const std::string& msg) {
+  return std::make_exception_ptr(Error(code, msg));
+}
+
+}  // namespace
+
+P2pEngine::P2pEngine(shm::Domain* domain, std::chrono::microseconds spin, std::string name)
+    : domain_(domain),
+      rank_(domain->rank()),
+      size_(domain->size()),
+      spin_(spin),
+      name_(std::move(name)),
+      sends_(size_),
+      recvs_(size_),
+      sendNext_(size_, 0),
+      recvNext_(size_, 0),
+      broken_(size_) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+P2pEngine::~P2pEngine() {
+  abort();
+  stop_.store(true);
+  domain_->ringDoorbell(rank_);
+  if (thread_.joinable()) thread_.join();
+}
+
+void P2pEngine::abort() {
+  aborted_.store(true);
+  domain_->ringDoorbell(rank_);
+}
+
+void P2pEngine::submit(P2pOp op) {
+  if (aborted_.load()) {
+    op.done(errorOf(ErrorCode::kAborted, "the process group has been shut down or aborted"), op.peer);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    incoming_.push_back(std::move(op));
+  }
+  domain_->ringDoorbell(rank_);  // wakes our own thread
+}
+
+void P2pEngine::fail(std::deque<P2pOp>& q, const std::string& why) {
+  while (!q.empty()) {
+    P2pOp op = std::move(q.front());
+    q.pop_front();
+    op.done(errorOf(ErrorCode::kAborted, why), op.peer);
+  }
+}
+
+bool P2pEngine::progressSend(P2pOp& op) {
+  const int d = op.peer;
+  bool moved = false;
+  while (!op.started || op.offset < op.bytes) {
+    const uint64_t i = sendNext_[d];
+    // Buffer i % 2 still holds chunk i - 2 until the receiver has consumed it.
+    if (i >= 2 && domain_->consumedFrom(d, rank_).load(std::memory_order_acquire) < i - 1) break;
+    const size_t n = std::min(kPayload, op.bytes - op.offset);
+    uint8_t* chunk = domain_->outbox(rank_, d, i);
+    const ChunkHeader h{op.bytes, op.tag, static_cast<uint32_t>(n)};
+    std::memcpy(chunk, &h, sizeof(h));
+    std::memcpy(chunk + kHeader, op.buffer + op.offset, n);
+    domain_->sentTo(rank_, d).store(i + 1, std::memory_order_release);
+    domain_->ringDoorbell(d);
+    sendNext_[d] = i + 1;
+    op.offset += n;
+    op.started = true;
+    moved = true;
+  }
+  return moved;
+}
+
+bool P2pEngine::progressRecv(P2pOp& op, int s) {
+  bool moved = false;
+  while (!op.started || op.offset < op.bytes) {
+    const uint64_t i = recvNext_[s];
+    if (domain_->sentTo(s, rank_).load(std::memory_order_acquire) <= i) break;
+    const uint8_t* chunk = domain_->outbox(s, rank_, i);
+    ChunkHeader h;
+    std::memcpy(&h, chunk, sizeof(h));
+    if (!op.started && (h.tag != op.tag || h.messageBytes != op.bytes)) {
+      throwError(ErrorCode::kInvalidUsage,
+                 "recv from rank %d (tag %d, %zu bytes): the next message from rank %d has tag %d and %llu bytes; "
+                 "smddp matches point-to-point messages in order per pair of ranks, so sends and recvs must "
+                 "pair up in the same order with the same tags and sizes",
+                 s, op.tag, op.bytes, s, h.tag, static_cast<unsigned long long>(h.messageBytes));
+    }
+    std::memcpy(op.buffer + op.offset, chunk + kHeader, h.chunkBytes);
+    op.offset += h.chunkBytes;
+    op.started = true;
+    domain_->consumedFrom(rank_, s).store(i + 1, std::memory_order_release);
+    domain_->ringDoorbell(s);
+    recvNext_[s] = i + 1;
+    moved = true;
+  }
+  return moved;
+}
+
+// Gives the oldest any-source receive the first peer with a message of its tag waiting, by
+// moving it to the front of that peer's queue (which must be empty: per-pair order holds).
+bool P2pEngine::matchAnySource() {
+  if (anyRecvs_.empty()) return false;
+  P2pOp& op = anyRecvs_.front();
+  for (int k = 0; k < size_; ++k) {
+    const int s = (rank_ + 1 + k) % size_;
+    if (s == rank_ || !recvs_[s].empty() || !broken_[s].empty()) continue;
+    const uint64_t i = recvNext_[s];
+    if (domain_->sentTo(s, rank_).load(std::memory_order_acquire) <= i) continue;
+    ChunkHeader h;
+    std::memcpy(&h, domain_->outbox(s, rank_, i), sizeof(h));
+    if (h.tag != op.tag) continue;
+    op.peer = s;
+    recvs_[s].push_back(std::move(op));
+    anyRecvs_.pop_front();
+    return true;
+  }
+  return false;
+}
+
+bool P2pEngine::progress() {
+  bool moved = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    while (!incoming_.empty()) {
+      P2pOp op = std::move(incoming_.front());
+      incoming_.pop_front();
+      if (op.peer >= 0 && !broken_[op.peer].empty()) {
+        op.done(errorOf(ErrorCode::kAborted, broken_[op.peer]), op.peer);
+        continue;
+      }
+      if (op.isSend) sends_[op.peer].push_back(std::move(op));
+      else if (op.peer < 0) anyRecvs_.push_back(std::move(op));
+      else recvs_[op.peer].push_back(std::move(op));
+      moved = true;
+    }
+  }
+  while (matchAnySource()) moved = true;
+  for (int p = 0; p < size_; ++p) {
+    while (!sends_[p].empty() && progressSend(sends_[p].front())) {
+      moved = true;
+      P2pOp& op = sends_[p].front();
+      if (op.offset < op.bytes) break;
+      op.done(nullptr, rank_);
+      sends_[p].pop_front();
+    }
+    while (!recvs_[p].empty()) {
+      P2pOp& op = recvs_[p].front();
+      try {
+        if (!progressRecv(op, p)) break;
+      } catch (const Error& e) {
+        // The stream from p is out of step with what this rank expects: fail everything on it.
+        broken_[p] = std::string("an earlier point-to-point error with rank ") + std::to_string(p) + ": " + e.what();
+        op.done(std::make_exception_ptr(e), p);
+        recvs_[p].pop_front();
+        fail(recvs_[p], broken_[p]);
+        fail(sends_[p], broken_[p]);
+        moved = true;
+        break;
+      }
+      moved = true;
+      if (op.offset < op.bytes) break;
+      op.done(nullptr, p);
+      recvs_[p].pop_front();
+    }
+  }
+  return moved;
+}
+
+void P2pEngine::checkDeadlinesAndPeers() {
+  const auto now = std::chrono::steady_clock::now();
+  auto expire = [&](std::deque<P2pOp>& q, int peer) {
+    if (q.empty()) return;
+    P2pOp& op = q.front();
+    const bool dead = peer >= 0 && !domain_->peerAlive(peer);
+    if (!dead && now < op.deadline) return;
+    const std::string what = std::string(op.isSend ? "send to" : "recv from") +
+                             (peer >= 0 ? " rank " + std::to_string(peer) : std::string(" any rank")) + " (tag " +
+                             std::to_string(op.tag) + ", " + std::to_string(op.bytes) + " bytes)";
+    const std::string why = dead ? what + ": rank " + std::to_string(peer) + " exited"
+                                 : what + " timed out: no matching " + (op.isSend ? "recv" : "send") + " was posted";
+    op.done(errorOf(dead ? ErrorCode::kRemoteError : ErrorCode::kTimeout, why), peer);
+    q.pop_front();
+    // Part of a message may have moved: the stream can no longer be trusted.
+    if (peer >= 0) {
+      broken_[peer] = "an earlier point-to-point failure with rank " + std::to_string(peer) + ": " + why;
+      fail(sends_[peer], broken_[peer]);
+      fail(recvs_[peer], broken_[peer]);
+    }
+  };
+  for (int p = 0; p < size_; ++p) {
+    expire(sends_[p], p);
+    expire(recvs_[p], p);
+  }
+  expire(anyRecvs_, -1);
+}
+
+void P2pEngine::loop() {
+  pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
+  while (!stop_.load()) {
+    if (aborted_.load()) {
+      const std::string why = "the process group has been shut down or aborted";
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        fail(incoming_, why);
+      }
+      for (int p = 0; p < size_; ++p) {
+        fail(sends_[p], why);
+        fail(recvs_[p], why);
+      }
+      fail(anyRecvs_, why);
+      domain_->sleepOnDoorbell(domain_->doorbell(), kIdleTick);
+      continue;
+    }
+    const uint32_t bell = domain_->doorbell();
+    if (progress()) continue;
+    bool pending = !anyRecvs_.empty();
+    for (int p = 0; p < size_ && !pending; ++p) pending = !sends_[p].empty() || !recvs_[p].empty();
+    if (pending && spinUntil(spin_, [&] { return domain_->doorbell() != bell; })) continue;
+    domain_->sleepOnDoorbell(bell, pending ? std::chrono::nanoseconds(kActiveTick) : std::chrono::nanoseconds(kIdleTick));
+    if (pending) checkDeadlinesAndPeers();
+  }
+}
+
+}  // namespace smddp::engine
