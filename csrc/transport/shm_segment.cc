@@ -33,7 +33,7 @@ std::string humanBytes(double b) {
   throwError(ErrorCode::kSystemError,
              "smddp rank %d: /dev/shm is too small (%s): this process group needs %s of shared memory on this "
              "host and %s are free. Fix: give the container more shared memory (e.g. docker run --shm-size=%zum, "
-             "or remount /dev/shm larger), or lower SMDDP_SHM_SLOT_BYTES (staging per rank = 4 KiB + 2 x slot).",
+             "or remount /dev/shm larger), or lower SMDDP_SHM_SLOT_BYTES (per rank: 2 x slot + 128 KiB per rank of mailboxes).",
              rank, what, humanBytes(static_cast<double>(groupBytes)).c_str(),
              humanBytes(static_cast<double>(freeBytes)).c_str(), suggestMiB);
 }
