@@ -230,6 +230,10 @@ void SmddpBackend::shutdown() {
   });
 }
 
+c10::intrusive_ptr<c10d::Backend::Options> SmddpBackend::getBackendOptions() {
+  return c10::make_intrusive<Options>(getBackendName(), std::chrono::milliseconds(timeoutMs_.load()));
+}
+
 std::chrono::milliseconds SmddpBackend::resolveTimeout(std::chrono::milliseconds requested) const {
   return requested == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : requested;
 }
@@ -237,6 +241,7 @@ std::chrono::milliseconds SmddpBackend::resolveTimeout(std::chrono::milliseconds
 c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const char* title,
                                                      std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
                                                      std::chrono::milliseconds timeout, bool async, Body body) {
+  issued_.fetch_add(1);
   auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, std::move(outputs),
                                              std::optional<std::vector<at::Tensor>>(std::move(inputs)), spin_);
   algo::Communicator* comm = comm_.get();

@@ -58,6 +58,12 @@ class SmddpBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "smddp"; }
   void setTimeout(std::chrono::milliseconds timeout) override { timeoutMs_.store(timeout.count()); }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+
+  // Collectives issued so far: every rank issues the same ones, so the count agrees across the
+  // group from creation on (TORCH_DISTRIBUTED_DEBUG=DETAIL compares it).
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return issued_.load(); }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -114,6 +120,7 @@ class SmddpBackend : public c10d::Backend {
 
   std::atomic<int64_t> timeoutMs_;
   std::chrono::microseconds spin_;
+  std::atomic<uint64_t> issued_{0};
   std::unique_ptr<algo::Communicator> comm_;
   std::unique_ptr<engine::ProgressThread> progress_;
   std::unique_ptr<engine::P2pEngine> p2p_;  // null for a group of one

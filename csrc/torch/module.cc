@@ -14,7 +14,9 @@ PYBIND11_MODULE(_C, m) {
   // The c10d::Backend base type and the intrusive_ptr holder come from torch's own bindings.
   py::module::import("torch._C._distributed_c10d");
   py::class_<smddp::torchext::SmddpBackend, c10d::Backend, c10::intrusive_ptr<smddp::torchext::SmddpBackend>>(
-      m, "SmddpBackend");
+      m, "SmddpBackend")
+      // What split_group deep-copies from its parent; also lets users read the group's timeout.
+      .def_property_readonly("options", &smddp::torchext::SmddpBackend::getBackendOptions);
 
   m.def(
       "_create_backend",
