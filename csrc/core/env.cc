@@ -25,7 +25,10 @@ constexpr Param kParams[] = {
      "ones use reduce-scatter + all-gather."},
     {"SMDDP_SPIN_US", "-1",
      "Microseconds a rank polls a peer's flag inside a collective before it sleeps on a futex. -1 "
-     "picks 500 us, or 2 us plus a few yields when ranks outnumber cores."},
+     "picks 500 us, or 2 us when ranks outnumber cores (then SMDDP_YIELD_US applies)."},
+    {"SMDDP_YIELD_US", "50",
+     "When ranks outnumber cores: microseconds a waiting rank keeps yielding its core (so the rank it "
+     "waits for can run) before it sleeps on a futex."},
     {"SMDDP_SIMD", "auto", "Reduce-kernel instruction set: auto, avx512, avx2 or scalar."},
     {"SMDDP_DEBUG", "WARN", "Log level: NONE, WARN, INFO or TRACE."},
     {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, ENV or ALL; ^ inverts."},
@@ -72,6 +75,10 @@ int64_t allreduceOneShotMaxBytes() {
 }
 int64_t spinMicros() {
   static const int64_t v = readInt("SMDDP_SPIN_US");
+  return v;
+}
+int64_t yieldMicros() {
+  static const int64_t v = readInt("SMDDP_YIELD_US");
   return v;
 }
 const std::string& debugLevel() {

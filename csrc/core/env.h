@@ -31,6 +31,8 @@ int64_t spinMicros();
 const std::string& debugLevel();
 // Comma list of subsystems to log (INIT, COLL, SHM, ENV or ALL); a leading ^ inverts.
 const std::string& debugSubsys();
+// Microseconds a waiting rank keeps yielding its core before sleeping, when ranks outnumber cores.
+int64_t yieldMicros();
 // Reduce-kernel instruction set: auto (default), avx512, avx2, scalar.
 const std::string& simd();
 

@@ -96,7 +96,7 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   // Spinning is bounded in time, not in polls, because the cost of a pause instruction varies
   // tenfold between CPUs. When ranks outnumber cores, yield a few times to let the peer run.
   d->spin_ = spinBudget(size);
-  d->yields_ = oversubscribed(size) ? 8 : 0;
+  d->yieldFor_ = oversubscribed(size) ? std::chrono::microseconds(env::yieldMicros()) : std::chrono::microseconds(0);
 
   if (rank == 0) store.set("smddp/shm/token", randomToken());
   const std::string token = store.get("smddp/shm/token");
@@ -157,8 +157,9 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
     uint8_t* base = static_cast<uint8_t*>(d->segments_[r].data()) + slotsOffset;
     d->slots_[r] = {base, base + slotBytes};
   }
-  SMDDP_INFO(kInit, "rank %d/%d: shm domain ready, 2 x %zu byte slots per rank, spin %lld us + %d yields", rank,
-             size, slotBytes, static_cast<long long>(d->spin_.count()), d->yields_);
+  SMDDP_INFO(kInit, "rank %d/%d: shm domain ready, 2 x %zu byte slots per rank, spin %lld us + yield %d us", rank,
+             size, slotBytes, static_cast<long long>(d->spin_.count()),
+             static_cast<int>(d->yieldFor_.count()));
   return d;
 }
 
@@ -212,9 +213,14 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
   Control* c = control(peer);
   std::atomic<uint64_t>& flag = c->phase;
   if (spinUntil(spin_, [&] { return flag.load(std::memory_order_acquire) >= phase; })) return true;
-  for (int i = 0; i < yields_; ++i) {
-    if (flag.load(std::memory_order_acquire) >= phase) return true;
-    sched_yield();
+  // Oversubscribed: the awaited rank is probably runnable on our core, so hand the core over
+  // (cheap) for a while before paying for a futex sleep and wake-up.
+  if (yieldFor_.count() > 0) {
+    const auto end = std::chrono::steady_clock::now() + yieldFor_;
+    do {
+      if (flag.load(std::memory_order_acquire) >= phase) return true;
+      sched_yield();
+    } while (std::chrono::steady_clock::now() < end);
   }
   while (true) {
     c->sleepers.fetch_add(1, std::memory_order_seq_cst);

@@ -83,7 +83,7 @@ class Domain {
   size_t slotBytes_;
   uint64_t phase_ = 0;
   std::chrono::microseconds spin_{0};
-  int yields_ = 0;
+  std::chrono::microseconds yieldFor_{0};
   std::vector<Segment> segments_;
   std::vector<std::array<uint8_t*, 2>> slots_;
   size_t p2pCountersOffset_ = 0;
