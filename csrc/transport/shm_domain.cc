@@ -200,7 +200,21 @@ void Domain::sleepOnDoorbell(uint32_t seen, std::chrono::nanoseconds max) {
   c->doorbellSleepers.fetch_sub(1, std::memory_order_seq_cst);
 }
 
-bool Domain::peerAlive(int rank) const { return !(kill(control(rank)->pid, 0) != 0 && errno == ESRCH); }
+bool Domain::peerAlive(int rank) const {
+  const int pid = control(rank)->pid;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  // A killed process stays a zombie until its parent reaps it, and kill() still finds it.
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* f = fopen(path, "r");
+  if (f == nullptr) return true;  // another pid namespace, say: trust kill()
+  char buf[512];
+  const size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char* close = strrchr(buf, ')');  // the state follows the command name, which may hold spaces
+  return !(close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X'));
+}
 
 void Domain::publish(uint64_t phase) {
   Control* c = control(rank_);

@@ -1,0 +1,94 @@
+"""Failure behaviour in fresh jobs: a rank killed with SIGKILL during a collective, and a rank that
+never joins a collective (timeout). Survivors must raise promptly, naming the op, its sequence
+number and the rank at fault, and every process must exit."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _pool import TESTS_DIR, free_port
+from _util import IS_SMDDP
+
+CHILD = r"""
+import datetime, sys, time, torch, torch.distributed as dist
+import smddp
+rank, world, url, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=float(sys.argv[5])))
+t = torch.ones(1 << 16)
+dist.all_reduce(t)
+print("ready", flush=True)
+if mode == "idle" and rank == 1:
+    time.sleep(3600)   # never joins the next collective
+t0 = time.monotonic()
+try:
+    while True:
+        dist.all_reduce(t)
+except Exception as e:
+    print(f"ERROR after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
+    sys.exit(3)
+"""
+
+
+def _job(world, mode, timeout_s):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    return [subprocess.Popen([sys.executable, "-u", "-c", CHILD, str(r), str(world), url, mode, str(timeout_s)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for r in range(world)]
+
+
+def _wait_ready(procs):
+    for p in procs:
+        line = p.stdout.readline()
+        assert "ready" in line, line
+
+
+def _finish(procs, limit):
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=limit)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate()[0] + "\n<killed: did not exit in time>")
+    return outs
+
+
+@pytest.mark.timeout(120)
+def test_peer_killed_during_collectives():
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(3, "loop", 60)
+    _wait_ready(procs)
+    time.sleep(0.5)  # the survivors are deep in their allreduce loop
+    procs[1].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    outs = _finish(procs, 30)
+    elapsed = time.monotonic() - t0
+    for r in (0, 2):
+        assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{outs[r][-2000:]}"
+        msg = outs[r]
+        assert "DistBackendError" in msg and "allreduce #" in msg and "rank 1" in msg and "exited" in msg, msg[-2000:]
+    # Far below the 60 s op timeout: the dead pid is noticed on the next sleep tick.
+    assert elapsed < 10, f"survivors took {elapsed:.1f}s"
+    assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
+
+
+@pytest.mark.timeout(120)
+def test_missing_rank_times_out_with_names():
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(3, "idle", 3)
+    _wait_ready(procs)
+    t0 = time.monotonic()
+    outs = _finish([procs[0], procs[2]], 30)
+    elapsed = time.monotonic() - t0
+    procs[1].kill()
+    procs[1].communicate()
+    for r, out in zip((0, 2), outs):
+        assert "ERROR" in out and "timed out waiting for rank(s) [1]" in out and "allreduce #" in out, out[-2000:]
+    assert elapsed < 20, f"timeout of 3 s took {elapsed:.1f}s to surface"
