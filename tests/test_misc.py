@@ -341,3 +341,27 @@ def test_smddp_registered():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, f"import smddp failed:\n{r.stdout}\n{r.stderr}"
 
+
+
+def split_groups(rank, world):
+    """ProcessGroup.split_group (what dist.split_group and DeviceMesh use when a device is bound):
+    two disjoint halves created concurrently, each a working smddp group."""
+    import datetime
+    rep = Report(rank)
+    half = world // 2
+    mine = list(range(half)) if rank < half else list(range(half, world))
+    pg = dist.distributed_c10d._get_default_group()
+    sub = pg.split_group(mine, timeout=datetime.timedelta(seconds=60), group_name=f"split-{mine[0]}")
+    rep.expect(sub is not None and sub.size() == len(mine) and sub.rank() == mine.index(rank),
+               f"split_group gave {sub} for ranks {mine}")
+    t = torch.full((1000,), float(rank + 1))
+    sub.allreduce([t]).wait()
+    rep.expect(torch.equal(t, torch.full((1000,), float(sum(r + 1 for r in mine)))), f"allreduce on the split group: {t[:3]}")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_split_group(pools, world):
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific: gloo's split needs a bound device")
+    pools.check(world, split_groups, timeout=120)

@@ -4,6 +4,7 @@
 #include <ATen/core/ivalue.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 
 #include "core/error.h"
@@ -232,6 +233,16 @@ void SmddpBackend::shutdown() {
 
 c10::intrusive_ptr<c10d::Backend::Options> SmddpBackend::getBackendOptions() {
   return c10::make_intrusive<Options>(getBackendName(), std::chrono::milliseconds(timeoutMs_.load()));
+}
+
+c10::intrusive_ptr<c10d::Backend> SmddpBackend::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                     const std::vector<int>& ranks,
+                                                     const c10::intrusive_ptr<Options>& opts) {
+  auto it = std::find(ranks.begin(), ranks.end(), rank_);
+  if (it == ranks.end()) return nullptr;
+  const auto timeout = opts ? opts->timeout : std::chrono::milliseconds(timeoutMs_.load());
+  return c10::make_intrusive<SmddpBackend>(store, static_cast<int>(it - ranks.begin()),
+                                           static_cast<int>(ranks.size()), timeout);
 }
 
 std::chrono::milliseconds SmddpBackend::resolveTimeout(std::chrono::milliseconds requested) const {

@@ -60,6 +60,12 @@ class SmddpBackend : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override { timeoutMs_.store(timeout.count()); }
   c10::intrusive_ptr<Options> getBackendOptions() override;
 
+  // split_group / DeviceMesh with a bound device: a new group over `ranks` (ranks of this group),
+  // bootstrapped through `store`; nullptr on ranks outside it.
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
+
   // Collectives issued so far: every rank issues the same ones, so the count agrees across the
   // group from creation on (TORCH_DISTRIBUTED_DEBUG=DETAIL compares it).
   void setSequenceNumberForGroup() override {}
