@@ -9,11 +9,14 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
+# SMDDP_EXTRA_REQUIREMENTS: more requirement files (bench.sh adds MPICH + mpi4py).
+reqs=("$ROOT/requirements.txt")
+for f in ${SMDDP_EXTRA_REQUIREMENTS:-}; do reqs+=("$ROOT/$f"); done
 stamp="$VENV/.requirements.sha"
-want="$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)"
+want="$(cat "${reqs[@]}" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -r "$ROOT/requirements.txt"
+  for f in "${reqs[@]}"; do "$VENV/bin/python" -m pip install -q -r "$f"; done
   echo "$want" > "$stamp"
 fi
 # Incremental: the CMake build tree lives in build/ and survives between runs.
