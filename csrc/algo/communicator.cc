@@ -1,16 +1,29 @@
 #include "algo/communicator.h"
 
+#include <mutex>
+
 #include "core/env.h"
 #include "core/error.h"
 #include "core/log.h"
 
 namespace smddp::algo {
 
+namespace {
+void logParamsOnce() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    for (const auto& p : env::allParams()) SMDDP_INFO(kEnv, "%s=%s", p.name.c_str(), p.value.c_str());
+  });
+}
+}  // namespace
+
 Communicator::Communicator(Store& store, int rank, int size)
     : rank_(rank),
       size_(size),
       domain_(shm::Domain::create(store, rank, size, static_cast<size_t>(env::shmSlotBytes()))),
-      oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))) {}
+      oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))) {
+  logParamsOnce();
+}
 
 Communicator::~Communicator() = default;
 
