@@ -1,0 +1,92 @@
+"""FSDP2 (``fully_shard``): a small MLP with sharded parameters on CPU.
+
+    torchrun --nproc-per-node 2 examples/fsdp2.py --backend smddp [--steps 3] [--bf16]
+    torchrun --nproc-per-node 4 examples/fsdp2.py --backend smddp --hsdp
+
+--hsdp   HSDP: 2-D mesh (replicate, shard) = (N/2, 2); parameters are sharded over
+         pairs of ranks and replicated across the pairs (needs an even N; use N=4)
+--bf16   MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)
+
+Every rank builds the same model (same seed), trains on its own synthetic batch
+(seeded by its rank), and rank 0 prints the loss averaged over the ranks,
+one line per step: ``step <i> loss <repr(float)>``.
+"""
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+DIN, DH, DOUT, BATCH = 16, 64, 4, 32
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIN, DH), nn.Tanh(), nn.Linear(DH, DH), nn.Tanh(), nn.Linear(DH, DOUT))
+
+
+def make_batch(rank):
+    """This rank's synthetic regression batch: different on every rank, same on every run."""
+    teacher = torch.randn(DIN, DOUT, generator=torch.Generator().manual_seed(42))
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(BATCH, DIN, generator=g)
+    return x, torch.sin(x @ teacher)
+
+
+def report(step, loss):
+    # mean over the ranks, summed in float64: exact whatever the reduction order
+    t = loss.detach().double().reshape(1)
+    dist.all_reduce(t)
+    if dist.get_rank() == 0:
+        print(f"step {step} loss {t.item() / dist.get_world_size()!r}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="smddp", help="smddp or gloo (default smddp)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--hsdp", action="store_true", help="2-D mesh (replicate, shard) = (N/2, 2)")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 params, float32 gradient reduction")
+    args = p.parse_args()
+    if args.backend == "smddp":
+        import smddp  # noqa: F401  registers the "smddp" backend
+
+    dist.init_process_group(backend=args.backend)  # env:// (set by torchrun)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.hsdp:
+        if world % 2:
+            if rank == 0:
+                print(f"--hsdp needs an even number of ranks (got {world}); use --nproc-per-node 4",
+                      file=sys.stderr)
+            dist.destroy_process_group()
+            sys.exit(2)
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 \
+        else MixedPrecisionPolicy()
+
+    model = make_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    x, y = make_batch(rank)
+    for step in range(args.steps):
+        loss = F.mse_loss(model(x).float(), y)
+        opt.zero_grad()
+        loss.backward()  # reduce-scatter (AVG) of the gradients; HSDP adds an all-reduce across replicas
+        opt.step()
+        report(step, loss)
+
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
