@@ -25,28 +25,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-DIN, DH, DOUT, BATCH = 16, 64, 4, 32
-
-
-def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(DIN, DH), nn.Tanh(), nn.Linear(DH, DH), nn.Tanh(), nn.Linear(DH, DOUT))
-
-
-def make_batch(rank):
-    """This rank's synthetic regression batch: different on every rank, same on every run."""
-    teacher = torch.randn(DIN, DOUT, generator=torch.Generator().manual_seed(42))
-    g = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(BATCH, DIN, generator=g)
-    return x, torch.sin(x @ teacher)
-
-
-def report(step, loss):
-    # mean over the ranks, summed in float64: exact whatever the reduction order
-    t = loss.detach().double().reshape(1)
-    dist.all_reduce(t)
-    if dist.get_rank() == 0:
-        print(f"step {step} loss {t.item() / dist.get_world_size()!r}", flush=True)
+from _common import make_batch, make_model, report  # noqa: E402  (examples/ is on sys.path)
 
 
 def main():

@@ -1,0 +1,28 @@
+"""What the example scripts share: the small MLP, each rank's synthetic batch, and the loss report
+that tests/test_examples.py parses (``step <i> loss <repr(float)>`` on rank 0)."""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+DIN, DH, DOUT, BATCH = 16, 64, 4, 32
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIN, DH), nn.Tanh(), nn.Linear(DH, DH), nn.Tanh(), nn.Linear(DH, DOUT))
+
+
+def make_batch(rank):
+    """This rank's synthetic regression batch: different on every rank, same on every run."""
+    teacher = torch.randn(DIN, DOUT, generator=torch.Generator().manual_seed(42))
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(BATCH, DIN, generator=g)
+    return x, torch.sin(x @ teacher)
+
+
+def report(step, loss):
+    # mean over the ranks, summed in float64: exact whatever the reduction order
+    t = loss.detach().double().reshape(1)
+    dist.all_reduce(t)
+    if dist.get_rank() == 0:
+        print(f"step {step} loss {t.item() / dist.get_world_size()!r}", flush=True)
