@@ -49,17 +49,19 @@ def exchange_send_first(rank, world, n):
 
 def any_source_and_batch(rank, world):
     rep = Report(rank)
-    # Rank 0 receives one message from every other rank without naming the sender.
+    # Rank 0 receives one message from every other rank without naming the sender. They carry their
+    # own tag: a sender that finished early already sends its ring message below (tag 0), which an
+    # any-source recv with the same tag could legitimately match, as in MPI.
     if rank == 0:
         seen = set()
         for _ in range(world - 1):
             t = torch.empty(3, dtype=torch.int64)
-            src = dist.recv(t)
+            src = dist.recv(t, tag=7)
             rep.expect(t.tolist() == [src, src * 10, 7], f"any-source recv got {t.tolist()} from {src}")
             seen.add(src)
         rep.expect(seen == set(range(1, world)), f"any-source senders {sorted(seen)}")
     else:
-        dist.send(torch.tensor([rank, rank * 10, 7]), 0)
+        dist.send(torch.tensor([rank, rank * 10, 7]), 0, tag=7)
     # batch_isend_irecv around a ring, twice in a row.
     for it in range(2):
         nxt, prv = (rank + 1) % world, (rank - 1) % world
