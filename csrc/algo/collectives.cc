@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <functional>
 
 #include "core/copy.h"
 #include "core/error.h"
@@ -67,11 +66,12 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
   }
 }
 
-// One step of the protocol in shm_domain.h: announce (first phase only), publish, wait, verify.
-uint64_t step(OpContext& ctx, bool first, const Expect& e, uint64_t myCount,
-              const std::function<uint64_t(int)>& countOf, const std::function<void(uint8_t*)>& stage) {
+// One step of the protocol in shm_domain.h: stage, announce (first phase only), publish, wait,
+// verify. A template, not std::function: it runs once per chunk on every op's hot path.
+template <class CountOf, class Stage>
+uint64_t step(OpContext& ctx, bool first, const Expect& e, uint64_t myCount, CountOf countOf, Stage stage) {
   const uint64_t k = ctx.domain->nextPhase();
-  if (stage) stage(ctx.domain->slot(ctx.rank, k));
+  stage(ctx.domain->slot(ctx.rank, k));
   if (first) writeDescriptor(ctx, k, e, myCount);
   ctx.domain->publish(k);
   ctx.domain->waitAll(k, ctx.wait);
@@ -319,7 +319,7 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
   }
   const size_t region = regionBytes(d, W);
   for (size_t off = 0; off < maxBytes; off += region) {
-    const uint64_t k = step(ctx, false, e, 0, nullptr, [&](uint8_t* slot) {
+    const uint64_t k = step(ctx, false, e, 0, [](int) { return uint64_t{0}; }, [&](uint8_t* slot) {
       for (int p = 0; p < W; ++p) {
         const size_t pb = o.inCounts[p] * es;
         if (p != ctx.rank && off < pb) std::memcpy(slot + p * region, bytes(o.inputs[p]) + off, std::min(region, pb - off));
@@ -337,7 +337,7 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
 void barrier(OpContext& ctx) {
   if (ctx.size == 1) return;
   const Expect e{OpKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, -1};
-  step(ctx, true, e, 0, [](int) { return 0; }, nullptr);
+  step(ctx, true, e, 0, [](int) { return uint64_t{0}; }, [](uint8_t*) {});
 }
 
 }  // namespace smddp::algo
