@@ -756,6 +756,19 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def best_of(a, b):
+    """The faster of two measurements of one (backend, size), for --rounds. Wrong
+    elements add up and an error is kept, so no round's failure is hidden."""
+    if a is None or b is None:
+        return a or b
+    fast, slow = (a, b) if (b["time_us"] is None or (a["time_us"] is not None and a["time_us"] <= b["time_us"])) else (b, a)
+    out = dict(fast)
+    if a["wrong"] is not None or b["wrong"] is not None:
+        out["wrong"] = (a["wrong"] or 0) + (b["wrong"] or 0)
+    out["error"] = fast["error"] or slow["error"]
+    return out
+
+
 class Reporter:
     def __init__(self, args, json_file, jobs):
         self.args = args
@@ -770,13 +783,22 @@ class Reporter:
         self.notes = []  # '#' lines to print before the next table
         self.world_results = {}  # job label -> {(op, size): result} for the current world
         self.world_status = {}  # job label -> None or why the whole column is n/a / incomplete
+        # --rounds: every round but the last only collects; the last prints each backend's best
+        self.final_round = True
+        self.earlier = {}  # (world, op, size) -> {backend: best result of the earlier rounds}
 
     def out(self, line=""):
         print(line, flush=True)
 
+    def begin_round(self, index, rounds):
+        self.final_round = index == rounds - 1
+        if index == 0:
+            self.world_results, self.world_status = {}, {}
+
     def set_job_results(self, label, results, status):
-        self.world_results[label] = results
-        self.world_status[label] = status
+        old = self.world_results.get(label, {})
+        self.world_results[label] = {k: best_of(old.get(k), results.get(k)) for k in set(old) | set(results)}
+        self.world_status[label] = self.world_status.get(label) or status
 
     def header(self, meta):
         a = self.args
@@ -791,7 +813,8 @@ class Reporter:
         )
         self.out(
             f"# minBytes {a.minbytes} maxBytes {a.maxbytes} step: {a.stepfactor:g}(factor) "
-            f"warmup iters: {a.warmup} iters: {it} in {a.reps} reps (median) time: {a.time_agg} over ranks  validation: {int(a.check)}"
+            f"warmup iters: {a.warmup} iters: {it} in {a.reps} reps (median) time: {a.time_agg} over ranks, best of "
+            f"{a.rounds} round(s)  validation: {int(a.check)}"
         )
         self.out("#")
         self.out(f"# machine: {cpu}, {physical_cores()} cores / {os.cpu_count()} cpus, {platform.system()} {platform.release()}")
@@ -813,11 +836,15 @@ class Reporter:
                  + (" (MPI: a Dup of COMM_WORLD)" if self.jobs else ""))
         self.out(f"# time = per-op time in us (loop of blocking ops / iters; median of {a.reps} reps per rank), " + {
             "avg": "averaged over ranks", "max": "max over ranks", "min": "min over ranks", "rank0": "of rank 0"}[a.time_agg]
+            + (f"; each backend's best of {a.rounds} rounds, the rounds interleaved in time (this VM's "
+               "neighbours come and go)" if a.rounds > 1 else "")
             + "; algbw = size / time (GB/s, GB = 1e9); busbw = algbw * factor; vs X = X_time / "
             + f"{self.cand}_time (> 1: {self.cand} faster)")
         self.header_done = True
 
     def table_begin(self, world, op):
+        if not self.final_round:
+            return
         self.rows = []
         self.errors_seen = set()
         self.t_begin = time.monotonic()
@@ -851,6 +878,13 @@ class Reporter:
         return r
 
     def row(self, msg):
+        key = (msg["world"], msg["op"], msg["size"])
+        seen = self.earlier.setdefault(key, {})
+        for r in msg["results"]:
+            seen[r["backend"]] = best_of(seen.get(r["backend"]), r)
+        if not self.final_round:
+            return
+        msg["results"] = [seen[r["backend"]] for r in msg["results"]]
         msg["results"] = list(msg["results"]) + [self._job_result(j.label, msg["op"], msg["size"]) for j in self.jobs]
         res = {r["backend"]: r for r in msg["results"]}
         line = PRE_FMT.format(msg["size"], msg["count"], msg["dtype"], msg["redop"])
@@ -882,6 +916,8 @@ class Reporter:
         self.rows.append((msg["size"], res, sp))
 
     def table_end(self, world, op):
+        if not self.final_round:
+            return
         labels = {n: f"Avg bus bandwidth ({n})" for n in self.names}
         width = max(len(x) for x in labels.values())
         for n in self.names:
@@ -1302,6 +1338,9 @@ def parse_args(argv):
     p.add_argument("--max-iters", default=1000, type=int, help="auto iterations: upper bound")
     p.add_argument("--reps", type=int, default=5,
                    help="split the timed iterations into this many repetitions and take each rank's median")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measure every backend this many times, the rounds interleaved in time, and report each "
+                        "backend's best round (a noisy machine then costs every backend alike)")
     p.add_argument("-a", "--time-agg", default="avg", choices=["avg", "max", "min", "rank0"],
                    help="how per-rank times are combined (nccl-tests default: avg)")
     p.add_argument("-c", "--check", default=1, type=int, choices=[0, 1], help="validate results (#wrong)")
@@ -1350,6 +1389,8 @@ def parse_args(argv):
         p.error("--minbytes > --maxbytes")
     if args.min_iters < 1 or args.max_iters < args.min_iters:
         p.error("need 1 <= --min-iters <= --max-iters")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.idle_seconds < 0:
         p.error("--idle-seconds must be >= 0")
     return args
@@ -1380,15 +1421,21 @@ def main(argv=None) -> int:
     deadline = t0 + args.timeout
     try:
         for i, world in enumerate(args.worlds):
-            for job in jobs:  # each job baseline: its own job, before the torch job of this world
-                why = job.unsupported()
-                if why:
-                    reporter.set_job_results(job.label, {}, why)
-                    continue
-                results, status, note = job.run(world, base_cfg, deadline)
-                reporter.set_job_results(job.label, results, status)
-                reporter.notes.append(note)
-            run_world(world, args, dict(base_cfg, memcpy=(i == 0)), reporter, deadline)
+            for rnd in range(args.rounds):
+                reporter.begin_round(rnd, args.rounds)
+                last = rnd == args.rounds - 1
+                for job in jobs:  # each job baseline: its own job, before the torch job of this round
+                    why = job.unsupported()
+                    if why:
+                        reporter.set_job_results(job.label, {}, why)
+                        continue
+                    results, status, note = job.run(world, base_cfg, deadline)
+                    reporter.set_job_results(job.label, results, status)
+                    reporter.notes.append(note + (f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""))
+                cfg = dict(base_cfg, memcpy=(i == 0 and rnd == 0))
+                if not last:
+                    cfg["idle_seconds"] = 0  # idle cost is measured once, after the last round
+                run_world(world, args, cfg, reporter, deadline)
     except RunFailed as e:
         print(f"# ERROR: {e}; all ranks killed", flush=True)
         print(f"bench_vs_gloo: error: {e}", file=sys.stderr)

@@ -171,12 +171,13 @@ void broadcast(OpContext& ctx, const BroadcastOptions& o) {
   const size_t total = o.count * elementSize(o.dtype);
   const Expect e{OpKind::kBroadcast, o.dtype, ReduceOp::kSum, o.root};
   const bool isRoot = ctx.rank == o.root;
+  const bool stream = shouldStream(total, ctx.size);
   for (size_t off = 0; off < total; off += d.slotBytes()) {
     const size_t n = std::min(d.slotBytes(), total - off);
     const uint64_t k = step(ctx, off == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
       if (isRoot) std::memcpy(slot, bytes(o.buffer) + off, n);
     });
-    if (!isRoot) std::memcpy(bytes(o.buffer) + off, d.slot(o.root, k), n);
+    if (!isRoot) copyOut(bytes(o.buffer) + off, d.slot(o.root, k), n, stream);
   }
 }
 
@@ -194,7 +195,7 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
   const Expect e{o.root < 0 ? OpKind::kAllgather : OpKind::kGather, o.dtype, ReduceOp::kSum, o.root};
   size_t total = 0;
   for (size_t c : o.counts) total += c * es;
-  const bool stream = shouldStream(total);
+  const bool stream = shouldStream(total, ctx.size);
   for (size_t off = 0; off < maxBytes; off += d.slotBytes()) {
     const size_t myN = off < mine ? std::min(d.slotBytes(), mine - off) : 0;
     const uint64_t k = step(ctx, off == 0, e, o.counts[ctx.rank], [&](int p) { return o.counts[p]; },

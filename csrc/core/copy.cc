@@ -5,16 +5,34 @@
 
 #include <cstdint>
 #include <cstring>
+#include <fstream>
+#include <string>
 
+#include "core/env.h"
 #include "core/reduce.h"
 
 namespace smddp {
 namespace {
 
+// The last-level cache this CPU shares, from sysfs: glibc's sysconf(_SC_LEVEL3_CACHE_SIZE) reports
+// the whole socket's L3 on some VMs and AMD parts (384 MiB where a core sees 32 MiB), which
+// would keep streaming stores off exactly where they help.
+size_t lastLevelCacheBytes() {
+  for (const char* index : {"index3", "index2"}) {
+    std::string path = std::string("/sys/devices/system/cpu/cpu0/cache/") + index + "/size";
+    std::ifstream f(path);
+    size_t kib = 0;
+    char unit = 0;
+    if (f >> kib >> unit && kib > 0 && (unit == 'K' || unit == 'k')) return kib << 10;
+  }
+  long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return l3 > 0 ? static_cast<size_t>(l3) : size_t{32} << 20;
+}
+
 size_t streamThreshold() {
   static const size_t t = [] {
-    long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    return l3 > 0 ? static_cast<size_t>(l3) / 2 : size_t{16} << 20;
+    const int64_t v = env::streamMinBytes();
+    return v >= 0 ? static_cast<size_t>(v) : lastLevelCacheBytes();
   }();
   return t;
 }
@@ -41,7 +59,9 @@ __attribute__((target("avx2"))) void copyStreamAvx2(uint8_t* dst, const uint8_t*
 
 }  // namespace
 
-bool shouldStream(size_t totalBytes) { return totalBytes >= streamThreshold(); }
+bool shouldStream(size_t outputBytes, int ranksOnHost) {
+  return outputBytes * static_cast<size_t>(ranksOnHost) >= streamThreshold();
+}
 
 void copyOut(void* dst, const void* src, size_t n, bool stream) {
   static const bool avx2 = isaSupported(Isa::kAvx2);

@@ -29,6 +29,10 @@ constexpr Param kParams[] = {
     {"SMDDP_YIELD_US", "50",
      "When ranks outnumber cores: microseconds a waiting rank keeps yielding its core (so the rank it "
      "waits for can run) before it sleeps on a futex."},
+    {"SMDDP_STREAM_MIN_BYTES", "-1",
+     "Allgather and broadcast write their output with non-temporal (streaming) stores, which skip "
+     "the cache and the read-for-ownership of every line, when the outputs of the ranks on the host "
+     "add up to at least this many bytes. -1 = the last-level cache size (from sysfs); 0 = always."},
     {"SMDDP_SIMD", "auto", "Reduce-kernel instruction set: auto, avx512, avx2 or scalar."},
     {"SMDDP_DEBUG", "WARN", "Log level: NONE, WARN, INFO or TRACE."},
     {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, ENV or ALL; ^ inverts."},
@@ -71,6 +75,10 @@ int64_t shmSlotBytes() {
 }
 int64_t allreduceOneShotMaxBytes() {
   static const int64_t v = readInt("SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES");
+  return v;
+}
+int64_t streamMinBytes() {
+  static const int64_t v = readInt("SMDDP_STREAM_MIN_BYTES");
   return v;
 }
 int64_t spinMicros() {

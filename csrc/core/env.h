@@ -25,6 +25,8 @@ std::vector<ParamInfo> allParams();
 int64_t shmSlotBytes();
 // Allreduce of at most this many bytes uses the one-shot algorithm (every rank reduces all inputs).
 int64_t allreduceOneShotMaxBytes();
+// Allgather/broadcast stream their output when the host's outputs add up to this; -1 = the LLC.
+int64_t streamMinBytes();
 // Microseconds a waiting thread polls a peer's flag before it sleeps; -1 = choose from the core count.
 int64_t spinMicros();
 // Log level: NONE, WARN (default), INFO, TRACE.
