@@ -42,6 +42,12 @@ class CMakeBuild(build_ext):
                 target.write_text(text)
 
 
+def pinned(requirements_file):
+    """The pins of a requirements file, so `pip install .[examples]` gets what CI tests."""
+    lines = (ROOT / requirements_file).read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
 setup(
     name="smddp",
     version=VERSION,
@@ -52,5 +58,6 @@ setup(
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
     install_requires=["torch"],
+    extras_require={"examples": pinned("requirements-examples.txt"), "bench": pinned("requirements-bench.txt")},
     zip_safe=False,
 )

@@ -1329,7 +1329,7 @@ def parse_args(argv):
     p.add_argument("-d", "--dtype", default="float32", choices=list(DTYPES), help="datatype")
     p.add_argument("-o", "--op", default="sum", choices=list(REDOPS), help="reduction op")
     p.add_argument("-b", "--minbytes", default="8", type=parse_size, help="smallest size (K/M/G suffixes, binary)")
-    p.add_argument("-e", "--maxbytes", default="64M", type=parse_size, help="largest size")
+    p.add_argument("-e", "--maxbytes", default="128M", type=parse_size, help="largest size")
     p.add_argument("-f", "--stepfactor", default=2.0, type=float, help="size multiplication factor")
     p.add_argument("-n", "--iters", default=0, type=int, help="timed iterations; 0 = auto (see --target-ms)")
     p.add_argument("-w", "--warmup", default=3, type=int, help="warmup iterations per measurement")

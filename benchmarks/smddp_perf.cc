@@ -84,7 +84,7 @@ void runOp(algo::Communicator& c, const std::string& op, float* in, float* out, 
     for (int p = 0; p < W; ++p) o.outputs.push_back(out + p * s.inElems);
     c.allgather(o, to);
   } else {
-    algo::ReduceScatterOptions o{DataType::kFloat32, sum, {}, out, s.outElems};
+    algo::ReduceScatterOptions o{DataType::kFloat32, sum, {}, out, s.outElems, {}};
     for (int p = 0; p < W; ++p) o.inputs.push_back(in + p * s.outElems);
     c.reduceScatter(o, to);
   }
@@ -131,7 +131,7 @@ std::string fit(double v, int width) {
 
 int rankMain(const Args& a, int rank, const std::string& dir) {
   FileStore store(dir, std::chrono::milliseconds(60000));
-  algo::Communicator comm(store, rank, a.ranks);
+  algo::Communicator comm(store, rank, a.ranks, std::chrono::minutes(5));
   const int W = a.ranks;
   if (rank == 0) {
     printf("# smddp_perf: %s, %d ranks (processes on this host), float32 sum, GB = 1e9\n", a.op.c_str(), W);

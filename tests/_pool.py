@@ -71,7 +71,7 @@ class PoolError(AssertionError):
 # test-process side
 # ---------------------------------------------------------------------------
 class Pool:
-    def __init__(self, world, backend=None, init_timeout=DEFAULT_INIT_TIMEOUT, extra_env=None):
+    def __init__(self, world, backend=None, init_timeout=DEFAULT_INIT_TIMEOUT, extra_env=None, rank_env=None):
         from multiprocessing.connection import Connection
 
         self.world = world
@@ -96,11 +96,14 @@ class Pool:
         try:
             for r in range(world):
                 logf = open(self.logs[r], "wb")
+                renv = dict(env)
+                for name, values in (rank_env or {}).items():  # e.g. SMDDP_HOST_ID per rank
+                    renv[name] = values[r]
                 p = subprocess.Popen(
                     [sys.executable, "-u", os.path.abspath(__file__), "worker", sock_path,
                      str(r), str(world), self.backend, init_method, str(os.getpid())],
                     stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                    env=env, cwd=TESTS_DIR,
+                    env=renv, cwd=TESTS_DIR,
                 )
                 logf.close()
                 self.procs.append(p)

@@ -50,27 +50,31 @@ class Pools:
         self.live = {}
         self.started = 0
 
-    def get(self, world):
-        pool = self.live.get(world)
+    def get(self, world, hosts=None):
+        """The pool of `world` ranks; `hosts` (e.g. "0011") splits them into emulated hosts
+        through SMDDP_HOST_ID, so that the inter-host path runs on this machine."""
+        key = (world, hosts)
+        pool = self.live.get(key)
         if pool is not None and not pool.dead:
             return pool
-        for w, p in list(self.live.items()):
-            if w != world:
+        for k, p in list(self.live.items()):
+            if k != key:
                 SHUTDOWN_PROBLEMS.extend(p.close())
-            del self.live[w]
-        pool = _pool.Pool(world)
+            del self.live[k]
+        rank_env = {"SMDDP_HOST_ID": list(hosts)} if hosts else None
+        pool = _pool.Pool(world, rank_env=rank_env)
         self.started += 1
-        self.live[world] = pool
+        self.live[key] = pool
         return pool
 
-    def run(self, world, fn, *args, timeout=_pool.DEFAULT_TASK_TIMEOUT):
+    def run(self, world, fn, *args, timeout=_pool.DEFAULT_TASK_TIMEOUT, hosts=None):
         __tracebackhide__ = True
-        return self.get(world).run(fn, *args, timeout=timeout)
+        return self.get(world, hosts).run(fn, *args, timeout=timeout)
 
-    def check(self, world, fn, *args, timeout=_pool.DEFAULT_TASK_TIMEOUT):
+    def check(self, world, fn, *args, timeout=_pool.DEFAULT_TASK_TIMEOUT, hosts=None):
         """Run a checking task (returns _util.Report dicts) and assert on the merged report."""
         __tracebackhide__ = True
-        pool = self.get(world)
+        pool = self.get(world, hosts)
         results = pool.run(fn, *args, timeout=timeout)
         try:
             _util.assert_reports(results, world)
@@ -81,9 +85,9 @@ class Pools:
             raise
         return results
 
-    def discard(self, world):
+    def discard(self, world, hosts=None):
         """Close the pool of this world size: for tests that leave its group unusable on purpose."""
-        pool = self.live.pop(world, None)
+        pool = self.live.pop((world, hosts), None)
         if pool is not None:
             pool.close()
 

@@ -215,10 +215,14 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
 }
 
 void reduceScatter(OpContext& ctx, const ReduceScatterOptions& o) {
-  if (o.count == 0) return;
+  const bool uneven = !o.counts.empty();
+  auto countOf = [&](int p) -> uint64_t { return uneven ? o.counts[p] : o.count; };
+  const size_t mine = countOf(ctx.rank);
+  const size_t maxCount = uneven ? *std::max_element(o.counts.begin(), o.counts.end()) : o.count;
+  if (maxCount == 0) return;
   if (ctx.size == 1) {
     const void* src = o.inputs[0];
-    reduce(o.dtype, o.reduction, o.output, &src, 1, o.count);
+    reduce(o.dtype, o.reduction, o.output, &src, 1, mine);
     return;
   }
   shm::Domain& d = *ctx.domain;
@@ -231,13 +235,16 @@ void reduceScatter(OpContext& ctx, const ReduceScatterOptions& o) {
   }
   const Expect e{OpKind::kReduceScatter, o.dtype, o.reduction.op, -1};
   std::vector<const void*> srcs(ctx.size);
-  for (size_t off = 0; off < o.count; off += piece) {
-    const size_t pe = std::min(piece, o.count - off);
-    const uint64_t k = step(ctx, off == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
-      for (int p = 0; p < ctx.size; ++p) std::memcpy(slot + p * piece * es, bytes(o.inputs[p]) + off * es, pe * es);
+  for (size_t off = 0; off < maxCount; off += piece) {
+    const uint64_t k = step(ctx, off == 0, e, mine, countOf, [&](uint8_t* slot) {
+      for (int p = 0; p < ctx.size; ++p) {
+        const size_t cp = countOf(p);
+        if (off < cp) std::memcpy(slot + p * piece * es, bytes(o.inputs[p]) + off * es, std::min(piece, cp - off) * es);
+      }
     });
+    if (off >= mine) continue;
     for (int q = 0; q < ctx.size; ++q) srcs[q] = d.slot(q, k) + ctx.rank * piece * es;
-    reduce(o.dtype, o.reduction, bytes(o.output) + off * es, srcs.data(), ctx.size, pe);
+    reduce(o.dtype, o.reduction, bytes(o.output) + off * es, srcs.data(), ctx.size, std::min(piece, mine - off));
   }
 }
 

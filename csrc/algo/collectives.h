@@ -78,6 +78,7 @@ struct ReduceScatterOptions {
   std::vector<const void*> inputs;  // one block per rank, `count` elements each
   void* output = nullptr;           // `count` elements; may alias this rank's own input block
   size_t count = 0;
+  std::vector<size_t> counts;       // if not empty: block p has counts[p] elements (`count` unused)
 };
 void reduceScatter(OpContext& ctx, const ReduceScatterOptions& opts);
 

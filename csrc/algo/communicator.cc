@@ -1,5 +1,6 @@
 #include "algo/communicator.h"
 
+#include <cstring>
 #include <mutex>
 
 #include "core/env.h"
@@ -17,12 +18,36 @@ void logParamsOnce() {
 }
 }  // namespace
 
-Communicator::Communicator(Store& store, int rank, int size)
+Communicator::Communicator(Store& store, int rank, int size, std::chrono::milliseconds timeout)
     : rank_(rank),
       size_(size),
-      domain_(shm::Domain::create(store, rank, size, static_cast<size_t>(env::shmSlotBytes()))),
+      topo_(size > 1 ? Topology::discover(store, rank, size) : Topology::singleHost(rank, size)),
       oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))) {
   logParamsOnce();
+  const size_t slotBytes = static_cast<size_t>(env::shmSlotBytes());
+  if (topo_.hosts() == 1) {
+    domain_ = shm::Domain::create(store, rank, size, slotBytes);
+    return;
+  }
+  netAlgo_ = netAlgoFromEnv();
+  netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
+  PrefixStore hostStore(store, "smddp/host" + std::to_string(topo_.host()) + "/");
+  domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes);
+  domain_->setGroupRanks(topo_.members[topo_.host()]);
+  mesh_ = net::TcpMesh::create(store, topo_, hierarchicalPeers(topo_), timeout);
+  SMDDP_INFO(kInit, "rank %d/%d: %d hosts, inter-host algorithm %s over %s (%s)", rank, size, topo_.hosts(),
+             env::netAlgo().c_str(), mesh_->address().ip.c_str(), mesh_->address().ifname.c_str());
+}
+
+HierContext Communicator::hier(const OpContext& ctx) {
+  HierContext h;
+  h.topo = &topo_;
+  h.local = ctx;
+  h.mesh = mesh_.get();
+  h.algo = netAlgo_;
+  h.scratch = &netScratch_;
+  h.bufferBytes = netBufferBytes_;
+  return h;
 }
 
 Communicator::~Communicator() = default;
@@ -44,8 +69,8 @@ void Communicator::run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn) 
   }
   OpContext ctx;
   ctx.domain = domain_.get();
-  ctx.rank = rank_;
-  ctx.size = size_;
+  ctx.rank = domain_ ? domain_->rank() : rank_;  // host-local when the group spans hosts
+  ctx.size = domain_ ? domain_->size() : size_;
   ctx.seq = seq;
   ctx.wait.deadline = std::chrono::steady_clock::now() + timeout;
   ctx.wait.abort = &aborted_;
@@ -62,33 +87,101 @@ void Communicator::run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn) 
 }
 
 void Communicator::allreduce(const AllreduceOptions& opts, std::chrono::milliseconds timeout) {
-  run(opts.root >= 0 ? OpKind::kReduce : OpKind::kAllreduce, timeout,
-      [&](OpContext& ctx) { algo::allreduce(ctx, opts); });
+  run(opts.root >= 0 ? OpKind::kReduce : OpKind::kAllreduce, timeout, [&](OpContext& ctx) {
+    if (mesh_) {
+      HierContext h = hier(ctx);
+      hierAllreduce(h, opts);
+    } else {
+      algo::allreduce(ctx, opts);
+    }
+  });
 }
 
 void Communicator::broadcast(const BroadcastOptions& opts, std::chrono::milliseconds timeout) {
-  run(OpKind::kBroadcast, timeout, [&](OpContext& ctx) { algo::broadcast(ctx, opts); });
+  run(OpKind::kBroadcast, timeout, [&](OpContext& ctx) {
+    if (mesh_) {
+      HierContext h = hier(ctx);
+      hierBroadcast(h, opts);
+    } else {
+      algo::broadcast(ctx, opts);
+    }
+  });
 }
 
 void Communicator::allgather(const AllgatherOptions& opts, std::chrono::milliseconds timeout) {
-  run(opts.root >= 0 ? OpKind::kGather : OpKind::kAllgather, timeout,
-      [&](OpContext& ctx) { algo::allgather(ctx, opts); });
+  run(opts.root >= 0 ? OpKind::kGather : OpKind::kAllgather, timeout, [&](OpContext& ctx) {
+    if (!mesh_) {
+      algo::allgather(ctx, opts);
+      return;
+    }
+    // Across hosts a gather is an all-gather whose non-root ranks keep nothing.
+    AllgatherOptions all = opts;
+    all.root = -1;
+    std::vector<std::vector<uint8_t>> discard;
+    if (opts.root >= 0 && opts.root != rank_) {
+      discard.resize(size_);
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        discard[p].resize(opts.counts[p] * elementSize(opts.dtype));
+        all.outputs[p] = discard[p].data();
+      }
+      all.outputs[rank_] = const_cast<void*>(opts.input);
+    }
+    HierContext h = hier(ctx);
+    hierAllgather(h, all);
+  });
 }
 
 void Communicator::scatter(const ScatterOptions& opts, std::chrono::milliseconds timeout) {
-  run(OpKind::kScatter, timeout, [&](OpContext& ctx) { algo::scatter(ctx, opts); });
+  run(OpKind::kScatter, timeout, [&](OpContext& ctx) {
+    if (!mesh_) {
+      algo::scatter(ctx, opts);
+      return;
+    }
+    // Across hosts: one broadcast per block (scatter is rare: DTensor's distribute at start-up).
+    std::vector<uint8_t> other(opts.count * elementSize(opts.dtype));
+    for (int p = 0; p < size_; ++p) {
+      void* buf = rank_ == opts.root ? const_cast<void*>(opts.inputs[p]) : p == rank_ ? opts.output : other.data();
+      HierContext h = hier(ctx);
+      hierBroadcast(h, BroadcastOptions{opts.dtype, opts.count, buf, opts.root});
+    }
+    if (rank_ == opts.root && opts.output != opts.inputs[rank_] && opts.count > 0) {
+      std::memmove(opts.output, opts.inputs[rank_], opts.count * elementSize(opts.dtype));
+    }
+  });
 }
 
 void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::milliseconds timeout) {
-  run(OpKind::kAlltoall, timeout, [&](OpContext& ctx) { algo::alltoall(ctx, opts); });
+  run(OpKind::kAlltoall, timeout, [&](OpContext& ctx) {
+    if (mesh_) {
+      throwError(ErrorCode::kNotSupported,
+                 "all_to_all is not supported yet in a group that spans hosts (this group has %d hosts)",
+                 topo_.hosts());
+    }
+    algo::alltoall(ctx, opts);
+  });
 }
 
 void Communicator::reduceScatter(const ReduceScatterOptions& opts, std::chrono::milliseconds timeout) {
-  run(OpKind::kReduceScatter, timeout, [&](OpContext& ctx) { algo::reduceScatter(ctx, opts); });
+  run(OpKind::kReduceScatter, timeout, [&](OpContext& ctx) {
+    if (mesh_) {
+      HierContext h = hier(ctx);
+      hierReduceScatter(h, opts);
+    } else {
+      algo::reduceScatter(ctx, opts);
+    }
+  });
 }
 
 void Communicator::barrier(std::chrono::milliseconds timeout) {
-  run(OpKind::kBarrier, timeout, [&](OpContext& ctx) { algo::barrier(ctx); });
+  run(OpKind::kBarrier, timeout, [&](OpContext& ctx) {
+    if (mesh_) {
+      HierContext h = hier(ctx);
+      hierBarrier(h);
+    } else {
+      algo::barrier(ctx);
+    }
+  });
 }
 
 }  // namespace smddp::algo

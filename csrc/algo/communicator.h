@@ -1,6 +1,7 @@
-// One process group's communicator on one host: owns the shared-memory domain, numbers the ops
-// and turns any failure into a broken state, since after a failed collective ranks no longer
-// agree on where they are in the protocol (as with NCCL, re-create the group to recover).
+// One process group's communicator: finds which ranks share a host, owns the shared-memory
+// domain of this host's ranks and, when the group spans hosts, the TCP mesh between them; numbers
+// the ops and turns any failure into a broken state, since after a failed collective ranks no
+// longer agree on where they are in the protocol (as with NCCL, re-create the group to recover).
 #pragma once
 
 #include <atomic>
@@ -11,19 +12,25 @@
 #include <string>
 
 #include "algo/collectives.h"
+#include "algo/hierarchical.h"
 #include "core/store.h"
 #include "transport/shm_domain.h"
+#include "transport/tcp_mesh.h"
+#include "transport/topology.h"
 
 namespace smddp::algo {
 
 class Communicator {
  public:
-  // Collective over the group (bootstrap through `store`).
-  Communicator(Store& store, int rank, int size);
+  // Collective over the group (bootstrap through `store`; `timeout` bounds connection set-up).
+  Communicator(Store& store, int rank, int size, std::chrono::milliseconds timeout);
   ~Communicator();
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  const Topology& topology() const { return topo_; }
+  // True when the group spans hosts (then domain() holds only this host's ranks).
+  bool multiHost() const { return mesh_ != nullptr; }
   // The shared-memory domain, for the point-to-point engine (it maps nothing in a group of one).
   shm::Domain* domain() const { return domain_.get(); }
 
@@ -44,10 +51,16 @@ class Communicator {
  private:
   template <class Fn>
   void run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn);
+  HierContext hier(const OpContext& ctx);
 
   int rank_;
   int size_;
+  Topology topo_;
   std::unique_ptr<shm::Domain> domain_;
+  std::unique_ptr<net::TcpMesh> mesh_;
+  NetAlgo netAlgo_ = NetAlgo::kMesh;
+  size_t netBufferBytes_ = 0;
+  std::vector<uint8_t> netScratch_;
   size_t oneShotMaxBytes_;
   uint64_t seq_ = 0;
   std::atomic<bool> aborted_{false};

@@ -33,6 +33,23 @@ constexpr Param kParams[] = {
      "Allgather and broadcast write their output with non-temporal (streaming) stores, which skip "
      "the cache and the read-for-ownership of every line, when the outputs of the ranks on the host "
      "add up to at least this many bytes. -1 = the last-level cache size (from sysfs); 0 = always."},
+    {"SMDDP_HOST_ID", "",
+     "Ranks on one machine that set different values are treated as different hosts and talk over "
+     "TCP (for testing the inter-host path on one machine). It cannot join ranks that do not share "
+     "/dev/shm."},
+    {"SMDDP_SOCKET_IFNAME", "",
+     "Network interface(s) for the inter-host TCP mesh, NCCL syntax: 'eth' (prefix), 'eth0,eth1', "
+     "'^docker,lo' (exclude), '=eth0' (exact). Default: the interface that routes to MASTER_ADDR, "
+     "else the first non-loopback interface that is up."},
+    {"SMDDP_NET_ALGO", "mesh",
+     "Inter-host schedule: mesh (one hop to every host, chunks paced round-robin from a shifted "
+     "start with a per-peer window), naive (one hop, everything handed to the sockets at once, peers "
+     "in rank order) or ring."},
+    {"SMDDP_NET_CHUNK_BYTES", "262144",
+     "mesh: bytes handed to one peer's socket per turn of the round-robin."},
+    {"SMDDP_NET_BUFFER_BYTES", "16777216",
+     "Bytes of receive buffer per rank for inter-host reductions; larger messages are processed in "
+     "pieces of this size."},
     {"SMDDP_SIMD", "auto", "Reduce-kernel instruction set: auto, avx512, avx2 or scalar."},
     {"SMDDP_DEBUG", "WARN", "Log level: NONE, WARN, INFO or TRACE."},
     {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, ENV or ALL; ^ inverts."},
@@ -95,6 +112,26 @@ const std::string& debugLevel() {
 }
 const std::string& debugSubsys() {
   static const std::string v = readString("SMDDP_DEBUG_SUBSYS");
+  return v;
+}
+const std::string& hostId() {
+  static const std::string v = readString("SMDDP_HOST_ID");
+  return v;
+}
+const std::string& socketIfname() {
+  static const std::string v = readString("SMDDP_SOCKET_IFNAME");
+  return v;
+}
+const std::string& netAlgo() {
+  static const std::string v = readString("SMDDP_NET_ALGO");
+  return v;
+}
+int64_t netChunkBytes() {
+  static const int64_t v = readInt("SMDDP_NET_CHUNK_BYTES");
+  return v;
+}
+int64_t netBufferBytes() {
+  static const int64_t v = readInt("SMDDP_NET_BUFFER_BYTES");
   return v;
 }
 const std::string& simd() {

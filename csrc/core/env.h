@@ -35,6 +35,16 @@ const std::string& debugLevel();
 const std::string& debugSubsys();
 // Microseconds a waiting rank keeps yielding its core before sleeping, when ranks outnumber cores.
 int64_t yieldMicros();
+// Splits one machine into several "hosts" (tests); empty = no split.
+const std::string& hostId();
+// Interfaces for the TCP mesh (NCCL_SOCKET_IFNAME syntax); empty = route to MASTER_ADDR.
+const std::string& socketIfname();
+// Inter-host schedule: mesh, naive or ring.
+const std::string& netAlgo();
+// mesh: bytes per peer per round-robin turn.
+int64_t netChunkBytes();
+// Receive buffer for inter-host reductions; bigger messages go in pieces.
+int64_t netBufferBytes();
 // Reduce-kernel instruction set: auto (default), avx512, avx2, scalar.
 const std::string& simd();
 

@@ -26,6 +26,7 @@ unsigned subsysBit(const std::string& name) {
   if (name == "COLL") return kColl;
   if (name == "SHM") return kShm;
   if (name == "ENV") return kEnv;
+  if (name == "NET") return kNet;
   if (name == "ALL") return kAll;
   return 0;
 }

@@ -5,7 +5,7 @@
 namespace smddp::log {
 
 enum Level { kNone = 0, kWarn = 1, kInfo = 2, kTrace = 3 };
-enum Subsys : unsigned { kInit = 1u << 0, kColl = 1u << 1, kShm = 1u << 2, kEnv = 1u << 3, kAll = ~0u };
+enum Subsys : unsigned { kInit = 1u << 0, kColl = 1u << 1, kShm = 1u << 2, kEnv = 1u << 3, kNet = 1u << 4, kAll = ~0u };
 
 bool enabled(Level level, Subsys subsys);
 void write(Level level, Subsys subsys, const char* file, int line, const char* fmt, ...)

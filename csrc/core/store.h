@@ -14,4 +14,17 @@ class Store {
   virtual std::string get(const std::string& key) = 0;
 };
 
+// A view of a store whose keys all start with `prefix`, so that a sub-protocol (one host's
+// shared-memory domain, say) can reuse fixed key names without colliding with another's.
+class PrefixStore : public Store {
+ public:
+  PrefixStore(Store& inner, std::string prefix) : inner_(inner), prefix_(std::move(prefix)) {}
+  void set(const std::string& key, const std::string& value) override { inner_.set(prefix_ + key, value); }
+  std::string get(const std::string& key) override { return inner_.get(prefix_ + key); }
+
+ private:
+  Store& inner_;
+  std::string prefix_;
+};
+
 }  // namespace smddp

@@ -150,31 +150,6 @@ class C10dStore : public Store {
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
-std::string hostIdentity() {
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  std::string boot;
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::getline(f, boot);
-  return std::string(host) + "/" + boot;
-}
-
-// Shared memory needs every rank on one machine; the inter-host transport is not built yet.
-void checkSingleHost(Store& store, int rank, int size) {
-  const std::string me = hostIdentity();
-  store.set("smddp/host/" + std::to_string(rank), me);
-  for (int r = 0; r < size; ++r) {
-    if (r == rank) continue;
-    const std::string other = store.get("smddp/host/" + std::to_string(r));
-    if (other != me) {
-      throwError(ErrorCode::kNotSupported,
-                 "this process group spans more than one host (rank %d is on %s, rank %d on %s): smddp's "
-                 "inter-host transport is not implemented yet; use gloo for multi-host CPU groups for now",
-                 rank, me.c_str(), r, other.c_str());
-    }
-  }
-}
-
 }  // namespace
 
 // ---- Work -----------------------------------------------------------------------------------
@@ -208,13 +183,12 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     : c10d::Backend(rank, size), timeoutMs_(timeout.count()), spin_(lingerBudget(size)) {
   C10dStore s(store);
   try {
-    checkSingleHost(s, rank, size);
-    comm_ = std::make_unique<algo::Communicator>(s, rank, size);
+    comm_ = std::make_unique<algo::Communicator>(s, rank, size, timeout);
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, rank));
   }
   progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank), spin_);
-  if (size > 1) {
+  if (size > 1 && !comm_->multiHost()) {
     p2p_ = std::make_unique<engine::P2pEngine>(comm_->domain(), spin_, "smddp-p2p" + std::to_string(rank));
   }
   SMDDP_INFO(kInit, "rank %d/%d: process group ready", rank, size);
@@ -233,6 +207,15 @@ void SmddpBackend::shutdown() {
 
 c10::intrusive_ptr<c10d::Backend::Options> SmddpBackend::getBackendOptions() {
   return c10::make_intrusive<Options>(getBackendName(), std::chrono::milliseconds(timeoutMs_.load()));
+}
+
+std::map<std::string, std::string> SmddpBackend::topologySummary() const {
+  const Topology& t = comm_->topology();
+  return {{"hosts", std::to_string(t.hosts())},
+          {"host", std::to_string(t.host())},
+          {"local_rank", std::to_string(t.localRank())},
+          {"local_size", std::to_string(t.localSize())},
+          {"transport", comm_->multiHost() ? "shm+tcp" : "shm"}};
 }
 
 c10::intrusive_ptr<c10d::Backend> SmddpBackend::split(const c10::intrusive_ptr<c10d::Store>& store,
@@ -471,7 +454,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter(std::vector<at::Tens
   Staged s = stageOut(out);
   return enqueue(c10d::OpType::REDUCE_SCATTER, "smddp:reduce_scatter", outputs, ins, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, srcs, dtype, red](algo::Communicator& c, std::chrono::milliseconds to) {
-                   algo::ReduceScatterOptions o{dtype, red, {}, s.work.data_ptr(), static_cast<size_t>(s.work.numel())};
+                   algo::ReduceScatterOptions o{dtype, red, {}, s.work.data_ptr(), static_cast<size_t>(s.work.numel()), {}};
                    for (const at::Tensor& t : srcs) o.inputs.push_back(t.data_ptr());
                    c.reduceScatter(o, to);
                    finishStaged(s);
@@ -508,7 +491,7 @@ FlatScatter prepareFlatScatter(const at::Tensor& output, const at::Tensor& input
 
 void runFlatScatter(algo::Communicator& c, const FlatScatter& f, int size, std::chrono::milliseconds to) {
   const size_t n = static_cast<size_t>(f.out.work.numel());
-  algo::ReduceScatterOptions o{f.dtype, f.red, {}, f.out.work.data_ptr(), n};
+  algo::ReduceScatterOptions o{f.dtype, f.red, {}, f.out.work.data_ptr(), n, {}};
   for (int p = 0; p < size; ++p) o.inputs.push_back(bytePtr(f.in) + p * f.out.work.nbytes());
   c.reduceScatter(o, to);
   finishStaged(f.out);
@@ -731,6 +714,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
   TORCH_CHECK_VALUE((peer == -1 && !isSend) || (peer >= 0 && peer < size_ && peer != rank_), "smddp rank ", rank_,
                     ": ", op,
                     ": peer ", peer, " is not another rank of this group of size ", size_);
+  TORCH_CHECK_NOT_IMPLEMENTED(size_ == 1 || !comm_->multiHost(), "smddp rank ", rank_, ": ", op,
+                              ": point-to-point is not supported yet in a group that spans hosts (this group has ",
+                              comm_->topology().hosts(), " hosts)");
   TORCH_CHECK_VALUE(p2p_ != nullptr, "smddp rank ", rank_, ": ", op, ": a group of one rank has no peer");
   Staged s = isSend ? Staged{t, stageIn(t), false} : stageOut(t);
   auto work = c10::make_intrusive<SmddpWork>(rank_, isSend ? c10d::OpType::SEND : c10d::OpType::RECV,

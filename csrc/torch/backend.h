@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 
@@ -59,6 +60,8 @@ class SmddpBackend : public c10d::Backend {
   const std::string getBackendName() const override { return "smddp"; }
   void setTimeout(std::chrono::milliseconds timeout) override { timeoutMs_.store(timeout.count()); }
   c10::intrusive_ptr<Options> getBackendOptions() override;
+  // Which hosts the group spans, as {"hosts", "host", "local_rank", "local_size", "transport"}.
+  std::map<std::string, std::string> topologySummary() const;
 
   // split_group / DeviceMesh with a bound device: a new group over `ranks` (ranks of this group),
   // bootstrapped through `store`; nullptr on ranks outside it.

@@ -16,7 +16,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<smddp::torchext::SmddpBackend, c10d::Backend, c10::intrusive_ptr<smddp::torchext::SmddpBackend>>(
       m, "SmddpBackend")
       // What split_group deep-copies from its parent; also lets users read the group's timeout.
-      .def_property_readonly("options", &smddp::torchext::SmddpBackend::getBackendOptions);
+      .def_property_readonly("options", &smddp::torchext::SmddpBackend::getBackendOptions)
+      .def("_topology", &smddp::torchext::SmddpBackend::topologySummary);
 
   m.def(
       "_create_backend",

@@ -3,7 +3,6 @@
 #include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
-#include <sys/random.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -17,6 +16,7 @@
 #include "core/env.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/random.h"
 #include "core/spin.h"
 
 namespace smddp::shm {
@@ -41,15 +41,6 @@ void futexWakeAll(std::atomic<uint64_t>* phase) {
   syscall(SYS_futex, futexWord(phase), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-std::string randomToken() {
-  uint64_t v = 0;
-  if (getrandom(&v, sizeof(v), 0) != sizeof(v)) {
-    v = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^ getpid();
-  }
-  char buf[32];
-  snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
 
 }  // namespace
 
@@ -98,7 +89,7 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   d->spin_ = spinBudget(size);
   d->yieldFor_ = oversubscribed(size) ? std::chrono::microseconds(env::yieldMicros()) : std::chrono::microseconds(0);
 
-  if (rank == 0) store.set("smddp/shm/token", randomToken());
+  if (rank == 0) store.set("smddp/shm/token", randomHex(8));
   const std::string token = store.get("smddp/shm/token");
   auto nameOf = [&](int r) { return "/smddp-" + token + "-" + std::to_string(r); };
 
@@ -248,10 +239,12 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
     c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (flag.load(std::memory_order_acquire) >= phase) return true;
     if (ctx.abort != nullptr && ctx.abort->load(std::memory_order_relaxed)) {
-      throwError(ErrorCode::kAborted, "the process group was shut down or aborted while waiting for rank %d", peer);
+      throwError(ErrorCode::kAborted, "the process group was shut down or aborted while waiting for rank %d",
+                 groupRank(peer));
     }
     if (!peerAlive(peer)) {
-      throwError(ErrorCode::kRemoteError, "rank %d (pid %d) exited while this rank was waiting for it", peer, c->pid);
+      throwError(ErrorCode::kRemoteError, "rank %d (pid %d) exited while this rank was waiting for it", groupRank(peer),
+                 c->pid);
     }
     if (std::chrono::steady_clock::now() >= ctx.deadline) return false;
   }
@@ -264,7 +257,7 @@ void Domain::waitAll(uint64_t phase, const WaitContext& ctx) {
     // Timed out: report every rank that has not arrived, not just the first.
     std::string missing;
     for (int r = 0; r < size_; ++r) {
-      if (r != rank_ && control(r)->phase.load() < phase) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      if (r != rank_ && control(r)->phase.load() < phase) missing += (missing.empty() ? "" : ", ") + std::to_string(groupRank(r));
     }
     throwError(ErrorCode::kTimeout,
                "timed out waiting for rank(s) [%s] to reach step %llu; they may have hung, be doing other work, or "

@@ -46,6 +46,10 @@ class Domain {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // The group ranks of this domain's ranks, for messages, when the domain spans only one host
+  // of a larger group (domain rank i is group rank groupRanks[i]).
+  void setGroupRanks(std::vector<int> groupRanks) { groupRanks_ = std::move(groupRanks); }
+  int groupRank(int rank) const { return groupRanks_.empty() ? rank : groupRanks_[rank]; }
   size_t slotBytes() const { return slotBytes_; }
 
   // The next phase number this rank will publish.
@@ -80,6 +84,7 @@ class Domain {
 
   int rank_;
   int size_;
+  std::vector<int> groupRanks_;
   size_t slotBytes_;
   uint64_t phase_ = 0;
   std::chrono::microseconds spin_{0};

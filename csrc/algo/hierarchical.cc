@@ -1,0 +1,321 @@
+#include "algo/hierarchical.h"
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include "core/env.h"
+#include "core/error.h"
+#include "core/reduce.h"
+
+namespace smddp::algo {
+namespace {
+
+constexpr size_t kAlignBytes = 64;
+
+inline const uint8_t* bytes(const void* p) { return static_cast<const uint8_t*>(p); }
+inline uint8_t* bytes(void* p) { return static_cast<uint8_t*>(p); }
+
+// `count` elements cut into `parts` ranges whose boundaries are multiples of `align`.
+struct Parts {
+  size_t per, count;
+  size_t begin(int p) const { return std::min(per * p, count); }
+  size_t size(int p) const { return std::min(per * (p + 1), count) - begin(p); }
+};
+Parts partsOf(size_t count, int parts, size_t align) {
+  size_t per = (count + parts - 1) / parts;
+  per = (per + align - 1) / align * align;
+  return Parts{per, count};
+}
+
+// AVG and PREMUL_SUM finish with a scaling that must happen once, at the last stage; partial
+// stages add.
+Reduction partialOf(const Reduction& r) {
+  if (r.op == ReduceOp::kAvg || r.op == ReduceOp::kPremulSum) return Reduction{ReduceOp::kSum};
+  return r;
+}
+
+// Segments of an allreduce: S = the largest host's rank count; on a host of `Lh` ranks, local
+// rank l owns segments [l*S/Lh, (l+1)*S/Lh).
+int firstSegment(int S, int Lh, int l) { return l * S / Lh; }
+int segmentOwner(int S, int Lh, int s) {
+  int l = 0;
+  while (firstSegment(S, Lh, l + 1) <= s) ++l;
+  return l;
+}
+
+// The rank of host `h` paired with rank g for allgather / reduce_scatter traffic.
+int partnerOn(const Topology& t, int g, int h) {
+  const auto& m = t.members[h];
+  return m[t.localOf[g] % static_cast<int>(m.size())];
+}
+
+size_t elementAlign(DataType dt) { return std::max<size_t>(1, kAlignBytes / elementSize(dt)); }
+
+// In-place allreduce of buf[0, n) among `ranks` (one per host, in host order; this rank is
+// ranks[me]). Inputs are partial results; `red` finishes them. `segment` keys the message tags.
+void netAllreduce(HierContext& ctx, const std::vector<int>& ranks, int me, int segment, DataType dt,
+                  const Reduction& red, void* buf, size_t n) {
+  const int H = static_cast<int>(ranks.size());
+  const size_t es = elementSize(dt), align = elementAlign(dt);
+  uint32_t step = static_cast<uint32_t>(segment) << 16;
+  auto tag = [&] { return net::makeTag(ctx.local.seq, step++); };
+  // A piece needs (H-1) parts of scratch (mesh) or one part (ring).
+  size_t piece = std::max(align * H, ctx.bufferBytes / es / (H - 1) * H / (align * H) * (align * H));
+  const net::Schedule sched = ctx.schedule();
+  for (size_t off = 0; off < n; off += piece) {
+    const size_t cn = std::min(piece, n - off);
+    const Parts parts = partsOf(cn, H, align);
+    uint8_t* base = bytes(buf) + off * es;
+    auto part = [&](int j) { return base + parts.begin(j) * es; };
+    const size_t partBytes = parts.per * es;
+    if (ctx.algo == NetAlgo::kRing) {
+      uint8_t* tmp = ctx.scratchBytes(partBytes);
+      const int next = ranks[(me + 1) % H], prev = ranks[(me + H - 1) % H];
+      const Reduction partial = partialOf(red);
+      for (int t = 0; t < H - 1; ++t) {  // reduce-scatter: after H-1 steps, part me+1 is complete here
+        const int sp = (me - t + H) % H, rp = (me - t - 1 + H) % H;
+        ctx.mesh->exchange(tag(), {{next, part(sp), parts.size(sp) * es}}, {{prev, tmp, parts.size(rp) * es}},
+                           ctx.local.wait, sched);
+        const void* srcs[2] = {tmp, part(rp)};
+        reduce(dt, t == H - 2 ? red : partial, part(rp), srcs, 2, parts.size(rp));
+      }
+      for (int t = 0; t < H - 1; ++t) {  // all-gather around the ring
+        const int sp = (me + 1 - t + H) % H, rp = (me - t + H) % H;
+        ctx.mesh->exchange(tag(), {{next, part(sp), parts.size(sp) * es}}, {{prev, part(rp), parts.size(rp) * es}},
+                           ctx.local.wait, sched);
+      }
+      continue;
+    }
+    // Mesh: one hop each way. Reduce-scatter: part j goes to ranks[j]; part `me` arrives from all.
+    uint8_t* tmp = ctx.scratchBytes(partBytes * (H - 1));
+    auto slot = [&](int j) { return tmp + (j < me ? j : j - 1) * partBytes; };
+    std::vector<net::Send> sends;
+    std::vector<net::Recv> recvs;
+    for (int i = 1; i < H; ++i) {
+      const int j = (me + i) % H;
+      sends.push_back({ranks[j], part(j), parts.size(j) * es});
+      recvs.push_back({ranks[j], slot(j), parts.size(me) * es});
+    }
+    ctx.mesh->exchange(tag(), sends, recvs, ctx.local.wait, sched);
+    std::vector<const void*> srcs(H);
+    for (int j = 0; j < H; ++j) srcs[j] = j == me ? part(me) : slot(j);  // host order: same result everywhere
+    reduce(dt, red, part(me), srcs.data(), H, parts.size(me));
+    sends.clear();
+    recvs.clear();
+    for (int i = 1; i < H; ++i) {
+      const int j = (me + i) % H;
+      sends.push_back({ranks[j], part(me), parts.size(me) * es});
+      recvs.push_back({ranks[j], part(j), parts.size(j) * es});
+    }
+    ctx.mesh->exchange(tag(), sends, recvs, ctx.local.wait, sched);
+  }
+}
+
+}  // namespace
+
+NetAlgo netAlgoFromEnv() {
+  const std::string& a = env::netAlgo();
+  if (a == "ring") return NetAlgo::kRing;
+  if (a == "naive") return NetAlgo::kNaive;
+  if (a == "mesh") return NetAlgo::kMesh;
+  throwError(ErrorCode::kInvalidUsage, "SMDDP_NET_ALGO=%s: expected mesh, naive or ring", a.c_str());
+}
+
+uint8_t* HierContext::scratchBytes(size_t n) {
+  if (scratch->size() < n) scratch->resize(n);
+  return scratch->data();
+}
+
+std::vector<int> hierarchicalPeers(const Topology& t) {
+  std::set<int> peers;
+  const int me = t.rank, H = t.hosts(), S = t.maxLocalSize();
+  auto pair = [&](int a, int b) {
+    if (a == me && b != me) peers.insert(b);
+    if (b == me && a != me) peers.insert(a);
+  };
+  for (int s = 0; s < S; ++s) {  // allreduce: the owners of a segment, host to host
+    for (int h = 0; h < H; ++h) {
+      for (int k = h + 1; k < H; ++k) {
+        const auto& a = t.members[h];
+        const auto& b = t.members[k];
+        pair(a[segmentOwner(S, static_cast<int>(a.size()), s)], b[segmentOwner(S, static_cast<int>(b.size()), s)]);
+      }
+    }
+  }
+  for (int g = 0; g < t.size; ++g) {
+    for (int h = 0; h < H; ++h) {
+      if (h == t.hostOf[g]) continue;
+      pair(g, partnerOn(t, g, h));    // allgather, reduce_scatter
+      pair(g, t.members[h][0]);       // broadcast from any root; barrier
+    }
+  }
+  return {peers.begin(), peers.end()};
+}
+
+void hierAllreduce(HierContext& ctx, const AllreduceOptions& o) {
+  const Topology& t = *ctx.topo;
+  const size_t N = o.count, es = elementSize(o.dtype);
+  if (N == 0) return;
+  const int S = t.maxLocalSize(), L = t.localSize(), l = t.localRank(), h = t.host();
+  std::vector<uint8_t> notMine;  // a reduce's non-root ranks compute into a buffer of their own
+  void* out = o.output;
+  if (o.root >= 0 && o.root != t.rank) {
+    notMine.resize(N * es);
+    out = notMine.data();
+  }
+  const Parts segs = partsOf(N, S, elementAlign(o.dtype));
+  auto rangeBegin = [&](int li) { return segs.begin(firstSegment(S, L, li)); };
+  auto rangeEnd = [&](int li) { return segs.begin(firstSegment(S, L, li + 1)); };
+
+  ReduceScatterOptions rs{o.dtype, partialOf(o.reduction), {}, bytes(out) + rangeBegin(l) * es, 0, {}};
+  for (int li = 0; li < L; ++li) {
+    rs.inputs.push_back(bytes(o.input) + rangeBegin(li) * es);
+    rs.counts.push_back(rangeEnd(li) - rangeBegin(li));
+  }
+  reduceScatter(ctx.local, rs);
+
+  for (int s = firstSegment(S, L, l); s < firstSegment(S, L, l + 1); ++s) {
+    std::vector<int> owners;
+    for (int k = 0; k < t.hosts(); ++k) {
+      owners.push_back(t.members[k][segmentOwner(S, static_cast<int>(t.members[k].size()), s)]);
+    }
+    netAllreduce(ctx, owners, h, s, o.dtype, o.reduction, bytes(out) + segs.begin(s) * es, segs.size(s));
+  }
+
+  AllgatherOptions ag{o.dtype, bytes(out) + rangeBegin(l) * es, {}, {}, -1};
+  for (int li = 0; li < L; ++li) {
+    ag.outputs.push_back(bytes(out) + rangeBegin(li) * es);
+    ag.counts.push_back(rangeEnd(li) - rangeBegin(li));
+  }
+  allgather(ctx.local, ag);
+}
+
+void hierAllgather(HierContext& ctx, const AllgatherOptions& o) {
+  const Topology& t = *ctx.topo;
+  const size_t es = elementSize(o.dtype);
+  const int me = t.rank, h = t.host(), L = t.localSize();
+  std::vector<net::Send> sends;
+  std::vector<net::Recv> recvs;
+  for (int k = 0; k < t.hosts(); ++k) {
+    if (k != h) sends.push_back({partnerOn(t, me, k), o.input, o.counts[me] * es});
+  }
+  for (int g = 0; g < t.size; ++g) {
+    if (t.hostOf[g] != h && partnerOn(t, g, h) == me) recvs.push_back({g, o.outputs[g], o.counts[g] * es});
+  }
+  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule());
+
+  // Then rounds inside the host: in round k each local rank shares its k-th block (its own first,
+  // then those it received, by rank).
+  std::vector<std::vector<int>> blocks(L);
+  for (int li = 0; li < L; ++li) blocks[li].push_back(t.members[h][li]);
+  for (int g = 0; g < t.size; ++g) {
+    if (t.hostOf[g] != h) blocks[t.localOf[g] % L].push_back(g);
+  }
+  size_t rounds = 0;
+  for (const auto& b : blocks) rounds = std::max(rounds, b.size());
+  for (size_t k = 0; k < rounds; ++k) {
+    AllgatherOptions ag{o.dtype, nullptr, std::vector<void*>(L, nullptr), std::vector<size_t>(L, 0), -1};
+    for (int li = 0; li < L; ++li) {
+      if (k >= blocks[li].size()) continue;
+      const int g = blocks[li][k];
+      ag.outputs[li] = o.outputs[g];
+      ag.counts[li] = o.counts[g];
+    }
+    if (k < blocks[t.localRank()].size()) {
+      const int g = blocks[t.localRank()][k];
+      ag.input = g == me ? o.input : o.outputs[g];
+    }
+    allgather(ctx.local, ag);
+  }
+}
+
+void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
+  const Topology& t = *ctx.topo;
+  const size_t es = elementSize(o.dtype);
+  const int me = t.rank, h = t.host(), L = t.localSize(), H = t.hosts();
+  auto cnt = [&](int g) { return o.counts.empty() ? o.count : o.counts[g]; };
+  // Block g is reduced on this host at local rank (g's local index mod L).
+  std::vector<std::vector<int>> blocks(L);
+  for (int g = 0; g < t.size; ++g) blocks[t.localOf[g] % L].push_back(g);
+  const std::vector<int>& mine = blocks[t.localRank()];
+  std::vector<size_t> partialAt(mine.size());
+  size_t total = 0;
+  for (size_t k = 0; k < mine.size(); ++k) {
+    partialAt[k] = total;
+    total += cnt(mine[k]) * es;
+  }
+  const size_t recvAt = total;
+  uint8_t* tmp = ctx.scratchBytes(total + static_cast<size_t>(H - 1) * cnt(me) * es);
+
+  size_t rounds = 0;
+  for (const auto& b : blocks) rounds = std::max(rounds, b.size());
+  for (size_t k = 0; k < rounds; ++k) {
+    ReduceScatterOptions rs{o.dtype, partialOf(o.reduction), std::vector<const void*>(L, o.inputs[0]),
+                            k < mine.size() ? tmp + partialAt[k] : nullptr, 0, std::vector<size_t>(L, 0)};
+    for (int li = 0; li < L; ++li) {
+      if (k >= blocks[li].size()) continue;
+      rs.inputs[li] = o.inputs[blocks[li][k]];
+      rs.counts[li] = cnt(blocks[li][k]);
+    }
+    reduceScatter(ctx.local, rs);
+  }
+
+  std::vector<net::Send> sends;
+  std::vector<net::Recv> recvs;
+  const void* own = nullptr;
+  for (size_t k = 0; k < mine.size(); ++k) {
+    const int g = mine[k];
+    if (g == me) own = tmp + partialAt[k];
+    else if (t.hostOf[g] != h) sends.push_back({g, tmp + partialAt[k], cnt(g) * es});
+  }
+  std::vector<const void*> srcs(H);
+  for (int k = 0, slot = 0; k < H; ++k) {
+    if (k == h) {
+      srcs[k] = own;
+      continue;
+    }
+    uint8_t* at = tmp + recvAt + static_cast<size_t>(slot++) * cnt(me) * es;
+    recvs.push_back({partnerOn(t, me, k), at, cnt(me) * es});
+    srcs[k] = at;
+  }
+  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule());
+  reduce(o.dtype, o.reduction, o.output, srcs.data(), H, cnt(me));
+}
+
+void hierBroadcast(HierContext& ctx, const BroadcastOptions& o) {
+  const Topology& t = *ctx.topo;
+  const size_t bytesTotal = o.count * elementSize(o.dtype);
+  const int h = t.host(), rootHost = t.hostOf[o.root];
+  const uint64_t tag = net::makeTag(ctx.local.seq, 0);
+  if (t.rank == o.root) {
+    std::vector<net::Send> sends;
+    for (int k = 0; k < t.hosts(); ++k) {
+      if (k != rootHost) sends.push_back({t.members[k][0], o.buffer, bytesTotal});
+    }
+    ctx.mesh->exchange(tag, sends, {}, ctx.local.wait, ctx.schedule());
+  } else if (h != rootHost && t.localRank() == 0) {
+    ctx.mesh->exchange(tag, {}, {{o.root, o.buffer, bytesTotal}}, ctx.local.wait, ctx.schedule());
+  }
+  BroadcastOptions local = o;
+  local.root = h == rootHost ? t.localOf[o.root] : 0;
+  broadcast(ctx.local, local);
+}
+
+void hierBarrier(HierContext& ctx) {
+  const Topology& t = *ctx.topo;
+  barrier(ctx.local);
+  if (t.localRank() == 0) {
+    std::vector<net::Send> sends;
+    std::vector<net::Recv> recvs;
+    for (int k = 0; k < t.hosts(); ++k) {
+      if (k == t.host()) continue;
+      sends.push_back({t.members[k][0], nullptr, 0});
+      recvs.push_back({t.members[k][0], nullptr, 0});
+    }
+    ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule());
+  }
+  barrier(ctx.local);
+}
+
+}  // namespace smddp::algo

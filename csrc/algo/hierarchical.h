@@ -1,0 +1,52 @@
+// Collectives for groups that span several hosts: shared memory inside each host, the TCP mesh
+// between hosts, every local rank driving the network at once with its share of the data.
+//
+//   allreduce:      reduce-scatter inside the host (local rank l gets the l-th range of the
+//                   message, cut into S = max ranks per host segments, so hosts of different sizes
+//                   still agree on segment boundaries) -> per segment, an allreduce among the
+//                   segment's owners, one per host (mesh: reduce-scatter + all-gather in one hop
+//                   each; or a ring) -> all-gather inside the host.
+//   allgather:      rank g sends its block straight to one rank on every other host (the one
+//                   whose local index matches g's, modulo that host's size) -> all-gather rounds
+//                   inside each host.
+//   reduce_scatter: reduce rounds inside the host (block g is reduced at the local rank matching
+//                   g's local index) -> each partial goes straight to rank g -> g reduces the
+//                   host partials.
+//   broadcast:      the root sends to the first rank of every other host -> broadcast in hosts.
+//   barrier:        host barrier, then an all-to-all of empty messages among the hosts' first
+//                   ranks, then host barrier.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "algo/collectives.h"
+#include "transport/tcp_mesh.h"
+#include "transport/topology.h"
+
+namespace smddp::algo {
+
+enum class NetAlgo { kMesh, kNaive, kRing };
+NetAlgo netAlgoFromEnv();  // SMDDP_NET_ALGO
+
+struct HierContext {
+  const Topology* topo = nullptr;
+  OpContext local;  // this host's shared-memory domain; local.rank / local.size are host-local
+  net::TcpMesh* mesh = nullptr;
+  NetAlgo algo = NetAlgo::kMesh;
+  std::vector<uint8_t>* scratch = nullptr;  // reused receive buffer, grown on demand
+  size_t bufferBytes = 16u << 20;           // at most this much of `scratch` per reduction piece
+  net::Schedule schedule() const { return algo == NetAlgo::kNaive ? net::Schedule::kNaive : net::Schedule::kMesh; }
+  uint8_t* scratchBytes(size_t n);
+};
+
+// The ranks this rank exchanges data with over TCP (symmetric across ranks).
+std::vector<int> hierarchicalPeers(const Topology& topo);
+
+void hierAllreduce(HierContext& ctx, const AllreduceOptions& opts);  // root >= 0: a reduce
+void hierBroadcast(HierContext& ctx, const BroadcastOptions& opts);
+void hierAllgather(HierContext& ctx, const AllgatherOptions& opts);  // root must be -1
+void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& opts);
+void hierBarrier(HierContext& ctx);
+
+}  // namespace smddp::algo

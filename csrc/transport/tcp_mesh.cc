@@ -1,0 +1,437 @@
+#include "transport/tcp_mesh.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <linux/sockios.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "core/env.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/random.h"
+
+namespace smddp::net {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr char kMagic[8] = {'S', 'M', 'D', 'D', 'P', 'N', 'E', 'T'};
+constexpr size_t kSecretChars = 32;
+constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client must introduce itself by then
+constexpr auto kPollTick = std::chrono::milliseconds(50);  // how often a waiter checks abort and deadline
+
+struct Hello {
+  char magic[8];
+  char secret[kSecretChars];
+  int32_t from;
+  int32_t to;
+};
+
+struct MsgHeader {
+  uint64_t tag;
+  uint64_t bytes;
+};
+constexpr size_t kHeaderBytes = sizeof(MsgHeader);
+
+bool equalConstantTime(const char* a, const char* b, size_t n) {
+  unsigned char diff = 0;
+  for (size_t i = 0; i < n; ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+int msLeft(Clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return static_cast<int>(std::clamp<long long>(left, 0, 1 << 30));
+}
+
+// Blocking transfer with a deadline, for the handshake (sockets are still blocking then).
+bool ioAll(int fd, void* buf, size_t n, bool sending, Clock::time_point deadline) {
+  auto* p = static_cast<char*>(buf);
+  while (n > 0) {
+    pollfd pfd{fd, static_cast<short>(sending ? POLLOUT : POLLIN), 0};
+    if (poll(&pfd, 1, msLeft(deadline)) <= 0) return false;
+    const ssize_t k = sending ? send(fd, p, n, MSG_NOSIGNAL) : recv(fd, p, n, 0);
+    if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (k <= 0) return false;
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+sockaddr_in parseAddress(const std::string& hostPort, int rank) {
+  const size_t colon = hostPort.rfind(':');
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  if (colon == std::string::npos || inet_pton(AF_INET, hostPort.substr(0, colon).c_str(), &sa.sin_addr) != 1) {
+    throwError(ErrorCode::kRemoteError, "rank %d published a malformed address '%s'", rank, hostPort.c_str());
+  }
+  sa.sin_port = htons(static_cast<uint16_t>(std::stoi(hostPort.substr(colon + 1))));
+  return sa;
+}
+
+bool isLoopback(const std::string& hostPort) { return hostPort.compare(0, 4, "127.") == 0; }
+
+void tuneSocket(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
+
+}  // namespace
+
+Schedule scheduleFromEnv() {
+  const std::string& a = env::netAlgo();
+  if (a == "mesh" || a == "ring") return Schedule::kMesh;
+  if (a == "naive") return Schedule::kNaive;
+  throwError(ErrorCode::kInvalidUsage, "SMDDP_NET_ALGO=%s: expected mesh, naive or ring", a.c_str());
+}
+
+struct TcpMesh::Peer {
+  int rank = -1;
+  int fd = -1;
+  size_t window = 0;        // kMesh: most unacknowledged bytes allowed in this peer's socket
+  bool windowFull = false;  // kMesh: the last pass found the window full
+  // The current exchange's queues and progress through them.
+  std::vector<const Send*> sends;
+  size_t sendIdx = 0, sendOff = 0;  // offsets count the header first
+  MsgHeader sendHdr{};
+  std::vector<const Recv*> recvs;
+  size_t recvIdx = 0, recvOff = 0;
+  MsgHeader recvHdr{};
+
+  bool sending() const { return sendIdx < sends.size(); }
+  bool receiving() const { return recvIdx < recvs.size(); }
+};
+
+TcpMesh::TcpMesh(const Topology& topo) : topo_(topo) {}
+
+TcpMesh::~TcpMesh() { closeAll(); }
+
+void TcpMesh::closeAll() {
+  for (auto& p : peers_) {
+    if (p && p->fd >= 0) {
+      close(p->fd);
+      p->fd = -1;
+    }
+  }
+  if (listenFd_ >= 0) {
+    close(listenFd_);
+    listenFd_ = -1;
+  }
+}
+
+TcpMesh::Peer& TcpMesh::peer(int rank) {
+  if (rank < 0 || rank >= static_cast<int>(peers_.size()) || !peers_[rank]) {
+    throwError(ErrorCode::kInvalidUsage, "rank %d has no connection to rank %d", topo_.rank, rank);
+  }
+  return *peers_[rank];
+}
+
+void TcpMesh::peerFailed(int rank, const char* what, int err) {
+  throwError(ErrorCode::kRemoteError,
+             "the connection to rank %d on %s failed while %s (%s): that rank exited, crashed or aborted",
+             rank, topo_.describeHost(topo_.hostOf[rank]).c_str(), what,
+             err == 0 ? "closed by the peer" : errnoString(err).c_str());
+}
+
+std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, const std::vector<int>& peers,
+                                         std::chrono::milliseconds timeout) {
+  const int rank = topo.rank;
+  std::unique_ptr<TcpMesh> m(new TcpMesh(topo));
+  m->chunkBytes_ = static_cast<size_t>(std::max<int64_t>(4096, env::netChunkBytes()));
+  m->addr_ = chooseLocalAddress(rank);
+  m->peers_.resize(topo.size);
+  const auto deadline = Clock::now() + timeout;
+  for (int p : peers) {
+    if (m->addr_.loopback && topo.bootIds[p] != topo.bootIds[rank]) {
+      throwError(ErrorCode::kInvalidUsage,
+                 "rank %d would use the loopback interface (%s, %s) but its peer rank %d runs on another machine (%s): "
+                 "set SMDDP_SOCKET_IFNAME to an interface that reaches it",
+                 rank, m->addr_.ifname.c_str(), m->addr_.ip.c_str(), p, topo.hostnames[p].c_str());
+    }
+  }
+
+  m->listenFd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  inet_pton(AF_INET, m->addr_.ip.c_str(), &sa.sin_addr);
+  socklen_t len = sizeof(sa);
+  if (m->listenFd_ < 0 || bind(m->listenFd_, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 ||
+      listen(m->listenFd_, std::max<int>(64, static_cast<int>(peers.size()))) != 0 ||
+      getsockname(m->listenFd_, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+    throwError(ErrorCode::kSystemError, "rank %d: cannot listen on %s (%s): %s", rank, m->addr_.ip.c_str(),
+               m->addr_.ifname.c_str(), errnoString(errno).c_str());
+  }
+  const std::string me = m->addr_.ip + ":" + std::to_string(ntohs(sa.sin_port));
+  if (rank == 0) store.set("smddp/net/secret", randomHex(kSecretChars / 2));
+  const std::string secret = store.get("smddp/net/secret");
+  store.set("smddp/net/addr/" + std::to_string(rank), me);
+  SMDDP_INFO(kNet, "rank %d: listening on %s (%s) for %zu peer(s)", rank, me.c_str(), m->addr_.ifname.c_str(),
+             peers.size());
+
+  auto makePeer = [&](int p, int fd) {
+    tuneSocket(fd);
+    auto peer = std::make_unique<Peer>();
+    peer->rank = p;
+    peer->fd = fd;
+    peer->window = 2 * m->chunkBytes_;
+    m->peers_[p] = std::move(peer);
+  };
+
+  // Connect upwards. The peer may not be accepting yet (it connects upwards first), but the
+  // kernel completes the connection; waiting for its acknowledgement cannot form a cycle.
+  for (int p : peers) {
+    if (p <= rank) continue;
+    const std::string where = store.get("smddp/net/addr/" + std::to_string(p));
+    if (isLoopback(where) && topo.bootIds[p] != topo.bootIds[rank]) {
+      throwError(ErrorCode::kInvalidUsage,
+                 "rank %d on %s listens on loopback (%s) but this rank %d is on another machine: set "
+                 "SMDDP_SOCKET_IFNAME on every host to an interface the hosts share",
+                 p, topo.hostnames[p].c_str(), where.c_str(), rank);
+    }
+    const sockaddr_in to = parseAddress(where, p);
+    int fd = -1;
+    for (;;) {
+      fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) == 0) break;
+      const int err = errno;
+      close(fd);
+      if (Clock::now() >= deadline) {
+        throwError(ErrorCode::kTimeout, "rank %d: cannot connect to rank %d at %s: %s", rank, p, where.c_str(),
+                   errnoString(err).c_str());
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    Hello h{};
+    std::memcpy(h.magic, kMagic, sizeof(kMagic));
+    std::memcpy(h.secret, secret.data(), std::min(secret.size(), kSecretChars));
+    h.from = rank;
+    h.to = p;
+    char ack = 0;
+    if (!ioAll(fd, &h, sizeof(h), true, deadline) || !ioAll(fd, &ack, 1, false, deadline) || ack != 'K') {
+      close(fd);
+      throwError(ErrorCode::kRemoteError, "rank %d: rank %d at %s did not accept the connection", rank, p,
+                 where.c_str());
+    }
+    makePeer(p, fd);
+  }
+
+  // Accept from below; anything that does not introduce itself as an expected peer of this
+  // group, with the group's secret, is dropped.
+  std::vector<int> waiting;
+  for (int p : peers) {
+    if (p < rank) waiting.push_back(p);
+  }
+  while (!waiting.empty()) {
+    pollfd pfd{m->listenFd_, POLLIN, 0};
+    if (poll(&pfd, 1, msLeft(deadline)) <= 0) {
+      std::string missing;
+      for (int p : waiting) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+      throwError(ErrorCode::kTimeout, "rank %d: ranks %s did not connect within the timeout", rank, missing.c_str());
+    }
+    sockaddr_in from{};
+    socklen_t flen = sizeof(from);
+    const int fd = accept4(m->listenFd_, reinterpret_cast<sockaddr*>(&from), &flen, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    char fromIp[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &from.sin_addr, fromIp, sizeof(fromIp));
+    Hello h{};
+    const auto helloDeadline = std::min(deadline, Clock::now() + kHelloTimeout);
+    const bool ok = ioAll(fd, &h, sizeof(h), false, helloDeadline) &&
+                    std::memcmp(h.magic, kMagic, sizeof(kMagic)) == 0 &&
+                    equalConstantTime(h.secret, secret.data(), std::min(secret.size(), kSecretChars)) &&
+                    h.to == rank && std::find(waiting.begin(), waiting.end(), h.from) != waiting.end();
+    const char ack = 'K';
+    if (!ok || !ioAll(fd, const_cast<char*>(&ack), 1, true, deadline)) {
+      SMDDP_WARN(kNet, "rank %d: refused a connection from %s:%d (not a peer of this group, or a bad handshake)", rank,
+                 fromIp, ntohs(from.sin_port));
+      close(fd);
+      continue;
+    }
+    waiting.erase(std::find(waiting.begin(), waiting.end(), h.from));
+    makePeer(h.from, fd);
+  }
+  close(m->listenFd_);
+  m->listenFd_ = -1;
+  return m;
+}
+
+void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::vector<Recv>& recvs,
+                       const shm::WaitContext& wait, Schedule schedule) {
+  std::vector<Peer*> active;
+  auto activate = [&](Peer& p) {
+    if (!p.sending() && !p.receiving()) active.push_back(&p);
+  };
+  for (const Send& s : sends) {
+    Peer& p = peer(s.peer);
+    activate(p);
+    p.sends.push_back(&s);
+  }
+  for (const Recv& r : recvs) {
+    Peer& p = peer(r.peer);
+    activate(p);
+    p.recvs.push_back(&r);
+  }
+  if (active.empty()) return;
+  const int me = topo_.rank, W = topo_.size;
+  // kMesh serves peers from the one after this rank (so that not every rank starts with the
+  // same peer); kNaive in rank order.
+  std::sort(active.begin(), active.end(), [&](const Peer* a, const Peer* b) {
+    return schedule == Schedule::kMesh ? (a->rank - me + W) % W < (b->rank - me + W) % W : a->rank < b->rank;
+  });
+  struct Reset {
+    std::vector<Peer*>& peers;
+    ~Reset() {
+      for (Peer* p : peers) {
+        p->sends.clear();
+        p->recvs.clear();
+        p->sendIdx = p->sendOff = p->recvIdx = p->recvOff = 0;
+      }
+    }
+  } reset{active};
+
+  // Sends up to `budget` bytes of p's queue; returns the bytes written (0 when the socket is full).
+  auto sendSome = [&](Peer& p, size_t budget) -> size_t {
+    size_t total = 0;
+    while (p.sending() && budget > 0) {
+      const Send& s = *p.sends[p.sendIdx];
+      if (p.sendOff == 0) p.sendHdr = MsgHeader{tag, s.bytes};
+      iovec iov[2];
+      int n = 0;
+      if (p.sendOff < kHeaderBytes) {
+        iov[n++] = {reinterpret_cast<char*>(&p.sendHdr) + p.sendOff, kHeaderBytes - p.sendOff};
+      }
+      const size_t done = p.sendOff > kHeaderBytes ? p.sendOff - kHeaderBytes : 0;
+      const size_t payload = std::min(s.bytes - done, budget);
+      if (payload > 0) iov[n++] = {const_cast<char*>(static_cast<const char*>(s.data)) + done, payload};
+      msghdr mh{};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = n;
+      const ssize_t k = sendmsg(p.fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k < 0) {
+        if (errno == EAGAIN || errno == EINTR) break;
+        peerFailed(p.rank, "sending", errno);
+      }
+      p.sendOff += static_cast<size_t>(k);
+      total += static_cast<size_t>(k);
+      budget -= std::min(budget, static_cast<size_t>(k));
+      if (p.sendOff == kHeaderBytes + s.bytes) {
+        ++p.sendIdx;
+        p.sendOff = 0;
+      }
+    }
+    return total;
+  };
+  // Reads what has arrived from p, straight into the destinations; returns the bytes read.
+  auto recvSome = [&](Peer& p) -> size_t {
+    size_t total = 0;
+    while (p.receiving()) {
+      const Recv& r = *p.recvs[p.recvIdx];
+      ssize_t k;
+      if (p.recvOff < kHeaderBytes) {
+        k = recv(p.fd, reinterpret_cast<char*>(&p.recvHdr) + p.recvOff, kHeaderBytes - p.recvOff, MSG_DONTWAIT);
+      } else {
+        const size_t done = p.recvOff - kHeaderBytes;
+        k = recv(p.fd, static_cast<char*>(r.data) + done, r.bytes - done, MSG_DONTWAIT);
+      }
+      if (k < 0) {
+        if (errno == EAGAIN || errno == EINTR) break;
+        peerFailed(p.rank, "receiving", errno);
+      }
+      if (k == 0 && !(p.recvOff == kHeaderBytes && r.bytes == 0)) peerFailed(p.rank, "receiving", 0);
+      p.recvOff += static_cast<size_t>(k);
+      total += static_cast<size_t>(k);
+      if (p.recvOff == kHeaderBytes && k > 0 &&
+          (p.recvHdr.tag != tag || p.recvHdr.bytes != r.bytes)) {
+        throwError(ErrorCode::kInvalidUsage,
+                   "collectives do not match across ranks: rank %d sent %llu bytes for op/step %llu/%llu but this "
+                   "rank expected %zu bytes for op/step %llu/%llu from it. Every rank must issue the same collectives "
+                   "in the same order with matching sizes and dtypes",
+                   p.rank, static_cast<unsigned long long>(p.recvHdr.bytes),
+                   static_cast<unsigned long long>(p.recvHdr.tag >> kTagStepBits),
+                   static_cast<unsigned long long>(p.recvHdr.tag & ((1u << kTagStepBits) - 1)), r.bytes,
+                   static_cast<unsigned long long>(tag >> kTagStepBits),
+                   static_cast<unsigned long long>(tag & ((1u << kTagStepBits) - 1)));
+      }
+      if (p.recvOff == kHeaderBytes + r.bytes) {
+        ++p.recvIdx;
+        p.recvOff = 0;
+      }
+    }
+    return total;
+  };
+
+  const size_t minWindow = chunkBytes_, maxWindow = std::max<size_t>(chunkBytes_, 16u << 20);
+  std::vector<pollfd> pfds;
+  for (;;) {
+    bool moved = false, windowBlocked = false, pending = false;
+    for (Peer* p : active) {
+      if (p->receiving()) moved |= recvSome(*p) > 0;
+    }
+    if (schedule == Schedule::kMesh) {
+      for (Peer* p : active) {
+        if (!p->sending()) continue;
+        int queued = 0;
+        ioctl(p->fd, SIOCOUTQ, &queued);
+        const size_t q = static_cast<size_t>(std::max(queued, 0));
+        if (q == 0) p->window = std::min(maxWindow, p->window * 2);  // it drained everything: feed it more
+        p->windowFull = q >= p->window;
+        if (p->windowFull) {
+          p->window = std::max(minWindow, p->window - p->window / 8);  // it is not keeping up: queue less
+          windowBlocked = true;
+          continue;
+        }
+        moved |= sendSome(*p, std::min(chunkBytes_, p->window - q)) > 0;
+      }
+    } else {
+      for (Peer* p : active) {
+        if (p->sending()) moved |= sendSome(*p, SIZE_MAX) > 0;
+      }
+    }
+    for (Peer* p : active) pending |= p->sending() || p->receiving();
+    if (!pending) return;
+    if (moved) continue;
+
+    if (wait.abort && wait.abort->load()) {
+      throwError(ErrorCode::kAborted, "the process group was shut down or aborted during an inter-host exchange");
+    }
+    const auto now = Clock::now();
+    if (now >= wait.deadline) {
+      std::string missing;
+      for (Peer* p : active) {
+        if (p->sending() || p->receiving()) missing += (missing.empty() ? "" : ", ") + std::to_string(p->rank);
+      }
+      throwError(ErrorCode::kTimeout, "timed out in an inter-host exchange with rank(s) %s (op/step %llu/%llu)",
+                 missing.c_str(), static_cast<unsigned long long>(tag >> kTagStepBits),
+                 static_cast<unsigned long long>(tag & ((1u << kTagStepBits) - 1)));
+    }
+    pfds.clear();
+    for (Peer* p : active) {
+      short ev = 0;
+      if (p->receiving()) ev |= POLLIN;
+      if (p->sending() && !(schedule == Schedule::kMesh && p->windowFull)) ev |= POLLOUT;
+      pfds.push_back({p->fd, ev, 0});
+    }
+    // A window-blocked peer frees up as acks arrive, which poll() does not report: re-check soon.
+    const auto tick = windowBlocked ? std::chrono::milliseconds(1) : kPollTick;
+    const int ms = std::min<int>(msLeft(wait.deadline), static_cast<int>(tick.count()));
+    poll(pfds.data(), pfds.size(), ms);
+    for (size_t i = 0; i < pfds.size(); ++i) {
+      if (pfds[i].revents & (POLLERR | POLLNVAL)) peerFailed(active[i]->rank, "waiting", ECONNRESET);
+    }
+  }
+}
+
+}  // namespace smddp::net

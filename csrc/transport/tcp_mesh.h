@@ -1,0 +1,88 @@
+// The inter-host transport: one TCP connection per pair of ranks that exchange data across
+// hosts, driven by a poll() loop on the calling (progress) thread, no thread of its own.
+//
+// Bootstrap (collective over the group, through the store): every rank listens on the address
+// chosen by netif, publishes it, connects to its peers of higher rank and accepts those of lower
+// rank. A connection must open with the group's secret (random, from the store) and the ranks
+// it links, so a stray or stale client is refused, never mistaken for a peer.
+//
+// Data: exchange() moves a set of sends and receives to completion. Each message carries a
+// 16-byte header (tag, bytes) and lands straight in its destination buffer; a header that does
+// not match what the receiver expects is an error naming both sides (mismatched collectives).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/store.h"
+#include "transport/netif.h"
+#include "transport/shm_domain.h"
+#include "transport/topology.h"
+
+namespace smddp::net {
+
+// How exchange() hands data to the sockets of several peers.
+enum class Schedule {
+  // Rate-controlled: chunks go out round-robin over the peers, starting from a shifted peer
+  // (rank r first serves the peer after it), and a peer's socket never holds more than its
+  // window of unacknowledged bytes; the window grows while the peer drains it and shrinks while
+  // it does not, so a slow peer keeps a short queue and the others keep the link.
+  kMesh,
+  // Everything handed to the sockets as fast as they take it, peers in rank order.
+  kNaive,
+};
+Schedule scheduleFromEnv();  // SMDDP_NET_ALGO: mesh / ring -> kMesh, naive -> kNaive
+
+// A message tag: the op's sequence number and a step within the op (both ends compute the same).
+constexpr int kTagStepBits = 24;
+inline uint64_t makeTag(uint64_t seq, uint32_t step) {
+  return (seq << kTagStepBits) | (step & ((1u << kTagStepBits) - 1));
+}
+
+struct Send {
+  int peer;
+  const void* data;
+  size_t bytes;
+};
+struct Recv {
+  int peer;
+  void* data;
+  size_t bytes;
+};
+
+class TcpMesh {
+ public:
+  // Collective over the group. `peers`: the ranks this rank exchanges with (the relation must be
+  // symmetric across ranks).
+  static std::unique_ptr<TcpMesh> create(Store& store, const Topology& topo, const std::vector<int>& peers,
+                                         std::chrono::milliseconds timeout);
+  ~TcpMesh();
+
+  const LocalAddress& address() const { return addr_; }
+
+  // Messages to one peer leave in list order and arrive in list order. `tag` identifies the op
+  // and step; both sides must use the same. Throws kRemoteError when a peer closes its
+  // connection, kTimeout at the deadline, kAborted when the wait context is aborted.
+  void exchange(uint64_t tag, const std::vector<Send>& sends, const std::vector<Recv>& recvs,
+                const shm::WaitContext& wait, Schedule schedule);
+
+  // Interrupts nothing by itself; the next poll tick sees the abort flag of the wait context.
+  void closeAll();
+
+ private:
+  struct Peer;
+  explicit TcpMesh(const Topology& topo);
+  Peer& peer(int rank);
+  [[noreturn]] void peerFailed(int rank, const char* what, int err);
+
+  Topology topo_;
+  LocalAddress addr_;
+  std::vector<std::unique_ptr<Peer>> peers_;  // indexed by rank; null where no connection
+  int listenFd_ = -1;
+  size_t chunkBytes_;
+};
+
+}  // namespace smddp::net

@@ -1,0 +1,149 @@
+#include "transport/topology.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include "core/env.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/random.h"
+
+namespace smddp {
+namespace {
+
+std::string bootId() {
+  std::string id;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::getline(f, id);
+  return id.empty() ? "unknown-boot-id" : id;
+}
+
+std::string hostname() {
+  char buf[256] = {};
+  gethostname(buf, sizeof(buf) - 1);
+  return buf;
+}
+
+// Fields are separated by '\n', which none of them can contain.
+std::vector<std::string> splitLines(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string line; std::getline(ss, line);) out.push_back(line);
+  return out;
+}
+
+bool tokenVisible(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd < 0) return false;
+  close(fd);
+  return true;
+}
+
+}  // namespace
+
+int Topology::maxLocalSize() const {
+  size_t m = 0;
+  for (const auto& h : members) m = std::max(m, h.size());
+  return static_cast<int>(m);
+}
+
+std::string Topology::describeHost(int h) const {
+  return hostnames[members[h][0]] + " (host " + std::to_string(h) + ")";
+}
+
+Topology Topology::singleHost(int rank, int size) {
+  Topology t;
+  t.rank = rank;
+  t.size = size;
+  t.hostOf.assign(size, 0);
+  t.members.assign(1, {});
+  for (int r = 0; r < size; ++r) {
+    t.localOf.push_back(r);
+    t.members[0].push_back(r);
+  }
+  t.bootIds.assign(size, bootId());
+  t.hostnames.assign(size, hostname());
+  return t;
+}
+
+Topology Topology::discover(Store& store, int rank, int size) {
+  Topology t;
+  t.rank = rank;
+  t.size = size;
+  if (rank == 0) store.set("smddp/topo/nonce", randomHex(8));
+  const std::string token = "/smddp-" + store.get("smddp/topo/nonce") + "-host-" + std::to_string(rank);
+  const int fd = shm_open(token.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    throwError(ErrorCode::kSystemError, "rank %d: cannot create the topology token %s in /dev/shm: %s", rank,
+               token.c_str(), errnoString(errno).c_str());
+  }
+  close(fd);
+  struct Unlink {
+    std::string name;
+    ~Unlink() { shm_unlink(name.c_str()); }
+  } unlinkToken{token};
+
+  // Round 1: who am I.
+  const std::string myKey = env::hostId();
+  store.set("smddp/topo/info/" + std::to_string(rank), bootId() + "\n" + myKey + "\n" + hostname() + "\n" + token);
+  std::vector<std::string> keys(size), tokens(size);
+  t.bootIds.resize(size);
+  t.hostnames.resize(size);
+  for (int r = 0; r < size; ++r) {
+    const auto f = splitLines(store.get("smddp/topo/info/" + std::to_string(r)));
+    if (f.size() != 4) throwError(ErrorCode::kRemoteError, "rank %d published a malformed topology record", r);
+    t.bootIds[r] = f[0];
+    keys[r] = f[1];
+    t.hostnames[r] = f[2];
+    tokens[r] = f[3];
+  }
+  // Round 2: my host's leader is the lowest rank I can share memory with.
+  int leader = rank;
+  for (int r = 0; r < rank; ++r) {
+    if (t.bootIds[r] == t.bootIds[rank] && keys[r] == myKey && tokenVisible(tokens[r])) {
+      leader = r;
+      break;
+    }
+  }
+  store.set("smddp/topo/leader/" + std::to_string(rank), std::to_string(leader));
+  std::vector<int> leaders(size);
+  for (int r = 0; r < size; ++r) leaders[r] = std::stoi(store.get("smddp/topo/leader/" + std::to_string(r)));
+  // Every rank has checked its peers' tokens by now (it published its leader after doing so).
+
+  std::vector<int> hostOfLeader(size, -1);
+  t.hostOf.assign(size, -1);
+  t.localOf.assign(size, -1);
+  for (int r = 0; r < size; ++r) {
+    const int l = leaders[r];
+    if (l < 0 || l > r || leaders[l] != l) {
+      throwError(ErrorCode::kRemoteError, "inconsistent topology: rank %d names rank %d as its host leader", r, l);
+    }
+    if (hostOfLeader[l] < 0) {
+      hostOfLeader[l] = static_cast<int>(t.members.size());
+      t.members.emplace_back();
+    }
+    t.hostOf[r] = hostOfLeader[l];
+    t.localOf[r] = static_cast<int>(t.members[t.hostOf[r]].size());
+    t.members[t.hostOf[r]].push_back(r);
+  }
+  // Sharing memory must be an equivalence: every peer I can see belongs to my host.
+  for (int r = 0; r < size; ++r) {
+    if (r == rank || t.hostOf[r] == t.hostOf[rank]) continue;
+    if (t.bootIds[r] == t.bootIds[rank] && keys[r] == myKey && tokenVisible(tokens[r])) {
+      throwError(ErrorCode::kSystemError,
+                 "rank %d shares /dev/shm with rank %d but not with the others of its host: cannot split the group "
+                 "into hosts consistently",
+                 rank, r);
+    }
+  }
+  SMDDP_INFO(kInit, "rank %d/%d: %d host(s); this host (%s) has %d rank(s), local rank %d", rank, size, t.hosts(),
+             t.hostnames[rank].c_str(), t.localSize(), t.localRank());
+  return t;
+}
+
+}  // namespace smddp

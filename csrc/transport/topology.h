@@ -1,0 +1,40 @@
+// Which ranks of a group share a host, i.e. can reach each other through shared memory.
+//
+// A hostname is not enough: containers and network namespaces on one machine share a kernel but
+// maybe not /dev/shm, or a hostname but not a kernel. So each rank creates a token segment in its
+// /dev/shm and publishes its boot id; a peer is on this rank's host when it has the same boot id
+// (and the same SMDDP_HOST_ID) and its token is visible here. SMDDP_HOST_ID can only split hosts,
+// never join ranks that cannot share memory: it lets tests run the inter-host path on one machine.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/store.h"
+
+namespace smddp {
+
+struct Topology {
+  int rank = 0;
+  int size = 1;
+  std::vector<int> hostOf;                // rank -> host index; hosts are numbered by their lowest rank
+  std::vector<int> localOf;               // rank -> index among the ranks of its host
+  std::vector<std::vector<int>> members;  // host -> its ranks, ascending
+  std::vector<std::string> bootIds;       // rank -> kernel boot id (same machine <=> same boot id)
+  std::vector<std::string> hostnames;     // rank -> hostname, for messages
+
+  int hosts() const { return static_cast<int>(members.size()); }
+  int host() const { return hostOf[rank]; }
+  int localRank() const { return localOf[rank]; }
+  int localSize() const { return static_cast<int>(members[host()].size()); }
+  int maxLocalSize() const;
+  // "hostname (host 2)" for error messages.
+  std::string describeHost(int host) const;
+
+  // Collective over the group (three rounds through `store`).
+  static Topology discover(Store& store, int rank, int size);
+  // All ranks on one host, for groups of one and for callers that know it.
+  static Topology singleHost(int rank, int size);
+};
+
+}  // namespace smddp
