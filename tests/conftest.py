@@ -28,11 +28,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "timeout(seconds): pytest-timeout limit")
 
 
-def _world_of(item):
+def _pool_of(item):
+    """Sort key that keeps the tests of one pool (world size, emulated hosts) together."""
     cs = getattr(item, "callspec", None)
     if cs is not None and "world" in cs.params:
-        return cs.params["world"]
-    return 0  # tests without a pool (or with their own processes) first
+        return (cs.params["world"], "")
+    if cs is not None and "topo" in cs.params:  # test_multihost: the host split, e.g. "0011"
+        topo = cs.params["topo"]
+        return (len(topo), str(topo))
+    return (0, "")  # tests without a pool (or with their own processes) first
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -40,7 +44,7 @@ def pytest_collection_modifyitems(session, config, items):
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(DEFAULT_TEST_TIMEOUT))
     # stable sort: every test of a world size runs with the same pool
-    items.sort(key=_world_of)
+    items.sort(key=_pool_of)
 
 
 class Pools:
@@ -50,10 +54,11 @@ class Pools:
         self.live = {}
         self.started = 0
 
-    def get(self, world, hosts=None):
+    def get(self, world, hosts=None, env=None):
         """The pool of `world` ranks; `hosts` (e.g. "0011") splits them into emulated hosts
-        through SMDDP_HOST_ID, so that the inter-host path runs on this machine."""
-        key = (world, hosts)
+        through SMDDP_HOST_ID, so that the inter-host path runs on this machine; `env`: a tuple
+        of (name, value) pairs set on every rank."""
+        key = (world, hosts, env)
         pool = self.live.get(key)
         if pool is not None and not pool.dead:
             return pool
@@ -62,19 +67,19 @@ class Pools:
                 SHUTDOWN_PROBLEMS.extend(p.close())
             del self.live[k]
         rank_env = {"SMDDP_HOST_ID": list(hosts)} if hosts else None
-        pool = _pool.Pool(world, rank_env=rank_env)
+        pool = _pool.Pool(world, rank_env=rank_env, extra_env=dict(env or ()))
         self.started += 1
         self.live[key] = pool
         return pool
 
-    def run(self, world, fn, *args, timeout=_pool.DEFAULT_TASK_TIMEOUT, hosts=None):
+    def run(self, world, fn, *args, timeout=_pool.DEFAULT_TASK_TIMEOUT, hosts=None, env=None):
         __tracebackhide__ = True
-        return self.get(world, hosts).run(fn, *args, timeout=timeout)
+        return self.get(world, hosts, env).run(fn, *args, timeout=timeout)
 
-    def check(self, world, fn, *args, timeout=_pool.DEFAULT_TASK_TIMEOUT, hosts=None):
+    def check(self, world, fn, *args, timeout=_pool.DEFAULT_TASK_TIMEOUT, hosts=None, env=None):
         """Run a checking task (returns _util.Report dicts) and assert on the merged report."""
         __tracebackhide__ = True
-        pool = self.get(world, hosts)
+        pool = self.get(world, hosts, env)
         results = pool.run(fn, *args, timeout=timeout)
         try:
             _util.assert_reports(results, world)
@@ -85,9 +90,9 @@ class Pools:
             raise
         return results
 
-    def discard(self, world, hosts=None):
+    def discard(self, world, hosts=None, env=None):
         """Close the pool of this world size: for tests that leave its group unusable on purpose."""
-        pool = self.live.pop((world, hosts), None)
+        pool = self.live.pop((world, hosts, env), None)
         if pool is not None:
             pool.close()
 

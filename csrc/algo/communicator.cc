@@ -118,7 +118,8 @@ void Communicator::allgather(const AllgatherOptions& opts, std::chrono::millisec
     AllgatherOptions all = opts;
     all.root = -1;
     std::vector<std::vector<uint8_t>> discard;
-    if (opts.root >= 0 && opts.root != rank_) {
+    if (opts.root >= 0 && opts.root != rank_) {  // a non-root rank of a gather has no outputs
+      all.outputs.assign(size_, nullptr);
       discard.resize(size_);
       for (int p = 0; p < size_; ++p) {
         if (p == rank_) continue;

@@ -209,6 +209,12 @@ c10::intrusive_ptr<c10d::Backend::Options> SmddpBackend::getBackendOptions() {
   return c10::make_intrusive<Options>(getBackendName(), std::chrono::milliseconds(timeoutMs_.load()));
 }
 
+void SmddpBackend::requireSingleHost(const char* op) const {
+  TORCH_CHECK_NOT_IMPLEMENTED(!comm_->multiHost(), "smddp rank ", rank_, ": ", op,
+                              " is not supported yet in a group that spans hosts (this group has ",
+                              comm_->topology().hosts(), " hosts); collectives other than all_to_all work");
+}
+
 std::map<std::string, std::string> SmddpBackend::topologySummary() const {
   const Topology& t = comm_->topology();
   return {{"hosts", std::to_string(t.hosts())},
@@ -638,6 +644,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall_base(at::Tensor& output, a
                                                            std::vector<int64_t>& outputSplitSizes,
                                                            std::vector<int64_t>& inputSplitSizes,
                                                            const c10d::AllToAllOptions& opts) {
+  requireSingleHost("all_to_all_single");
   const DataType dtype = checkTensor(input, rank_, "all_to_all_single");
   checkTensor(output, rank_, "all_to_all_single");
   checkSameType(output, input, rank_, "all_to_all_single");
@@ -666,6 +673,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall_base(at::Tensor& output, a
 c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllToAllOptions& opts) {
+  requireSingleHost("all_to_all");
   TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_ && static_cast<int>(inputs.size()) == size_,
                     "smddp rank ", rank_, ": all_to_all takes ", size_, " inputs and ", size_, " outputs, got ",
                     inputs.size(), " and ", outputs.size());
@@ -714,9 +722,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
   TORCH_CHECK_VALUE((peer == -1 && !isSend) || (peer >= 0 && peer < size_ && peer != rank_), "smddp rank ", rank_,
                     ": ", op,
                     ": peer ", peer, " is not another rank of this group of size ", size_);
-  TORCH_CHECK_NOT_IMPLEMENTED(size_ == 1 || !comm_->multiHost(), "smddp rank ", rank_, ": ", op,
-                              ": point-to-point is not supported yet in a group that spans hosts (this group has ",
-                              comm_->topology().hosts(), " hosts)");
+  requireSingleHost(op);
   TORCH_CHECK_VALUE(p2p_ != nullptr, "smddp rank ", rank_, ": ", op, ": a group of one rank has no peer");
   Staged s = isSend ? Staged{t, stageIn(t), false} : stageOut(t);
   auto work = c10::make_intrusive<SmddpWork>(rank_, isSend ? c10d::OpType::SEND : c10d::OpType::RECV,

@@ -121,6 +121,9 @@ class SmddpBackend : public c10d::Backend {
 
  private:
   using Body = std::function<void(algo::Communicator&, std::chrono::milliseconds)>;
+  // Raises NotImplementedError (before anything is sent, so the group stays usable) for ops the
+  // inter-host path does not have yet.
+  void requireSingleHost(const char* op) const;
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType opType, const char* title, std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> inputs, std::chrono::milliseconds timeout,
                                          bool async, Body body);

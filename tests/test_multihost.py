@@ -1,0 +1,123 @@
+"""Groups that span hosts, emulated on this machine: SMDDP_HOST_ID splits the ranks into
+"hosts" that talk over the TCP mesh (loopback) while ranks of one host share memory. Every
+collective the inter-host path supports runs against the same references as the one-host tests,
+on even (2x2), one-rank (3x1), uneven (2+1) and interleaved (hosts 0,1,0,1) layouts, with a
+small SMDDP_NET_BUFFER_BYTES so that large messages go through the mesh in many pieces. The ring
+and naive schedules get the allreduce matrix too. A real multi-host run across network
+namespaces is in test_netns.py."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _util import DTYPES, IS_SMDDP, REDOPS, SMALL_SIZES, Report, dname
+from test_allgather import all_gather_list, all_gather_tensor_forms
+from test_allreduce import allreduce_matrix
+from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
+from test_clients import ddp_task, fsdp2_task
+from test_gather_scatter_alltoall import gather_scatter_all_roots
+from test_misc import barrier_task
+from test_reduce_scatter import reduce_scatter_list, reduce_scatter_tensor_forms
+
+pytestmark = pytest.mark.skipif(not IS_SMDDP, reason="SMDDP_HOST_ID only splits smddp groups")
+
+ALL = [dname(d) for d in DTYPES]
+TOPOS = ["0011", "012", "001", "0101"]
+# Small inter-host pieces, so that even the "large" cells take many exchanges.
+NET_ENV = (("SMDDP_NET_BUFFER_BYTES", "65536"),)
+
+
+def topology_task(rank, world, hosts):
+    rep = Report(rank)
+    with rep.cell(f"topology of {hosts}"):
+        info = dist.group.WORLD._get_backend(torch.device("cpu"))._topology()
+        want_hosts = len(set(hosts))
+        mine = [r for r in range(world) if hosts[r] == hosts[rank]]
+        rep.expect(info["hosts"] == str(want_hosts), f"rank {rank}: {info['hosts']} hosts, expected {want_hosts}")
+        rep.expect(info["local_size"] == str(len(mine)), f"rank {rank}: local size {info['local_size']}")
+        rep.expect(info["local_rank"] == str(mine.index(rank)), f"rank {rank}: local rank {info['local_rank']}")
+        rep.expect(info["transport"] == "shm+tcp", f"rank {rank}: transport {info['transport']}")
+    return rep.to_dict()
+
+
+def unsupported_task(rank, world):
+    """What the inter-host path does not do yet is refused before anything is sent, with
+    NotImplementedError, and the group keeps working."""
+    rep = Report(rank)
+    for label, call in [
+        ("all_to_all_single", lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world))),
+        ("send", lambda: dist.send(torch.ones(2), dst=(rank + 1) % world)),
+    ]:
+        with rep.cell(f"{label} across hosts"):
+            try:
+                call()
+                rep.expect(False, f"rank {rank}: {label} across hosts did not raise")
+            except NotImplementedError as e:
+                rep.expect("spans hosts" in str(e), f"rank {rank}: unexpected message: {e}")
+        rep.group_still_works(f"after refused {label}", world, rank)
+    return rep.to_dict()
+
+
+def check(pools, topo, fn, *args, env=NET_ENV, timeout=300):
+    pools.check(len(topo), fn, *args, hosts=topo, env=env, timeout=timeout)
+
+
+@pytest.mark.parametrize("topo", TOPOS)
+def test_topology(pools, topo):
+    check(pools, topo, topology_task, topo)
+
+
+@pytest.mark.parametrize("topo", TOPOS)
+def test_allreduce(pools, topo):
+    check(pools, topo, allreduce_matrix, SMALL_SIZES, ALL, REDOPS)
+
+
+@pytest.mark.parametrize("topo", TOPOS)
+def test_allreduce_large(pools, topo):
+    check(pools, topo, allreduce_matrix, ["large"], ["float32", "bfloat16", "int64"], ["SUM", "AVG", "MAX"], "arL")
+
+
+@pytest.mark.parametrize("topo", TOPOS)
+def test_allgather(pools, topo):
+    check(pools, topo, all_gather_list, SMALL_SIZES, ALL)
+    check(pools, topo, all_gather_tensor_forms, SMALL_SIZES + ["large"], ["float32", "int8"])
+
+
+@pytest.mark.parametrize("topo", TOPOS)
+def test_reduce_scatter(pools, topo):
+    check(pools, topo, reduce_scatter_list, [0, 1, 1001], ALL, REDOPS)
+    check(pools, topo, reduce_scatter_tensor_forms, [7, 333, "large"], ["float32", "bfloat16", "int32"],
+          ["SUM", "AVG", "MIN", "PREMUL_SUM_T"], "rstM")
+
+
+@pytest.mark.parametrize("topo", TOPOS)
+def test_broadcast_reduce(pools, topo):
+    check(pools, topo, broadcast_all_roots, SMALL_SIZES + ["large"], ["float32", "uint8"])
+    check(pools, topo, reduce_all_roots, [0, 7, 1001], ALL, ["SUM", "MAX", "AVG", "PREMUL_SUM_F"])
+
+
+@pytest.mark.parametrize("topo", TOPOS)
+def test_gather_scatter_barrier(pools, topo):
+    check(pools, topo, gather_scatter_all_roots, SMALL_SIZES, ["float32", "int64"])
+    check(pools, topo, barrier_task)
+
+
+@pytest.mark.parametrize("topo", ["0011", "001"])
+def test_unsupported_ops_refused(pools, topo):
+    check(pools, topo, unsupported_task)
+
+
+@pytest.mark.parametrize("topo", ["0011"])
+def test_ddp_and_fsdp2(pools, topo):
+    check(pools, topo, ddp_task, "plain")
+    check(pools, topo, fsdp2_task, "default")
+
+
+@pytest.mark.parametrize("algo", ["ring", "naive"])
+@pytest.mark.parametrize("topo", ["012", "0011"])
+def test_other_schedules(pools, topo, algo):
+    env = NET_ENV + (("SMDDP_NET_ALGO", algo),)
+    check(pools, topo, allreduce_matrix, [1, 1001, "large"], ["float32", "int32"], ["SUM", "AVG", "PRODUCT"],
+          "arS", env=env)
+    check(pools, topo, all_gather_tensor_forms, [7, "large"], ["float32"], env=env)
+    check(pools, topo, reduce_scatter_tensor_forms, [333], ["float32"], ["SUM"], "rsS", env=env)
