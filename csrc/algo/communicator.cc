@@ -18,10 +18,17 @@ void logParamsOnce() {
 }
 }  // namespace
 
+namespace {
+Topology discoverAfterShmCheck(Store& store, int rank, int size) {
+  if (size > 1) shm::Domain::checkCapacity(rank, static_cast<size_t>(env::shmSlotBytes()));
+  return size > 1 ? Topology::discover(store, rank, size) : Topology::singleHost(rank, size);
+}
+}  // namespace
+
 Communicator::Communicator(Store& store, int rank, int size, std::chrono::milliseconds timeout)
     : rank_(rank),
       size_(size),
-      topo_(size > 1 ? Topology::discover(store, rank, size) : Topology::singleHost(rank, size)),
+      topo_(discoverAfterShmCheck(store, rank, size)),
       oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))) {
   logParamsOnce();
   const size_t slotBytes = static_cast<size_t>(env::shmSlotBytes());

@@ -52,7 +52,7 @@ constexpr Param kParams[] = {
      "pieces of this size."},
     {"SMDDP_SIMD", "auto", "Reduce-kernel instruction set: auto, avx512, avx2 or scalar."},
     {"SMDDP_DEBUG", "WARN", "Log level: NONE, WARN, INFO or TRACE."},
-    {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, ENV or ALL; ^ inverts."},
+    {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, NET, ENV or ALL; ^ inverts."},
 };
 
 const Param& find(const char* name) {

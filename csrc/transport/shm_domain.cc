@@ -76,6 +76,17 @@ Domain::Control* Domain::control(int rank) const { return static_cast<Control*>(
 
 OpDescriptor& Domain::descriptor(int rank, uint64_t phase) const { return control(rank)->desc[phase & 1]; }
 
+// One rank's segment: header, p2p counters, two slots, p2p outboxes (layout in create()).
+size_t Domain::segmentBytes(int size, size_t slotBytes) {
+  return kHeaderBytes + roundUpPage(2 * size * kCounterStride) + 2 * slotBytes +
+         static_cast<size_t>(size) * 2 * kP2pChunkBytes;
+}
+
+void Domain::checkCapacity(int rank, size_t slotBytes) {
+  const size_t bytes = segmentBytes(1, slotBytes);
+  shm::checkShmFits(bytes, bytes, rank);
+}
+
 std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t slotBytes) {
   if (slotBytes < 4096 || slotBytes % 4096 != 0) {
     throwError(ErrorCode::kInvalidUsage, "smddp rank %d: SMDDP_SHM_SLOT_BYTES=%zu must be a multiple of 4096", rank,
@@ -96,7 +107,7 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   d->p2pCountersOffset_ = kHeaderBytes;
   const size_t slotsOffset = kHeaderBytes + roundUpPage(2 * size * kCounterStride);
   d->p2pOutboxOffset_ = slotsOffset + 2 * slotBytes;
-  const size_t segBytes = d->p2pOutboxOffset_ + static_cast<size_t>(size) * 2 * kP2pChunkBytes;
+  const size_t segBytes = segmentBytes(size, slotBytes);
   d->segments_.resize(size);
   try {
     d->segments_[rank] = Segment::create(nameOf(rank), segBytes, segBytes * size, rank);

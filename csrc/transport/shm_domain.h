@@ -42,6 +42,10 @@ class Domain {
   // Collective over the group: creates this rank's segment, maps every peer's and unlinks the
   // names once all ranks are attached. size == 1 creates nothing.
   static std::unique_ptr<Domain> create(Store& store, int rank, int size, size_t slotBytes);
+  // Fails fast, before any bootstrap traffic, when even the slots of this rank's segment cannot
+  // fit in /dev/shm: every rank then reports the cause itself, rather than some losing the store
+  // (rank 0 hosts it) and reporting a closed connection. (create() checks the full size.)
+  static void checkCapacity(int rank, size_t slotBytes);
   ~Domain();
 
   int rank() const { return rank_; }
@@ -77,6 +81,7 @@ class Domain {
   void waitAll(uint64_t phase, const WaitContext& ctx);
 
  private:
+  static size_t segmentBytes(int size, size_t slotBytes);
   struct Control;
   Domain(int rank, int size, size_t slotBytes);
   Control* control(int rank) const;

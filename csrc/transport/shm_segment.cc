@@ -46,10 +46,14 @@ size_t shmFreeBytes() {
   return static_cast<size_t>(st.f_bavail) * st.f_frsize;
 }
 
-Segment Segment::create(const std::string& name, size_t bytes, size_t groupBytes, int rank) {
+void checkShmFits(size_t bytes, size_t groupBytes, int rank) {
   const size_t freeBytes = shmFreeBytes();
-  // Peers allocate concurrently, so only our own share can be checked here; fallocate catches the rest.
   if (bytes > freeBytes) throwNoSpace(rank, groupBytes, freeBytes, "checked before allocating");
+}
+
+Segment Segment::create(const std::string& name, size_t bytes, size_t groupBytes, int rank) {
+  // Peers allocate concurrently, so only our own share can be checked here; fallocate catches the rest.
+  checkShmFits(bytes, groupBytes, rank);
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
     throwError(ErrorCode::kSystemError, "smddp rank %d: shm_open(%s) failed: %s", rank, name.c_str(),

@@ -40,4 +40,7 @@ class Segment {
 // Free bytes in /dev/shm (where POSIX shm_open places segments on Linux).
 size_t shmFreeBytes();
 
+// Throws the "/dev/shm is too small" error (with the fix) when `bytes` cannot fit now.
+void checkShmFits(size_t bytes, size_t groupBytes, int rank);
+
 }  // namespace smddp::shm

@@ -1,0 +1,152 @@
+"""Inter-host benchmark on an emulated cluster (benchmarks/netcluster.py: network namespaces, a
+bridge, tc HTB link rates): smddp with each inter-host schedule (mesh = rate-controlled, naive,
+ring) and gloo, one job each, same cluster, one invocation. Needs root.
+
+    python benchmarks/bench_cluster.py --hosts 4 --per-host 1 --rate 1gbit
+    python benchmarks/bench_cluster.py --hosts 4 --rates 1gbit,1gbit,1gbit,500mbit --ops allgather
+
+Columns per implementation: time per op in us (max over ranks of the mean over the timed
+iterations), busbw (nccl-tests: algbw x 2(n-1)/n for allreduce, (n-1)/n otherwise, n = ranks),
+and link% = the bytes each host must move across its link (the same factors with n = hosts)
+per second, as a share of the slowest host's link rate. Ratios: time of X / time of mesh.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import netcluster  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+IMPLS = {
+    "mesh": ("smddp", {"SMDDP_NET_ALGO": "mesh"}),
+    "naive": ("smddp", {"SMDDP_NET_ALGO": "naive"}),
+    "ring": ("smddp", {"SMDDP_NET_ALGO": "ring"}),
+    "gloo": ("gloo", {}),
+}
+
+
+def parse_size(s):
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(s[:-1]) * mult[s[-1].upper()]) if s[-1].upper() in mult else int(s)
+
+
+def parse_rate(r):
+    """tc rate text -> bytes/s."""
+    units = [("gbit", 1e9 / 8), ("mbit", 1e6 / 8), ("kbit", 1e3 / 8), ("bit", 1 / 8)]
+    for u, m in units:
+        if r.endswith(u):
+            return float(r[: -len(u)]) * m
+    raise ValueError(f"rate {r!r}: use e.g. 1gbit, 500mbit")
+
+
+def factor(op, n):
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
+
+
+def run_job(cluster, args, impl, port):
+    backend, extra = IMPLS[impl]
+    world = args.hosts * args.per_host
+    cfg = {"backend": backend, "mode": "bench", "ops": args.ops, "sizes": args.sizes, "target_s": args.target_s,
+           "iters": args.iters, "min_iters": args.min_iters, "warmup": args.warmup}
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % args.per_host),
+                   MASTER_ADDR=cluster.address(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
+                   OMP_NUM_THREADS="1", **extra)
+        env.pop("SMDDP_HOST_ID", None)
+        procs.append(cluster.popen(rank // args.per_host, [sys.executable, os.path.join(HERE, "cluster_worker.py"),
+                                                           json.dumps(cfg)], env=env, stdout=-1, stderr=-1, text=True))
+    rows, status = {}, []
+    for rank, p in enumerate(procs):
+        out, err = p.communicate(timeout=args.timeout)
+        for line in out.splitlines():
+            if not line.startswith("{"):
+                continue
+            msg = json.loads(line)
+            if "op" in msg:
+                rows[(msg["op"], msg["size"])] = msg["time_us"]
+            elif not msg["ok"]:
+                status.append(f"rank {rank}: {msg['errors']}")
+        if p.returncode != 0:
+            status.append(f"rank {rank} exit {p.returncode}: {err[-1500:]}")
+    return rows, status
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--per-host", type=int, default=1)
+    p.add_argument("--rate", default="1gbit", help="every host's link rate (tc units), or 'none'")
+    p.add_argument("--rates", default=None, help="comma list, one rate per host (overrides --rate)")
+    p.add_argument("--ops", default="allreduce,allgather,reduce_scatter")
+    p.add_argument("--impls", default="mesh,naive,ring,gloo")
+    p.add_argument("-b", "--minbytes", default="8")
+    p.add_argument("-e", "--maxbytes", default="64M")
+    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("--target-s", type=float, default=1.0, help="timed seconds per measurement (auto iterations)")
+    p.add_argument("--iters", type=int, default=200, help="most timed iterations")
+    p.add_argument("--min-iters", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=1800)
+    args = p.parse_args()
+    why = netcluster.available()
+    if why:
+        sys.exit(f"bench_cluster: cannot build the emulated cluster: {why}")
+    args.ops = args.ops.split(",")
+    impls = args.impls.split(",")
+    sizes, s = [], parse_size(args.minbytes)
+    while s <= parse_size(args.maxbytes):
+        sizes.append(s)
+        s *= args.stepfactor
+    args.sizes = sizes
+    rates = args.rates.split(",") if args.rates else [None if args.rate == "none" else args.rate] * args.hosts
+    link = min(parse_rate(r) for r in rates) if all(rates) else None
+    world = args.hosts * args.per_host
+
+    print(f"# bench_cluster: {args.hosts} hosts x {args.per_host} rank(s), link rates {','.join(r or 'unshaped' for r in rates)}"
+          " (tc htb, both directions), no added delay (no sch_netem on this kernel)")
+    print(f"# implementations: {', '.join(impls)} (mesh/naive/ring = smddp with SMDDP_NET_ALGO=...)  float32 sum")
+    print("# time = us per op (max over ranks of the mean); busbw GB/s (GB = 1e9, nccl-tests factors, n = ranks); "
+          "link% = per-host link traffic / s / slowest link rate")
+    results = {}
+    t0 = time.monotonic()
+    with netcluster.NetCluster(args.hosts, rates=rates) as c:
+        for i, impl in enumerate(impls):
+            rows, status = run_job(c, args, impl, 29600 + i)
+            results[impl] = rows
+            for st in status:
+                print(f"# ERROR {impl}: {st}")
+    for op in args.ops:
+        print("#")
+        print(f"# {op}")
+        head = f"#{'size':>11}" + "".join(f"  {im + ' us':>11} {'busbw':>6} {'link%':>5}" for im in impls)
+        head += "".join(f"  {im + '/mesh':>10}" for im in impls if im != "mesh" and "mesh" in impls)
+        print(head)
+        for size in sizes:
+            line = f"{size:>12}"
+            for im in impls:
+                t = results[im].get((op, size))
+                if t is None:
+                    line += f"  {'n/a':>11} {'':>6} {'':>5}"
+                    continue
+                bus = size / t / 1e3 * factor(op, world)
+                share = f"{100 * size * factor(op, args.hosts) / (t * 1e-6) / link:5.0f}" if link else "  n/a"
+                line += f"  {t:11.1f} {bus:6.3f} {share}"
+            for im in impls:
+                if im == "mesh" or "mesh" not in impls:
+                    continue
+                a, m = results[im].get((op, size)), results["mesh"].get((op, size))
+                line += f"  {a / m:9.2f}x" if a and m else f"  {'n/a':>10}"
+            print(line)
+    print(f"# elapsed {time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""An emulated cluster of N hosts on this machine, for the multi-host test and benchmark.
+
+Each host is a network namespace with one interface (eth0, 10.<net>.0.<i+1>/24) plugged into a
+bridge that lives in a "switch" namespace of its own, so nothing touches the root namespace's
+network. Processes started on a host also get their own UTS namespace (hostname h<i>) and their
+own /dev/shm (a tmpfs per host, bind-mounted in a private mount namespace), so smddp's topology
+discovery really sees separate machines, and everything between hosts crosses eth0.
+
+Optional link shaping with tc HTB: `rate` caps each host's egress and the switch port towards
+it (a full-duplex NIC); `rates` overrides it per host. This kernel has no sch_netem, so there is
+no delay emulation here.
+
+Needs root and iproute2. Usage:
+
+    with NetCluster(4, rate="1gbit") as c:
+        procs = [c.popen(i, [sys.executable, "worker.py"], env) for i in range(4)]
+        ...
+        c.link_bytes(0)  # (tx, rx) of host 0's eth0
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+
+
+def available():
+    """None if an emulated cluster can be built here, else why not."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    if shutil.which("ip") is None or shutil.which("unshare") is None:
+        return "needs iproute2 (ip) and util-linux (unshare)"
+    name = f"sdprobe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"ip netns add failed: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
+
+
+def _run(*argv, check=True):
+    r = subprocess.run(list(argv), capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {r.stderr.strip()}")
+    return r
+
+
+class NetCluster:
+    def __init__(self, hosts, rate=None, rates=None, net=None):
+        self.n = hosts
+        self.rates = list(rates) if rates else [rate] * hosts
+        self.tag = f"sd{os.getpid() % 100000}"
+        self.net = net if net is not None else 100 + os.getpid() % 100
+        self.switch = f"{self.tag}sw"
+        self.hosts = [f"{self.tag}h{i}" for i in range(hosts)]
+        self.shm_root = None
+        self.procs = []
+
+    # -- lifecycle ----------------------------------------------------------
+    def __enter__(self):
+        try:
+            self._up()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def address(self, i):
+        return f"10.{self.net}.0.{i + 1}"
+
+    def _up(self):
+        _run("ip", "netns", "add", self.switch)
+        _run("ip", "-n", self.switch, "link", "set", "lo", "up")
+        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        self.shm_root = tempfile.mkdtemp(prefix=f"{self.tag}-shm-")
+        for i, ns in enumerate(self.hosts):
+            _run("ip", "netns", "add", ns)
+            port = f"p{i}"
+            _run("ip", "link", "add", port, "netns", self.switch, "type", "veth", "peer", "name", "eth0",
+                 "netns", ns)
+            _run("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            if self.rates[i]:
+                self._shape(ns, "eth0", self.rates[i])
+                self._shape(self.switch, port, self.rates[i])
+            shm = os.path.join(self.shm_root, f"h{i}")
+            os.makedirs(shm)
+            _run("mount", "-t", "tmpfs", "-o", "mode=1777,size=2g", f"{self.tag}-h{i}", shm)
+
+    @staticmethod
+    def _shape(ns, dev, rate):
+        _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb",
+             "default", "1")
+        _run("ip", "netns", "exec", ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+             "rate", rate, "ceil", rate, "burst", "256k", "cburst", "256k")
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for ns in self.hosts + [self.switch]:
+            _run("ip", "netns", "del", ns, check=False)
+        if self.shm_root:
+            for i in range(self.n):
+                _run("umount", "-l", os.path.join(self.shm_root, f"h{i}"), check=False)
+            shutil.rmtree(self.shm_root, ignore_errors=True)
+            self.shm_root = None
+
+    # -- use ------------------------------------------------------------------
+    def popen(self, i, argv, env=None, **kw):
+        """Starts argv on host i (its network, hostname and /dev/shm)."""
+        shm = os.path.join(self.shm_root, f"h{i}")
+        inner = 'mount --bind "$0" /dev/shm && hostname "$1" && shift && exec "$@"'
+        cmd = ["ip", "netns", "exec", self.hosts[i], "unshare", "--mount", "--uts", "--", "sh", "-c", inner,
+               shm, f"h{i}", *argv]
+        p = subprocess.Popen(cmd, env=env, **kw)
+        self.procs.append(p)
+        return p
+
+    def link_bytes(self, i):
+        """(tx_bytes, rx_bytes) of host i's eth0."""
+        out = _run("ip", "-n", self.hosts[i], "-s", "-j", "link", "show", "eth0").stdout
+        st = json.loads(out)[0]["stats64"]
+        return st["tx"]["bytes"], st["rx"]["bytes"]
