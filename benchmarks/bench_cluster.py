@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -48,6 +49,18 @@ def factor(op, n):
     if n <= 1:
         return 0.0
     return 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
+
+
+def measure_rtt(cluster):
+    """Average ping RTT between hosts 0 and 1 (idle links), as text."""
+    if shutil.which("ping") is None or cluster.n < 2:
+        return "n/a (no ping)"
+    p = cluster.popen(0, ["ping", "-q", "-c", "10", "-i", "0.05", cluster.address(1)], stdout=-1, stderr=-1, text=True)
+    out = p.communicate(timeout=30)[0]
+    for line in out.splitlines():
+        if "min/avg/max" in line:
+            return line.split("=")[1].split("/")[1].strip() + " ms"
+    return "n/a"
 
 
 def run_job(cluster, args, impl, port):
@@ -85,6 +98,7 @@ def main():
     p.add_argument("--per-host", type=int, default=1)
     p.add_argument("--rate", default="1gbit", help="every host's link rate (tc units), or 'none'")
     p.add_argument("--rates", default=None, help="comma list, one rate per host (overrides --rate)")
+    p.add_argument("--delay", default=None, help="one-way delay added to every packet, e.g. 1ms (RTT = 2x)")
     p.add_argument("--ops", default="allreduce,allgather,reduce_scatter")
     p.add_argument("--impls", default="mesh,naive,ring,gloo")
     p.add_argument("-b", "--minbytes", default="8")
@@ -96,7 +110,7 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800)
     args = p.parse_args()
-    why = netcluster.available()
+    why = netcluster.available(delay=bool(args.delay))
     if why:
         sys.exit(f"bench_cluster: cannot build the emulated cluster: {why}")
     args.ops = args.ops.split(",")
@@ -110,14 +124,17 @@ def main():
     link = min(parse_rate(r) for r in rates) if all(rates) else None
     world = args.hosts * args.per_host
 
-    print(f"# bench_cluster: {args.hosts} hosts x {args.per_host} rank(s), link rates {','.join(r or 'unshaped' for r in rates)}"
-          " (tc htb, both directions), no added delay (no sch_netem on this kernel)")
+    delay = (f"one-way delay {args.delay} per packet (user-space NFQUEUE delay line, benchmarks/delayline.py)"
+             if args.delay else "no added delay")
+    print(f"# bench_cluster: {args.hosts} hosts x {args.per_host} rank(s), link rates "
+          f"{','.join(r or 'unshaped' for r in rates)} (tc htb, both directions), {delay}")
     print(f"# implementations: {', '.join(impls)} (mesh/naive/ring = smddp with SMDDP_NET_ALGO=...)  float32 sum")
     print("# time = us per op (max over ranks of the mean); busbw GB/s (GB = 1e9, nccl-tests factors, n = ranks); "
           "link% = per-host link traffic / s / slowest link rate")
     results = {}
     t0 = time.monotonic()
-    with netcluster.NetCluster(args.hosts, rates=rates) as c:
+    with netcluster.NetCluster(args.hosts, rates=rates, delay=args.delay) as c:
+        print(f"# measured round trip host 0 -> host 1: {measure_rtt(c)}")
         for i, impl in enumerate(impls):
             rows, status = run_job(c, args, impl, 29600 + i)
             results[impl] = rows

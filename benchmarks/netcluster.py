@@ -7,8 +7,10 @@ own /dev/shm (a tmpfs per host, bind-mounted in a private mount namespace), so s
 discovery really sees separate machines, and everything between hosts crosses eth0.
 
 Optional link shaping with tc HTB: `rate` caps each host's egress and the switch port towards
-it (a full-duplex NIC); `rates` overrides it per host. This kernel has no sch_netem, so there is
-no delay emulation here.
+it (a full-duplex NIC); `rates` overrides it per host. `delay` (e.g. "1ms") delays every packet a
+host sends by that much (so the RTT is twice it): this kernel has no sch_netem, so an iptables
+NFQUEUE rule in each host hands its outgoing packets to benchmarks/delayline.py, a user-space
+delay line (needs the iptables command).
 
 Needs root and iproute2. Usage:
 
@@ -22,11 +24,12 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 
 
-def available():
-    """None if an emulated cluster can be built here, else why not."""
+def available(delay=False):
+    """None if an emulated cluster (with `delay`: with delays) can be built here, else why not."""
     if os.geteuid() != 0:
         return "needs root (network namespaces)"
     if shutil.which("ip") is None or shutil.which("unshare") is None:
@@ -36,6 +39,8 @@ def available():
     if r.returncode != 0:
         return f"ip netns add failed: {r.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    if delay and shutil.which("iptables") is None:
+        return "delays need the iptables command (apt-get install iptables)"
     return None
 
 
@@ -47,9 +52,10 @@ def _run(*argv, check=True):
 
 
 class NetCluster:
-    def __init__(self, hosts, rate=None, rates=None, net=None):
+    def __init__(self, hosts, rate=None, rates=None, delay=None, net=None):
         self.n = hosts
         self.rates = list(rates) if rates else [rate] * hosts
+        self.delay = delay
         self.tag = f"sd{os.getpid() % 100000}"
         self.net = net if net is not None else 100 + os.getpid() % 100
         self.switch = f"{self.tag}sw"
@@ -93,7 +99,20 @@ class NetCluster:
             shm = os.path.join(self.shm_root, f"h{i}")
             os.makedirs(shm)
             _run("mount", "-t", "tmpfs", "-o", "mode=1777,size=2g", f"{self.tag}-h{i}", shm)
+            if self.delay:
+                self._start_delay(ns)
 
+    def _start_delay(self, ns):
+        line = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delayline.py")
+        p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, line, self.delay],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.procs.append(p)
+        first = p.stdout.readline()
+        if "ready" not in first:
+            raise RuntimeError(f"delay line in {ns} did not start: {first}{p.stdout.read() if p.poll() else ''}")
+        # --queue-bypass: should the delay line die, packets flow undelayed rather than being dropped
+        _run("ip", "netns", "exec", ns, "iptables", "-A", "OUTPUT", "-o", "eth0", "-j", "NFQUEUE",
+             "--queue-num", "0", "--queue-bypass")
     @staticmethod
     def _shape(ns, dev, rate):
         _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb",

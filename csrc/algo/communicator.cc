@@ -16,9 +16,7 @@ void logParamsOnce() {
     for (const auto& p : env::allParams()) SMDDP_INFO(kEnv, "%s=%s", p.name.c_str(), p.value.c_str());
   });
 }
-}  // namespace
 
-namespace {
 Topology discoverAfterShmCheck(Store& store, int rank, int size) {
   if (size > 1) shm::Domain::checkCapacity(rank, static_cast<size_t>(env::shmSlotBytes()));
   return size > 1 ? Topology::discover(store, rank, size) : Topology::singleHost(rank, size);
