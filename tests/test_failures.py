@@ -33,11 +33,13 @@ except Exception as e:
 """
 
 
-def _job(world, mode, timeout_s):
+def _job(world, mode, timeout_s, hosts=None):
+    """hosts: e.g. "0011" gives rank r SMDDP_HOST_ID=hosts[r] (emulated hosts, TCP between them)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
     url = f"tcp://127.0.0.1:{free_port()}"
     return [subprocess.Popen([sys.executable, "-u", "-c", CHILD, str(r), str(world), url, mode, str(timeout_s)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             env=dict(env, SMDDP_HOST_ID=hosts[r]) if hosts else env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for r in range(world)]
 
 
@@ -74,6 +76,28 @@ def test_peer_killed_during_collectives():
         msg = outs[r]
         assert "DistBackendError" in msg and "allreduce #" in msg and "rank 1" in msg and "exited" in msg, msg[-2000:]
     # Far below the 60 s op timeout: the dead pid is noticed on the next sleep tick.
+    assert elapsed < 10, f"survivors took {elapsed:.1f}s"
+    assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
+
+
+@pytest.mark.timeout(120)
+def test_peer_killed_across_hosts():
+    """2 emulated hosts x 2 ranks: rank 2 dies. Its host-mate sees the dead pid, the other host's
+    ranks see their connections close or a local peer give up: all raise promptly (the group
+    timeout is 60 s) and the failure is traced to rank 2."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(4, "loop", 60, hosts="0011")
+    _wait_ready(procs)
+    time.sleep(0.5)
+    procs[2].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    outs = _finish(procs, 30)
+    elapsed = time.monotonic() - t0
+    for r in (0, 1, 3):
+        assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{outs[r][-2000:]}"
+        assert "DistBackendError" in outs[r] and "allreduce #" in outs[r], outs[r][-2000:]
+    assert any("rank 2" in outs[r] for r in (0, 1, 3)), "\n".join(outs)
     assert elapsed < 10, f"survivors took {elapsed:.1f}s"
     assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
 

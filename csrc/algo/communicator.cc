@@ -87,6 +87,10 @@ void Communicator::run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn) 
     snprintf(prefix, sizeof(prefix), "%s #%llu: ", opKindName(kind), static_cast<unsigned long long>(seq));
     brokenBy_ = std::string(prefix) + e.what();
     SMDDP_WARN(kColl, "rank %d: %s", rank_, brokenBy_.c_str());
+    // Tell the peers that may be waiting for this rank, rather than leave them to time out:
+    // ranks of this host see the flag, ranks of other hosts see their connections close.
+    if (domain_) domain_->markFailed("rank " + std::to_string(rank_) + ": " + brokenBy_);
+    if (mesh_) mesh_->closeAll();
     throw Error(e.code(), brokenBy_);
   }
 }

@@ -56,6 +56,10 @@ struct Domain::Control {
   alignas(64) OpDescriptor desc[2];             // by phase parity, like the slots
   alignas(64) std::atomic<uint32_t> doorbell;   // point-to-point: rung by anyone the owner may wait for
   alignas(64) std::atomic<uint32_t> doorbellSleepers;
+  // Set (after `failure`) when the owner gave up on a collective, so that peers waiting for it
+  // fail at once with its reason instead of waiting out the timeout.
+  alignas(64) std::atomic<uint32_t> failed;
+  char failure[256];
 };
 
 namespace {
@@ -218,6 +222,14 @@ bool Domain::peerAlive(int rank) const {
   return !(close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X'));
 }
 
+void Domain::markFailed(const std::string& why) {
+  if (segments_.empty()) return;
+  Control* c = control(rank_);
+  snprintf(c->failure, sizeof(c->failure), "%s", why.c_str());
+  c->failed.store(1, std::memory_order_release);
+  futexWakeAll(&c->phase);
+}
+
 void Domain::publish(uint64_t phase) {
   Control* c = control(rank_);
   c->phase.store(phase, std::memory_order_seq_cst);
@@ -248,6 +260,10 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
       if (tick.count() > 0) futexWait(&flag, static_cast<uint32_t>(seen), tick);
     }
     c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (flag.load(std::memory_order_acquire) < phase && c->failed.load(std::memory_order_acquire)) {
+      throwError(ErrorCode::kRemoteError, "rank %d gave up on this collective: %.*s", groupRank(peer),
+                 static_cast<int>(sizeof(c->failure)), c->failure);
+    }
     if (flag.load(std::memory_order_acquire) >= phase) return true;
     if (ctx.abort != nullptr && ctx.abort->load(std::memory_order_relaxed)) {
       throwError(ErrorCode::kAborted, "the process group was shut down or aborted while waiting for rank %d",

@@ -62,6 +62,9 @@ class Domain {
   OpDescriptor& descriptor(int rank, uint64_t phase) const;
 
   void publish(uint64_t phase);
+  // This rank gave up on the current collective (error, timeout): peers waiting for it in this
+  // domain stop waiting and report `why`.
+  void markFailed(const std::string& why);
 
   // ---- point-to-point mailboxes (used by engine/p2p_engine) ----
   // Each rank owns, for every peer, an outbox of two chunks; chunk i of the stream to that peer
