@@ -244,15 +244,32 @@ def shm_names():
         return []
 
 
+def _threads():
+    """Names of this process's threads."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return sorted(names)
+
+
 def shm_task(rank, world):
-    """After a first collective (and on a new group) no /dev/shm entry named *smddp* remains."""
+    """After a first collective (and on a new group) no /dev/shm entry named *smddp* remains, and
+    destroying a group joins every thread it started."""
     rep = Report(rank)
+    threads_before = _threads()
     t = torch.ones(10)
     dist.all_reduce(t)
     dist.barrier()
     left = shm_names()
     rep.expect(not left, f"/dev/shm after init + first all_reduce world={world}: "
                          f"found {left} (segments must be unlinked once every rank attached)")
+    # Group creation puts short-lived names in /dev/shm (topology tokens, then segments): no rank
+    # may start creating the next group while another is still looking.
+    dist.barrier()
     g = dist.new_group(list(range(world)))
     try:
         x = torch.ones(5)
@@ -266,6 +283,9 @@ def shm_task(rank, world):
         dist.barrier()
         dist.destroy_process_group(g)
     dist.barrier()
+    after = _threads()
+    rep.expect(after == threads_before, f"rank {rank}: threads after destroying a group: {after}; before "
+                                        f"creating it: {threads_before}")
     return rep.to_dict()
 
 

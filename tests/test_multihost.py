@@ -16,7 +16,7 @@ from test_allreduce import allreduce_matrix
 from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
 from test_clients import ddp_task, fsdp2_task
 from test_gather_scatter_alltoall import gather_scatter_all_roots
-from test_misc import barrier_task
+from test_misc import barrier_task, shm_task
 from test_reduce_scatter import reduce_scatter_list, reduce_scatter_tensor_forms
 
 pytestmark = pytest.mark.skipif(not IS_SMDDP, reason="SMDDP_HOST_ID only splits smddp groups")
@@ -100,6 +100,11 @@ def test_broadcast_reduce(pools, topo):
 def test_gather_scatter_barrier(pools, topo):
     check(pools, topo, gather_scatter_all_roots, SMALL_SIZES, ["float32", "int64"])
     check(pools, topo, barrier_task)
+
+
+@pytest.mark.parametrize("topo", ["0011", "001"])
+def test_nothing_left_behind(pools, topo):
+    check(pools, topo, shm_task)
 
 
 @pytest.mark.parametrize("topo", ["0011", "001"])
