@@ -385,3 +385,37 @@ def test_split_group(pools, world):
     if not IS_SMDDP:
         pytest.skip("smddp-specific: gloo's split needs a bound device")
     pools.check(world, split_groups, timeout=120)
+
+
+def _shm_used():
+    st = os.statvfs("/dev/shm")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def lazy_staging_task(rank, world):
+    """Groups reserve their staging memory at first use: five idle groups cost (almost) nothing,
+    and the first collective of one of them reserves its slots (2 x SMDDP_SHM_SLOT_BYTES per rank)."""
+    rep = Report(rank)
+    dist.barrier()
+    before = _shm_used()
+    groups = [dist.new_group(list(range(world))) for _ in range(5)]
+    dist.barrier()
+    idle = _shm_used() - before
+    dist.barrier()
+    rep.expect(idle < 5 * world * (64 << 10), f"world={world}: 5 idle groups took {idle} bytes of /dev/shm")
+    t = torch.ones(1 << 20)
+    dist.all_reduce(t, group=groups[0])
+    dist.barrier()
+    used = _shm_used() - before
+    dist.barrier()
+    rep.expect(used >= world * 2 * (1 << 20), f"world={world}: a group's first collective reserved only {used} bytes")
+    for g in groups:
+        dist.destroy_process_group(g)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_lazy_staging(pools, world):
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    pools.check(world, lazy_staging_task)

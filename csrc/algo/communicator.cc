@@ -81,6 +81,7 @@ void Communicator::run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn) 
   ctx.wait.abort = &aborted_;
   ctx.oneShotMaxBytes = oneShotMaxBytes_;
   try {
+    if (domain_) domain_->commitSlots();
     fn(ctx);
   } catch (const Error& e) {
     char prefix[96];

@@ -58,6 +58,7 @@ void P2pEngine::submit(P2pOp op) {
     op.done(errorOf(ErrorCode::kAborted, "the process group has been shut down or aborted"), op.peer);
     return;
   }
+  if (op.isSend) domain_->commitOutboxes();  // throws on the caller's thread if /dev/shm is full
   {
     std::lock_guard<std::mutex> lock(mutex_);
     incoming_.push_back(std::move(op));

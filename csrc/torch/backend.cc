@@ -754,7 +754,11 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
     work->setSourceRank(source);
     work->complete(error);
   };
-  p2p_->submit(std::move(o));
+  try {
+    p2p_->submit(std::move(o));
+  } catch (const Error& e) {  // e.g. /dev/shm too small for the mailboxes
+    std::rethrow_exception(toTorchError(e, rank_));
+  }
   return work;
 }
 

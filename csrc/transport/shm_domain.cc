@@ -114,7 +114,9 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   const size_t segBytes = segmentBytes(size, slotBytes);
   d->segments_.resize(size);
   try {
-    d->segments_[rank] = Segment::create(nameOf(rank), segBytes, segBytes * size, rank);
+    // Only the control page and counters now; slots and mailboxes on first use (commit*()), so
+    // a group that is never used, or never uses point-to-point, costs no staging memory.
+    d->segments_[rank] = Segment::create(nameOf(rank), segBytes, segBytes * size, rank, slotsOffset);
   } catch (const Error& e) {
     store.set("smddp/shm/created/" + std::to_string(rank), std::string("err ") + e.what());
     throw;
@@ -158,6 +160,8 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   }
   d->segments_[rank].unlink();
 
+  d->slotsOffset_ = slotsOffset;
+  d->groupBytes_ = segBytes * size;
   d->slots_.resize(size);
   for (int r = 0; r < size; ++r) {
     uint8_t* base = static_cast<uint8_t*>(d->segments_[r].data()) + slotsOffset;
@@ -167,6 +171,20 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
              size, slotBytes, static_cast<long long>(d->spin_.count()),
              static_cast<int>(d->yieldFor_.count()));
   return d;
+}
+
+void Domain::commitSlots() {
+  if (slotsCommitted_ || segments_.empty()) return;
+  segments_[rank_].commit(slotsOffset_, 2 * slotBytes_, groupBytes_, rank_);
+  slotsCommitted_ = true;
+}
+
+void Domain::commitOutboxes() {
+  if (outboxesCommitted_.load(std::memory_order_acquire) || segments_.empty()) return;
+  std::lock_guard<std::mutex> lock(commitMutex_);
+  if (outboxesCommitted_.load()) return;
+  segments_[rank_].commit(p2pOutboxOffset_, static_cast<size_t>(size_) * 2 * kP2pChunkBytes, groupBytes_, rank_);
+  outboxesCommitted_.store(true, std::memory_order_release);
 }
 
 uint8_t* Domain::outbox(int owner, int peer, uint64_t chunk) const {

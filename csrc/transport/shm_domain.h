@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,11 @@ class Domain {
   OpDescriptor& descriptor(int rank, uint64_t phase) const;
 
   void publish(uint64_t phase);
+  // Back this rank's staging slots / point-to-point outboxes with memory before their first use
+  // (idempotent; a full /dev/shm throws the clear "too small" error). commitSlots() is called by
+  // the collectives' thread only; commitOutboxes() from any thread.
+  void commitSlots();
+  void commitOutboxes();
   // This rank gave up on the current collective (error, timeout): peers waiting for it in this
   // domain stop waiting and report `why`.
   void markFailed(const std::string& why);
@@ -93,6 +99,11 @@ class Domain {
   int rank_;
   int size_;
   std::vector<int> groupRanks_;
+  size_t slotsOffset_ = 0;
+  size_t groupBytes_ = 0;  // for messages: what the group needs on this host
+  bool slotsCommitted_ = false;
+  std::atomic<bool> outboxesCommitted_{false};
+  std::mutex commitMutex_;
   size_t slotBytes_;
   uint64_t phase_ = 0;
   std::chrono::microseconds spin_{0};

@@ -51,7 +51,7 @@ void checkShmFits(size_t bytes, size_t groupBytes, int rank) {
   if (bytes > freeBytes) throwNoSpace(rank, groupBytes, freeBytes, "checked before allocating");
 }
 
-Segment Segment::create(const std::string& name, size_t bytes, size_t groupBytes, int rank) {
+Segment Segment::create(const std::string& name, size_t bytes, size_t groupBytes, int rank, size_t commitBytes) {
   // Peers allocate concurrently, so only our own share can be checked here; fallocate catches the rest.
   checkShmFits(bytes, groupBytes, rank);
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -62,24 +62,31 @@ Segment Segment::create(const std::string& name, size_t bytes, size_t groupBytes
   Segment seg;
   seg.name_ = name;
   seg.linked_ = true;  // from here on, the destructor removes the name on every error path
-  int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-  if (err != 0) {
-    close(fd);
-    if (err == ENOSPC) throwNoSpace(rank, groupBytes, shmFreeBytes(), "allocation failed");
-    throwError(ErrorCode::kSystemError, "smddp rank %d: allocating %zu bytes for %s failed: %s", rank, bytes,
-               name.c_str(), errnoString(err).c_str());
+  seg.fd_ = fd;  // from here on, the destructor closes it
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    throwError(ErrorCode::kSystemError, "smddp rank %d: sizing %s to %zu bytes failed: %s", rank, name.c_str(), bytes,
+               errnoString(errno).c_str());
   }
+  seg.commit(0, commitBytes, groupBytes, rank);
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  err = errno;
-  close(fd);
   if (p == MAP_FAILED) {
     throwError(ErrorCode::kSystemError, "smddp rank %d: mmap of %s (%zu bytes) failed: %s", rank, name.c_str(),
-               bytes, errnoString(err).c_str());
+               bytes, errnoString(errno).c_str());
   }
   seg.data_ = p;
   seg.size_ = bytes;
   SMDDP_INFO(kShm, "rank %d created %s (%zu bytes)", rank, name.c_str(), bytes);
   return seg;
+}
+
+void Segment::commit(size_t offset, size_t len, size_t groupBytes, int rank) {
+  if (len == 0) return;
+  const int err = posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(len));
+  if (err == ENOSPC) throwNoSpace(rank, groupBytes, shmFreeBytes(), "allocation failed");
+  if (err != 0) {
+    throwError(ErrorCode::kSystemError, "smddp rank %d: allocating %zu bytes of %s failed: %s", rank, len,
+               name_.c_str(), errnoString(err).c_str());
+  }
 }
 
 Segment Segment::open(const std::string& name, int rank, int ownerRank) {
@@ -118,6 +125,7 @@ Segment& Segment::operator=(Segment&& other) noexcept {
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     linked_ = std::exchange(other.linked_, false);
+    fd_ = std::exchange(other.fd_, -1);
   }
   return *this;
 }
@@ -133,6 +141,8 @@ Segment::~Segment() {
   unlink();
   if (data_ != nullptr) munmap(data_, size_);
   data_ = nullptr;
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
 }
 
 }  // namespace smddp::shm

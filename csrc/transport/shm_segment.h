@@ -8,10 +8,11 @@ namespace smddp::shm {
 
 class Segment {
  public:
-  // Creates `name` (which must not exist) with `bytes` of backing store allocated up front, so a
-  // full /dev/shm fails here with a clear message rather than later with SIGBUS. `groupBytes` is
-  // what the whole group needs on this host, for the message.
-  static Segment create(const std::string& name, size_t bytes, size_t groupBytes, int rank);
+  // Creates `name` (which must not exist), `bytes` long, with only its first `commitBytes` backed
+  // by memory now; commit() backs more on first use. Backing store is always allocated before it
+  // is touched, so a full /dev/shm fails with a clear message rather than with SIGBUS.
+  // `groupBytes` is what the whole group needs on this host, for the message.
+  static Segment create(const std::string& name, size_t bytes, size_t groupBytes, int rank, size_t commitBytes);
   // Maps an existing segment created by a peer.
   static Segment open(const std::string& name, int rank, int ownerRank);
 
@@ -26,6 +27,9 @@ class Segment {
   // nothing is left in /dev/shm even if the processes are later killed.
   void unlink();
 
+  // Allocates backing store for [offset, offset + len) of a segment this process created.
+  void commit(size_t offset, size_t len, size_t groupBytes, int rank);
+
   void* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& name() const { return name_; }
@@ -35,6 +39,7 @@ class Segment {
   void* data_ = nullptr;
   size_t size_ = 0;
   bool linked_ = false;  // we created the name and have not unlinked it yet
+  int fd_ = -1;          // kept by the creator, for commit()
 };
 
 // Free bytes in /dev/shm (where POSIX shm_open places segments on Linux).
