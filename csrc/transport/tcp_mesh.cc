@@ -175,9 +175,9 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
                m->addr_.ifname.c_str(), errnoString(errno).c_str());
   }
   const std::string me = m->addr_.ip + ":" + std::to_string(ntohs(sa.sin_port));
+  store.set("smddp/net/addr/" + std::to_string(rank), me);
   if (rank == 0) store.set("smddp/net/secret", randomHex(kSecretChars / 2));
   const std::string secret = store.get("smddp/net/secret");
-  store.set("smddp/net/addr/" + std::to_string(rank), me);
   SMDDP_INFO(kNet, "rank %d: listening on %s (%s) for %zu peer(s)", rank, me.c_str(), m->addr_.ifname.c_str(),
              peers.size());
 

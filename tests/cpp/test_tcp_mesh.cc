@@ -1,0 +1,175 @@
+// Torch-free tests of the TCP mesh (two ranks as two threads of this process, bootstrapped through
+// a FileStore): strangers that connect to a rank's port during set-up are refused and the mesh
+// still forms; data crosses intact in both directions; a header for another op is an error that
+// names both sides; a peer that goes away is reported promptly. Prints "N passed, N failed".
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "core/file_store.h"
+#include "transport/tcp_mesh.h"
+#include "transport/topology.h"
+
+using namespace smddp;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+int passed = 0, failed = 0;
+
+void expect(bool ok, const std::string& what) {
+  (ok ? passed : failed)++;
+  if (!ok) printf("FAIL %s\n", what.c_str());
+}
+
+// Two ranks, each its own "host" (on this machine, so loopback is allowed).
+Topology twoHosts(int rank) {
+  Topology t = Topology::singleHost(rank, 2);
+  t.hostOf = {0, 1};
+  t.localOf = {0, 0};
+  t.members = {{0}, {1}};
+  return t;
+}
+
+shm::WaitContext waitFor(std::chrono::milliseconds ms) {
+  shm::WaitContext w;
+  w.deadline = Clock::now() + ms;
+  return w;
+}
+
+// Connects to host:port, sends `bytes` and hangs up (the rank reads them once it accepts).
+void strangerSends(const std::string& hostPort, const std::string& bytes) {
+  const size_t colon = hostPort.rfind(':');
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  inet_pton(AF_INET, hostPort.substr(0, colon).c_str(), &sa.sin_addr);
+  sa.sin_port = htons(static_cast<uint16_t>(std::stoi(hostPort.substr(colon + 1))));
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0 && !bytes.empty()) {
+    send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  }
+  close(fd);
+}
+
+// A handshake laid out like the real one (magic, 32 secret characters, from, to).
+std::string hello(const std::string& secret, int32_t from, int32_t to) {
+  std::string h = "SMDDPNET" + secret;
+  h.resize(40, '0');
+  h.append(reinterpret_cast<const char*>(&from), 4);
+  h.append(reinterpret_cast<const char*>(&to), 4);
+  return h;
+}
+
+void testStrangersRefusedThenExchange(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  std::unique_ptr<net::TcpMesh> meshes[2];
+  std::string errors[2];
+  auto make = [&](int rank) {
+    try {
+      meshes[rank] = net::TcpMesh::create(store, twoHosts(rank), {1 - rank}, std::chrono::seconds(30));
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+  };
+  // Rank 1 accepts (rank 0 connects upwards); strangers get to it first.
+  std::thread r1(make, 1);
+  const std::string where = store.get("smddp/net/addr/1");
+  std::mt19937 rng(7);
+  int strangers = 0;
+  for (int i = 0; i < 40; ++i) {  // random bytes of random length, including none
+    std::string junk(rng() % 100, '\0');
+    for (char& c : junk) c = static_cast<char>(rng());
+    strangerSends(where, junk);
+    ++strangers;
+  }
+  std::string guess(32, 'a');  // well-formed, but without the secret (only the store has it)
+  strangerSends(where, hello(guess, 0, 1));
+  strangerSends(where, hello(guess, 1, 1));
+  strangers += 2;
+  std::thread r0(make, 0);
+  r0.join();
+  r1.join();
+  expect(errors[0].empty() && errors[1].empty() && meshes[0] && meshes[1],
+         "mesh forms after " + std::to_string(strangers) + " strangers: [" + errors[0] + "] [" + errors[1] + "]");
+  if (!meshes[0] || !meshes[1]) return;
+
+  // Both directions at once, a few MiB, straight into the destination buffers.
+  const size_t n = (3 << 20) + 5;
+  std::vector<uint8_t> out[2], in[2];
+  for (int r = 0; r < 2; ++r) {
+    out[r].resize(n);
+    in[r].assign(n, 0);
+    for (size_t i = 0; i < n; ++i) out[r][i] = static_cast<uint8_t>(i * 7 + r);
+  }
+  auto swap = [&](int r, net::Schedule s) {
+    try {
+      meshes[r]->exchange(net::makeTag(1, 0), {{1 - r, out[r].data(), n}}, {{1 - r, in[r].data(), n}},
+                          waitFor(std::chrono::seconds(20)), s);
+    } catch (const std::exception& e) {
+      errors[r] = e.what();
+    }
+  };
+  for (net::Schedule s : {net::Schedule::kMesh, net::Schedule::kNaive}) {
+    std::thread a(swap, 0, s), b(swap, 1, s);
+    a.join();
+    b.join();
+    expect(errors[0].empty() && errors[1].empty() && in[0] == out[1] && in[1] == out[0],
+           "exchange of " + std::to_string(n) + " bytes each way intact: [" + errors[0] + "] [" + errors[1] + "]");
+  }
+
+  // Rank 0 is one op ahead: rank 1 must refuse the message, naming both op numbers.
+  std::string mismatch;
+  std::thread a([&] {
+    try {
+      meshes[0]->exchange(net::makeTag(9, 0), {{1, out[0].data(), 64}}, {}, waitFor(std::chrono::seconds(5)),
+                          net::Schedule::kMesh);
+    } catch (const std::exception&) {
+    }
+  });
+  try {
+    meshes[1]->exchange(net::makeTag(8, 0), {}, {{0, in[1].data(), 64}}, waitFor(std::chrono::seconds(5)),
+                        net::Schedule::kMesh);
+  } catch (const Error& e) {
+    mismatch = e.what();
+  }
+  a.join();
+  expect(mismatch.find("op/step 9/0") != std::string::npos && mismatch.find("op/step 8/0") != std::string::npos,
+         "mismatched op is an error naming both sides: " + mismatch);
+
+  // A peer that goes away: the waiting side hears of it at once, not at its deadline.
+  meshes[0].reset();
+  std::string gone;
+  const auto t0 = Clock::now();
+  try {
+    meshes[1]->exchange(net::makeTag(10, 0), {}, {{0, in[1].data(), 64}}, waitFor(std::chrono::seconds(20)),
+                        net::Schedule::kMesh);
+  } catch (const Error& e) {
+    gone = e.what();
+  }
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  expect(gone.find("rank 0") != std::string::npos && secs < 5,
+         "closed peer reported in " + std::to_string(secs) + " s: " + gone);
+}
+
+}  // namespace
+
+int main() {
+  char tmpl[] = "/tmp/smddp_net_tests.XXXXXX";
+  if (!mkdtemp(tmpl)) return 1;
+  testStrangersRefusedThenExchange(tmpl);
+  std::filesystem::remove_all(tmpl);
+  printf("%d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}
