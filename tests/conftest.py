@@ -31,11 +31,12 @@ def pytest_configure(config):
 def _pool_of(item):
     """Sort key that keeps the tests of one pool (world size, emulated hosts) together."""
     cs = getattr(item, "callspec", None)
-    if cs is not None and "world" in cs.params:
-        return (cs.params["world"], "")
-    if cs is not None and "topo" in cs.params:  # test_multihost: the host split, e.g. "0011"
-        topo = cs.params["topo"]
-        return (len(topo), str(topo))
+    params = cs.params if cs is not None else {}
+    topo = params.get("topo") or ""  # the emulated host split, e.g. "0011"
+    if "world" in params:
+        return (params["world"], topo)
+    if topo:
+        return (len(topo), topo)
     return (0, "")  # tests without a pool (or with their own processes) first
 
 
