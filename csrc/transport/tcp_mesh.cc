@@ -91,13 +91,6 @@ void tuneSocket(int fd) {
 
 }  // namespace
 
-Schedule scheduleFromEnv() {
-  const std::string& a = env::netAlgo();
-  if (a == "mesh" || a == "ring") return Schedule::kMesh;
-  if (a == "naive") return Schedule::kNaive;
-  throwError(ErrorCode::kInvalidUsage, "SMDDP_NET_ALGO=%s: expected mesh, naive or ring", a.c_str());
-}
-
 struct TcpMesh::Peer {
   int rank = -1;
   int fd = -1;

@@ -34,7 +34,6 @@ enum class Schedule {
   // Everything handed to the sockets as fast as they take it, peers in rank order.
   kNaive,
 };
-Schedule scheduleFromEnv();  // SMDDP_NET_ALGO: mesh / ring -> kMesh, naive -> kNaive
 
 // A message tag: the op's sequence number and a step within the op (both ends compute the same).
 constexpr int kTagStepBits = 24;
