@@ -4,6 +4,7 @@ Install against the torch already in the environment (never an isolated build en
 pull a second torch):  pip install --no-build-isolation -e .
 """
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,24 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+PERF_ALIASES = ["all_reduce_perf", "all_gather_perf", "reduce_scatter_perf", "broadcast_perf"]
+
+
 class CMakeBuild(build_ext):
+    @staticmethod
+    def install_perf(build_dir, out_dir):
+        """smddp_perf (and its nccl-tests names, as links) into the package's bin/, where the
+        `smddp_perf` console command finds it; also into the source tree for editable installs."""
+        for pkg in {out_dir, ROOT / "python" / "smddp"}:
+            bin_dir = pkg / "bin"
+            bin_dir.mkdir(exist_ok=True)
+            shutil.copy2(build_dir / "smddp_perf", bin_dir / "smddp_perf")
+            for alias in PERF_ALIASES:
+                link = bin_dir / alias
+                if not link.is_symlink():
+                    link.unlink(missing_ok=True)
+                    link.symlink_to("smddp_perf")
+
     def build_extension(self, ext):
         import torch  # the torch this build must match at import time
 
@@ -35,6 +53,7 @@ class CMakeBuild(build_ext):
              f"-DSMDDP_OUTPUT_DIR={out_dir}"],
             check=True)
         subprocess.run(["cmake", "--build", str(build_dir)], check=True)
+        self.install_perf(build_dir, out_dir)
         info = ROOT / "python" / "smddp" / "_build_info.py"
         text = f'TORCH_VERSION = "{torch.__version__}"\nVERSION = "{VERSION}"\n'
         for target in {info, out_dir / "_build_info.py"}:
@@ -59,5 +78,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch"],
     extras_require={"examples": pinned("requirements-examples.txt"), "bench": pinned("requirements-bench.txt")},
+    entry_points={"console_scripts": ["smddp_perf = smddp.perf:main"]},
+    package_data={"smddp": ["bin/*"]},
     zip_safe=False,
 )

@@ -1,10 +1,16 @@
 // smddp_perf: an nccl-tests style benchmark of smddp's core, without torch or Python.
 //
-//   smddp_perf -t allreduce -n 4 -b 8 -e 64M -f 2 [-d float32] [-o sum] [-w 5] [-i 0] [-c 1]
+//   smddp_perf -np 4 --collective all_reduce -b 8 -e 128M -f 2 [-o sum|prod|min|max|avg|all]
+//              [-d float|double|half|bfloat16|int32|int8|uint8|int64|all] [-r root] [-n iters]
+//              [-w warmup] [-m agg] [-c 0/1] [-a 0..3] [-J file.json] [-T target_ms]
 //
-// Forks -n ranks on this host; they bootstrap through a temporary directory and run the
-// collective out-of-place then in-place for each size, printing nccl-tests columns (time in us
-// averaged over ranks, algbw and busbw in GB/s with GB = 1e9, #wrong from a verification run).
+// Invoked as all_reduce_perf, all_gather_perf, reduce_scatter_perf or broadcast_perf (a link to
+// this binary), the name picks the collective, as with nccl-tests. -np forks that many ranks on
+// this host; they bootstrap through a temporary directory. Each size runs out-of-place then
+// in-place and prints nccl-tests' columns (time in us, algbw and busbw in GB/s with GB = 1e9,
+// nccl-tests' bus factors, #wrong from a real check of the result) and footer. -a combines the
+// ranks' times like nccl-tests: 0 = rank 0's, 1 = average (default), 2 = min, 3 = max.
+// SMDDP_TESTS_MIN_BW (GB/s, like NCCL_TESTS_MIN_BW): exit 4 when the average bus bandwidth is lower.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -27,14 +33,63 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 struct Args {
-  std::string op = "allreduce";
+  std::string coll = "all_reduce";
   int ranks = 2;
-  size_t minBytes = 8, maxBytes = 64u << 20;
-  double factor = 2;
-  int warmup = 5, iters = 0;  // 0: aim for ~targetMs of timing per size
+  size_t minBytes = 32u << 20, maxBytes = 32u << 20;
+  double factor = 1;
+  size_t stepBytes = 1u << 20;
+  int warmup = 5, iters = 20, agg = 1;
+  bool autoIters = false;  // -n 0: aim for targetMs per measurement
   double targetMs = 100;
   bool check = true;
+  int avgMode = 1;
+  int root = 0;
+  std::vector<DataType> dtypes{DataType::kFloat32};
+  std::vector<ReduceOp> ops{ReduceOp::kSum};
+  std::string json;
 };
+
+// nccl-tests' names for types and ops.
+struct TypeName {
+  const char* name;
+  DataType dt;
+};
+constexpr TypeName kTypes[] = {{"float", DataType::kFloat32}, {"double", DataType::kFloat64},
+                               {"half", DataType::kFloat16},  {"bfloat16", DataType::kBFloat16},
+                               {"int32", DataType::kInt32},   {"int8", DataType::kInt8},
+                               {"uint8", DataType::kUInt8},   {"int64", DataType::kInt64}};
+struct OpName {
+  const char* name;
+  ReduceOp op;
+};
+constexpr OpName kOps[] = {{"sum", ReduceOp::kSum},
+                           {"prod", ReduceOp::kProduct},
+                           {"max", ReduceOp::kMax},
+                           {"min", ReduceOp::kMin},
+                           {"avg", ReduceOp::kAvg}};
+
+const char* typeName(DataType dt) {
+  for (const auto& t : kTypes) {
+    if (t.dt == dt) return t.name;
+  }
+  return dataTypeName(dt);
+}
+const char* opName(ReduceOp op) {
+  for (const auto& o : kOps) {
+    if (o.op == op) return o.name;
+  }
+  return reduceOpName(op);
+}
+
+[[noreturn]] void usage(const char* why = nullptr) {
+  if (why) fprintf(stderr, "smddp_perf: %s\n", why);
+  fprintf(stderr,
+          "usage: smddp_perf [-np ranks] [--collective all_reduce|all_gather|reduce_scatter|broadcast] [-b minbytes] "
+          "[-e maxbytes] [-f factor | -i stepbytes] [-n iters (0 = auto, see -T)] [-w warmup] [-m agg] [-c 0/1] "
+          "[-o sum|prod|min|max|avg|all] [-d float|double|half|bfloat16|int32|int8|uint8|int64|all] [-r root] "
+          "[-a 0..3] [-J json] [-T target_ms]\n");
+  exit(2);
+}
 
 size_t parseSize(const char* s) {
   char* end;
@@ -47,188 +102,340 @@ size_t parseSize(const char* s) {
   return static_cast<size_t>(v);
 }
 
-void usage() {
-  fprintf(stderr,
-          "usage: smddp_perf [-t allreduce|allgather|reduce_scatter|broadcast] [-n ranks] [-b minbytes] "
-          "[-e maxbytes] [-f factor] [-w warmup] [-i iters (0=auto)] [-T target_ms] [-c check 0/1]\n");
-  exit(2);
+std::string baseName(const char* path) {
+  const char* slash = strrchr(path, '/');
+  return slash ? slash + 1 : path;
 }
 
+Args parseArgs(int argc, char** argv) {
+  Args a;
+  const std::string self = baseName(argv[0]);
+  for (const char* c : {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}) {
+    if (self == std::string(c) + "_perf") a.coll = c;
+  }
+  auto need = [&](int& i) -> const char* {
+    if (i + 1 >= argc) usage((std::string(argv[i]) + " needs a value").c_str());
+    return argv[++i];
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    if (f == "-np") a.ranks = atoi(need(i));
+    else if (f == "--collective") a.coll = need(i);
+    else if (f == "-b" || f == "--minbytes") a.minBytes = parseSize(need(i));
+    else if (f == "-e" || f == "--maxbytes") a.maxBytes = parseSize(need(i));
+    else if (f == "-f" || f == "--stepfactor") a.factor = atof(need(i));
+    else if (f == "-i" || f == "--stepbytes") a.stepBytes = parseSize(need(i)), a.factor = 1;
+    else if (f == "-n" || f == "--iters") a.iters = atoi(need(i)), a.autoIters = a.iters == 0;
+    else if (f == "-w" || f == "--warmup_iters") a.warmup = atoi(need(i));
+    else if (f == "-m" || f == "--agg_iters") a.agg = std::max(1, atoi(need(i)));
+    else if (f == "-c" || f == "--check") a.check = atoi(need(i)) != 0;
+    else if (f == "-a" || f == "--average") a.avgMode = atoi(need(i));
+    else if (f == "-r" || f == "--root") a.root = atoi(need(i));
+    else if (f == "-J" || f == "--output_file") a.json = need(i);
+    else if (f == "-T") a.targetMs = atof(need(i));
+    else if (f == "-t" || f == "-g") {
+      if (atoi(need(i)) != 1) usage("one thread and one device per rank (use -np for more ranks)");
+    } else if (f == "-d" || f == "--datatype") {
+      const std::string v = need(i);
+      a.dtypes.clear();
+      for (const auto& t : kTypes) {
+        if (v == "all" || v == t.name || v == dataTypeName(t.dt)) a.dtypes.push_back(t.dt);
+      }
+      if (a.dtypes.empty()) usage(("unknown datatype " + v).c_str());
+    } else if (f == "-o" || f == "--op") {
+      const std::string v = need(i);
+      a.ops.clear();
+      for (const auto& o : kOps) {
+        if (v == "all" || v == o.name) a.ops.push_back(o.op);
+      }
+      if (a.ops.empty()) usage(("unknown op " + v).c_str());
+    } else if (f == "-h" || f == "--help") {
+      usage();
+    } else {
+      usage(("unknown argument " + f).c_str());
+    }
+  }
+  if (a.ranks < 1 || a.root < 0 || a.root >= a.ranks || a.avgMode < 0 || a.avgMode > 3) usage("bad -np, -r or -a");
+  if (a.coll != "all_reduce" && a.coll != "all_gather" && a.coll != "reduce_scatter" && a.coll != "broadcast") {
+    usage(("unknown collective " + a.coll).c_str());
+  }
+  if (a.minBytes > a.maxBytes || (a.factor <= 1 && a.stepBytes == 0)) usage("bad size range");
+  return a;
+}
+
+bool reduces(const std::string& coll) { return coll == "all_reduce" || coll == "reduce_scatter"; }
+
 // nccl-tests semantics: size is the larger of send and receive bytes; count is per rank for
-// allgather (input) and reduce_scatter (output).
+// all_gather (input) and reduce_scatter (output).
 struct Shape {
   size_t inElems, outElems, countCol;
   double busFactor;
 };
-Shape shapeOf(const std::string& op, size_t bytes, int W) {
-  size_t n = bytes / 4;
-  if (op == "allreduce") return {n, n, n, 2.0 * (W - 1) / W};
-  if (op == "broadcast") return {n, n, n, 1.0};
-  if (op == "allgather") return {n / W, n / W * W, n / W, double(W - 1) / W};
-  if (op == "reduce_scatter") return {n / W * W, n / W, n / W, double(W - 1) / W};
-  usage();
-  return {};
+Shape shapeOf(const std::string& coll, size_t bytes, size_t es, int W) {
+  const size_t n = bytes / es;
+  if (coll == "all_reduce") return {n, n, n, 2.0 * (W - 1) / W};
+  if (coll == "broadcast") return {n, n, n, 1.0};
+  if (coll == "all_gather") return {n / W, n / W * W, n / W, double(W - 1) / W};
+  return {n / W * W, n / W, n / W, double(W - 1) / W};
 }
 
-void runOp(algo::Communicator& c, const std::string& op, float* in, float* out, const Shape& s, int W) {
-  using namespace std::chrono;
-  const auto to = milliseconds(60000);
-  const Reduction sum{ReduceOp::kSum, 1.0, W};
-  if (op == "allreduce") {
-    c.allreduce({DataType::kFloat32, sum, s.inElems, in, out, -1}, to);
-  } else if (op == "broadcast") {
-    if (in != out) std::memcpy(out, in, s.inElems * 4);
-    c.broadcast({DataType::kFloat32, s.inElems, out, 0}, to);
-  } else if (op == "allgather") {
-    algo::AllgatherOptions o{DataType::kFloat32, in, {}, std::vector<size_t>(W, s.inElems)};
-    for (int p = 0; p < W; ++p) o.outputs.push_back(out + p * s.inElems);
+// ---- element values: small integers, exact in every type, stored in the type's encoding ----
+uint16_t halfBits(double v) {  // exact for the small integers used here
+  if (v == 0) return 0;
+  const uint16_t sign = v < 0 ? 0x8000 : 0;
+  double m = std::fabs(v);
+  int e = 0;
+  while (m >= 2) m /= 2, ++e;
+  while (m < 1) m *= 2, --e;
+  return static_cast<uint16_t>(sign | ((e + 15) << 10) | static_cast<uint16_t>(std::lround((m - 1) * 1024)));
+}
+double halfValue(uint16_t b) {
+  const int e = (b >> 10) & 31, f = b & 1023;
+  const double v = e == 0 ? f / 1024.0 * std::ldexp(1.0, -14) : (1 + f / 1024.0) * std::ldexp(1.0, e - 15);
+  return (b & 0x8000) ? -v : v;
+}
+void storeValue(DataType dt, void* base, size_t i, double v) {
+  switch (dt) {
+    case DataType::kFloat32: static_cast<float*>(base)[i] = static_cast<float>(v); break;
+    case DataType::kFloat64: static_cast<double*>(base)[i] = v; break;
+    case DataType::kFloat16: static_cast<uint16_t*>(base)[i] = halfBits(v); break;
+    case DataType::kBFloat16: {
+      const float f = static_cast<float>(v);
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      static_cast<uint16_t*>(base)[i] = static_cast<uint16_t>(u >> 16);
+      break;
+    }
+    case DataType::kInt32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v); break;
+    case DataType::kInt8: static_cast<int8_t*>(base)[i] = static_cast<int8_t>(v); break;
+    case DataType::kUInt8: static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(v); break;
+    case DataType::kInt64: static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v); break;
+    default: break;
+  }
+}
+double load(DataType dt, const void* base, size_t i) {
+  switch (dt) {
+    case DataType::kFloat32: return static_cast<const float*>(base)[i];
+    case DataType::kFloat64: return static_cast<const double*>(base)[i];
+    case DataType::kFloat16: return halfValue(static_cast<const uint16_t*>(base)[i]);
+    case DataType::kBFloat16: {
+      const uint32_t u = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      return f;
+    }
+    case DataType::kInt32: return static_cast<const int32_t*>(base)[i];
+    case DataType::kInt8: return static_cast<const int8_t*>(base)[i];
+    case DataType::kUInt8: return static_cast<const uint8_t*>(base)[i];
+    case DataType::kInt64: return static_cast<double>(static_cast<const int64_t*>(base)[i]);
+    default: return NAN;
+  }
+}
+// Rank r's element i: 1..4, or 1..2 for prod, so sums and products of up to 8 ranks stay exact in
+// every type (int8 included).
+double valueOf(ReduceOp op, int r, size_t i) {
+  return op == ReduceOp::kProduct ? 1 + static_cast<double>((r + i) % 2) : 1 + static_cast<double>((r + i * 3) % 4);
+}
+double reduced(ReduceOp op, DataType dt, int W, size_t i) {
+  double acc = valueOf(op, 0, i);
+  for (int r = 1; r < W; ++r) {
+    const double v = valueOf(op, r, i);
+    if (op == ReduceOp::kProduct) acc *= v;
+    else if (op == ReduceOp::kMin) acc = std::min(acc, v);
+    else if (op == ReduceOp::kMax) acc = std::max(acc, v);
+    else acc += v;
+  }
+  if (op == ReduceOp::kAvg) acc = isFloatingPoint(dt) ? acc / W : std::trunc(acc / W);
+  return acc;
+}
+bool close(DataType dt, double got, double want) {
+  const double tol = dt == DataType::kBFloat16 ? 8e-3 : dt == DataType::kFloat16 ? 1e-3 : 1e-6;
+  return std::fabs(got - want) <= tol * std::max(1.0, std::fabs(want));
+}
+
+struct Case {
+  DataType dt;
+  ReduceOp op;
+};
+
+void runOp(algo::Communicator& c, const Args& a, const Case& k, void* in, void* out, const Shape& s, int W) {
+  const auto to = std::chrono::milliseconds(60000);
+  const size_t es = elementSize(k.dt);
+  const Reduction red{k.op, 1.0, W};
+  if (a.coll == "all_reduce") {
+    c.allreduce({k.dt, red, s.inElems, in, out, -1}, to);
+  } else if (a.coll == "broadcast") {
+    if (in != out) std::memcpy(out, in, s.inElems * es);
+    c.broadcast({k.dt, s.inElems, out, a.root}, to);
+  } else if (a.coll == "all_gather") {
+    algo::AllgatherOptions o{k.dt, in, {}, std::vector<size_t>(W, s.inElems)};
+    for (int p = 0; p < W; ++p) o.outputs.push_back(static_cast<uint8_t*>(out) + p * s.inElems * es);
     c.allgather(o, to);
   } else {
-    algo::ReduceScatterOptions o{DataType::kFloat32, sum, {}, out, s.outElems, {}};
-    for (int p = 0; p < W; ++p) o.inputs.push_back(in + p * s.outElems);
+    algo::ReduceScatterOptions o{k.dt, red, {}, out, s.outElems, {}};
+    for (int p = 0; p < W; ++p) o.inputs.push_back(static_cast<uint8_t*>(in) + p * s.outElems * es);
     c.reduceScatter(o, to);
   }
 }
 
-// Input of rank r, element i: small integers so every reduction is exact.
-float valueOf(int r, size_t i) { return static_cast<float>((r + 1) + static_cast<int>(i % 7)); }
-
-size_t countWrong(const std::string& op, const float* out, const Shape& s, int rank, int W) {
+size_t countWrong(const Args& a, const Case& k, const void* out, const Shape& s, int rank, int W) {
   size_t wrong = 0;
   for (size_t i = 0; i < s.outElems; ++i) {
-    float want = 0;
-    if (op == "allreduce") {
-      for (int r = 0; r < W; ++r) want += valueOf(r, i);
-    } else if (op == "broadcast") {
-      want = valueOf(0, i);
-    } else if (op == "allgather") {
-      want = valueOf(static_cast<int>(i / s.inElems), i % s.inElems);
-    } else {
-      for (int r = 0; r < W; ++r) want += valueOf(r, rank * s.outElems + i);
-    }
-    wrong += out[i] != want;
+    double want;
+    if (a.coll == "all_reduce") want = reduced(k.op, k.dt, W, i);
+    else if (a.coll == "broadcast") want = valueOf(k.op, a.root, i);
+    else if (a.coll == "all_gather") want = valueOf(k.op, static_cast<int>(i / s.inElems), i % s.inElems);
+    else want = reduced(k.op, k.dt, W, rank * s.outElems + i);
+    wrong += !close(k.dt, load(k.dt, out, i), want);
   }
   return wrong;
 }
 
-double reduceDouble(algo::Communicator& c, double v, int W) {
-  // Timing results travel as float32 pairs (hi + lo) through the collective under test.
+// Combines one double per rank (a time or a count) the way -a asks, through the collective under
+// test (as float32 hi/lo pairs, so no precision is lost to float32).
+double combine(algo::Communicator& c, double v, int W, ReduceOp op) {
   float pair[2] = {static_cast<float>(v), static_cast<float>(v - static_cast<float>(v))};
-  c.allreduce({DataType::kFloat32, Reduction{ReduceOp::kSum, 1.0, W}, 2, pair, pair, -1},
-              std::chrono::milliseconds(60000));
+  c.allreduce({DataType::kFloat32, Reduction{op, 1.0, W}, 2, pair, pair, -1}, std::chrono::milliseconds(60000));
   return static_cast<double>(pair[0]) + pair[1];
 }
 
-std::string fit(double v, int width) {
+// nccl-tests prints time with 2, 1 or 0 decimals so that it fits 7 characters.
+std::string timeStr(double us) {
   char buf[32];
-  for (const char* fmt : {"%.2f", "%.1f", "%.0f"}) {
-    snprintf(buf, sizeof(buf), fmt, v);
-    if (static_cast<int>(strlen(buf)) <= width) return buf;
-  }
-  snprintf(buf, sizeof(buf), "%.1e", v);
+  snprintf(buf, sizeof(buf), us >= 10000 ? "%7.0f" : us >= 100 ? "%7.1f" : "%7.2f", us);
   return buf;
 }
 
 int rankMain(const Args& a, int rank, const std::string& dir) {
   FileStore store(dir, std::chrono::milliseconds(60000));
   algo::Communicator comm(store, rank, a.ranks, std::chrono::minutes(5));
+  store.set("smddp_perf/pid/" + std::to_string(rank), std::to_string(getpid()));
   const int W = a.ranks;
+  FILE* json = nullptr;
   if (rank == 0) {
-    printf("# smddp_perf: %s, %d ranks (processes on this host), float32 sum, GB = 1e9\n", a.op.c_str(), W);
-    printf("#%67s%32s\n", "out-of-place", "in-place");
-    printf("# %10s %12s %8s %6s %6s %8s %7s %7s %6s %8s %7s %7s %6s\n", "size", "count", "type", "redop", "root",
-           "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong");
-    printf("# %10s %12s %8s %6s %6s %8s %7s %7s %6s %8s %7s %7s %6s\n", "(B)", "(elements)", "", "", "", "(us)",
-           "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
+    printf("# nThread 1 nGpus 1 minBytes %zu maxBytes %zu step: %s warmup iters: %d iters: %d agg iters: %d "
+           "validation: %d graph: 0\n",
+           a.minBytes, a.maxBytes,
+           (a.factor > 1 ? std::to_string(static_cast<long>(a.factor)) + "(factor)"
+                         : std::to_string(a.stepBytes) + "(bytes)").c_str(),
+           a.warmup, a.iters, a.agg, a.check ? 1 : 0);
+    printf("#\n# Using devices\n");
+    for (int r = 0; r < W; ++r) {
+      printf("#  Rank %2d Group  0 Pid %6s on %10s device %2d [cpu] %s\n", r,
+             store.get("smddp_perf/pid/" + std::to_string(r)).c_str(), comm.topology().hostnames[r].c_str(), r,
+             comm.topology().hosts() > 1 ? "smddp shm + tcp" : "smddp shared memory");
+    }
+    printf("#\n");
+    printf("# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place          \n", "", "",
+           "", "", "");
+    printf("# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s %6s  %7s  %6s  %6s %6s\n", "size", "count", "type", "redop",
+           "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong");
+    printf("# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %5s  %7s  %6s  %6s  %5s\n", "(B)", "(elements)", "", "", "",
+           "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
+    if (!a.json.empty()) {
+      json = fopen(a.json.c_str(), "w");
+      if (json) fprintf(json, "[\n");
+    }
   }
   double bwSum = 0;
   int bwCount = 0;
   long totalWrong = 0;
-  for (size_t bytes = a.minBytes; bytes <= a.maxBytes;
-       bytes = std::max(bytes + 1, static_cast<size_t>(bytes * a.factor))) {
-    const Shape s = shapeOf(a.op, bytes, W);
-    if (s.countCol == 0) continue;
-    const size_t sizeCol = std::max(s.inElems, s.outElems) * 4;
-    std::vector<float> in(std::max(s.inElems, s.outElems)), out(std::max(s.inElems, s.outElems));
-    double times[2];
-    long wrongs[2];
-    for (int inPlace = 0; inPlace < 2; ++inPlace) {
-      float* src = in.data();
-      float* dst = inPlace ? in.data() : out.data();
-      if (inPlace && a.op == "allgather") src = in.data() + rank * s.inElems;  // own slice of the output
-      if (inPlace && a.op == "reduce_scatter") dst = in.data() + rank * s.outElems;
-      auto fill = [&] {
-        for (size_t i = 0; i < s.inElems; ++i) {
-          src[i] = a.op == "reduce_scatter" ? valueOf(rank, i) : valueOf(rank, i);
+  bool firstJson = true;
+  const ReduceOp timeOp[] = {ReduceOp::kSum, ReduceOp::kSum, ReduceOp::kMin, ReduceOp::kMax};
+  std::vector<Case> cases;
+  for (DataType dt : a.dtypes) {
+    for (ReduceOp op : reduces(a.coll) ? a.ops : std::vector<ReduceOp>{ReduceOp::kSum}) cases.push_back({dt, op});
+  }
+  for (const Case& k : cases) {
+    const size_t es = elementSize(k.dt);
+    for (size_t bytes = a.minBytes; bytes <= a.maxBytes;
+         bytes = a.factor > 1 ? std::max(bytes + 1, static_cast<size_t>(bytes * a.factor)) : bytes + a.stepBytes) {
+      const Shape s = shapeOf(a.coll, bytes, es, W);
+      if (s.countCol == 0) continue;
+      const size_t sizeCol = std::max(s.inElems, s.outElems) * es;
+      std::vector<uint8_t> in(sizeCol), out(sizeCol);
+      double times[2];
+      long wrongs[2];
+      for (int inPlace = 0; inPlace < 2; ++inPlace) {
+        void* src = in.data();
+        void* dst = inPlace ? in.data() : out.data();
+        if (inPlace && a.coll == "all_gather") src = in.data() + rank * s.inElems * es;  // own slice
+        if (inPlace && a.coll == "reduce_scatter") dst = in.data() + rank * s.outElems * es;
+        long wrong = 0;
+        if (a.check) {
+          for (size_t i = 0; i < s.inElems; ++i) storeValue(k.dt, src, i, valueOf(k.op, rank, i));
+          runOp(comm, a, k, src, dst, s, W);
+          wrong = static_cast<long>(countWrong(a, k, dst, s, rank, W));
         }
-      };
-      long wrong = 0;
-      if (a.check) {
-        fill();
-        runOp(comm, a.op, src, dst, s, W);
-        wrong = static_cast<long>(countWrong(a.op, dst, s, rank, W));
-      }
-      for (int i = 0; i < a.warmup; ++i) runOp(comm, a.op, src, dst, s, W);
-      int iters = a.iters;
-      if (iters <= 0) {  // rank 0's estimate, agreed through a broadcast
+        for (int i = 0; i < a.warmup; ++i) runOp(comm, a, k, src, dst, s, W);
+        int iters = a.iters;
+        if (a.autoIters) {  // rank 0's estimate, agreed through a broadcast
+          comm.barrier(std::chrono::milliseconds(60000));
+          auto t0 = Clock::now();
+          runOp(comm, a, k, src, dst, s, W);
+          float est = std::chrono::duration<float, std::milli>(Clock::now() - t0).count();
+          comm.broadcast({DataType::kFloat32, 1, &est, 0}, std::chrono::milliseconds(60000));
+          iters = static_cast<int>(std::clamp(a.targetMs / std::max(est, 1e-3f), 5.0, 20000.0));
+        }
         comm.barrier(std::chrono::milliseconds(60000));
         auto t0 = Clock::now();
-        runOp(comm, a.op, src, dst, s, W);
-        float est = std::chrono::duration<float, std::milli>(Clock::now() - t0).count();
-        comm.broadcast({DataType::kFloat32, 1, &est, 0}, std::chrono::milliseconds(60000));
-        iters = static_cast<int>(std::clamp(a.targetMs / std::max(est, 1e-3f), 5.0, 20000.0));
+        for (int i = 0; i < iters * a.agg; ++i) runOp(comm, a, k, src, dst, s, W);
+        const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / (iters * a.agg);
+        const double combined = a.avgMode == 0 ? us : combine(comm, us, W, timeOp[a.avgMode]);
+        times[inPlace] = a.avgMode == 1 ? combined / W : combined;
+        if (a.avgMode == 0) comm.broadcast({DataType::kFloat64, 1, &times[inPlace], 0}, std::chrono::milliseconds(60000));
+        wrongs[inPlace] = std::lround(combine(comm, static_cast<double>(wrong), W, ReduceOp::kSum));
       }
-      comm.barrier(std::chrono::milliseconds(60000));
-      auto t0 = Clock::now();
-      for (int i = 0; i < iters; ++i) runOp(comm, a.op, src, dst, s, W);
-      double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / iters;
-      times[inPlace] = reduceDouble(comm, us, W) / W;
-      wrongs[inPlace] = static_cast<long>(std::lround(reduceDouble(comm, static_cast<double>(wrong), W)));
-    }
-    if (rank == 0) {
-      printf("%12zu  %12zu  %8s  %6s  %6d", sizeCol, s.countCol, "float", "sum", a.op == "broadcast" ? 0 : -1);
-      for (int k = 0; k < 2; ++k) {
-        const double algbw = sizeCol / times[k] / 1e3;
-        const double busbw = algbw * s.busFactor;
-        bwSum += busbw;
-        ++bwCount;
-        totalWrong += wrongs[k];
-        printf("  %7s  %6s  %6s  %6ld", fit(times[k], 7).c_str(), fit(algbw, 6).c_str(), fit(busbw, 6).c_str(),
-               wrongs[k]);
+      if (rank == 0) {
+        printf("%12zu  %12zu  %8s  %6s  %6d", sizeCol, s.countCol, typeName(k.dt),
+               reduces(a.coll) ? opName(k.op) : "none", a.coll == "broadcast" ? a.root : -1);
+        for (int m = 0; m < 2; ++m) {
+          const double algbw = sizeCol / times[m] / 1e3;
+          const double busbw = algbw * s.busFactor;
+          bwSum += busbw;
+          ++bwCount;
+          totalWrong += wrongs[m];
+          printf("  %7s  %6.2f  %6.2f  %5ld", timeStr(times[m]).c_str(), algbw, busbw, wrongs[m]);
+          if (json) {
+            fprintf(json,
+                    "%s  {\"collective\": \"%s\", \"size\": %zu, \"count\": %zu, \"type\": \"%s\", \"redop\": \"%s\", "
+                    "\"root\": %d, \"in_place\": %s, \"time_us\": %.3f, \"algbw\": %.4f, \"busbw\": %.4f, "
+                    "\"wrong\": %ld}",
+                    firstJson ? "" : ",\n", a.coll.c_str(), sizeCol, s.countCol, typeName(k.dt), opName(k.op),
+                    a.coll == "broadcast" ? a.root : -1, m ? "true" : "false", times[m], algbw, busbw, wrongs[m]);
+            firstJson = false;
+          }
+        }
+        printf("\n");
+        fflush(stdout);
       }
-      printf("\n");
-      fflush(stdout);
     }
   }
+  int rc = totalWrong == 0 ? 0 : 3;
   if (rank == 0) {
-    printf("# Out of bounds values : 0 OK\n# Avg bus bandwidth    : %g \n#\n", bwCount ? bwSum / bwCount : 0.0);
+    const double avg = bwCount ? bwSum / bwCount : 0.0;
+    printf("# Out of bounds values : %ld %s\n", totalWrong, totalWrong == 0 ? "OK" : "FAILED");
+    printf("# Avg bus bandwidth    : %g \n#\n", avg);
+    if (json) {
+      fprintf(json, "\n]\n");
+      fclose(json);
+    }
+    if (const char* minBw = getenv("SMDDP_TESTS_MIN_BW"); minBw && *minBw && avg < atof(minBw)) {
+      printf("# Average bus bandwidth %g GB/s is below SMDDP_TESTS_MIN_BW=%s\n", avg, minBw);
+      if (rc == 0) rc = 4;
+    }
   }
-  return totalWrong == 0 ? 0 : 3;
+  return rc;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  Args a;
-  int opt;
-  while ((opt = getopt(argc, argv, "t:n:b:e:f:w:i:T:c:h")) != -1) {
-    switch (opt) {
-      case 't': a.op = optarg; break;
-      case 'n': a.ranks = atoi(optarg); break;
-      case 'b': a.minBytes = parseSize(optarg); break;
-      case 'e': a.maxBytes = parseSize(optarg); break;
-      case 'f': a.factor = atof(optarg); break;
-      case 'w': a.warmup = atoi(optarg); break;
-      case 'i': a.iters = atoi(optarg); break;
-      case 'T': a.targetMs = atof(optarg); break;
-      case 'c': a.check = atoi(optarg) != 0; break;
-      default: usage();
-    }
-  }
-  if (a.ranks < 1 || a.factor <= 1) usage();
+  const Args a = parseArgs(argc, argv);
   char tmpl[] = "/tmp/smddp_perf.XXXXXX";
   if (!mkdtemp(tmpl)) return 1;
   const std::string dir = tmpl;
+  fflush(stdout);
   std::vector<pid_t> kids;
   for (int r = 0; r < a.ranks; ++r) {
     pid_t pid = fork();
