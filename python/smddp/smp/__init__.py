@@ -1,0 +1,193 @@
+"""SageMaker model parallel (SMP v2) conveniences on open-source FSDP2, running on smddp.
+
+    import smddp.smp as tsm
+    tsm.init({"hybrid_shard_degree": 2})       # or a JSON file path, or nothing
+    model = tsm.apply_hybrid_sharding(model)   # fully_shard per block + root on the (replicate, shard) mesh
+    tsm.state.rank, tsm.state.tp_rank, tsm.state.mesh["shard"] ...
+
+Config keys keep SMP v2's names, meanings and defaults (see CONFIG_KEYS). Implemented so far:
+init, state, hybrid sharding (FSDP2, plus the mesh FSDP1 HYBRID_SHARD takes). tensor parallel
+`transform`, activation offloading, delayed initialisation and checkpoint helpers are not yet:
+their config keys are validated and stored, and using a degree > 1 that needs them raises
+NotImplementedError naming the key.
+"""
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["CONFIG_KEYS", "SMPConfig", "init", "state", "apply_hybrid_sharding", "validate"]
+
+# key -> (default, meaning); the README's table is this dict.
+CONFIG_KEYS = {
+    "hybrid_shard_degree": (0, "ranks a parameter is sharded over: 0 = the whole data-parallel world, 1 = no "
+                               "sharding (replicate), k = shard within groups of k and replicate across them"),
+    "tensor_parallel_degree": (1, "ranks a layer is split over by tensor parallelism (needs transform(), not yet)"),
+    "expert_parallel_degree": (1, "ranks the experts of a mixture-of-experts layer are spread over (not yet); not "
+                                  "combinable with tensor parallelism"),
+    "context_parallel_degree": (1, "ranks the sequence is split over (not yet); at most hybrid_shard_degree"),
+    "random_seed": (None, "base seed: torch.manual_seed(random_seed) at init (TP modules add the TP rank)"),
+    "sm_activation_offloading": (True, "offload checkpointed activations with prefetch (not yet)"),
+    "activation_loading_horizon": (2, "how many offloaded layers' activations may be resident at once (>= 1)"),
+    "allow_empty_shards": (False, "allow parameters with fewer rows than ranks to leave some shards empty "
+                                  "(FSDP2 does this natively; kept for config compatibility)"),
+}
+
+
+@dataclass
+class SMPConfig:
+    hybrid_shard_degree: int = 0
+    tensor_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
+    context_parallel_degree: int = 1
+    random_seed: int | None = None
+    sm_activation_offloading: bool = True
+    activation_loading_horizon: int = 2
+    allow_empty_shards: bool = False
+
+
+def _load(config):
+    """dict, JSON file path, JSON text, or None (SMDDP_SMP_CONFIG: a path or JSON text; else defaults)."""
+    if config is None:
+        config = os.environ.get("SMDDP_SMP_CONFIG") or {}
+    if isinstance(config, (str, os.PathLike)):
+        text = str(config)
+        if os.path.exists(text):
+            with open(text) as f:
+                config = json.load(f)
+        else:
+            try:
+                config = json.loads(text)
+            except json.JSONDecodeError:
+                raise ValueError(f"smddp.smp config: {text!r} is neither an existing JSON file nor JSON text") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"smddp.smp config must be a dict, a JSON file path or None, not {type(config).__name__}")
+    return config
+
+
+def validate(config, world_size):
+    """The SMPConfig for `config` (see init) on `world_size` ranks; ValueError naming the key otherwise."""
+    raw = _load(config)
+    unknown = sorted(set(raw) - set(CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"smddp.smp config: unknown key(s) {', '.join(unknown)} (known: {', '.join(CONFIG_KEYS)})")
+    cfg = SMPConfig(**raw)
+    for f in fields(SMPConfig):
+        v = getattr(cfg, f.name)
+        if f.name == "random_seed":
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"smddp.smp config: random_seed must be an integer, got {v!r}")
+            continue
+        want = bool if isinstance(CONFIG_KEYS[f.name][0], bool) else int
+        if not isinstance(v, want) or (want is int and isinstance(v, bool)):
+            raise ValueError(f"smddp.smp config: {f.name} must be {want.__name__}, got {v!r}")
+    for key in ("tensor_parallel_degree", "expert_parallel_degree", "context_parallel_degree"):
+        v = getattr(cfg, key)
+        if v < 1 or world_size % v:
+            raise ValueError(f"smddp.smp config: {key}={v} must be >= 1 and divide the world size {world_size}")
+    tp = cfg.tensor_parallel_degree
+    hsd = cfg.hybrid_shard_degree
+    if hsd < 0 or hsd > world_size:
+        raise ValueError(f"smddp.smp config: hybrid_shard_degree={hsd} must be in 0..{world_size} (the world size)")
+    if hsd > 0 and (world_size // tp) % hsd:
+        raise ValueError(f"smddp.smp config: hybrid_shard_degree={hsd} must divide the data-parallel size "
+                         f"{world_size // tp} (world {world_size} / tensor_parallel_degree {tp})")
+    if cfg.expert_parallel_degree > 1 and tp > 1:
+        raise ValueError("smddp.smp config: expert_parallel_degree and tensor_parallel_degree cannot both be > 1")
+    effective_hsd = hsd or world_size // tp
+    if cfg.context_parallel_degree > effective_hsd:
+        raise ValueError(f"smddp.smp config: context_parallel_degree={cfg.context_parallel_degree} must be <= "
+                         f"hybrid_shard_degree={effective_hsd}")
+    if cfg.activation_loading_horizon < 1:
+        raise ValueError(f"smddp.smp config: activation_loading_horizon={cfg.activation_loading_horizon} must be >= 1")
+    for key in ("tensor_parallel_degree", "expert_parallel_degree", "context_parallel_degree"):
+        if getattr(cfg, key) > 1:
+            raise NotImplementedError(f"smddp.smp: {key} > 1 is not supported yet (tensor/expert/context "
+                                      "parallelism need transform(), which is not implemented)")
+    return cfg
+
+
+@dataclass
+class State:
+    """What training code needs to know, so it never does rank arithmetic itself."""
+    initialized: bool = False
+    config: SMPConfig = field(default_factory=SMPConfig)
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    hybrid_shard_degree: int = 1   # effective: 0 in the config becomes the data-parallel size
+    replicate_degree: int = 1
+    tp_size: int = 1
+    tp_rank: int = 0
+    mesh: object = None            # DeviceMesh ("replicate", "shard", "tp")
+    dp_mesh: object = None         # its ("replicate", "shard") 2-D sub-mesh: what FSDP2 / FSDP1 HYBRID_SHARD take
+    shard_group: object = None     # process group of the ranks sharing one parameter's shards
+    replicate_group: object = None
+    tp_group: object = None
+
+
+state = State()
+
+
+def init(config=None, backend="smddp"):
+    """Initialises SMP-style training: reads and validates `config` (a dict, a JSON file path, JSON
+    text, or None for $SMDDP_SMP_CONFIG / the defaults), starts the process group with `backend`
+    if none exists (torchrun's environment variables), builds the (replicate, shard, tp)
+    DeviceMesh and fills `state`. Returns `state`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        if backend == "smddp":
+            import smddp  # noqa: F401  (registers the backend)
+        dist.init_process_group(backend=backend)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cfg = validate(config, world)
+    tp = cfg.tensor_parallel_degree
+    hsd = cfg.hybrid_shard_degree or world // tp
+    rep = world // (tp * hsd)
+    if cfg.random_seed is not None:
+        torch.manual_seed(cfg.random_seed)
+    mesh = init_device_mesh("cpu", (rep, hsd, tp), mesh_dim_names=("replicate", "shard", "tp"))
+    state.initialized = True
+    state.config = cfg
+    state.rank, state.world_size = rank, world
+    state.local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    state.hybrid_shard_degree, state.replicate_degree = hsd, rep
+    state.tp_size, state.tp_rank = tp, mesh["tp"].get_local_rank()
+    state.mesh = mesh
+    state.dp_mesh = mesh["replicate", "shard"]
+    state.shard_group = mesh["shard"].get_group()
+    state.replicate_group = mesh["replicate"].get_group()
+    state.tp_group = mesh["tp"].get_group()
+    return state
+
+
+def _blocks(model):
+    """The repeated blocks of a model: the children of its largest nn.ModuleList (transformer
+    layers), else its direct children that hold parameters."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if lists:
+        return list(max(lists, key=len))
+    return [m for m in model.children() if any(True for _ in m.parameters())]
+
+
+def apply_hybrid_sharding(model, blocks=None, zero2=False, mp_policy=None, **fully_shard_kwargs):
+    """FSDP2 `fully_shard` on each block (default: see _blocks) and on the root, over
+    state.dp_mesh: parameters sharded within groups of hybrid_shard_degree ranks and replicated
+    across groups. zero2=True keeps parameters gathered after forward (reshard_after_forward=False,
+    SMP's _HYBRID_SHARD_ZERO2). mp_policy: an FSDP2 MixedPrecisionPolicy, passed through."""
+    from torch.distributed.fsdp import fully_shard
+
+    if not state.initialized:
+        raise RuntimeError("smddp.smp: call smddp.smp.init() before apply_hybrid_sharding()")
+    kw = dict(fully_shard_kwargs, mesh=state.dp_mesh, reshard_after_forward=not zero2)
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    for block in blocks if blocks is not None else _blocks(model):
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
