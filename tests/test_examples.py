@@ -69,6 +69,8 @@ CASES = {
     "deepspeed-zero2": ("deepspeed_zero.py", 2, ["--stage", "2"], "deepspeed", None),
     "deepspeed-zero3": ("deepspeed_zero.py", 2, ["--stage", "3"], "deepspeed", None),
     "hf_causal_lm": ("hf_causal_lm.py", 2, [], "transformers", None),
+    "smp-default": ("smp_llama.py", 2, [], None, None),
+    "smp-hybrid2-zero2": ("smp_llama.py", 4, ["--config", '{"hybrid_shard_degree": 2}', "--zero2"], None, None),
 }
 
 LOSS_RE = re.compile(r"^step (\d+) loss (\S+)$", re.M)
