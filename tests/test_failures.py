@@ -23,6 +23,8 @@ dist.all_reduce(t)
 print("ready", flush=True)
 if mode == "idle" and rank == 1:
     time.sleep(3600)   # never joins the next collective
+if mode == "between":
+    time.sleep(2)      # the test kills a rank now, while no collective is running
 t0 = time.monotonic()
 try:
     while True:
@@ -99,6 +101,27 @@ def test_peer_killed_across_hosts():
         assert "DistBackendError" in outs[r] and "allreduce #" in outs[r], outs[r][-2000:]
     assert any("rank 2" in outs[r] for r in (0, 1, 3)), "\n".join(outs)
     assert elapsed < 10, f"survivors took {elapsed:.1f}s"
+    assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", [None, "0011"])
+def test_peer_killed_between_collectives(hosts):
+    """A rank dies while nothing is running; the survivors' next collective fails promptly."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    world = 4 if hosts else 3
+    procs = _job(world, "between", 60, hosts=hosts)
+    _wait_ready(procs)
+    procs[1].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    outs = _finish(procs, 30)
+    elapsed = time.monotonic() - t0
+    for r in [r for r in range(world) if r != 1]:
+        assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{outs[r][-2000:]}"
+        assert "DistBackendError" in outs[r] and "allreduce #" in outs[r], outs[r][-2000:]
+    assert any("rank 1" in outs[r] for r in range(world) if r != 1), "\n".join(outs)
+    assert elapsed < 12, f"survivors took {elapsed:.1f}s (2 s of it asleep before the collective)"
     assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
 
 
