@@ -3,27 +3,13 @@
 #include <algorithm>
 #include <cstring>
 
+#include "algo/slices.h"
 #include "core/copy.h"
 #include "core/error.h"
 #include "core/reduce.h"
 
 namespace smddp::algo {
 namespace {
-
-constexpr size_t kAlignBytes = 64;  // slice boundaries on cache lines: no false sharing, aligned SIMD
-
-// Splits `count` elements into `parts` slices whose boundaries are multiples of `align` elements.
-struct Slices {
-  size_t per;
-  size_t count;
-  size_t begin(int p) const { return std::min(per * p, count); }
-  size_t end(int p) const { return std::min(per * (p + 1), count); }
-};
-Slices slicesOf(size_t count, int parts, size_t align) {
-  size_t per = (count + parts - 1) / parts;
-  per = (per + align - 1) / align * align;
-  return Slices{per, count};
-}
 
 struct Expect {
   OpKind kind;
@@ -78,9 +64,6 @@ uint64_t step(OpContext& ctx, bool first, const Expect& e, uint64_t myCount, Cou
   if (first) checkDescriptors(ctx, k, e, countOf);
   return k;
 }
-
-inline const uint8_t* bytes(const void* p) { return static_cast<const uint8_t*>(p); }
-inline uint8_t* bytes(void* p) { return static_cast<uint8_t*>(p); }
 
 void allreduceOneShot(OpContext& ctx, const AllreduceOptions& o, const Expect& e) {
   const size_t nbytes = o.count * elementSize(o.dtype);

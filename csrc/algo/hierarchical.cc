@@ -4,29 +4,13 @@
 #include <cstring>
 #include <set>
 
+#include "algo/slices.h"
 #include "core/env.h"
 #include "core/error.h"
 #include "core/reduce.h"
 
 namespace smddp::algo {
 namespace {
-
-constexpr size_t kAlignBytes = 64;
-
-inline const uint8_t* bytes(const void* p) { return static_cast<const uint8_t*>(p); }
-inline uint8_t* bytes(void* p) { return static_cast<uint8_t*>(p); }
-
-// `count` elements cut into `parts` ranges whose boundaries are multiples of `align`.
-struct Parts {
-  size_t per, count;
-  size_t begin(int p) const { return std::min(per * p, count); }
-  size_t size(int p) const { return std::min(per * (p + 1), count) - begin(p); }
-};
-Parts partsOf(size_t count, int parts, size_t align) {
-  size_t per = (count + parts - 1) / parts;
-  per = (per + align - 1) / align * align;
-  return Parts{per, count};
-}
 
 // AVG and PREMUL_SUM finish with a scaling that must happen once, at the last stage; partial
 // stages add.
@@ -50,14 +34,12 @@ int partnerOn(const Topology& t, int g, int h) {
   return m[t.localOf[g] % static_cast<int>(m.size())];
 }
 
-size_t elementAlign(DataType dt) { return std::max<size_t>(1, kAlignBytes / elementSize(dt)); }
-
 // In-place allreduce of buf[0, n) among `ranks` (one per host, in host order; this rank is
 // ranks[me]). Inputs are partial results; `red` finishes them. `segment` keys the message tags.
 void netAllreduce(HierContext& ctx, const std::vector<int>& ranks, int me, int segment, DataType dt,
                   const Reduction& red, void* buf, size_t n) {
   const int H = static_cast<int>(ranks.size());
-  const size_t es = elementSize(dt), align = elementAlign(dt);
+  const size_t es = elementSize(dt), align = alignElems(dt);
   uint32_t step = static_cast<uint32_t>(segment) << 16;
   auto tag = [&] { return net::makeTag(ctx.local.seq, step++); };
   // A piece needs (H-1) parts of scratch (mesh) or one part (ring).
@@ -65,7 +47,7 @@ void netAllreduce(HierContext& ctx, const std::vector<int>& ranks, int me, int s
   const net::Schedule sched = ctx.schedule();
   for (size_t off = 0; off < n; off += piece) {
     const size_t cn = std::min(piece, n - off);
-    const Parts parts = partsOf(cn, H, align);
+    const Slices parts = slicesOf(cn, H, align);
     uint8_t* base = bytes(buf) + off * es;
     auto part = [&](int j) { return base + parts.begin(j) * es; };
     const size_t partBytes = parts.per * es;
@@ -164,7 +146,7 @@ void hierAllreduce(HierContext& ctx, const AllreduceOptions& o) {
     notMine.resize(N * es);
     out = notMine.data();
   }
-  const Parts segs = partsOf(N, S, elementAlign(o.dtype));
+  const Slices segs = slicesOf(N, S, alignElems(o.dtype));
   auto rangeBegin = [&](int li) { return segs.begin(firstSegment(S, L, li)); };
   auto rangeEnd = [&](int li) { return segs.begin(firstSegment(S, L, li + 1)); };
 
