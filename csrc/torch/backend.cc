@@ -132,6 +132,23 @@ bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
 }
 
+// A list of per-rank input blocks (reduce_scatter, scatter): each checked against the output
+// (dtype, element count), made contiguous, and copied if it overlaps the output, which the op
+// writes while the blocks are still being read.
+std::vector<at::Tensor> stageBlocks(const std::vector<at::Tensor>& blocks, const at::Tensor& out, int rank,
+                                    const char* op) {
+  std::vector<at::Tensor> srcs;
+  for (const at::Tensor& b : blocks) {
+    checkTensor(b, rank, op);
+    checkSameType(out, b, rank, op);
+    TORCH_CHECK_VALUE(b.numel() == out.numel(), "smddp rank ", rank, ": ", op, ": every input must have the output's ",
+                      out.numel(), " elements, got one with ", b.numel());
+    at::Tensor c = stageIn(b);
+    srcs.push_back(overlaps(c, out) ? c.clone() : c);
+  }
+  return srcs;
+}
+
 // ---- bootstrap ------------------------------------------------------------------------------
 
 class C10dStore : public Store {
@@ -447,15 +464,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter(std::vector<at::Tens
   const std::vector<at::Tensor>& ins = inputs[0];
   TORCH_CHECK_VALUE(static_cast<int>(ins.size()) == size_, "smddp rank ", rank_, ": reduce_scatter: the input list has ",
                     ins.size(), " tensors but the group has ", size_, " ranks");
-  std::vector<at::Tensor> srcs;
-  for (const at::Tensor& i : ins) {
-    checkTensor(i, rank_, "reduce_scatter");
-    checkSameType(out, i, rank_, "reduce_scatter");
-    TORCH_CHECK_VALUE(i.numel() == out.numel(), "smddp rank ", rank_, ": reduce_scatter: every input must have the "
-                      "output's ", out.numel(), " elements, got one with ", i.numel());
-    at::Tensor c = stageIn(i);
-    srcs.push_back(overlaps(c, out) ? c.clone() : c);
-  }
+  std::vector<at::Tensor> srcs = stageBlocks(ins, out, rank_, "reduce_scatter");
   Staged s = stageOut(out);
   return enqueue(c10d::OpType::REDUCE_SCATTER, "smddp:reduce_scatter", outputs, ins, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, srcs, dtype, red](algo::Communicator& c, std::chrono::milliseconds to) {
@@ -589,14 +598,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& ou
   if (rank_ == root) {
     TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_, "smddp rank ", rank_,
                       ": scatter: the root needs one input list of ", size_, " tensors");
-    for (const at::Tensor& i : inputs[0]) {
-      checkTensor(i, rank_, "scatter");
-      checkSameType(out, i, rank_, "scatter");
-      TORCH_CHECK_VALUE(i.numel() == out.numel(), "smddp rank ", rank_, ": scatter: every input must have the "
-                        "output's ", out.numel(), " elements, got one with ", i.numel());
-      at::Tensor c = stageIn(i);
-      srcs.push_back(overlaps(c, out) ? c.clone() : c);
-    }
+    srcs = stageBlocks(inputs[0], out, rank_, "scatter");
   } else {
     TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "smddp rank ", rank_,
                       ": scatter: only the root (rank ", root, ") takes an input list");
