@@ -44,6 +44,15 @@ Communicator::Communicator(Store& store, int rank, int size, std::chrono::millis
              env::netAlgo().c_str(), mesh_->address().ip.c_str(), mesh_->address().ifname.c_str());
 }
 
+template <class Flat, class Hier>
+void Communicator::runEither(OpKind kind, std::chrono::milliseconds timeout, Flat flat, Hier hierarchical) {
+  run(kind, timeout, [&](OpContext& ctx) {
+    if (!mesh_) return flat(ctx);
+    HierContext h = hier(ctx);
+    hierarchical(h);
+  });
+}
+
 HierContext Communicator::hier(const OpContext& ctx) {
   HierContext h;
   h.topo = &topo_;
@@ -97,25 +106,15 @@ void Communicator::run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn) 
 }
 
 void Communicator::allreduce(const AllreduceOptions& opts, std::chrono::milliseconds timeout) {
-  run(opts.root >= 0 ? OpKind::kReduce : OpKind::kAllreduce, timeout, [&](OpContext& ctx) {
-    if (mesh_) {
-      HierContext h = hier(ctx);
-      hierAllreduce(h, opts);
-    } else {
-      algo::allreduce(ctx, opts);
-    }
-  });
+  runEither(opts.root >= 0 ? OpKind::kReduce : OpKind::kAllreduce, timeout,
+            [&](OpContext& ctx) { algo::allreduce(ctx, opts); },
+            [&](HierContext& hc) { hierAllreduce(hc, opts); });
 }
 
 void Communicator::broadcast(const BroadcastOptions& opts, std::chrono::milliseconds timeout) {
-  run(OpKind::kBroadcast, timeout, [&](OpContext& ctx) {
-    if (mesh_) {
-      HierContext h = hier(ctx);
-      hierBroadcast(h, opts);
-    } else {
-      algo::broadcast(ctx, opts);
-    }
-  });
+  runEither(OpKind::kBroadcast, timeout,
+            [&](OpContext& ctx) { algo::broadcast(ctx, opts); },
+            [&](HierContext& hc) { hierBroadcast(hc, opts); });
 }
 
 void Communicator::allgather(const AllgatherOptions& opts, std::chrono::milliseconds timeout) {
@@ -174,25 +173,15 @@ void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::millisecon
 }
 
 void Communicator::reduceScatter(const ReduceScatterOptions& opts, std::chrono::milliseconds timeout) {
-  run(OpKind::kReduceScatter, timeout, [&](OpContext& ctx) {
-    if (mesh_) {
-      HierContext h = hier(ctx);
-      hierReduceScatter(h, opts);
-    } else {
-      algo::reduceScatter(ctx, opts);
-    }
-  });
+  runEither(OpKind::kReduceScatter, timeout,
+            [&](OpContext& ctx) { algo::reduceScatter(ctx, opts); },
+            [&](HierContext& hc) { hierReduceScatter(hc, opts); });
 }
 
 void Communicator::barrier(std::chrono::milliseconds timeout) {
-  run(OpKind::kBarrier, timeout, [&](OpContext& ctx) {
-    if (mesh_) {
-      HierContext h = hier(ctx);
-      hierBarrier(h);
-    } else {
-      algo::barrier(ctx);
-    }
-  });
+  runEither(OpKind::kBarrier, timeout,
+            [&](OpContext& ctx) { algo::barrier(ctx); },
+            [&](HierContext& hc) { hierBarrier(hc); });
 }
 
 }  // namespace smddp::algo

@@ -51,6 +51,9 @@ class Communicator {
  private:
   template <class Fn>
   void run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn);
+  // run() with the one-host algorithm, or the multi-host one when the group spans hosts.
+  template <class Flat, class Hier>
+  void runEither(OpKind kind, std::chrono::milliseconds timeout, Flat flat, Hier hierarchical);
   HierContext hier(const OpContext& ctx);
 
   int rank_;
