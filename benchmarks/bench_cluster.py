@@ -22,7 +22,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import netcluster  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 IMPLS = {
     "mesh": ("smddp", {"SMDDP_NET_ALGO": "mesh"}),
     "naive": ("smddp", {"SMDDP_NET_ALGO": "naive"}),
@@ -65,17 +64,9 @@ def measure_rtt(cluster):
 
 def run_job(cluster, args, impl, port):
     backend, extra = IMPLS[impl]
-    world = args.hosts * args.per_host
     cfg = {"backend": backend, "mode": "bench", "ops": args.ops, "sizes": args.sizes, "target_s": args.target_s,
            "iters": args.iters, "min_iters": args.min_iters, "warmup": args.warmup}
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % args.per_host),
-                   MASTER_ADDR=cluster.address(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
-                   OMP_NUM_THREADS="1", **extra)
-        env.pop("SMDDP_HOST_ID", None)
-        procs.append(cluster.popen(rank // args.per_host, [sys.executable, os.path.join(HERE, "cluster_worker.py"),
-                                                           json.dumps(cfg)], env=env, stdout=-1, stderr=-1, text=True))
+    procs = cluster.launch_ranks(args.per_host, cfg, port, env=extra)
     rows, status = {}, []
     for rank, p in enumerate(procs):
         out, err = p.communicate(timeout=args.timeout)

@@ -148,6 +148,24 @@ class NetCluster:
         self.procs.append(p)
         return p
 
+    def launch_ranks(self, per_host, cfg, port, env=None):
+        """Starts benchmarks/cluster_worker.py with `cfg` as `per_host` ranks on every host, with
+        torchrun's variables (rank 0 on host 0 is the rendezvous) and `env` on top; smddp's own
+        topology discovery and interface choice apply (SMDDP_HOST_ID / SMDDP_SOCKET_IFNAME are
+        removed). Returns the processes, rank order, with text stdout/stderr pipes."""
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_worker.py")
+        world = self.n * per_host
+        procs = []
+        for rank in range(world):
+            renv = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_host),
+                        MASTER_ADDR=self.address(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
+                        OMP_NUM_THREADS="1", **(env or {}))
+            for k in ("SMDDP_HOST_ID", "SMDDP_SOCKET_IFNAME"):
+                renv.pop(k, None)
+            procs.append(self.popen(rank // per_host, [sys.executable, worker, json.dumps(cfg)], env=renv,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return procs
+
     def link_bytes(self, i):
         """(tx_bytes, rx_bytes) of host i's eth0."""
         out = _run("ip", "-n", self.hosts[i], "-s", "-j", "link", "show", "eth0").stdout

@@ -25,16 +25,7 @@ BIG = 8 << 20
 
 
 def run_job(cluster, cfg, timeout=240):
-    world = HOSTS * PER_HOST
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % PER_HOST),
-                   MASTER_ADDR=cluster.address(0), MASTER_PORT="29511", GLOO_SOCKET_IFNAME="eth0",
-                   OMP_NUM_THREADS="1")
-        for k in ("SMDDP_HOST_ID", "SMDDP_SOCKET_IFNAME"):
-            env.pop(k, None)
-        procs.append(cluster.popen(rank // PER_HOST, [sys.executable, os.path.join(BENCH_DIR, "cluster_worker.py"),
-                                                      json.dumps(cfg)], env=env, stdout=-1, stderr=-1, text=True))
+    procs = cluster.launch_ranks(PER_HOST, cfg, port=29511)
     results, logs = [], []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
