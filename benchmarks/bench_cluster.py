@@ -13,7 +13,6 @@ per second, as a share of the slowest host's link rate. Ratios: time of X / time
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
