@@ -1,10 +1,27 @@
 """What the example scripts share: the small MLP, each rank's synthetic batch, and the loss report
 that tests/test_examples.py parses (``step <i> loss <repr(float)>`` on rank 0)."""
+import argparse
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 DIN, DH, DOUT, BATCH = 16, 64, 4, 32
+
+
+def parser(doc):
+    """The options every example takes: --backend and --steps (add your own, then parse)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--backend", default="smddp", help="smddp or gloo (default smddp)")
+    p.add_argument("--steps", type=int, default=3)
+    return p
+
+
+def init(backend):
+    """Joins the job torchrun started (env://) on `backend`."""
+    if backend == "smddp":
+        import smddp  # noqa: F401  registers the "smddp" backend
+    dist.init_process_group(backend=backend)
 
 
 def make_model():

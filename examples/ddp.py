@@ -6,25 +6,19 @@ Every rank builds the same model (same seed), trains on its own synthetic batch
 (seeded by its rank), and rank 0 prints the loss averaged over the ranks,
 one line per step: ``step <i> loss <repr(float)>``.
 """
-import argparse
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _common import make_batch, make_model, report  # noqa: E402  (examples/ is on sys.path)
+from _common import init, make_batch, make_model, parser, report  # noqa: E402  (examples/ is on sys.path)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", default="smddp", help="smddp or gloo (default smddp)")
-    p.add_argument("--steps", type=int, default=3)
+    p = parser(__doc__)
     args = p.parse_args()
-    if args.backend == "smddp":
-        import smddp  # noqa: F401  registers the "smddp" backend
-
-    dist.init_process_group(backend=args.backend)  # env:// (set by torchrun)
+    init(args.backend)
     rank = dist.get_rank()
 
     model = DDP(make_model())

@@ -13,7 +13,6 @@ Every rank builds the same model (same seed), trains on its own synthetic batch
 (seeded by its rank), and rank 0 prints the loss averaged over the ranks,
 one line per step: ``step <i> loss <repr(float)>``.
 """
-import argparse
 import os
 import sys
 import warnings
@@ -24,13 +23,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _common import BATCH, make_batch, make_model, report  # noqa: E402  (examples/ is on sys.path)
+from _common import BATCH, make_batch, make_model, parser, report  # noqa: E402  (examples/ is on sys.path)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", default="smddp", help="smddp or gloo (default smddp)")
-    p.add_argument("--steps", type=int, default=3)
+    p = parser(__doc__)
     p.add_argument("--stage", type=int, default=2, choices=[1, 2, 3], help="ZeRO stage")
     args = p.parse_args()
     try:

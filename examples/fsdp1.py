@@ -13,7 +13,6 @@ Every rank builds the same model (same seed), trains on its own synthetic batch
 (seeded by its rank), and rank 0 prints the loss averaged over the ranks,
 one line per step: ``step <i> loss <repr(float)>``.
 """
-import argparse
 import sys
 
 import torch
@@ -25,19 +24,14 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _common import make_batch, make_model, report  # noqa: E402  (examples/ is on sys.path)
+from _common import init, make_batch, make_model, parser, report  # noqa: E402  (examples/ is on sys.path)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", default="smddp", help="smddp or gloo (default smddp)")
-    p.add_argument("--steps", type=int, default=3)
+    p = parser(__doc__)
     p.add_argument("--strategy", default="FULL_SHARD", choices=[s.name for s in ShardingStrategy])
     args = p.parse_args()
-    if args.backend == "smddp":
-        import smddp  # noqa: F401  registers the "smddp" backend
-
-    dist.init_process_group(backend=args.backend)  # env:// (set by torchrun)
+    init(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     strategy = ShardingStrategy[args.strategy]
     mesh = None

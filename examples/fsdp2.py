@@ -11,7 +11,6 @@ Every rank builds the same model (same seed), trains on its own synthetic batch
 (seeded by its rank), and rank 0 prints the loss averaged over the ranks,
 one line per step: ``step <i> loss <repr(float)>``.
 """
-import argparse
 import sys
 
 import torch
@@ -21,20 +20,15 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from _common import make_batch, make_model, report  # noqa: E402  (examples/ is on sys.path)
+from _common import init, make_batch, make_model, parser, report  # noqa: E402  (examples/ is on sys.path)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", default="smddp", help="smddp or gloo (default smddp)")
-    p.add_argument("--steps", type=int, default=3)
+    p = parser(__doc__)
     p.add_argument("--hsdp", action="store_true", help="2-D mesh (replicate, shard) = (N/2, 2)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 params, float32 gradient reduction")
     args = p.parse_args()
-    if args.backend == "smddp":
-        import smddp  # noqa: F401  registers the "smddp" backend
-
-    dist.init_process_group(backend=args.backend)  # env:// (set by torchrun)
+    init(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.hsdp:
         if world % 2:

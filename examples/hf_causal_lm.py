@@ -10,7 +10,6 @@ the root are wrapped with ``fully_shard``, and it is trained on random token ids
 synthetic batch (seeded by its rank); rank 0 prints the loss averaged over the
 ranks, one line per step: ``step <i> loss <repr(float)>``.
 """
-import argparse
 import os
 import sys
 
@@ -20,6 +19,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+from _common import init, parser, report  # noqa: E402  (examples/ is on sys.path)
 
 VOCAB, SEQ, BATCH = 256, 32, 4
 
@@ -40,27 +41,14 @@ def make_batch(rank):
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
-def report(step, loss):
-    # mean over the ranks, summed in float64: exact whatever the reduction order
-    t = loss.detach().double().reshape(1)
-    dist.all_reduce(t)
-    if dist.get_rank() == 0:
-        print(f"step {step} loss {t.item() / dist.get_world_size()!r}", flush=True)
-
-
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", default="smddp", help="smddp or gloo (default smddp)")
-    p.add_argument("--steps", type=int, default=3)
+    p = parser(__doc__)
     args = p.parse_args()
     try:
         import transformers  # noqa: F401
     except ImportError as e:
         sys.exit(f"this example needs transformers (pip install -r requirements-examples.txt): {e}")
-    if args.backend == "smddp":
-        import smddp  # noqa: F401  registers the "smddp" backend
-
-    dist.init_process_group(backend=args.backend)  # env:// (set by torchrun)
+    init(args.backend)
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
 

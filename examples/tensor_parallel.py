@@ -8,14 +8,14 @@ all-reduced). All ranks form one tensor-parallel group, so they all see the same
 synthetic batch (a data-parallel mesh dimension would give each replica its own).
 Rank 0 prints one line per step: ``step <i> loss <repr(float)>``.
 """
-import argparse
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from _common import init, parser  # noqa: E402  (examples/ is on sys.path)
 
 DIN, DH, DOUT, BATCH = 16, 64, 16, 32
 
@@ -34,14 +34,9 @@ def make_batch():
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", default="smddp", help="smddp or gloo (default smddp)")
-    p.add_argument("--steps", type=int, default=3)
+    p = parser(__doc__)
     args = p.parse_args()
-    if args.backend == "smddp":
-        import smddp  # noqa: F401  registers the "smddp" backend
-
-    dist.init_process_group(backend=args.backend)  # env:// (set by torchrun)
+    init(args.backend)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
 
     # distributes the weights from the (identical) full model: scatter for shards
