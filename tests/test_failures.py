@@ -62,24 +62,35 @@ def _finish(procs, limit):
     return outs
 
 
+def _kill_and_check(procs, victim, limit, wait_before_kill=0.0):
+    """SIGKILLs rank `victim`; every other rank must exit 3 (it caught the error) with a
+    DistBackendError naming the allreduce, within `limit` seconds, leaving /dev/shm clean.
+    Returns the survivors' outputs by rank."""
+    time.sleep(wait_before_kill)
+    procs[victim].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    outs = _finish(procs, 30)
+    elapsed = time.monotonic() - t0
+    survivors = {r: outs[r] for r in range(len(procs)) if r != victim}
+    for r, out in survivors.items():
+        assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{out[-2000:]}"
+        assert "DistBackendError" in out and "allreduce #" in out, out[-2000:]
+    assert elapsed < limit, f"survivors took {elapsed:.1f}s"
+    assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
+    return survivors
+
+
 @pytest.mark.timeout(120)
 def test_peer_killed_during_collectives():
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(3, "loop", 60)
     _wait_ready(procs)
-    time.sleep(0.5)  # the survivors are deep in their allreduce loop
-    procs[1].send_signal(signal.SIGKILL)
-    t0 = time.monotonic()
-    outs = _finish(procs, 30)
-    elapsed = time.monotonic() - t0
-    for r in (0, 2):
-        assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{outs[r][-2000:]}"
-        msg = outs[r]
-        assert "DistBackendError" in msg and "allreduce #" in msg and "rank 1" in msg and "exited" in msg, msg[-2000:]
-    # Far below the 60 s op timeout: the dead pid is noticed on the next sleep tick.
-    assert elapsed < 10, f"survivors took {elapsed:.1f}s"
-    assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
+    # 0.5 s: the survivors are deep in their allreduce loop. 10 s is far below the 60 s op
+    # timeout: the dead pid is noticed on the next sleep tick.
+    outs = _kill_and_check(procs, 1, 10, wait_before_kill=0.5)
+    for msg in outs.values():
+        assert "rank 1" in msg and "exited" in msg, msg[-2000:]
 
 
 @pytest.mark.timeout(120)
@@ -91,17 +102,8 @@ def test_peer_killed_across_hosts():
         pytest.skip("smddp-specific")
     procs = _job(4, "loop", 60, hosts="0011")
     _wait_ready(procs)
-    time.sleep(0.5)
-    procs[2].send_signal(signal.SIGKILL)
-    t0 = time.monotonic()
-    outs = _finish(procs, 30)
-    elapsed = time.monotonic() - t0
-    for r in (0, 1, 3):
-        assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{outs[r][-2000:]}"
-        assert "DistBackendError" in outs[r] and "allreduce #" in outs[r], outs[r][-2000:]
-    assert any("rank 2" in outs[r] for r in (0, 1, 3)), "\n".join(outs)
-    assert elapsed < 10, f"survivors took {elapsed:.1f}s"
-    assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
+    outs = _kill_and_check(procs, 2, 10, wait_before_kill=0.5)
+    assert any("rank 2" in out for out in outs.values()), "\n".join(outs.values())
 
 
 @pytest.mark.timeout(120)
@@ -113,16 +115,8 @@ def test_peer_killed_between_collectives(hosts):
     world = 4 if hosts else 3
     procs = _job(world, "between", 60, hosts=hosts)
     _wait_ready(procs)
-    procs[1].send_signal(signal.SIGKILL)
-    t0 = time.monotonic()
-    outs = _finish(procs, 30)
-    elapsed = time.monotonic() - t0
-    for r in [r for r in range(world) if r != 1]:
-        assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{outs[r][-2000:]}"
-        assert "DistBackendError" in outs[r] and "allreduce #" in outs[r], outs[r][-2000:]
-    assert any("rank 1" in outs[r] for r in range(world) if r != 1), "\n".join(outs)
-    assert elapsed < 12, f"survivors took {elapsed:.1f}s (2 s of it asleep before the collective)"
-    assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
+    outs = _kill_and_check(procs, 1, 12)  # 12 s: 2 s of it the ranks sleep before the collective
+    assert any("rank 1" in out for out in outs.values()), "\n".join(outs.values())
 
 
 @pytest.mark.timeout(120)
