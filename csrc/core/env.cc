@@ -85,58 +85,32 @@ std::vector<ParamInfo> allParams() {
   return out;
 }
 
-// Function-local statics give thread-safe read-once caching.
-int64_t shmSlotBytes() {
-  static const int64_t v = readInt("SMDDP_SHM_SLOT_BYTES");
-  return v;
-}
-int64_t allreduceOneShotMaxBytes() {
-  static const int64_t v = readInt("SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES");
-  return v;
-}
-int64_t streamMinBytes() {
-  static const int64_t v = readInt("SMDDP_STREAM_MIN_BYTES");
-  return v;
-}
-int64_t spinMicros() {
-  static const int64_t v = readInt("SMDDP_SPIN_US");
-  return v;
-}
-int64_t yieldMicros() {
-  static const int64_t v = readInt("SMDDP_YIELD_US");
-  return v;
-}
-const std::string& debugLevel() {
-  static const std::string v = readString("SMDDP_DEBUG");
-  return v;
-}
-const std::string& debugSubsys() {
-  static const std::string v = readString("SMDDP_DEBUG_SUBSYS");
-  return v;
-}
-const std::string& hostId() {
-  static const std::string v = readString("SMDDP_HOST_ID");
-  return v;
-}
-const std::string& socketIfname() {
-  static const std::string v = readString("SMDDP_SOCKET_IFNAME");
-  return v;
-}
-const std::string& netAlgo() {
-  static const std::string v = readString("SMDDP_NET_ALGO");
-  return v;
-}
-int64_t netChunkBytes() {
-  static const int64_t v = readInt("SMDDP_NET_CHUNK_BYTES");
-  return v;
-}
-int64_t netBufferBytes() {
-  static const int64_t v = readInt("SMDDP_NET_BUFFER_BYTES");
-  return v;
-}
-const std::string& simd() {
-  static const std::string v = readString("SMDDP_SIMD");
-  return v;
-}
+// Each accessor reads its variable once (a function-local static: thread-safe) and caches it.
+#define SMDDP_INT_PARAM(fn, NAME)             \
+  int64_t fn() {                              \
+    static const int64_t v = readInt(NAME);   \
+    return v;                                 \
+  }
+#define SMDDP_STRING_PARAM(fn, NAME)                \
+  const std::string& fn() {                         \
+    static const std::string v = readString(NAME);  \
+    return v;                                       \
+  }
+
+SMDDP_INT_PARAM(shmSlotBytes, "SMDDP_SHM_SLOT_BYTES")
+SMDDP_INT_PARAM(allreduceOneShotMaxBytes, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES")
+SMDDP_INT_PARAM(streamMinBytes, "SMDDP_STREAM_MIN_BYTES")
+SMDDP_INT_PARAM(spinMicros, "SMDDP_SPIN_US")
+SMDDP_INT_PARAM(yieldMicros, "SMDDP_YIELD_US")
+SMDDP_STRING_PARAM(debugLevel, "SMDDP_DEBUG")
+SMDDP_STRING_PARAM(debugSubsys, "SMDDP_DEBUG_SUBSYS")
+SMDDP_STRING_PARAM(hostId, "SMDDP_HOST_ID")
+SMDDP_STRING_PARAM(socketIfname, "SMDDP_SOCKET_IFNAME")
+SMDDP_STRING_PARAM(netAlgo, "SMDDP_NET_ALGO")
+SMDDP_INT_PARAM(netChunkBytes, "SMDDP_NET_CHUNK_BYTES")
+SMDDP_INT_PARAM(netBufferBytes, "SMDDP_NET_BUFFER_BYTES")
+SMDDP_STRING_PARAM(simd, "SMDDP_SIMD")
+#undef SMDDP_INT_PARAM
+#undef SMDDP_STRING_PARAM
 
 }  // namespace smddp::env
