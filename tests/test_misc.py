@@ -1,6 +1,7 @@
 """barrier, async work / futures, several process groups, object collectives,
 /dev/shm hygiene, error reporting."""
 
+import gc
 import os
 import time
 
@@ -245,7 +246,9 @@ def shm_names():
 
 
 def _threads():
-    """Names of this process's threads."""
+    """Names of this process's threads, after collecting garbage (earlier tasks' unreachable
+    groups release their threads when collected, which must not count for or against this one)."""
+    gc.collect()
     names = []
     for tid in os.listdir("/proc/self/task"):
         try:
