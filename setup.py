@@ -54,6 +54,13 @@ class CMakeBuild(build_ext):
             check=True)
         subprocess.run(["cmake", "--build", str(build_dir)], check=True)
         self.install_perf(build_dir, out_dir)
+        # The CUDA library (built where nvcc is found) sits next to _C, which dlopens it.
+        cuda_lib = out_dir / "libsmddp_cuda.so"
+        in_tree = ROOT / "python" / "smddp" / "libsmddp_cuda.so"
+        if cuda_lib.exists() and cuda_lib != in_tree:
+            shutil.copy2(cuda_lib, in_tree)
+        elif not cuda_lib.exists():
+            in_tree.unlink(missing_ok=True)
         info = ROOT / "python" / "smddp" / "_build_info.py"
         text = f'TORCH_VERSION = "{torch.__version__}"\nVERSION = "{VERSION}"\n'
         for target in {info, out_dir / "_build_info.py"}:
@@ -79,6 +86,6 @@ setup(
     install_requires=["torch"],
     extras_require={"examples": pinned("requirements-examples.txt"), "bench": pinned("requirements-bench.txt")},
     entry_points={"console_scripts": ["smddp_perf = smddp.perf:main"]},
-    package_data={"smddp": ["bin/*"]},
+    package_data={"smddp": ["bin/*", "libsmddp_cuda.so"]},
     zip_safe=False,
 )

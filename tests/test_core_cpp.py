@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"
 
 
-@pytest.mark.parametrize("binary", ["smddp_core_tests", "smddp_net_tests"])
+@pytest.mark.parametrize("binary", ["smddp_core_tests", "smddp_net_tests", "smddp_cuda_host_tests"])
 def test_core_binary(binary):
     exe = BUILD / binary
     if not exe.exists():

@@ -50,6 +50,19 @@ constexpr Param kParams[] = {
     {"SMDDP_NET_BUFFER_BYTES", "16777216",
      "Bytes of receive buffer per rank for inter-host reductions; larger messages are processed in "
      "pieces of this size."},
+    {"SMDDP_CUDA_STAGING_BYTES", "67108864",
+     "Page-locked host memory per process group for CUDA tensors (allocated at the first CUDA op). "
+     "Collectives go through it in rounds of half this size, so it bounds pinned memory whatever the "
+     "message size; all_gather/gather/scatter/all_to_all with tensor lists must fit in one half."},
+    {"SMDDP_CUDA_FLAGS", "auto",
+     "How the GPU signals and awaits the host through flags in pinned memory: memops (stream memory "
+     "operations: no SM used while waiting), kernel (1-thread kernels) or auto (memops when the "
+     "device has them)."},
+    {"SMDDP_CUDA_BLOCKING_WAIT", "0",
+     "1: work.wait() on a CUDA collective blocks the calling thread until the op has finished and "
+     "raises its error there (like TORCH_NCCL_BLOCKING_WAIT). 0: wait() only makes the current stream "
+     "wait; an error surfaces at the next call on the group."},
+    {"SMDDP_MAX_CTAS", "8", "Most thread blocks any smddp GPU kernel (copy, reduce) is launched with."},
     {"SMDDP_SIMD", "auto", "Reduce-kernel instruction set: auto, avx512, avx2 or scalar."},
     {"SMDDP_DEBUG", "WARN", "Log level: NONE, WARN, INFO or TRACE."},
     {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, NET, ENV or ALL; ^ inverts."},
@@ -110,6 +123,10 @@ SMDDP_STRING_PARAM(netAlgo, "SMDDP_NET_ALGO")
 SMDDP_INT_PARAM(netChunkBytes, "SMDDP_NET_CHUNK_BYTES")
 SMDDP_INT_PARAM(netBufferBytes, "SMDDP_NET_BUFFER_BYTES")
 SMDDP_STRING_PARAM(simd, "SMDDP_SIMD")
+SMDDP_INT_PARAM(cudaStagingBytes, "SMDDP_CUDA_STAGING_BYTES")
+SMDDP_STRING_PARAM(cudaFlags, "SMDDP_CUDA_FLAGS")
+SMDDP_INT_PARAM(cudaBlockingWait, "SMDDP_CUDA_BLOCKING_WAIT")
+SMDDP_INT_PARAM(maxCtas, "SMDDP_MAX_CTAS")
 #undef SMDDP_INT_PARAM
 #undef SMDDP_STRING_PARAM
 

@@ -47,5 +47,13 @@ int64_t netChunkBytes();
 int64_t netBufferBytes();
 // Reduce-kernel instruction set: auto (default), avx512, avx2, scalar.
 const std::string& simd();
+// CUDA tensors: pinned staging bytes per group (two halves).
+int64_t cudaStagingBytes();
+// CUDA flag signalling: auto, memops or kernel.
+const std::string& cudaFlags();
+// CUDA: 1 = Work::wait blocks the host until the op is done.
+int64_t cudaBlockingWait();
+// Thread-block cap of smddp's GPU kernels.
+int64_t maxCtas();
 
 }  // namespace smddp::env

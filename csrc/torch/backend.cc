@@ -6,17 +6,14 @@
 
 #include <algorithm>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/spin.h"
 #include "core/types.h"
 
 namespace smddp::torchext {
-namespace {
 
-// ---- errors ---------------------------------------------------------------------------------
-
-// smddp::Error -> the c10 error type Python maps to the right exception class.
 std::exception_ptr toTorchError(const Error& e, int rank) {
   // Messages from code that knows the rank already start with "smddp rank N: ".
   const std::string prefix = "smddp rank " + std::to_string(rank) + ": ";
@@ -29,6 +26,8 @@ std::exception_ptr toTorchError(const Error& e, int rank) {
     default: return std::make_exception_ptr(c10::DistBackendError(loc, msg));
   }
 }
+
+namespace {
 
 // ---- validation (phase 1, on the caller's thread) -------------------------------------------
 
@@ -51,8 +50,8 @@ std::optional<DataType> toDataType(at::ScalarType t) {
 // Checks a tensor can be handed to the core and returns its element type.
 DataType checkTensor(const at::Tensor& t, int rank, const char* op) {
   TORCH_CHECK_VALUE(t.defined(), "smddp rank ", rank, ": ", op, ": got an undefined tensor");
-  TORCH_CHECK_NOT_IMPLEMENTED(t.device().is_cpu(), "smddp rank ", rank, ": ", op, ": tensors on ", t.device(),
-                              " are not supported yet; smddp handles CPU tensors");
+  TORCH_CHECK_NOT_IMPLEMENTED(t.device().is_cpu() || t.device().is_cuda(), "smddp rank ", rank, ": ", op,
+                              ": tensors on ", t.device(), " are not supported; smddp handles CPU and CUDA tensors");
   TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == at::kStrided, "smddp rank ", rank, ": ", op,
                               ": only dense (strided) tensors are supported, got layout ", t.layout());
   auto dt = toDataType(t.scalar_type());
@@ -65,6 +64,11 @@ DataType checkTensor(const at::Tensor& t, int rank, const char* op) {
 void checkSameType(const at::Tensor& a, const at::Tensor& b, int rank, const char* op) {
   TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "smddp rank ", rank, ": ", op,
                    ": input and output dtypes differ (", b.scalar_type(), " vs ", a.scalar_type(), ")");
+}
+
+std::vector<at::Tensor> concat(std::vector<at::Tensor> a, const std::vector<at::Tensor>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
 }
 
 const at::Tensor& single(const std::vector<at::Tensor>& tensors, int rank, const char* op) {
@@ -86,7 +90,8 @@ Reduction toReduction(const c10d::ReduceOp& op, DataType dtype, int size, int ra
     case c10d::ReduceOp::BXOR: r.op = ReduceOp::kBxor; break;
     case c10d::ReduceOp::PREMUL_SUM: {
       r.op = ReduceOp::kPremulSum;
-      auto* s = static_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+      // NCCLPreMulSumSupplement: the name older torch releases have (2.13 keeps it as an alias).
+      auto* s = static_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
       TORCH_CHECK_VALUE(s != nullptr, "smddp rank ", rank, ": ", opName, ": PREMUL_SUM without a factor");
       r.premulFactor = s->tensor_factor.defined() ? s->tensor_factor.item<double>() : s->double_factor;
       break;
@@ -177,9 +182,28 @@ SmddpWork::SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, 
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
       spin_(spin) {}
 
+SmddpWork::~SmddpWork() {
+  if (cuda_) cuda_->recycleEvent(doneEvent_);  // often on the progress thread: no CUDA call here
+}
+
+void SmddpWork::setCuda(std::shared_ptr<CudaPath> path, void* doneEvent) {
+  cuda_ = std::move(path);
+  doneEvent_ = doneEvent;
+}
+
 bool SmddpWork::wait(std::chrono::milliseconds timeout) {
+  if (cuda_ && env::cudaBlockingWait() == 0) {
+    // An error already known is raised here; a later one by the next call on the group.
+    if (future_->completed() && future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+    synchronize();
+    return true;
+  }
   spinUntil(spin_, [this] { return future_->completed(); });
-  return c10d::Work::wait(timeout);
+  return c10d::Work::wait(timeout);  // then synchronize()
+}
+
+void SmddpWork::synchronize() {
+  if (cuda_) cuda_->blockCurrentStream(doneEvent_);
 }
 
 void SmddpWork::complete(std::exception_ptr error) {
@@ -214,6 +238,10 @@ SmddpBackend::~SmddpBackend() { shutdown(); }
 
 void SmddpBackend::shutdown() {
   std::call_once(shutdownOnce_, [this] {
+    {
+      std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
+      if (cuda_) cuda_->abort();  // no stream stays parked on a host that stopped
+    }
     if (comm_) comm_->abort();
     if (p2p_) p2p_->abort();
     if (progress_) progress_->stop();
@@ -245,9 +273,20 @@ c10::intrusive_ptr<c10d::Backend> SmddpBackend::split(const c10::intrusive_ptr<c
                                                      const c10::intrusive_ptr<Options>& opts) {
   auto it = std::find(ranks.begin(), ranks.end(), rank_);
   if (it == ranks.end()) return nullptr;
+  // torch splits once per device type, and this backend serves both cpu and cuda: the second
+  // call (same store, same ranks) must get the same child, or two children would bootstrap over
+  // the same store keys.
+  std::lock_guard<std::mutex> lock(splitMutex_);
+  if (lastSplitStore_ == store.get() && lastSplitRanks_ == ranks) {
+    if (auto child = lastSplit_.lock()) return child;
+  }
   const auto timeout = opts ? opts->timeout : std::chrono::milliseconds(timeoutMs_.load());
-  return c10::make_intrusive<SmddpBackend>(store, static_cast<int>(it - ranks.begin()),
-                                           static_cast<int>(ranks.size()), timeout);
+  auto child = c10::make_intrusive<SmddpBackend>(store, static_cast<int>(it - ranks.begin()),
+                                                 static_cast<int>(ranks.size()), timeout);
+  lastSplitStore_ = store.get();
+  lastSplitRanks_ = ranks;
+  lastSplit_ = c10::weak_intrusive_ptr<c10d::Backend>(c10::intrusive_ptr<c10d::Backend>(child));
+  return child;
 }
 
 std::chrono::milliseconds SmddpBackend::resolveTimeout(std::chrono::milliseconds requested) const {
@@ -257,6 +296,8 @@ std::chrono::milliseconds SmddpBackend::resolveTimeout(std::chrono::milliseconds
 c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const char* title,
                                                      std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
                                                      std::chrono::milliseconds timeout, bool async, Body body) {
+  if (Work staged = divertToCuda(opType, title, timeout, body)) return staged;
+  throwIfCudaFailed(title);
   issued_.fetch_add(1);
   auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, std::move(outputs),
                                              std::optional<std::vector<at::Tensor>>(std::move(inputs)), spin_);
@@ -289,6 +330,12 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce(std::vector<at::Tensor>& 
   const at::Tensor& t = single(tensors, rank_, "allreduce");
   const DataType dtype = checkTensor(t, rank_, "allreduce");
   const Reduction red = toReduction(opts.reduceOp, dtype, size_, rank_, "allreduce");
+  if (isCudaOp(tensors, "allreduce")) {
+    return cudaFlat(c10d::OpType::ALLREDUCE, "smddp:all_reduce", tensors, resolveTimeout(opts.timeout),
+                    {{t, true, true, [dtype, red](algo::Communicator& c, std::chrono::milliseconds to, void* p, size_t n) {
+                        c.allreduce({dtype, red, n, p, p, -1}, to);
+                      }}});
+  }
   Staged s = stageInOut(t);
   return enqueue(c10d::OpType::ALLREDUCE, "smddp:all_reduce", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, dtype, red](algo::Communicator& c, std::chrono::milliseconds to) {
@@ -305,8 +352,19 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
   for (const at::Tensor& t : tensors) {
     const DataType dtype = checkTensor(t, rank_, "allreduce_coalesced");
     kinds.emplace_back(dtype, toReduction(opts.reduceOp, dtype, size_, rank_, "allreduce_coalesced"));
-    staged.push_back(stageInOut(t));
   }
+  if (isCudaOp(tensors, "allreduce_coalesced")) {
+    std::vector<FlatPart> parts;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      parts.push_back({tensors[i], true, true,
+                       [kind = kinds[i]](algo::Communicator& c, std::chrono::milliseconds to, void* p, size_t n) {
+                         c.allreduce({kind.first, kind.second, n, p, p, -1}, to);
+                       }});
+    }
+    return cudaFlat(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors,
+                    resolveTimeout(opts.timeout), std::move(parts));
+  }
+  for (const at::Tensor& t : tensors) staged.push_back(stageInOut(t));
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors, tensors,
                  resolveTimeout(opts.timeout), opts.asyncOp,
                  [staged, kinds](algo::Communicator& c, std::chrono::milliseconds to) {
@@ -328,6 +386,13 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce(std::vector<at::Tensor>& ten
   const int root = static_cast<int>(opts.rootRank);
   TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp rank ", rank_, ": reduce: root ", root,
                     " is not a rank of this group of size ", size_);
+  if (isCudaOp(tensors, "reduce")) {  // only the root's tensor changes, as with NCCL
+    return cudaFlat(c10d::OpType::REDUCE, "smddp:reduce", tensors, resolveTimeout(opts.timeout),
+                    {{t, true, rank_ == root,
+                      [dtype, red, root](algo::Communicator& c, std::chrono::milliseconds to, void* p, size_t n) {
+                        c.allreduce({dtype, red, n, p, p, root}, to);
+                      }}});
+  }
   Staged s = stageInOut(t);
   return enqueue(c10d::OpType::REDUCE, "smddp:reduce", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, dtype, red, root](algo::Communicator& c, std::chrono::milliseconds to) {
@@ -344,6 +409,13 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::broadcast(std::vector<at::Tensor>& 
   const int root = static_cast<int>(opts.rootRank);
   TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp rank ", rank_, ": broadcast: root ", root,
                     " is not a rank of this group of size ", size_);
+  if (isCudaOp(tensors, "broadcast")) {
+    return cudaFlat(c10d::OpType::BROADCAST, "smddp:broadcast", tensors, resolveTimeout(opts.timeout),
+                    {{t, rank_ == root, rank_ != root,
+                      [dtype, root](algo::Communicator& c, std::chrono::milliseconds to, void* p, size_t n) {
+                        c.broadcast({dtype, n, p, root}, to);
+                      }}});
+  }
   Staged s = stageInOut(t);
   return enqueue(c10d::OpType::BROADCAST, "smddp:broadcast", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, dtype, root](algo::Communicator& c, std::chrono::milliseconds to) {
@@ -360,6 +432,13 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather(std::vector<std::vector<a
                     outputs.size());
   const DataType dtype = checkTensor(in, rank_, "allgather");
   std::vector<at::Tensor>& outs = outputs[0];
+  if (isCudaOp(concat({in}, outs), "allgather")) {
+    return cudaWhole("allgather", {in}, outs, [&](const Tensors& hostIn, const Tensors& hostOut) {
+      std::vector<std::vector<at::Tensor>> o{hostOut};
+      Tensors i = hostIn;
+      return allgather(o, i, opts);
+    });
+  }
   TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == size_, "smddp rank ", rank_, ": allgather: the output list has ",
                     outs.size(), " tensors but the group has ", size_, " ranks");
   std::vector<Staged> staged;
@@ -400,14 +479,18 @@ struct FlatGather {
   DataType dtype;
 };
 
-FlatGather prepareFlatGather(const at::Tensor& output, const at::Tensor& input, int rank, int size, const char* op) {
+DataType checkFlatGather(const at::Tensor& output, const at::Tensor& input, int rank, int size, const char* op) {
   const DataType dtype = checkTensor(input, rank, op);
   checkTensor(output, rank, op);
   checkSameType(output, input, rank, op);
   TORCH_CHECK_VALUE(output.numel() == input.numel() * size, "smddp rank ", rank, ": ", op, ": the output has ",
                     output.numel(), " elements but must have world size (", size, ") x input (", input.numel(),
                     ") = ", input.numel() * size);
-  FlatGather g{stageOut(output), stageIn(input), dtype};
+  return dtype;
+}
+
+FlatGather prepareFlatGather(const at::Tensor& output, const at::Tensor& input, int rank, int size, const char* op) {
+  FlatGather g{stageOut(output), stageIn(input), checkFlatGather(output, input, rank, size, op)};
   // The input may be this rank's own slice of the output (FSDP2); any other overlap would be
   // overwritten while still being read, so go through a copy.
   if (overlaps(g.in, g.out.work) &&
@@ -428,6 +511,11 @@ void runFlatGather(algo::Communicator& c, const FlatGather& g, int size, std::ch
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                              const c10d::AllgatherOptions& opts) {
+  if (isCudaOp({output, input}, "all_gather_into_tensor")) {
+    const DataType dtype = checkFlatGather(output, input, rank_, size_, "all_gather_into_tensor");
+    return cudaColumns(c10d::OpType::_ALLGATHER_BASE, "smddp:all_gather_into_tensor", {output}, {input},
+                       resolveTimeout(opts.timeout), true, {{input, output, dtype, {}}});
+  }
   FlatGather g = prepareFlatGather(output, input, rank_, size_, "all_gather_into_tensor");
   const int size = size_;
   return enqueue(c10d::OpType::_ALLGATHER_BASE, "smddp:all_gather_into_tensor", {output}, {input},
@@ -442,6 +530,15 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "smddp rank ", rank_,
                     ": allgather_into_tensor_coalesced: got ", outputs.size(), " outputs for ", inputs.size(),
                     " inputs");
+  if (isCudaOp(concat(outputs, inputs), "allgather_into_tensor_coalesced")) {
+    std::vector<ColumnPart> parts;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const DataType dtype = checkFlatGather(outputs[i], inputs[i], rank_, size_, "allgather_into_tensor_coalesced");
+      parts.push_back({inputs[i], outputs[i], dtype, {}});
+    }
+    return cudaColumns(c10d::OpType::COALESCED, "smddp:all_gather_into_tensor_coalesced", outputs, inputs,
+                       resolveTimeout(opts.timeout), true, std::move(parts));
+  }
   std::vector<FlatGather> gathers;
   for (size_t i = 0; i < inputs.size(); ++i) {
     gathers.push_back(prepareFlatGather(outputs[i], inputs[i], rank_, size_, "allgather_into_tensor_coalesced"));
@@ -464,6 +561,14 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter(std::vector<at::Tens
   const std::vector<at::Tensor>& ins = inputs[0];
   TORCH_CHECK_VALUE(static_cast<int>(ins.size()) == size_, "smddp rank ", rank_, ": reduce_scatter: the input list has ",
                     ins.size(), " tensors but the group has ", size_, " ranks");
+  if (isCudaOp(concat({out}, ins), "reduce_scatter")) {
+    for (const at::Tensor& b : ins) checkSameType(out, b, rank_, "reduce_scatter");
+    return cudaWhole("reduce_scatter", ins, {out}, [&](const Tensors& hostIn, const Tensors& hostOut) {
+      Tensors o = hostOut;
+      std::vector<std::vector<at::Tensor>> i{hostIn};
+      return reduce_scatter(o, i, opts);
+    });
+  }
   std::vector<at::Tensor> srcs = stageBlocks(ins, out, rank_, "reduce_scatter");
   Staged s = stageOut(out);
   return enqueue(c10d::OpType::REDUCE_SCATTER, "smddp:reduce_scatter", outputs, ins, resolveTimeout(opts.timeout), opts.asyncOp,
@@ -483,15 +588,22 @@ struct FlatScatter {
   Reduction red;
 };
 
-FlatScatter prepareFlatScatter(const at::Tensor& output, const at::Tensor& input, const c10d::ReduceOp& op, int rank,
-                               int size, const char* name) {
+// The checks of a flat reduce-scatter (dtype, sizes, reduce op), on CPU and CUDA alike.
+std::pair<DataType, Reduction> checkFlatScatter(const at::Tensor& output, const at::Tensor& input,
+                                                const c10d::ReduceOp& op, int rank, int size, const char* name) {
   const DataType dtype = checkTensor(input, rank, name);
   checkTensor(output, rank, name);
   checkSameType(output, input, rank, name);
   TORCH_CHECK_VALUE(input.numel() == output.numel() * size, "smddp rank ", rank, ": ", name, ": the input has ",
                     input.numel(), " elements but must have world size (", size, ") x output (", output.numel(),
                     ") = ", output.numel() * size);
-  FlatScatter f{stageOut(output), stageIn(input), dtype, toReduction(op, dtype, size, rank, name)};
+  return {dtype, toReduction(op, dtype, size, rank, name)};
+}
+
+FlatScatter prepareFlatScatter(const at::Tensor& output, const at::Tensor& input, const c10d::ReduceOp& op, int rank,
+                               int size, const char* name) {
+  const auto [dtype, red] = checkFlatScatter(output, input, op, rank, size, name);
+  FlatScatter f{stageOut(output), stageIn(input), dtype, red};
   // The output may be exactly one block of the input (DeepSpeed ZeRO-3 passes a view of it):
   // each block is staged before the matching part of the output is written. Any other overlap
   // goes through a copy.
@@ -514,6 +626,11 @@ void runFlatScatter(algo::Communicator& c, const FlatScatter& f, int size, std::
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                   const c10d::ReduceScatterOptions& opts) {
+  if (isCudaOp({output, input}, "reduce_scatter_tensor")) {
+    const auto [dtype, red] = checkFlatScatter(output, input, opts.reduceOp, rank_, size_, "reduce_scatter_tensor");
+    return cudaColumns(c10d::OpType::_REDUCE_SCATTER_BASE, "smddp:reduce_scatter_tensor", {output}, {input},
+                       resolveTimeout(opts.timeout), false, {{output, input, dtype, red}});
+  }
   FlatScatter f = prepareFlatScatter(output, input, opts.reduceOp, rank_, size_, "reduce_scatter_tensor");
   const int size = size_;
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "smddp:reduce_scatter_tensor", {output}, {input},
@@ -528,6 +645,16 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "smddp rank ", rank_,
                     ": reduce_scatter_tensor_coalesced: got ", outputs.size(), " outputs for ", inputs.size(),
                     " inputs");
+  if (isCudaOp(concat(outputs, inputs), "reduce_scatter_tensor_coalesced")) {
+    std::vector<ColumnPart> parts;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const auto [dtype, red] = checkFlatScatter(outputs[i], inputs[i], opts.reduceOp, rank_, size_,
+                                                 "reduce_scatter_tensor_coalesced");
+      parts.push_back({outputs[i], inputs[i], dtype, red});
+    }
+    return cudaColumns(c10d::OpType::COALESCED, "smddp:reduce_scatter_tensor_coalesced", outputs, inputs,
+                       resolveTimeout(opts.timeout), false, std::move(parts));
+  }
   std::vector<FlatScatter> scatters;
   for (size_t i = 0; i < inputs.size(); ++i) {
     scatters.push_back(
@@ -553,6 +680,15 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
   const at::Tensor& in = single(inputs, rank_, "gather");
   const DataType dtype = checkTensor(in, rank_, "gather");
   const int root = checkRoot(opts.rootRank, rank_, size_, "gather");
+  const Tensors rootOuts = rank_ == root && outputs.size() == 1 ? outputs[0] : Tensors{};
+  if (isCudaOp(concat({in}, rootOuts), "gather")) {
+    return cudaWhole("gather", {in}, rootOuts, [&](const Tensors& hostIn, const Tensors& hostOut) {
+      std::vector<std::vector<at::Tensor>> o;
+      if (rank_ == root) o.push_back(hostOut);
+      Tensors i = hostIn;
+      return gather(o, i, opts);
+    });
+  }
   std::vector<Staged> staged;
   std::vector<at::Tensor> outs;
   if (rank_ == root) {
@@ -594,6 +730,15 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& ou
   const at::Tensor& out = single(outputs, rank_, "scatter");
   const DataType dtype = checkTensor(out, rank_, "scatter");
   const int root = checkRoot(opts.rootRank, rank_, size_, "scatter");
+  const Tensors rootIns = rank_ == root && inputs.size() == 1 ? inputs[0] : Tensors{};
+  if (isCudaOp(concat({out}, rootIns), "scatter")) {
+    return cudaWhole("scatter", rootIns, {out}, [&](const Tensors& hostIn, const Tensors& hostOut) {
+      Tensors o = hostOut;
+      std::vector<std::vector<at::Tensor>> i;
+      if (rank_ == root) i.push_back(hostIn);
+      return scatter(o, i, opts);
+    });
+  }
   std::vector<at::Tensor> srcs;
   if (rank_ == root) {
     TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_, "smddp rank ", rank_,
@@ -646,6 +791,12 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall_base(at::Tensor& output, a
                                                            std::vector<int64_t>& inputSplitSizes,
                                                            const c10d::AllToAllOptions& opts) {
   requireSingleHost("all_to_all_single");
+  if (isCudaOp({output, input}, "all_to_all_single")) {
+    return cudaWhole("all_to_all_single", {input}, {output}, [&](const Tensors& hostIn, const Tensors& hostOut) {
+      at::Tensor o = hostOut[0], i = hostIn[0];
+      return alltoall_base(o, i, outputSplitSizes, inputSplitSizes, opts);
+    });
+  }
   const DataType dtype = checkTensor(input, rank_, "all_to_all_single");
   checkTensor(output, rank_, "all_to_all_single");
   checkSameType(output, input, rank_, "all_to_all_single");
@@ -678,6 +829,12 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& o
   TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_ && static_cast<int>(inputs.size()) == size_,
                     "smddp rank ", rank_, ": all_to_all takes ", size_, " inputs and ", size_, " outputs, got ",
                     inputs.size(), " and ", outputs.size());
+  if (isCudaOp(concat(outputs, inputs), "all_to_all")) {
+    return cudaWhole("all_to_all", inputs, outputs, [&](const Tensors& hostIn, const Tensors& hostOut) {
+      Tensors o = hostOut, i = hostIn;
+      return alltoall(o, i, opts);
+    });
+  }
   const DataType dtype = checkTensor(inputs[0], rank_, "all_to_all");
   std::vector<Staged> outs;
   std::vector<at::Tensor> ins;
@@ -720,6 +877,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
   const char* op = isSend ? "send" : "recv";
   const at::Tensor& t = single(tensors, rank_, op);
   checkTensor(t, rank_, op);
+  TORCH_CHECK_NOT_IMPLEMENTED(!t.is_cuda(), "smddp rank ", rank_, ": ", op,
+                              " of CUDA tensors is not supported yet; copy to the CPU first (tensor.cpu())");
   TORCH_CHECK_VALUE((peer == -1 && !isSend) || (peer >= 0 && peer < size_ && peer != rank_), "smddp rank ", rank_,
                     ": ", op,
                     ": peer ", peer, " is not another rank of this group of size ", size_);

@@ -16,8 +16,10 @@
 #include <mutex>
 
 #include "algo/communicator.h"
+#include "core/error.h"
 #include "engine/p2p_engine.h"
 #include "engine/progress_thread.h"
+#include "torch/cuda_path.h"
 
 namespace smddp::torchext {
 
@@ -25,10 +27,16 @@ class SmddpWork : public c10d::Work {
  public:
   SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, std::vector<at::Tensor> outputs,
             const std::optional<std::vector<at::Tensor>>& inputs, std::chrono::microseconds spin);
+  ~SmddpWork() override;
 
-  // Polls briefly before blocking: an async op is often waited on right after a short op, and
-  // a sleep plus wake-up costs tens of microseconds.
+  // A CUDA op: `doneEvent` is recorded on the staging stream after the results are copied back.
+  void setCuda(std::shared_ptr<CudaPath> path, void* doneEvent);
+
+  // CPU ops: polls briefly before blocking (an async op is often waited on right after a short
+  // op, and a sleep plus wake-up costs tens of microseconds). CUDA ops: makes the current stream
+  // wait for the op, without blocking the host (unless SMDDP_CUDA_BLOCKING_WAIT=1), like NCCL.
   bool wait(std::chrono::milliseconds timeout) override;
+  void synchronize() override;
 
   // DDP consumes its gradient allreduce only through this future.
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
@@ -49,6 +57,8 @@ class SmddpWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::chrono::microseconds spin_;
   std::atomic<int> sourceRank_{-1};
+  std::shared_ptr<CudaPath> cuda_;
+  void* doneEvent_ = nullptr;
 };
 
 class SmddpBackend : public c10d::Backend {
@@ -121,6 +131,46 @@ class SmddpBackend : public c10d::Backend {
 
  private:
   using Body = std::function<void(algo::Communicator&, std::chrono::milliseconds)>;
+  using Work = c10::intrusive_ptr<c10d::Work>;
+  using Tensors = std::vector<at::Tensor>;
+
+  // ---- CUDA tensors (backend_cuda.cc): staged through pinned host memory ----
+  // True when every tensor is a CUDA tensor, false when every one is a CPU tensor; a mix is a
+  // ValueError.
+  bool isCudaOp(const Tensors& tensors, const char* op) const;
+  // An elementwise op, in place on each part (allreduce, reduce, broadcast, their coalesced forms).
+  using FlatRun = std::function<void(algo::Communicator&, std::chrono::milliseconds, void* data, size_t count)>;
+  struct FlatPart {
+    at::Tensor tensor;
+    bool copyIn;
+    bool copyOut;
+    FlatRun run;
+  };
+  Work cudaFlat(c10d::OpType opType, const char* title, const Tensors& tensors, std::chrono::milliseconds timeout,
+                std::vector<FlatPart> parts);
+  // Flat all-gather (`gather`) or reduce-scatter of [world, n] blocks, column block by column block.
+  struct ColumnPart {
+    at::Tensor single;  // all-gather: the input; reduce-scatter: the output
+    at::Tensor blocks;  // all-gather: the output; reduce-scatter: the input
+    DataType dtype;
+    Reduction red;      // reduce-scatter only
+  };
+  Work cudaColumns(c10d::OpType opType, const char* title, const Tensors& outputs, const Tensors& inputs,
+                   std::chrono::milliseconds timeout, bool gather, std::vector<ColumnPart> parts);
+  // Ops with tensor lists: one round holding every tensor; `cpuTwin` runs the CPU form of the
+  // op on host mirrors (in staging) of `reads` and `writes`, and its enqueue is diverted here.
+  using CpuTwin = std::function<Work(const Tensors& hostReads, const Tensors& hostWrites)>;
+  Work cudaWhole(const char* op, const Tensors& reads, const Tensors& writes, const CpuTwin& cpuTwin);
+  // The staged op: launches its rounds on the staging stream and queues the host side.
+  Work enqueueCuda(c10d::OpType opType, const char* title, Tensors outputs, Tensors inputs,
+                   std::chrono::milliseconds timeout, const std::vector<cuda::Round>& rounds,
+                   const std::function<std::vector<CudaStep>(const CudaPath::Launch&)>& makeSteps);
+  CudaPath& cudaPathFor(const Tensors& tensors, const char* op);
+  // A CUDA op's failure is reported by the next call on the group too, since wait() does not block.
+  void throwIfCudaFailed(const char* op);
+  // Inside cudaWhole's CPU twin: queues `body` as the staged op's host side; null otherwise.
+  Work divertToCuda(c10d::OpType opType, const char* title, std::chrono::milliseconds timeout, const Body& body);
+
   // Raises NotImplementedError (before anything is sent, so the group stays usable) for ops the
   // inter-host path does not have yet.
   void requireSingleHost(const char* op) const;
@@ -137,7 +187,21 @@ class SmddpBackend : public c10d::Backend {
   std::unique_ptr<engine::ProgressThread> progress_;
   std::unique_ptr<engine::P2pEngine> p2p_;  // null for a group of one
   std::once_flag shutdownOnce_;
+  // The last split's child, handed out again when torch asks for the next device type.
+  std::mutex splitMutex_;
+  const c10d::Store* lastSplitStore_ = nullptr;
+  std::vector<int> lastSplitRanks_;
+  c10::weak_intrusive_ptr<c10d::Backend> lastSplit_{c10::intrusive_ptr<c10d::Backend>()};
+  // CUDA: launches and queueing happen under one lock, so the staging stream and the progress
+  // thread see ops in the same order.
+  std::recursive_mutex cudaMutex_;
+  std::shared_ptr<CudaPath> cuda_;  // created at the first CUDA tensor
+  std::mutex cudaFailureMutex_;
+  std::exception_ptr cudaFailure_;
 };
+
+// smddp::Error -> the c10 error type Python maps to the right exception class.
+std::exception_ptr toTorchError(const Error& e, int rank);
 
 c10::intrusive_ptr<c10d::Backend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                 std::chrono::milliseconds timeout);

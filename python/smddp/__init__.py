@@ -20,7 +20,7 @@ def _register():
     if getattr(dist.Backend, BACKEND_NAME.upper(), None) == BACKEND_NAME:
         return
     # devices must be a list: a plain string would be iterated character by character.
-    dist.Backend.register_backend(BACKEND_NAME, _C._create_backend, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, _C._create_backend, devices=["cpu", "cuda"])
 
 
 _register()

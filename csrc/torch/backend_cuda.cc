@@ -1,0 +1,225 @@
+// SmddpBackend's CUDA ops: each one becomes rounds of pinned staging (csrc/cuda/staging.h)
+// whose device side goes on the group's staging stream at call time and whose host side (the
+// CPU collective on the staged data) runs on the progress thread in issue order.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "torch/backend.h"
+
+namespace smddp::torchext {
+namespace {
+
+inline uint8_t* bytePtr(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+
+constexpr size_t kAlign = 256;
+size_t alignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+// Set while cudaWhole runs an op's CPU twin on host mirrors: the twin's enqueue lands here.
+struct WholeOp {
+  std::vector<cuda::Round> rounds;
+  std::vector<at::Tensor> outputs, inputs;  // the device tensors
+  bool used = false;
+};
+thread_local WholeOp* tlsWholeOp = nullptr;
+
+}  // namespace
+
+bool SmddpBackend::isCudaOp(const Tensors& tensors, const char* op) const {
+  size_t cudaCount = 0;
+  for (const at::Tensor& t : tensors) cudaCount += t.defined() && t.is_cuda();
+  if (cudaCount == 0) return false;
+  TORCH_CHECK_VALUE(cudaCount == tensors.size(), "smddp rank ", rank_, ": ", op,
+                    ": got both CUDA and CPU tensors; all tensors of one op must be on the same device");
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK_VALUE(t.device() == tensors[0].device(), "smddp rank ", rank_, ": ", op, ": tensors on ",
+                      tensors[0].device(), " and ", t.device(), "; all tensors of one op must be on the same device");
+    TORCH_CHECK_VALUE(t.is_contiguous(), "smddp rank ", rank_, ": ", op,
+                      ": CUDA tensors must be contiguous (as with NCCL); call .contiguous() first");
+  }
+  return true;
+}
+
+CudaPath& SmddpBackend::cudaPathFor(const Tensors& tensors, const char* op) {
+  const c10::Device device = tensors.at(0).device();
+  if (!cuda_) cuda_ = std::make_shared<CudaPath>(rank_, device);
+  TORCH_CHECK_VALUE(cuda_->device() == device, "smddp rank ", rank_, ": ", op, ": this process group uses ",
+                    cuda_->device(), " and got a tensor on ", device,
+                    "; use one CUDA device per process (torch.cuda.set_device(local_rank))");
+  return *cuda_;
+}
+
+void SmddpBackend::throwIfCudaFailed(const char* op) {
+  std::lock_guard<std::mutex> lock(cudaFailureMutex_);
+  if (cudaFailure_) std::rethrow_exception(cudaFailure_);
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
+    c10d::OpType opType, const char* title, Tensors outputs, Tensors inputs, std::chrono::milliseconds timeout,
+    const std::vector<cuda::Round>& rounds,
+    const std::function<std::vector<CudaStep>(const CudaPath::Launch&)>& makeSteps) {
+  std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
+  throwIfCudaFailed(title);
+  std::shared_ptr<CudaPath> path = cuda_;
+  issued_.fetch_add(1);
+  // The tensors stay referenced until the device has copied the results back, so the caching
+  // allocator cannot hand their memory to someone else while the staging stream still uses it.
+  Tensors keep = outputs;
+  keep.insert(keep.end(), inputs.begin(), inputs.end());
+  auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, std::move(outputs),
+                                             std::optional<Tensors>(std::move(inputs)), spin_);
+  const CudaPath::Launch launch = path->launch(rounds);
+  work->setCuda(path, launch.doneEvent);
+  std::vector<CudaStep> steps = makeSteps(launch);
+  algo::Communicator* comm = comm_.get();
+  const int rank = rank_;
+  auto task = [this, work, comm, path, launch, steps = std::move(steps), keep = std::move(keep), timeout, rank]() {
+    std::exception_ptr error;
+    try {
+      path->runHost(launch, steps, *comm, timeout);
+    } catch (const Error& e) {
+      error = toTorchError(e, rank);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    if (error) {
+      std::lock_guard<std::mutex> failLock(cudaFailureMutex_);
+      if (!cudaFailure_) cudaFailure_ = error;
+    }
+    work->complete(error);
+  };
+  try {
+    progress_->enqueue(std::move(task));
+  } catch (const std::logic_error&) {
+    path->release(launch);
+    TORCH_CHECK(false, "smddp rank ", rank_, ": ", title, ": the process group has been shut down");
+  }
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaFlat(c10d::OpType opType, const char* title,
+                                                      const Tensors& tensors, std::chrono::milliseconds timeout,
+                                                      std::vector<FlatPart> parts) {
+  std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
+  CudaPath& path = cudaPathFor(tensors, title);
+  std::vector<cuda::Round> rounds;
+  std::vector<size_t> partOf;  // round -> part
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const at::Tensor& t = parts[k].tensor;
+    for (cuda::Round& r : cuda::planFlat(bytePtr(t), static_cast<size_t>(t.numel()), t.element_size(),
+                                         path.roundBytes(), parts[k].copyIn, parts[k].copyOut)) {
+      rounds.push_back(std::move(r));
+      partOf.push_back(k);
+    }
+  }
+  return enqueueCuda(opType, title, tensors, tensors, timeout, rounds, [&](const CudaPath::Launch& l) {
+    std::vector<CudaStep> steps;
+    for (size_t i = 0; i < rounds.size(); ++i) {
+      void* data = l.bases[i];
+      const size_t count = rounds[i].count;
+      steps.push_back([run = parts[partOf[i]].run, data, count](algo::Communicator& c, std::chrono::milliseconds to) {
+        run(c, to, data, count);
+      });
+    }
+    return steps;
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaColumns(c10d::OpType opType, const char* title,
+                                                         const Tensors& outputs, const Tensors& inputs,
+                                                         std::chrono::milliseconds timeout, bool gather,
+                                                         std::vector<ColumnPart> parts) {
+  std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
+  Tensors all = outputs;
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  CudaPath& path = cudaPathFor(all, title);
+  std::vector<cuda::Round> rounds;
+  std::vector<size_t> partOf;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const ColumnPart& p = parts[k];
+    const size_t n = static_cast<size_t>(p.single.numel());
+    auto plan = gather ? cuda::planGather(bytePtr(p.single), bytePtr(p.blocks), n, size_, p.single.element_size(),
+                                          path.roundBytes())
+                       : cuda::planScatter(bytePtr(p.blocks), bytePtr(p.single), n, size_, p.single.element_size(),
+                                           path.roundBytes());
+    for (cuda::Round& r : plan) {
+      rounds.push_back(std::move(r));
+      partOf.push_back(k);
+    }
+  }
+  const int size = size_;
+  return enqueueCuda(opType, title, outputs, inputs, timeout, rounds, [&](const CudaPath::Launch& l) {
+    std::vector<CudaStep> steps;
+    for (size_t i = 0; i < rounds.size(); ++i) {
+      const cuda::Round& r = rounds[i];
+      const ColumnPart& p = parts[partOf[i]];
+      const cuda::Copy& one = gather ? r.toHost[0] : r.toDevice[0];
+      const cuda::Copy& cols = gather ? r.toDevice[0] : r.toHost[0];
+      uint8_t* single = l.bases[i] + one.hostOffset;
+      std::vector<void*> blocks;
+      for (int k = 0; k < size; ++k) blocks.push_back(l.bases[i] + cols.hostOffset + k * cols.hostPitch);
+      const size_t count = r.count;
+      if (gather) {
+        steps.push_back([dtype = p.dtype, single, blocks, count, size](algo::Communicator& c,
+                                                                        std::chrono::milliseconds to) {
+          c.allgather({dtype, single, blocks, std::vector<size_t>(size, count)}, to);
+        });
+      } else {
+        steps.push_back([dtype = p.dtype, red = p.red, single, blocks, count](algo::Communicator& c,
+                                                                              std::chrono::milliseconds to) {
+          std::vector<const void*> ins(blocks.begin(), blocks.end());
+          c.reduceScatter({dtype, red, ins, single, count, {}}, to);
+        });
+      }
+    }
+    return steps;
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaWhole(const char* op, const Tensors& reads, const Tensors& writes,
+                                                       const CpuTwin& cpuTwin) {
+  std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
+  Tensors all = reads;
+  all.insert(all.end(), writes.begin(), writes.end());
+  CudaPath& path = cudaPathFor(all, op);
+  // One round: the tensors read, then the tensors written, each at an aligned offset.
+  WholeOp whole;
+  whole.inputs = reads;
+  whole.outputs = writes;
+  cuda::Round round;
+  uint8_t* base = path.nextStaging();
+  auto place = [&](const at::Tensor& t, std::vector<cuda::Copy>& copies) {
+    const size_t bytes = t.nbytes();
+    copies.push_back(cuda::Copy{bytePtr(t), bytes, round.stagingBytes, bytes, bytes, 1});
+    at::Tensor host = at::from_blob(base + round.stagingBytes, t.sizes(), t.options().device(at::kCPU));
+    round.stagingBytes += alignUp(bytes);
+    return host;
+  };
+  Tensors hostReads, hostWrites;
+  for (const at::Tensor& t : reads) hostReads.push_back(place(t, round.toHost));
+  for (const at::Tensor& t : writes) hostWrites.push_back(place(t, round.toDevice));
+  TORCH_CHECK_VALUE(round.stagingBytes <= path.roundBytes(), "smddp rank ", rank_, ": ", op, " of CUDA tensors needs ",
+                    round.stagingBytes, " bytes of pinned staging at once, more than half of SMDDP_CUDA_STAGING_BYTES (",
+                    path.roundBytes(), " bytes); raise SMDDP_CUDA_STAGING_BYTES");
+  whole.rounds.push_back(std::move(round));
+  tlsWholeOp = &whole;
+  struct Reset {
+    ~Reset() { tlsWholeOp = nullptr; }
+  } reset;
+  Work work = cpuTwin(hostReads, hostWrites);
+  TORCH_CHECK(whole.used, "smddp rank ", rank_, ": ", op, ": internal error: the CUDA op was not staged");
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::divertToCuda(c10d::OpType opType, const char* title,
+                                                          std::chrono::milliseconds timeout, const Body& body) {
+  WholeOp* whole = tlsWholeOp;
+  if (whole == nullptr) return {};
+  tlsWholeOp = nullptr;  // the twin's body is the one op
+  whole->used = true;
+  return enqueueCuda(opType, title, whole->outputs, whole->inputs, timeout, whole->rounds,
+                     [&body](const CudaPath::Launch&) { return std::vector<CudaStep>{body}; });
+}
+
+}  // namespace smddp::torchext

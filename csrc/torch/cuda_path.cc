@@ -1,0 +1,151 @@
+#include "torch/cuda_path.h"
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+#include <dlfcn.h>
+
+#include <string>
+#include <thread>
+
+#include "core/env.h"
+#include "core/error.h"
+#include "core/log.h"
+
+namespace smddp::torchext {
+namespace {
+
+// libsmddp_cuda.so sits next to this extension module.
+cuda::DeviceOps* loadDeviceOps(int rank) {
+  Dl_info self{};
+  TORCH_CHECK(dladdr(reinterpret_cast<void*>(&loadDeviceOps), &self) != 0 && self.dli_fname, "smddp rank ", rank,
+              ": cannot locate the smddp extension module");
+  std::string dir(self.dli_fname);
+  dir = dir.substr(0, dir.rfind('/') + 1);
+  const std::string path = dir + "libsmddp_cuda.so";
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK_NOT_IMPLEMENTED(lib != nullptr, "smddp rank ", rank,
+                              ": CUDA tensors need libsmddp_cuda.so, which this build of smddp does not have (",
+                              dlerror(), "); rebuild smddp on a machine where nvcc is on PATH");
+  using Factory = cuda::DeviceOps* (*)(int);
+  auto factory = reinterpret_cast<Factory>(dlsym(lib, "smddp_cuda_device_ops"));
+  TORCH_CHECK(factory != nullptr, "smddp rank ", rank, ": ", path, " has no smddp_cuda_device_ops");
+  const std::string& mode = env::cudaFlags();
+  int m = kSmddpFlagsAuto;
+  if (mode == "kernel") {
+    m = kSmddpFlagsKernel;
+  } else if (mode == "memops") {
+    m = kSmddpFlagsMemOps;
+  } else {
+    TORCH_CHECK_VALUE(mode == "auto", "smddp rank ", rank, ": SMDDP_CUDA_FLAGS=", mode,
+                      " is not one of auto, memops, kernel");
+  }
+  try {
+    return factory(m);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "smddp rank ", rank, ": ", e.what());
+  }
+}
+
+}  // namespace
+
+CudaPath::CudaPath(int rank, c10::Device device) : rank_(rank), device_(device) {
+  ops_ = loadDeviceOps(rank);
+  c10::DeviceGuard guard(device_);
+  const int64_t bytes = env::cudaStagingBytes();
+  TORCH_CHECK_VALUE(bytes >= 4096, "smddp rank ", rank, ": SMDDP_CUDA_STAGING_BYTES=", bytes, " is too small");
+  try {
+    stream_ = ops_->createStream();
+    callerReady_ = ops_->createEvent();
+    pipeline_ = std::make_unique<cuda::StagingPipeline>(*ops_, static_cast<size_t>(bytes));
+  } catch (const std::exception& e) {
+    if (callerReady_) ops_->destroyEvent(callerReady_);
+    if (stream_) ops_->destroyStream(stream_);
+    TORCH_CHECK(false, "smddp rank ", rank, ": setting up CUDA staging on ", device_, ": ", e.what());
+  }
+  SMDDP_INFO(kInit, "rank %d: CUDA staging on %s: %lld bytes pinned, flags by %s", rank, device_.str().c_str(),
+             static_cast<long long>(bytes), ops_->flagMechanism());
+}
+
+CudaPath::~CudaPath() {
+  pipeline_->abort();
+  // The pinned buffer may be freed only once the stream stopped using it. A stream stuck behind
+  // a kernel that never ends would hold us forever: give it a few seconds, then leak the buffer.
+  bool idle = false;
+  try {
+    for (int i = 0; i < 5000 && !(idle = ops_->streamIdle(stream_)); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  } catch (const std::exception&) {
+  }
+  if (idle) {
+    pipeline_.reset();
+  } else {
+    SMDDP_WARN(kInit, "rank %d: the CUDA staging stream is still busy at shutdown; its pinned buffer is not freed",
+               rank_);
+    (void)pipeline_.release();
+  }
+  ops_->destroyEvent(callerReady_);
+  for (void* e : freeEvents_) ops_->destroyEvent(e);
+  ops_->destroyStream(stream_);
+}
+
+void CudaPath::recycleEvent(void* event) {
+  std::lock_guard<std::mutex> lock(eventsMutex_);
+  freeEvents_.push_back(event);
+}
+
+CudaPath::Launch CudaPath::launch(const std::vector<cuda::Round>& rounds) {
+  c10::DeviceGuard guard(device_);
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  Launch l;
+  try {
+    ops_->recordEvent(callerReady_, impl.getStream(device_).native_handle());
+    ops_->streamWaitEvent(stream_, callerReady_);
+    l.ticket = pipeline_->enqueue(rounds, stream_);
+    for (size_t i = 0; i < rounds.size(); ++i) l.bases.push_back(pipeline_->stagingOf(l.ticket, i));
+    {
+      std::lock_guard<std::mutex> lock(eventsMutex_);
+      if (!freeEvents_.empty()) {
+        l.doneEvent = freeEvents_.back();
+        freeEvents_.pop_back();
+      }
+    }
+    if (!l.doneEvent) l.doneEvent = ops_->createEvent();
+    ops_->recordEvent(l.doneEvent, stream_);
+  } catch (const std::length_error& e) {
+    TORCH_CHECK_VALUE(false, "smddp rank ", rank_, ": ", e.what(), "; raise SMDDP_CUDA_STAGING_BYTES");
+  } catch (const std::exception& e) {
+    if (l.ticket.rounds > 0) pipeline_->releaseAll(l.ticket);
+    TORCH_CHECK(false, "smddp rank ", rank_, ": ", e.what());
+  }
+  return l;
+}
+
+void CudaPath::runHost(const Launch& l, const std::vector<CudaStep>& steps, algo::Communicator& c,
+                       std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  try {
+    for (size_t i = 0; i < steps.size(); ++i) {
+      pipeline_->awaitRound(l.ticket, i, deadline);
+      steps[i](c, timeout);
+      pipeline_->finishRound(l.ticket, i);
+    }
+    pipeline_->awaitCopiedBack(l.ticket, deadline);
+  } catch (...) {
+    pipeline_->releaseAll(l.ticket);
+    throw;
+  }
+}
+
+void CudaPath::blockCurrentStream(void* event) {
+  c10::DeviceGuard guard(device_);
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  try {
+    ops_->streamWaitEvent(impl.getStream(device_).native_handle(), event);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "smddp rank ", rank_, ": ", e.what());
+  }
+}
+
+}  // namespace smddp::torchext

@@ -1,0 +1,216 @@
+"""One rank of the CUDA tests (tests/test_cuda.py runs `world` of these): every collective on
+CUDA tensors against a CPU reference, stream semantics, DDP, kernel block caps, refusals.
+Prints "FAIL ..." lines and exits non-zero on any failure."""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _util  # noqa: E402
+import smddp  # noqa: E402,F401
+
+failures = []
+checks = 0
+
+
+def check(cond, msg):
+    global checks
+    checks += 1
+    if not cond:
+        failures.append(msg)
+        print(f"FAIL rank {dist.get_rank()}: {msg}", flush=True)
+
+
+def same(got, ref, exact, label):
+    got = got.cpu()
+    if exact or not ref.dtype.is_floating_point:
+        ok = torch.equal(got, ref)
+    else:
+        rtol, atol = _util._TOL[ref.dtype]
+        ok = torch.allclose(got.double(), ref.double(), rtol=rtol * 4, atol=atol)
+    check(ok, f"{label}: got {got.flatten()[:4].tolist()} want {ref.flatten()[:4].tolist()}")
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.uint8]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+
+
+def collectives(rank, world, dev, sizes):
+    for dtype in DTYPES:
+        for n in sizes:
+            d = _util.dname(dtype)
+            for op in OPS:
+                if _util.refused(dtype, op) or (op == "AVG" and not dtype.is_floating_point):
+                    continue
+                exact = _util.exact_op(dtype, op)
+                ins = _util.gen_all("ar", world, n, dtype, op)
+                ref = _util.reduce_ref(ins, dtype, op)
+                t = ins[rank].to(dev)
+                dist.all_reduce(t, op=_util.make_op(op, dtype))
+                same(t, ref, exact, f"all_reduce {d} {op} n={n}")
+                # reduce_scatter_tensor: rank r gets block r of the reduction
+                ins2 = _util.gen_all("rs", world, n * world, dtype, op)
+                ref2 = _util.reduce_ref(ins2, dtype, op).view(world, n)[rank]
+                out = torch.full((n,), 7, dtype=dtype, device=dev)
+                dist.reduce_scatter_tensor(out, ins2[rank].to(dev), op=_util.make_op(op, dtype))
+                same(out, ref2, exact, f"reduce_scatter_tensor {d} {op} n={n}")
+                if n <= 4096:
+                    outl = torch.zeros(n, dtype=dtype, device=dev)
+                    dist.reduce_scatter(outl, list(ins2[rank].to(dev).view(world, n).unbind(0)),
+                                        op=_util.make_op(op, dtype))
+                    same(outl, ref2, exact, f"reduce_scatter (list) {d} {op} n={n}")
+                root = (n + 1) % world
+                t = ins[rank].to(dev)
+                before = t.clone()
+                dist.reduce(t, dst=root, op=_util.make_op(op, dtype))
+                if rank == root:
+                    same(t, ref, exact, f"reduce {d} {op} n={n}")
+                else:
+                    check(torch.equal(t, before), f"reduce {d} {op} n={n}: a non-root tensor changed")
+            ins = _util.gen_all("ag", world, n, dtype)
+            out = torch.empty(n * world, dtype=dtype, device=dev)
+            dist.all_gather_into_tensor(out, ins[rank].to(dev))
+            same(out, torch.cat(ins), True, f"all_gather_into_tensor {d} n={n}")
+            # in place, the way FSDP2 does it: the input is this rank's block of the output
+            out = torch.zeros(n * world, dtype=dtype, device=dev)
+            out.view(world, n)[rank].copy_(ins[rank].to(dev))
+            dist.all_gather_into_tensor(out, out.view(world, n)[rank])
+            same(out, torch.cat(ins), True, f"all_gather_into_tensor in place {d} n={n}")
+            t = ins[rank].to(dev)
+            dist.broadcast(t, src=world - 1)
+            same(t, ins[world - 1], True, f"broadcast {d} n={n}")
+            if n <= 4096:
+                outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(world)]
+                dist.all_gather(outs, ins[rank].to(dev))
+                same(torch.cat(outs), torch.cat(ins), True, f"all_gather (list) {d} n={n}")
+                a2a = _util.gen_all("a2a", world, n * world, dtype)
+                o = torch.empty(n * world, dtype=dtype, device=dev)
+                dist.all_to_all_single(o, a2a[rank].to(dev))
+                want = torch.cat([a2a[p].view(world, n)[rank] for p in range(world)])
+                same(o, want, True, f"all_to_all_single {d} n={n}")
+                outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(world)]
+                dist.all_to_all(outs, list(a2a[rank].to(dev).view(world, n).unbind(0)))
+                same(torch.cat(outs), want, True, f"all_to_all {d} n={n}")
+                g = [torch.empty(n, dtype=dtype, device=dev) for _ in range(world)] if rank == 0 else None
+                dist.gather(ins[rank].to(dev), g, dst=0)
+                if rank == 0:
+                    same(torch.cat(g), torch.cat(ins), True, f"gather {d} n={n}")
+                o = torch.empty(n, dtype=dtype, device=dev)
+                dist.scatter(o, [x.to(dev) for x in ins] if rank == 1 else None, src=1)
+                same(o, ins[rank], True, f"scatter {d} n={n}")
+
+
+def stream_semantics(rank, world, dev):
+    # The op must wait for work queued on the caller's stream before it, and work queued after
+    # wait() must see its result, on a non-default stream, without the host blocking.
+    s = torch.cuda.Stream()
+    cycles = int(2e8)  # ~0.1 s on the GPU
+    with torch.cuda.stream(s):
+        x = torch.zeros(1 << 20, device=dev)
+        torch.cuda._sleep(cycles)
+        x.fill_(rank + 1)
+        t0 = time.perf_counter()
+        w = dist.all_reduce(x, async_op=True)
+        w.wait()
+        y = x * 2
+        host_s = time.perf_counter() - t0
+    s.synchronize()
+    want = float(sum(range(1, world + 1)) * 2)
+    check(bool((y == want).all()), f"stream semantics: got {y[:2].tolist()} want {want}")
+    check(host_s < 0.05, f"all_reduce + wait() blocked the host for {host_s:.3f} s behind a 0.1 s kernel")
+    # future: completes once the result is on the device
+    x = torch.full((1000,), float(rank), device=dev)
+    fut = dist.all_reduce(x, async_op=True).get_future()
+    res = fut.then(lambda f: f.value()[0] * 10).wait()
+    check(bool((res == 10 * sum(range(world))).all()), "future.then on a CUDA all_reduce")
+
+
+def ddp(rank, world, dev):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).to(dev)
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).to(dev)
+    ref.load_state_dict(model.state_dict())
+    net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        xs = torch.randn(world, 16, 64, generator=g).to(dev)
+        ys = torch.randn(world, 16, 8, generator=g).to(dev)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(xs[rank]), ys[rank]).backward()
+        opt.step()
+        ropt.zero_grad()
+        sum(torch.nn.functional.mse_loss(ref(xs[r]), ys[r]) for r in range(world)).div(world).backward()
+        ropt.step()
+    for (name, p), q in zip(net.module.named_parameters(), ref.parameters()):
+        check(torch.allclose(p, q, rtol=1e-4, atol=1e-5), f"DDP on CUDA: parameter {name} differs from 1-process training")
+
+
+def block_caps(rank, world, dev):
+    # With SMDDP_CUDA_FLAGS=kernel the only kernels smddp launches are its flag kernels (1 block);
+    # with memops none at all. Either way, none above SMDDP_MAX_CTAS blocks.
+    from torch.profiler import ProfilerActivity, profile
+    x = torch.ones(1 << 22, device=dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    cap = int(os.environ.get("SMDDP_MAX_CTAS", "8"))
+    ours = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "smddp" in e.get("name", "")]
+    for e in ours:
+        grid = e.get("args", {}).get("grid", [1, 1, 1])
+        check(grid[0] * grid[1] * grid[2] <= cap, f"kernel {e['name']} ran with grid {grid} > {cap} blocks")
+    print(f"rank {rank}: smddp kernels seen in one all_reduce: {sorted({e['name'] for e in ours})}", flush=True)
+
+
+def refusals(rank, world, dev):
+    x = torch.ones(4, device=dev)
+    for label, call, exc in [
+        ("send of a CUDA tensor", lambda: dist.send(x, dst=(rank + 1) % world), NotImplementedError),
+        ("CPU and CUDA tensors in one op", lambda: dist.all_gather_into_tensor(torch.empty(4 * world), x), ValueError),
+        ("non-contiguous CUDA tensor", lambda: dist.all_reduce(torch.ones(4, 4, device=dev).t()), ValueError),
+    ]:
+        try:
+            call()
+            check(False, f"{label}: no error")
+        except exc as e:
+            check(f"rank {rank}" in str(e), f"{label}: message does not name the rank: {e}")
+    t = torch.ones(3, device=dev)
+    dist.all_reduce(t)
+    check(bool((t == world).all()), "group usable after refusals")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--world", type=int)
+    ap.add_argument("--case")
+    a = ap.parse_args()
+    dev = torch.device("cuda", a.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    dist.init_process_group("smddp", rank=a.rank, world_size=a.world)
+    if a.case == "small":
+        collectives(a.rank, a.world, dev, [0, 1, 13, 4099])
+    elif a.case == "large":  # many staging rounds: SMDDP_CUDA_STAGING_BYTES is small in this case
+        collectives(a.rank, a.world, dev, [(3 << 20) // 2 + 77])
+    elif a.case == "semantics":
+        stream_semantics(a.rank, a.world, dev)
+        ddp(a.rank, a.world, dev)
+        block_caps(a.rank, a.world, dev)
+        refusals(a.rank, a.world, dev)
+    dist.destroy_process_group()
+    print(f"rank {a.rank}: {checks} checks, {len(failures)} failed", flush=True)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The CUDA path. Host-side parts run everywhere (tests/cpp/test_cuda_host.cc via test_core_cpp,
+registration, the build); the GPU parts need a GPU and skip without one."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import smddp
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+def test_backend_registered_for_cpu_and_cuda():
+    assert dist.Backend.backend_capability["smddp"] == ["cpu", "cuda"]
+
+
+def test_cuda_library_built_where_nvcc_is():
+    lib = Path(smddp.__file__).parent / "libsmddp_cuda.so"
+    if shutil.which("nvcc") is None and not os.environ.get("CUDACXX"):
+        pytest.skip("nvcc is not on PATH: this build has no CUDA library")
+    assert lib.exists(), f"nvcc is on PATH but {lib} was not built"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(case, world, extra_env=None, timeout=600):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), **(extra_env or {}))
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "cuda_worker.py"), "--rank", str(r),
+                               "--world", str(world), "--case", case], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append(out)
+    report = "\n".join(outs)
+    assert all(p.returncode == 0 for p in procs), report[-6000:]
+    assert report.count(" failed") == world and ", 0 failed" in report, report[-3000:]
+
+
+@needs_gpu
+@pytest.mark.parametrize("world", [2, 3])
+def test_cuda_collectives_small(world):
+    _run_ranks("small", world)
+
+
+@needs_gpu
+@pytest.mark.parametrize("flags", ["memops", "kernel"])
+def test_cuda_collectives_many_staging_rounds(flags):
+    # 1 MiB of staging: every large op runs in many rounds through both halves.
+    _run_ranks("large", 2, {"SMDDP_CUDA_STAGING_BYTES": str(1 << 20), "SMDDP_CUDA_FLAGS": flags})
+
+
+@needs_gpu
+@pytest.mark.parametrize("flags", ["auto", "kernel"])
+def test_cuda_stream_semantics_ddp_block_caps(flags):
+    _run_ranks("semantics", 2, {"SMDDP_CUDA_FLAGS": flags})
+
+
+@needs_gpu
+def test_cuda_kernels_and_pipeline_on_gpu():
+    exe = BUILD / "smddp_cuda_gpu_tests"
+    assert exe.exists(), f"{exe} is missing although a GPU is here: was nvcc on PATH at build time?"
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-3000:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1].endswith(" passed, 0 failed")
