@@ -13,7 +13,7 @@ from _pool import TESTS_DIR, free_port
 from _util import IS_SMDDP
 
 CHILD = r"""
-import datetime, sys, time, torch, torch.distributed as dist
+import datetime, os, sys, time, torch, torch.distributed as dist
 import smddp
 rank, world, url, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world,
@@ -31,6 +31,13 @@ try:
         dist.all_reduce(t)
 except Exception as e:
     print(f"ERROR after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
+    # What a survivor leaves behind once it has given up on the group.
+    dist.destroy_process_group()
+    names = []
+    for d in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{d}/comm") as f:
+            names.append(f.read().strip())
+    print("backend threads left:", sum(n.startswith("smddp") for n in names), flush=True)
     sys.exit(3)
 """
 
@@ -64,8 +71,8 @@ def _finish(procs, limit):
 
 def _kill_and_check(procs, victim, limit, wait_before_kill=0.0):
     """SIGKILLs rank `victim`; every other rank must exit 3 (it caught the error) with a
-    DistBackendError naming the allreduce, within `limit` seconds, leaving /dev/shm clean.
-    Returns the survivors' outputs by rank."""
+    DistBackendError naming the allreduce, within `limit` seconds, and after destroying its group
+    have no backend thread left; /dev/shm must be clean. Returns the survivors' outputs by rank."""
     time.sleep(wait_before_kill)
     procs[victim].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
@@ -75,22 +82,25 @@ def _kill_and_check(procs, victim, limit, wait_before_kill=0.0):
     for r, out in survivors.items():
         assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{out[-2000:]}"
         assert "DistBackendError" in out and "allreduce #" in out, out[-2000:]
+        assert "backend threads left: 0" in out, out[-2000:]
     assert elapsed < limit, f"survivors took {elapsed:.1f}s"
     assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
     return survivors
 
 
 @pytest.mark.timeout(120)
-def test_peer_killed_during_collectives():
+@pytest.mark.parametrize("victim", [0, 1, 2])
+def test_peer_killed_during_collectives(victim):
+    """Any rank may die, rank 0 (which also serves the job's TCP store) included."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(3, "loop", 60)
     _wait_ready(procs)
     # 0.5 s: the survivors are deep in their allreduce loop. 10 s is far below the 60 s op
     # timeout: the dead pid is noticed on the next sleep tick.
-    outs = _kill_and_check(procs, 1, 10, wait_before_kill=0.5)
+    outs = _kill_and_check(procs, victim, 10, wait_before_kill=0.5)
     for msg in outs.values():
-        assert "rank 1" in msg and "exited" in msg, msg[-2000:]
+        assert f"rank {victim}" in msg and "exited" in msg, msg[-2000:]
 
 
 @pytest.mark.timeout(120)

@@ -26,6 +26,12 @@ void writeDescriptor(OpContext& ctx, uint64_t phase, const Expect& e, uint64_t c
   d.redop = static_cast<uint32_t>(e.redop);
   d.root = e.root;
   d.count = count;
+  d.fingerprint = ctx.fingerprint;
+  if (ctx.fingerprint != 0 && ctx.text != nullptr) {
+    const size_t n = std::min(ctx.text->size(), shm::kOpTextBytes - 1);
+    std::memcpy(d.text, ctx.text->data(), n);
+    d.text[n] = '\0';
+  }
 }
 
 // After the first phase of an op: every peer must be running the same collective with matching
@@ -49,6 +55,20 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
                d.dtype < kNumDataTypes ? dataTypeName(static_cast<DataType>(d.dtype)) : "?",
                d.redop < kNumReduceOps ? reduceOpName(static_cast<ReduceOp>(d.redop)) : "?", d.root,
                static_cast<unsigned long long>(d.count));
+  }
+  // Debug checks: the callers' full descriptions must agree too (shapes, API), where both sides
+  // have them on.
+  if (ctx.fingerprint == 0) return;
+  for (int p = 0; p < ctx.size; ++p) {
+    if (p == ctx.rank) continue;
+    const shm::OpDescriptor& d = ctx.domain->descriptor(p, phase);
+    if (d.fingerprint == 0 || d.fingerprint == ctx.fingerprint) continue;
+    const std::string theirs(d.text, strnlen(d.text, shm::kOpTextBytes));
+    throwError(ErrorCode::kInvalidUsage,
+               "collectives do not match across ranks (SMDDP_DEBUG_CHECKS): at %s #%llu this rank runs %s but "
+               "rank %d runs %s",
+               opKindName(e.kind), static_cast<unsigned long long>(ctx.seq), ctx.text ? ctx.text->c_str() : "?",
+               p, theirs.c_str());
   }
 }
 

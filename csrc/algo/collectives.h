@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/types.h"
@@ -42,6 +43,8 @@ struct OpContext {
   int size = 1;
   uint64_t seq = 0;  // the op's sequence number in its group (same on every rank)
   shm::WaitContext wait;
+  uint64_t fingerprint = 0;        // debug checks: hash of `text`, 0 when off
+  const std::string* text = nullptr;
   size_t oneShotMaxBytes = 0;
 };
 

@@ -68,6 +68,13 @@ Communicator::~Communicator() = default;
 
 void Communicator::abort() { aborted_.store(true); }
 
+void Communicator::describeNextOps(std::string text) {
+  opText_ = std::move(text);
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char c : opText_) h = (h ^ c) * 1099511628211ull;
+  opFingerprint_ = opText_.empty() ? 0 : (h == 0 ? 1 : h);
+}
+
 template <class Fn>
 void Communicator::run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn) {
   const uint64_t seq = ++seq_;
@@ -89,6 +96,8 @@ void Communicator::run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn) 
   ctx.wait.deadline = std::chrono::steady_clock::now() + timeout;
   ctx.wait.abort = &aborted_;
   ctx.oneShotMaxBytes = oneShotMaxBytes_;
+  ctx.fingerprint = opFingerprint_;
+  ctx.text = &opText_;
   try {
     if (domain_) domain_->commitSlots();
     fn(ctx);

@@ -48,6 +48,11 @@ class Communicator {
   // Makes every current and future wait fail promptly with kAborted. Thread-safe.
   void abort();
 
+  // Debug checks: the caller's description of the ops it runs next (API, shapes); peers on the
+  // host compare its hash at each op's first step. Empty turns the check off. Same thread as
+  // the collectives.
+  void describeNextOps(std::string text);
+
  private:
   template <class Fn>
   void run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn);
@@ -68,6 +73,8 @@ class Communicator {
   uint64_t seq_ = 0;
   std::atomic<bool> aborted_{false};
   std::string brokenBy_;  // set by the first failed op; later ops fail fast with it
+  std::string opText_;
+  uint64_t opFingerprint_ = 0;
 };
 
 }  // namespace smddp::algo

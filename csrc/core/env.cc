@@ -65,6 +65,10 @@ constexpr Param kParams[] = {
     {"SMDDP_MAX_CTAS", "8", "Most thread blocks any smddp GPU kernel (copy, reduce) is launched with."},
     {"SMDDP_SIMD", "auto", "Reduce-kernel instruction set: auto, avx512, avx2 or scalar."},
     {"SMDDP_DEBUG", "WARN", "Log level: NONE, WARN, INFO or TRACE."},
+    {"SMDDP_DEBUG_CHECKS", "0",
+     "1: ranks also compare a fingerprint of each op's full description (API, dtypes, shapes) at its "
+     "first step and report the first divergence with both sides' descriptions (a mismatch of op, "
+     "dtype, reduce op, root or size is always caught). TORCH_DISTRIBUTED_DEBUG=DETAIL turns it on too."},
     {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, NET, ENV or ALL; ^ inverts."},
 };
 
@@ -117,6 +121,7 @@ SMDDP_INT_PARAM(spinMicros, "SMDDP_SPIN_US")
 SMDDP_INT_PARAM(yieldMicros, "SMDDP_YIELD_US")
 SMDDP_STRING_PARAM(debugLevel, "SMDDP_DEBUG")
 SMDDP_STRING_PARAM(debugSubsys, "SMDDP_DEBUG_SUBSYS")
+SMDDP_INT_PARAM(debugChecks, "SMDDP_DEBUG_CHECKS")
 SMDDP_STRING_PARAM(hostId, "SMDDP_HOST_ID")
 SMDDP_STRING_PARAM(socketIfname, "SMDDP_SOCKET_IFNAME")
 SMDDP_STRING_PARAM(netAlgo, "SMDDP_NET_ALGO")

@@ -33,6 +33,8 @@ int64_t spinMicros();
 const std::string& debugLevel();
 // Comma list of subsystems to log (INIT, COLL, SHM, ENV or ALL); a leading ^ inverts.
 const std::string& debugSubsys();
+// 1: compare a fingerprint of each op's full description across ranks.
+int64_t debugChecks();
 // Microseconds a waiting rank keeps yielding its core before sleeping, when ranks outnumber cores.
 int64_t yieldMicros();
 // Splits one machine into several "hosts" (tests); empty = no split.

@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
 
 #include "core/env.h"
 #include "core/error.h"
@@ -221,6 +224,8 @@ void SmddpWork::complete(std::exception_ptr error) {
 SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size), timeoutMs_(timeout.count()), spin_(lingerBudget(size)) {
+  const char* torchDebug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
+  debugChecks_ = env::debugChecks() != 0 || (torchDebug != nullptr && std::string(torchDebug) == "DETAIL");
   C10dStore s(store);
   try {
     comm_ = std::make_unique<algo::Communicator>(s, rank, size, timeout);
@@ -289,6 +294,39 @@ c10::intrusive_ptr<c10d::Backend> SmddpBackend::split(const c10::intrusive_ptr<c
   return child;
 }
 
+SmddpBackend::Body SmddpBackend::describedBody(c10d::OpType opType, const char* title, const Tensors& outputs,
+                                              const Tensors& inputs, Body body) const {
+  if (!debugChecks_) return body;
+  // Only what every rank must agree on: list ops may have per-rank sizes (uneven all_gather and
+  // all_to_all, gather/scatter lists on the root only), so their shapes stay out.
+  bool outShapes = false, inShapes = false;
+  switch (opType) {
+    case c10d::OpType::ALLGATHER: outShapes = true; break;
+    case c10d::OpType::REDUCE_SCATTER: inShapes = true; break;
+    case c10d::OpType::GATHER:
+    case c10d::OpType::SCATTER:
+    case c10d::OpType::ALLTOALL:
+    case c10d::OpType::ALLTOALL_BASE: break;
+    default: outShapes = inShapes = true;
+  }
+  std::ostringstream text;
+  text << (std::strncmp(title, "smddp:", 6) == 0 ? title + 6 : title) << "(";
+  const at::Tensor* first = !outputs.empty() ? &outputs[0] : (!inputs.empty() ? &inputs[0] : nullptr);
+  if (first) text << first->scalar_type() << " on " << first->device().type();
+  auto shapes = [&](const char* what, const Tensors& ts) {
+    text << ", " << what << " " << ts.size() << " x [";
+    for (size_t i = 0; i < ts.size(); ++i) text << (i ? " " : "") << ts[i].sizes();
+    text << "]";
+  };
+  if (outShapes) shapes("outputs", outputs);
+  if (inShapes) shapes("inputs", inputs);
+  text << ")";
+  return [text = text.str(), body = std::move(body)](algo::Communicator& c, std::chrono::milliseconds to) {
+    c.describeNextOps(text);
+    body(c, to);
+  };
+}
+
 std::chrono::milliseconds SmddpBackend::resolveTimeout(std::chrono::milliseconds requested) const {
   return requested == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : requested;
 }
@@ -299,6 +337,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
   if (Work staged = divertToCuda(opType, title, timeout, body)) return staged;
   throwIfCudaFailed(title);
   issued_.fetch_add(1);
+  body = describedBody(opType, title, outputs, inputs, std::move(body));
   auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, std::move(outputs),
                                              std::optional<std::vector<at::Tensor>>(std::move(inputs)), spin_);
   algo::Communicator* comm = comm_.get();

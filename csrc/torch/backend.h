@@ -72,6 +72,7 @@ class SmddpBackend : public c10d::Backend {
   c10::intrusive_ptr<Options> getBackendOptions() override;
   // Which hosts the group spans, as {"hosts", "host", "local_rank", "local_size", "transport"}.
   std::map<std::string, std::string> topologySummary() const;
+  bool debugChecks() const { return debugChecks_; }
 
   // split_group / DeviceMesh with a bound device: a new group over `ranks` (ranks of this group),
   // bootstrapped through `store`; nullptr on ranks outside it.
@@ -178,9 +179,15 @@ class SmddpBackend : public c10d::Backend {
                                          std::vector<at::Tensor> inputs, std::chrono::milliseconds timeout,
                                          bool async, Body body);
   std::chrono::milliseconds resolveTimeout(std::chrono::milliseconds requested) const;
+  // Debug checks (SMDDP_DEBUG_CHECKS, TORCH_DISTRIBUTED_DEBUG=DETAIL): `body` preceded by handing
+  // the core a description of the op (API, dtypes, and the shapes that must agree across ranks),
+  // whose fingerprint peers compare. `body` unchanged when the checks are off.
+  Body describedBody(c10d::OpType opType, const char* title, const Tensors& outputs, const Tensors& inputs,
+                     Body body) const;
   c10::intrusive_ptr<c10d::Work> p2p(bool isSend, std::vector<at::Tensor>& tensors, int peer, int tag);
 
   std::atomic<int64_t> timeoutMs_;
+  bool debugChecks_ = false;
   std::chrono::microseconds spin_;
   std::atomic<uint64_t> issued_{0};
   std::unique_ptr<algo::Communicator> comm_;

@@ -67,11 +67,11 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
   // allocator cannot hand their memory to someone else while the staging stream still uses it.
   Tensors keep = outputs;
   keep.insert(keep.end(), inputs.begin(), inputs.end());
-  auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, std::move(outputs),
-                                             std::optional<Tensors>(std::move(inputs)), spin_);
+  auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, outputs, std::optional<Tensors>(inputs), spin_);
   const CudaPath::Launch launch = path->launch(rounds);
   work->setCuda(path, launch.doneEvent);
   std::vector<CudaStep> steps = makeSteps(launch);
+  for (CudaStep& s : steps) s = describedBody(opType, title, outputs, inputs, std::move(s));
   algo::Communicator* comm = comm_.get();
   const int rank = rank_;
   auto task = [this, work, comm, path, launch, steps = std::move(steps), keep = std::move(keep), timeout, rank]() {

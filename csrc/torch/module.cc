@@ -17,7 +17,9 @@ PYBIND11_MODULE(_C, m) {
       m, "SmddpBackend")
       // What split_group deep-copies from its parent; also lets users read the group's timeout.
       .def_property_readonly("options", &smddp::torchext::SmddpBackend::getBackendOptions)
-      .def("_topology", &smddp::torchext::SmddpBackend::topologySummary);
+      .def("_topology", &smddp::torchext::SmddpBackend::topologySummary)
+      // Whether ops carry a fingerprint peers compare (SMDDP_DEBUG_CHECKS, TORCH_DISTRIBUTED_DEBUG=DETAIL).
+      .def_property_readonly("_debug_checks", &smddp::torchext::SmddpBackend::debugChecks);
 
   m.def(
       "_create_backend",

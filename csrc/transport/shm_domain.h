@@ -24,6 +24,7 @@ namespace smddp::shm {
 
 // What a rank says it is doing at the first phase of each op, so peers can refuse a mismatch
 // (different op, dtype or size) instead of silently reducing garbage.
+constexpr size_t kOpTextBytes = 176;
 struct alignas(64) OpDescriptor {
   uint64_t seq;
   uint32_t kind;
@@ -31,6 +32,10 @@ struct alignas(64) OpDescriptor {
   uint32_t redop;
   int32_t root;
   uint64_t count;  // elements this rank contributes or expects
+  // Debug checks (SMDDP_DEBUG_CHECKS): a hash of the caller's full description of the op (API,
+  // shapes) and the description itself, for the message; 0 when the checks are off.
+  uint64_t fingerprint;
+  char text[kOpTextBytes];
 };
 
 struct WaitContext {

@@ -27,29 +27,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr char kMagic[8] = {'S', 'M', 'D', 'D', 'P', 'N', 'E', 'T'};
-constexpr size_t kSecretChars = 32;
+using wire::kHeaderBytes;
+using wire::kSecretChars;
 constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client must introduce itself by then
 constexpr auto kPollTick = std::chrono::milliseconds(50);  // how often a waiter checks abort and deadline
-
-struct Hello {
-  char magic[8];
-  char secret[kSecretChars];
-  int32_t from;
-  int32_t to;
-};
-
-struct MsgHeader {
-  uint64_t tag;
-  uint64_t bytes;
-};
-constexpr size_t kHeaderBytes = sizeof(MsgHeader);
-
-bool equalConstantTime(const char* a, const char* b, size_t n) {
-  unsigned char diff = 0;
-  for (size_t i = 0; i < n; ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
 
 int msLeft(Clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
@@ -100,13 +81,12 @@ struct TcpMesh::Peer {
   // The current exchange's queues and progress through them.
   std::vector<const Send*> sends;
   size_t sendIdx = 0, sendOff = 0;  // offsets count the header first
-  MsgHeader sendHdr{};
-  std::vector<const Recv*> recvs;
-  size_t recvIdx = 0, recvOff = 0;
-  MsgHeader recvHdr{};
+  wire::MsgHeader sendHdr{};
+  std::vector<const Recv*> recvs;  // collected, then handed to rx
+  wire::RecvCursor rx;
 
   bool sending() const { return sendIdx < sends.size(); }
-  bool receiving() const { return recvIdx < recvs.size(); }
+  bool receiving() const { return !rx.done(); }
 };
 
 TcpMesh::TcpMesh(const Topology& topo) : topo_(topo) {}
@@ -208,11 +188,7 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
-    Hello h{};
-    std::memcpy(h.magic, kMagic, sizeof(kMagic));
-    std::memcpy(h.secret, secret.data(), std::min(secret.size(), kSecretChars));
-    h.from = rank;
-    h.to = p;
+    wire::Hello h = wire::makeHello(secret, rank, p);
     char ack = 0;
     if (!ioAll(fd, &h, sizeof(h), true, deadline) || !ioAll(fd, &ack, 1, false, deadline) || ack != 'K') {
       close(fd);
@@ -241,12 +217,10 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
     if (fd < 0) continue;
     char fromIp[INET_ADDRSTRLEN] = {};
     inet_ntop(AF_INET, &from.sin_addr, fromIp, sizeof(fromIp));
-    Hello h{};
+    wire::Hello h{};
     const auto helloDeadline = std::min(deadline, Clock::now() + kHelloTimeout);
-    const bool ok = ioAll(fd, &h, sizeof(h), false, helloDeadline) &&
-                    std::memcmp(h.magic, kMagic, sizeof(kMagic)) == 0 &&
-                    equalConstantTime(h.secret, secret.data(), std::min(secret.size(), kSecretChars)) &&
-                    h.to == rank && std::find(waiting.begin(), waiting.end(), h.from) != waiting.end();
+    const bool ok =
+        ioAll(fd, &h, sizeof(h), false, helloDeadline) && wire::helloAccepted(h, secret, rank, waiting);
     const char ack = 'K';
     if (!ok || !ioAll(fd, const_cast<char*>(&ack), 1, true, deadline)) {
       SMDDP_WARN(kNet, "rank %d: refused a connection from %s:%d (not a peer of this group, or a bad handshake)", rank,
@@ -266,7 +240,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
                        const shm::WaitContext& wait, Schedule schedule) {
   std::vector<Peer*> active;
   auto activate = [&](Peer& p) {
-    if (!p.sending() && !p.receiving()) active.push_back(&p);
+    if (p.sends.empty() && p.recvs.empty()) active.push_back(&p);
   };
   for (const Send& s : sends) {
     Peer& p = peer(s.peer);
@@ -279,6 +253,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
     p.recvs.push_back(&r);
   }
   if (active.empty()) return;
+  for (Peer* p : active) p->rx.start(std::move(p->recvs), tag, p->rank);
   const int me = topo_.rank, W = topo_.size;
   // kMesh serves peers from the one after this rank (so that not every rank starts with the
   // same peer); kNaive in rank order.
@@ -291,7 +266,8 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
       for (Peer* p : peers) {
         p->sends.clear();
         p->recvs.clear();
-        p->sendIdx = p->sendOff = p->recvIdx = p->recvOff = 0;
+        p->rx.clear();
+        p->sendIdx = p->sendOff = 0;
       }
     }
   } reset{active};
@@ -301,7 +277,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
     size_t total = 0;
     while (p.sending() && budget > 0) {
       const Send& s = *p.sends[p.sendIdx];
-      if (p.sendOff == 0) p.sendHdr = MsgHeader{tag, s.bytes};
+      if (p.sendOff == 0) p.sendHdr = wire::MsgHeader{tag, s.bytes};
       iovec iov[2];
       int n = 0;
       if (p.sendOff < kHeaderBytes) {
@@ -332,37 +308,15 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
   auto recvSome = [&](Peer& p) -> size_t {
     size_t total = 0;
     while (p.receiving()) {
-      const Recv& r = *p.recvs[p.recvIdx];
-      ssize_t k;
-      if (p.recvOff < kHeaderBytes) {
-        k = recv(p.fd, reinterpret_cast<char*>(&p.recvHdr) + p.recvOff, kHeaderBytes - p.recvOff, MSG_DONTWAIT);
-      } else {
-        const size_t done = p.recvOff - kHeaderBytes;
-        k = recv(p.fd, static_cast<char*>(r.data) + done, r.bytes - done, MSG_DONTWAIT);
-      }
+      const auto [buf, want] = p.rx.window();
+      const ssize_t k = recv(p.fd, buf, want, MSG_DONTWAIT);
       if (k < 0) {
         if (errno == EAGAIN || errno == EINTR) break;
         peerFailed(p.rank, "receiving", errno);
       }
-      if (k == 0 && !(p.recvOff == kHeaderBytes && r.bytes == 0)) peerFailed(p.rank, "receiving", 0);
-      p.recvOff += static_cast<size_t>(k);
+      if (k == 0) peerFailed(p.rank, "receiving", 0);
+      p.rx.advance(static_cast<size_t>(k));
       total += static_cast<size_t>(k);
-      if (p.recvOff == kHeaderBytes && k > 0 &&
-          (p.recvHdr.tag != tag || p.recvHdr.bytes != r.bytes)) {
-        throwError(ErrorCode::kInvalidUsage,
-                   "collectives do not match across ranks: rank %d sent %llu bytes for op/step %llu/%llu but this "
-                   "rank expected %zu bytes for op/step %llu/%llu from it. Every rank must issue the same collectives "
-                   "in the same order with matching sizes and dtypes",
-                   p.rank, static_cast<unsigned long long>(p.recvHdr.bytes),
-                   static_cast<unsigned long long>(p.recvHdr.tag >> kTagStepBits),
-                   static_cast<unsigned long long>(p.recvHdr.tag & ((1u << kTagStepBits) - 1)), r.bytes,
-                   static_cast<unsigned long long>(tag >> kTagStepBits),
-                   static_cast<unsigned long long>(tag & ((1u << kTagStepBits) - 1)));
-      }
-      if (p.recvOff == kHeaderBytes + r.bytes) {
-        ++p.recvIdx;
-        p.recvOff = 0;
-      }
     }
     return total;
   };

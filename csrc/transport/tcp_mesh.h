@@ -21,6 +21,7 @@
 #include "transport/netif.h"
 #include "transport/shm_domain.h"
 #include "transport/topology.h"
+#include "transport/wire.h"
 
 namespace smddp::net {
 
@@ -33,23 +34,6 @@ enum class Schedule {
   kMesh,
   // Everything handed to the sockets as fast as they take it, peers in rank order.
   kNaive,
-};
-
-// A message tag: the op's sequence number and a step within the op (both ends compute the same).
-constexpr int kTagStepBits = 24;
-inline uint64_t makeTag(uint64_t seq, uint32_t step) {
-  return (seq << kTagStepBits) | (step & ((1u << kTagStepBits) - 1));
-}
-
-struct Send {
-  int peer;
-  const void* data;
-  size_t bytes;
-};
-struct Recv {
-  int peer;
-  void* data;
-  size_t bytes;
 };
 
 class TcpMesh {

@@ -1,0 +1,78 @@
+// The TCP mesh's wire format, and the parsing of what arrives, kept apart from the sockets so
+// that it can be fuzzed (tests/fuzz/fuzz_wire.cc) and unit-tested without a network.
+//
+// A connection opens with a Hello (magic, the group's secret, the two ranks it links), answered
+// by one 'K' byte. After that each message is a 16-byte header (tag, payload bytes) and the
+// payload, which lands straight in the receiver's destination buffer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace smddp::net {
+
+// A message tag: the op's sequence number and a step within the op (both ends compute the same).
+constexpr int kTagStepBits = 24;
+inline uint64_t makeTag(uint64_t seq, uint32_t step) {
+  return (seq << kTagStepBits) | (step & ((1u << kTagStepBits) - 1));
+}
+
+struct Send {
+  int peer;
+  const void* data;
+  size_t bytes;
+};
+struct Recv {
+  int peer;
+  void* data;
+  size_t bytes;
+};
+
+namespace wire {
+
+constexpr size_t kSecretChars = 32;
+
+struct Hello {
+  char magic[8];
+  char secret[kSecretChars];
+  int32_t from;
+  int32_t to;
+};
+
+Hello makeHello(const std::string& secret, int from, int to);
+// Whether a Hello, as received from an unknown client, comes from a rank this rank still waits
+// for, with the group's secret (compared in constant time).
+bool helloAccepted(const Hello& h, const std::string& secret, int rank, const std::vector<int>& waiting);
+
+struct MsgHeader {
+  uint64_t tag;
+  uint64_t bytes;
+};
+constexpr size_t kHeaderBytes = sizeof(MsgHeader);
+
+// The receive side of one connection during one exchange: the messages expected from the peer,
+// in order, filled by whatever bytes arrive, in pieces of any size.
+class RecvCursor {
+ public:
+  void start(std::vector<const Recv*> expected, uint64_t tag, int peerRank);
+  void clear();
+  bool done() const { return idx_ >= expected_.size(); }
+  // Where the next bytes go and at most how many; never empty while !done().
+  std::pair<char*, size_t> window();
+  // `k` (> 0, at most window().second) bytes were written at window(). A completed header that
+  // does not match the expected message throws smddp::Error (kInvalidUsage) naming both sides.
+  void advance(size_t k);
+
+ private:
+  std::vector<const Recv*> expected_;
+  uint64_t tag_ = 0;
+  int peer_ = -1;
+  size_t idx_ = 0, off_ = 0;  // off_ counts the header first
+  MsgHeader hdr_{};
+};
+
+}  // namespace wire
+}  // namespace smddp::net
