@@ -6,7 +6,11 @@
 //
 // Invoked as all_reduce_perf, all_gather_perf, reduce_scatter_perf or broadcast_perf (a link to
 // this binary), the name picks the collective, as with nccl-tests. -np forks that many ranks on
-// this host; they bootstrap through a temporary directory. Each size runs out-of-place then
+// this host; they bootstrap through a temporary directory. Without -np, under torchrun-style
+// variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the process is one rank of a job that
+// may span hosts (torchrun --nproc-per-node 8 --nnodes 2 ... smddp_perf ...), bootstrapped
+// through a small TCP store that rank 0 serves on MASTER_PORT (MASTER_PORT + 1 under torchrun,
+// whose agent holds MASTER_PORT; SMDDP_STORE_PORT overrides). Each size runs out-of-place then
 // in-place and prints nccl-tests' columns (time in us, algbw and busbw in GB/s with GB = 1e9,
 // nccl-tests' bus factors, #wrong from a real check of the result) and footer. -a combines the
 // ranks' times like nccl-tests: 0 = rank 0's, 1 = average (default), 2 = min, 3 = max.
@@ -25,6 +29,7 @@
 #include "algo/communicator.h"
 #include "core/error.h"
 #include "core/file_store.h"
+#include "core/tcp_store.h"
 #include "core/types.h"
 
 using namespace smddp;
@@ -47,6 +52,10 @@ struct Args {
   std::vector<DataType> dtypes{DataType::kFloat32};
   std::vector<ReduceOp> ops{ReduceOp::kSum};
   std::string json;
+  // torchrun-style launch (no -np): this process's rank and the store's address.
+  int launchRank = -1;
+  std::string masterAddr = "127.0.0.1";
+  int masterPort = 29500;
 };
 
 // nccl-tests' names for types and ops.
@@ -109,6 +118,7 @@ std::string baseName(const char* path) {
 
 Args parseArgs(int argc, char** argv) {
   Args a;
+  bool npGiven = false;
   const std::string self = baseName(argv[0]);
   for (const char* c : {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}) {
     if (self == std::string(c) + "_perf") a.coll = c;
@@ -119,7 +129,10 @@ Args parseArgs(int argc, char** argv) {
   };
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
-    if (f == "-np") a.ranks = atoi(need(i));
+    if (f == "-np") {
+      a.ranks = atoi(need(i));
+      npGiven = true;
+    }
     else if (f == "--collective") a.coll = need(i);
     else if (f == "-b" || f == "--minbytes") a.minBytes = parseSize(need(i));
     else if (f == "-e" || f == "--maxbytes") a.maxBytes = parseSize(need(i));
@@ -154,6 +167,21 @@ Args parseArgs(int argc, char** argv) {
     } else {
       usage(("unknown argument " + f).c_str());
     }
+  }
+  const char* envRank = getenv("RANK");
+  const char* envWorld = getenv("WORLD_SIZE");
+  if (!npGiven && envRank && envWorld) {
+    a.launchRank = atoi(envRank);
+    a.ranks = atoi(envWorld);
+    if (const char* addr = getenv("MASTER_ADDR"); addr && *addr) a.masterAddr = addr;
+    if (const char* port = getenv("MASTER_PORT"); port && *port) a.masterPort = atoi(port);
+    // Under torchrun the agent's own store already listens on MASTER_PORT: take the next port
+    // (SMDDP_STORE_PORT overrides).
+    if (const char* agent = getenv("TORCHELASTIC_USE_AGENT_STORE"); agent && std::string(agent) == "True") {
+      ++a.masterPort;
+    }
+    if (const char* port = getenv("SMDDP_STORE_PORT"); port && *port) a.masterPort = atoi(port);
+    if (a.launchRank < 0 || a.launchRank >= a.ranks) usage("RANK must be in [0, WORLD_SIZE)");
   }
   if (a.ranks < 1 || a.root < 0 || a.root >= a.ranks || a.avgMode < 0 || a.avgMode > 3) usage("bad -np, -r or -a");
   if (a.coll != "all_reduce" && a.coll != "all_gather" && a.coll != "reduce_scatter" && a.coll != "broadcast") {
@@ -306,8 +334,7 @@ std::string timeStr(double us) {
   return buf;
 }
 
-int rankMain(const Args& a, int rank, const std::string& dir) {
-  FileStore store(dir, std::chrono::milliseconds(60000));
+int rankMain(const Args& a, int rank, Store& store) {
   algo::Communicator comm(store, rank, a.ranks, std::chrono::minutes(5));
   store.set("smddp_perf/pid/" + std::to_string(rank), std::to_string(getpid()));
   const int W = a.ranks;
@@ -432,6 +459,17 @@ int rankMain(const Args& a, int rank, const std::string& dir) {
 
 int main(int argc, char** argv) {
   const Args a = parseArgs(argc, argv);
+  if (a.launchRank >= 0) {  // one rank of a torchrun-style job
+    try {
+      TcpStore store(a.masterAddr, a.masterPort, a.launchRank == 0, std::chrono::minutes(5));
+      const int rc = rankMain(a, a.launchRank, store);
+      fflush(stdout);
+      return rc;
+    } catch (const std::exception& e) {
+      fprintf(stderr, "smddp_perf rank %d: %s\n", a.launchRank, e.what());
+      return 1;
+    }
+  }
   char tmpl[] = "/tmp/smddp_perf.XXXXXX";
   if (!mkdtemp(tmpl)) return 1;
   const std::string dir = tmpl;
@@ -442,7 +480,8 @@ int main(int argc, char** argv) {
     if (pid == 0) {
       int rc = 1;
       try {
-        rc = rankMain(a, r, dir);
+        FileStore store(dir, std::chrono::milliseconds(60000));
+        rc = rankMain(a, r, store);
       } catch (const std::exception& e) {
         fprintf(stderr, "smddp_perf rank %d: %s\n", r, e.what());
       }

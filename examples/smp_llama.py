@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,16 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import report  # noqa: E402
 
-VOCAB, DIM, HEADS, LAYERS, SEQ, PER_RANK = 256, 64, 4, 2, 32, 4
+
+@dataclass
+class LlamaConfig:
+    """Model and batch shape (the defaults are this example's; benchmarks/bench_training.py scales them)."""
+    vocab: int = 256
+    dim: int = 64
+    heads: int = 4
+    layers: int = 2
+    seq: int = 32
+    per_rank: int = 4  # sequences per rank and step
 
 
 class RMSNorm(nn.Module):
@@ -34,31 +44,34 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, cfg):
         super().__init__()
-        self.attn_norm, self.mlp_norm = RMSNorm(DIM), RMSNorm(DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
-        self.proj = nn.Linear(DIM, DIM, bias=False)
-        self.gate = nn.Linear(DIM, 4 * DIM, bias=False)
-        self.up = nn.Linear(DIM, 4 * DIM, bias=False)
-        self.down = nn.Linear(4 * DIM, DIM, bias=False)
+        d = cfg.dim
+        self.heads = cfg.heads
+        self.attn_norm, self.mlp_norm = RMSNorm(d), RMSNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.gate = nn.Linear(d, 4 * d, bias=False)
+        self.up = nn.Linear(d, 4 * d, bias=False)
+        self.down = nn.Linear(4 * d, d, bias=False)
 
     def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, DIM)
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(a)
         h = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
 class TinyLlama(nn.Module):
-    def __init__(self):
+    def __init__(self, cfg=None):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm = RMSNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        cfg = cfg or LlamaConfig()
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
     def forward(self, tokens):
         x = self.embed(tokens)
@@ -67,12 +80,13 @@ class TinyLlama(nn.Module):
         return self.head(self.norm(x))
 
 
-def batch(rank, step):
+def batch(rank, step, cfg=None):
     """This rank's synthetic tokens: a noisy counting pattern, so the loss can fall."""
+    cfg = cfg or LlamaConfig()
     g = torch.Generator().manual_seed(100 * step + rank)
-    start = torch.randint(0, VOCAB, (PER_RANK, 1), generator=g)
-    seq = (start + torch.arange(SEQ + 1)) % VOCAB
-    noise = torch.randint(0, VOCAB, seq.shape, generator=g)
+    start = torch.randint(0, cfg.vocab, (cfg.per_rank, 1), generator=g)
+    seq = (start + torch.arange(cfg.seq + 1)) % cfg.vocab
+    noise = torch.randint(0, cfg.vocab, seq.shape, generator=g)
     seq = torch.where(torch.rand(seq.shape, generator=g) < 0.1, noise, seq)
     return seq[:, :-1], seq[:, 1:]
 
@@ -97,7 +111,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(args.steps):
         x, y = batch(state.rank, step)
-        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        loss = F.cross_entropy(model(x).reshape(-1, LlamaConfig.vocab), y.reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()

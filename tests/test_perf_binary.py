@@ -55,3 +55,53 @@ def test_json_output_and_min_bw(tmp_path):
 def test_bad_arguments_fail_with_usage():
     p = run([BIN / "smddp_perf", "-np", 2, "-d", "complex64"])
     assert p.returncode == 2 and "unknown datatype complex64" in p.stderr
+
+
+@pytest.mark.parametrize("hosts", ["0000", "0011"])
+def test_torchrun_style_launch(hosts):
+    """Without -np, RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT make each process one rank of a job
+    (rank 0 serves the bootstrap store); SMDDP_HOST_ID splits the ranks into emulated hosts, so
+    "0011" runs the inter-host (TCP mesh) path."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([str(BIN / "all_gather_perf"), "-b", "8", "-e", "64K", "-f", "16", "-n", "2", "-w", "1"],
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port), SMDDP_HOST_ID=hosts[r]),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
+    outs = []
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r}: exit {p.returncode}\n{out[-2000:]}\n{err[-2000:]}"
+        if r:
+            assert rows(out) == [], f"only rank 0 prints results, rank {r} printed:\n{out}"
+    out = outs[0][0]
+    body = rows(out)
+    assert len(body) == 3, out  # 8 B, 128 B... up to 64 KiB in steps of 16x
+    for row in body:
+        assert len(row) == 13 and row[8] == "0" and row[12] == "0", row
+    assert out.count("smddp shm + tcp" if hosts == "0011" else "smddp shared memory") == 4, out
+    assert "# Out of bounds values : 0 OK" in out
+
+
+def test_under_torchrun():
+    """torchrun's agent holds MASTER_PORT with its own store; smddp_perf serves its store on the next port."""
+    import shutil
+    import socket
+
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = run([torchrun, "--nproc-per-node", "2", "--master-port", port, "--no-python", BIN / "reduce_scatter_perf",
+             "-b", "1K", "-e", "64K", "-f", "8", "-n", "2", "-w", "1"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    body = rows(p.stdout)
+    assert len(body) == 3 and all(len(r) == 13 and r[8] == "0" and r[12] == "0" for r in body), p.stdout

@@ -1,0 +1,275 @@
+#include "core/tcp_store.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "core/error.h"
+
+namespace smddp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Requests: 'S' u32 keyLen key u32 valueLen value (no reply) | 'G' u32 keyLen key (reply: u32
+// valueLen value, sent once the key exists). Lengths little-endian, as on every host we run on.
+std::string frame(char op, const std::string& key, const std::string* value) {
+  std::string out(1, op);
+  auto put = [&](const std::string& s) {
+    const uint32_t n = static_cast<uint32_t>(s.size());
+    out.append(reinterpret_cast<const char*>(&n), 4);
+    out += s;
+  };
+  put(key);
+  if (value) put(*value);
+  return out;
+}
+
+int pollMs(Clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return static_cast<int>(std::max<long long>(0, std::min<long long>(left, 100)));
+}
+
+}  // namespace
+
+// One thread; a poll loop over the listening socket, the clients and a wake-up pipe.
+class TcpStore::Server {
+ public:
+  explicit Server(int port) {
+    listenFd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const int one = 1;
+    setsockopt(listenFd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    if (bind(listenFd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || listen(listenFd_, 1024) != 0) {
+      const int err = errno;
+      close(listenFd_);
+      throwError(ErrorCode::kSystemError, "TcpStore: cannot serve on port %d: %s", port, errnoString(err).c_str());
+    }
+    if (pipe2(wake_, O_CLOEXEC) != 0) {
+      close(listenFd_);
+      throwError(ErrorCode::kSystemError, "TcpStore: pipe: %s", errnoString(errno).c_str());
+    }
+    thread_ = std::thread([this] { loop(); });
+  }
+
+  ~Server() {
+    stopping_.store(true);
+    const char b = 1;
+    if (write(wake_[1], &b, 1) < 0) {
+    }
+    thread_.join();
+    for (Client& c : clients_) close(c.fd);
+    close(listenFd_);
+    close(wake_[0]);
+    close(wake_[1]);
+  }
+
+ private:
+  struct Client {
+    int fd;
+    std::string in;
+  };
+
+  void loop() {
+    Clock::time_point stopBy{};
+    for (;;) {
+      if (stopping_.load()) {
+        if (stopBy == Clock::time_point{}) stopBy = Clock::now() + std::chrono::seconds(10);
+        if (clients_.empty() || Clock::now() > stopBy) return;
+      }
+      std::vector<pollfd> pfds{{wake_[0], POLLIN, 0}, {listenFd_, POLLIN, 0}};
+      for (const Client& c : clients_) pfds.push_back({c.fd, POLLIN, 0});
+      if (poll(pfds.data(), pfds.size(), 100) < 0 && errno != EINTR) return;
+      if (pfds[0].revents) {
+        char b[16];
+        if (read(wake_[0], b, sizeof(b)) < 0) {
+        }
+      }
+      if (pfds[1].revents & POLLIN) {
+        const int fd = accept4(listenFd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd >= 0) clients_.push_back({fd, {}});
+      }
+      for (size_t i = 2; i < pfds.size(); ++i) {
+        if (!pfds[i].revents) continue;
+        Client& c = clients_[i - 2];
+        char buf[65536];
+        const ssize_t k = recv(c.fd, buf, sizeof(buf), 0);
+        if (k <= 0) {
+          closeClient(c);
+          continue;
+        }
+        c.in.append(buf, static_cast<size_t>(k));
+        parse(c);
+      }
+      dropClosed();
+    }
+  }
+
+  // Handles every complete request in c.in.
+  void parse(Client& c) {
+    for (;;) {
+      size_t pos = 1;
+      auto field = [&](std::string& out) {
+        if (c.in.size() < pos + 4) return false;
+        uint32_t n;
+        std::memcpy(&n, c.in.data() + pos, 4);
+        if (c.in.size() < pos + 4 + n) return false;
+        out.assign(c.in, pos + 4, n);
+        pos += 4 + n;
+        return true;
+      };
+      if (c.in.empty()) return;
+      const char op = c.in[0];
+      std::string key, value;
+      if (op != 'S' && op != 'G') {  // not our protocol: drop the client
+        closeClient(c);
+        return;
+      }
+      if (!field(key) || (op == 'S' && !field(value))) return;  // incomplete
+      c.in.erase(0, pos);
+      if (op == 'S') {
+        data_[key] = value;
+        answerWaiting(key);
+      } else {
+        waiting_.emplace_back(c.fd, key);
+        answerWaiting(key);
+      }
+    }
+  }
+
+  void answerWaiting(const std::string& key) {
+    auto it = data_.find(key);
+    if (it == data_.end()) return;
+    const std::string& v = it->second;
+    for (auto w = waiting_.begin(); w != waiting_.end();) {
+      if (w->second != key) {
+        ++w;
+        continue;
+      }
+      const uint32_t n = static_cast<uint32_t>(v.size());
+      std::string reply(reinterpret_cast<const char*>(&n), 4);
+      reply += v;
+      // Replies are small and the client is blocked reading: a blocking send is fine.
+      size_t off = 0;
+      while (off < reply.size()) {
+        const ssize_t k = send(w->first, reply.data() + off, reply.size() - off, MSG_NOSIGNAL);
+        if (k <= 0) break;
+        off += static_cast<size_t>(k);
+      }
+      w = waiting_.erase(w);
+    }
+  }
+
+  // Its unanswered gets go with it: a later client may get the same descriptor number.
+  void closeClient(Client& c) {
+    for (auto w = waiting_.begin(); w != waiting_.end();) w = w->first == c.fd ? waiting_.erase(w) : w + 1;
+    close(c.fd);
+    c.fd = -1;
+  }
+
+  void dropClosed() {
+    std::vector<Client> keep;
+    for (Client& c : clients_) {
+      if (c.fd >= 0) keep.push_back(std::move(c));
+    }
+    clients_ = std::move(keep);
+  }
+
+  int listenFd_ = -1;
+  int wake_[2] = {-1, -1};
+  std::atomic<bool> stopping_{false};
+  std::vector<Client> clients_;
+  std::map<std::string, std::string> data_;
+  std::vector<std::pair<int, std::string>> waiting_;  // (client fd, key) of gets not answered yet
+  std::thread thread_;
+};
+
+TcpStore::TcpStore(const std::string& host, int port, bool serve, std::chrono::milliseconds timeout)
+    : where_(host + ":" + std::to_string(port)), timeout_(timeout) {
+  if (serve) server_ = std::make_unique<Server>(port);
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || res == nullptr) {
+    throwError(ErrorCode::kInvalidUsage, "TcpStore: cannot resolve %s", where_.c_str());
+  }
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (connect(fd_, res->ai_addr, res->ai_addrlen) == 0) break;
+    const int err = errno;
+    close(fd_);
+    fd_ = -1;
+    if (Clock::now() >= deadline) {
+      freeaddrinfo(res);
+      throwError(ErrorCode::kTimeout, "TcpStore: cannot connect to %s: %s", where_.c_str(), errnoString(err).c_str());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  freeaddrinfo(res);
+  const int one = 1;
+  setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+TcpStore::~TcpStore() {
+  if (fd_ >= 0) close(fd_);
+  server_.reset();  // after our own connection closed, so the server can finish
+}
+
+void TcpStore::sendAll(const std::string& bytes) {
+  size_t off = 0;
+  while (off < bytes.size()) {
+    const ssize_t k = send(fd_, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) throwError(ErrorCode::kRemoteError, "TcpStore: lost the connection to %s", where_.c_str());
+    off += static_cast<size_t>(k);
+  }
+}
+
+void TcpStore::recvAll(void* buf, size_t n, Clock::time_point deadline, const std::string& key) {
+  size_t got = 0;
+  while (got < n) {
+    pollfd p{fd_, POLLIN, 0};
+    const int r = poll(&p, 1, pollMs(deadline));
+    if (r == 0) {
+      if (Clock::now() >= deadline) {
+        throwError(ErrorCode::kTimeout, "TcpStore: timed out waiting for key %s at %s", key.c_str(), where_.c_str());
+      }
+      continue;
+    }
+    const ssize_t k = recv(fd_, static_cast<char*>(buf) + got, n - got, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) throwError(ErrorCode::kRemoteError, "TcpStore: %s closed the connection", where_.c_str());
+    got += static_cast<size_t>(k);
+  }
+}
+
+void TcpStore::set(const std::string& key, const std::string& value) { sendAll(frame('S', key, &value)); }
+
+std::string TcpStore::get(const std::string& key) {
+  sendAll(frame('G', key, nullptr));
+  const auto deadline = Clock::now() + timeout_;
+  uint32_t n = 0;
+  recvAll(&n, 4, deadline, key);
+  std::string v(n, '\0');
+  if (n) recvAll(v.data(), n, deadline, key);
+  return v;
+}
+
+}  // namespace smddp

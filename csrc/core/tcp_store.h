@@ -1,0 +1,39 @@
+// A Store over TCP for torch-free programs launched like torchrun jobs (RANK, WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT): the process with rank 0 serves it from a thread, every process
+// (rank 0 too) is a client. Its own small protocol, not c10d's TCPStore: only smddp programs
+// talk to it. Like TCPStore it is unauthenticated, so it belongs on the job's private network.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "core/store.h"
+
+namespace smddp {
+
+class TcpStore : public Store {
+ public:
+  // `serve`: host the store on `port` (all interfaces). Connects to host:port, retrying until
+  // `timeout`; every get() waits at most `timeout` too.
+  TcpStore(const std::string& host, int port, bool serve, std::chrono::milliseconds timeout);
+  // The server keeps serving until every client that connected has closed, or a few seconds
+  // pass: ranks still reading bootstrap keys are not cut off when rank 0 is done first.
+  ~TcpStore() override;
+  void set(const std::string& key, const std::string& value) override;
+  std::string get(const std::string& key) override;
+
+ private:
+  class Server;
+  void sendAll(const std::string& bytes);
+  void recvAll(void* buf, size_t n, std::chrono::steady_clock::time_point deadline, const std::string& key);
+
+  std::unique_ptr<Server> server_;
+  int fd_ = -1;
+  std::string where_;
+  std::chrono::milliseconds timeout_;
+};
+
+}  // namespace smddp
