@@ -39,10 +39,13 @@ def expected_rows(bench_args: list[str]) -> int:
     p.add_argument("-e", "--maxbytes", default="128M", type=b.parse_size)
     p.add_argument("-f", "--stepfactor", default=2.0, type=float)
     p.add_argument("--baselines", default=None)
+    p.add_argument("-d", "--dtype", default="float32")
     a, _ = p.parse_known_args(bench_args)
-    sizes = len(b.size_list(a.minbytes, a.maxbytes, a.stepfactor))
+    esize = b.DTYPES[a.dtype][0]
     impls = 1 + (len(a.baselines.split(",")) if a.baselines else 2)
-    return len(a.worlds.split(",")) * len(a.ops.split(",")) * sizes * impls
+    cells = sum(1 for w in a.worlds.split(",") for op in a.ops.split(",")
+                for size in b.size_list(a.minbytes, a.maxbytes, a.stepfactor) if b.geometry(op, size, int(w), esize)[0])
+    return cells * impls
 
 
 def progress(done: int, total: int, started: float) -> None:

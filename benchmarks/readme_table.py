@@ -1,6 +1,6 @@
 """Markdown tables for the README from a bench_vs_gloo.py JSON-lines file (-J):
 
-    python benchmarks/readme_table.py benchmarks/results/bench-2cpu-epyc.jsonl
+    python benchmarks/readme_table.py benchmarks/results/compare-2cpu-epyc.jsonl
 
 Prints the per-size table (a few sizes per world and op) and the geometric-mean speedups over
 gloo and MPICH by size class (small <= 4 KiB, medium 64 KiB-8 MiB, large >= 32 MiB).

@@ -3,10 +3,11 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh -k allreduce).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# The optional client packages (DeepSpeed, transformers: requirements-examples.txt) are installed
-# too, so that their example tests run instead of skipping; SMDDP_TEST_EXAMPLES=0 leaves them out.
+# The optional client packages (DeepSpeed, transformers: requirements-examples.txt) and the
+# benchmark tools' (matplotlib, MPICH: requirements-bench.txt) are installed too, so that their
+# tests run instead of skipping; SMDDP_TEST_EXAMPLES=0 leaves them out.
 if [ "${SMDDP_TEST_EXAMPLES:-1}" != 0 ]; then
-  export SMDDP_EXTRA_REQUIREMENTS="${SMDDP_EXTRA_REQUIREMENTS:-} requirements-examples.txt"
+  export SMDDP_EXTRA_REQUIREMENTS="${SMDDP_EXTRA_REQUIREMENTS:-} requirements-examples.txt requirements-bench.txt"
 fi
 source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"

@@ -1,0 +1,46 @@
+"""The benchmark tools run end to end: compare.py's report from a small run's JSON lines, and
+bench_training.py on a tiny model (both backends must reach the same loss). Speed is never
+asserted here: the numbers come from the benchmarks themselves."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_compare_report_from_jsonl(tmp_path):
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib is not installed (requirements-bench.txt)")
+    src = tmp_path / "run.jsonl"
+    with open(src, "w") as f:
+        for size in (8, 1024):
+            for backend, t in (("smddp", 10.0), ("gloo", 300.0), ("mpich", 5.0)):
+                f.write(json.dumps({"world": 2, "op": "allreduce", "dtype": "float32", "redop": "sum", "size": size,
+                                    "count": size // 4, "backend": backend, "time_us": t, "algbw": size / t / 1e3,
+                                    "busbw": size / t / 1e3, "wrong": 0, "iters": 10, "error": None}) + "\n")
+    out = tmp_path / "report"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--from", str(src), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (tmp_path / "report-allreduce-w2.png").stat().st_size > 1000
+    assert len((tmp_path / "report.csv").read_text().splitlines()) == 1 + 6
+    table = (tmp_path / "report.txt").read_text()
+    assert "30.0x" in table and "0.50x" in table, table  # gloo/smddp time, smddp/MPICH busbw
+
+
+@pytest.mark.timeout(300)
+def test_training_benchmark_runs_both_backends(tmp_path):
+    out = tmp_path / "train.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--worlds", "2", "--rounds",
+                        "1", "--steps", "2", "--warmup", "1", "--vocab", "128", "--dim", "32", "--heads", "2",
+                        "--layers", "2", "--seq", "16", "--json", str(out)],
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [r["backend"] for r in res] == ["gloo", "smddp"]
+    assert res[0]["final_loss"] == res[1]["final_loss"], res
+    assert all(r["step_ms"] > 0 and 0 < r["comm_share"] < 1 for r in res), res
