@@ -2,6 +2,7 @@
 never joins a collective (timeout). Survivors must raise promptly, naming the op, its sequence
 number and the rank at fault, and every process must exit."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,3 +144,56 @@ def test_missing_rank_times_out_with_names():
     for r, out in zip((0, 2), outs):
         assert "ERROR" in out and "timed out waiting for rank(s) [1]" in out and "allreduce #" in out, out[-2000:]
     assert elapsed < 20, f"timeout of 3 s took {elapsed:.1f}s to surface"
+
+
+PENDING = r"""
+import os, sys, time, torch, torch.distributed as dist
+import smddp
+rank, world, url, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world)
+t = torch.ones(1 << 16)
+dist.all_reduce(t)
+print("ready", flush=True)
+if rank == 1:
+    time.sleep(3600)  # never joins the next collective
+pg = dist.distributed_c10d._get_default_group()
+work = dist.all_reduce(t, async_op=True)  # waits for rank 1 (60 s group timeout)
+time.sleep(0.5)
+t0 = time.monotonic()
+if how == "destroy":
+    dist.destroy_process_group()
+else:
+    pg._get_backend(torch.device("cpu")).abort() if how == "abort" else pg._get_backend(torch.device("cpu")).shutdown()
+try:
+    work.wait()
+    print("wait returned", flush=True)
+except Exception as e:
+    print(f"raised after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
+names = []
+for d in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{d}/comm") as f:
+        names.append(f.read().strip())
+print("backend threads left:", sum(n.startswith("smddp") for n in names), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["destroy", "abort", "shutdown"])
+def test_pending_op_released_by_destroy_abort_shutdown(how):
+    """A collective waiting for a rank that never comes: destroy_process_group(), abort() or
+    shutdown() fails it promptly (well before the 60 s timeout) and joins the backend's threads."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-u", "-c", PENDING, str(r), "2", url, how], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    _wait_ready(procs)
+    out = _finish([procs[0]], 30)[0]
+    procs[1].kill()
+    procs[1].communicate()
+    m = re.search(r"raised after ([0-9.]+)s: (\w+): (.*)", out)
+    assert m, out[-3000:]
+    assert float(m.group(1)) < 5 and "shut down or aborted" in m.group(3), out[-3000:]
+    assert "backend threads left: 0" in out, out[-3000:]
+

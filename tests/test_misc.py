@@ -3,6 +3,7 @@
 
 import gc
 import os
+import re
 import time
 
 import pytest
@@ -270,6 +271,19 @@ def shm_task(rank, world):
     left = shm_names()
     rep.expect(not left, f"/dev/shm after init + first all_reduce world={world}: "
                          f"found {left} (segments must be unlinked once every rank attached)")
+    # This rank's own segment stays open (unlinked): owner-only mode and an unguessable name.
+    segs = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if "/dev/shm/smddp-" in target:
+                segs.append((target, oct(os.stat(f"/proc/self/fd/{fd}").st_mode & 0o777)))
+        except OSError:
+            pass
+    if world > 1:
+        rep.expect(segs and all(mode == "0o600" for _, mode in segs), f"segment modes: {segs}")
+        rep.expect(all(re.fullmatch(r"/dev/shm/smddp-[0-9a-f]{16}-\d+ \(deleted\)", t) for t, _ in segs),
+                   f"segment names must carry 64 random bits: {segs}")
     # Group creation puts short-lived names in /dev/shm (topology tokens, then segments): no rank
     # may start creating the next group while another is still looking.
     dist.barrier()
