@@ -3,6 +3,7 @@ smddp.smp.init(config) + hybrid sharding (FSDP2). The config is SMP v2's JSON (s
 
     torchrun --nproc-per-node 4 examples/smp_llama.py --backend smddp --config '{"hybrid_shard_degree": 2}'
     torchrun --nproc-per-node 2 examples/smp_llama.py --config smp_config.json --zero2
+    torchrun --nproc-per-node 4 examples/smp_llama.py --delayed-init --config '{"hybrid_shard_degree": 2}'
 
 Model: 2 blocks of RMSNorm -> causal multi-head attention -> RMSNorm -> SwiGLU MLP, vocabulary 256,
 width 64, 4 heads, sequences of 32 tokens, 4 sequences per rank and step, AdamW.
@@ -96,6 +97,8 @@ def main():
     p.add_argument("--backend", default="smddp")
     p.add_argument("--config", default=None, help="SMP config: JSON file path or JSON text (default: SMP's defaults)")
     p.add_argument("--zero2", action="store_true", help="keep parameters gathered after forward")
+    p.add_argument("--delayed-init", action="store_true",
+                   help="build on the meta device, shard, then fill the shards from rank 0's eager model")
     p.add_argument("--steps", type=int, default=10)
     args = p.parse_args()
 
@@ -106,8 +109,16 @@ def main():
         print(f"smp: world {state.world_size}, hybrid_shard_degree {state.hybrid_shard_degree} x "
               f"replicate {state.replicate_degree}, config {json.dumps(vars(state.config))}", flush=True)
     torch.manual_seed(0)
-    model = TinyLlama()
-    tsm.apply_hybrid_sharding(model, zero2=args.zero2)
+    if args.delayed_init:
+        # Only rank 0 builds the model eagerly; every rank allocates just its shards.
+        full = TinyLlama().state_dict() if state.rank == 0 else None
+        with torch.device("meta"):
+            model = TinyLlama()
+        tsm.apply_hybrid_sharding(model, zero2=args.zero2)
+        tsm.materialize(model, rank0_state_dict=full)
+    else:
+        model = TinyLlama()
+        tsm.apply_hybrid_sharding(model, zero2=args.zero2)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(args.steps):
         x, y = batch(state.rank, step)

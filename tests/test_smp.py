@@ -88,3 +88,80 @@ def hybrid_task(rank, world, degree, zero2):
                                                   (4, 2, False), (4, 2, True), (4, 4, False)])
 def test_hybrid_sharding_matches_single_process(pools, world, degree, zero2):
     pools.check(world, hybrid_task, degree, zero2, timeout=300)
+
+
+def delayed_init_task(rank, world, degree):
+    """Build on the meta device, shard, then materialise: from rank 0's eager state dict the
+    model equals the eager one exactly; from reset_parameters() no meta tensor is left."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    rep = Report(rank)
+    tag = f"delayed init hybrid_shard_degree={degree} world={world}"
+    tsm.init({"hybrid_shard_degree": degree})
+    eager = _mlp()
+    with torch.device("meta"):
+        model = _mlp()
+    rep.expect(all(p.is_meta for p in model.parameters()), f"{tag}: built on meta")
+    tsm.apply_hybrid_sharding(model)
+    tsm.materialize(model, rank0_state_dict=eager.state_dict() if rank == 0 else None)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    for name, want in eager.state_dict().items():
+        rep.expect(torch.equal(full[name], want), f"{tag}: {name} differs from the eager model")
+    x, y = _batches(world, key=3)[0]
+    _close(rep, f"{tag}: loss", _loss(model, _local(x, rank), _local(y, rank)).detach(),
+           _loss(eager, _local(x, rank), _local(y, rank)).detach(), cross_rank=False, **TOL64)
+
+    with torch.device("meta"):
+        fresh = _mlp()
+    tsm.apply_hybrid_sharding(fresh)
+    tsm.materialize(fresh)
+    rep.expect(not any(t.is_meta for t in fresh.parameters()), f"{tag}: meta tensors left by reset_parameters")
+    rep.expect(sum(p.numel() for p in fresh.parameters()) == sum(p.numel() for p in eager.parameters()),
+               f"{tag}: parameter count changed")
+    rep.expect(all(torch.isfinite(p.full_tensor()).all() for p in fresh.parameters()), f"{tag}: non-finite values")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world, degree", [(2, 0), (4, 2)])
+def test_delayed_init(pools, world, degree):
+    pools.check(world, delayed_init_task, degree, timeout=300)
+
+
+def checkpoint_task(rank, world, path, save_degree, load_degree):
+    """A sharded checkpoint saved under one hybrid_shard_degree and loaded under another: the
+    model and the optimizer state come back, so training continues exactly as without the break."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    rep = Report(rank)
+    tag = f"checkpoint saved with degree {save_degree}, loaded with {load_degree}, world {world}"
+    batches = _batches(world, key=11, steps=3)
+
+    def step(model, opt, i):
+        x, y = batches[i]
+        opt.zero_grad()
+        _loss(model, _local(x, rank), _local(y, rank)).backward()
+        opt.step()
+
+    tsm.init({"hybrid_shard_degree": save_degree})
+    model = tsm.apply_hybrid_sharding(_mlp())
+    opt = _adamw(model.parameters())
+    step(model, opt, 0)
+    tsm.save_checkpoint(path, model, opt)
+    step(model, opt, 1)  # the run that never stopped
+    want = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    tsm.init({"hybrid_shard_degree": load_degree})
+    other = tsm.apply_hybrid_sharding(_mlp(seed=99))  # different values, to be overwritten
+    other_opt = _adamw(other.parameters())
+    step(other, other_opt, 2)  # optimizer state exists and differs before the load
+    tsm.load_checkpoint(path, other, other_opt)
+    step(other, other_opt, 1)
+    got = get_model_state_dict(other, options=StateDictOptions(full_state_dict=True))
+    for name, w in want.items():
+        _close(rep, f"{tag}: {name} after resuming", got[name], w, **TOL64)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("save_degree, load_degree", [(2, 0), (0, 1)])
+def test_checkpoint_across_degrees(pools, tmp_path, save_degree, load_degree):
+    pools.check(4, checkpoint_task, str(tmp_path / "ckpt"), save_degree, load_degree, timeout=300)

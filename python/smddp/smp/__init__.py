@@ -5,11 +5,16 @@
     model = tsm.apply_hybrid_sharding(model)   # fully_shard per block + root on the (replicate, shard) mesh
     tsm.state.rank, tsm.state.tp_rank, tsm.state.mesh["shard"] ...
 
+    with torch.device("meta"): model = build()   # delayed parameter initialisation:
+    tsm.apply_hybrid_sharding(model)           #   shard first,
+    tsm.materialize(model, rank0_state_dict=sd)  # then allocate and fill only the local shards
+    tsm.save_checkpoint(path, model, opt) / tsm.load_checkpoint(path, model, opt)   # sharded (DCP)
+
 Config keys keep SMP v2's names, meanings and defaults (see CONFIG_KEYS). Implemented so far:
-init, state, hybrid sharding (FSDP2, plus the mesh FSDP1 HYBRID_SHARD takes). tensor parallel
-`transform`, activation offloading, delayed initialisation and checkpoint helpers are not yet:
-their config keys are validated and stored, and using a degree > 1 that needs them raises
-NotImplementedError naming the key.
+init, state, hybrid sharding (FSDP2, plus the mesh FSDP1 HYBRID_SHARD takes), delayed
+initialisation, sharded checkpoints (reloadable under another hybrid_shard_degree). Tensor
+parallel `transform` and activation offloading are not yet: their config keys are validated and
+stored, and using a degree > 1 that needs them raises NotImplementedError naming the key.
 """
 
 import json
@@ -20,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["CONFIG_KEYS", "SMPConfig", "init", "state", "apply_hybrid_sharding", "validate"]
+__all__ = ["CONFIG_KEYS", "SMPConfig", "init", "state", "apply_hybrid_sharding", "validate", "materialize",
+           "save_checkpoint", "load_checkpoint"]
 
 # key -> (default, meaning); the README's table is this dict.
 CONFIG_KEYS = {
@@ -191,3 +197,76 @@ def apply_hybrid_sharding(model, blocks=None, zero2=False, mp_policy=None, **ful
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
+
+
+_UNSET = object()
+
+
+def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
+    """Delayed parameter initialisation for a model built on the meta device and then sharded
+    (apply_hybrid_sharding): allocates only this rank's shards on the CPU and fills them.
+
+    - rank0_state_dict=...: passed on every rank, used on rank 0 (the others may pass None): rank
+      0's full state dict, broadcast shard by shard, so the model equals the one rank 0 built
+      eagerly (same seed, same values) without any other rank holding the whole model.
+    - otherwise: `init_fn(module)` for every module if given, else each module's own
+      `reset_parameters()` (the local shards get valid random values, not the eager ones).
+
+    Raises RuntimeError if a meta tensor is left or the parameter count changed. Returns the model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    before = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its global size
+    model.to_empty(device="cpu")
+    if rank0_state_dict is not _UNSET:
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        if not distributed or dist.get_rank() == 0:
+            if rank0_state_dict is None:
+                raise ValueError("smddp.smp.materialize: rank 0 must pass its full state dict as rank0_state_dict")
+            full = rank0_state_dict
+        else:
+            full = {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                   broadcast_from_rank0=distributed))
+    else:
+        with torch.no_grad():
+            for module in model.modules():
+                if init_fn is not None:
+                    init_fn(module)
+                elif hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"smddp.smp.materialize: still on the meta device: {', '.join(left)}")
+    after = sum(p.numel() for p in model.parameters())
+    if after != before:
+        raise RuntimeError(f"smddp.smp.materialize: {before} parameters before, {after} after")
+    return model
+
+
+def save_checkpoint(path, model, optimizer=None):
+    """Saves model (and optimizer) state as a sharded torch.distributed.checkpoint: every rank
+    writes its own shards, collectively. Reloadable under another hybrid_shard_degree."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state_dict = {"model": model_sd}
+    if optimizer is not None:
+        state_dict["optimizer"] = optim_sd
+    dcp.save(state_dict, checkpoint_id=str(path))
+
+
+def load_checkpoint(path, model, optimizer=None):
+    """Loads a checkpoint written by save_checkpoint into `model` (and `optimizer`), whatever the
+    sharding each was saved with. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state_dict = {"model": model_sd}
+    if optimizer is not None:
+        state_dict["optimizer"] = optim_sd
+    dcp.load(state_dict, checkpoint_id=str(path))
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state_dict["model"],
+                   optim_state_dict=state_dict.get("optimizer", {}))
+
