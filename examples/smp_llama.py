@@ -97,6 +97,7 @@ def main():
     p.add_argument("--backend", default="smddp")
     p.add_argument("--config", default=None, help="SMP config: JSON file path or JSON text (default: SMP's defaults)")
     p.add_argument("--zero2", action="store_true", help="keep parameters gathered after forward")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--delayed-init", action="store_true",
                    help="build on the meta device, shard, then fill the shards from rank 0's eager model")
     p.add_argument("--steps", type=int, default=10)
@@ -114,11 +115,13 @@ def main():
         full = TinyLlama().state_dict() if state.rank == 0 else None
         with torch.device("meta"):
             model = TinyLlama()
-        tsm.apply_hybrid_sharding(model, zero2=args.zero2)
-        tsm.materialize(model, rank0_state_dict=full)
     else:
         model = TinyLlama()
-        tsm.apply_hybrid_sharding(model, zero2=args.zero2)
+    if args.activation_checkpointing:
+        tsm.apply_activation_checkpointing(model)
+    tsm.apply_hybrid_sharding(model, zero2=args.zero2)
+    if args.delayed_init:
+        tsm.materialize(model, rank0_state_dict=full)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(args.steps):
         x, y = batch(state.rank, step)

@@ -71,7 +71,8 @@ CASES = {
     "hf_causal_lm": ("hf_causal_lm.py", 2, [], "transformers", None),
     "smp-default": ("smp_llama.py", 2, [], None, None),
     "smp-hybrid2-zero2": ("smp_llama.py", 4, ["--config", '{"hybrid_shard_degree": 2}', "--zero2"], None, None),
-    "smp-delayed-init": ("smp_llama.py", 4, ["--config", '{"hybrid_shard_degree": 2}', "--delayed-init"], None, None),
+    "smp-delayed-init-ckpt": ("smp_llama.py", 4, ["--config", '{"hybrid_shard_degree": 2}', "--delayed-init",
+                                                  "--activation-checkpointing"], None, None),
 }
 
 LOSS_RE = re.compile(r"^step (\d+) loss (\S+)$", re.M)

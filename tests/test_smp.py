@@ -165,3 +165,42 @@ def checkpoint_task(rank, world, path, save_degree, load_degree):
 @pytest.mark.parametrize("save_degree, load_degree", [(2, 0), (0, 1)])
 def test_checkpoint_across_degrees(pools, tmp_path, save_degree, load_degree):
     pools.check(4, checkpoint_task, str(tmp_path / "ckpt"), save_degree, load_degree, timeout=300)
+
+
+def activation_checkpointing_task(rank, world, degree):
+    """Checkpointed blocks under hybrid sharding: gradients and parameters equal to the same
+    model without checkpointing, step after step."""
+    rep = Report(rank)
+    tag = f"activation checkpointing hybrid_shard_degree={degree} world={world}"
+    tsm.init({"hybrid_shard_degree": degree})
+    batches = _batches(world, key=21)
+    plain = tsm.apply_hybrid_sharding(_mlp())
+    ckpt = _mlp()
+    calls = [0]
+    first = tsm._blocks(ckpt)[0]
+    original = first.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    first.forward = counted
+    tsm.apply_activation_checkpointing(ckpt)
+    tsm.apply_hybrid_sharding(ckpt)
+    opts = [_adamw(plain.parameters()), _adamw(ckpt.parameters())]
+    for step, (x, y) in enumerate(batches):
+        for model, opt in zip((plain, ckpt), opts):
+            opt.zero_grad()
+            _loss(model, _local(x, rank), _local(y, rank)).backward()
+        for (n, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+            _close(rep, f"{tag} step {step}: grad of {n}", q.grad.full_tensor(), p.grad.full_tensor(), **TOL64)
+        for opt in opts:
+            opt.step()
+        rep.expect(calls[0] == 2 * (step + 1), f"{tag}: a checkpointed block's forward ran {calls[0]} times in "
+                                                f"{step + 1} steps (once more per step: the recomputation)")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world, degree", [(2, 0), (4, 2)])
+def test_activation_checkpointing_keeps_gradients(pools, world, degree):
+    pools.check(world, activation_checkpointing_task, degree, timeout=300)

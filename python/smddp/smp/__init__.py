@@ -11,10 +11,11 @@
     tsm.save_checkpoint(path, model, opt) / tsm.load_checkpoint(path, model, opt)   # sharded (DCP)
 
 Config keys keep SMP v2's names, meanings and defaults (see CONFIG_KEYS). Implemented so far:
-init, state, hybrid sharding (FSDP2, plus the mesh FSDP1 HYBRID_SHARD takes), delayed
-initialisation, sharded checkpoints (reloadable under another hybrid_shard_degree). Tensor
-parallel `transform` and activation offloading are not yet: their config keys are validated and
-stored, and using a degree > 1 that needs them raises NotImplementedError naming the key.
+init, state, hybrid sharding (FSDP2, plus the mesh FSDP1 HYBRID_SHARD takes), activation
+checkpointing, delayed initialisation, sharded checkpoints (reloadable under another
+hybrid_shard_degree). Tensor parallel `transform` and activation offloading are not yet: their
+config keys are validated and stored, and using a degree > 1 that needs them raises
+NotImplementedError naming the key.
 """
 
 import json
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 __all__ = ["CONFIG_KEYS", "SMPConfig", "init", "state", "apply_hybrid_sharding", "validate", "materialize",
-           "save_checkpoint", "load_checkpoint"]
+           "save_checkpoint", "load_checkpoint", "apply_activation_checkpointing"]
 
 # key -> (default, meaning); the README's table is this dict.
 CONFIG_KEYS = {
@@ -269,4 +270,22 @@ def load_checkpoint(path, model, optimizer=None):
     dcp.load(state_dict, checkpoint_id=str(path))
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state_dict["model"],
                    optim_state_dict=state_dict.get("optimizer", {}))
+
+
+def apply_activation_checkpointing(model, blocks=None):
+    """Activation checkpointing of each block (default: see _blocks): its forward keeps only its
+    inputs and is recomputed in the backward pass (torch.utils.checkpoint, non-reentrant). Works
+    before or after apply_hybrid_sharding; gradients are unchanged. Offloading the checkpointed
+    inputs (sm_activation_offloading) is not implemented yet. Returns the model."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks if blocks is not None else _blocks(model):
+        forward = block.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        # An instance attribute: nn.Module.__call__ (and FSDP2's hooks around it) still run first.
+        block.forward = checkpointed
+    return model
 
