@@ -12,7 +12,8 @@
 //
 // `ready`, `done` and `back` are counters numbered by round across the pipeline's life: the device
 // writes ready = g after round g's data is in staging, the host writes done = g after round g's
-// results are, and the device writes back = g (at an op's last round) once they are on the device. A half is rewritten only by toHost(g+2), which the stream runs after toDevice(g).
+// results are, and the device writes back = g (at an op's last round) once they are on the
+// device. A half is rewritten only by toHost(g+2), which the stream runs after toDevice(g).
 #pragma once
 
 #include <atomic>
