@@ -25,6 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+GLOO_EXIT_RACE = "terminate called without an active exception"
 
 
 def free_port() -> int:
@@ -127,8 +128,12 @@ def run_job(args, backend: str, world: int) -> dict:
     procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for r in range(world)]
     outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        sys.exit(f"{backend} world {world} failed:\n" + "\n".join(o[-2000:] for o in outs))
+    # gloo sometimes aborts in its destructors at interpreter exit ("terminate called without an
+    # active exception"), after the run is over: that is not a failed run.
+    failed = [o for p, o in zip(procs, outs)
+              if p.returncode and not (backend == "gloo" and GLOO_EXIT_RACE in o and "RESULT " in outs[0])]
+    if failed:
+        sys.exit(f"{backend} world {world} failed:\n" + "\n".join(o[-2000:] for o in failed))
     line = next(ln for ln in outs[0].splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
