@@ -186,16 +186,17 @@ SmddpWork::SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, 
       spin_(spin) {}
 
 SmddpWork::~SmddpWork() {
-  if (cuda_) cuda_->recycleEvent(doneEvent_);  // often on the progress thread: no CUDA call here
+  if (events_) events_->give(doneEvent_);  // no CUDA call: any thread may drop the last reference
 }
 
-void SmddpWork::setCuda(std::shared_ptr<CudaPath> path, void* doneEvent) {
-  cuda_ = std::move(path);
+void SmddpWork::setCuda(std::shared_ptr<EventPool> events, c10::Device device, void* doneEvent) {
+  events_ = std::move(events);
+  device_ = device;
   doneEvent_ = doneEvent;
 }
 
 bool SmddpWork::wait(std::chrono::milliseconds timeout) {
-  if (cuda_ && env::cudaBlockingWait() == 0) {
+  if (events_ && env::cudaBlockingWait() == 0) {
     // An error already known is raised here; a later one by the next call on the group.
     if (future_->completed() && future_->hasError()) std::rethrow_exception(future_->exception_ptr());
     synchronize();
@@ -206,7 +207,7 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
 }
 
 void SmddpWork::synchronize() {
-  if (cuda_) cuda_->blockCurrentStream(doneEvent_);
+  if (events_) torchext::blockCurrentStream(events_->ops(), device_, doneEvent_, rank_);
 }
 
 void SmddpWork::complete(std::exception_ptr error) {

@@ -29,8 +29,9 @@ class SmddpWork : public c10d::Work {
             const std::optional<std::vector<at::Tensor>>& inputs, std::chrono::microseconds spin);
   ~SmddpWork() override;
 
-  // A CUDA op: `doneEvent` is recorded on the staging stream after the results are copied back.
-  void setCuda(std::shared_ptr<CudaPath> path, void* doneEvent);
+  // A CUDA op: `doneEvent` (from `events`) is recorded on the staging stream after the results
+  // are copied back.
+  void setCuda(std::shared_ptr<EventPool> events, c10::Device device, void* doneEvent);
 
   // CPU ops: polls briefly before blocking (an async op is often waited on right after a short
   // op, and a sleep plus wake-up costs tens of microseconds). CUDA ops: makes the current stream
@@ -57,7 +58,8 @@ class SmddpWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::chrono::microseconds spin_;
   std::atomic<int> sourceRank_{-1};
-  std::shared_ptr<CudaPath> cuda_;
+  std::shared_ptr<EventPool> events_;  // set for CUDA ops
+  c10::Device device_{c10::kCPU};
   void* doneEvent_ = nullptr;
 };
 

@@ -69,12 +69,13 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
   keep.insert(keep.end(), inputs.begin(), inputs.end());
   auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, outputs, std::optional<Tensors>(inputs), spin_);
   const CudaPath::Launch launch = path->launch(rounds);
-  work->setCuda(path, launch.doneEvent);
+  work->setCuda(path->events(), path->device(), launch.doneEvent);
   std::vector<CudaStep> steps = makeSteps(launch);
   for (CudaStep& s : steps) s = describedBody(opType, title, outputs, inputs, std::move(s));
   algo::Communicator* comm = comm_.get();
   const int rank = rank_;
-  auto task = [this, work, comm, path, launch, steps = std::move(steps), keep = std::move(keep), timeout, rank]() {
+  auto task = [this, work, comm, path, launch, steps = std::move(steps), keep = std::move(keep), timeout,
+               rank]() mutable {
     std::exception_ptr error;
     try {
       path->runHost(launch, steps, *comm, timeout);
@@ -87,7 +88,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
       std::lock_guard<std::mutex> failLock(cudaFailureMutex_);
       if (!cudaFailure_) cudaFailure_ = error;
     }
-    work->complete(error);
+    // The Work and the tensors go to the completion thread: completing runs the future's
+    // callbacks, and dropping a tensor may enter the CUDA allocator.
+    path->completeLater([work = std::move(work), keep = std::move(keep), error]() { work->complete(error); });
   };
   try {
     progress_->enqueue(std::move(task));

@@ -49,6 +49,37 @@ cuda::DeviceOps* loadDeviceOps(int rank) {
 
 }  // namespace
 
+EventPool::~EventPool() {
+  for (void* e : free_) ops_.destroyEvent(e);
+}
+
+void* EventPool::take() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!free_.empty()) {
+      void* e = free_.back();
+      free_.pop_back();
+      return e;
+    }
+  }
+  return ops_.createEvent();
+}
+
+void EventPool::give(void* event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_.push_back(event);
+}
+
+void blockCurrentStream(cuda::DeviceOps& ops, c10::Device device, void* event, int rank) {
+  c10::DeviceGuard guard(device);
+  c10::impl::VirtualGuardImpl impl(device.type());
+  try {
+    ops.streamWaitEvent(impl.getStream(device).native_handle(), event);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "smddp rank ", rank, ": ", e.what());
+  }
+}
+
 CudaPath::CudaPath(int rank, c10::Device device) : rank_(rank), device_(device) {
   ops_ = loadDeviceOps(rank);
   c10::DeviceGuard guard(device_);
@@ -58,6 +89,8 @@ CudaPath::CudaPath(int rank, c10::Device device) : rank_(rank), device_(device) 
     stream_ = ops_->createStream();
     callerReady_ = ops_->createEvent();
     pipeline_ = std::make_unique<cuda::StagingPipeline>(*ops_, static_cast<size_t>(bytes));
+    events_ = std::make_shared<EventPool>(*ops_);
+    completer_ = std::make_unique<engine::ProgressThread>("smddp-cuda" + std::to_string(rank), std::chrono::microseconds(0));
   } catch (const std::exception& e) {
     if (callerReady_) ops_->destroyEvent(callerReady_);
     if (stream_) ops_->destroyStream(stream_);
@@ -69,6 +102,7 @@ CudaPath::CudaPath(int rank, c10::Device device) : rank_(rank), device_(device) 
 
 CudaPath::~CudaPath() {
   pipeline_->abort();
+  completer_->stop();  // finishes the Works still queued
   // The pinned buffer may be freed only once the stream stopped using it. A stream stuck behind
   // a kernel that never ends would hold us forever: give it a few seconds, then leak the buffer.
   bool idle = false;
@@ -86,13 +120,15 @@ CudaPath::~CudaPath() {
     (void)pipeline_.release();
   }
   ops_->destroyEvent(callerReady_);
-  for (void* e : freeEvents_) ops_->destroyEvent(e);
   ops_->destroyStream(stream_);
 }
 
-void CudaPath::recycleEvent(void* event) {
-  std::lock_guard<std::mutex> lock(eventsMutex_);
-  freeEvents_.push_back(event);
+void CudaPath::completeLater(std::function<void()> finish) {
+  try {
+    completer_->enqueue(std::move(finish));
+  } catch (const std::logic_error&) {  // stopping: finish here (shutdown's last ops)
+    finish();
+  }
 }
 
 CudaPath::Launch CudaPath::launch(const std::vector<cuda::Round>& rounds) {
@@ -104,14 +140,7 @@ CudaPath::Launch CudaPath::launch(const std::vector<cuda::Round>& rounds) {
     ops_->streamWaitEvent(stream_, callerReady_);
     l.ticket = pipeline_->enqueue(rounds, stream_);
     for (size_t i = 0; i < rounds.size(); ++i) l.bases.push_back(pipeline_->stagingOf(l.ticket, i));
-    {
-      std::lock_guard<std::mutex> lock(eventsMutex_);
-      if (!freeEvents_.empty()) {
-        l.doneEvent = freeEvents_.back();
-        freeEvents_.pop_back();
-      }
-    }
-    if (!l.doneEvent) l.doneEvent = ops_->createEvent();
+    l.doneEvent = events_->take();
     ops_->recordEvent(l.doneEvent, stream_);
   } catch (const std::length_error& e) {
     TORCH_CHECK_VALUE(false, "smddp rank ", rank_, ": ", e.what(), "; raise SMDDP_CUDA_STAGING_BYTES");
@@ -138,14 +167,5 @@ void CudaPath::runHost(const Launch& l, const std::vector<CudaStep>& steps, algo
   }
 }
 
-void CudaPath::blockCurrentStream(void* event) {
-  c10::DeviceGuard guard(device_);
-  c10::impl::VirtualGuardImpl impl(device_.type());
-  try {
-    ops_->streamWaitEvent(impl.getStream(device_).native_handle(), event);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "smddp rank ", rank_, ": ", e.what());
-  }
-}
 
 }  // namespace smddp::torchext

@@ -15,11 +15,31 @@
 
 #include "algo/communicator.h"
 #include "cuda/staging.h"
+#include "engine/progress_thread.h"
 
 namespace smddp::torchext {
 
 // The host work of one staging round (it captures the round's staging pointers).
 using CudaStep = std::function<void(algo::Communicator&, std::chrono::milliseconds)>;
+
+// The events that mark CUDA ops done, reused. Shared by the group and its Works, so a Work may
+// outlive the group. give() makes no CUDA call: it runs wherever a Work dies.
+class EventPool {
+ public:
+  explicit EventPool(cuda::DeviceOps& ops) : ops_(ops) {}
+  ~EventPool();
+  void* take();  // caller's thread (a CUDA call when the pool is empty)
+  void give(void* event);
+  cuda::DeviceOps& ops() { return ops_; }
+
+ private:
+  cuda::DeviceOps& ops_;
+  std::mutex mutex_;
+  std::vector<void*> free_;
+};
+
+// Makes the calling thread's current stream on `device` wait for `event`.
+void blockCurrentStream(cuda::DeviceOps& ops, c10::Device device, void* event, int rank);
 
 class CudaPath {
  public:
@@ -30,7 +50,7 @@ class CudaPath {
 
   c10::Device device() const { return device_; }
   size_t roundBytes() const { return pipeline_->roundCapacity(); }
-  cuda::DeviceOps& ops() { return *ops_; }
+  const std::shared_ptr<EventPool>& events() const { return events_; }
   // Where the next op's first round will be staged; the caller holds the issue lock until it
   // has launched that op.
   uint8_t* nextStaging() const { return pipeline_->nextStaging(); }
@@ -38,7 +58,7 @@ class CudaPath {
   struct Launch {
     cuda::Ticket ticket;
     std::vector<uint8_t*> bases;  // each round's staging
-    void* doneEvent = nullptr;    // recorded after the last copy back; the Work owns it
+    void* doneEvent = nullptr;    // recorded after the last copy back; the Work gives it back to events()
   };
   // Caller's thread, in issue order: the side stream waits for the caller's current stream, then
   // takes the rounds' copies and flags.
@@ -49,12 +69,12 @@ class CudaPath {
                std::chrono::milliseconds timeout);
   // After a launch whose host side will never run (the group shut down meanwhile).
   void release(const Launch& l) { pipeline_->releaseAll(l.ticket); }
-  // Makes the caller's current stream on this device wait for `event`.
-  void blockCurrentStream(void* event);
-  // A Work is done with its event. Any thread, and no CUDA call: the progress thread must never
-  // enter the driver, where it can queue behind a synchronous copy on the user's thread that is
-  // itself waiting for the progress thread (a deadlock seen on a GPU). Events are reused.
-  void recycleEvent(void* event);
+  // Progress thread, once an op is done: runs `finish` (completing the Work, which runs the
+  // future's callbacks, and dropping the op's tensors) on a thread of its own. The progress
+  // thread must never enter the CUDA driver, where it can queue behind a synchronous copy on the
+  // user's thread that waits for a later op, i.e. for the progress thread (a deadlock seen on an
+  // H100, then through an event destroyed by a Work); user callbacks may do anything.
+  void completeLater(std::function<void()> finish);
   // Unblocks every stream and host waiter for good (group shutdown).
   void abort() { pipeline_->abort(); }
 
@@ -65,8 +85,8 @@ class CudaPath {
   cuda::Stream stream_ = nullptr;
   void* callerReady_ = nullptr;  // reused: recorded on the caller's stream at each launch
   std::unique_ptr<cuda::StagingPipeline> pipeline_;
-  std::mutex eventsMutex_;
-  std::vector<void*> freeEvents_;
+  std::shared_ptr<EventPool> events_;
+  std::unique_ptr<engine::ProgressThread> completer_;
 };
 
 }  // namespace smddp::torchext
