@@ -90,7 +90,8 @@ CudaPath::CudaPath(int rank, c10::Device device) : rank_(rank), device_(device) 
     callerReady_ = ops_->createEvent();
     pipeline_ = std::make_unique<cuda::StagingPipeline>(*ops_, static_cast<size_t>(bytes));
     events_ = std::make_shared<EventPool>(*ops_);
-    completer_ = std::make_unique<engine::ProgressThread>("smddp-cuda" + std::to_string(rank), std::chrono::microseconds(0));
+    completer_ = std::make_unique<engine::ProgressThread>("smddp-cuda" + std::to_string(rank),
+                                                          std::chrono::microseconds(0));
   } catch (const std::exception& e) {
     if (callerReady_) ops_->destroyEvent(callerReady_);
     if (stream_) ops_->destroyStream(stream_);
