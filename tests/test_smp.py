@@ -187,20 +187,74 @@ def activation_checkpointing_task(rank, world, degree):
     first.forward = counted
     tsm.apply_activation_checkpointing(ckpt)
     tsm.apply_hybrid_sharding(ckpt)
-    opts = [_adamw(plain.parameters()), _adamw(ckpt.parameters())]
+
+    def check_recomputed(step):
+        rep.expect(calls[0] == 2 * (step + 1), f"{tag}: a checkpointed block's forward ran {calls[0]} times in "
+                                                f"{step + 1} steps (once more per step: the recomputation)")
+
+    _train_side_by_side(rep, tag, rank, batches, plain, ckpt, after_step=check_recomputed)
+    return rep.to_dict()
+
+
+def _train_side_by_side(rep, tag, rank, batches, plain, other, after_step=None):
+    """AdamW steps on both models: `other`'s gradients must equal `plain`'s at every step."""
+    opts = [_adamw(plain.parameters()), _adamw(other.parameters())]
     for step, (x, y) in enumerate(batches):
-        for model, opt in zip((plain, ckpt), opts):
+        for model, opt in zip((plain, other), opts):
             opt.zero_grad()
             _loss(model, _local(x, rank), _local(y, rank)).backward()
-        for (n, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        for (n, p), q in zip(plain.named_parameters(), other.parameters()):
             _close(rep, f"{tag} step {step}: grad of {n}", q.grad.full_tensor(), p.grad.full_tensor(), **TOL64)
         for opt in opts:
             opt.step()
-        rep.expect(calls[0] == 2 * (step + 1), f"{tag}: a checkpointed block's forward ran {calls[0]} times in "
-                                                f"{step + 1} steps (once more per step: the recomputation)")
-    return rep.to_dict()
+        if after_step:
+            after_step(step)
 
 
 @pytest.mark.parametrize("world, degree", [(2, 0), (4, 2)])
 def test_activation_checkpointing_keeps_gradients(pools, world, degree):
     pools.check(world, activation_checkpointing_task, degree, timeout=300)
+
+
+@pytest.mark.parametrize("horizon", [1, 2, 3])
+def test_activation_offloading_prefetch_order_and_bound(horizon):
+    """Saved activations go to the host in forward and come back `horizon` blocks ahead of the
+    backward pass, never more than `horizon` blocks at once; gradients do not change."""
+    torch.manual_seed(0)
+    blocks = 6
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                  for _ in range(blocks)]).double()
+    ref = copy.deepcopy(model)
+    off = tsm.apply_activation_offloading(model, blocks=list(model), horizon=horizon)
+    x = torch.randn(4, 16, dtype=torch.float64)
+    model(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    ev = off.events
+    assert ev[:blocks] == [("offload", i) for i in range(blocks)], ev
+    assert [b for kind, b in ev if kind == "load"] == list(range(blocks - 1, -1, -1)), ev
+    for i in range(blocks):  # block i - horizon + 1 is on its way before block i is done
+        if i - horizon + 1 >= 0:
+            assert ev.index(("load", i - horizon + 1)) < ev.index(("release", i)), (i, ev)
+    assert off.max_resident == min(horizon, blocks), off.max_resident
+    assert ev[-1] == ("release", 0)
+
+
+def activation_offloading_task(rank, world):
+    """Offloading under hybrid sharding (FSDP2): gradients equal to the same model without it."""
+    rep = Report(rank)
+    tag = f"activation offloading world={world}"
+    tsm.init({"activation_loading_horizon": 2})
+    batches = _batches(world, key=31)
+    plain = tsm.apply_hybrid_sharding(_mlp())
+    offl = _mlp()
+    off = tsm.apply_activation_offloading(offl)
+    tsm.apply_hybrid_sharding(offl)
+    _train_side_by_side(rep, tag, rank, batches, plain, offl)
+    rep.expect(off.max_resident <= 2 and ("load", 0) in off.events, f"{tag}: events {off.events[-6:]}")
+    return rep.to_dict()
+
+
+def test_activation_offloading_under_hybrid_sharding(pools):
+    pools.check(2, activation_offloading_task, timeout=300)

@@ -12,10 +12,10 @@
 
 Config keys keep SMP v2's names, meanings and defaults (see CONFIG_KEYS). Implemented so far:
 init, state, hybrid sharding (FSDP2, plus the mesh FSDP1 HYBRID_SHARD takes), activation
-checkpointing, delayed initialisation, sharded checkpoints (reloadable under another
-hybrid_shard_degree). Tensor parallel `transform` and activation offloading are not yet: their
-config keys are validated and stored, and using a degree > 1 that needs them raises
-NotImplementedError naming the key.
+checkpointing, activation offloading with prefetch, delayed initialisation, sharded checkpoints
+(reloadable under another hybrid_shard_degree). Tensor/expert/context parallelism are not yet:
+their config keys are validated and stored, and a degree > 1 raises NotImplementedError naming
+the key.
 """
 
 import json
@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 __all__ = ["CONFIG_KEYS", "SMPConfig", "init", "state", "apply_hybrid_sharding", "validate", "materialize",
-           "save_checkpoint", "load_checkpoint", "apply_activation_checkpointing"]
+           "save_checkpoint", "load_checkpoint", "apply_activation_checkpointing", "apply_activation_offloading",
+           "ActivationOffloader"]
 
 # key -> (default, meaning); the README's table is this dict.
 CONFIG_KEYS = {
@@ -38,7 +39,8 @@ CONFIG_KEYS = {
                                   "combinable with tensor parallelism"),
     "context_parallel_degree": (1, "ranks the sequence is split over (not yet); at most hybrid_shard_degree"),
     "random_seed": (None, "base seed: torch.manual_seed(random_seed) at init (TP modules add the TP rank)"),
-    "sm_activation_offloading": (True, "offload checkpointed activations with prefetch (not yet)"),
+    "sm_activation_offloading": (True, "offload blocks' saved activations to host memory with prefetch "
+                                       "(apply_activation_offloading; training scripts read the flag)"),
     "activation_loading_horizon": (2, "how many offloaded layers' activations may be resident at once (>= 1)"),
     "allow_empty_shards": (False, "allow parameters with fewer rows than ranks to leave some shards empty "
                                   "(FSDP2 does this natively; kept for config compatibility)"),
@@ -276,7 +278,8 @@ def apply_activation_checkpointing(model, blocks=None):
     """Activation checkpointing of each block (default: see _blocks): its forward keeps only its
     inputs and is recomputed in the backward pass (torch.utils.checkpoint, non-reentrant). Works
     before or after apply_hybrid_sharding; gradients are unchanged. Offloading the checkpointed
-    inputs (sm_activation_offloading) is not implemented yet. Returns the model."""
+    inputs is not implemented (apply_activation_offloading handles blocks that are not
+    checkpointed). Returns the model."""
     from torch.utils.checkpoint import checkpoint
 
     for block in blocks if blocks is not None else _blocks(model):
@@ -288,4 +291,100 @@ def apply_activation_checkpointing(model, blocks=None):
         # An instance attribute: nn.Module.__call__ (and FSDP2's hooks around it) still run first.
         block.forward = checkpointed
     return model
+
+
+class ActivationOffloader:
+    """Moves the activations autograd saves in each block's forward to host memory and brings
+    them back for the backward pass, `horizon` blocks ahead: when block i's backward needs its
+    first tensor, blocks i .. i-horizon+1 are loaded (the backward visits blocks in reverse), and
+    a block's loaded tensors are dropped as autograd takes them. So at most about `horizon`
+    blocks' activations are on the device at once during backward; `max_resident` records it
+    and `events` the order of "offload"/"load"/"release" per block, for tests and tuning.
+
+    On CUDA the host copies are pinned and move on a side stream; on CPU the "host" is the same
+    memory, so offloading only exercises the logic (the gradients must not change)."""
+
+    def __init__(self, horizon):
+        if horizon < 1:
+            raise ValueError(f"smddp.smp: activation_loading_horizon={horizon} must be >= 1")
+        self.horizon = horizon
+        self.events = []
+        self.max_resident = 0
+        self._host = {}    # block -> [host copy, ...] in save order
+        self._device = {}  # block -> [device tensor or None once taken, ...]
+        self._stream = None
+
+    def _side_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def pack(self, block, t):
+        if t.is_leaf and t.requires_grad:  # a parameter: FSDP manages its memory, keep it as is
+            return ("param", t)
+        if t.device.type == "cuda":
+            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                host.copy_(t, non_blocking=True)
+            t.record_stream(stream)
+        else:
+            host = t.detach().clone()
+        saved = self._host.setdefault(block, [])
+        if not saved:
+            self.events.append(("offload", block))
+        saved.append((host, t.device))
+        return (block, len(saved) - 1)
+
+    def _load(self, block):
+        if block in self._device or block not in self._host:
+            return
+        loaded = []
+        for host, device in self._host[block]:
+            if device.type == "cuda":
+                stream = self._side_stream()
+                with torch.cuda.stream(stream):
+                    t = host.to(device, non_blocking=True)
+                loaded.append((t, stream))
+            else:
+                loaded.append((host, None))
+        self._device[block] = loaded
+        self.events.append(("load", block))
+        self.max_resident = max(self.max_resident, len(self._device))
+
+    def unpack(self, handle):
+        block, index = handle
+        if block == "param":
+            return index
+        self._load(block)
+        for ahead in range(block - 1, block - self.horizon, -1):
+            self._load(ahead)
+        t, stream = self._device[block][index]
+        if stream is not None:
+            torch.cuda.current_stream().wait_stream(stream)
+            t.record_stream(torch.cuda.current_stream())
+        self._device[block][index] = None
+        if all(x is None for x in self._device[block]):
+            del self._device[block]
+            del self._host[block]
+            self.events.append(("release", block))
+        return t
+
+
+def apply_activation_offloading(model, blocks=None, horizon=None):
+    """Offloads each block's saved activations to host memory and prefetches them `horizon` blocks
+    ahead of the backward pass (default: the config's activation_loading_horizon). For blocks that
+    are not checkpointed (checkpointed blocks save only their inputs). Returns the
+    ActivationOffloader, whose `events` and `max_resident` show what happened."""
+    off = ActivationOffloader(horizon if horizon is not None else state.config.activation_loading_horizon)
+    for index, block in enumerate(blocks if blocks is not None else _blocks(model)):
+        forward = block.forward
+
+        def offloaded(*args, _forward=forward, _index=index, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: off.pack(_index, t), off.unpack):
+                return _forward(*args, **kwargs)
+
+        block.forward = offloaded
+    return off
 
