@@ -4,6 +4,7 @@ smddp.smp.init(config) + hybrid sharding (FSDP2). The config is SMP v2's JSON (s
     torchrun --nproc-per-node 4 examples/smp_llama.py --backend smddp --config '{"hybrid_shard_degree": 2}'
     torchrun --nproc-per-node 2 examples/smp_llama.py --config smp_config.json --zero2
     torchrun --nproc-per-node 4 examples/smp_llama.py --delayed-init --config '{"hybrid_shard_degree": 2}'
+    torchrun --nproc-per-node 1 examples/smp_llama.py --emulate-ranks 4   # the single-process reference
 
 Model: 2 blocks of RMSNorm -> causal multi-head attention -> RMSNorm -> SwiGLU MLP, vocabulary 256,
 width 64, 4 heads, sequences of 32 tokens, 4 sequences per rank and step, AdamW.
@@ -101,11 +102,15 @@ def main():
     p.add_argument("--delayed-init", action="store_true",
                    help="build on the meta device, shard, then fill the shards from rank 0's eager model")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--emulate-ranks", type=int, default=0,
+                   help="single-process reference: one process trains on the batches of this many ranks at once")
     args = p.parse_args()
 
     import smddp.smp as tsm
 
     state = tsm.init(args.config, backend=args.backend)
+    if args.emulate_ranks and state.world_size != 1:
+        raise SystemExit("--emulate-ranks is the single-process reference: run it with one process")
     if state.rank == 0:
         print(f"smp: world {state.world_size}, hybrid_shard_degree {state.hybrid_shard_degree} x "
               f"replicate {state.replicate_degree}, config {json.dumps(vars(state.config))}", flush=True)
@@ -124,7 +129,10 @@ def main():
         tsm.materialize(model, rank0_state_dict=full)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(args.steps):
-        x, y = batch(state.rank, step)
+        if args.emulate_ranks:  # every rank's tokens in one batch: the same mean loss and gradients
+            x, y = (torch.cat(t) for t in zip(*(batch(r, step) for r in range(args.emulate_ranks))))
+        else:
+            x, y = batch(state.rank, step)
         loss = F.cross_entropy(model(x).reshape(-1, LlamaConfig.vocab), y.reshape(-1))
         opt.zero_grad()
         loss.backward()

@@ -161,3 +161,19 @@ def test_example(case):
                 f"{case} step {step}: smddp loss {b!r} vs gloo {a!r}: beyond rtol {tol}"
     assert all(math.isfinite(v) for v in got), got
     assert got[-1] < got[0], f"{case}: the loss did not go down over {STEPS} steps: {got}"
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+@pytest.mark.parametrize("extra", [["--config", '{"hybrid_shard_degree": 2}'],
+                                   ["--config", '{"hybrid_shard_degree": 2}', "--zero2", "--delayed-init",
+                                    "--activation-checkpointing"]], ids=["hybrid2", "hybrid2-zero2-delayed-ckpt"])
+def test_smp_example_matches_single_process(extra):
+    """The SMP-style example on 4 ranks (smddp) against one process training on the same 4 ranks'
+    batches at once: the same mean loss at every step, up to float32 summation order."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    got = _run("smp_llama.py", 4, extra, "smddp")
+    want = _run("smp_llama.py", 1, ["--emulate-ranks", "4"], "smddp")
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= 1e-5 * abs(w), f"step {step}: 4 ranks {got} vs single process {want}"
+
