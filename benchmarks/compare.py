@@ -32,20 +32,11 @@ def expected_rows(bench_args: list[str]) -> int:
     sys.path.insert(0, str(HERE))
     import bench_vs_gloo as b
 
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--worlds", default="2,4")
-    p.add_argument("--ops", default=",".join(b.OPS))
-    p.add_argument("-b", "--minbytes", default="8", type=b.parse_size)
-    p.add_argument("-e", "--maxbytes", default="128M", type=b.parse_size)
-    p.add_argument("-f", "--stepfactor", default=2.0, type=float)
-    p.add_argument("--baselines", default=None)
-    p.add_argument("-d", "--dtype", default="float32")
-    a, _ = p.parse_known_args(bench_args)
+    a = b.parse_args(bench_args)  # the benchmark's own reading of its options and baselines
     esize = b.DTYPES[a.dtype][0]
-    impls = 1 + (len(a.baselines.split(",")) if a.baselines else 2)
-    cells = sum(1 for w in a.worlds.split(",") for op in a.ops.split(",")
-                for size in b.size_list(a.minbytes, a.maxbytes, a.stepfactor) if b.geometry(op, size, int(w), esize)[0])
-    return cells * impls
+    cells = sum(1 for w in a.worlds for op in a.ops
+                for size in b.size_list(a.minbytes, a.maxbytes, a.stepfactor) if b.geometry(op, size, w, esize)[0])
+    return cells * (1 + len(a.baselines))
 
 
 def progress(done: int, total: int, started: float) -> None:

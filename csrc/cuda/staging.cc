@@ -11,17 +11,15 @@
 namespace smddp::cuda {
 namespace {
 constexpr size_t kFlagStride = 64 / sizeof(uint64_t);  // one cache line per flag
-constexpr size_t kAlign = 256;                          // staging offsets suit any copy engine
 // After abort() the done word holds this: it releases every round number the pipeline can reach.
 constexpr uint64_t kReleasedForever = ~uint64_t{0} >> 1;
 
-size_t alignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
 // Elements per round when a round stages `slots` pieces of `es`-byte elements.
 size_t piece(size_t roundBytes, size_t slots, size_t es) {
   // Each slot is aligned, so leave room for the padding.
   const size_t perSlot = roundBytes / slots;
-  const size_t usable = perSlot >= kAlign ? perSlot - kAlign + 1 : 0;
+  const size_t usable = perSlot >= kStagingAlign ? perSlot - kStagingAlign + 1 : 0;
   const size_t elems = usable / es;
   if (elems == 0) throw std::length_error("smddp: the CUDA staging buffer is too small for one element per rank");
   return elems;
@@ -29,7 +27,7 @@ size_t piece(size_t roundBytes, size_t slots, size_t es) {
 }  // namespace
 
 StagingPipeline::StagingPipeline(DeviceOps& ops, size_t capacityBytes) : ops_(ops), half_(capacityBytes / 2) {
-  half_ = half_ / kAlign * kAlign;
+  half_ = half_ / kStagingAlign * kStagingAlign;
   if (half_ == 0) throw std::length_error("smddp: SMDDP_CUDA_STAGING_BYTES is too small");
   buffer_ = static_cast<uint8_t*>(ops_.hostAlloc(2 * half_));
   try {
@@ -153,7 +151,7 @@ std::vector<Round> planColumns(uint8_t* single, uint8_t* blocks, size_t n, int w
                                size_t roundBytes, bool gather) {
   return rounds(n, piece(roundBytes, static_cast<size_t>(world) + 1, es), [&](Round& r) {
     const size_t bytes = r.count * es;
-    const size_t pitch = alignUp(bytes);
+    const size_t pitch = alignStaging(bytes);
     // gather: [input piece][world output pieces]; scatter: [world input pieces][output piece].
     const size_t singleAt = gather ? 0 : pitch * world;
     const size_t blocksAt = gather ? pitch : 0;

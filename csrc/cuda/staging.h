@@ -96,6 +96,10 @@ class StagingPipeline {
   std::atomic<bool> aborted_{false};
 };
 
+// Offsets inside a round are multiples of this, which suits any copy engine.
+constexpr size_t kStagingAlign = 256;
+inline size_t alignStaging(size_t v) { return (v + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
+
 // Round plans. `roundBytes` is the half capacity; element size `es`.
 
 // An in-place elementwise op (allreduce, reduce, broadcast) over `count` elements at `device`.

@@ -207,6 +207,7 @@ class SmddpBackend : public c10d::Backend {
   std::shared_ptr<CudaPath> cuda_;  // created at the first CUDA tensor
   std::mutex cudaFailureMutex_;
   std::exception_ptr cudaFailure_;
+  std::atomic<bool> cudaFailed_{false};
 };
 
 // smddp::Error -> the c10 error type Python maps to the right exception class.

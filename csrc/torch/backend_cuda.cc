@@ -13,8 +13,6 @@ namespace {
 
 inline uint8_t* bytePtr(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
-constexpr size_t kAlign = 256;
-size_t alignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
 // Set while cudaWhole runs an op's CPU twin on host mirrors: the twin's enqueue lands here.
 struct WholeOp {
@@ -51,6 +49,7 @@ CudaPath& SmddpBackend::cudaPathFor(const Tensors& tensors, const char* op) {
 }
 
 void SmddpBackend::throwIfCudaFailed(const char* op) {
+  if (!cudaFailed_.load(std::memory_order_acquire)) return;  // every op passes here: no lock then
   std::lock_guard<std::mutex> lock(cudaFailureMutex_);
   if (cudaFailure_) std::rethrow_exception(cudaFailure_);
 }
@@ -87,6 +86,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
     if (error) {
       std::lock_guard<std::mutex> failLock(cudaFailureMutex_);
       if (!cudaFailure_) cudaFailure_ = error;
+      cudaFailed_.store(true, std::memory_order_release);
     }
     // The Work and the tensors go to the completion thread: completing runs the future's
     // callbacks, and dropping a tensor may enter the CUDA allocator.
@@ -196,7 +196,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaWhole(const char* op, const Ten
     const size_t bytes = t.nbytes();
     copies.push_back(cuda::Copy{bytePtr(t), bytes, round.stagingBytes, bytes, bytes, 1});
     at::Tensor host = at::from_blob(base + round.stagingBytes, t.sizes(), t.options().device(at::kCPU));
-    round.stagingBytes += alignUp(bytes);
+    round.stagingBytes += cuda::alignStaging(bytes);
     return host;
   };
   Tensors hostReads, hostWrites;
