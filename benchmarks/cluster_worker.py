@@ -71,6 +71,19 @@ def make(op, size, rank, world):
             run()
             return torch.equal(t, torch.full((n,), float(world - 1)))
         return run, verify
+    if op == "alltoall":
+        n = max(1, size // 4 // world)  # elements per block; rank r's block for p holds r * world + p
+        inp, out = torch.empty(n * world), torch.empty(n * world)
+
+        def run():
+            dist.all_to_all_single(out, inp)
+
+        def verify():
+            inp.copy_(torch.arange(world, dtype=torch.float32).add_(rank * world).repeat_interleave(n))
+            run()
+            ref = torch.arange(world, dtype=torch.float32).mul_(world).add_(rank).repeat_interleave(n)
+            return torch.equal(out, ref)
+        return run, verify
     raise ValueError(op)
 
 

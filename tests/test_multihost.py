@@ -15,7 +15,7 @@ from test_allgather import all_gather_list, all_gather_tensor_forms
 from test_allreduce import allreduce_matrix
 from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
 from test_clients import ddp_task, fsdp2_task
-from test_gather_scatter_alltoall import gather_scatter_all_roots
+from test_gather_scatter_alltoall import alltoall_cases, gather_scatter_all_roots
 from test_misc import barrier_task, shm_task
 from test_reduce_scatter import reduce_scatter_list, reduce_scatter_tensor_forms
 
@@ -44,17 +44,35 @@ def unsupported_task(rank, world):
     """What the inter-host path does not do yet is refused before anything is sent, with
     NotImplementedError, and the group keeps working."""
     rep = Report(rank)
-    for label, call in [
-        ("all_to_all_single", lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world))),
-        ("send", lambda: dist.send(torch.ones(2), dst=(rank + 1) % world)),
-    ]:
-        with rep.cell(f"{label} across hosts"):
-            try:
-                call()
-                rep.expect(False, f"rank {rank}: {label} across hosts did not raise")
-            except NotImplementedError as e:
-                rep.expect("spans hosts" in str(e), f"rank {rank}: unexpected message: {e}")
-        rep.group_still_works(f"after refused {label}", world, rank)
+    with rep.cell("send across hosts"):
+        try:
+            dist.send(torch.ones(2), dst=(rank + 1) % world)
+            rep.expect(False, f"rank {rank}: send across hosts did not raise")
+        except NotImplementedError as e:
+            rep.expect("spans hosts" in str(e), f"rank {rank}: unexpected message: {e}")
+    rep.group_still_works("after refused send", world, rank)
+    return rep.to_dict()
+
+
+def alltoall_mismatch_task(rank, world, receiver, sender):
+    """`receiver` expects one element more from `sender` (on another host) than it sends, while
+    every other split agrees: the receiver names both ranks and counts, and every rank raises in
+    this same call (none returns with a wrong or partial result, none hangs)."""
+    rep = Report(rank)
+    out_splits = [2] * world
+    if rank == receiver:
+        out_splits[sender] = 3
+    out = torch.empty(sum(out_splits))
+    try:
+        dist.all_to_all_single(out, torch.ones(2 * world), out_splits, [2] * world)
+        rep.expect(False, f"rank {rank}: mismatched split sizes were not detected")
+    except Exception as e:  # noqa: BLE001
+        text = str(e)
+        if rank == receiver:
+            want = f"rank {sender} sends 2 elements to rank {receiver}, which expects 3"
+            rep.expect(want in text and "split sizes do not match" in text, f"rank {rank}: unexpected error: {e}")
+        else:
+            rep.expect("alltoall" in text, f"rank {rank}: error does not name the op: {e}")
     return rep.to_dict()
 
 
@@ -100,6 +118,21 @@ def test_broadcast_reduce(pools, topo):
 def test_gather_scatter_barrier(pools, topo):
     check(pools, topo, gather_scatter_all_roots, SMALL_SIZES, ["float32", "int64"])
     check(pools, topo, barrier_task)
+
+
+@pytest.mark.parametrize("topo", TOPOS)
+def test_alltoall(pools, topo):
+    check(pools, topo, alltoall_cases, 5, ALL)
+    # about 1.5 MiB per block: many inter-host pieces
+    check(pools, topo, alltoall_cases, 1 << 17, ["float32"])
+
+
+@pytest.mark.parametrize("topo, receiver, sender", [("0011", 0, 2), ("001", 2, 1), ("0101", 1, 2), ("0011", 0, 1)])
+def test_alltoall_split_mismatch_is_an_error(pools, topo, receiver, sender):
+    try:
+        check(pools, topo, alltoall_mismatch_task, receiver, sender)
+    finally:
+        pools.discard(len(topo), topo, NET_ENV)  # the group refuses further ops after a failed collective
 
 
 @pytest.mark.parametrize("topo", ["0011", "001"])

@@ -324,7 +324,8 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
         throwError(ErrorCode::kInvalidUsage,
                    "alltoall: rank %d sends %llu elements to rank %d, which expects %llu from it (the split sizes "
                    "do not match across ranks)",
-                   q, static_cast<unsigned long long>(sends), p, static_cast<unsigned long long>(expects));
+                   d.groupRank(q), static_cast<unsigned long long>(sends), d.groupRank(p),
+                   static_cast<unsigned long long>(expects));
       }
     }
   }

@@ -171,14 +171,9 @@ void Communicator::scatter(const ScatterOptions& opts, std::chrono::milliseconds
 }
 
 void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::milliseconds timeout) {
-  run(OpKind::kAlltoall, timeout, [&](OpContext& ctx) {
-    if (mesh_) {
-      throwError(ErrorCode::kNotSupported,
-                 "all_to_all is not supported yet in a group that spans hosts (this group has %d hosts)",
-                 topo_.hosts());
-    }
-    algo::alltoall(ctx, opts);
-  });
+  runEither(OpKind::kAlltoall, timeout,
+            [&](OpContext& ctx) { algo::alltoall(ctx, opts); },
+            [&](HierContext& hc) { hierAlltoall(hc, opts); });
 }
 
 void Communicator::reduceScatter(const ReduceScatterOptions& opts, std::chrono::milliseconds timeout) {

@@ -284,6 +284,125 @@ void hierBroadcast(HierContext& ctx, const BroadcastOptions& o) {
   broadcast(ctx.local, local);
 }
 
+void hierAlltoall(HierContext& ctx, const AlltoallOptions& o) {
+  const Topology& t = *ctx.topo;
+  const size_t es = elementSize(o.dtype);
+  const int me = t.rank, h = t.host(), H = t.hosts(), L = t.localSize(), l = t.localRank();
+  const std::vector<int>& locals = t.members[h];
+  // via[li]: the ranks of other hosts whose blocks for this host pass through local rank li (the
+  // rank there that partnerOn pairs them with), in rank order.
+  std::vector<std::vector<int>> via(L);
+  for (int g = 0; g < t.size; ++g) {
+    if (t.hostOf[g] != h) via[t.localOf[g] % L].push_back(g);
+  }
+  const std::vector<int>& mine = via[l];
+  const size_t n = mine.size();
+
+  // 1. Network: this rank tells its partner on every other host how many elements it has for
+  //    each rank there. inbound[i * L + lg]: what mine[i] has for locals[lg].
+  std::vector<std::vector<uint64_t>> announce(H);
+  std::vector<net::Send> sends;
+  std::vector<net::Recv> recvs;
+  for (int k = 0; k < H; ++k) {
+    if (k == h) continue;
+    for (int g : t.members[k]) announce[k].push_back(o.inCounts[g]);
+    sends.push_back({partnerOn(t, me, k), announce[k].data(), announce[k].size() * sizeof(uint64_t)});
+  }
+  std::vector<uint64_t> inbound(n * L);
+  for (size_t i = 0; i < n; ++i) recvs.push_back({mine[i], inbound.data() + i * L, L * sizeof(uint64_t)});
+  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule());
+
+  // 2. Shared memory: each local rank learns the size of every block on its way to it and checks
+  //    it against what it expects, so a split mismatch is an error, never a shifted read.
+  std::vector<uint64_t> toLocal(n * L);  // [lg][i]
+  for (size_t i = 0; i < n; ++i) {
+    for (int lg = 0; lg < L; ++lg) toLocal[lg * n + i] = inbound[i * L + lg];
+  }
+  std::vector<size_t> heardAt(L + 1, 0);
+  for (int lp = 0; lp < L; ++lp) heardAt[lp + 1] = heardAt[lp] + via[lp].size();
+  std::vector<uint64_t> heard(heardAt[L]);
+  AlltoallOptions sizes{DataType::kInt64, {}, {}, {}, {}};
+  for (int li = 0; li < L; ++li) {
+    sizes.inputs.push_back(toLocal.data() + li * n);
+    sizes.inCounts.push_back(n);
+    sizes.outputs.push_back(heard.data() + heardAt[li]);
+    sizes.outCounts.push_back(via[li].size());
+  }
+  alltoall(ctx.local, sizes);
+  for (int lp = 0; lp < L; ++lp) {
+    for (size_t i = 0; i < via[lp].size(); ++i) {
+      const int src = via[lp][i];
+      if (heard[heardAt[lp] + i] == o.outCounts[src]) continue;
+      throwError(ErrorCode::kInvalidUsage,
+                 "alltoall: rank %d sends %llu elements to rank %d, which expects %zu from it (the split sizes do "
+                 "not match across ranks)",
+                 src, static_cast<unsigned long long>(heard[heardAt[lp] + i]), me, o.outCounts[src]);
+    }
+  }
+
+  // 3. Shared memory: blocks between ranks of this host go straight from input to output. It
+  //    also holds back this host's ranks if one of them found a mismatch above: none of them then
+  //    reaches step 4, and the other hosts see their connections close instead of finishing.
+  AlltoallOptions direct{o.dtype, {}, {}, {}, {}};
+  for (int li = 0; li < L; ++li) {
+    direct.inputs.push_back(o.inputs[locals[li]]);
+    direct.inCounts.push_back(o.inCounts[locals[li]]);
+    direct.outputs.push_back(o.outputs[locals[li]]);
+    direct.outCounts.push_back(o.outCounts[locals[li]]);
+  }
+  alltoall(ctx.local, direct);
+
+  // 4. Network: the blocks themselves, to the partners; the blocks arriving here are laid out by
+  //    the local rank they are for, so each goes on in one piece.
+  std::vector<size_t> forwardAt(L + 1, 0);
+  for (int lg = 0; lg < L; ++lg) {
+    size_t sum = 0;
+    for (size_t i = 0; i < n; ++i) sum += inbound[i * L + lg] * es;
+    forwardAt[lg + 1] = forwardAt[lg] + sum;
+  }
+  std::vector<size_t> expectAt(L + 1, 0);  // bytes each local rank hands on to this one
+  for (int lp = 0; lp < L; ++lp) {
+    size_t sum = 0;
+    for (int src : via[lp]) sum += o.outCounts[src] * es;
+    expectAt[lp + 1] = expectAt[lp] + sum;
+  }
+  uint8_t* forward = ctx.scratchBytes(forwardAt[L] + expectAt[L]);
+  uint8_t* arrived = forward + forwardAt[L];
+  sends.clear();
+  recvs.clear();
+  for (int k = 0; k < H; ++k) {
+    if (k == h) continue;
+    for (int g : t.members[k]) sends.push_back({partnerOn(t, me, k), o.inputs[g], o.inCounts[g] * es});
+  }
+  for (size_t i = 0; i < n; ++i) {  // in the order mine[i] sends them: its partner's host-mates by rank
+    for (int lg = 0; lg < L; ++lg) {
+      size_t at = forwardAt[lg];
+      for (size_t j = 0; j < i; ++j) at += inbound[j * L + lg] * es;
+      recvs.push_back({mine[i], forward + at, inbound[i * L + lg] * es});
+    }
+  }
+  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 1), sends, recvs, ctx.local.wait, ctx.schedule());
+
+  // 5. Shared memory: hand the forwarded blocks on (in bytes: a block is several sources' data),
+  //    then put each source's block in its output. This rank's own share stays where it landed.
+  AlltoallOptions handOn{DataType::kUInt8, {}, {}, {}, {}};
+  for (int li = 0; li < L; ++li) {
+    handOn.inputs.push_back(forward + forwardAt[li]);
+    handOn.inCounts.push_back(forwardAt[li + 1] - forwardAt[li]);
+    handOn.outputs.push_back(li == l ? forward + forwardAt[l] : arrived + expectAt[li]);
+    handOn.outCounts.push_back(li == l ? forwardAt[l + 1] - forwardAt[l] : expectAt[li + 1] - expectAt[li]);
+  }
+  alltoall(ctx.local, handOn);
+  for (int lp = 0; lp < L; ++lp) {
+    const uint8_t* from = static_cast<const uint8_t*>(handOn.outputs[lp]);
+    for (int src : via[lp]) {
+      const size_t b = o.outCounts[src] * es;
+      if (b > 0) std::memcpy(o.outputs[src], from, b);
+      from += b;
+    }
+  }
+}
+
 void hierBarrier(HierContext& ctx) {
   const Topology& t = *ctx.topo;
   barrier(ctx.local);

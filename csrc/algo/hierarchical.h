@@ -15,6 +15,9 @@
 //   broadcast:      the root sends to the first rank of every other host -> broadcast in hosts.
 //   barrier:        host barrier, then an all-to-all of empty messages among the hosts' first
 //                   ranks, then host barrier.
+//   all_to_all:     two hops, network first: rank g sends its blocks for every rank of host k to
+//                   its partner there (same pairs as allgather), which hands them on through
+//                   shared memory; blocks between ranks of one host go through shared memory only.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +50,7 @@ void hierAllreduce(HierContext& ctx, const AllreduceOptions& opts);  // root >= 
 void hierBroadcast(HierContext& ctx, const BroadcastOptions& opts);
 void hierAllgather(HierContext& ctx, const AllgatherOptions& opts);  // root must be -1
 void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& opts);
+void hierAlltoall(HierContext& ctx, const AlltoallOptions& opts);
 void hierBarrier(HierContext& ctx);
 
 }  // namespace smddp::algo

@@ -262,7 +262,7 @@ c10::intrusive_ptr<c10d::Backend::Options> SmddpBackend::getBackendOptions() {
 void SmddpBackend::requireSingleHost(const char* op) const {
   TORCH_CHECK_NOT_IMPLEMENTED(!comm_->multiHost(), "smddp rank ", rank_, ": ", op,
                               " is not supported yet in a group that spans hosts (this group has ",
-                              comm_->topology().hosts(), " hosts); collectives other than all_to_all work");
+                              comm_->topology().hosts(), " hosts); every collective works across hosts");
 }
 
 std::map<std::string, std::string> SmddpBackend::topologySummary() const {
@@ -830,7 +830,6 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall_base(at::Tensor& output, a
                                                            std::vector<int64_t>& outputSplitSizes,
                                                            std::vector<int64_t>& inputSplitSizes,
                                                            const c10d::AllToAllOptions& opts) {
-  requireSingleHost("all_to_all_single");
   if (isCudaOp({output, input}, "all_to_all_single")) {
     return cudaWhole("all_to_all_single", {input}, {output}, [&](const Tensors& hostIn, const Tensors& hostOut) {
       at::Tensor o = hostOut[0], i = hostIn[0];
@@ -865,7 +864,6 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall_base(at::Tensor& output, a
 c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllToAllOptions& opts) {
-  requireSingleHost("all_to_all");
   TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_ && static_cast<int>(inputs.size()) == size_,
                     "smddp rank ", rank_, ": all_to_all takes ", size_, " inputs and ", size_, " outputs, got ",
                     inputs.size(), " and ", outputs.size());
