@@ -155,7 +155,8 @@ void hierAllreduce(HierContext& ctx, const AllreduceOptions& o) {
     rs.inputs.push_back(bytes(o.input) + rangeBegin(li) * es);
     rs.counts.push_back(rangeEnd(li) - rangeBegin(li));
   }
-  reduceScatter(ctx.local, rs);
+  // Alone on its host and in place, the local stage would copy the message onto itself.
+  if (L > 1 || out != o.input) reduceScatter(ctx.local, rs);
 
   for (int s = firstSegment(S, L, l); s < firstSegment(S, L, l + 1); ++s) {
     std::vector<int> owners;
@@ -227,12 +228,14 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
     partialAt[k] = total;
     total += cnt(mine[k]) * es;
   }
-  const size_t recvAt = total;
-  uint8_t* tmp = ctx.scratchBytes(total + static_cast<size_t>(H - 1) * cnt(me) * es);
+  // A rank alone on its host sends its input blocks as they are: there is nothing to reduce locally.
+  const size_t recvAt = L == 1 ? 0 : total;
+  uint8_t* tmp = ctx.scratchBytes(recvAt + static_cast<size_t>(H - 1) * cnt(me) * es);
+  auto partial = [&](size_t k) -> const void* { return L == 1 ? o.inputs[mine[k]] : tmp + partialAt[k]; };
 
   size_t rounds = 0;
   for (const auto& b : blocks) rounds = std::max(rounds, b.size());
-  for (size_t k = 0; k < rounds; ++k) {
+  for (size_t k = 0; k < rounds && L > 1; ++k) {
     ReduceScatterOptions rs{o.dtype, partialOf(o.reduction), std::vector<const void*>(L, o.inputs[0]),
                             k < mine.size() ? tmp + partialAt[k] : nullptr, 0, std::vector<size_t>(L, 0)};
     for (int li = 0; li < L; ++li) {
@@ -248,8 +251,8 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
   const void* own = nullptr;
   for (size_t k = 0; k < mine.size(); ++k) {
     const int g = mine[k];
-    if (g == me) own = tmp + partialAt[k];
-    else if (t.hostOf[g] != h) sends.push_back({g, tmp + partialAt[k], cnt(g) * es});
+    if (g == me) own = partial(k);
+    else if (t.hostOf[g] != h) sends.push_back({g, partial(k), cnt(g) * es});
   }
   std::vector<const void*> srcs(H);
   for (int k = 0, slot = 0; k < H; ++k) {
