@@ -84,6 +84,19 @@ def make(op, size, rank, world):
             ref = torch.arange(world, dtype=torch.float32).mul_(world).add_(rank).repeat_interleave(n)
             return torch.equal(out, ref)
         return run, verify
+    if op == "sendrecv":  # around the ring: every rank sends to the next and receives from the previous
+        n = max(1, size // 4)
+        inp, out = torch.full((n,), float(rank)), torch.empty(n)
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+        def run():
+            for r in dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, nxt), dist.P2POp(dist.irecv, out, prv)]):
+                r.wait()
+
+        def verify():
+            run()
+            return torch.equal(out, torch.full((n,), float(prv)))
+        return run, verify
     raise ValueError(op)
 
 

@@ -26,10 +26,16 @@ if mode == "idle" and rank == 1:
     time.sleep(3600)   # never joins the next collective
 if mode == "between":
     time.sleep(2)      # the test kills a rank now, while no collective is running
+op = lambda: dist.all_reduce(t)
+if mode == "p2p":  # ranks 0 and 2 (other hosts with hosts="0011") stream messages; 1 and 3 leave
+    if rank in (1, 3):
+        dist.destroy_process_group()
+        sys.exit(0)
+    op = (lambda: dist.recv(t, 2)) if rank == 0 else (lambda: dist.send(t, 0))
 t0 = time.monotonic()
 try:
     while True:
-        dist.all_reduce(t)
+        op()
 except Exception as e:
     print(f"ERROR after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
     # What a survivor leaves behind once it has given up on the group.
@@ -197,3 +203,24 @@ def test_pending_op_released_by_destroy_abort_shutdown(how):
     assert float(m.group(1)) < 5 and "shut down or aborted" in m.group(3), out[-3000:]
     assert "backend threads left: 0" in out, out[-3000:]
 
+
+
+@pytest.mark.timeout(120)
+def test_peer_killed_during_send_recv_across_hosts():
+    """Rank 2 dies while sending to rank 0 on another host (TCP): rank 0's recv fails promptly,
+    naming rank 2, and destroying the group leaves no thread."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(4, "p2p", 60, hosts="0011")
+    _wait_ready(procs)
+    time.sleep(0.5)
+    procs[2].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    outs = _finish(procs, 30)
+    elapsed = time.monotonic() - t0
+    assert procs[0].returncode == 3, f"rank 0: exit {procs[0].returncode}\n{outs[0][-2000:]}"
+    assert "DistBackendError" in outs[0] and "recv from rank 2" in outs[0], outs[0][-2000:]
+    assert "backend threads left: 0" in outs[0], outs[0][-2000:]
+    assert procs[1].returncode == 0 and procs[3].returncode == 0, outs
+    assert elapsed < 10, f"rank 0 took {elapsed:.1f}s"
+    assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]

@@ -17,6 +17,7 @@ from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
 from test_clients import ddp_task, fsdp2_task
 from test_gather_scatter_alltoall import alltoall_cases, gather_scatter_all_roots
 from test_misc import barrier_task, shm_task
+from test_p2p import SIZES as P2P_SIZES, batch_ring, exchange_send_first, ping_pong, tag_mismatch
 from test_reduce_scatter import reduce_scatter_list, reduce_scatter_tensor_forms
 
 pytestmark = pytest.mark.skipif(not IS_SMDDP, reason="SMDDP_HOST_ID only splits smddp groups")
@@ -44,13 +45,19 @@ def unsupported_task(rank, world):
     """What the inter-host path does not do yet is refused before anything is sent, with
     NotImplementedError, and the group keeps working."""
     rep = Report(rank)
-    with rep.cell("send across hosts"):
+    with rep.cell("recv from any source across hosts"):
         try:
-            dist.send(torch.ones(2), dst=(rank + 1) % world)
-            rep.expect(False, f"rank {rank}: send across hosts did not raise")
+            dist.recv(torch.empty(2))
+            rep.expect(False, f"rank {rank}: recv from any source across hosts did not raise")
         except NotImplementedError as e:
             rep.expect("spans hosts" in str(e), f"rank {rank}: unexpected message: {e}")
-    rep.group_still_works("after refused send", world, rank)
+    rep.group_still_works("after refused recv", world, rank)
+    return rep.to_dict()
+
+
+def batch_ring_task(rank, world):
+    rep = Report(rank)
+    batch_ring(rank, world, rep)
     return rep.to_dict()
 
 
@@ -133,6 +140,24 @@ def test_alltoall_split_mismatch_is_an_error(pools, topo, receiver, sender):
         check(pools, topo, alltoall_mismatch_task, receiver, sender)
     finally:
         pools.discard(len(topo), topo, NET_ENV)  # the group refuses further ops after a failed collective
+
+
+@pytest.mark.parametrize("topo", TOPOS)
+def test_send_recv(pools, topo):
+    """Point-to-point between ranks of one host (shared memory) and of different hosts (TCP) in
+    one group: rings, an exchange where everyone sends first, batch_isend_irecv."""
+    check(pools, topo, ping_pong, ALL, P2P_SIZES[:3])
+    check(pools, topo, ping_pong, ["float32"], P2P_SIZES[3:])
+    check(pools, topo, exchange_send_first, 200_000)
+    check(pools, topo, batch_ring_task)
+
+
+@pytest.mark.parametrize("topo, sender, receiver", [("0011", 2, 0), ("0011", 1, 0)])
+def test_send_recv_tag_mismatch_is_an_error(pools, topo, sender, receiver):
+    try:
+        check(pools, topo, tag_mismatch, sender, receiver)
+    finally:
+        pools.discard(len(topo), topo, NET_ENV)  # the stream between the two is broken on purpose
 
 
 @pytest.mark.parametrize("topo", ["0011", "001"])

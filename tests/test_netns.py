@@ -38,7 +38,8 @@ def run_job(cluster, cfg, timeout=240):
 def test_two_hosts_over_network_namespaces():
     with netcluster.NetCluster(HOSTS) as c:
         before = [c.link_bytes(h) for h in range(HOSTS)]
-        cfg = {"backend": "smddp", "mode": "check", "ops": ["allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall"],
+        cfg = {"backend": "smddp", "mode": "check",
+               "ops": ["allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv"],
                "sizes": [8, 4096, 1 << 20, BIG]}
         results, logs = run_job(c, cfg)
         after = [c.link_bytes(h) for h in range(HOSTS)]

@@ -47,8 +47,7 @@ def exchange_send_first(rank, world, n):
     return rep.to_dict()
 
 
-def any_source_and_batch(rank, world):
-    rep = Report(rank)
+def any_source(rank, world, rep):
     # Rank 0 receives one message from every other rank without naming the sender. They carry their
     # own tag: a sender that finished early already sends its ring message below (tag 0), which an
     # any-source recv with the same tag could legitimately match, as in MPI.
@@ -62,6 +61,9 @@ def any_source_and_batch(rank, world):
         rep.expect(seen == set(range(1, world)), f"any-source senders {sorted(seen)}")
     else:
         dist.send(torch.tensor([rank, rank * 10, 7]), 0, tag=7)
+
+
+def batch_ring(rank, world, rep):
     # batch_isend_irecv around a ring, twice in a row.
     for it in range(2):
         nxt, prv = (rank + 1) % world, (rank - 1) % world
@@ -71,16 +73,22 @@ def any_source_and_batch(rank, world):
         for r in reqs:
             r.wait()
         rep.expect(torch.equal(inp, torch.full((1000,), float(prv * 100 + it))), f"batch ring iteration {it}")
+
+
+def any_source_and_batch(rank, world):
+    rep = Report(rank)
+    any_source(rank, world, rep)
+    batch_ring(rank, world, rep)
     return rep.to_dict()
 
 
-def tag_mismatch(rank, world):
+def tag_mismatch(rank, world, sender=1, receiver=0):
     rep = Report(rank)
-    if rank == 1:
-        dist.send(torch.ones(4), 0, tag=5)
-    elif rank == 0:
+    if rank == sender:
+        dist.send(torch.ones(4), receiver, tag=5)
+    elif rank == receiver:
         try:
-            dist.recv(torch.empty(4), 1, tag=6)
+            dist.recv(torch.empty(4), sender, tag=6)
             rep.expect(False, "a recv with another tag than the send was accepted")
         except Exception as e:  # noqa: BLE001
             rep.expect("has tag 5" in str(e) and "tag 6" in str(e), f"unexpected error: {e}")

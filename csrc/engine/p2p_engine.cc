@@ -109,7 +109,8 @@ bool P2pEngine::progressRecv(P2pOp& op, int s) {
                  "recv from rank %d (tag %d, %zu bytes): the next message from rank %d has tag %d and %llu bytes; "
                  "smddp matches point-to-point messages in order per pair of ranks, so sends and recvs must "
                  "pair up in the same order with the same tags and sizes",
-                 s, op.tag, op.bytes, s, h.tag, static_cast<unsigned long long>(h.messageBytes));
+                 domain_->groupRank(s), op.tag, op.bytes, domain_->groupRank(s), h.tag,
+                 static_cast<unsigned long long>(h.messageBytes));
     }
     std::memcpy(op.buffer + op.offset, chunk + kHeader, h.chunkBytes);
     op.offset += h.chunkBytes;
@@ -175,7 +176,8 @@ bool P2pEngine::progress() {
         if (!progressRecv(op, p)) break;
       } catch (const Error& e) {
         // The stream from p is out of step with what this rank expects: fail everything on it.
-        broken_[p] = std::string("an earlier point-to-point error with rank ") + std::to_string(p) + ": " + e.what();
+        broken_[p] = std::string("an earlier point-to-point error with rank ") + std::to_string(domain_->groupRank(p)) +
+                     ": " + e.what();
         op.done(std::make_exception_ptr(e), p);
         recvs_[p].pop_front();
         fail(recvs_[p], broken_[p]);
@@ -199,16 +201,17 @@ void P2pEngine::checkDeadlinesAndPeers() {
     P2pOp& op = q.front();
     const bool dead = peer >= 0 && !domain_->peerAlive(peer);
     if (!dead && now < op.deadline) return;
+    const std::string who = peer >= 0 ? std::to_string(domain_->groupRank(peer)) : "";
     const std::string what = std::string(op.isSend ? "send to" : "recv from") +
-                             (peer >= 0 ? " rank " + std::to_string(peer) : std::string(" any rank")) + " (tag " +
+                             (peer >= 0 ? " rank " + who : std::string(" any rank")) + " (tag " +
                              std::to_string(op.tag) + ", " + std::to_string(op.bytes) + " bytes)";
-    const std::string why = dead ? what + ": rank " + std::to_string(peer) + " exited"
+    const std::string why = dead ? what + ": rank " + who + " exited"
                                  : what + " timed out: no matching " + (op.isSend ? "recv" : "send") + " was posted";
     op.done(errorOf(dead ? ErrorCode::kRemoteError : ErrorCode::kTimeout, why), peer);
     q.pop_front();
     // Part of a message may have moved: the stream can no longer be trusted.
     if (peer >= 0) {
-      broken_[peer] = "an earlier point-to-point failure with rank " + std::to_string(peer) + ": " + why;
+      broken_[peer] = "an earlier point-to-point failure with rank " + who + ": " + why;
       fail(sends_[peer], broken_[peer]);
       fail(recvs_[peer], broken_[peer]);
     }

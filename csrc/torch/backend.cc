@@ -234,8 +234,16 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     std::rethrow_exception(toTorchError(e, rank));
   }
   progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank), spin_);
-  if (size > 1 && !comm_->multiHost()) {
+  if (comm_->topology().localSize() > 1) {
     p2p_ = std::make_unique<engine::P2pEngine>(comm_->domain(), spin_, "smddp-p2p" + std::to_string(rank));
+  }
+  if (comm_->multiHost()) {
+    try {
+      netP2p_ = std::make_unique<engine::NetP2p>(s, comm_->topology(), comm_->netAddress().ip,
+                                                 comm_->netAddress().ifname, "smddp-np2p" + std::to_string(rank));
+    } catch (const Error& e) {
+      std::rethrow_exception(toTorchError(e, rank));
+    }
   }
   SMDDP_INFO(kInit, "rank %d/%d: process group ready", rank, size);
 }
@@ -250,19 +258,15 @@ void SmddpBackend::shutdown() {
     }
     if (comm_) comm_->abort();
     if (p2p_) p2p_->abort();
+    if (netP2p_) netP2p_->abort();
     if (progress_) progress_->stop();
     p2p_.reset();  // joins its thread before the domain it uses goes away
+    netP2p_.reset();
   });
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> SmddpBackend::getBackendOptions() {
   return c10::make_intrusive<Options>(getBackendName(), std::chrono::milliseconds(timeoutMs_.load()));
-}
-
-void SmddpBackend::requireSingleHost(const char* op) const {
-  TORCH_CHECK_NOT_IMPLEMENTED(!comm_->multiHost(), "smddp rank ", rank_, ": ", op,
-                              " is not supported yet in a group that spans hosts (this group has ",
-                              comm_->topology().hosts(), " hosts); every collective works across hosts");
 }
 
 std::map<std::string, std::string> SmddpBackend::topologySummary() const {
@@ -920,21 +924,25 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
   TORCH_CHECK_VALUE((peer == -1 && !isSend) || (peer >= 0 && peer < size_ && peer != rank_), "smddp rank ", rank_,
                     ": ", op,
                     ": peer ", peer, " is not another rank of this group of size ", size_);
-  requireSingleHost(op);
-  TORCH_CHECK_VALUE(p2p_ != nullptr, "smddp rank ", rank_, ": ", op, ": a group of one rank has no peer");
+  TORCH_CHECK_VALUE(size_ > 1, "smddp rank ", rank_, ": ", op, ": a group of one rank has no peer");
+  const Topology& topo = comm_->topology();
+  TORCH_CHECK_NOT_IMPLEMENTED(peer >= 0 || !comm_->multiHost(), "smddp rank ", rank_,
+                              ": recv from any source is not supported yet in a group that spans hosts (this group "
+                              "has ", topo.hosts(), " hosts); name the source rank");
+  const bool remote = comm_->multiHost() && topo.hostOf[peer] != topo.host();
   Staged s = isSend ? Staged{t, stageIn(t), false} : stageOut(t);
   auto work = c10::make_intrusive<SmddpWork>(rank_, isSend ? c10d::OpType::SEND : c10d::OpType::RECV,
                                              isSend ? "smddp:send" : "smddp:recv", tensors,
                                              std::optional<std::vector<at::Tensor>>(tensors), spin_);
   engine::P2pOp o;
   o.isSend = isSend;
-  o.peer = peer;
+  o.peer = remote || !comm_->multiHost() ? peer : topo.localOf[peer];  // the shared-memory engine numbers its host's ranks
   o.tag = tag;
   o.buffer = static_cast<uint8_t*>(s.work.data_ptr());
   o.bytes = s.work.nbytes();
   o.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs_.load());
   const int rank = rank_;
-  o.done = [work, s, rank](std::exception_ptr error, int source) {
+  o.done = [work, s, rank, peer](std::exception_ptr error, int source) {
     if (!error) {
       try {
         finishStaged(s);
@@ -949,11 +957,12 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
       } catch (...) {
       }
     }
-    work->setSourceRank(source);
+    work->setSourceRank(peer >= 0 ? peer : source);
     work->complete(error);
   };
   try {
-    p2p_->submit(std::move(o));
+    if (remote) netP2p_->submit(std::move(o));
+    else p2p_->submit(std::move(o));
   } catch (const Error& e) {  // e.g. /dev/shm too small for the mailboxes
     std::rethrow_exception(toTorchError(e, rank_));
   }

@@ -17,6 +17,7 @@
 
 #include "algo/communicator.h"
 #include "core/error.h"
+#include "engine/net_p2p.h"
 #include "engine/p2p_engine.h"
 #include "engine/progress_thread.h"
 #include "torch/cuda_path.h"
@@ -176,7 +177,6 @@ class SmddpBackend : public c10d::Backend {
 
   // Raises NotImplementedError (before anything is sent, so the group stays usable) for ops the
   // inter-host path does not have yet.
-  void requireSingleHost(const char* op) const;
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType opType, const char* title, std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> inputs, std::chrono::milliseconds timeout,
                                          bool async, Body body);
@@ -194,7 +194,8 @@ class SmddpBackend : public c10d::Backend {
   std::atomic<uint64_t> issued_{0};
   std::unique_ptr<algo::Communicator> comm_;
   std::unique_ptr<engine::ProgressThread> progress_;
-  std::unique_ptr<engine::P2pEngine> p2p_;  // null for a group of one
+  std::unique_ptr<engine::P2pEngine> p2p_;  // ranks of this host; null when it is the only one
+  std::unique_ptr<engine::NetP2p> netP2p_;  // ranks of other hosts; null in a one-host group
   std::once_flag shutdownOnce_;
   // The last split's child, handed out again when torch asks for the next device type.
   std::mutex splitMutex_;

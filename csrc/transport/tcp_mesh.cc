@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/random.h"
+#include "transport/sockets.h"
 
 namespace smddp::net {
 namespace {
@@ -50,25 +51,6 @@ bool ioAll(int fd, void* buf, size_t n, bool sending, Clock::time_point deadline
     n -= static_cast<size_t>(k);
   }
   return true;
-}
-
-sockaddr_in parseAddress(const std::string& hostPort, int rank) {
-  const size_t colon = hostPort.rfind(':');
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  if (colon == std::string::npos || inet_pton(AF_INET, hostPort.substr(0, colon).c_str(), &sa.sin_addr) != 1) {
-    throwError(ErrorCode::kRemoteError, "rank %d published a malformed address '%s'", rank, hostPort.c_str());
-  }
-  sa.sin_port = htons(static_cast<uint16_t>(std::stoi(hostPort.substr(colon + 1))));
-  return sa;
-}
-
-bool isLoopback(const std::string& hostPort) { return hostPort.compare(0, 4, "127.") == 0; }
-
-void tuneSocket(int fd) {
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
 }  // namespace
@@ -137,18 +119,10 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
     }
   }
 
-  m->listenFd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  inet_pton(AF_INET, m->addr_.ip.c_str(), &sa.sin_addr);
-  socklen_t len = sizeof(sa);
-  if (m->listenFd_ < 0 || bind(m->listenFd_, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 ||
-      listen(m->listenFd_, std::max<int>(64, static_cast<int>(peers.size()))) != 0 ||
-      getsockname(m->listenFd_, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
-    throwError(ErrorCode::kSystemError, "rank %d: cannot listen on %s (%s): %s", rank, m->addr_.ip.c_str(),
-               m->addr_.ifname.c_str(), errnoString(errno).c_str());
-  }
-  const std::string me = m->addr_.ip + ":" + std::to_string(ntohs(sa.sin_port));
+  const Listener listener =
+      listenOn(m->addr_.ip, m->addr_.ifname, std::max<int>(64, static_cast<int>(peers.size())), rank);
+  m->listenFd_ = listener.fd;
+  const std::string& me = listener.address;
   store.set("smddp/net/addr/" + std::to_string(rank), me);
   if (rank == 0) store.set("smddp/net/secret", randomHex(kSecretChars / 2));
   const std::string secret = store.get("smddp/net/secret");

@@ -1,0 +1,431 @@
+#include "engine/net_p2p.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "transport/sockets.h"
+#include "transport/wire.h"
+
+namespace smddp::engine {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using net::wire::kHeaderBytes;
+using net::wire::MsgHeader;
+constexpr int kActiveTickMs = 50;  // how often deadlines are checked while something is pending
+constexpr int kIdleTickMs = 1000;
+constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client must introduce itself by then
+
+std::exception_ptr errorOf(ErrorCode code, const std::string& msg) {
+  return std::make_exception_ptr(Error(code, msg));
+}
+
+bool wouldBlock(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
+
+std::string describe(const P2pOp& op) {
+  return std::string(op.isSend ? "send to" : "recv from") + " rank " + std::to_string(op.peer) + " (tag " +
+         std::to_string(op.tag) + ", " + std::to_string(op.bytes) + " bytes)";
+}
+
+}  // namespace
+
+struct NetP2p::Peer {
+  enum class State { kIdle, kDialling, kAwaitingAck, kReady, kBroken };
+  int rank = -1;
+  std::string address;
+  int fd = -1;
+  State state = State::kIdle;
+  std::deque<P2pOp> sends, recvs;  // in issue order
+  net::wire::Hello hello{};
+  size_t helloSent = 0;
+  MsgHeader sendHdr{};
+  size_t sendOff = 0;  // of the front send, header first
+  MsgHeader recvHdr{};
+  size_t recvHdrGot = 0;  // of the front recv's header
+  std::string broken;
+
+  short events() const {
+    switch (state) {
+      case State::kDialling: return POLLOUT;
+      case State::kAwaitingAck: return POLLIN;
+      case State::kReady: return static_cast<short>((sends.empty() ? 0 : POLLOUT) | (recvs.empty() ? 0 : POLLIN));
+      default: return 0;
+    }
+  }
+};
+
+struct NetP2p::Incoming {
+  int fd = -1;
+  net::wire::Hello hello{};
+  size_t got = 0;
+  Clock::time_point deadline;
+};
+
+NetP2p::NetP2p(Store& store, const Topology& topo, const std::string& ip, const std::string& ifname,
+               std::string name)
+    : topo_(topo), rank_(topo.rank), name_(std::move(name)), peers_(topo.size) {
+  const net::Listener l = net::listenOn(ip, ifname, 64, rank_);
+  listenFd_ = l.fd;
+  try {
+    fcntl(listenFd_, F_SETFL, fcntl(listenFd_, F_GETFL) | O_NONBLOCK);
+    store.set("smddp/p2p/addr/" + std::to_string(rank_), l.address);
+    secret_ = store.get("smddp/net/secret");
+    for (int g = 0; g < topo.size; ++g) {
+      if (topo.hostOf[g] == topo.host()) continue;
+      peers_[g] = std::make_unique<Peer>();
+      peers_[g]->rank = g;
+      peers_[g]->address = store.get("smddp/p2p/addr/" + std::to_string(g));
+    }
+    wakeFd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (wakeFd_ < 0) throwError(ErrorCode::kSystemError, "rank %d: eventfd: %s", rank_, errnoString(errno).c_str());
+  } catch (...) {
+    close(listenFd_);
+    throw;
+  }
+  thread_ = std::thread([this] { loop(); });
+}
+
+NetP2p::~NetP2p() {
+  abort();
+  stop_.store(true);
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t k = write(wakeFd_, &one, sizeof(one));
+  if (thread_.joinable()) thread_.join();
+  for (auto& p : peers_) {
+    if (p && p->fd >= 0) close(p->fd);
+  }
+  for (auto& in : incoming_) close(in->fd);
+  close(listenFd_);
+  close(wakeFd_);
+}
+
+void NetP2p::abort() {
+  aborted_.store(true);
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t k = write(wakeFd_, &one, sizeof(one));
+}
+
+void NetP2p::submit(P2pOp op) {
+  if (aborted_.load()) {
+    op.done(errorOf(ErrorCode::kAborted, "the process group has been shut down or aborted"), op.peer);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    submitted_.push_back(std::move(op));
+  }
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t k = write(wakeFd_, &one, sizeof(one));
+}
+
+void NetP2p::failPeer(Peer& p, ErrorCode code, const std::string& why) {
+  if (p.fd >= 0) close(p.fd);  // the peer's pending ops with this rank fail too, instead of timing out
+  p.fd = -1;
+  p.state = Peer::State::kBroken;
+  p.broken = why;
+  for (auto* q : {&p.sends, &p.recvs}) {
+    while (!q->empty()) {
+      P2pOp op = std::move(q->front());
+      q->pop_front();
+      op.done(errorOf(code, why), p.rank);
+    }
+  }
+}
+
+void NetP2p::failAll(const std::string& why) {
+  std::deque<P2pOp> queued;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queued.swap(submitted_);
+  }
+  for (P2pOp& op : queued) op.done(errorOf(ErrorCode::kAborted, why), op.peer);
+  for (auto& p : peers_) {
+    if (!p) continue;
+    for (auto* q : {&p->sends, &p->recvs}) {
+      while (!q->empty()) {
+        P2pOp op = std::move(q->front());
+        q->pop_front();
+        op.done(errorOf(ErrorCode::kAborted, why), p->rank);
+      }
+    }
+  }
+}
+
+void NetP2p::intake() {
+  std::deque<P2pOp> queued;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queued.swap(submitted_);
+  }
+  for (P2pOp& op : queued) {
+    Peer& p = *peers_[op.peer];
+    if (p.state == Peer::State::kBroken) {
+      op.done(errorOf(ErrorCode::kAborted, "an earlier point-to-point failure with rank " + std::to_string(p.rank) +
+                                               ": " + p.broken),
+              p.rank);
+      continue;
+    }
+    (op.isSend ? p.sends : p.recvs).push_back(std::move(op));
+    if (p.state == Peer::State::kIdle && rank_ < p.rank) dial(p);  // the higher rank waits to be called
+  }
+}
+
+void NetP2p::dial(Peer& p) {
+  try {
+    const sockaddr_in to = net::parseAddress(p.address, p.rank);
+    p.fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (p.fd < 0) throwError(ErrorCode::kSystemError, "socket: %s", errnoString(errno).c_str());
+    net::tuneSocket(p.fd);
+    if (connect(p.fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) != 0 && errno != EINPROGRESS) {
+      throwError(ErrorCode::kRemoteError, "cannot connect to rank %d at %s: %s", p.rank, p.address.c_str(),
+                 errnoString(errno).c_str());
+    }
+    p.hello = net::wire::makeHello(secret_, rank_, p.rank);
+    p.helloSent = 0;
+    p.state = Peer::State::kDialling;
+  } catch (const Error& e) {
+    failPeer(p, e.code(), e.what());
+  }
+}
+
+// An accepted connection must introduce itself as a rank of another host below this one that
+// has not connected yet, with the group's secret; anything else is dropped.
+void NetP2p::introduce(Incoming& in) {
+  auto* buf = reinterpret_cast<char*>(&in.hello);
+  const ssize_t k = recv(in.fd, buf + in.got, sizeof(in.hello) - in.got, MSG_DONTWAIT);
+  if (k < 0 && wouldBlock(errno)) return;
+  if (k > 0) in.got += static_cast<size_t>(k);
+  if (k > 0 && in.got < sizeof(in.hello)) return;
+  std::vector<int> expected;
+  for (const auto& p : peers_) {
+    if (p && p->rank < rank_ && p->state == Peer::State::kIdle) expected.push_back(p->rank);
+  }
+  const char ack = 'K';
+  if (k <= 0 || !net::wire::helloAccepted(in.hello, secret_, rank_, expected) ||
+      send(in.fd, &ack, 1, MSG_NOSIGNAL | MSG_DONTWAIT) != 1) {
+    SMDDP_WARN(kNet, "rank %d: point-to-point: refused a connection (not a peer of this group, or a bad handshake)",
+               rank_);
+    close(in.fd);
+    in.fd = -1;
+    return;
+  }
+  Peer& p = *peers_[in.hello.from];
+  p.fd = in.fd;
+  p.state = Peer::State::kReady;
+  in.fd = -1;  // now the peer's
+}
+
+bool NetP2p::progressSends(Peer& p) {
+  bool moved = false;
+  while (p.state == Peer::State::kReady && !p.sends.empty()) {
+    P2pOp& op = p.sends.front();
+    if (p.sendOff == 0) p.sendHdr = MsgHeader{static_cast<uint64_t>(static_cast<int64_t>(op.tag)), op.bytes};
+    iovec iov[2];
+    int n = 0;
+    if (p.sendOff < kHeaderBytes) iov[n++] = {reinterpret_cast<char*>(&p.sendHdr) + p.sendOff, kHeaderBytes - p.sendOff};
+    const size_t done = p.sendOff > kHeaderBytes ? p.sendOff - kHeaderBytes : 0;
+    if (op.bytes > done) iov[n++] = {op.buffer + done, op.bytes - done};
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = n;
+    const ssize_t k = sendmsg(p.fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k < 0) {
+      if (wouldBlock(errno)) break;
+      failPeer(p, ErrorCode::kRemoteError,
+               describe(op) + ": the connection to rank " + std::to_string(p.rank) + " on " +
+                   topo_.describeHost(topo_.hostOf[p.rank]) + " failed (" + errnoString(errno) +
+                   "): that rank exited, crashed or aborted");
+      return true;
+    }
+    moved = true;
+    p.sendOff += static_cast<size_t>(k);
+    if (p.sendOff < kHeaderBytes + op.bytes) continue;
+    P2pOp finished = std::move(op);
+    p.sends.pop_front();
+    p.sendOff = 0;
+    finished.done(nullptr, rank_);
+  }
+  return moved;
+}
+
+bool NetP2p::progressRecvs(Peer& p) {
+  bool moved = false;
+  while (p.state == Peer::State::kReady && !p.recvs.empty()) {
+    P2pOp& op = p.recvs.front();
+    const bool inHeader = p.recvHdrGot < kHeaderBytes;
+    char* at = inHeader ? reinterpret_cast<char*>(&p.recvHdr) + p.recvHdrGot
+                        : reinterpret_cast<char*>(op.buffer) + op.offset;
+    const size_t want = inHeader ? kHeaderBytes - p.recvHdrGot : op.bytes - op.offset;
+    if (want > 0) {
+      const ssize_t k = recv(p.fd, at, want, MSG_DONTWAIT);
+      if (k < 0 && wouldBlock(errno)) break;
+      if (k <= 0) {
+        failPeer(p, ErrorCode::kRemoteError,
+                 describe(op) + ": the connection to rank " + std::to_string(p.rank) + " on " +
+                     topo_.describeHost(topo_.hostOf[p.rank]) +
+                     (k == 0 ? " was closed" : " failed (" + errnoString(errno) + ")") +
+                     ": that rank exited, crashed, aborted or gave up on an earlier message");
+        return true;
+      }
+      moved = true;
+      if (inHeader) {
+        p.recvHdrGot += static_cast<size_t>(k);
+        if (p.recvHdrGot < kHeaderBytes) continue;
+        const auto tag = static_cast<int64_t>(p.recvHdr.tag);
+        if (tag != op.tag || p.recvHdr.bytes != op.bytes) {
+          char msg[512];
+          snprintf(msg, sizeof(msg),
+                   "recv from rank %d (tag %d, %zu bytes): the next message from rank %d has tag %lld and %llu "
+                   "bytes; smddp matches point-to-point messages in order per pair of ranks, so sends and recvs "
+                   "must pair up in the same order with the same tags and sizes",
+                   p.rank, op.tag, op.bytes, p.rank, static_cast<long long>(tag),
+                   static_cast<unsigned long long>(p.recvHdr.bytes));
+          P2pOp failed = std::move(op);
+          p.recvs.pop_front();
+          failed.done(errorOf(ErrorCode::kInvalidUsage, msg), p.rank);
+          failPeer(p, ErrorCode::kAborted,
+                   "an earlier point-to-point error with rank " + std::to_string(p.rank) + ": " + msg);
+          return true;
+        }
+        continue;
+      }
+      op.offset += static_cast<size_t>(k);
+      if (op.offset < op.bytes) continue;
+    }
+    P2pOp finished = std::move(op);
+    p.recvs.pop_front();
+    p.recvHdrGot = 0;
+    finished.done(nullptr, p.rank);
+  }
+  return moved;
+}
+
+void NetP2p::pollOnce(int timeoutMs) {
+  std::vector<pollfd> fds{{wakeFd_, POLLIN, 0}, {listenFd_, POLLIN, 0}};
+  for (const auto& in : incoming_) fds.push_back({in->fd, POLLIN, 0});
+  std::vector<Peer*> polled;
+  for (auto& p : peers_) {
+    if (!p || p->fd < 0 || p->events() == 0) continue;
+    fds.push_back({p->fd, p->events(), 0});
+    polled.push_back(p.get());
+  }
+  if (poll(fds.data(), fds.size(), timeoutMs) <= 0) return;
+  if (fds[0].revents) {
+    uint64_t v;
+    [[maybe_unused]] ssize_t k = read(wakeFd_, &v, sizeof(v));
+  }
+  const size_t nIncoming = incoming_.size();
+  for (size_t i = 0; i < nIncoming; ++i) {
+    if (fds[2 + i].revents) introduce(*incoming_[i]);
+  }
+  incoming_.erase(std::remove_if(incoming_.begin(), incoming_.end(), [](const auto& in) { return in->fd < 0; }),
+                  incoming_.end());
+  if (fds[1].revents & POLLIN) {
+    for (;;) {
+      const int fd = accept4(listenFd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) break;
+      net::tuneSocket(fd);
+      auto in = std::make_unique<Incoming>();
+      in->fd = fd;
+      in->deadline = Clock::now() + kHelloTimeout;
+      incoming_.push_back(std::move(in));
+    }
+  }
+  for (size_t i = 0; i < polled.size(); ++i) {
+    Peer& p = *polled[i];
+    const short rev = fds[2 + nIncoming + i].revents;
+    if (rev == 0) continue;
+    if (p.state == Peer::State::kDialling) {
+      int err = 0;
+      socklen_t len = sizeof(err);
+      getsockopt(p.fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      const ssize_t k = err != 0 ? -1
+                                 : send(p.fd, reinterpret_cast<char*>(&p.hello) + p.helloSent,
+                                        sizeof(p.hello) - p.helloSent, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k < 0 && err == 0 && wouldBlock(errno)) continue;
+      if (k < 0) {
+        failPeer(p, ErrorCode::kRemoteError,
+                 "cannot connect to rank " + std::to_string(p.rank) + " at " + p.address + ": " +
+                     errnoString(err != 0 ? err : errno));
+        continue;
+      }
+      p.helloSent += static_cast<size_t>(k);
+      if (p.helloSent == sizeof(p.hello)) p.state = Peer::State::kAwaitingAck;
+    } else if (p.state == Peer::State::kAwaitingAck) {
+      char ack = 0;
+      const ssize_t k = recv(p.fd, &ack, 1, MSG_DONTWAIT);
+      if (k < 0 && wouldBlock(errno)) continue;
+      if (k != 1 || ack != 'K') {
+        failPeer(p, ErrorCode::kRemoteError,
+                 "rank " + std::to_string(p.rank) + " at " + p.address + " did not accept the connection");
+        continue;
+      }
+      p.state = Peer::State::kReady;
+    }
+    progressSends(p);
+    progressRecvs(p);
+  }
+}
+
+void NetP2p::checkDeadlines() {
+  const auto now = Clock::now();
+  for (auto& in : incoming_) {
+    if (now >= in->deadline) {
+      close(in->fd);
+      in->fd = -1;
+    }
+  }
+  incoming_.erase(std::remove_if(incoming_.begin(), incoming_.end(), [](const auto& in) { return in->fd < 0; }),
+                  incoming_.end());
+  for (auto& p : peers_) {
+    if (!p) continue;
+    for (auto* q : {&p->sends, &p->recvs}) {
+      if (q->empty() || now < q->front().deadline) continue;
+      const P2pOp& op = q->front();
+      // Part of a message may have moved: the stream to this peer can no longer be trusted.
+      failPeer(*p, ErrorCode::kTimeout,
+               describe(op) + " timed out: no matching " + (op.isSend ? "recv" : "send") + " was posted" +
+                   (p->state == Peer::State::kReady ? "" : " (the connection to that rank was never completed)"));
+      break;
+    }
+  }
+}
+
+bool NetP2p::anyPending() const {
+  if (!incoming_.empty()) return true;
+  for (const auto& p : peers_) {
+    if (p && (!p->sends.empty() || !p->recvs.empty())) return true;
+  }
+  return false;
+}
+
+void NetP2p::loop() {
+  pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
+  const std::string aborted = "the process group has been shut down or aborted";
+  while (!stop_.load()) {
+    if (aborted_.load()) failAll(aborted);
+    intake();
+    for (auto& p : peers_) {  // try at once rather than after a poll round trip
+      if (p && p->state == Peer::State::kReady) {
+        progressSends(*p);
+        progressRecvs(*p);
+      }
+    }
+    pollOnce(anyPending() ? kActiveTickMs : kIdleTickMs);
+    checkDeadlines();
+  }
+  failAll(aborted);
+}
+
+}  // namespace smddp::engine

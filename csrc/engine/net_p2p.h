@@ -1,0 +1,73 @@
+// Point-to-point send/recv between ranks on different hosts, over TCP, on a thread of its own
+// (like the shared-memory P2pEngine, so a send waiting for its receiver never blocks the group's
+// collectives). Each rank listens from the start; a pair connects at its first message, the lower
+// rank dialling, the higher accepting, both sides non-blocking inside one poll() loop, so no
+// order of first messages can deadlock. A connection opens with the group's secret and the two
+// ranks (wire::Hello), as the collectives' mesh does.
+//
+// Messages between a pair match in order; each carries a 16-byte header (tag, bytes) that the
+// receiver checks against its recv: a mismatch is an error, never a truncation. A message is read
+// only once a recv for it is posted, so TCP's flow control holds back a sender that runs ahead.
+#pragma once
+
+#include <atomic>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "core/store.h"
+#include "engine/p2p_engine.h"
+#include "transport/topology.h"
+
+namespace smddp::engine {
+
+class NetP2p {
+ public:
+  // Collective over the group (a group that spans hosts): listens on `ip`, publishes the address
+  // and reads those of the ranks on other hosts.
+  NetP2p(Store& store, const Topology& topo, const std::string& ip, const std::string& ifname, std::string name);
+  ~NetP2p();  // fails what is pending, closes every socket, joins
+
+  // `op.peer`: a rank on another host. `done` runs on this engine's thread.
+  void submit(P2pOp op);
+  // Fails every pending and future op promptly. Idempotent.
+  void abort();
+
+ private:
+  struct Peer;
+  struct Incoming;  // an accepted connection that has not introduced itself yet
+  void loop();
+  void intake();
+  void dial(Peer& p);
+  void pollOnce(int timeoutMs);
+  void introduce(Incoming& in);
+  bool progressSends(Peer& p);
+  bool progressRecvs(Peer& p);
+  void failPeer(Peer& p, ErrorCode code, const std::string& why);
+  void failAll(const std::string& why);
+  void checkDeadlines();
+  bool anyPending() const;
+
+  Topology topo_;
+  int rank_;
+  std::string secret_;
+  std::string name_;
+  int listenFd_ = -1;
+  int wakeFd_ = -1;  // eventfd: submissions and abort
+
+  std::mutex mutex_;
+  std::deque<P2pOp> submitted_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> aborted_{false};
+
+  // Owned by the thread.
+  std::vector<std::unique_ptr<Peer>> peers_;  // by rank; null for ranks of this host
+  std::vector<std::unique_ptr<Incoming>> incoming_;
+  std::thread thread_;
+};
+
+}  // namespace smddp::engine
