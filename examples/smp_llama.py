@@ -1,13 +1,23 @@
 """A small Llama-style causal LM (random init, synthetic tokens) trained with SMP-style settings:
-smddp.smp.init(config) + hybrid sharding (FSDP2). The config is SMP v2's JSON (see the README):
+smddp.smp.init(config) + tensor parallelism (transform) + hybrid sharding (FSDP2). The config is
+SMP v2's JSON (see the README):
 
     torchrun --nproc-per-node 4 examples/smp_llama.py --backend smddp --config '{"hybrid_shard_degree": 2}'
     torchrun --nproc-per-node 2 examples/smp_llama.py --config smp_config.json --zero2
     torchrun --nproc-per-node 4 examples/smp_llama.py --delayed-init --config '{"hybrid_shard_degree": 2}'
     torchrun --nproc-per-node 1 examples/smp_llama.py --emulate-ranks 4   # the single-process reference
+    torchrun --nproc-per-node 4 examples/smp_llama.py --model hf-llama \
+        --config '{"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}'     # TP 2 x shard 2
+    torchrun --nproc-per-node 1 examples/smp_llama.py --model hf-llama --emulate-ranks 2   # its reference
+    torchrun --nproc-per-node 4 examples/smp_llama.py --config '{"hybrid_shard_degree": 2}' \
+        --activation-offloading --save-resume /tmp/smp_ckpt    # offloading; checkpoint halfway, resume
 
 Model: 2 blocks of RMSNorm -> causal multi-head attention -> RMSNorm -> SwiGLU MLP, vocabulary 256,
-width 64, 4 heads, sequences of 32 tokens, 4 sequences per rank and step, AdamW.
+width 64, 4 heads, sequences of 32 tokens, 4 sequences per data-parallel rank and step, AdamW.
+--model tiny (default) is this file's own implementation; --model hf-llama is transformers'
+LlamaForCausalLM of the same shape (needs transformers), which tensor parallelism requires
+(smddp.smp.transform splits Hugging Face models). The ranks of a tensor-parallel group train on
+the same batch, so --emulate-ranks is the number of data-parallel ranks (world / TP degree).
 """
 import argparse
 import json
@@ -82,6 +92,20 @@ class TinyLlama(nn.Module):
         return self.head(self.norm(x))
 
 
+def hf_llama(cfg=None):
+    """transformers' LlamaForCausalLM with TinyLlama's shape (its own initialisation)."""
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+    cfg = cfg or LlamaConfig()
+    return LlamaForCausalLM(HFLlamaConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.dim, intermediate_size=4 * cfg.dim, num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads, max_position_embeddings=cfg.seq,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, attention_dropout=0.0))
+
+
+MODELS = {"tiny": TinyLlama, "hf-llama": hf_llama}
+
+
 def batch(rank, step, cfg=None):
     """This rank's synthetic tokens: a noisy counting pattern, so the loss can fall."""
     cfg = cfg or LlamaConfig()
@@ -93,6 +117,29 @@ def batch(rank, step, cfg=None):
     return seq[:, :-1], seq[:, 1:]
 
 
+def parallel_model(args, tsm, state, seed):
+    """The model built with `seed`, made parallel as the arguments and the SMP config say, and its
+    optimizer."""
+    build = MODELS[args.model]
+    torch.manual_seed(seed)  # every rank builds the same full model: transform() needs that
+    if args.delayed_init:
+        # Only rank 0 builds the model eagerly; every rank allocates just its shards.
+        full = build().state_dict() if state.rank == 0 else None
+        with torch.device("meta"):
+            model = build()
+    else:
+        model = build()
+    model = tsm.transform(model)  # tensor parallelism over the TP ranks (unchanged at degree 1)
+    if args.activation_checkpointing:
+        tsm.apply_activation_checkpointing(model)
+    if args.activation_offloading:
+        tsm.apply_activation_offloading(model)
+    tsm.apply_hybrid_sharding(model, zero2=args.zero2)
+    if args.delayed_init:
+        tsm.materialize(model, rank0_state_dict=full)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="smddp")
@@ -101,6 +148,14 @@ def main():
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--delayed-init", action="store_true",
                    help="build on the meta device, shard, then fill the shards from rank 0's eager model")
+    p.add_argument("--activation-offloading", action="store_true",
+                   help="offload each block's saved activations to host memory, prefetched "
+                        "activation_loading_horizon blocks ahead of the backward pass")
+    p.add_argument("--save-resume", metavar="DIR", default=None,
+                   help="halfway through, save a sharded checkpoint to DIR, build a fresh model and optimizer "
+                        "(other initial weights), load the checkpoint into them and go on")
+    p.add_argument("--model", choices=list(MODELS), default="tiny",
+                   help="tiny: this file's model; hf-llama: transformers' LlamaForCausalLM (needed for TP)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--emulate-ranks", type=int, default=0,
                    help="single-process reference: one process trains on the batches of this many ranks at once")
@@ -111,29 +166,33 @@ def main():
     state = tsm.init(args.config, backend=args.backend)
     if args.emulate_ranks and state.world_size != 1:
         raise SystemExit("--emulate-ranks is the single-process reference: run it with one process")
+    if state.tp_size > 1 and args.model != "hf-llama":
+        raise SystemExit("tensor_parallel_degree > 1: smddp.smp.transform splits Hugging Face models; "
+                         "add --model hf-llama")
+    if args.delayed_init and args.model != "tiny":
+        # materialize() restores parameters and persistent buffers; transformers' rotary embedding
+        # keeps its frequencies in a non-persistent buffer, which would be left uninitialised.
+        raise SystemExit("--delayed-init is for --model tiny")
     if state.rank == 0:
-        print(f"smp: world {state.world_size}, hybrid_shard_degree {state.hybrid_shard_degree} x "
-              f"replicate {state.replicate_degree}, config {json.dumps(vars(state.config))}", flush=True)
-    torch.manual_seed(0)
-    if args.delayed_init:
-        # Only rank 0 builds the model eagerly; every rank allocates just its shards.
-        full = TinyLlama().state_dict() if state.rank == 0 else None
-        with torch.device("meta"):
-            model = TinyLlama()
-    else:
-        model = TinyLlama()
-    if args.activation_checkpointing:
-        tsm.apply_activation_checkpointing(model)
-    tsm.apply_hybrid_sharding(model, zero2=args.zero2)
-    if args.delayed_init:
-        tsm.materialize(model, rank0_state_dict=full)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        print(f"smp: world {state.world_size}, tensor_parallel_degree {state.tp_size} x "
+              f"hybrid_shard_degree {state.hybrid_shard_degree} x replicate {state.replicate_degree}, "
+              f"model {args.model}, config {json.dumps(vars(state.config))}", flush=True)
+    if args.activation_offloading and (args.activation_checkpointing or not state.config.sm_activation_offloading):
+        raise SystemExit("--activation-offloading offloads the blocks that are not checkpointed, and needs the "
+                         "config's sm_activation_offloading (true by default)")
+    model, opt = parallel_model(args, tsm, state, seed=0)
     for step in range(args.steps):
+        if args.save_resume and step == args.steps // 2:
+            tsm.save_checkpoint(args.save_resume, model, opt)
+            model, opt = parallel_model(args, tsm, state, seed=1)
+            tsm.load_checkpoint(args.save_resume, model, opt)
         if args.emulate_ranks:  # every rank's tokens in one batch: the same mean loss and gradients
             x, y = (torch.cat(t) for t in zip(*(batch(r, step) for r in range(args.emulate_ranks))))
         else:
-            x, y = batch(state.rank, step)
-        loss = F.cross_entropy(model(x).reshape(-1, LlamaConfig.vocab), y.reshape(-1))
+            x, y = batch(state.dp_rank, step)  # the ranks of a TP group share their batch
+        out = model(x)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        loss = F.cross_entropy(logits.reshape(-1, LlamaConfig.vocab), y.reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -10,7 +10,8 @@ Each case launches the example twice with torchrun (``python -m torch.distribute
 * the losses are equal step by step, **bitwise** in every case here. Why that
   holds even for bf16 and for 4 ranks: every gradient reduction in these runs
   is over a group of 2 ranks (N=2, or the shard/replicate pairs of the (2, 2)
-  meshes of HSDP and HYBRID_SHARD), i.e. one IEEE addition a+b per element,
+  meshes of HSDP and HYBRID_SHARD, or the TP and shard pairs of smp-tp2-hybrid2;
+  tensor parallelism's sums of partial outputs too), i.e. one IEEE addition a+b per element,
   which is commutative, so gloo's and smddp's reduction orders cannot differ;
   AVG divides by 2 (exact); bf16 all-gathers are copies; and the printed loss is
   the mean of the ranks' float32 losses summed in float64, exact in any order
@@ -73,6 +74,11 @@ CASES = {
     "smp-hybrid2-zero2": ("smp_llama.py", 4, ["--config", '{"hybrid_shard_degree": 2}', "--zero2"], None, None),
     "smp-delayed-init-ckpt": ("smp_llama.py", 4, ["--config", '{"hybrid_shard_degree": 2}', "--delayed-init",
                                                   "--activation-checkpointing"], None, None),
+    "smp-tp2": ("smp_llama.py", 2, ["--model", "hf-llama", "--config", '{"tensor_parallel_degree": 2}'],
+                "transformers", None),
+    "smp-tp2-hybrid2": ("smp_llama.py", 4, ["--model", "hf-llama", "--config",
+                                            '{"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}'],
+                        "transformers", None),
 }
 
 LOSS_RE = re.compile(r"^step (\d+) loss (\S+)$", re.M)
@@ -163,17 +169,38 @@ def test_example(case):
     assert got[-1] < got[0], f"{case}: the loss did not go down over {STEPS} steps: {got}"
 
 
+HF = ["--model", "hf-llama"]
+
+
+# id: (ranks, extra args, data-parallel ranks (what the single process emulates), model args)
+SINGLE_PROCESS_CASES = {
+    "hybrid2": (4, ["--config", '{"hybrid_shard_degree": 2}'], 4, []),
+    "hybrid2-zero2-delayed-ckpt": (4, ["--config", '{"hybrid_shard_degree": 2}', "--zero2", "--delayed-init",
+                                       "--activation-checkpointing"], 4, []),
+    "tp2": (2, ["--config", '{"tensor_parallel_degree": 2}'], 1, HF),
+    "tp2-hybrid2-resume": (4, ["--config", '{"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}',
+                               "--save-resume", "{tmp}"], 2, HF),
+    "hybrid2-offload-resume": (4, ["--config", '{"hybrid_shard_degree": 2}', "--activation-offloading",
+                                   "--save-resume", "{tmp}"], 4, []),
+}
+
+
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
-@pytest.mark.parametrize("extra", [["--config", '{"hybrid_shard_degree": 2}'],
-                                   ["--config", '{"hybrid_shard_degree": 2}', "--zero2", "--delayed-init",
-                                    "--activation-checkpointing"]], ids=["hybrid2", "hybrid2-zero2-delayed-ckpt"])
-def test_smp_example_matches_single_process(extra):
-    """The SMP-style example on 4 ranks (smddp) against one process training on the same 4 ranks'
-    batches at once: the same mean loss at every step, up to float32 summation order."""
+@pytest.mark.parametrize("case", list(SINGLE_PROCESS_CASES))
+def test_smp_example_matches_single_process(case, tmp_path):
+    """The SMP-style example on N ranks (smddp) against one process training on the batches of
+    all its data-parallel ranks at once (the ranks of a tensor-parallel group share a batch): the
+    same mean loss at every step, up to float32 summation order. With --save-resume the N-rank
+    run saves a sharded checkpoint halfway and goes on from a fresh model loaded from it, while
+    the reference trains straight through."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
-    got = _run("smp_llama.py", 4, extra, "smddp")
-    want = _run("smp_llama.py", 1, ["--emulate-ranks", "4"], "smddp")
+    nproc, extra, dp, model = SINGLE_PROCESS_CASES[case]
+    extra = [str(tmp_path / "ckpt") if a == "{tmp}" else a for a in extra]
+    if model == HF and importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (pip install -r requirements-examples.txt)")
+    got = _run("smp_llama.py", nproc, extra + model, "smddp")
+    want = _run("smp_llama.py", 1, ["--emulate-ranks", str(dp)] + model, "smddp")
     for step, (g, w) in enumerate(zip(got, want)):
-        assert abs(g - w) <= 1e-5 * abs(w), f"step {step}: 4 ranks {got} vs single process {want}"
+        assert abs(g - w) <= 1e-5 * abs(w), f"step {step}: {nproc} ranks {got} vs single process {want}"
 

@@ -48,9 +48,15 @@ def test_config_sources(tmp_path, monkeypatch):
     assert {k: getattr(defaults, k) for k in tsm.CONFIG_KEYS} == {k: v[0] for k, v in tsm.CONFIG_KEYS.items()}
 
 
-def test_parallelism_not_built_yet_says_so():
-    with pytest.raises(NotImplementedError, match="tensor_parallel_degree > 1 is not supported yet"):
-        tsm.validate({"tensor_parallel_degree": 2}, 4)
+@pytest.mark.parametrize("key", ["expert_parallel_degree", "context_parallel_degree"])
+def test_parallelism_not_built_yet_says_so(key):
+    with pytest.raises(NotImplementedError, match=f"{key} > 1 is not supported yet"):
+        tsm.validate({key: 2}, 4)
+
+
+def test_tensor_parallel_degree_accepted():
+    cfg = tsm.validate({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, 4)
+    assert (cfg.tensor_parallel_degree, cfg.hybrid_shard_degree) == (2, 2)
 
 
 def hybrid_task(rank, world, degree, zero2):

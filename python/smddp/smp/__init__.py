@@ -3,19 +3,24 @@
     import smddp.smp as tsm
     tsm.init({"hybrid_shard_degree": 2})       # or a JSON file path, or nothing
     model = tsm.apply_hybrid_sharding(model)   # fully_shard per block + root on the (replicate, shard) mesh
-    tsm.state.rank, tsm.state.tp_rank, tsm.state.mesh["shard"] ...
+    tsm.state.rank, tsm.state.dp_rank, tsm.state.tp_rank, tsm.state.mesh["shard"] ...
 
     with torch.device("meta"): model = build()   # delayed parameter initialisation:
     tsm.apply_hybrid_sharding(model)           #   shard first,
     tsm.materialize(model, rank0_state_dict=sd)  # then allocate and fill only the local shards
     tsm.save_checkpoint(path, model, opt) / tsm.load_checkpoint(path, model, opt)   # sharded (DCP)
 
-Config keys keep SMP v2's names, meanings and defaults (see CONFIG_KEYS). Implemented so far:
-init, state, hybrid sharding (FSDP2, plus the mesh FSDP1 HYBRID_SHARD takes), activation
-checkpointing, activation offloading with prefetch, delayed initialisation, sharded checkpoints
-(reloadable under another hybrid_shard_degree). Tensor/expert/context parallelism are not yet:
-their config keys are validated and stored, and a degree > 1 raises NotImplementedError naming
-the key.
+    tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2, "random_seed": 0})
+    model = tsm.transform(LlamaForCausalLM(config))   # tensor parallelism (DTensor) over mesh["tp"],
+    model = tsm.apply_hybrid_sharding(model)          #   then FSDP2 over the data-parallel ranks (2-D)
+
+Config keys keep SMP v2's names, meanings and defaults (see CONFIG_KEYS). Implemented: init,
+state, hybrid sharding (FSDP2, plus the mesh FSDP1 HYBRID_SHARD takes), tensor parallelism of
+Hugging Face causal LMs (transform(): Llama, Mistral, GPT-NeoX, GPT-J, GPT-2; see
+tensor_parallel.py), activation checkpointing, activation offloading with prefetch, delayed
+initialisation, sharded checkpoints (reloadable under another hybrid_shard_degree). Expert and
+context parallelism are not: their config keys are validated and stored, and a degree > 1 raises
+NotImplementedError naming the key.
 """
 
 import json
@@ -28,17 +33,20 @@ import torch.nn as nn
 
 __all__ = ["CONFIG_KEYS", "SMPConfig", "init", "state", "apply_hybrid_sharding", "validate", "materialize",
            "save_checkpoint", "load_checkpoint", "apply_activation_checkpointing", "apply_activation_offloading",
-           "ActivationOffloader"]
+           "ActivationOffloader", "transform"]
 
 # key -> (default, meaning); the README's table is this dict.
 CONFIG_KEYS = {
     "hybrid_shard_degree": (0, "ranks a parameter is sharded over: 0 = the whole data-parallel world, 1 = no "
                                "sharding (replicate), k = shard within groups of k and replicate across them"),
-    "tensor_parallel_degree": (1, "ranks a layer is split over by tensor parallelism (needs transform(), not yet)"),
+    "tensor_parallel_degree": (1, "ranks a layer is split over by tensor parallelism (transform(): Hugging Face "
+                                  "Llama, Mistral, GPT-NeoX, GPT-J, GPT-2 causal LMs); the ranks of a TP group "
+                                  "see the same batch"),
     "expert_parallel_degree": (1, "ranks the experts of a mixture-of-experts layer are spread over (not yet); not "
                                   "combinable with tensor parallelism"),
     "context_parallel_degree": (1, "ranks the sequence is split over (not yet); at most hybrid_shard_degree"),
-    "random_seed": (None, "base seed: torch.manual_seed(random_seed) at init (TP modules add the TP rank)"),
+    "random_seed": (None, "base seed: torch.manual_seed(random_seed) on every rank at init, so a model built "
+                          "afterwards is the same on every rank (transform() requires that within a TP group)"),
     "sm_activation_offloading": (True, "offload blocks' saved activations to host memory with prefetch "
                                        "(apply_activation_offloading; training scripts read the flag)"),
     "activation_loading_horizon": (2, "how many offloaded layers' activations may be resident at once (>= 1)"),
@@ -113,10 +121,10 @@ def validate(config, world_size):
                          f"hybrid_shard_degree={effective_hsd}")
     if cfg.activation_loading_horizon < 1:
         raise ValueError(f"smddp.smp config: activation_loading_horizon={cfg.activation_loading_horizon} must be >= 1")
-    for key in ("tensor_parallel_degree", "expert_parallel_degree", "context_parallel_degree"):
+    for key in ("expert_parallel_degree", "context_parallel_degree"):
         if getattr(cfg, key) > 1:
-            raise NotImplementedError(f"smddp.smp: {key} > 1 is not supported yet (tensor/expert/context "
-                                      "parallelism need transform(), which is not implemented)")
+            raise NotImplementedError(f"smddp.smp: {key} > 1 is not supported yet (expert and context "
+                                      "parallelism are not implemented)")
     return cfg
 
 
@@ -132,6 +140,8 @@ class State:
     replicate_degree: int = 1
     tp_size: int = 1
     tp_rank: int = 0
+    dp_size: int = 1               # data-parallel ranks (world / tp_size): each sees its own batch
+    dp_rank: int = 0               # this rank's data-parallel index; the ranks of a TP group share it
     mesh: object = None            # DeviceMesh ("replicate", "shard", "tp")
     dp_mesh: object = None         # its ("replicate", "shard") 2-D sub-mesh: what FSDP2 / FSDP1 HYBRID_SHARD take
     shard_group: object = None     # process group of the ranks sharing one parameter's shards
@@ -167,12 +177,22 @@ def init(config=None, backend="smddp"):
     state.local_rank = int(os.environ.get("LOCAL_RANK", rank))
     state.hybrid_shard_degree, state.replicate_degree = hsd, rep
     state.tp_size, state.tp_rank = tp, mesh["tp"].get_local_rank()
+    state.dp_size = rep * hsd
+    state.dp_rank = mesh["replicate"].get_local_rank() * hsd + mesh["shard"].get_local_rank()
     state.mesh = mesh
     state.dp_mesh = mesh["replicate", "shard"]
     state.shard_group = mesh["shard"].get_group()
     state.replicate_group = mesh["replicate"].get_group()
     state.tp_group = mesh["tp"].get_group()
     return state
+
+
+def transform(model, sequence_parallel=True):
+    """Tensor parallelism of a Hugging Face causal LM over state.mesh["tp"]: see
+    smddp.smp.tensor_parallel.transform."""
+    from .tensor_parallel import transform as _transform
+
+    return _transform(model, sequence_parallel=sequence_parallel)
 
 
 def _blocks(model):
@@ -246,30 +266,64 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     return model
 
 
-def save_checkpoint(path, model, optimizer=None):
-    """Saves model (and optimizer) state as a sharded torch.distributed.checkpoint: every rank
-    writes its own shards, collectively. Reloadable under another hybrid_shard_degree."""
-    import torch.distributed.checkpoint as dcp
+def _is_strided(t):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+def _plain_layout(t):
+    """DCP writes a DTensor's local shard as one contiguous chunk of the global tensor, which a
+    _StridedShard (transform()'s split of GPT-2's fused [q | k | v] weight, and that weight's
+    optimizer state) is not: checkpoints hold such tensors as plain Shard, the same global values."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not _is_strided(t):
+        return t
+    return t.redistribute(placements=[Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements])
+
+
+def _map_tree(fn, tree, *others):
+    """fn over the leaves of nested dicts/lists/tuples (`others`: trees of the same shape)."""
+    if isinstance(tree, dict):
+        return {k: _map_tree(fn, v, *(o[k] for o in others)) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tree(fn, v, *(o[i] for o in others)) for i, v in enumerate(tree))
+    return fn(tree, *others)
+
+
+def _checkpoint_state(model, optimizer):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
     state_dict = {"model": model_sd}
     if optimizer is not None:
         state_dict["optimizer"] = optim_sd
-    dcp.save(state_dict, checkpoint_id=str(path))
+    return state_dict
+
+
+def save_checkpoint(path, model, optimizer=None):
+    """Saves model (and optimizer) state as a sharded torch.distributed.checkpoint: every rank
+    writes its own shards, collectively. Reloadable under another hybrid_shard_degree, and with
+    or without tensor parallelism (the checkpoint holds the untransformed layout)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_map_tree(_plain_layout, _checkpoint_state(model, optimizer)), checkpoint_id=str(path))
 
 
 def load_checkpoint(path, model, optimizer=None):
     """Loads a checkpoint written by save_checkpoint into `model` (and `optimizer`), whatever the
     sharding each was saved with. Collective."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
-    state_dict = {"model": model_sd}
-    if optimizer is not None:
-        state_dict["optimizer"] = optim_sd
-    dcp.load(state_dict, checkpoint_id=str(path))
+    state_dict = _checkpoint_state(model, optimizer)
+    plain = _map_tree(_plain_layout, state_dict)
+    dcp.load(plain, checkpoint_id=str(path))  # fills `plain` in place
+    state_dict = _map_tree(lambda got, want: got.redistribute(placements=want.placements) if _is_strided(want)
+                           else got, plain, state_dict)
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state_dict["model"],
                    optim_state_dict=state_dict.get("optimizer", {}))
 

@@ -1,0 +1,259 @@
+"""smddp.smp.transform: tensor parallelism of tiny random-config Hugging Face causal LMs (all five
+supported families), alone and under hybrid sharding (2-D: TP x FSDP2), with and without
+sequence parallelism, trained for a few AdamW steps against the same model unparallelised in
+one process: logits, loss, gradients (full tensors gathered from the DTensors) and parameters
+equal within float64 tolerance. Plus every refusal: head counts not divisible by the degree,
+unsupported models (and GPT-2 with cross-attention), ranks holding different weights,
+transforming twice; degree 1 leaves the model alone; and a checkpoint of a transformed model
+(with its AdamW state) loads bit for bit into the plain model and into a transformed one.
+
+Every rank builds the model from the config's random_seed, keeps an untransformed copy as the
+reference and trains that on the global batch (all data-parallel ranks' sequences; the ranks
+of a TP group share theirs)."""
+import copy
+import importlib.util
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from _util import Report
+from test_clients import TOL64, _close
+
+import smddp.smp as tsm
+
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("transformers is not installed (pip install -r requirements-examples.txt)", allow_module_level=True)
+
+STEPS = 3
+PER_DP_RANK = 2  # sequences per data-parallel rank and step
+
+
+def _config(family, **overrides):
+    """Tiny configs, dropout 0 (dropout draws differ once split). GPT-2's vocabulary (131) and
+    sequence (15) do not divide over 2 or 4 ranks: uneven vocabulary and sequence shards."""
+    import transformers as tf
+
+    if family == "llama":  # grouped-query attention: 4 query heads, 2 key/value heads
+        kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        return tf.LlamaForCausalLM, tf.LlamaConfig(**{**kw, **overrides}), 16
+    if family == "mistral":
+        kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+        return tf.MistralForCausalLM, tf.MistralConfig(**{**kw, **overrides}), 16
+    if family == "gpt_neox":
+        kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+        return tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(**{**kw, **overrides}), 16
+    if family == "gptj":
+        kw = dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return tf.GPTJForCausalLM, tf.GPTJConfig(**{**kw, **overrides}), 16
+    if family == "gpt2":  # the LM head is tied to the token embedding
+        kw = dict(vocab_size=131, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return tf.GPT2LMHeadModel, tf.GPT2Config(**{**kw, **overrides}), 15
+    raise ValueError(family)
+
+
+def _build(family, **overrides):
+    cls, config, seq = _config(family, **overrides)
+    return cls(config).double(), seq
+
+
+def _batches(family, dp, seq, vocab):
+    g = torch.Generator().manual_seed(sum(map(ord, family)))
+    return [torch.randint(0, vocab, (dp * PER_DP_RANK, seq + 1), generator=g) for _ in range(STEPS)]
+
+
+def _logits_and_loss(model, tokens):
+    logits = model(tokens[:, :-1]).logits
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    return logits, loss
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def tp_task(rank, world, family, tp, hsd, sequence_parallel):
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    rep = Report(rank)
+    tag = f"{family} tp={tp} hybrid_shard_degree={hsd} sp={sequence_parallel} world={world}"
+    st = tsm.init({"tensor_parallel_degree": tp, "hybrid_shard_degree": hsd, "random_seed": 11})
+    rep.expect((st.tp_size, st.dp_size, st.dp_rank) == (tp, world // tp, rank // tp), f"{tag}: state {st}")
+    model, seq = _build(family)
+    ref = copy.deepcopy(model)
+    tsm.transform(model, sequence_parallel=sequence_parallel)
+
+    # The layers really are split: the token embedding and the first attention projection hold
+    # 1/tp of their rows/columns on each rank (before FSDP2 shards them further).
+    embed = model.get_input_embeddings().weight
+    attn = next(m for n, m in model.named_modules() if n.endswith(("q_proj", "query_key_value", "c_attn")))
+    for name, p in (("token embedding", embed), ("first attention projection", attn.weight)):
+        split = isinstance(p, DTensor) and any(isinstance(pl, (Shard, _StridedShard)) for pl in p.placements)
+        rep.expect(split and p.to_local().numel() < p.numel(),
+                   f"{tag}: the {name} is not split over the TP ranks ({type(p).__name__})")
+    if family == "gpt2":
+        rep.expect(model.lm_head.weight is embed, f"{tag}: the LM head is no longer tied to the embedding")
+
+    if hsd:
+        tsm.apply_hybrid_sharding(model)
+    opt, ref_opt = _adamw(model.parameters()), _adamw(ref.parameters())
+    refp = dict(ref.named_parameters())
+    dp, mine = st.dp_size, slice(st.dp_rank * PER_DP_RANK, (st.dp_rank + 1) * PER_DP_RANK)
+    for step, tokens in enumerate(_batches(family, dp, seq, model.config.vocab_size)):
+        with rep.cell(f"{tag} step {step}"):
+            logits, loss = _logits_and_loss(model, tokens[mine])
+            want_logits, want_loss = _logits_and_loss(ref, tokens)
+            _close(rep, f"{tag} step {step}: logits", logits, want_logits[mine], cross_rank=False, **TOL64)
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)  # the TP ranks of a group hold the same loss: world / tp copies each
+            _close(rep, f"{tag} step {step}: loss", mean / world, want_loss.detach(), **TOL64)
+            opt.zero_grad()
+            loss.backward()
+            ref_opt.zero_grad()
+            want_loss.backward()
+            for n, p in model.named_parameters():
+                _close(rep, f"{tag} step {step}: grad of {n}", _full(p.grad), refp[n].grad, **TOL64)
+            opt.step()
+            ref_opt.step()
+    for n, p in model.named_parameters():
+        _close(rep, f"{tag}: final {n}", _full(p).detach(), refp[n].detach(), **TOL64)
+    return rep.to_dict()
+
+
+FAMILIES = ["llama", "mistral", "gpt_neox", "gptj", "gpt2"]
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("world", [2])
+def test_tp2_matches_single_process(pools, world, family, sequence_parallel):
+    pools.check(world, tp_task, family, 2, 0, sequence_parallel, timeout=300)
+
+
+@pytest.mark.parametrize("family, tp, hsd, sequence_parallel", [
+    *[(f, 2, 2, True) for f in FAMILIES],      # TP 2 x shard 2 (2-D)
+    ("gpt2", 2, 2, False), ("llama", 2, 2, False),
+    ("llama", 2, 1, True),                      # TP 2 x replicate 2 (FSDP2 without sharding)
+    *[(f, 4, 0, True) for f in ("mistral", "gpt_neox", "gptj", "gpt2")],  # Llama's 2 KV heads: see below
+])
+@pytest.mark.parametrize("world", [4])
+def test_tp_on_4_ranks_matches_single_process(pools, world, family, tp, hsd, sequence_parallel):
+    pools.check(world, tp_task, family, tp, hsd, sequence_parallel, timeout=300)
+
+
+def _refused(rep, label, call, error, *needles):
+    try:
+        call()
+    except error as e:
+        for needle in needles:
+            rep.expect(needle in str(e), f"{label}: {type(e).__name__} message lacks {needle!r}: {e}")
+        return
+    except Exception as e:  # noqa: BLE001
+        rep.fail(f"{label}: raised {type(e).__name__} (expected {error.__name__}): {e}")
+        return
+    rep.fail(f"{label}: no {error.__name__}")
+
+
+def refusals_task(rank, world, tp):
+    import transformers as tf
+
+    rep = Report(rank)
+    tsm.init({"tensor_parallel_degree": tp, "random_seed": 3})
+    _refused(rep, "query heads not divisible", lambda: tsm.transform(_build("gpt2", n_head=tp + 1, n_embd=60)[0]),
+             ValueError, f"num_attention_heads={tp + 1} is not divisible by tensor_parallel_degree={tp}")
+    _refused(rep, "key/value heads not divisible", lambda: tsm.transform(_build("llama", num_key_value_heads=1)[0]),
+             ValueError, f"num_key_value_heads=1 is not divisible by tensor_parallel_degree={tp}")
+    if tp == 4:  # the 4-rank Llama of tp_task (2 KV heads) is one of these
+        _refused(rep, "tiny llama at tp 4", lambda: tsm.transform(_build("llama")[0]),
+                 ValueError, "num_key_value_heads=2 is not divisible by tensor_parallel_degree=4")
+    _refused(rep, "GPT-2 with cross-attention", lambda: tsm.transform(_build("gpt2", add_cross_attention=True)[0]),
+             NotImplementedError, "cross-attention")
+    unsupported = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2,
+                                                       attention_types=[[["global"], 2]], max_position_embeddings=32))
+    for model in (torch.nn.Sequential(torch.nn.Linear(4, 4)), unsupported):
+        _refused(rep, f"unsupported {type(model).__name__}", lambda: tsm.transform(model), NotImplementedError,
+                 type(model).__name__, "LlamaForCausalLM, MistralForCausalLM, GPTNeoXForCausalLM, "
+                 "GPTJForCausalLM, GPT2LMHeadModel")
+    torch.manual_seed(rank)  # each rank its own weights: no consistent split exists
+    _refused(rep, "different weights on the TP ranks", lambda: tsm.transform(_build("gpt_neox")[0]), RuntimeError,
+             "hold different weights")
+    torch.manual_seed(5)
+    model = tsm.transform(_build("gpt_neox")[0])
+    _refused(rep, "transform twice", lambda: tsm.transform(model), RuntimeError, "already distributed")
+
+    tsm.init({"tensor_parallel_degree": 1, "random_seed": 3})
+    model = _build("llama")[0]
+    params = list(model.parameters())
+    rep.expect(tsm.transform(model) is model and all(p is q for p, q in zip(model.parameters(), params)),
+               "tensor_parallel_degree 1: transform changed the model")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_refusals(pools, world):
+    pools.check(world, refusals_task, world, timeout=300)
+
+
+def checkpoint_task(rank, world, path, family, tp, hsd):
+    """A checkpoint of the transformed (and sharded) model and its AdamW state holds the
+    untransformed layout (GPT-2's fused c_attn included): it loads bit for bit into the plain
+    model and into another transformed one."""
+    rep = Report(rank)
+    tag = f"checkpoint of {family} at tp={tp} hybrid_shard_degree={hsd}"
+    st = tsm.init({"tensor_parallel_degree": tp, "hybrid_shard_degree": hsd, "random_seed": 21})
+    model, seq = _build(family)
+    tsm.transform(model)
+    if hsd:
+        tsm.apply_hybrid_sharding(model)
+    opt = _adamw(model.parameters())
+    tokens = _batches(family, st.dp_size, seq, model.config.vocab_size)[0]
+    _logits_and_loss(model, tokens[st.dp_rank * PER_DP_RANK:(st.dp_rank + 1) * PER_DP_RANK])[1].backward()
+    opt.step()  # optimizer state to save
+    tsm.save_checkpoint(path, model, opt)
+    saved = {n: _full(p).detach() for n, p in model.named_parameters()}
+    saved_state = {n: {k: _full(v) for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+
+    def check(where, other, other_opt):
+        for n, p in other.named_parameters():
+            _close(rep, f"{tag}: {n} loaded {where}", _full(p).detach(), saved[n], rtol=0, atol=0)
+            rep.expect(set(other_opt.state[p]) == set(saved_state[n]),
+                       f"{tag}: AdamW state of {n} loaded {where}: {sorted(other_opt.state[p])}")
+            for k, v in other_opt.state[p].items():
+                _close(rep, f"{tag}: AdamW {k} of {n} loaded {where}", _full(v), saved_state[n][k], rtol=0, atol=0)
+
+    tsm.init({"tensor_parallel_degree": 1, "hybrid_shard_degree": 1})
+    torch.manual_seed(99)  # other values, to be overwritten
+    plain = _build(family)[0]
+    plain_opt = _adamw(plain.parameters())
+    tsm.load_checkpoint(path, plain, plain_opt)
+    check("unsplit", plain, plain_opt)
+
+    tsm.init({"tensor_parallel_degree": tp, "hybrid_shard_degree": hsd, "random_seed": 99})
+    other = tsm.transform(_build(family)[0])
+    if hsd:
+        tsm.apply_hybrid_sharding(other)
+    other_opt = _adamw(other.parameters())
+    tsm.load_checkpoint(path, other, other_opt)
+    check("split", other, other_opt)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_checkpoint_holds_the_unsplit_layout(pools, tmp_path, family):
+    pools.check(2, checkpoint_task, str(tmp_path / "ckpt"), family, 2, 0, timeout=300)
+
+
+@pytest.mark.parametrize("world", [4])
+def test_checkpoint_holds_the_unsplit_layout_2d(pools, tmp_path, world):
+    pools.check(world, checkpoint_task, str(tmp_path / "ckpt"), "gpt2", 2, 2, timeout=300)
