@@ -174,6 +174,7 @@ HF = ["--model", "hf-llama"]
 
 # id: (ranks, extra args, data-parallel ranks (what the single process emulates), model args)
 SINGLE_PROCESS_CASES = {
+    "default": (4, [], 4, []),  # hybrid_shard_degree 0: sharded over all 4 ranks
     "hybrid2": (4, ["--config", '{"hybrid_shard_degree": 2}'], 4, []),
     "hybrid2-zero2-delayed-ckpt": (4, ["--config", '{"hybrid_shard_degree": 2}', "--zero2", "--delayed-init",
                                        "--activation-checkpointing"], 4, []),
