@@ -45,14 +45,15 @@ void netAllreduce(HierContext& ctx, const std::vector<int>& ranks, int me, int s
   // A piece needs (H-1) parts of scratch (mesh) or one part (ring).
   size_t piece = std::max(align * H, ctx.bufferBytes / es / (H - 1) * H / (align * H) * (align * H));
   const net::Schedule sched = ctx.schedule();
-  for (size_t off = 0; off < n; off += piece) {
-    const size_t cn = std::min(piece, n - off);
-    const Slices parts = slicesOf(cn, H, align);
-    uint8_t* base = bytes(buf) + off * es;
-    auto part = [&](int j) { return base + parts.begin(j) * es; };
-    const size_t partBytes = parts.per * es;
-    if (ctx.algo == NetAlgo::kRing) {
-      uint8_t* tmp = ctx.scratchBytes(partBytes);
+  const size_t pieces = (n + piece - 1) / piece;
+  // Piece k of the message: where it starts and its H parts (part j is reduced by ranks[j]).
+  auto base = [&](size_t k) { return bytes(buf) + k * piece * es; };
+  auto partsOf = [&](size_t k) { return slicesOf(std::min(piece, n - k * piece), H, align); };
+  if (ctx.algo == NetAlgo::kRing) {
+    for (size_t k = 0; k < pieces; ++k) {
+      const Slices parts = partsOf(k);
+      auto part = [&](int j) { return base(k) + parts.begin(j) * es; };
+      uint8_t* tmp = ctx.scratchBytes(parts.per * es);
       const int next = ranks[(me + 1) % H], prev = ranks[(me + H - 1) % H];
       const Reduction partial = partialOf(red);
       for (int t = 0; t < H - 1; ++t) {  // reduce-scatter: after H-1 steps, part me+1 is complete here
@@ -67,30 +68,40 @@ void netAllreduce(HierContext& ctx, const std::vector<int>& ranks, int me, int s
         ctx.mesh->exchange(tag(), {{next, part(sp), parts.size(sp) * es}}, {{prev, part(rp), parts.size(rp) * es}},
                            ctx.local.wait, sched);
       }
-      continue;
     }
-    // Mesh: one hop each way. Reduce-scatter: part j goes to ranks[j]; part `me` arrives from all.
-    uint8_t* tmp = ctx.scratchBytes(partBytes * (H - 1));
-    auto slot = [&](int j) { return tmp + (j < me ? j : j - 1) * partBytes; };
-    std::vector<net::Send> sends;
-    std::vector<net::Recv> recvs;
-    for (int i = 1; i < H; ++i) {
-      const int j = (me + i) % H;
-      sends.push_back({ranks[j], part(j), parts.size(j) * es});
-      recvs.push_back({ranks[j], slot(j), parts.size(me) * es});
-    }
-    ctx.mesh->exchange(tag(), sends, recvs, ctx.local.wait, sched);
-    std::vector<const void*> srcs(H);
-    for (int j = 0; j < H; ++j) srcs[j] = j == me ? part(me) : slot(j);  // host order: same result everywhere
-    reduce(dt, red, part(me), srcs.data(), H, parts.size(me));
+    return;
+  }
+  // Mesh: one hop each way. Reduce-scatter: part j goes to ranks[j], part `me` arrives from all
+  // and is reduced here; all-gather: part `me` goes to all. Exchange k carries the all-gather of
+  // piece k-1 and the reduce-scatter of piece k together, so the links do not idle while one
+  // piece is reduced, and a message of P pieces takes P+1 exchanges rather than 2P.
+  uint8_t* tmp = ctx.scratchBytes(partsOf(0).per * es * (H - 1));
+  auto slot = [&](int j) { return tmp + (j < me ? j : j - 1) * partsOf(0).per * es; };
+  std::vector<net::Send> sends;
+  std::vector<net::Recv> recvs;
+  std::vector<const void*> srcs(H);
+  for (size_t k = 0; k <= pieces; ++k) {
     sends.clear();
     recvs.clear();
-    for (int i = 1; i < H; ++i) {
+    for (int i = 1; i < H; ++i) {  // per peer: this exchange's all-gather message, then its reduce-scatter one
       const int j = (me + i) % H;
-      sends.push_back({ranks[j], part(me), parts.size(me) * es});
-      recvs.push_back({ranks[j], part(j), parts.size(j) * es});
+      if (k > 0) {
+        const Slices prev = partsOf(k - 1);
+        sends.push_back({ranks[j], base(k - 1) + prev.begin(me) * es, prev.size(me) * es});
+        recvs.push_back({ranks[j], base(k - 1) + prev.begin(j) * es, prev.size(j) * es});
+      }
+      if (k < pieces) {
+        const Slices cur = partsOf(k);
+        sends.push_back({ranks[j], base(k) + cur.begin(j) * es, cur.size(j) * es});
+        recvs.push_back({ranks[j], slot(j), cur.size(me) * es});
+      }
     }
     ctx.mesh->exchange(tag(), sends, recvs, ctx.local.wait, sched);
+    if (k == pieces) break;
+    const Slices cur = partsOf(k);
+    uint8_t* mine = base(k) + cur.begin(me) * es;
+    for (int j = 0; j < H; ++j) srcs[j] = j == me ? mine : slot(j);  // host order: same result everywhere
+    reduce(dt, red, mine, srcs.data(), H, cur.size(me));
   }
 }
 
