@@ -233,7 +233,9 @@ bool NetP2p::progressSends(Peer& p) {
     if (p.sendOff == 0) p.sendHdr = MsgHeader{static_cast<uint64_t>(static_cast<int64_t>(op.tag)), op.bytes};
     iovec iov[2];
     int n = 0;
-    if (p.sendOff < kHeaderBytes) iov[n++] = {reinterpret_cast<char*>(&p.sendHdr) + p.sendOff, kHeaderBytes - p.sendOff};
+    if (p.sendOff < kHeaderBytes) {
+      iov[n++] = {reinterpret_cast<char*>(&p.sendHdr) + p.sendOff, kHeaderBytes - p.sendOff};
+    }
     const size_t done = p.sendOff > kHeaderBytes ? p.sendOff - kHeaderBytes : 0;
     if (op.bytes > done) iov[n++] = {op.buffer + done, op.bytes - done};
     msghdr mh{};

@@ -936,7 +936,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
                                              std::optional<std::vector<at::Tensor>>(tensors), spin_);
   engine::P2pOp o;
   o.isSend = isSend;
-  o.peer = remote || !comm_->multiHost() ? peer : topo.localOf[peer];  // the shared-memory engine numbers its host's ranks
+  // The shared-memory engine numbers the ranks of its host.
+  o.peer = remote || !comm_->multiHost() ? peer : topo.localOf[peer];
   o.tag = tag;
   o.buffer = static_cast<uint8_t*>(s.work.data_ptr());
   o.bytes = s.work.nbytes();

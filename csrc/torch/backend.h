@@ -175,8 +175,6 @@ class SmddpBackend : public c10d::Backend {
   // Inside cudaWhole's CPU twin: queues `body` as the staged op's host side; null otherwise.
   Work divertToCuda(c10d::OpType opType, const char* title, std::chrono::milliseconds timeout, const Body& body);
 
-  // Raises NotImplementedError (before anything is sent, so the group stays usable) for ops the
-  // inter-host path does not have yet.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType opType, const char* title, std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> inputs, std::chrono::milliseconds timeout,
                                          bool async, Body body);
