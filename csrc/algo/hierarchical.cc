@@ -366,54 +366,34 @@ void hierAlltoall(HierContext& ctx, const AlltoallOptions& o) {
   }
   alltoall(ctx.local, direct);
 
-  // 4. Network: the blocks themselves, to the partners; the blocks arriving here are laid out by
-  //    the local rank they are for, so each goes on in one piece.
-  std::vector<size_t> forwardAt(L + 1, 0);
-  for (int lg = 0; lg < L; ++lg) {
-    size_t sum = 0;
-    for (size_t i = 0; i < n; ++i) sum += inbound[i * L + lg] * es;
-    forwardAt[lg + 1] = forwardAt[lg] + sum;
-  }
-  std::vector<size_t> expectAt(L + 1, 0);  // bytes each local rank hands on to this one
-  for (int lp = 0; lp < L; ++lp) {
-    size_t sum = 0;
-    for (int src : via[lp]) sum += o.outCounts[src] * es;
-    expectAt[lp + 1] = expectAt[lp] + sum;
-  }
-  uint8_t* forward = ctx.scratchBytes(forwardAt[L] + expectAt[L]);
-  uint8_t* arrived = forward + forwardAt[L];
+  // 4. Network: the blocks themselves, to the partners. blockAt[i * L + lg]: where the block of
+  //    mine[i] for locals[lg] lands, in the order mine[i] sends them (its partner's host-mates).
+  std::vector<size_t> blockAt(n * L + 1, 0);
+  for (size_t b = 0; b < n * L; ++b) blockAt[b + 1] = blockAt[b] + inbound[b] * es;
+  uint8_t* forward = ctx.scratchBytes(blockAt[n * L]);
   sends.clear();
   recvs.clear();
   for (int k = 0; k < H; ++k) {
     if (k == h) continue;
     for (int g : t.members[k]) sends.push_back({partnerOn(t, me, k), o.inputs[g], o.inCounts[g] * es});
   }
-  for (size_t i = 0; i < n; ++i) {  // in the order mine[i] sends them: its partner's host-mates by rank
-    for (int lg = 0; lg < L; ++lg) {
-      size_t at = forwardAt[lg];
-      for (size_t j = 0; j < i; ++j) at += inbound[j * L + lg] * es;
-      recvs.push_back({mine[i], forward + at, inbound[i * L + lg] * es});
-    }
-  }
+  for (size_t b = 0; b < n * L; ++b) recvs.push_back({mine[b / L], forward + blockAt[b], inbound[b] * es});
   ctx.mesh->exchange(net::makeTag(ctx.local.seq, 1), sends, recvs, ctx.local.wait, ctx.schedule());
 
-  // 5. Shared memory: hand the forwarded blocks on (in bytes: a block is several sources' data),
-  //    then put each source's block in its output. This rank's own share stays where it landed.
-  AlltoallOptions handOn{DataType::kUInt8, {}, {}, {}, {}};
-  for (int li = 0; li < L; ++li) {
-    handOn.inputs.push_back(forward + forwardAt[li]);
-    handOn.inCounts.push_back(forwardAt[li + 1] - forwardAt[li]);
-    handOn.outputs.push_back(li == l ? forward + forwardAt[l] : arrived + expectAt[li]);
-    handOn.outCounts.push_back(li == l ? forwardAt[l + 1] - forwardAt[l] : expectAt[li + 1] - expectAt[li]);
-  }
-  alltoall(ctx.local, handOn);
-  for (int lp = 0; lp < L; ++lp) {
-    const uint8_t* from = static_cast<const uint8_t*>(handOn.outputs[lp]);
-    for (int src : via[lp]) {
-      const size_t b = o.outCounts[src] * es;
-      if (b > 0) std::memcpy(o.outputs[src], from, b);
-      from += b;
+  // 5. Shared memory: hand the forwarded blocks on, in rounds: in round r every local rank passes
+  //    on the blocks of its r-th source, each straight into its receiver's output for that source.
+  size_t rounds = 0;
+  for (const auto& v : via) rounds = std::max(rounds, v.size());
+  for (size_t r = 0; r < rounds; ++r) {
+    AlltoallOptions handOn{o.dtype, {}, {}, {}, {}};
+    for (int li = 0; li < L; ++li) {
+      handOn.inputs.push_back(r < n ? forward + blockAt[r * L + li] : nullptr);
+      handOn.inCounts.push_back(r < n ? inbound[r * L + li] : 0);
+      const bool from = r < via[li].size();
+      handOn.outputs.push_back(from ? o.outputs[via[li][r]] : nullptr);
+      handOn.outCounts.push_back(from ? o.outCounts[via[li][r]] : 0);
     }
+    alltoall(ctx.local, handOn);
   }
 }
 
