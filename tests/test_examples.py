@@ -35,8 +35,9 @@ The deepspeed / transformers cases skip when the package is not importable
 (pip install -r requirements-examples.txt). The first DeepSpeed run on a machine
 JIT-compiles DeepSpeed's CPU shm op (~35 s, cached in ~/.cache/torch_extensions).
 
-Runtime: ~3.5 min for the 12 cases on 2 cores (24 torchrun launches of ~4.5 s
-fixed cost each; the 4-rank ones ~11 s). Skip them with -k "not test_example".
+Runtime: two torchrun launches per case (17 cases against gloo, 7 against the single-process
+reference), ~4.5 s of fixed cost each on 2 cores, the 4-rank ones ~11 s. Skip them with
+-k "not test_example".
 """
 import importlib.util
 import math
