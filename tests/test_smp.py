@@ -3,6 +3,7 @@ message), init()/state, and hybrid sharding at every valid degree trained agains
 single-process reference (float64: only summation order differs)."""
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -34,6 +35,19 @@ def test_invalid_configs_rejected(config, world, message):
     with pytest.raises(ValueError) as e:
         tsm.validate(config, world)
     assert message in str(e.value)
+
+
+def test_readme_documents_every_config_key():
+    """The README's config table says what CONFIG_KEYS says: every key, its default (as JSON) and
+    its meaning."""
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    rows = {}
+    for line in open(readme):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and cells[0].strip("`") in tsm.CONFIG_KEYS:
+            rows[cells[0].strip("`")] = (cells[1], cells[2])
+    want = {k: (f"`{json.dumps(default)}`", meaning) for k, (default, meaning) in tsm.CONFIG_KEYS.items()}
+    assert rows == want
 
 
 def test_config_sources(tmp_path, monkeypatch):
