@@ -14,7 +14,6 @@ constexpr size_t kFlagStride = 64 / sizeof(uint64_t);  // one cache line per fla
 // After abort() the done word holds this: it releases every round number the pipeline can reach.
 constexpr uint64_t kReleasedForever = ~uint64_t{0} >> 1;
 
-
 // Elements per round when a round stages `slots` pieces of `es`-byte elements.
 size_t piece(size_t roundBytes, size_t slots, size_t es) {
   // Each slot is aligned, so leave room for the padding.

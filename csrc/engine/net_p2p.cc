@@ -129,11 +129,7 @@ void NetP2p::submit(P2pOp op) {
   [[maybe_unused]] ssize_t k = write(wakeFd_, &one, sizeof(one));
 }
 
-void NetP2p::failPeer(Peer& p, ErrorCode code, const std::string& why) {
-  if (p.fd >= 0) close(p.fd);  // the peer's pending ops with this rank fail too, instead of timing out
-  p.fd = -1;
-  p.state = Peer::State::kBroken;
-  p.broken = why;
+void NetP2p::failQueued(Peer& p, ErrorCode code, const std::string& why) {
   for (auto* q : {&p.sends, &p.recvs}) {
     while (!q->empty()) {
       P2pOp op = std::move(q->front());
@@ -141,6 +137,14 @@ void NetP2p::failPeer(Peer& p, ErrorCode code, const std::string& why) {
       op.done(errorOf(code, why), p.rank);
     }
   }
+}
+
+void NetP2p::failPeer(Peer& p, ErrorCode code, const std::string& why) {
+  if (p.fd >= 0) close(p.fd);  // the peer's pending ops with this rank fail too, instead of timing out
+  p.fd = -1;
+  p.state = Peer::State::kBroken;
+  p.broken = why;
+  failQueued(p, code, why);
 }
 
 void NetP2p::failAll(const std::string& why) {
@@ -151,14 +155,7 @@ void NetP2p::failAll(const std::string& why) {
   }
   for (P2pOp& op : queued) op.done(errorOf(ErrorCode::kAborted, why), op.peer);
   for (auto& p : peers_) {
-    if (!p) continue;
-    for (auto* q : {&p->sends, &p->recvs}) {
-      while (!q->empty()) {
-        P2pOp op = std::move(q->front());
-        q->pop_front();
-        op.done(errorOf(ErrorCode::kAborted, why), p->rank);
-      }
-    }
+    if (p) failQueued(*p, ErrorCode::kAborted, why);
   }
 }
 
@@ -232,12 +229,7 @@ bool NetP2p::progressSends(Peer& p) {
     P2pOp& op = p.sends.front();
     if (p.sendOff == 0) p.sendHdr = MsgHeader{static_cast<uint64_t>(static_cast<int64_t>(op.tag)), op.bytes};
     iovec iov[2];
-    int n = 0;
-    if (p.sendOff < kHeaderBytes) {
-      iov[n++] = {reinterpret_cast<char*>(&p.sendHdr) + p.sendOff, kHeaderBytes - p.sendOff};
-    }
-    const size_t done = p.sendOff > kHeaderBytes ? p.sendOff - kHeaderBytes : 0;
-    if (op.bytes > done) iov[n++] = {op.buffer + done, op.bytes - done};
+    const int n = net::wire::nextIov(iov, p.sendHdr, p.sendOff, op.buffer, op.bytes, op.bytes);
     msghdr mh{};
     mh.msg_iov = iov;
     mh.msg_iovlen = n;

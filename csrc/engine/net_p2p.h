@@ -47,7 +47,8 @@ class NetP2p {
   void introduce(Incoming& in);
   bool progressSends(Peer& p);
   bool progressRecvs(Peer& p);
-  void failPeer(Peer& p, ErrorCode code, const std::string& why);
+  void failQueued(Peer& p, ErrorCode code, const std::string& why);  // the ops waiting on p
+  void failPeer(Peer& p, ErrorCode code, const std::string& why);    // and the connection
   void failAll(const std::string& why);
   void checkDeadlines();
   bool anyPending() const;

@@ -13,7 +13,6 @@ namespace {
 
 inline uint8_t* bytePtr(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
-
 // Set while cudaWhole runs an op's CPU twin on host mirrors: the twin's enqueue lands here.
 struct WholeOp {
   std::vector<cuda::Round> rounds;

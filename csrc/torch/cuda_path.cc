@@ -168,5 +168,4 @@ void CudaPath::runHost(const Launch& l, const std::vector<CudaStep>& steps, algo
   }
 }
 
-
 }  // namespace smddp::torchext

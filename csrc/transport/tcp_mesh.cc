@@ -251,13 +251,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
       const Send& s = *p.sends[p.sendIdx];
       if (p.sendOff == 0) p.sendHdr = wire::MsgHeader{tag, s.bytes};
       iovec iov[2];
-      int n = 0;
-      if (p.sendOff < kHeaderBytes) {
-        iov[n++] = {reinterpret_cast<char*>(&p.sendHdr) + p.sendOff, kHeaderBytes - p.sendOff};
-      }
-      const size_t done = p.sendOff > kHeaderBytes ? p.sendOff - kHeaderBytes : 0;
-      const size_t payload = std::min(s.bytes - done, budget);
-      if (payload > 0) iov[n++] = {const_cast<char*>(static_cast<const char*>(s.data)) + done, payload};
+      const int n = wire::nextIov(iov, p.sendHdr, p.sendOff, s.data, s.bytes, budget);
       msghdr mh{};
       mh.msg_iov = iov;
       mh.msg_iovlen = n;

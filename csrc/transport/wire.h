@@ -6,7 +6,10 @@
 // payload, which lands straight in the receiver's destination buffer.
 #pragma once
 
+#include <sys/uio.h>
+
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -52,6 +55,20 @@ struct MsgHeader {
   uint64_t bytes;
 };
 constexpr size_t kHeaderBytes = sizeof(MsgHeader);
+
+// The rest of a message being sent, `sent` bytes in (header first), as at most two iovecs: the
+// header's remainder and up to `payloadLimit` bytes of `data`. Returns how many it filled.
+inline int nextIov(iovec (&iov)[2], const MsgHeader& hdr, size_t sent, const void* data, size_t bytes,
+                   size_t payloadLimit) {
+  int n = 0;
+  if (sent < kHeaderBytes) {
+    iov[n++] = {const_cast<char*>(reinterpret_cast<const char*>(&hdr)) + sent, kHeaderBytes - sent};
+  }
+  const size_t done = sent > kHeaderBytes ? sent - kHeaderBytes : 0;
+  const size_t payload = std::min(bytes - done, payloadLimit);
+  if (payload > 0) iov[n++] = {const_cast<char*>(static_cast<const char*>(data)) + done, payload};
+  return n;
+}
 
 // The receive side of one connection during one exchange: the messages expected from the peer,
 // in order, filled by whatever bytes arrive, in pieces of any size.
