@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 
@@ -61,8 +62,17 @@ def measure_rtt(cluster):
     return "n/a"
 
 
+def spread(runs):
+    """Largest max/min - 1 of a cell's time over repeated runs."""
+    worst = 0.0
+    for key in {k for rows in runs for k in rows}:
+        ts = [rows[key] for rows in runs if key in rows]
+        worst = max(worst, max(ts) / min(ts) - 1)
+    return worst
+
+
 def run_job(cluster, args, impl, port):
-    backend, extra = IMPLS[impl]
+    backend, extra = args.variants.get(impl) or IMPLS[impl]
     cfg = {"backend": backend, "mode": "bench", "ops": args.ops, "sizes": args.sizes, "target_s": args.target_s,
            "iters": args.iters, "min_iters": args.min_iters, "warmup": args.warmup}
     procs = cluster.launch_ranks(args.per_host, cfg, port, env=extra)
@@ -99,7 +109,19 @@ def main():
     p.add_argument("--min-iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every implementation this many times, interleaved (A B C A B C ...), and report "
+                        "each cell's median: the emulated links share a noisy machine")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=IMPL[,VAR=VALUE...]",
+                   help="an extra implementation: IMPL with environment variables on top, e.g. "
+                        "big=mesh,SMDDP_NET_CHUNK_BYTES=1048576 or old=mesh,PYTHONPATH=/tmp/old (list NAME in --impls)")
     args = p.parse_args()
+    args.variants = {}
+    for v in args.variant:
+        name, spec = v.split("=", 1)
+        base, *assigns = spec.split(",")
+        backend, extra = IMPLS[base]
+        args.variants[name] = (backend, dict(extra, **dict(a.split("=", 1) for a in assigns)))
     why = netcluster.available(delay=bool(args.delay))
     if why:
         sys.exit(f"bench_cluster: cannot build the emulated cluster: {why}")
@@ -125,11 +147,20 @@ def main():
     t0 = time.monotonic()
     with netcluster.NetCluster(args.hosts, rates=rates, delay=args.delay) as c:
         print(f"# measured round trip host 0 -> host 1: {measure_rtt(c)}")
-        for i, impl in enumerate(impls):
-            rows, status = run_job(c, args, impl, 29600 + i)
-            results[impl] = rows
-            for st in status:
-                print(f"# ERROR {impl}: {st}")
+        runs = {impl: [] for impl in impls}
+        for r in range(args.repeat):
+            for i, impl in enumerate(impls):
+                rows, status = run_job(c, args, impl, 29600 + (r * len(impls) + i) % 200)
+                runs[impl].append(rows)
+                for st in status:
+                    print(f"# ERROR {impl}: {st}")
+        for impl, rs in runs.items():
+            cells = {key for rows in rs for key in rows}
+            results[impl] = {key: statistics.median(rows[key] for rows in rs if key in rows) for key in cells}
+        if args.repeat > 1:
+            print(f"# each cell: the median of {args.repeat} runs, implementations interleaved; time spread "
+                  "(max/min - 1) over the runs, largest per implementation: " +
+                  ", ".join(f"{impl} {spread(rs):.0%}" for impl, rs in runs.items()))
     for op in args.ops:
         print("#")
         print(f"# {op}")

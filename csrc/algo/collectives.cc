@@ -115,8 +115,12 @@ void allreducePipelined(OpContext& ctx, const AllreduceOptions& o, const Expect&
   for (size_t j = 0; j <= chunks; ++j) {
     const size_t off = j * chunkElems;
     const size_t ce = j < chunks ? std::min(chunkElems, o.count - off) : 0;
+    // This rank's own slice of the chunk is read by nobody else: it stays in the input.
+    const Slices sl = slicesOf(ce, W, kAlignBytes / es);
+    const size_t b = sl.begin(ctx.rank), n = sl.end(ctx.rank) - b;
     const uint64_t k = step(ctx, j == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
-      if (ce > 0) std::memcpy(slot, bytes(o.input) + off * es, ce * es);
+      if (b > 0) std::memcpy(slot, bytes(o.input) + off * es, b * es);
+      if (b + n < ce) std::memcpy(slot + (b + n) * es, bytes(o.input) + (off + b + n) * es, (ce - b - n) * es);
     });
     if (j > 0 && gathers) {
       const size_t prevOff = off - chunkElems;
@@ -126,11 +130,10 @@ void allreducePipelined(OpContext& ctx, const AllreduceOptions& o, const Expect&
         if (pn > 0) std::memcpy(bytes(o.output) + (prevOff + pb) * es, d.slot(p, k) + resultOff, pn * es);
       }
     }
-    if (ce > 0) {
-      const Slices sl = slicesOf(ce, W, kAlignBytes / es);
-      const size_t b = sl.begin(ctx.rank), n = sl.end(ctx.rank) - b;
+    if (n > 0) {
       for (int p = 0; p < W; ++p) srcs[p] = d.slot(p, k) + b * es;
-      if (n > 0) reduce(o.dtype, o.reduction, d.slot(ctx.rank, k + 1) + resultOff, srcs.data(), W, n);
+      srcs[ctx.rank] = bytes(o.input) + (off + b) * es;
+      reduce(o.dtype, o.reduction, d.slot(ctx.rank, k + 1) + resultOff, srcs.data(), W, n);
     }
   }
 }
@@ -239,14 +242,18 @@ void reduceScatter(OpContext& ctx, const ReduceScatterOptions& o) {
   const Expect e{OpKind::kReduceScatter, o.dtype, o.reduction.op, -1};
   std::vector<const void*> srcs(ctx.size);
   for (size_t off = 0; off < maxCount; off += piece) {
+    // Only the blocks other ranks reduce are staged; this rank reads its own from its input.
     const uint64_t k = step(ctx, off == 0, e, mine, countOf, [&](uint8_t* slot) {
       for (int p = 0; p < ctx.size; ++p) {
         const size_t cp = countOf(p);
-        if (off < cp) std::memcpy(slot + p * piece * es, bytes(o.inputs[p]) + off * es, std::min(piece, cp - off) * es);
+        if (p != ctx.rank && off < cp) {
+          std::memcpy(slot + p * piece * es, bytes(o.inputs[p]) + off * es, std::min(piece, cp - off) * es);
+        }
       }
     });
     if (off >= mine) continue;
     for (int q = 0; q < ctx.size; ++q) srcs[q] = d.slot(q, k) + ctx.rank * piece * es;
+    srcs[ctx.rank] = bytes(o.inputs[ctx.rank]) + off * es;
     reduce(o.dtype, o.reduction, bytes(o.output) + off * es, srcs.data(), ctx.size, std::min(piece, mine - off));
   }
 }

@@ -12,6 +12,11 @@
 namespace smddp::algo {
 namespace {
 
+// Most bytes per peer in one piece of a pipelined network stage: small enough that reducing a
+// piece takes less time than the data the sockets still hold, large enough that the per-exchange
+// bookkeeping stays negligible.
+constexpr size_t kNetPieceBytes = 2u << 20;
+
 // AVG and PREMUL_SUM finish with a scaling that must happen once, at the last stage; partial
 // stages add.
 Reduction partialOf(const Reduction& r) {
@@ -241,7 +246,13 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
   }
   // A rank alone on its host sends its input blocks as they are: there is nothing to reduce locally.
   const size_t recvAt = L == 1 ? 0 : total;
-  uint8_t* tmp = ctx.scratchBytes(recvAt + static_cast<size_t>(H - 1) * cnt(me) * es);
+  // The network stage goes in pieces so that piece i is reduced while the sockets still carry
+  // what was queued of piece i and the peers' piece i+1 collects in the receive buffers; a piece
+  // takes (H-1) slots of scratch, bounded by the buffer size.
+  const size_t align = alignElems(o.dtype);
+  const size_t piece = std::max(align, std::min(ctx.bufferBytes / (H - 1), kNetPieceBytes) / es / align * align);
+  const size_t slotBytes = std::min(piece, cnt(me)) * es;
+  uint8_t* tmp = ctx.scratchBytes(recvAt + static_cast<size_t>(H - 1) * slotBytes);
   auto partial = [&](size_t k) -> const void* { return L == 1 ? o.inputs[mine[k]] : tmp + partialAt[k]; };
 
   size_t rounds = 0;
@@ -257,26 +268,49 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
     reduceScatter(ctx.local, rs);
   }
 
-  std::vector<net::Send> sends;
-  std::vector<net::Recv> recvs;
-  const void* own = nullptr;
+  // Outgoing partials (to their rank on another host), this rank's own, and where the other
+  // hosts' partials of block `me` come from.
+  std::vector<std::pair<int, const uint8_t*>> outgoing;
+  const uint8_t* own = nullptr;
+  size_t pieces = (cnt(me) + piece - 1) / piece;
   for (size_t k = 0; k < mine.size(); ++k) {
     const int g = mine[k];
-    if (g == me) own = partial(k);
-    else if (t.hostOf[g] != h) sends.push_back({g, partial(k), cnt(g) * es});
-  }
-  std::vector<const void*> srcs(H);
-  for (int k = 0, slot = 0; k < H; ++k) {
-    if (k == h) {
-      srcs[k] = own;
-      continue;
+    if (g == me) {
+      own = bytes(partial(k));
+    } else if (t.hostOf[g] != h) {
+      outgoing.push_back({g, bytes(partial(k))});
+      pieces = std::max(pieces, (cnt(g) + piece - 1) / piece);
     }
-    uint8_t* at = tmp + recvAt + static_cast<size_t>(slot++) * cnt(me) * es;
-    recvs.push_back({partnerOn(t, me, k), at, cnt(me) * es});
-    srcs[k] = at;
   }
-  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule());
-  reduce(o.dtype, o.reduction, o.output, srcs.data(), H, cnt(me));
+  std::vector<int> sources;  // one per other host, in host order
+  for (int k = 0; k < H; ++k) {
+    if (k != h) sources.push_back(partnerOn(t, me, k));
+  }
+  std::vector<net::Send> sends;
+  std::vector<net::Recv> recvs;
+  std::vector<const void*> srcs(H);
+  for (size_t i = 0; i < pieces; ++i) {
+    const size_t at = i * piece;  // element offset of piece i in every block
+    auto span = [&](int g) { return std::min(piece, cnt(g) - std::min(at, cnt(g))); };
+    sends.clear();
+    recvs.clear();
+    for (const auto& [g, data] : outgoing) {
+      if (span(g) > 0) sends.push_back({g, data + at * es, span(g) * es});
+    }
+    const size_t n = span(me);
+    for (int k = 0, slot = 0; k < H && n > 0; ++k) {
+      if (k == h) {
+        srcs[k] = own + at * es;
+        continue;
+      }
+      uint8_t* into = tmp + recvAt + static_cast<size_t>(slot) * slotBytes;
+      recvs.push_back({sources[slot++], into, n * es});
+      srcs[k] = into;
+    }
+    ctx.mesh->exchange(net::makeTag(ctx.local.seq, static_cast<uint32_t>(i)), sends, recvs, ctx.local.wait,
+                       ctx.schedule());
+    if (n > 0) reduce(o.dtype, o.reduction, bytes(o.output) + at * es, srcs.data(), H, n);
+  }
 }
 
 void hierBroadcast(HierContext& ctx, const BroadcastOptions& o) {
