@@ -163,6 +163,18 @@ def measure_call(worker, call):
     for _ in range(nwarm):
         call()
     warm_s = time.perf_counter() - t0
+    # A few calls do not warm a microsecond collective (first-touch pages, branch predictors,
+    # CPU frequency, the spin/sleep heuristics): top the warm-up up to warmup_ms of calls, a
+    # count rank 0 picks so that every rank issues the same collectives.
+    extra = 0
+    if worker.rank == 0 and warm_s > 0:
+        extra = max(0, min(cfg["max_iters"], int(cfg.get("warmup_ms", 0) * 1e-3 / (warm_s / nwarm))) - nwarm)
+    extra = worker.ctrl_bcast_int(extra)
+    if extra:
+        t0 = time.perf_counter()
+        for _ in range(extra):
+            call()
+        warm_s, nwarm = time.perf_counter() - t0, extra
     if auto:
         iters = 0
         if worker.rank == 0:
@@ -1333,6 +1345,8 @@ def parse_args(argv):
     p.add_argument("-f", "--stepfactor", default=2.0, type=float, help="size multiplication factor")
     p.add_argument("-n", "--iters", default=0, type=int, help="timed iterations; 0 = auto (see --target-ms)")
     p.add_argument("-w", "--warmup", default=3, type=int, help="warmup iterations per measurement")
+    p.add_argument("--warmup-ms", default=20.0, type=float,
+                   help="...and more warmup iterations until they take about this long (0: just --warmup)")
     p.add_argument("--target-ms", default=200.0, type=float, help="auto iterations: aim for this much timed time per measurement")
     p.add_argument("--min-iters", default=5, type=int, help="auto iterations: lower bound")
     p.add_argument("--max-iters", default=1000, type=int, help="auto iterations: upper bound")
@@ -1410,7 +1424,7 @@ def main(argv=None) -> int:
         "backend": args.backend, "baselines": [b for b in args.baselines if b in BASELINES], "ops": args.ops,
         "dtype": args.dtype, "redop": args.op,
         "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
-        "iters": args.iters, "warmup": args.warmup, "target_ms": args.target_ms,
+        "iters": args.iters, "warmup": args.warmup, "warmup_ms": args.warmup_ms, "target_ms": args.target_ms,
         "min_iters": args.min_iters, "max_iters": args.max_iters, "time_agg": args.time_agg, "reps": args.reps,
         "check": bool(args.check), "threads": args.threads, "idle_seconds": args.idle_seconds,
     }
