@@ -146,9 +146,10 @@ def geometry(op: str, size: int, world: int, esize: int):
 
 
 
-def measure_call(worker, call):
+def measure_call(worker, call, first=False):
     """Times `call` on `worker` (a torch or an MPI rank: rank, world, cfg, barrier,
-    ctrl_bcast_int, ctrl_allreduce) and returns (seconds per op, iterations).
+    ctrl_bcast_int, ctrl_allreduce) and returns (seconds per op, iterations). `first`: the
+    first measurement of this backend in this job (it gets the longer warm-up).
 
     The timed iterations are split into cfg["reps"] repetitions, each after a barrier; a rank's
     time is the median over its repetitions, so a burst of noise (a descheduled rank on a busy
@@ -164,11 +165,14 @@ def measure_call(worker, call):
         call()
     warm_s = time.perf_counter() - t0
     # A few calls do not warm a microsecond collective (first-touch pages, branch predictors,
-    # CPU frequency, the spin/sleep heuristics): top the warm-up up to warmup_ms of calls, a
-    # count rank 0 picks so that every rank issues the same collectives.
+    # the kernel's placement of freshly started ranks and threads: with 4 ranks on 2 cores an
+    # 8-byte allreduce takes 2-3x longer for the first ~0.2 s of a job): top the warm-up up to
+    # warmup_ms of calls (job_warmup_ms before a job's first measurement), a count rank 0 picks
+    # so that every rank issues the same collectives.
+    warm_ms = max(cfg.get("warmup_ms", 0), cfg.get("job_warmup_ms", 0) if first else 0)
     extra = 0
     if worker.rank == 0 and warm_s > 0:
-        extra = max(0, min(cfg["max_iters"], int(cfg.get("warmup_ms", 0) * 1e-3 / (warm_s / nwarm))) - nwarm)
+        extra = max(0, int(warm_ms * 1e-3 / (warm_s / nwarm)) - nwarm)
     extra = worker.ctrl_bcast_int(extra)
     if extra:
         t0 = time.perf_counter()
@@ -437,6 +441,7 @@ class Worker:
         self.ctx = ctx
         self.cfg = cfg = ctx.cfg
         self.rank, self.world = ctx.rank, ctx.world
+        self.measured = set()  # labels of the backends measured so far in this job
         self.out = os.fdopen(out_fd, "w", buffering=1) if out_fd is not None else None
         self.dtype = getattr(torch, cfg["dtype"])
         self.esize = torch.empty(0, dtype=self.dtype).element_size()
@@ -584,7 +589,9 @@ class Worker:
 
     # -- timing --
     def measure(self, backend, op, out, inp):
-        return measure_call(self, backend.make_call(op, out, inp, self.redop))
+        first = backend.label not in self.measured
+        self.measured.add(backend.label)
+        return measure_call(self, backend.make_call(op, out, inp, self.redop), first)
 
     # -- main loop --
     def run(self):
@@ -1347,6 +1354,8 @@ def parse_args(argv):
     p.add_argument("-w", "--warmup", default=3, type=int, help="warmup iterations per measurement")
     p.add_argument("--warmup-ms", default=20.0, type=float,
                    help="...and more warmup iterations until they take about this long (0: just --warmup)")
+    p.add_argument("--job-warmup-ms", default=1000.0, type=float,
+                   help="the same before the first measurement of every job (freshly started ranks run slow)")
     p.add_argument("--target-ms", default=200.0, type=float, help="auto iterations: aim for this much timed time per measurement")
     p.add_argument("--min-iters", default=5, type=int, help="auto iterations: lower bound")
     p.add_argument("--max-iters", default=1000, type=int, help="auto iterations: upper bound")
@@ -1424,7 +1433,8 @@ def main(argv=None) -> int:
         "backend": args.backend, "baselines": [b for b in args.baselines if b in BASELINES], "ops": args.ops,
         "dtype": args.dtype, "redop": args.op,
         "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
-        "iters": args.iters, "warmup": args.warmup, "warmup_ms": args.warmup_ms, "target_ms": args.target_ms,
+        "iters": args.iters, "warmup": args.warmup, "warmup_ms": args.warmup_ms,
+        "job_warmup_ms": args.job_warmup_ms, "target_ms": args.target_ms,
         "min_iters": args.min_iters, "max_iters": args.max_iters, "time_agg": args.time_agg, "reps": args.reps,
         "check": bool(args.check), "threads": args.threads, "idle_seconds": args.idle_seconds,
     }
