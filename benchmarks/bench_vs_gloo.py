@@ -171,7 +171,7 @@ def measure_call(worker, call, first=False):
     # so that every rank issues the same collectives.
     warm_ms = max(cfg.get("warmup_ms", 0), cfg.get("job_warmup_ms", 0) if first else 0)
     extra = 0
-    if worker.rank == 0 and warm_s > 0:
+    if worker.rank == 0 and nwarm > 0 and warm_s > 0:
         extra = max(0, int(warm_ms * 1e-3 / (warm_s / nwarm)) - nwarm)
     extra = worker.ctrl_bcast_int(extra)
     if extra:
