@@ -118,10 +118,15 @@ def main():
     args = p.parse_args()
     args.variants = {}
     for v in args.variant:
-        name, spec = v.split("=", 1)
+        name, _, spec = v.partition("=")
         base, *assigns = spec.split(",")
+        if not name or base not in IMPLS or not all("=" in a for a in assigns):
+            p.error(f"--variant {v!r}: expected NAME=IMPL[,VAR=VALUE...] with IMPL one of {', '.join(IMPLS)}")
         backend, extra = IMPLS[base]
         args.variants[name] = (backend, dict(extra, **dict(a.split("=", 1) for a in assigns)))
+    unknown = [i for i in args.impls.split(",") if i not in IMPLS and i not in args.variants]
+    if unknown:
+        p.error(f"--impls: unknown {', '.join(unknown)} (built in: {', '.join(IMPLS)}; or define it with --variant)")
     why = netcluster.available(delay=bool(args.delay))
     if why:
         sys.exit(f"bench_cluster: cannot build the emulated cluster: {why}")

@@ -80,8 +80,9 @@ void netAllreduce(HierContext& ctx, const std::vector<int>& ranks, int me, int s
   // and is reduced here; all-gather: part `me` goes to all. Exchange k carries the all-gather of
   // piece k-1 and the reduce-scatter of piece k together, so the links do not idle while one
   // piece is reduced, and a message of P pieces takes P+1 exchanges rather than 2P.
-  uint8_t* tmp = ctx.scratchBytes(partsOf(0).per * es * (H - 1));
-  auto slot = [&](int j) { return tmp + (j < me ? j : j - 1) * partsOf(0).per * es; };
+  const size_t slotBytes = partsOf(0).per * es;  // piece 0 is the largest
+  uint8_t* tmp = ctx.scratchBytes(slotBytes * (H - 1));
+  auto slot = [&](int j) { return tmp + (j < me ? j : j - 1) * slotBytes; };
   std::vector<net::Send> sends;
   std::vector<net::Recv> recvs;
   std::vector<const void*> srcs(H);

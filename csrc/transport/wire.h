@@ -8,8 +8,8 @@
 
 #include <sys/uio.h>
 
-#include <cstddef>
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <utility>
