@@ -39,6 +39,29 @@ class CMakeBuild(build_ext):
                     link.unlink(missing_ok=True)
                     link.symlink_to("smddp_perf")
 
+    @staticmethod
+    def check_error_path(build_dir, ext_path):
+        """Loads the new extension in a child Python and formats a message the way its errors do.
+        A compiler whose C++ headers differ from the libstdc++ that Python loads builds an
+        extension that imports fine and then segfaults on its first error: refuse it here."""
+        code = ("import importlib.util, sys, torch\n"
+                "spec = importlib.util.spec_from_file_location('smddp._C', sys.argv[1])\n"
+                "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+                "print(m._format_selftest())\n")
+        proc = subprocess.run([sys.executable, "-c", code, str(ext_path)], capture_output=True, text=True)
+        if proc.returncode == 0 and proc.stdout.strip() == "rank 7: 1.5 -3":
+            return
+        if proc.returncode >= 0:  # no crash: some other failure, shown as it is
+            raise RuntimeError(f"smddp: the new extension {ext_path} fails to load or to format a message "
+                               f"(exit code {proc.returncode}): {proc.stdout.strip()!r} {proc.stderr.strip()[-600:]}")
+        cxx = next((ln.split("=", 1)[1] for ln in (build_dir / "CMakeCache.txt").read_text().splitlines()
+                    if ln.startswith("CMAKE_CXX_COMPILER:")), "the C++ compiler")
+        raise RuntimeError(
+            f"smddp: the extension built by {cxx} crashes (signal {-proc.returncode}) formatting an error "
+            "message: that compiler's C++ headers do not match the libstdc++ this Python loads, so every error "
+            "would crash the process. Rebuild from scratch with the system compiler, e.g. "
+            f"rm -rf {build_dir} && CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ pip install --no-build-isolation .")
+
     def build_extension(self, ext):
         import torch  # the torch this build must match at import time
 
@@ -54,6 +77,7 @@ class CMakeBuild(build_ext):
             check=True)
         subprocess.run(["cmake", "--build", str(build_dir)], check=True)
         self.install_perf(build_dir, out_dir)
+        self.check_error_path(build_dir, Path(self.get_ext_fullpath(ext.name)).resolve())
         # The CUDA library (built where nvcc is found) sits next to _C, which dlopens it.
         cuda_lib = out_dir / "libsmddp_cuda.so"
         in_tree = ROOT / "python" / "smddp" / "libsmddp_cuda.so"

@@ -36,7 +36,8 @@ def _free_port():
 
 
 def _run_ranks(case, world, extra_env=None, timeout=600):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), **(extra_env or {}))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONFAULTHANDLER="1",
+               **(extra_env or {}))
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "cuda_worker.py"), "--rank", str(r),
                                "--world", str(world), "--case", case], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -51,7 +52,8 @@ def _run_ranks(case, world, extra_env=None, timeout=600):
             raise
         outs.append(out)
     report = "\n".join(outs)
-    assert all(p.returncode == 0 for p in procs), report[-6000:]
+    codes = [p.returncode for p in procs]
+    assert all(c == 0 for c in codes), f"exit codes {codes}\n" + report[-6000:]
     assert report.count(" failed") == world and ", 0 failed" in report, report[-3000:]
 
 
@@ -82,3 +84,24 @@ def test_cuda_kernels_and_pipeline_on_gpu():
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1].endswith(" passed, 0 failed")
+
+
+def _bench_cuda(*args):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cuda.py"), *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_cuda_benchmark_refuses_without_gpu():
+    proc = _bench_cuda()
+    assert proc.returncode != 0 and "no CUDA device" in proc.stderr, proc.stdout + proc.stderr
+
+
+@needs_gpu
+def test_cuda_benchmark_runs_both_backends(tmp_path):
+    out = tmp_path / "cuda.txt"
+    proc = _bench_cuda("-b", "64K", "-e", "256K", "--repeat", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [ln for ln in out.read_text().splitlines() if ln.startswith(("all_reduce", "all_gather", "reduce_scatter"))]
+    assert len(rows) == 6, out.read_text()
+    assert not any("WRONG" in r or "smddp: error" in r for r in rows), out.read_text()

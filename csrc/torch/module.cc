@@ -32,6 +32,10 @@ PYBIND11_MODULE(_C, m) {
       // Bootstrap blocks on the store: let other Python threads run meanwhile.
       py::call_guard<py::gil_scoped_release>());
 
+  // setup.py runs this once after a build: formatting numbers into a message is what every error
+  // of the extension does, and it crashes when the compiler's C++ headers do not match the
+  // libstdc++ loaded at run time (seen with a second gcc in /opt on a GPU image).
+  m.def("_format_selftest", [] { return c10::str("rank ", 7, ": ", 1.5, " ", int64_t{-3}); });
   m.def("_torch_version", [] { return std::string(SMDDP_TORCH_VERSION); });
   m.def("_reduce_isa", [] { return std::string(smddp::isaName(smddp::activeIsa())); });
   m.def("_env_params", [] {
