@@ -7,7 +7,8 @@ size by size), or reads the JSON lines of an earlier run (--from), then writes n
   <out>.jsonl  every measurement (as bench_vs_gloo writes it)
   <out>.csv    the same as a table
   <out>-<op>-w<world>.png  busbw and time vs message size, log axes, one line per implementation
-  <out>.txt    the ratio table printed at the end (smddp time / gloo time, smddp busbw / MPICH busbw)
+  <out>.txt    the ratio table printed at the end (smddp time / gloo time, smddp busbw / MPICH busbw),
+               then issue 3's targets checked cell by cell (count met, each miss with its ratios)
 
     python benchmarks/compare.py --out benchmarks/results/compare-2cpu -- --worlds 2,4 -e 128M
 """
@@ -141,6 +142,35 @@ def ratio_table(data) -> str:
     return "\n".join(lines)
 
 
+def target_check(data) -> str:
+    """Issue 3's targets, cell by cell: small (<= 4 KiB) time <= 1/20 of gloo's and <= 5x MPICH's at
+    world 2, <= 1/50 of gloo's at world 4; medium (64 KiB - 8 MiB) busbw >= MPICH's; large
+    (>= 32 MiB) busbw >= MPICH's, and >= 1.5x gloo's at world 2. Lists the misses and the count."""
+    met, misses = 0, []
+    for (op, world), per in sorted(data.items()):
+        gloo = {s: (t, b) for s, t, b in per.get("gloo", [])}
+        mpich = {s: (t, b) for s, t, b in per.get("mpich", [])}
+        for size, t, b in per.get("smddp", []):
+            if size not in gloo or size not in mpich:
+                continue
+            (tg, bg), (tm, bm) = gloo[size], mpich[size]
+            if size <= 4096:
+                ok = t <= tg / 20 and t <= 5 * tm if world == 2 else t <= tg / 50
+                what = f"gloo/smddp time {tg / t:.1f}x, smddp/MPICH time {t / tm:.2f}x"
+            elif 64 << 10 <= size <= 8 << 20:
+                ok, what = b >= bm, f"smddp/MPICH busbw {b / bm:.2f}x"
+            elif size >= 32 << 20:
+                ok = b >= bm and (world != 2 or b >= 1.5 * bg)
+                what = f"smddp/MPICH busbw {b / bm:.2f}x, smddp/gloo {b / bg:.2f}x"
+            else:
+                continue  # 8-32 MiB: no target
+            met += ok
+            if not ok:
+                misses.append(f"  miss: {op} world {world} {human(size)}: {what}")
+    total = met + len(misses)
+    return "\n".join([f"issue-3 targets: {met} of {total} cells met"] + misses)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(HERE / "results" / "compare"), help="path prefix of the report files")
@@ -163,7 +193,7 @@ def main() -> None:
     write_csv(rows, Path(f"{out}.csv"))
     data = series(rows)
     pngs = plot(data, out)
-    table = ratio_table(data)
+    table = ratio_table(data) + "\n\n" + target_check(data)
     Path(f"{out}.txt").write_text(table + "\n")
     print(table)
     print(f"\nwrote {jsonl}, {out}.csv, {out}.txt and {len(pngs)} plots ({pngs[0].name} ...)")

@@ -30,6 +30,8 @@ def test_compare_report_from_jsonl(tmp_path):
     assert len((tmp_path / "report.csv").read_text().splitlines()) == 1 + 6
     table = (tmp_path / "report.txt").read_text()
     assert "30.0x" in table and "0.50x" in table, table  # gloo/smddp time, smddp/MPICH busbw
+    # 8 B: 30x gloo but 2x MPICH's time: met; 1 KiB likewise: both small cells met
+    assert "issue-3 targets: 2 of 2 cells met" in table, table
 
 
 @pytest.mark.timeout(300)
