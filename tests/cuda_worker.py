@@ -209,7 +209,17 @@ def main():
     a = ap.parse_args()
     dev = torch.device("cuda", a.rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
-    dist.init_process_group("smddp", rank=a.rank, world_size=a.world)
+    if a.case == "eager":  # the staging is set up at init: the first op does not wait for the device
+        dist.init_process_group("smddp", rank=a.rank, world_size=a.world, device_id=dev)
+        x = torch.full((4,), float(a.rank + 1), device=dev)
+        torch.cuda._sleep(int(2e8))  # ~0.1 s
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        host_s = time.perf_counter() - t0
+        check(host_s < 0.05, f"first all_reduce after init(device_id=...) blocked the host {host_s:.3f} s")
+        check(bool((x == a.world * (a.world + 1) / 2).all()), f"first all_reduce after eager init: {x.tolist()}")
+    else:
+        dist.init_process_group("smddp", rank=a.rank, world_size=a.world)
     if a.case == "small":
         collectives(a.rank, a.world, dev, [0, 1, 13, 4099])
     elif a.case == "large":  # many staging rounds: SMDDP_CUDA_STAGING_BYTES is small in this case

@@ -77,6 +77,11 @@ def test_cuda_stream_semantics_ddp_block_caps(flags):
 
 
 @needs_gpu
+def test_cuda_eager_setup_with_device_id():
+    _run_ranks("eager", 2)
+
+
+@needs_gpu
 def test_cuda_kernels_and_pipeline_on_gpu():
     exe = BUILD / "smddp_cuda_gpu_tests"
     assert exe.exists(), f"{exe} is missing although a GPU is here: was nvcc on PATH at build time?"
@@ -84,6 +89,25 @@ def test_cuda_kernels_and_pipeline_on_gpu():
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1].endswith(" passed, 0 failed")
+
+
+def eager_connect_task(rank, world):
+    from _util import Report
+    rep = Report(rank)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    with rep.cell("eager_connect_single_device"):
+        backend.eager_connect_single_device(torch.device("cpu"))  # nothing to set up
+        # no usable GPU here (or a real one): either way no error at init, the group keeps working
+        backend.eager_connect_single_device(torch.device("cuda", 0))
+    rep.group_still_works("after eager_connect_single_device", world, rank)
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(os.environ.get("SMDDP_TEST_BACKEND", "smddp") != "smddp", reason="smddp's own hook")
+@pytest.mark.parametrize("world", [2])
+def test_eager_connect_never_fails_init(pools, world):
+    # what init_process_group(device_id=cuda:N) calls: a failed CUDA set-up is left to the first CUDA op
+    pools.check(world, eager_connect_task)
 
 
 def _bench_cuda(*args):

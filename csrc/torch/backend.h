@@ -83,6 +83,11 @@ class SmddpBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<Options>& opts) override;
 
+  // init_process_group(device_id=cuda:N): sets up the CUDA staging now rather than inside the
+  // first CUDA op (where it may wait for the device). A failure here is logged and left for that
+  // op to raise, so a group bound to a GPU but used with CPU tensors still works.
+  void eagerConnectSingleDevice(at::Device device) override;
+
   // Collectives issued so far: every rank issues the same ones, so the count agrees across the
   // group from creation on (TORCH_DISTRIBUTED_DEBUG=DETAIL compares it).
   void setSequenceNumberForGroup() override {}

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "torch/backend.h"
 
 namespace smddp::torchext {
@@ -45,6 +46,21 @@ CudaPath& SmddpBackend::cudaPathFor(const Tensors& tensors, const char* op) {
                     cuda_->device(), " and got a tensor on ", device,
                     "; use one CUDA device per process (torch.cuda.set_device(local_rank))");
   return *cuda_;
+}
+
+void SmddpBackend::eagerConnectSingleDevice(at::Device device) {
+  if (!device.is_cuda()) return;
+  std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
+  if (cuda_) return;
+  try {
+    cuda_ = std::make_shared<CudaPath>(rank_, device);
+  } catch (const c10::Error& e) {  // its what() carries a C++ backtrace: not for a log line
+    SMDDP_WARN(kInit, "rank %d: setting up CUDA staging on %s at init failed (the first CUDA op will retry): %s",
+               rank_, device.str().c_str(), e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    SMDDP_WARN(kInit, "rank %d: setting up CUDA staging on %s at init failed (the first CUDA op will retry): %s",
+               rank_, device.str().c_str(), e.what());
+  }
 }
 
 void SmddpBackend::throwIfCudaFailed(const char* op) {
