@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import smddp
+from _util import Report
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"
@@ -92,7 +93,6 @@ def test_cuda_kernels_and_pipeline_on_gpu():
 
 
 def eager_connect_task(rank, world):
-    from _util import Report
     rep = Report(rank)
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     with rep.cell("eager_connect_single_device"):
