@@ -135,7 +135,8 @@ def stream_semantics(rank, world, dev):
     s.synchronize()
     want = float(sum(range(1, world + 1)) * world * world * 2)
     check(bool((y == want).all()), f"stream semantics: got {y[:2].tolist()} want {want}")
-    check(host_s < 0.05, f"3 x (all_reduce, async) + wait() blocked the host for {host_s:.3f} s behind a 0.1 s kernel")
+    check(host_s < 0.05,
+          f"3 x (all_reduce, async) + wait() blocked the host for {host_s:.3f} s behind a 0.1 s kernel")
     # future: completes once the result is on the device
     x = torch.full((1000,), float(rank), device=dev)
     fut = dist.all_reduce(x, async_op=True).get_future()

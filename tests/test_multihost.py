@@ -134,6 +134,33 @@ def test_alltoall(pools, topo):
     check(pools, topo, alltoall_cases, 1 << 17, ["float32"])
 
 
+def alltoall_scratch_task(rank, world):
+    """1 MiB blocks through a fresh group: the blocks a rank forwards to its host-mates pass
+    through at most SMDDP_NET_BUFFER_BYTES of scratch (NET_ENV), however large they are."""
+    rep = Report(rank)
+    group = dist.new_group(list(range(world)))
+    try:
+        block = 1 << 17  # int64 elements: 1 MiB
+        inp = torch.arange(world * block, dtype=torch.int64) + rank * 10**9
+        out = torch.empty_like(inp)
+        with rep.cell(f"all_to_all_single 1 MiB blocks world={world}"):
+            dist.all_to_all_single(out, inp, group=group)
+            want = torch.cat([torch.arange(rank * block, (rank + 1) * block, dtype=torch.int64) + q * 10**9
+                              for q in range(world)])
+            rep.expect(torch.equal(out, want), "all_to_all_single of 1 MiB blocks gave wrong data")
+            used = group._get_backend(torch.device("cpu"))._net_scratch_bytes()
+            bound = int(dict(NET_ENV)["SMDDP_NET_BUFFER_BYTES"])
+            rep.expect(used <= bound, f"alltoall grew its scratch to {used} bytes > {bound}")
+    finally:
+        dist.destroy_process_group(group)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("topo", TOPOS)
+def test_alltoall_scratch_is_bounded(pools, topo):
+    check(pools, topo, alltoall_scratch_task)
+
+
 @pytest.mark.parametrize("topo, receiver, sender", [("0011", 0, 2), ("001", 2, 1), ("0101", 1, 2), ("0011", 0, 1)])
 def test_alltoall_split_mismatch_is_an_error(pools, topo, receiver, sender):
     try:

@@ -31,6 +31,8 @@ class Communicator {
   const Topology& topology() const { return topo_; }
   // True when the group spans hosts (then domain() holds only this host's ranks).
   bool multiHost() const { return mesh_ != nullptr; }
+  // Receive scratch of the inter-host collectives, as grown so far (read when no op runs).
+  size_t netScratchBytes() const { return netScratch_.size(); }
   // The address the inter-host mesh listens on (multi-host groups only).
   const net::LocalAddress& netAddress() const { return mesh_->address(); }
   // The shared-memory domain, for the point-to-point engine (it maps nothing in a group of one).

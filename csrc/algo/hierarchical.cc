@@ -1,6 +1,7 @@
 #include "algo/hierarchical.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <set>
 
@@ -16,6 +17,8 @@ namespace {
 // piece takes less time than the data the sockets still hold, large enough that the per-exchange
 // bookkeeping stays negligible.
 constexpr size_t kNetPieceBytes = 2u << 20;
+// Least bytes per block in one piece of an inter-host alltoall, whatever SMDDP_NET_BUFFER_BYTES.
+constexpr size_t kMinAlltoallPieceBytes = 4096;
 
 // AVG and PREMUL_SUM finish with a scaling that must happen once, at the last stage; partial
 // stages add.
@@ -37,6 +40,28 @@ int segmentOwner(int S, int Lh, int s) {
 int partnerOn(const Topology& t, int g, int h) {
   const auto& m = t.members[h];
   return m[t.localOf[g] % static_cast<int>(m.size())];
+}
+
+// Elements per block in one piece of an inter-host alltoall: the same on every rank (it depends
+// only on the topology, the buffer size and the dtype), so that a sender and its partner cut
+// blocks alike. A rank forwards the blocks of its `via` sources to each of its L-1 host-mates;
+// the most any rank forwards, times a piece, fits the buffer. At least 4 KiB per block, which
+// keeps the count of pieces (a tag field) small whatever the buffer. When every host has one
+// rank nothing is forwarded: one piece, whatever the size.
+size_t alltoallPieceElems(const Topology& t, size_t bufferBytes, DataType dtype) {
+  size_t widest = 0;
+  for (int k = 0; k < t.hosts(); ++k) {
+    const int L = static_cast<int>(t.members[k].size());
+    std::vector<size_t> via(L, 0);
+    for (int g = 0; g < t.size; ++g) {
+      if (t.hostOf[g] != k) ++via[t.localOf[g] % L];
+    }
+    for (size_t v : via) widest = std::max(widest, v * (L - 1));
+  }
+  if (widest == 0) return SIZE_MAX;
+  const size_t es = elementSize(dtype), align = alignElems(dtype);
+  const size_t elems = std::max(bufferBytes / widest, kMinAlltoallPieceBytes) / es;
+  return std::max(align, elems / align * align);
 }
 
 // In-place allreduce of buf[0, n) among `ranks` (one per host, in host order; this rank is
@@ -401,34 +426,71 @@ void hierAlltoall(HierContext& ctx, const AlltoallOptions& o) {
   }
   alltoall(ctx.local, direct);
 
-  // 4. Network: the blocks themselves, to the partners. blockAt[i * L + lg]: where the block of
-  //    mine[i] for locals[lg] lands, in the order mine[i] sends them (its partner's host-mates).
-  std::vector<size_t> blockAt(n * L + 1, 0);
-  for (size_t b = 0; b < n * L; ++b) blockAt[b + 1] = blockAt[b] + inbound[b] * es;
-  uint8_t* forward = ctx.scratchBytes(blockAt[n * L]);
-  sends.clear();
-  recvs.clear();
+  // 4-5. The blocks themselves, in pieces (the same element range of every block): per piece,
+  //    the network exchange with the partners, then the hand-on inside the host in rounds: in
+  //    round r every local rank passes on the piece of the blocks of its r-th source, each
+  //    straight into its receiver's output for that source. A rank's own blocks go straight into
+  //    its output; the ones it forwards pass through at most SMDDP_NET_BUFFER_BYTES of scratch,
+  //    whatever the message size.
+  const size_t piece = alltoallPieceElems(t, ctx.bufferBytes, o.dtype);
+  auto pieces = [&](size_t count) -> int64_t {
+    return count == 0 ? 0 : static_cast<int64_t>((count - 1) / piece + 1);  // piece may be SIZE_MAX
+  };
+  auto span = [&](size_t count, size_t at) { return std::min(piece, count - std::min(at, count)); };
+  // This rank's sends and receives decide how many pieces it needs; its host-mates hand on to
+  // each other in every piece, so they all run as many as the busiest of them.
+  int64_t piecesHere = 0;
   for (int k = 0; k < H; ++k) {
     if (k == h) continue;
-    for (int g : t.members[k]) sends.push_back({partnerOn(t, me, k), o.inputs[g], o.inCounts[g] * es});
+    for (int g : t.members[k]) piecesHere = std::max(piecesHere, pieces(o.inCounts[g]));
   }
-  for (size_t b = 0; b < n * L; ++b) recvs.push_back({mine[b / L], forward + blockAt[b], inbound[b] * es});
-  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 1), sends, recvs, ctx.local.wait, ctx.schedule());
-
-  // 5. Shared memory: hand the forwarded blocks on, in rounds: in round r every local rank passes
-  //    on the blocks of its r-th source, each straight into its receiver's output for that source.
+  for (uint64_t c : inbound) piecesHere = std::max(piecesHere, pieces(c));
+  if (L > 1) {
+    allreduce(ctx.local, AllreduceOptions{DataType::kInt64, Reduction{ReduceOp::kMax}, 1, &piecesHere, &piecesHere});
+  }
+  // Block b = i * L + lg comes from mine[i] for locals[lg]; the forwarded ones (lg != l) land in
+  // `forward` at pieceAt[b].
+  uint8_t* forward = L > 1 ? ctx.scratchBytes(n * (L - 1) * piece * es) : nullptr;
+  std::vector<size_t> pieceAt(n * L);
   size_t rounds = 0;
   for (const auto& v : via) rounds = std::max(rounds, v.size());
-  for (size_t r = 0; r < rounds; ++r) {
-    AlltoallOptions handOn{o.dtype, {}, {}, {}, {}};
-    for (int li = 0; li < L; ++li) {
-      handOn.inputs.push_back(r < n ? forward + blockAt[r * L + li] : nullptr);
-      handOn.inCounts.push_back(r < n ? inbound[r * L + li] : 0);
-      const bool from = r < via[li].size();
-      handOn.outputs.push_back(from ? o.outputs[via[li][r]] : nullptr);
-      handOn.outCounts.push_back(from ? o.outCounts[via[li][r]] : 0);
+  for (int64_t j = 0; j < piecesHere; ++j) {
+    const size_t at = static_cast<size_t>(j) * piece;  // element offset of this piece in every block
+    sends.clear();
+    recvs.clear();
+    for (int k = 0; k < H; ++k) {
+      if (k == h) continue;
+      for (int g : t.members[k]) {
+        const size_t m = span(o.inCounts[g], at);
+        if (m > 0) sends.push_back({partnerOn(t, me, k), bytes(o.inputs[g]) + at * es, m * es});
+      }
     }
-    alltoall(ctx.local, handOn);
+    size_t used = 0;
+    for (size_t b = 0; b < n * L; ++b) {
+      const size_t m = span(inbound[b], at);
+      const int src = mine[b / L];
+      if (static_cast<int>(b % L) == l) {
+        if (m > 0) recvs.push_back({src, bytes(o.outputs[src]) + at * es, m * es});
+        continue;
+      }
+      pieceAt[b] = used;
+      if (m > 0) recvs.push_back({src, forward + used, m * es});
+      used += m * es;
+    }
+    ctx.mesh->exchange(net::makeTag(ctx.local.seq, static_cast<uint32_t>(1 + j)), sends, recvs, ctx.local.wait,
+                       ctx.schedule());
+    for (size_t r = 0; r < rounds && L > 1; ++r) {
+      AlltoallOptions handOn{o.dtype, {}, {}, {}, {}};
+      for (int li = 0; li < L; ++li) {
+        const bool to = r < n && li != l;
+        handOn.inputs.push_back(to ? forward + pieceAt[r * L + li] : nullptr);
+        handOn.inCounts.push_back(to ? span(inbound[r * L + li], at) : 0);
+        const bool from = r < via[li].size() && li != l;
+        handOn.outputs.push_back(from ? bytes(o.outputs[via[li][r]]) + at * es : nullptr);
+        handOn.outCounts.push_back(from ? span(o.outCounts[via[li][r]], at) : 0);
+      }
+      alltoall(ctx.local, handOn);
+    }
   }
 }
 

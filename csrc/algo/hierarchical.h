@@ -39,7 +39,7 @@ struct HierContext {
   net::TcpMesh* mesh = nullptr;
   NetAlgo algo = NetAlgo::kMesh;
   std::vector<uint8_t>* scratch = nullptr;  // reused receive buffer, grown on demand
-  size_t bufferBytes = 16u << 20;           // at most this much of `scratch` per reduction piece
+  size_t bufferBytes = 16u << 20;           // at most this much of `scratch` per piece (reductions, alltoall)
   net::Schedule schedule() const { return algo == NetAlgo::kNaive ? net::Schedule::kNaive : net::Schedule::kMesh; }
   uint8_t* scratchBytes(size_t n);
 };

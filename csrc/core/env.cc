@@ -48,8 +48,8 @@ constexpr Param kParams[] = {
     {"SMDDP_NET_CHUNK_BYTES", "262144",
      "mesh: bytes handed to one peer's socket per turn of the round-robin."},
     {"SMDDP_NET_BUFFER_BYTES", "16777216",
-     "Bytes of receive buffer per rank for inter-host reductions; larger messages are processed in "
-     "pieces of this size."},
+     "Bytes of receive buffer per rank for inter-host reductions and for the all_to_all blocks a "
+     "rank forwards to its host-mates; larger messages are processed in pieces of this size."},
     {"SMDDP_CUDA_STAGING_BYTES", "67108864",
      "Page-locked host memory per process group for CUDA tensors (allocated at the first CUDA op). "
      "Collectives go through it in rounds of half this size, so it bounds pinned memory whatever the "

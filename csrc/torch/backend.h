@@ -76,6 +76,7 @@ class SmddpBackend : public c10d::Backend {
   // Which hosts the group spans, as {"hosts", "host", "local_rank", "local_size", "transport"}.
   std::map<std::string, std::string> topologySummary() const;
   bool debugChecks() const { return debugChecks_; }
+  size_t netScratchBytes() const { return comm_->netScratchBytes(); }
 
   // split_group / DeviceMesh with a bound device: a new group over `ranks` (ranks of this group),
   // bootstrapped through `store`; nullptr on ranks outside it.

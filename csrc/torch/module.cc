@@ -19,7 +19,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("options", &smddp::torchext::SmddpBackend::getBackendOptions)
       .def("_topology", &smddp::torchext::SmddpBackend::topologySummary)
       // Whether ops carry a fingerprint peers compare (SMDDP_DEBUG_CHECKS, TORCH_DISTRIBUTED_DEBUG=DETAIL).
-      .def_property_readonly("_debug_checks", &smddp::torchext::SmddpBackend::debugChecks);
+      .def_property_readonly("_debug_checks", &smddp::torchext::SmddpBackend::debugChecks)
+      // Bytes of receive scratch the inter-host collectives hold (tests check its bound).
+      .def("_net_scratch_bytes", &smddp::torchext::SmddpBackend::netScratchBytes);
 
   m.def(
       "_create_backend",
