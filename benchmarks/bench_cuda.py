@@ -21,13 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_vs_gloo import fmt_bytes, parse_size, size_list  # noqa: E402
+from bench_vs_gloo import BUSBW_FACTOR, fmt_bytes, parse_size, size_list  # noqa: E402
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
-
-
-def bus_factor(op, world):
-    return 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+# torch's names for the ops -> bench_vs_gloo's (for its nccl-tests bus factors)
+OPS = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reduce_scatter"}
 
 
 def make_case(op, nbytes, world, rank, dev):
@@ -71,7 +68,8 @@ def make_case(op, nbytes, world, rank, dev):
     return call, check, n * 4
 
 
-def time_call(call, repeat):
+def time_call(call, repeat, ctrl):
+    """Seconds per call; `ctrl`: a gloo group for the benchmark's own agreement, never timed."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     call()
@@ -79,7 +77,7 @@ def time_call(call, repeat):
     one = max(time.perf_counter() - t0, 1e-6)
     # ~50 ms per run; every rank runs the same count (rank 0's), else the ranks' calls would not pair up
     iters = torch.tensor([int(min(max(0.05 / one, 2), 1000))])
-    dist.broadcast(iters, 0, group=CPU_GROUP)
+    dist.broadcast(iters, 0, group=ctrl)
     iters = int(iters.item())
     best = float("inf")
     for _ in range(repeat):
@@ -92,30 +90,26 @@ def time_call(call, repeat):
         best = min(best, (time.perf_counter() - t0) / iters)
     # every rank reports the slowest rank's time (a collective ends when its last rank does)
     t = torch.tensor([best], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=CPU_GROUP)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctrl)
     return t.item()
 
 
-CPU_GROUP = None
-
-
 def worker(rank, world, port, backend, ops, sizes, repeat, queue):
-    global CPU_GROUP
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "smddp":
         import smddp  # noqa: F401
     dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     dist.init_process_group(backend, rank=rank, world_size=world)
-    CPU_GROUP = dist.new_group(backend="gloo")
+    ctrl = dist.new_group(backend="gloo")
     for op in ops:
         for nbytes in sizes:
             try:
                 call, check, real = make_case(op, nbytes, world, rank, dev)
                 ok = torch.tensor([int(check())])
-                dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=CPU_GROUP)  # all ranks time it or none
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctrl)  # all ranks time it or none
                 ok = bool(ok.item())
-                secs = time_call(call, repeat) if ok else float("nan")
+                secs = time_call(call, repeat, ctrl) if ok else float("nan")
                 cell = (real, secs, "" if ok else "WRONG RESULT")
             except (RuntimeError, NotImplementedError, ValueError) as e:
                 cell = (nbytes, float("nan"), f"error: {str(e).splitlines()[0][:60]}")
@@ -136,14 +130,16 @@ def main():
     ap.add_argument("-b", "--minbytes", default="4K")
     ap.add_argument("-e", "--maxbytes", default="256M")
     ap.add_argument("-f", "--stepfactor", type=float, default=4)
-    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
     ap.add_argument("--backends", default="smddp,gloo")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", help="also write the table to this file")
     a = ap.parse_args()
+    ops = a.ops.split(",")
+    if any(op not in OPS for op in ops):
+        ap.error(f"--ops {a.ops!r}: each one of {', '.join(OPS)}")
     if not torch.cuda.is_available():
         sys.exit("bench_cuda: no CUDA device on this machine")
-    ops = a.ops.split(",")
     sizes = size_list(parse_size(a.minbytes), parse_size(a.maxbytes), a.stepfactor)
     ctx = mp.get_context("spawn")
     cells = {}
@@ -173,7 +169,7 @@ def main():
             row, times, notes = f"{op:<15}{fmt_bytes(nbytes):>9}", [], []
             for b in backends:
                 real, secs, note = cells[(b, op, nbytes)]
-                bus = real / secs / 1e9 * bus_factor(op, a.world) if secs == secs else float("nan")
+                bus = real / secs / 1e9 * BUSBW_FACTOR[OPS[op]](a.world) if secs == secs else float("nan")
                 row += f"{secs * 1e6:12.1f}{bus:8.2f}"
                 times.append(secs)
                 if note:

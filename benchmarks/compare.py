@@ -25,18 +25,19 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_vs_gloo as bench  # noqa: E402  (torch-free: options, sizes, size classes)
+
 STYLE = {"smddp": ("tab:blue", "o"), "gloo": ("tab:orange", "s"), "mpich": ("tab:green", "^")}
 
 
 def expected_rows(bench_args: list[str]) -> int:
     """How many JSON lines the run will write (for the progress bar)."""
-    sys.path.insert(0, str(HERE))
-    import bench_vs_gloo as b
-
-    a = b.parse_args(bench_args)  # the benchmark's own reading of its options and baselines
-    esize = b.DTYPES[a.dtype][0]
+    a = bench.parse_args(bench_args)  # the benchmark's own reading of its options and baselines
+    esize = bench.DTYPES[a.dtype][0]
     cells = sum(1 for w in a.worlds for op in a.ops
-                for size in b.size_list(a.minbytes, a.maxbytes, a.stepfactor) if b.geometry(op, size, w, esize)[0])
+                for size in bench.size_list(a.minbytes, a.maxbytes, a.stepfactor)
+                if bench.geometry(op, size, w, esize)[0])
     return cells * (1 + len(a.baselines))
 
 
@@ -146,6 +147,7 @@ def target_check(data) -> str:
     """Issue 3's targets, cell by cell: small (<= 4 KiB) time <= 1/20 of gloo's and <= 5x MPICH's at
     world 2, <= 1/50 of gloo's at world 4; medium (64 KiB - 8 MiB) busbw >= MPICH's; large
     (>= 32 MiB) busbw >= MPICH's, and >= 1.5x gloo's at world 2. Lists the misses and the count."""
+    (_, _, small), (_, mlo, mhi), (_, large, _) = bench.SIZE_CLASSES  # the benchmark's own classes
     met, misses = 0, []
     for (op, world), per in sorted(data.items()):
         gloo = {s: (t, b) for s, t, b in per.get("gloo", [])}
@@ -154,12 +156,12 @@ def target_check(data) -> str:
             if size not in gloo or size not in mpich:
                 continue
             (tg, bg), (tm, bm) = gloo[size], mpich[size]
-            if size <= 4096:
+            if size <= small:
                 ok = t <= tg / 20 and t <= 5 * tm if world == 2 else t <= tg / 50
                 what = f"gloo/smddp time {tg / t:.1f}x, smddp/MPICH time {t / tm:.2f}x"
-            elif 64 << 10 <= size <= 8 << 20:
+            elif mlo <= size <= mhi:
                 ok, what = b >= bm, f"smddp/MPICH busbw {b / bm:.2f}x"
-            elif size >= 32 << 20:
+            elif size >= large:
                 ok = b >= bm and (world != 2 or b >= 1.5 * bg)
                 what = f"smddp/MPICH busbw {b / bm:.2f}x, smddp/gloo {b / bg:.2f}x"
             else:
