@@ -20,6 +20,9 @@ constexpr size_t kNetPieceBytes = 2u << 20;
 // Least bytes per block in one piece of an inter-host alltoall, whatever SMDDP_NET_BUFFER_BYTES.
 constexpr size_t kMinAlltoallPieceBytes = 4096;
 
+// How many of a block's `count` elements fall in the piece that starts at element `at`.
+size_t pieceSpan(size_t count, size_t at, size_t piece) { return std::min(piece, count - std::min(at, count)); }
+
 // AVG and PREMUL_SUM finish with a scaling that must happen once, at the last stage; partial
 // stages add.
 Reduction partialOf(const Reduction& r) {
@@ -317,7 +320,7 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
   std::vector<const void*> srcs(H);
   for (size_t i = 0; i < pieces; ++i) {
     const size_t at = i * piece;  // element offset of piece i in every block
-    auto span = [&](int g) { return std::min(piece, cnt(g) - std::min(at, cnt(g))); };
+    auto span = [&](int g) { return pieceSpan(cnt(g), at, piece); };
     sends.clear();
     recvs.clear();
     for (const auto& [g, data] : outgoing) {
@@ -436,7 +439,7 @@ void hierAlltoall(HierContext& ctx, const AlltoallOptions& o) {
   auto pieces = [&](size_t count) -> int64_t {
     return count == 0 ? 0 : static_cast<int64_t>((count - 1) / piece + 1);  // piece may be SIZE_MAX
   };
-  auto span = [&](size_t count, size_t at) { return std::min(piece, count - std::min(at, count)); };
+  auto span = [&](size_t count, size_t at) { return pieceSpan(count, at, piece); };
   // This rank's sends and receives decide how many pieces it needs; its host-mates hand on to
   // each other in every piece, so they all run as many as the busiest of them.
   int64_t piecesHere = 0;

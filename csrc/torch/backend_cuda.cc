@@ -54,12 +54,10 @@ void SmddpBackend::eagerConnectSingleDevice(at::Device device) {
   if (cuda_) return;
   try {
     cuda_ = std::make_shared<CudaPath>(rank_, device);
-  } catch (const c10::Error& e) {  // its what() carries a C++ backtrace: not for a log line
-    SMDDP_WARN(kInit, "rank %d: setting up CUDA staging on %s at init failed (the first CUDA op will retry): %s",
-               rank_, device.str().c_str(), e.what_without_backtrace());
   } catch (const std::exception& e) {
+    const auto* c10Error = dynamic_cast<const c10::Error*>(&e);  // its what() carries a C++ backtrace
     SMDDP_WARN(kInit, "rank %d: setting up CUDA staging on %s at init failed (the first CUDA op will retry): %s",
-               rank_, device.str().c_str(), e.what());
+               rank_, device.str().c_str(), c10Error ? c10Error->what_without_backtrace() : e.what());
   }
 }
 
