@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _util import DTYPES, SMALL_SIZES, Report, backend_skip, dname, gen_all, large_elems
+from _util import DTYPES, SMALL_SIZES, Report, backend_skip, dname, gen, gen_all, large_elems
 
 WORLDS = [1, 2, 3, 4]
 
@@ -111,3 +111,29 @@ def test_all_gather_into_tensor(pools, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_all_gather_into_tensor_large(pools, world):
     pools.check(world, all_gather_tensor_forms, ["large"], ["float32", "bfloat16"], timeout=300)
+
+
+def copy_steps_uneven(rank, world):
+    """Ranks contribute different sizes that straddle step boundaries, the step is not a
+    power of two and is smaller than the slot: every piece must land at its offset."""
+    rep = Report(rank)
+    counts = [1000 * (r + 1) + 7 * r for r in range(world)]
+    ins = [gen("steps", r, counts[r], torch.float32) for r in range(world)]
+    with rep.cell("all_gather(list) uneven sizes over small copy steps"):
+        outs = [torch.empty(c, dtype=torch.float32) for c in counts]
+        dist.all_gather(outs, ins[rank].clone())
+        for r in range(world):
+            rep.check(f"all_gather(list) uneven output[{r}]", outs[r], ins[r])
+    for root in range(world):
+        with rep.cell(f"broadcast over small copy steps root={root}"):
+            ref = gen("steps-bcast", root, 9001, torch.float32)
+            buf = ref.clone() if rank == root else torch.zeros(9001, dtype=torch.float32)
+            dist.broadcast(buf, src=root)
+            rep.check(f"broadcast root={root}", buf, ref)
+    return rep.to_dict()
+
+
+def test_copy_step_smaller_than_slot(pools):
+    # 4160 B steps in 8 KiB slots: several steps per op, none aligned to the sizes.
+    env = (("SMDDP_SHM_SLOT_BYTES", "8192"), ("SMDDP_SHM_COPY_STEP_BYTES", "4160"))
+    pools.check(3, copy_steps_uneven, env=env)

@@ -178,8 +178,9 @@ void broadcast(OpContext& ctx, const BroadcastOptions& o) {
   const Expect e{OpKind::kBroadcast, o.dtype, ReduceOp::kSum, o.root};
   const bool isRoot = ctx.rank == o.root;
   const bool stream = shouldStream(total, ctx.size);
-  for (size_t off = 0; off < total; off += d.slotBytes()) {
-    const size_t n = std::min(d.slotBytes(), total - off);
+  const size_t stepBytes = ctx.copyStepBytes;
+  for (size_t off = 0; off < total; off += stepBytes) {
+    const size_t n = std::min(stepBytes, total - off);
     const uint64_t k = step(ctx, off == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
       if (isRoot) std::memcpy(slot, bytes(o.buffer) + off, n);
     });
@@ -202,8 +203,9 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
   size_t total = 0;
   for (size_t c : o.counts) total += c * es;
   const bool stream = shouldStream(total, ctx.size);
-  for (size_t off = 0; off < maxBytes; off += d.slotBytes()) {
-    const size_t myN = off < mine ? std::min(d.slotBytes(), mine - off) : 0;
+  const size_t stepBytes = ctx.copyStepBytes;
+  for (size_t off = 0; off < maxBytes; off += stepBytes) {
+    const size_t myN = off < mine ? std::min(stepBytes, mine - off) : 0;
     const uint64_t k = step(ctx, off == 0, e, o.counts[ctx.rank], [&](int p) { return o.counts[p]; },
                             [&](uint8_t* slot) {
                               if (myN == 0) return;
@@ -215,7 +217,7 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
     for (int p = 0; receives && p < ctx.size; ++p) {
       const size_t pbytes = o.counts[p] * es;
       if (p == ctx.rank || off >= pbytes) continue;
-      copyOut(bytes(o.outputs[p]) + off, d.slot(p, k), std::min(d.slotBytes(), pbytes - off), stream);
+      copyOut(bytes(o.outputs[p]) + off, d.slot(p, k), std::min(stepBytes, pbytes - off), stream);
     }
   }
 }

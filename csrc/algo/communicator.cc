@@ -3,6 +3,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "algo/slices.h"
 #include "core/env.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -27,7 +28,9 @@ Communicator::Communicator(Store& store, int rank, int size, std::chrono::millis
     : rank_(rank),
       size_(size),
       topo_(discoverAfterShmCheck(store, rank, size)),
-      oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))) {
+      oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))),
+      copyStepBytes_(static_cast<size_t>(std::max<int64_t>(kAlignBytes, env::shmCopyStepBytes())) / kAlignBytes *
+                     kAlignBytes) {
   logParamsOnce();
   const size_t slotBytes = static_cast<size_t>(env::shmSlotBytes());
   if (topo_.hosts() == 1) {
@@ -96,6 +99,7 @@ void Communicator::run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn) 
   ctx.wait.deadline = std::chrono::steady_clock::now() + timeout;
   ctx.wait.abort = &aborted_;
   ctx.oneShotMaxBytes = oneShotMaxBytes_;
+  ctx.copyStepBytes = domain_ ? std::min(copyStepBytes_, domain_->slotBytes()) : copyStepBytes_;
   ctx.fingerprint = opFingerprint_;
   ctx.text = &opText_;
   try {

@@ -74,6 +74,7 @@ class Communicator {
   size_t netBufferBytes_ = 0;
   std::vector<uint8_t> netScratch_;
   size_t oneShotMaxBytes_;
+  size_t copyStepBytes_;
   uint64_t seq_ = 0;
   std::atomic<bool> aborted_{false};
   std::string brokenBy_;  // set by the first failed op; later ops fail fast with it

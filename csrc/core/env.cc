@@ -20,6 +20,9 @@ constexpr Param kParams[] = {
     {"SMDDP_SHM_SLOT_BYTES", "1048576",
      "Bytes of each of the two shared-memory staging slots per rank and process group. Messages "
      "larger than a slot are pipelined through it, so staging memory does not grow with message size."},
+    {"SMDDP_SHM_COPY_STEP_BYTES", "262144",
+     "Allgather, gather and broadcast stage at most this many bytes per rank per step (and at most a "
+     "slot): small steps are still in the writer's cache when the readers copy them."},
     {"SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES", "65536",
      "Allreduces up to this size use the one-shot algorithm (every rank reads every input); larger "
      "ones use reduce-scatter + all-gather."},
@@ -115,6 +118,7 @@ std::vector<ParamInfo> allParams() {
   }
 
 SMDDP_INT_PARAM(shmSlotBytes, "SMDDP_SHM_SLOT_BYTES")
+SMDDP_INT_PARAM(shmCopyStepBytes, "SMDDP_SHM_COPY_STEP_BYTES")
 SMDDP_INT_PARAM(allreduceOneShotMaxBytes, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES")
 SMDDP_INT_PARAM(streamMinBytes, "SMDDP_STREAM_MIN_BYTES")
 SMDDP_INT_PARAM(spinMicros, "SMDDP_SPIN_US")

@@ -23,6 +23,8 @@ std::vector<ParamInfo> allParams();
 
 // Per-rank staging: bytes of one of the two shared-memory slots each rank owns.
 int64_t shmSlotBytes();
+// Allgather/gather/broadcast: most bytes a rank stages per step (capped by the slot).
+int64_t shmCopyStepBytes();
 // Allreduce of at most this many bytes uses the one-shot algorithm (every rank reduces all inputs).
 int64_t allreduceOneShotMaxBytes();
 // Allgather/broadcast stream their output when the host's outputs add up to this; -1 = the LLC.
