@@ -65,10 +65,15 @@ def test_cuda_collectives_small(world):
 
 
 @needs_gpu
-@pytest.mark.parametrize("flags", ["memops", "kernel"])
-def test_cuda_collectives_many_staging_rounds(flags):
+@pytest.mark.parametrize("setting", [
     # 1 MiB of staging: every large op runs in many rounds through both halves.
-    _run_ranks("large", 2, {"SMDDP_CUDA_STAGING_BYTES": str(1 << 20), "SMDDP_CUDA_FLAGS": flags})
+    {"SMDDP_CUDA_STAGING_BYTES": str(1 << 20), "SMDDP_CUDA_FLAGS": "memops"},
+    {"SMDDP_CUDA_STAGING_BYTES": str(1 << 20), "SMDDP_CUDA_FLAGS": "kernel"},
+    # Rounds capped well below the half, at a size that is no power of two.
+    {"SMDDP_CUDA_STAGING_BYTES": str(8 << 20), "SMDDP_CUDA_ROUND_BYTES": "300000"},
+], ids=["memops", "kernel", "round-cap"])
+def test_cuda_collectives_many_staging_rounds(setting):
+    _run_ranks("large", 2, setting)
 
 
 @needs_gpu

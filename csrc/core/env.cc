@@ -55,8 +55,12 @@ constexpr Param kParams[] = {
      "rank forwards to its host-mates; larger messages are processed in pieces of this size."},
     {"SMDDP_CUDA_STAGING_BYTES", "67108864",
      "Page-locked host memory per process group for CUDA tensors (allocated at the first CUDA op). "
-     "Collectives go through it in rounds of half this size, so it bounds pinned memory whatever the "
-     "message size; all_gather/gather/scatter/all_to_all with tensor lists must fit in one half."},
+     "Collectives go through it in rounds (SMDDP_CUDA_ROUND_BYTES, at most half of it), so it bounds "
+     "pinned memory whatever the message size; all_gather/gather/scatter/all_to_all with tensor lists must fit in one half."},
+    {"SMDDP_CUDA_ROUND_BYTES", "4194304",
+     "Large CUDA collectives go through staging in rounds of at most this many bytes (and at most "
+     "half of SMDDP_CUDA_STAGING_BYTES): smaller rounds let the device copies of one round overlap "
+     "the host work of the previous one sooner."},
     {"SMDDP_CUDA_FLAGS", "auto",
      "How the GPU signals and awaits the host through flags in pinned memory: memops (stream memory "
      "operations: no SM used while waiting), kernel (1-thread kernels) or auto (memops when the "
@@ -133,6 +137,7 @@ SMDDP_INT_PARAM(netChunkBytes, "SMDDP_NET_CHUNK_BYTES")
 SMDDP_INT_PARAM(netBufferBytes, "SMDDP_NET_BUFFER_BYTES")
 SMDDP_STRING_PARAM(simd, "SMDDP_SIMD")
 SMDDP_INT_PARAM(cudaStagingBytes, "SMDDP_CUDA_STAGING_BYTES")
+SMDDP_INT_PARAM(cudaRoundBytes, "SMDDP_CUDA_ROUND_BYTES")
 SMDDP_STRING_PARAM(cudaFlags, "SMDDP_CUDA_FLAGS")
 SMDDP_INT_PARAM(cudaBlockingWait, "SMDDP_CUDA_BLOCKING_WAIT")
 SMDDP_INT_PARAM(maxCtas, "SMDDP_MAX_CTAS")

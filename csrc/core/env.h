@@ -53,6 +53,8 @@ int64_t netBufferBytes();
 const std::string& simd();
 // CUDA tensors: pinned staging bytes per group (two halves).
 int64_t cudaStagingBytes();
+// Most bytes a pipelined CUDA collective stages per round (capped by half the staging).
+int64_t cudaRoundBytes();
 // CUDA flag signalling: auto, memops or kernel.
 const std::string& cudaFlags();
 // CUDA: 1 = Work::wait blocks the host until the op is done.

@@ -124,7 +124,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaFlat(c10d::OpType opType, const
   for (size_t k = 0; k < parts.size(); ++k) {
     const at::Tensor& t = parts[k].tensor;
     for (cuda::Round& r : cuda::planFlat(bytePtr(t), static_cast<size_t>(t.numel()), t.element_size(),
-                                         path.roundBytes(), parts[k].copyIn, parts[k].copyOut)) {
+                                         path.pipelinedRoundBytes(), parts[k].copyIn, parts[k].copyOut)) {
       rounds.push_back(std::move(r));
       partOf.push_back(k);
     }
@@ -156,9 +156,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaColumns(c10d::OpType opType, co
     const ColumnPart& p = parts[k];
     const size_t n = static_cast<size_t>(p.single.numel());
     auto plan = gather ? cuda::planGather(bytePtr(p.single), bytePtr(p.blocks), n, size_, p.single.element_size(),
-                                          path.roundBytes())
+                                          path.pipelinedRoundBytes())
                        : cuda::planScatter(bytePtr(p.blocks), bytePtr(p.single), n, size_, p.single.element_size(),
-                                           path.roundBytes());
+                                           path.pipelinedRoundBytes());
     for (cuda::Round& r : plan) {
       rounds.push_back(std::move(r));
       partOf.push_back(k);
@@ -215,9 +215,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaWhole(const char* op, const Ten
   Tensors hostReads, hostWrites;
   for (const at::Tensor& t : reads) hostReads.push_back(place(t, round.toHost));
   for (const at::Tensor& t : writes) hostWrites.push_back(place(t, round.toDevice));
-  TORCH_CHECK_VALUE(round.stagingBytes <= path.roundBytes(), "smddp rank ", rank_, ": ", op, " of CUDA tensors needs ",
+  TORCH_CHECK_VALUE(round.stagingBytes <= path.roundCapacity(), "smddp rank ", rank_, ": ", op, " of CUDA tensors needs ",
                     round.stagingBytes, " bytes of pinned staging at once, more than half of SMDDP_CUDA_STAGING_BYTES (",
-                    path.roundBytes(), " bytes); raise SMDDP_CUDA_STAGING_BYTES");
+                    path.roundCapacity(), " bytes); raise SMDDP_CUDA_STAGING_BYTES");
   whole.rounds.push_back(std::move(round));
   tlsWholeOp = &whole;
   struct Reset {

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <string>
 #include <thread>
 
@@ -89,6 +90,8 @@ CudaPath::CudaPath(int rank, c10::Device device) : rank_(rank), device_(device) 
     stream_ = ops_->createStream();
     callerReady_ = ops_->createEvent();
     pipeline_ = std::make_unique<cuda::StagingPipeline>(*ops_, static_cast<size_t>(bytes));
+    const size_t cap = static_cast<size_t>(std::max<int64_t>(cuda::kStagingAlign, env::cudaRoundBytes()));
+    pipelinedRoundBytes_ = std::min(pipeline_->roundCapacity(), cap / cuda::kStagingAlign * cuda::kStagingAlign);
     events_ = std::make_shared<EventPool>(*ops_);
     completer_ = std::make_unique<engine::ProgressThread>("smddp-cuda" + std::to_string(rank),
                                                           std::chrono::microseconds(0));

@@ -49,7 +49,10 @@ class CudaPath {
   ~CudaPath();  // releases every waiting stream, then frees the staging once the stream is idle
 
   c10::Device device() const { return device_; }
-  size_t roundBytes() const { return pipeline_->roundCapacity(); }
+  // The most one round can stage (ops that need all their data on the host at once).
+  size_t roundCapacity() const { return pipeline_->roundCapacity(); }
+  // The round size of ops cut into many rounds (SMDDP_CUDA_ROUND_BYTES, at most the capacity).
+  size_t pipelinedRoundBytes() const { return pipelinedRoundBytes_; }
   const std::shared_ptr<EventPool>& events() const { return events_; }
   // Where the next op's first round will be staged; the caller holds the issue lock until it
   // has launched that op.
@@ -85,6 +88,7 @@ class CudaPath {
   cuda::Stream stream_ = nullptr;
   void* callerReady_ = nullptr;  // reused: recorded on the caller's stream at each launch
   std::unique_ptr<cuda::StagingPipeline> pipeline_;
+  size_t pipelinedRoundBytes_ = 0;
   std::shared_ptr<EventPool> events_;
   std::unique_ptr<engine::ProgressThread> completer_;
 };
