@@ -119,21 +119,23 @@ void allreducePipelined(OpContext& ctx, const AllreduceOptions& o, const Expect&
     const Slices sl = slicesOf(ce, W, kAlignBytes / es);
     const size_t b = sl.begin(ctx.rank), n = sl.end(ctx.rank) - b;
     const uint64_t k = step(ctx, j == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
-      if (b > 0) std::memcpy(slot, bytes(o.input) + off * es, b * es);
-      if (b + n < ce) std::memcpy(slot + (b + n) * es, bytes(o.input) + (off + b + n) * es, (ce - b - n) * es);
+      if (b > 0) copyParallel(ctx.helpers, slot, bytes(o.input) + off * es, b * es);
+      if (b + n < ce) {
+        copyParallel(ctx.helpers, slot + (b + n) * es, bytes(o.input) + (off + b + n) * es, (ce - b - n) * es);
+      }
     });
     if (j > 0 && gathers) {
       const size_t prevOff = off - chunkElems;
       const Slices prev = slicesOf(std::min(chunkElems, o.count - prevOff), W, kAlignBytes / es);
       for (int p = 0; p < W; ++p) {
         const size_t pb = prev.begin(p), pn = prev.end(p) - pb;
-        if (pn > 0) std::memcpy(bytes(o.output) + (prevOff + pb) * es, d.slot(p, k) + resultOff, pn * es);
+        if (pn > 0) copyParallel(ctx.helpers, bytes(o.output) + (prevOff + pb) * es, d.slot(p, k) + resultOff, pn * es);
       }
     }
     if (n > 0) {
       for (int p = 0; p < W; ++p) srcs[p] = d.slot(p, k) + b * es;
       srcs[ctx.rank] = bytes(o.input) + (off + b) * es;
-      reduce(o.dtype, o.reduction, d.slot(ctx.rank, k + 1) + resultOff, srcs.data(), W, n);
+      reduceParallel(ctx.helpers, o.dtype, o.reduction, d.slot(ctx.rank, k + 1) + resultOff, srcs.data(), W, n);
     }
   }
 }
@@ -182,9 +184,9 @@ void broadcast(OpContext& ctx, const BroadcastOptions& o) {
   for (size_t off = 0; off < total; off += stepBytes) {
     const size_t n = std::min(stepBytes, total - off);
     const uint64_t k = step(ctx, off == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
-      if (isRoot) std::memcpy(slot, bytes(o.buffer) + off, n);
+      if (isRoot) copyParallel(ctx.helpers, slot, bytes(o.buffer) + off, n);
     });
-    if (!isRoot) copyOut(bytes(o.buffer) + off, d.slot(o.root, k), n, stream);
+    if (!isRoot) copyParallel(ctx.helpers, bytes(o.buffer) + off, d.slot(o.root, k), n, stream);
   }
 }
 
@@ -209,15 +211,15 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
     const uint64_t k = step(ctx, off == 0, e, o.counts[ctx.rank], [&](int p) { return o.counts[p]; },
                             [&](uint8_t* slot) {
                               if (myN == 0) return;
-                              std::memcpy(slot, bytes(o.input) + off, myN);
+                              copyParallel(ctx.helpers, slot, bytes(o.input) + off, myN);
                               // Our own piece goes to the output from the slot, still in cache,
                               // rather than in a separate pass over the whole input.
-                              if (ownCopy) copyOut(bytes(o.outputs[ctx.rank]) + off, slot, myN, stream);
+                              if (ownCopy) copyParallel(ctx.helpers, bytes(o.outputs[ctx.rank]) + off, slot, myN, stream);
                             });
     for (int p = 0; receives && p < ctx.size; ++p) {
       const size_t pbytes = o.counts[p] * es;
       if (p == ctx.rank || off >= pbytes) continue;
-      copyOut(bytes(o.outputs[p]) + off, d.slot(p, k), std::min(stepBytes, pbytes - off), stream);
+      copyParallel(ctx.helpers, bytes(o.outputs[p]) + off, d.slot(p, k), std::min(stepBytes, pbytes - off), stream);
     }
   }
 }
@@ -249,14 +251,15 @@ void reduceScatter(OpContext& ctx, const ReduceScatterOptions& o) {
       for (int p = 0; p < ctx.size; ++p) {
         const size_t cp = countOf(p);
         if (p != ctx.rank && off < cp) {
-          std::memcpy(slot + p * piece * es, bytes(o.inputs[p]) + off * es, std::min(piece, cp - off) * es);
+          copyParallel(ctx.helpers, slot + p * piece * es, bytes(o.inputs[p]) + off * es, std::min(piece, cp - off) * es);
         }
       }
     });
     if (off >= mine) continue;
     for (int q = 0; q < ctx.size; ++q) srcs[q] = d.slot(q, k) + ctx.rank * piece * es;
     srcs[ctx.rank] = bytes(o.inputs[ctx.rank]) + off * es;
-    reduce(o.dtype, o.reduction, bytes(o.output) + off * es, srcs.data(), ctx.size, std::min(piece, mine - off));
+    reduceParallel(ctx.helpers, o.dtype, o.reduction, bytes(o.output) + off * es, srcs.data(), ctx.size,
+                   std::min(piece, mine - off));
   }
 }
 
@@ -284,10 +287,10 @@ void scatter(OpContext& ctx, const ScatterOptions& o) {
     const uint64_t k = step(ctx, off == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
       if (!isRoot) return;
       for (int p = 0; p < ctx.size; ++p) {
-        if (p != ctx.rank) std::memcpy(slot + p * region, bytes(o.inputs[p]) + off, n);
+        if (p != ctx.rank) copyParallel(ctx.helpers, slot + p * region, bytes(o.inputs[p]) + off, n);
       }
     });
-    if (!isRoot) std::memcpy(bytes(o.output) + off, d.slot(o.root, k) + ctx.rank * region, n);
+    if (!isRoot) copyParallel(ctx.helpers, bytes(o.output) + off, d.slot(o.root, k) + ctx.rank * region, n);
   }
 }
 
@@ -343,13 +346,16 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
     const uint64_t k = step(ctx, false, e, 0, [](int) { return uint64_t{0}; }, [&](uint8_t* slot) {
       for (int p = 0; p < W; ++p) {
         const size_t pb = o.inCounts[p] * es;
-        if (p != ctx.rank && off < pb) std::memcpy(slot + p * region, bytes(o.inputs[p]) + off, std::min(region, pb - off));
+        if (p != ctx.rank && off < pb) {
+          copyParallel(ctx.helpers, slot + p * region, bytes(o.inputs[p]) + off, std::min(region, pb - off));
+        }
       }
     });
     for (int q = 0; q < W; ++q) {
       const size_t qb = o.outCounts[q] * es;
       if (q != ctx.rank && off < qb) {
-        std::memcpy(bytes(o.outputs[q]) + off, d.slot(q, k) + ctx.rank * region, std::min(region, qb - off));
+        copyParallel(ctx.helpers, bytes(o.outputs[q]) + off, d.slot(q, k) + ctx.rank * region,
+                     std::min(region, qb - off));
       }
     }
   }

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "core/parallel.h"
 #include "core/types.h"
 #include "transport/shm_domain.h"
 
@@ -50,6 +51,7 @@ struct OpContext {
   const std::string* text = nullptr;
   size_t oneShotMaxBytes = 0;
   size_t copyStepBytes = 0;  // allgather/gather/broadcast: bytes per rank per step (<= the slot)
+  HelperPool* helpers = nullptr;  // splits large copies and reductions (SMDDP_CPU_THREADS > 1)
 };
 
 struct AllreduceOptions {

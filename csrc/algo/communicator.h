@@ -51,6 +51,8 @@ class Communicator {
 
   // Makes every current and future wait fail promptly with kAborted. Thread-safe.
   void abort();
+  // Joins the SMDDP_CPU_THREADS helpers (after abort(): a later op fails before it needs them).
+  void stopHelpers();
 
   // Debug checks: the caller's description of the ops it runs next (API, shapes); peers on the
   // host compare its hash at each op's first step. Empty turns the check off. Same thread as
@@ -75,6 +77,9 @@ class Communicator {
   std::vector<uint8_t> netScratch_;
   size_t oneShotMaxBytes_;
   size_t copyStepBytes_;
+  int cpuThreads_;
+  std::mutex helpersMutex_;
+  std::unique_ptr<HelperPool> helpers_;  // started at the first op when cpuThreads_ > 1
   uint64_t seq_ = 0;
   std::atomic<bool> aborted_{false};
   std::string brokenBy_;  // set by the first failed op; later ops fail fast with it

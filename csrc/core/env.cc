@@ -26,6 +26,11 @@ constexpr Param kParams[] = {
     {"SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES", "65536",
      "Allreduces up to this size use the one-shot algorithm (every rank reads every input); larger "
      "ones use reduce-scatter + all-gather."},
+    {"SMDDP_CPU_THREADS", "-1",
+     "Threads per rank that copy and reduce large messages: the one running the op plus "
+     "SMDDP_CPU_THREADS - 1 helpers, started at a group's first op. They help where one core "
+     "cannot use up the memory bandwidth (servers, GPU hosts). -1 = the CPUs this process may use "
+     "divided by the group's ranks on this host, at most 4 (so 1 when ranks fill the cores)."},
     {"SMDDP_SPIN_US", "-1",
      "Microseconds a rank polls a peer's flag inside a collective before it sleeps on a futex. -1 "
      "picks 500 us, or 2 us when ranks outnumber cores (then SMDDP_YIELD_US applies)."},
@@ -125,6 +130,7 @@ SMDDP_INT_PARAM(shmSlotBytes, "SMDDP_SHM_SLOT_BYTES")
 SMDDP_INT_PARAM(shmCopyStepBytes, "SMDDP_SHM_COPY_STEP_BYTES")
 SMDDP_INT_PARAM(allreduceOneShotMaxBytes, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES")
 SMDDP_INT_PARAM(streamMinBytes, "SMDDP_STREAM_MIN_BYTES")
+SMDDP_INT_PARAM(cpuThreads, "SMDDP_CPU_THREADS")
 SMDDP_INT_PARAM(spinMicros, "SMDDP_SPIN_US")
 SMDDP_INT_PARAM(yieldMicros, "SMDDP_YIELD_US")
 SMDDP_STRING_PARAM(debugLevel, "SMDDP_DEBUG")

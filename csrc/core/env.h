@@ -29,6 +29,8 @@ int64_t shmCopyStepBytes();
 int64_t allreduceOneShotMaxBytes();
 // Allgather/broadcast stream their output when the host's outputs add up to this; -1 = the LLC.
 int64_t streamMinBytes();
+// Threads per rank for large copies and reductions (1: the op's own thread only; -1: choose).
+int64_t cpuThreads();
 // Microseconds a waiting thread polls a peer's flag before it sleeps; -1 = choose from the core count.
 int64_t spinMicros();
 // Log level: NONE, WARN (default), INFO, TRACE.

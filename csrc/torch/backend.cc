@@ -260,6 +260,7 @@ void SmddpBackend::shutdown() {
     if (p2p_) p2p_->abort();
     if (netP2p_) netP2p_->abort();
     if (progress_) progress_->stop();
+    if (comm_) comm_->stopHelpers();
     p2p_.reset();  // joins its thread before the domain it uses goes away
     netP2p_.reset();
   });
