@@ -127,6 +127,9 @@ class MpiWorker:
         from mpi4py import MPI
 
         self.np, self.MPI, self.cfg = np, MPI, cfg
+        if not cfg.get("huge_pages", 1):  # same pages as the torch job's tensors (bench_vs_gloo --huge-pages)
+            core = getattr(np, "_core", None) or np.core
+            core.multiarray._set_madvise_hugepage(False)
         self.comm = MPI.COMM_WORLD
         self.ctrl = self.comm.Dup()  # benchmark traffic, never measured
         self.measured_once = False  # the job's first measurement gets the longer warm-up

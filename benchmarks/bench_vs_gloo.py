@@ -839,6 +839,7 @@ class Reporter:
         self.out(f"# machine: {cpu}, {physical_cores()} cores / {os.cpu_count()} cpus, {platform.system()} {platform.release()}")
         self.out(f"# torch {meta['torch']}  smddp {meta['smddp']}  python {platform.python_version()}  "
                  f"threads/rank: {meta['threads']}")
+        self.out(f"# {memory_pages_note(a.huge_pages)}")
         self.memcpy = meta.get("memcpy")
         if self.memcpy:
             parts = "  ".join(f"{fmt_bytes(m['bytes'])}: {m['gbps']:.2f} GB/s" for m in self.memcpy)
@@ -1257,6 +1258,18 @@ class MpichBaseline(JobBaseline):
 JOB_BASELINES = {"mpich": MpichBaseline}
 
 
+def memory_pages_note(huge_pages: int) -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().strip()
+    except OSError:
+        thp = "unknown"
+    if huge_pages:
+        return (f"buffers >= 2 MiB of every backend on transparent huge pages where the kernel allows (torch: "
+                f"THP_MEM_ALLOC_ENABLE=1; numpy, MPICH's: its default madvise); THP here: {thp}")
+    return f"buffers of every backend on 4 KiB pages (--huge-pages 0); THP here: {thp}"
+
+
 def run_world(world: int, args, base_cfg: dict, reporter: Reporter, deadline: float):
     """Spawn `world` ranks, stream rank 0's records to the reporter."""
     tmp = tempfile.mkdtemp(prefix="smddp_bench_")
@@ -1266,6 +1279,7 @@ def run_world(world: int, args, base_cfg: dict, reporter: Reporter, deadline: fl
     env = dict(os.environ)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env["OMP_NUM_THREADS"] = str(args.threads)
+    env["THP_MEM_ALLOC_ENABLE"] = str(args.huge_pages)
     try:
         for rank in range(world):
             cfg = dict(base_cfg, rank=rank, world=world, init_method=f"file://{store}",
@@ -1368,6 +1382,10 @@ def parse_args(argv):
                    help="how per-rank times are combined (nccl-tests default: avg)")
     p.add_argument("-c", "--check", default=1, type=int, choices=[0, 1], help="validate results (#wrong)")
     p.add_argument("--threads", default=1, type=int, help="torch intra-op threads (and OMP_NUM_THREADS) per rank")
+    p.add_argument("--huge-pages", default=1, type=int, choices=(0, 1),
+                   help="1: every backend's buffers of >= 2 MiB on transparent huge pages (torch tensors through "
+                        "THP_MEM_ALLOC_ENABLE=1, as numpy gives MPICH's buffers by default); 0: 4 KiB pages for all "
+                        "(torch's default; numpy's madvise turned off in the MPICH job)")
     p.add_argument("-J", "--json", default=None, help="also write JSON lines (one per measurement) to this file")
     p.add_argument("--timeout", default=1800.0, type=float, help="whole-run time limit in seconds")
     p.add_argument("--idle-seconds", default=5.0, type=float,
@@ -1437,6 +1455,7 @@ def main(argv=None) -> int:
         "job_warmup_ms": args.job_warmup_ms, "target_ms": args.target_ms,
         "min_iters": args.min_iters, "max_iters": args.max_iters, "time_agg": args.time_agg, "reps": args.reps,
         "check": bool(args.check), "threads": args.threads, "idle_seconds": args.idle_seconds,
+        "huge_pages": args.huge_pages,
     }
     jobs = [JOB_BASELINES[b](args) for b in args.baselines if b in JOB_BASELINES]
     json_file = open(args.json, "w") if args.json else None
