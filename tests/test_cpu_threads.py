@@ -6,7 +6,7 @@ the helpers must not outlive the group."""
 import pytest
 import torch.distributed as dist
 
-from _util import DTYPES, REDOPS, Report, dname
+from _util import Report
 from test_allgather import all_gather_tensor_forms, copy_steps_uneven
 from test_allreduce import allreduce_matrix
 from test_broadcast_reduce import broadcast_all_roots
@@ -14,7 +14,6 @@ from test_gather_scatter_alltoall import alltoall_cases, gather_scatter_all_root
 from test_reduce_scatter import reduce_scatter_tensor_forms
 
 THREADS = (("SMDDP_CPU_THREADS", "3"),)
-ALL = [dname(d) for d in DTYPES]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -35,6 +34,15 @@ def test_threaded_copies(pools, world):
     pools.check(world, broadcast_all_roots, ["large"], ["float32"], env=THREADS, timeout=300)
     pools.check(world, gather_scatter_all_roots, ["large"], ["float32"], env=THREADS, timeout=300)
     pools.check(world, alltoall_cases, 1 << 17, ["float32"], env=THREADS, timeout=300)
+
+
+def test_threaded_two_hosts(pools):
+    # 2 x 2 emulated hosts: the host-local steps of the hierarchical collectives use the helpers.
+    pools.check(4, allreduce_matrix, ["large"], ["float32", "bfloat16"], ["SUM", "MAX"], "arTH", hosts="0011",
+                env=THREADS, timeout=300)
+    pools.check(4, reduce_scatter_tensor_forms, ["large"], ["float32"], ["SUM"], "rsTH", hosts="0011",
+                env=THREADS, timeout=300)
+    pools.check(4, all_gather_tensor_forms, ["large"], ["float32"], hosts="0011", env=THREADS, timeout=300)
 
 
 def test_threaded_uneven_small_steps(pools):

@@ -21,8 +21,9 @@ void logParamsOnce() {
 }
 
 // SMDDP_CPU_THREADS, or by default the cores this rank's share of the host leaves it, up to 4:
-// on a 16-core H100 host with 2 ranks, 4 threads made 64 MiB CPU collectives 2.7-3.1x faster
-// than 1 (2 threads: 1.9-2.2x); with ranks on every core, helpers would only steal them.
+// on a 16-core H100 host with 2 ranks, 4 threads made 64 MiB CPU collectives 2.7-3.3x faster
+// than 1 (2 threads: 1.8-2.5x, 8 no better than 4); with ranks on every core, helpers would
+// only steal them.
 int cpuThreadsFor(int ranksOnHost) {
   const int64_t v = env::cpuThreads();
   if (v >= 1) return static_cast<int>(std::min<int64_t>(v, 64));

@@ -123,9 +123,12 @@ void reduceParallel(HelperPool* pool, DataType dtype, const Reduction& r, void* 
   pool->run(parts, [&](int i) {
     const auto [b, e] = partRange(count, es, parts, i);
     if (e == b) return;
-    std::vector<const void*> mine(n);
+    constexpr int kOnStack = 16;  // sources of a host's ranks: no allocation per part
+    const void* onStack[kOnStack];
+    std::vector<const void*> onHeap(n > kOnStack ? n : 0);
+    const void** mine = n > kOnStack ? onHeap.data() : onStack;
     for (int k = 0; k < n; ++k) mine[k] = static_cast<const uint8_t*>(srcs[k]) + b * es;
-    reduce(dtype, r, static_cast<uint8_t*>(dst) + b * es, mine.data(), n, e - b);
+    reduce(dtype, r, static_cast<uint8_t*>(dst) + b * es, mine, n, e - b);
   });
 }
 
