@@ -264,7 +264,6 @@ def shm_task(rank, world):
     """After a first collective (and on a new group) no /dev/shm entry named *smddp* remains, and
     destroying a group joins every thread it started."""
     rep = Report(rank)
-    threads_before = _threads()
     t = torch.ones(10)
     dist.all_reduce(t)
     dist.barrier()
@@ -288,6 +287,8 @@ def shm_task(rank, world):
     # Group creation puts short-lived names in /dev/shm (topology tokens, then segments): no rank
     # may start creating the next group while another is still looking.
     dist.barrier()
+    # After the default group's first op, which may start threads of its own (SMDDP_CPU_THREADS).
+    threads_before = _threads()
     g = dist.new_group(list(range(world)))
     try:
         x = torch.ones(5)
