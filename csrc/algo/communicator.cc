@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <system_error>
 
 #include "algo/slices.h"
 #include "core/env.h"
@@ -84,6 +85,15 @@ Communicator::~Communicator() = default;
 
 void Communicator::abort() { aborted_.store(true); }
 
+std::unique_ptr<HelperPool> Communicator::startHelpers() {
+  try {
+    return std::make_unique<HelperPool>(cpuThreads_ - 1, "smddp-cpu" + std::to_string(rank_) + "-");
+  } catch (const std::system_error& e) {
+    throwError(ErrorCode::kSystemError, "could not start %d helper threads (SMDDP_CPU_THREADS=%d): %s; set "
+               "SMDDP_CPU_THREADS=1 to run without them", cpuThreads_ - 1, cpuThreads_, e.what());
+  }
+}
+
 void Communicator::stopHelpers() {
   std::lock_guard<std::mutex> lock(helpersMutex_);
   helpers_.reset();
@@ -119,15 +129,15 @@ void Communicator::run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn) 
   ctx.oneShotMaxBytes = oneShotMaxBytes_;
   ctx.copyStepBytes = domain_ ? std::min(copyStepBytes_, domain_->slotBytes()) : copyStepBytes_;
   ctx.fingerprint = opFingerprint_;
+  ctx.text = &opText_;
   // Held through the op, so stopHelpers() cannot take the pool away from under it.
   std::unique_lock<std::mutex> helpersLock(helpersMutex_, std::defer_lock);
-  if (cpuThreads_ > 1 && domain_ && domain_->size() > 1) {
-    helpersLock.lock();
-    if (!helpers_) helpers_ = std::make_unique<HelperPool>(cpuThreads_ - 1, "smddp-cpu" + std::to_string(rank_) + "-");
-    ctx.helpers = helpers_.get();
-  }
-  ctx.text = &opText_;
   try {
+    if (cpuThreads_ > 1 && domain_ && domain_->size() > 1) {
+      helpersLock.lock();
+      if (!helpers_) helpers_ = startHelpers();
+      ctx.helpers = helpers_.get();
+    }
     if (domain_) domain_->commitSlots();
     fn(ctx);
   } catch (const Error& e) {

@@ -66,6 +66,7 @@ class Communicator {
   template <class Flat, class Hier>
   void runEither(OpKind kind, std::chrono::milliseconds timeout, Flat flat, Hier hierarchical);
   HierContext hier(const OpContext& ctx);
+  std::unique_ptr<HelperPool> startHelpers();
 
   int rank_;
   int size_;

@@ -36,16 +36,25 @@ std::pair<size_t, size_t> partRange(size_t count, size_t es, int parts, int i) {
 }  // namespace
 
 HelperPool::HelperPool(int helpers, const std::string& name) {
-  for (int i = 0; i < helpers; ++i) {
-    threads_.emplace_back([this, i, name] {
-      pthread_setname_np(pthread_self(), (name + std::to_string(i)).substr(0, 15).c_str());
-      loop(i);
-    });
+  try {
+    for (int i = 0; i < helpers; ++i) {
+      threads_.emplace_back([this, i, name] {
+        pthread_setname_np(pthread_self(), (name + std::to_string(i)).substr(0, 15).c_str());
+        loop(i);
+      });
+    }
+  } catch (...) {
+    stopAll();  // a joinable std::thread must not be destroyed
+    throw;
   }
 }
 
 HelperPool::~HelperPool() {
   std::lock_guard<std::mutex> running(runMutex_);
+  stopAll();
+}
+
+void HelperPool::stopAll() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;

@@ -34,6 +34,7 @@ class HelperPool {
 
  private:
   void loop(int helper);
+  void stopAll();
 
   std::mutex runMutex_;  // held by run() throughout: the destructor waits for a run in flight
   std::mutex mutex_;
