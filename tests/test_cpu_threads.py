@@ -11,6 +11,7 @@ from test_allgather import all_gather_tensor_forms, copy_steps_uneven
 from test_allreduce import allreduce_matrix
 from test_broadcast_reduce import broadcast_all_roots
 from test_gather_scatter_alltoall import alltoall_cases, gather_scatter_all_roots
+from test_misc import _threads
 from test_reduce_scatter import reduce_scatter_tensor_forms
 
 THREADS = (("SMDDP_CPU_THREADS", "3"),)
@@ -52,18 +53,10 @@ def test_threaded_uneven_small_steps(pools):
 
 def helper_threads(rank, world):
     """A new group starts SMDDP_CPU_THREADS - 1 helpers at its first large op; destroying it ends them."""
-    import os
     import torch
 
     def helpers():
-        count = 0
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    count += f.read().startswith("smddp-cpu")
-            except FileNotFoundError:
-                pass
-        return count
+        return sum(name.startswith("smddp-cpu") for name in _threads())
 
     rep = Report(rank)
     with rep.cell("helper threads start with a group's first op and end with it"):

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "algo/slices.h"
+#include "core/slices.h"
 #include "core/copy.h"
 #include "core/error.h"
 #include "core/reduce.h"

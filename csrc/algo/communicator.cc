@@ -5,7 +5,7 @@
 #include <mutex>
 #include <system_error>
 
-#include "algo/slices.h"
+#include "core/slices.h"
 #include "core/env.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -31,6 +31,12 @@ int cpuThreadsFor(int ranksOnHost) {
   return std::clamp(usableCpus() / std::max(1, ranksOnHost), 1, 4);
 }
 
+// SMDDP_SHM_COPY_STEP_BYTES on a cache-line multiple, at most a slot.
+size_t copyStepBytesFromEnv() {
+  const size_t step = static_cast<size_t>(std::max<int64_t>(kAlignBytes, env::shmCopyStepBytes()));
+  return std::min(static_cast<size_t>(env::shmSlotBytes()), step / kAlignBytes * kAlignBytes);
+}
+
 Topology discoverAfterShmCheck(Store& store, int rank, int size) {
   if (size > 1) shm::Domain::checkCapacity(rank, static_cast<size_t>(env::shmSlotBytes()));
   return size > 1 ? Topology::discover(store, rank, size) : Topology::singleHost(rank, size);
@@ -42,8 +48,7 @@ Communicator::Communicator(Store& store, int rank, int size, std::chrono::millis
       size_(size),
       topo_(discoverAfterShmCheck(store, rank, size)),
       oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))),
-      copyStepBytes_(static_cast<size_t>(std::max<int64_t>(kAlignBytes, env::shmCopyStepBytes())) / kAlignBytes *
-                     kAlignBytes),
+      copyStepBytes_(copyStepBytesFromEnv()),
       cpuThreads_(cpuThreadsFor(topo_.localSize())) {
   logParamsOnce();
   const size_t slotBytes = static_cast<size_t>(env::shmSlotBytes());
@@ -53,6 +58,7 @@ Communicator::Communicator(Store& store, int rank, int size, std::chrono::millis
   }
   netAlgo_ = netAlgoFromEnv();
   netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
+  alltoallFanout_ = alltoallForwardFanout(topo_);
   PrefixStore hostStore(store, "smddp/host" + std::to_string(topo_.host()) + "/");
   domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes);
   domain_->setGroupRanks(topo_.members[topo_.host()]);
@@ -78,6 +84,7 @@ HierContext Communicator::hier(const OpContext& ctx) {
   h.algo = netAlgo_;
   h.scratch = &netScratch_;
   h.bufferBytes = netBufferBytes_;
+  h.alltoallFanout = alltoallFanout_;
   return h;
 }
 
@@ -127,10 +134,11 @@ void Communicator::run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn) 
   ctx.wait.deadline = std::chrono::steady_clock::now() + timeout;
   ctx.wait.abort = &aborted_;
   ctx.oneShotMaxBytes = oneShotMaxBytes_;
-  ctx.copyStepBytes = domain_ ? std::min(copyStepBytes_, domain_->slotBytes()) : copyStepBytes_;
+  ctx.copyStepBytes = copyStepBytes_;
   ctx.fingerprint = opFingerprint_;
   ctx.text = &opText_;
-  // Held through the op, so stopHelpers() cannot take the pool away from under it.
+  // Held through the op, so stopHelpers() cannot take the pool away from under it (the pool
+  // itself relies on this: one run() at a time, none while it is destroyed).
   std::unique_lock<std::mutex> helpersLock(helpersMutex_, std::defer_lock);
   try {
     if (cpuThreads_ > 1 && domain_ && domain_->size() > 1) {

@@ -75,6 +75,7 @@ class Communicator {
   std::unique_ptr<net::TcpMesh> mesh_;
   NetAlgo netAlgo_ = NetAlgo::kMesh;
   size_t netBufferBytes_ = 0;
+  size_t alltoallFanout_ = 0;
   std::vector<uint8_t> netScratch_;
   size_t oneShotMaxBytes_;
   size_t copyStepBytes_;

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <set>
 
-#include "algo/slices.h"
+#include "core/slices.h"
 #include "core/env.h"
 #include "core/error.h"
 #include "core/reduce.h"
@@ -48,22 +48,13 @@ int partnerOn(const Topology& t, int g, int h) {
 // Elements per block in one piece of an inter-host alltoall: the same on every rank (it depends
 // only on the topology, the buffer size and the dtype), so that a sender and its partner cut
 // blocks alike. A rank forwards the blocks of its `via` sources to each of its L-1 host-mates;
-// the most any rank forwards, times a piece, fits the buffer. At least 4 KiB per block, which
-// keeps the count of pieces (a tag field) small whatever the buffer. When every host has one
-// rank nothing is forwarded: one piece, whatever the size.
-size_t alltoallPieceElems(const Topology& t, size_t bufferBytes, DataType dtype) {
-  size_t widest = 0;
-  for (int k = 0; k < t.hosts(); ++k) {
-    const int L = static_cast<int>(t.members[k].size());
-    std::vector<size_t> via(L, 0);
-    for (int g = 0; g < t.size; ++g) {
-      if (t.hostOf[g] != k) ++via[t.localOf[g] % L];
-    }
-    for (size_t v : via) widest = std::max(widest, v * (L - 1));
-  }
-  if (widest == 0) return SIZE_MAX;
+// the most any rank forwards (`fanout`), times a piece, fits the buffer. At least 4 KiB per
+// block, which keeps the count of pieces (a tag field) small whatever the buffer. When every
+// host has one rank nothing is forwarded: one piece, whatever the size.
+size_t alltoallPieceElems(size_t fanout, size_t bufferBytes, DataType dtype) {
+  if (fanout == 0) return SIZE_MAX;
   const size_t es = elementSize(dtype), align = alignElems(dtype);
-  const size_t elems = std::max(bufferBytes / widest, kMinAlltoallPieceBytes) / es;
+  const size_t elems = std::max(bufferBytes / fanout, kMinAlltoallPieceBytes) / es;
   return std::max(align, elems / align * align);
 }
 
@@ -152,6 +143,19 @@ NetAlgo netAlgoFromEnv() {
 uint8_t* HierContext::scratchBytes(size_t n) {
   if (scratch->size() < n) scratch->resize(n);
   return scratch->data();
+}
+
+size_t alltoallForwardFanout(const Topology& t) {
+  size_t widest = 0;
+  for (int k = 0; k < t.hosts(); ++k) {
+    const int L = static_cast<int>(t.members[k].size());
+    std::vector<size_t> via(L, 0);
+    for (int g = 0; g < t.size; ++g) {
+      if (t.hostOf[g] != k) ++via[t.localOf[g] % L];
+    }
+    for (size_t v : via) widest = std::max(widest, v * (L - 1));
+  }
+  return widest;
 }
 
 std::vector<int> hierarchicalPeers(const Topology& t) {
@@ -435,7 +439,7 @@ void hierAlltoall(HierContext& ctx, const AlltoallOptions& o) {
   //    straight into its receiver's output for that source. A rank's own blocks go straight into
   //    its output; the ones it forwards pass through at most SMDDP_NET_BUFFER_BYTES of scratch,
   //    whatever the message size.
-  const size_t piece = alltoallPieceElems(t, ctx.bufferBytes, o.dtype);
+  const size_t piece = alltoallPieceElems(ctx.alltoallFanout, ctx.bufferBytes, o.dtype);
   auto pieces = [&](size_t count) -> int64_t {
     return count == 0 ? 0 : static_cast<int64_t>((count - 1) / piece + 1);  // piece may be SIZE_MAX
   };

@@ -40,9 +40,14 @@ struct HierContext {
   NetAlgo algo = NetAlgo::kMesh;
   std::vector<uint8_t>* scratch = nullptr;  // reused receive buffer, grown on demand
   size_t bufferBytes = 16u << 20;           // at most this much of `scratch` per piece (reductions, alltoall)
+  size_t alltoallFanout = 0;                // alltoallForwardFanout(*topo), computed once per group
   net::Schedule schedule() const { return algo == NetAlgo::kNaive ? net::Schedule::kNaive : net::Schedule::kMesh; }
   uint8_t* scratchBytes(size_t n);
 };
+
+// An inter-host alltoall's most blocks any rank forwards to its host-mates, per element of a
+// block piece (0 when every host has one rank): a property of the topology alone.
+size_t alltoallForwardFanout(const Topology& topo);
 
 // The ranks this rank exchanges data with over TCP (symmetric across ranks).
 std::vector<int> hierarchicalPeers(const Topology& topo);

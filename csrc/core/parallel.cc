@@ -7,15 +7,15 @@
 
 #include "core/copy.h"
 #include "core/reduce.h"
+#include "core/slices.h"
 #include "core/spin.h"
 
 namespace smddp {
 namespace {
 
 // A part smaller than this costs more in hand-off (a wake-up, a cache miss on the flags) than
-// it saves; parts start on cache-line boundaries.
+// it saves.
 constexpr size_t kMinPartBytes = 64 * 1024;
-constexpr size_t kPartAlign = 64;
 // Helpers poll this long for the next part before sleeping: consecutive steps of an op follow
 // within microseconds, and a wake-up through the kernel costs tens of them.
 constexpr auto kHelperSpin = std::chrono::microseconds(50);
@@ -23,14 +23,6 @@ constexpr auto kHelperSpin = std::chrono::microseconds(50);
 int partsFor(const HelperPool* pool, size_t bytes) {
   if (pool == nullptr) return 1;
   return static_cast<int>(std::max<size_t>(1, std::min<size_t>(pool->threads(), bytes / kMinPartBytes)));
-}
-
-// [begin, end) of part i of `count` elements of `es` bytes split in `parts`.
-std::pair<size_t, size_t> partRange(size_t count, size_t es, int parts, int i) {
-  const size_t unit = std::max<size_t>(1, kPartAlign / es);
-  const size_t per = (count / parts + unit - 1) / unit * unit;
-  const size_t begin = std::min(count, per * i);
-  return {begin, i == parts - 1 ? count : std::min(count, begin + per)};
 }
 
 }  // namespace
@@ -49,10 +41,7 @@ HelperPool::HelperPool(int helpers, const std::string& name) {
   }
 }
 
-HelperPool::~HelperPool() {
-  std::lock_guard<std::mutex> running(runMutex_);
-  stopAll();
-}
+HelperPool::~HelperPool() { stopAll(); }
 
 void HelperPool::stopAll() {
   {
@@ -69,7 +58,6 @@ void HelperPool::run(int parts, const std::function<void(int)>& part) {
     part(0);
     return;
   }
-  std::lock_guard<std::mutex> running(runMutex_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     part_ = &part;
@@ -115,10 +103,8 @@ void copyParallel(HelperPool* pool, void* dst, const void* src, size_t n, bool s
     copyOut(dst, src, n, stream);
     return;
   }
-  pool->run(parts, [&](int i) {
-    const auto [b, e] = partRange(n, 1, parts, i);
-    copyOut(static_cast<uint8_t*>(dst) + b, static_cast<const uint8_t*>(src) + b, e - b, stream);
-  });
+  const Slices sl = slicesOf(n, parts, kAlignBytes);
+  pool->run(parts, [&](int i) { copyOut(bytes(dst) + sl.begin(i), bytes(src) + sl.begin(i), sl.size(i), stream); });
 }
 
 void reduceParallel(HelperPool* pool, DataType dtype, const Reduction& r, void* dst, const void* const* srcs, int n,
@@ -129,15 +115,16 @@ void reduceParallel(HelperPool* pool, DataType dtype, const Reduction& r, void* 
     reduce(dtype, r, dst, srcs, n, count);
     return;
   }
+  const Slices sl = slicesOf(count, parts, alignElems(dtype));
   pool->run(parts, [&](int i) {
-    const auto [b, e] = partRange(count, es, parts, i);
-    if (e == b) return;
+    const size_t b = sl.begin(i), m = sl.size(i);
+    if (m == 0) return;
     constexpr int kOnStack = 16;  // sources of a host's ranks: no allocation per part
     const void* onStack[kOnStack];
     std::vector<const void*> onHeap(n > kOnStack ? n : 0);
     const void** mine = n > kOnStack ? onHeap.data() : onStack;
-    for (int k = 0; k < n; ++k) mine[k] = static_cast<const uint8_t*>(srcs[k]) + b * es;
-    reduce(dtype, r, static_cast<uint8_t*>(dst) + b * es, mine, n, e - b);
+    for (int k = 0; k < n; ++k) mine[k] = bytes(srcs[k]) + b * es;
+    reduce(dtype, r, bytes(dst) + b * es, mine, n, m);
   });
 }
 

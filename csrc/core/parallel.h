@@ -22,7 +22,7 @@ class HelperPool {
   // Starts `helpers` threads named `name`. Between calls they spin for a few microseconds (the
   // next step of an op usually follows at once), then sleep on a condition variable.
   HelperPool(int helpers, const std::string& name);
-  ~HelperPool();  // waits for a run() in flight, then joins the helpers
+  ~HelperPool();  // joins the helpers; no run() may be in flight (the owner serialises them)
   HelperPool(const HelperPool&) = delete;
   HelperPool& operator=(const HelperPool&) = delete;
 
@@ -36,7 +36,6 @@ class HelperPool {
   void loop(int helper);
   void stopAll();
 
-  std::mutex runMutex_;  // held by run() throughout: the destructor waits for a run in flight
   std::mutex mutex_;
   std::condition_variable wake_;
   std::condition_variable done_;

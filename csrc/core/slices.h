@@ -1,5 +1,5 @@
-// Helpers shared by the one-host and the multi-host algorithms: cutting a count of elements into
-// cache-line aligned slices, and byte-pointer arithmetic on untyped buffers.
+// Cutting a count of elements into cache-line aligned slices (the algorithms' per-rank slices,
+// the helper threads' parts), and byte-pointer arithmetic on untyped buffers.
 #pragma once
 
 #include <algorithm>
@@ -8,7 +8,7 @@
 
 #include "core/types.h"
 
-namespace smddp::algo {
+namespace smddp {
 
 constexpr size_t kAlignBytes = 64;  // slice boundaries on cache lines: no false sharing, aligned SIMD
 
@@ -33,4 +33,4 @@ inline size_t alignElems(DataType dtype) { return std::max<size_t>(1, kAlignByte
 inline const uint8_t* bytes(const void* p) { return static_cast<const uint8_t*>(p); }
 inline uint8_t* bytes(void* p) { return static_cast<uint8_t*>(p); }
 
-}  // namespace smddp::algo
+}  // namespace smddp
