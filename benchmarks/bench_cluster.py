@@ -99,6 +99,9 @@ def main():
     p.add_argument("--rate", default="1gbit", help="every host's link rate (tc units), or 'none'")
     p.add_argument("--rates", default=None, help="comma list, one rate per host (overrides --rate)")
     p.add_argument("--delay", default=None, help="one-way delay added to every packet, e.g. 1ms (RTT = 2x)")
+    p.add_argument("--congestion", default=None,
+                   help="every host's default TCP congestion control (gloo uses it; smddp sets its own, "
+                        "SMDDP_NET_CONGESTION); default: the machine's")
     p.add_argument("--ops", default="allreduce,allgather,reduce_scatter")
     p.add_argument("--impls", default="mesh,naive,ring,gloo")
     p.add_argument("-b", "--minbytes", default="8")
@@ -150,8 +153,9 @@ def main():
           "link% = per-host link traffic / s / slowest link rate")
     results = {}
     t0 = time.monotonic()
-    with netcluster.NetCluster(args.hosts, rates=rates, delay=args.delay) as c:
-        print(f"# measured round trip host 0 -> host 1: {measure_rtt(c)}")
+    with netcluster.NetCluster(args.hosts, rates=rates, delay=args.delay, congestion=args.congestion) as c:
+        print(f"# measured round trip host 0 -> host 1: {measure_rtt(c)}; hosts' default TCP congestion control: "
+              f"{c.default_congestion(0)} (smddp's connections: SMDDP_NET_CONGESTION, default cubic)")
         runs = {impl: [] for impl in impls}
         for r in range(args.repeat):
             for i, impl in enumerate(impls):

@@ -10,7 +10,9 @@ Optional link shaping with tc HTB: `rate` caps each host's egress and the switch
 it (a full-duplex NIC); `rates` overrides it per host. `delay` (e.g. "1ms") delays every packet a
 host sends by that much (so the RTT is twice it): this kernel has no sch_netem, so an iptables
 NFQUEUE rule in each host hands its outgoing packets to benchmarks/delayline.py, a user-space
-delay line (needs the iptables command).
+delay line (needs the iptables command). `congestion` (e.g. "cubic") sets every host's default TCP
+congestion control (a new namespace starts with the machine's), for programs that do not choose
+their own (gloo).
 
 Needs root and iproute2. Usage:
 
@@ -52,8 +54,9 @@ def _run(*argv, check=True):
 
 
 class NetCluster:
-    def __init__(self, hosts, rate=None, rates=None, delay=None, net=None):
+    def __init__(self, hosts, rate=None, rates=None, delay=None, net=None, congestion=None):
         self.n = hosts
+        self.congestion = congestion
         self.rates = list(rates) if rates else [rate] * hosts
         self.delay = delay
         self.tag = f"sd{os.getpid() % 100000}"
@@ -93,6 +96,9 @@ class NetCluster:
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            if self.congestion:
+                _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                     f"net.ipv4.tcp_congestion_control={self.congestion}")
             if self.rates[i]:
                 self._shape(ns, "eth0", self.rates[i])
                 self._shape(self.switch, port, self.rates[i])
@@ -165,6 +171,10 @@ class NetCluster:
             procs.append(self.popen(rank // per_host, [sys.executable, worker, json.dumps(cfg)], env=renv,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         return procs
+
+    def default_congestion(self, i):
+        """Host i's default TCP congestion control."""
+        return _run("ip", "netns", "exec", self.hosts[i], "sysctl", "-n", "net.ipv4.tcp_congestion_control").stdout.strip()
 
     def link_bytes(self, i):
         """(tx_bytes, rx_bytes) of host i's eth0."""

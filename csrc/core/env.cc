@@ -55,6 +55,12 @@ constexpr Param kParams[] = {
      "in rank order) or ring."},
     {"SMDDP_NET_CHUNK_BYTES", "262144",
      "mesh: bytes handed to one peer's socket per turn of the round-robin."},
+    {"SMDDP_NET_CONGESTION", "cubic",
+     "TCP congestion control of smddp's inter-host connections. cubic (Linux's default) suits "
+     "mesh's per-peer windows; BBR (v1) misjudges links whose two directions are both full (the "
+     "acks wait behind data) and left 5-10% of a link idle in the emulated cluster. Empty = the "
+     "system's default. A name this process may not use (see "
+     "net.ipv4.tcp_allowed_congestion_control) keeps the system's default, with a warning."},
     {"SMDDP_NET_BUFFER_BYTES", "16777216",
      "Bytes of receive buffer per rank for inter-host reductions and for the all_to_all blocks a "
      "rank forwards to its host-mates; larger messages are processed in pieces of this size."},
@@ -142,6 +148,7 @@ SMDDP_STRING_PARAM(socketIfname, "SMDDP_SOCKET_IFNAME")
 SMDDP_STRING_PARAM(netAlgo, "SMDDP_NET_ALGO")
 SMDDP_INT_PARAM(netChunkBytes, "SMDDP_NET_CHUNK_BYTES")
 SMDDP_INT_PARAM(netBufferBytes, "SMDDP_NET_BUFFER_BYTES")
+SMDDP_STRING_PARAM(netCongestion, "SMDDP_NET_CONGESTION")
 SMDDP_STRING_PARAM(simd, "SMDDP_SIMD")
 SMDDP_INT_PARAM(cudaStagingBytes, "SMDDP_CUDA_STAGING_BYTES")
 SMDDP_INT_PARAM(cudaRoundBytes, "SMDDP_CUDA_ROUND_BYTES")

@@ -51,6 +51,8 @@ const std::string& netAlgo();
 int64_t netChunkBytes();
 // Receive buffer for inter-host reductions; bigger messages go in pieces.
 int64_t netBufferBytes();
+// TCP congestion control of the inter-host connections ("" = the system's).
+const std::string& netCongestion();
 // Reduce-kernel instruction set: auto (default), avx512, avx2, scalar.
 const std::string& simd();
 // CUDA tensors: pinned staging bytes per group (two halves).

@@ -7,8 +7,13 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <mutex>
 
+#include "core/env.h"
 #include "core/error.h"
+#include "core/log.h"
 
 namespace smddp::net {
 
@@ -43,10 +48,34 @@ sockaddr_in parseAddress(const std::string& hostPort, int rank) {
 
 bool isLoopback(const std::string& hostPort) { return hostPort.compare(0, 4, "127.") == 0; }
 
+std::string setCongestionControl(int fd, const std::string& name) {
+  if (name.empty() || setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name.data(), name.size()) == 0) return "";
+  const int err = errno;
+  auto sysctl = [](const char* leaf) {
+    std::string v;
+    std::getline(std::ifstream(std::string("/proc/sys/net/ipv4/") + leaf), v);
+    return v.empty() ? std::string("?") : v;
+  };
+  if (err == ENOENT) return "this kernel has no '" + name + "' (available: " + sysctl("tcp_available_congestion_control") + ")";
+  if (err == EPERM) {
+    return "'" + name + "' is not allowed for this process (net.ipv4.tcp_allowed_congestion_control = " +
+           sysctl("tcp_allowed_congestion_control") + ")";
+  }
+  return errnoString(err);
+}
+
 void tuneSocket(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  const std::string why = setCongestionControl(fd, env::netCongestion());
+  if (!why.empty()) {
+    static std::once_flag warned;
+    std::call_once(warned, [&] {
+      SMDDP_WARN(kNet, "SMDDP_NET_CONGESTION=%s: %s; inter-host connections keep the system's default",
+                 env::netCongestion().c_str(), why.c_str());
+    });
+  }
 }
 
 }  // namespace smddp::net

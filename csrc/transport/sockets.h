@@ -21,7 +21,12 @@ sockaddr_in parseAddress(const std::string& hostPort, int rank);
 
 bool isLoopback(const std::string& hostPort);
 
-// No Nagle (messages are headers followed by payload; latency matters) and non-blocking.
+// No Nagle (messages are headers followed by payload; latency matters), non-blocking, and the
+// congestion control SMDDP_NET_CONGESTION names (warns once per process where it cannot be had).
 void tuneSocket(int fd);
+
+// Sets fd's TCP congestion control to `name` ("" leaves it alone). Returns "" on success, else
+// why not (unknown to this kernel, or not allowed for this process).
+std::string setCongestionControl(int fd, const std::string& name);
 
 }  // namespace smddp::net

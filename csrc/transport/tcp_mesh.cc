@@ -56,7 +56,10 @@ bool ioAll(int fd, void* buf, size_t n, bool sending, Clock::time_point deadline
 struct TcpMesh::Peer {
   int rank = -1;
   int fd = -1;
-  size_t window = 0;        // kMesh: most unacknowledged bytes allowed in this peer's socket
+  // kMesh: most bytes (unsent + unacknowledged) this peer's socket may hold, and the bytes the
+  // peer had acknowledged when the window last grew. It carries over from one exchange to the next.
+  size_t window = 0;
+  uint64_t handed = 0, ackedAtGrowth = 0;  // bytes ever handed to the socket; acked = handed - queued
   bool windowFull = false;  // kMesh: the last pass found the window full
   // The current exchange's queues and progress through them.
   std::vector<const Send*> sends;
@@ -261,6 +264,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
         peerFailed(p.rank, "sending", errno);
       }
       p.sendOff += static_cast<size_t>(k);
+      p.handed += static_cast<uint64_t>(k);
       total += static_cast<size_t>(k);
       budget -= std::min(budget, static_cast<size_t>(k));
       if (p.sendOff == kHeaderBytes + s.bytes) {
@@ -287,7 +291,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
     return total;
   };
 
-  const size_t minWindow = chunkBytes_, maxWindow = std::max<size_t>(chunkBytes_, 16u << 20);
+  const size_t maxWindow = std::max<size_t>(chunkBytes_, 16u << 20);
   std::vector<pollfd> pfds;
   for (;;) {
     bool moved = false, windowBlocked = false, pending = false;
@@ -300,10 +304,17 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
         int queued = 0;
         ioctl(p->fd, SIOCOUTQ, &queued);
         const size_t q = static_cast<size_t>(std::max(queued, 0));
-        if (q == 0) p->window = std::min(maxWindow, p->window * 2);  // it drained everything: feed it more
+        // A peer that has acknowledged a whole window since the window last grew can take more:
+        // the window grows with what the peer absorbs. It never shrinks to what is merely in
+        // flight: when both directions of a link are full, each side's acks wait behind the
+        // other side's data, and a window that only covers the bytes in flight idles the link.
+        const uint64_t acked = p->handed - q;
+        if (q >= p->window && acked - p->ackedAtGrowth >= p->window && p->window < maxWindow) {
+          p->window = std::min(maxWindow, p->window * 2);
+          p->ackedAtGrowth = acked;
+        }
         p->windowFull = q >= p->window;
         if (p->windowFull) {
-          p->window = std::max(minWindow, p->window - p->window / 8);  // it is not keeping up: queue less
           windowBlocked = true;
           continue;
         }

@@ -29,8 +29,9 @@ namespace smddp::net {
 enum class Schedule {
   // Rate-controlled: chunks go out round-robin over the peers, starting from a shifted peer
   // (rank r first serves the peer after it), and a peer's socket never holds more than its
-  // window of unacknowledged bytes; the window grows while the peer drains it and shrinks while
-  // it does not, so a slow peer keeps a short queue and the others keep the link.
+  // window of unsent and unacknowledged bytes. The window starts at two chunks and doubles each
+  // time the peer has acknowledged a whole window, so every peer is fed as fast as it absorbs
+  // and a peer that stops reading holds at most one window of this rank's data.
   kMesh,
   // Everything handed to the sockets as fast as they take it, peers in rank order.
   kNaive,

@@ -1,9 +1,11 @@
 // Torch-free tests of the TCP mesh (two ranks as two threads of this process, bootstrapped through
 // a FileStore): strangers that connect to a rank's port during set-up are refused and the mesh
 // still forms; data crosses intact in both directions; a header for another op is an error that
-// names both sides; a peer that goes away is reported promptly. Prints "N passed, N failed".
+// names both sides; a peer that goes away is reported promptly; the connections' congestion
+// control is the one asked for, and an unknown one is refused with the reason. Prints "N passed, N failed".
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -11,14 +13,17 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "core/file_store.h"
+#include "transport/sockets.h"
 #include "transport/tcp_mesh.h"
 #include "transport/topology.h"
 
@@ -163,9 +168,54 @@ void testStrangersRefusedThenExchange(const std::string& dir) {
          "closed peer reported in " + std::to_string(secs) + " s: " + gone);
 }
 
+std::string congestionOf(int fd) {
+  char name[32] = {};
+  socklen_t n = sizeof(name);
+  getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &n);
+  return std::string(name, strnlen(name, n));
+}
+
+std::string firstLine(const char* path) {
+  std::string v;
+  std::getline(std::ifstream(path), v);
+  return v;
+}
+
+bool listed(const std::string& names, const std::string& name) {
+  return (" " + names + " ").find(" " + name + " ") != std::string::npos;
+}
+
+void testCongestionControl() {
+  const net::Listener l = net::listenOn("127.0.0.1", "lo", 1, 0);
+  const sockaddr_in to = net::parseAddress(l.address, 0);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  expect(connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) == 0, "connect to own listener");
+  const int peer = accept(l.fd, nullptr, nullptr);
+
+  // reno is built into every kernel and always allowed.
+  expect(net::setCongestionControl(fd, "reno").empty() && congestionOf(fd) == "reno", "reno set");
+  const std::string why = net::setCongestionControl(fd, "no-such-cc");
+  expect(why.find("no 'no-such-cc'") != std::string::npos && congestionOf(fd) == "reno",
+         "unknown congestion control refused, old one kept: " + why);
+  expect(net::setCongestionControl(fd, "").empty() && congestionOf(fd) == "reno", "empty name leaves it");
+
+  // tuneSocket applies SMDDP_NET_CONGESTION where this process may, else keeps what it had.
+  const std::string want = env::netCongestion();
+  const bool allowed = listed(firstLine("/proc/sys/net/ipv4/tcp_available_congestion_control"), want) &&
+                       (geteuid() == 0 || listed(firstLine("/proc/sys/net/ipv4/tcp_allowed_congestion_control"), want));
+  net::tuneSocket(peer);
+  net::tuneSocket(fd);
+  const std::string expected = want.empty() || !allowed ? "reno" : want;
+  expect(congestionOf(fd) == expected, "tuneSocket: " + congestionOf(fd) + ", expected " + expected);
+  close(fd);
+  close(peer);
+  close(l.fd);
+}
+
 }  // namespace
 
 int main() {
+  testCongestionControl();
   char tmpl[] = "/tmp/smddp_net_tests.XXXXXX";
   if (!mkdtemp(tmpl)) return 1;
   testStrangersRefusedThenExchange(tmpl);
