@@ -65,6 +65,7 @@ class NetCluster:
         self.hosts = [f"{self.tag}h{i}" for i in range(hosts)]
         self.shm_root = None
         self.procs = []
+        self.allowed_before = None  # the machine's allowed congestion controls, while we widen them
 
     # -- lifecycle ----------------------------------------------------------
     def __enter__(self):
@@ -97,8 +98,7 @@ class NetCluster:
             _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
             if self.congestion:
-                _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                     f"net.ipv4.tcp_congestion_control={self.congestion}")
+                self._set_congestion(ns)
             if self.rates[i]:
                 self._shape(ns, "eth0", self.rates[i])
                 self._shape(self.switch, port, self.rates[i])
@@ -107,6 +107,16 @@ class NetCluster:
             _run("mount", "-t", "tmpfs", "-o", "mode=1777,size=2g", f"{self.tag}-h{i}", shm)
             if self.delay:
                 self._start_delay(ns)
+
+    def _set_congestion(self, ns):
+        # Outside the initial namespace the kernel takes as default only a congestion control
+        # that net.ipv4.tcp_allowed_congestion_control lists: add it there until close().
+        allowed_key = "net.ipv4.tcp_allowed_congestion_control"
+        allowed = _run("sysctl", "-n", allowed_key).stdout.split()
+        if self.congestion not in allowed:
+            self.allowed_before = " ".join(allowed)
+            _run("sysctl", "-q", "-w", f"{allowed_key}={' '.join(allowed + [self.congestion])}")
+        _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={self.congestion}")
 
     def _start_delay(self, ns):
         line = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delayline.py")
@@ -137,6 +147,9 @@ class NetCluster:
                 pass
         for ns in self.hosts + [self.switch]:
             _run("ip", "netns", "del", ns, check=False)
+        if self.allowed_before is not None:
+            _run("sysctl", "-q", "-w", f"net.ipv4.tcp_allowed_congestion_control={self.allowed_before}", check=False)
+            self.allowed_before = None
         if self.shm_root:
             for i in range(self.n):
                 _run("umount", "-l", os.path.join(self.shm_root, f"h{i}"), check=False)

@@ -87,3 +87,16 @@ def test_delay_line_delays_every_packet():
         server.wait(timeout=10)
     lo, hi = map(float, out.split())
     assert 0.004 <= lo and hi < 0.5, f"round trips {lo * 1e3:.2f}-{hi * 1e3:.2f} ms with 2 ms added each way"
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"{WHY_NOT}")
+def test_congestion_option_sets_hosts_default_and_restores_allowed_list():
+    """bench_cluster --congestion: every host's default TCP congestion control is the one asked
+    for, and the machine's allowed list is as before once the cluster is gone."""
+    key = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
+    available = open("/proc/sys/net/ipv4/tcp_available_congestion_control").read().split()
+    want = "cubic" if "cubic" in available else "reno"
+    before = open(key).read()
+    with netcluster.NetCluster(2, congestion=want) as c:
+        assert [c.default_congestion(i) for i in range(2)] == [want, want]
+    assert open(key).read() == before

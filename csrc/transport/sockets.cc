@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <fstream>
 #include <mutex>
 
@@ -56,7 +55,9 @@ std::string setCongestionControl(int fd, const std::string& name) {
     std::getline(std::ifstream(std::string("/proc/sys/net/ipv4/") + leaf), v);
     return v.empty() ? std::string("?") : v;
   };
-  if (err == ENOENT) return "this kernel has no '" + name + "' (available: " + sysctl("tcp_available_congestion_control") + ")";
+  if (err == ENOENT) {
+    return "this kernel has no '" + name + "' (available: " + sysctl("tcp_available_congestion_control") + ")";
+  }
   if (err == EPERM) {
     return "'" + name + "' is not allowed for this process (net.ipv4.tcp_allowed_congestion_control = " +
            sysctl("tcp_allowed_congestion_control") + ")";
