@@ -210,11 +210,13 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
     const size_t myN = off < mine ? std::min(stepBytes, mine - off) : 0;
     const uint64_t k = step(ctx, off == 0, e, o.counts[ctx.rank], [&](int p) { return o.counts[p]; },
                             [&](uint8_t* slot) {
-                              if (myN == 0) return;
-                              copyParallel(ctx.helpers, slot, bytes(o.input) + off, myN);
-                              // Our own piece goes to the output from the slot, still in cache,
-                              // rather than in a separate pass over the whole input.
-                              if (ownCopy) copyParallel(ctx.helpers, bytes(o.outputs[ctx.rank]) + off, slot, myN, stream);
+                              // Our own piece goes to the output from the slot, still in cache
+                              // (each thread copies back the part it staged), rather than in a
+                              // separate pass over the whole input.
+                              forEachPart(ctx.helpers, myN, 1, kAlignBytes, [&](size_t b, size_t m) {
+                                copyOut(slot + b, bytes(o.input) + off + b, m, false);
+                                if (ownCopy) copyOut(bytes(o.outputs[ctx.rank]) + off + b, slot + b, m, stream);
+                              });
                             });
     for (int p = 0; receives && p < ctx.size; ++p) {
       const size_t pbytes = o.counts[p] * es;

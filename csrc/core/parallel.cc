@@ -13,17 +13,9 @@
 namespace smddp {
 namespace {
 
-// A part smaller than this costs more in hand-off (a wake-up, a cache miss on the flags) than
-// it saves.
-constexpr size_t kMinPartBytes = 64 * 1024;
 // Helpers poll this long for the next part before sleeping: consecutive steps of an op follow
 // within microseconds, and a wake-up through the kernel costs tens of them.
 constexpr auto kHelperSpin = std::chrono::microseconds(50);
-
-int partsFor(const HelperPool* pool, size_t bytes) {
-  if (pool == nullptr) return 1;
-  return static_cast<int>(std::max<size_t>(1, std::min<size_t>(pool->threads(), bytes / kMinPartBytes)));
-}
 
 }  // namespace
 
@@ -98,27 +90,14 @@ void HelperPool::loop(int helper) {
 }
 
 void copyParallel(HelperPool* pool, void* dst, const void* src, size_t n, bool stream) {
-  const int parts = partsFor(pool, n);
-  if (parts == 1) {
-    copyOut(dst, src, n, stream);
-    return;
-  }
-  const Slices sl = slicesOf(n, parts, kAlignBytes);
-  pool->run(parts, [&](int i) { copyOut(bytes(dst) + sl.begin(i), bytes(src) + sl.begin(i), sl.size(i), stream); });
+  forEachPart(pool, n, 1, kAlignBytes,
+              [&](size_t b, size_t m) { copyOut(bytes(dst) + b, bytes(src) + b, m, stream); });
 }
 
 void reduceParallel(HelperPool* pool, DataType dtype, const Reduction& r, void* dst, const void* const* srcs, int n,
                     size_t count) {
   const size_t es = elementSize(dtype);
-  const int parts = partsFor(pool, count * es);
-  if (parts == 1) {
-    reduce(dtype, r, dst, srcs, n, count);
-    return;
-  }
-  const Slices sl = slicesOf(count, parts, alignElems(dtype));
-  pool->run(parts, [&](int i) {
-    const size_t b = sl.begin(i), m = sl.size(i);
-    if (m == 0) return;
+  forEachPart(pool, count, es, alignElems(dtype), [&](size_t b, size_t m) {
     constexpr int kOnStack = 16;  // sources of a host's ranks: no allocation per part
     const void* onStack[kOnStack];
     std::vector<const void*> onHeap(n > kOnStack ? n : 0);

@@ -1,9 +1,11 @@
 // Large copies and reductions split over a few threads. One core cannot use up the memory
 // bandwidth of a server socket: on the H100 host we measured, one thread copied 5.95 GB/s, so
 // a 2-rank CPU all_reduce of 64 MiB was bound by that single thread per rank while 14 cores
-// idled. SMDDP_CPU_THREADS = 1 (the default) keeps everything on the thread that runs the op.
+// idled. SMDDP_CPU_THREADS = 1 (what the default picks when ranks fill the cores) keeps
+// everything on the thread that runs the op.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -13,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/slices.h"
 #include "core/types.h"
 
 namespace smddp {
@@ -47,8 +50,30 @@ class HelperPool {
   std::vector<std::thread> threads_;
 };
 
+// A part smaller than this costs more in hand-off (a wake-up, a cache miss on the flags) than
+// it saves.
+constexpr size_t kMinPartBytes = 64 * 1024;
+
+// Cuts `count` elements of `elemBytes` into parts on multiples of `align` elements, one per
+// thread of `pool` (null: one part) as long as each part gets kMinPartBytes, and runs
+// fn(begin, size) for every non-empty part, part 0 on the calling thread. A template, so the
+// one-part case (every small op) is a direct call.
+template <class Fn>
+void forEachPart(HelperPool* pool, size_t count, size_t elemBytes, size_t align, Fn&& fn) {
+  const size_t fit = count * elemBytes / kMinPartBytes;  // parts that get kMinPartBytes each
+  const int parts = pool == nullptr ? 1 : static_cast<int>(std::clamp<size_t>(fit, 1, pool->threads()));
+  if (parts == 1) {
+    if (count > 0) fn(size_t{0}, count);
+    return;
+  }
+  const Slices sl = slicesOf(count, parts, align);
+  pool->run(parts, [&](int i) {
+    if (sl.size(i) > 0) fn(sl.begin(i), sl.size(i));
+  });
+}
+
 // memcpy (streaming stores if `stream`, see copyOut) and reduce (see reduce.h), split over
-// `pool` when the data is large enough to pay for the hand-off; `pool` may be null.
+// `pool` by forEachPart.
 void copyParallel(HelperPool* pool, void* dst, const void* src, size_t n, bool stream = false);
 void reduceParallel(HelperPool* pool, DataType dtype, const Reduction& r, void* dst, const void* const* srcs, int n,
                     size_t count);
