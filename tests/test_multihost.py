@@ -102,6 +102,15 @@ def test_allreduce_large(pools, topo):
     check(pools, topo, allreduce_matrix, ["large"], ["float32", "bfloat16", "int64"], ["SUM", "AVG", "MAX"], "arL")
 
 
+@pytest.mark.parametrize("topo,buffer", [("012", 1 << 20), ("0011", 1 << 18)])
+def test_allreduce_streamed_through_reused_slots(pools, topo, buffer):
+    """The mesh allreduce streams a message through a ring of scratch slots per peer. With these
+    buffers a large message has more pieces (8-9) than slots (4 on 3 hosts, 2 on 2 hosts), so a
+    slot takes its next piece while later pieces are still arriving from other peers."""
+    check(pools, topo, allreduce_matrix, ["large"], ["float32", "bfloat16"], ["SUM", "MAX"], "arW",
+          env=(("SMDDP_NET_BUFFER_BYTES", str(buffer)),))
+
+
 @pytest.mark.parametrize("topo", TOPOS)
 def test_allgather(pools, topo):
     check(pools, topo, all_gather_list, SMALL_SIZES, ALL)

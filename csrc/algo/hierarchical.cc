@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <set>
 
 #include "core/slices.h"
@@ -17,6 +18,12 @@ namespace {
 // piece takes less time than the data the sockets still hold, large enough that the per-exchange
 // bookkeeping stays negligible.
 constexpr size_t kNetPieceBytes = 2u << 20;
+// A streamed mesh allreduce cuts a message into about this many pieces, each part (one peer's
+// share of a piece) between these bounds: enough pieces that reducing one overlaps the transfer
+// of the next; parts large enough that per-message costs (a header, a reduce call) stay small.
+constexpr size_t kStreamPieces = 8;
+constexpr size_t kMinStreamPartBytes = 32u << 10;
+constexpr size_t kMaxStreamPartBytes = 256u << 10;
 // Least bytes per block in one piece of an inter-host alltoall, whatever SMDDP_NET_BUFFER_BYTES.
 constexpr size_t kMinAlltoallPieceBytes = 4096;
 
@@ -59,75 +66,93 @@ size_t alltoallPieceElems(size_t fanout, size_t bufferBytes, DataType dtype) {
 }
 
 // In-place allreduce of buf[0, n) among `ranks` (one per host, in host order; this rank is
-// ranks[me]). Inputs are partial results; `red` finishes them. `segment` keys the message tags.
-void netAllreduce(HierContext& ctx, const std::vector<int>& ranks, int me, int segment, DataType dt,
-                  const Reduction& red, void* buf, size_t n) {
+// ranks[me]) over a ring. Inputs are partial results; `red` finishes them. `segment` keys the
+// message tags.
+void netAllreduceRing(HierContext& ctx, const std::vector<int>& ranks, int me, int segment, DataType dt,
+                      const Reduction& red, void* buf, size_t n) {
   const int H = static_cast<int>(ranks.size());
   const size_t es = elementSize(dt), align = alignElems(dt);
   uint32_t step = static_cast<uint32_t>(segment) << 16;
   auto tag = [&] { return net::makeTag(ctx.local.seq, step++); };
-  // A piece needs (H-1) parts of scratch (mesh) or one part (ring).
-  size_t piece = std::max(align * H, ctx.bufferBytes / es / (H - 1) * H / (align * H) * (align * H));
-  const net::Schedule sched = ctx.schedule();
-  const size_t pieces = (n + piece - 1) / piece;
-  // Piece k of the message: where it starts and its H parts (part j is reduced by ranks[j]).
+  // A piece needs one part of scratch.
+  const size_t piece = std::max(align * H, ctx.bufferBytes / es * H / (align * H) * (align * H));
+  const int next = ranks[(me + 1) % H], prev = ranks[(me + H - 1) % H];
+  const Reduction partial = partialOf(red);
+  for (size_t at = 0; at < n; at += piece) {
+    uint8_t* base = bytes(buf) + at * es;
+    const Slices parts = slicesOf(std::min(piece, n - at), H, align);
+    auto part = [&](int j) { return base + parts.begin(j) * es; };
+    uint8_t* tmp = ctx.scratchBytes(parts.per * es);
+    for (int t = 0; t < H - 1; ++t) {  // reduce-scatter: after H-1 steps, part me+1 is complete here
+      const int sp = (me - t + H) % H, rp = (me - t - 1 + H) % H;
+      ctx.mesh->exchange(tag(), {{next, part(sp), parts.size(sp) * es}}, {{prev, tmp, parts.size(rp) * es}},
+                         ctx.local.wait, ctx.schedule());
+      const void* srcs[2] = {tmp, part(rp)};
+      reduce(dt, t == H - 2 ? red : partial, part(rp), srcs, 2, parts.size(rp));
+    }
+    for (int t = 0; t < H - 1; ++t) {  // all-gather around the ring
+      const int sp = (me + 1 - t + H) % H, rp = (me - t + H) % H;
+      ctx.mesh->exchange(tag(), {{next, part(sp), parts.size(sp) * es}}, {{prev, part(rp), parts.size(rp) * es}},
+                         ctx.local.wait, ctx.schedule());
+    }
+  }
+}
+
+// The same over the mesh: one hop each way, streamed through a single exchange. The message is
+// cut into pieces and each piece into H parts (part j is reduced by ranks[j]). To every peer go
+// first its part of every piece (reduce-scatter), then this rank's reduced part of every piece
+// (all-gather). When the last peer's contribution to piece k arrives, this rank reduces its part
+// of piece k and opens that piece's all-gather sends: results flow back while later pieces are
+// still coming in, and no piece waits for a lockstep round, each of which would cost a network
+// latency. Contributions land in a ring of `slots` scratch slots per peer (SMDDP_NET_BUFFER_BYTES
+// in all); the receive of piece k waits until piece k - slots, whose slot it takes, is reduced.
+void netAllreduceMesh(HierContext& ctx, const std::vector<int>& ranks, int me, int segment, DataType dt,
+                      const Reduction& red, void* buf, size_t n) {
+  if (n == 0) return;
+  const int H = static_cast<int>(ranks.size()), peers = H - 1;
+  const size_t es = elementSize(dt), align = alignElems(dt);
+  const size_t partBytes = std::min(std::clamp(n * es / H / kStreamPieces, kMinStreamPartBytes, kMaxStreamPartBytes),
+                                    ctx.bufferBytes / peers);
+  const size_t partElems = std::max(align, partBytes / es / align * align), piece = partElems * H;
+  const size_t pieces = (n + piece - 1) / piece, slotBytes = partElems * es;
+  const size_t slots = std::clamp<size_t>(ctx.bufferBytes / (peers * slotBytes), 1, pieces);
+  uint8_t* tmp = ctx.scratchBytes(slots * peers * slotBytes);
+  // Peer i (1 ... H-1) is ranks[(me + i) % H]; its contribution to piece k lands here.
+  auto slot = [&](size_t k, int i) { return tmp + ((k % slots) * peers + (i - 1)) * slotBytes; };
   auto base = [&](size_t k) { return bytes(buf) + k * piece * es; };
   auto partsOf = [&](size_t k) { return slicesOf(std::min(piece, n - k * piece), H, align); };
-  if (ctx.algo == NetAlgo::kRing) {
-    for (size_t k = 0; k < pieces; ++k) {
-      const Slices parts = partsOf(k);
-      auto part = [&](int j) { return base(k) + parts.begin(j) * es; };
-      uint8_t* tmp = ctx.scratchBytes(parts.per * es);
-      const int next = ranks[(me + 1) % H], prev = ranks[(me + H - 1) % H];
-      const Reduction partial = partialOf(red);
-      for (int t = 0; t < H - 1; ++t) {  // reduce-scatter: after H-1 steps, part me+1 is complete here
-        const int sp = (me - t + H) % H, rp = (me - t - 1 + H) % H;
-        ctx.mesh->exchange(tag(), {{next, part(sp), parts.size(sp) * es}}, {{prev, tmp, parts.size(rp) * es}},
-                           ctx.local.wait, sched);
-        const void* srcs[2] = {tmp, part(rp)};
-        reduce(dt, t == H - 2 ? red : partial, part(rp), srcs, 2, parts.size(rp));
-      }
-      for (int t = 0; t < H - 1; ++t) {  // all-gather around the ring
-        const int sp = (me + 1 - t + H) % H, rp = (me - t + H) % H;
-        ctx.mesh->exchange(tag(), {{next, part(sp), parts.size(sp) * es}}, {{prev, part(rp), parts.size(rp) * es}},
-                           ctx.local.wait, sched);
-      }
-    }
-    return;
-  }
-  // Mesh: one hop each way. Reduce-scatter: part j goes to ranks[j], part `me` arrives from all
-  // and is reduced here; all-gather: part `me` goes to all. Exchange k carries the all-gather of
-  // piece k-1 and the reduce-scatter of piece k together, so the links do not idle while one
-  // piece is reduced, and a message of P pieces takes P+1 exchanges rather than 2P.
-  const size_t slotBytes = partsOf(0).per * es;  // piece 0 is the largest
-  uint8_t* tmp = ctx.scratchBytes(slotBytes * (H - 1));
-  auto slot = [&](int j) { return tmp + (j < me ? j : j - 1) * slotBytes; };
+
+  std::unique_ptr<bool[]> reduced(new bool[pieces]());
+  std::vector<int> arrived(pieces, 0);
   std::vector<net::Send> sends;
   std::vector<net::Recv> recvs;
-  std::vector<const void*> srcs(H);
-  for (size_t k = 0; k <= pieces; ++k) {
-    sends.clear();
-    recvs.clear();
-    for (int i = 1; i < H; ++i) {  // per peer: this exchange's all-gather message, then its reduce-scatter one
-      const int j = (me + i) % H;
-      if (k > 0) {
-        const Slices prev = partsOf(k - 1);
-        sends.push_back({ranks[j], base(k - 1) + prev.begin(me) * es, prev.size(me) * es});
-        recvs.push_back({ranks[j], base(k - 1) + prev.begin(j) * es, prev.size(j) * es});
-      }
-      if (k < pieces) {
-        const Slices cur = partsOf(k);
-        sends.push_back({ranks[j], base(k) + cur.begin(j) * es, cur.size(j) * es});
-        recvs.push_back({ranks[j], slot(j), cur.size(me) * es});
-      }
+  sends.reserve(2 * pieces * peers);
+  recvs.reserve(2 * pieces * peers);
+  for (int i = 1; i < H; ++i) {
+    const int j = (me + i) % H;
+    for (size_t k = 0; k < pieces; ++k) {
+      const Slices parts = partsOf(k);
+      sends.push_back({ranks[j], base(k) + parts.begin(j) * es, parts.size(j) * es});
+      recvs.push_back({ranks[j], slot(k, i), parts.size(me) * es, k >= slots ? &reduced[k - slots] : nullptr});
     }
-    ctx.mesh->exchange(tag(), sends, recvs, ctx.local.wait, sched);
-    if (k == pieces) break;
-    const Slices cur = partsOf(k);
-    uint8_t* mine = base(k) + cur.begin(me) * es;
-    for (int j = 0; j < H; ++j) srcs[j] = j == me ? mine : slot(j);  // host order: same result everywhere
-    reduce(dt, red, mine, srcs.data(), H, cur.size(me));
+    for (size_t k = 0; k < pieces; ++k) {
+      const Slices parts = partsOf(k);
+      sends.push_back({ranks[j], base(k) + parts.begin(me) * es, parts.size(me) * es, &reduced[k]});
+      recvs.push_back({ranks[j], base(k) + parts.begin(j) * es, parts.size(j) * es});
+    }
   }
+  std::vector<const void*> srcs(H);
+  auto received = [&](size_t r) {
+    const size_t k = r % (2 * pieces);  // recvs hold, per peer, pieces reduce-scatter then pieces all-gather
+    if (k >= pieces || ++arrived[k] < peers) return;
+    const Slices parts = partsOf(k);
+    uint8_t* mine = base(k) + parts.begin(me) * es;
+    for (int j = 0; j < H; ++j) srcs[j] = j == me ? mine : slot(k, (j - me + H) % H);  // host order everywhere
+    reduce(dt, red, mine, srcs.data(), H, parts.size(me));
+    reduced[k] = true;
+  };
+  ctx.mesh->exchange(net::makeTag(ctx.local.seq, static_cast<uint32_t>(segment)), sends, recvs, ctx.local.wait,
+                     ctx.schedule(), received);
 }
 
 }  // namespace
@@ -212,7 +237,12 @@ void hierAllreduce(HierContext& ctx, const AllreduceOptions& o) {
     for (int k = 0; k < t.hosts(); ++k) {
       owners.push_back(t.members[k][segmentOwner(S, static_cast<int>(t.members[k].size()), s)]);
     }
-    netAllreduce(ctx, owners, h, s, o.dtype, o.reduction, bytes(out) + segs.begin(s) * es, segs.size(s));
+    auto* segment = bytes(out) + segs.begin(s) * es;
+    if (ctx.algo == NetAlgo::kRing) {
+      netAllreduceRing(ctx, owners, h, s, o.dtype, o.reduction, segment, segs.size(s));
+    } else {
+      netAllreduceMesh(ctx, owners, h, s, o.dtype, o.reduction, segment, segs.size(s));
+    }
   }
 
   AllgatherOptions ag{o.dtype, bytes(out) + rangeBegin(l) * es, {}, {}, -1};

@@ -5,7 +5,8 @@
 //                   message, cut into S = max ranks per host segments, so hosts of different sizes
 //                   still agree on segment boundaries) -> per segment, an allreduce among the
 //                   segment's owners, one per host (mesh: reduce-scatter + all-gather in one hop
-//                   each; or a ring) -> all-gather inside the host.
+//                   each, streamed piece by piece through one exchange; or a ring) -> all-gather
+//                   inside the host.
 //   allgather:      rank g sends its block straight to one rank on every other host (the one
 //                   whose local index matches g's, modulo that host's size) -> all-gather rounds
 //                   inside each host.

@@ -70,6 +70,10 @@ struct TcpMesh::Peer {
 
   bool sending() const { return sendIdx < sends.size(); }
   bool receiving() const { return !rx.done(); }
+  // The next message to send waits for its data (Send::ready).
+  bool sendHeld() const {
+    return sending() && sendOff == 0 && sends[sendIdx]->ready != nullptr && !*sends[sendIdx]->ready;
+  }
 };
 
 TcpMesh::TcpMesh(const Topology& topo) : topo_(topo) {}
@@ -212,7 +216,8 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
 }
 
 void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::vector<Recv>& recvs,
-                       const shm::WaitContext& wait, Schedule schedule) {
+                       const shm::WaitContext& wait, Schedule schedule,
+                       const std::function<void(size_t)>& onReceived) {
   std::vector<Peer*> active;
   auto activate = [&](Peer& p) {
     if (p.sends.empty() && p.recvs.empty()) active.push_back(&p);
@@ -250,7 +255,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
   // Sends up to `budget` bytes of p's queue; returns the bytes written (0 when the socket is full).
   auto sendSome = [&](Peer& p, size_t budget) -> size_t {
     size_t total = 0;
-    while (p.sending() && budget > 0) {
+    while (p.sending() && !p.sendHeld() && budget > 0) {
       const Send& s = *p.sends[p.sendIdx];
       if (p.sendOff == 0) p.sendHdr = wire::MsgHeader{tag, s.bytes};
       iovec iov[2];
@@ -277,7 +282,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
   // Reads what has arrived from p, straight into the destinations; returns the bytes read.
   auto recvSome = [&](Peer& p) -> size_t {
     size_t total = 0;
-    while (p.receiving()) {
+    while (p.receiving() && !p.rx.held()) {
       const auto [buf, want] = p.rx.window();
       const ssize_t k = recv(p.fd, buf, want, MSG_DONTWAIT);
       if (k < 0) {
@@ -285,8 +290,9 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
         peerFailed(p.rank, "receiving", errno);
       }
       if (k == 0) peerFailed(p.rank, "receiving", 0);
-      p.rx.advance(static_cast<size_t>(k));
+      const Recv* done = p.rx.advance(static_cast<size_t>(k));
       total += static_cast<size_t>(k);
+      if (done && onReceived) onReceived(static_cast<size_t>(done - recvs.data()));
     }
     return total;
   };
@@ -300,7 +306,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
     }
     if (schedule == Schedule::kMesh) {
       for (Peer* p : active) {
-        if (!p->sending()) continue;
+        if (!p->sending() || p->sendHeld()) continue;
         int queued = 0;
         ioctl(p->fd, SIOCOUTQ, &queued);
         const size_t q = static_cast<size_t>(std::max(queued, 0));
@@ -345,8 +351,8 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
     pfds.clear();
     for (Peer* p : active) {
       short ev = 0;
-      if (p->receiving()) ev |= POLLIN;
-      if (p->sending() && !(schedule == Schedule::kMesh && p->windowFull)) ev |= POLLOUT;
+      if (p->receiving() && !p->rx.held()) ev |= POLLIN;
+      if (p->sending() && !p->sendHeld() && !(schedule == Schedule::kMesh && p->windowFull)) ev |= POLLOUT;
       pfds.push_back({p->fd, ev, 0});
     }
     // A window-blocked peer frees up as acks arrive, which poll() does not report: re-check soon.

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -48,10 +49,14 @@ class TcpMesh {
   const LocalAddress& address() const { return addr_; }
 
   // Messages to one peer leave in list order and arrive in list order. `tag` identifies the op
-  // and step; both sides must use the same. Throws kRemoteError when a peer closes its
-  // connection, kTimeout at the deadline, kAborted when the wait context is aborted.
+  // and step; both sides must use the same. `onReceived(i)`, when given, runs on this thread as
+  // soon as recvs[i] has fully arrived; it may open the `ready` gates of later messages, which is
+  // how one exchange carries data computed from what it received (a streamed reduction).
+  // Throws kRemoteError when a peer closes its connection, kTimeout at the deadline, kAborted
+  // when the wait context is aborted.
   void exchange(uint64_t tag, const std::vector<Send>& sends, const std::vector<Recv>& recvs,
-                const shm::WaitContext& wait, Schedule schedule);
+                const shm::WaitContext& wait, Schedule schedule,
+                const std::function<void(size_t)>& onReceived = {});
 
   // Interrupts nothing by itself; the next poll tick sees the abort flag of the wait context.
   void closeAll();

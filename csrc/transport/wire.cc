@@ -50,14 +50,14 @@ void RecvCursor::clear() {
 }
 
 std::pair<char*, size_t> RecvCursor::window() {
-  if (done()) return {nullptr, 0};
+  if (done() || held()) return {nullptr, 0};
   if (off_ < kHeaderBytes) return {reinterpret_cast<char*>(&hdr_) + off_, kHeaderBytes - off_};
   const Recv& r = *expected_[idx_];
   const size_t got = off_ - kHeaderBytes;
   return {static_cast<char*>(r.data) + got, r.bytes - got};
 }
 
-void RecvCursor::advance(size_t k) {
+const Recv* RecvCursor::advance(size_t k) {
   const Recv& r = *expected_[idx_];
   const bool inHeader = off_ < kHeaderBytes;
   off_ += k;
@@ -74,7 +74,9 @@ void RecvCursor::advance(size_t k) {
   if (off_ >= kHeaderBytes && off_ == kHeaderBytes + r.bytes) {
     ++idx_;
     off_ = 0;
+    return &r;
   }
+  return nullptr;
 }
 
 }  // namespace smddp::net::wire

@@ -23,15 +23,21 @@ inline uint64_t makeTag(uint64_t seq, uint32_t step) {
   return (seq << kTagStepBits) | (step & ((1u << kTagStepBits) - 1));
 }
 
+// `ready`, when set, holds the message back until *ready is true, and with it every later
+// message of the same exchange to (or from) that peer: a send whose data is still being
+// computed, a receive whose buffer is still in use. Only the exchange's onReceived callback can
+// flip it (everything runs on the exchange's thread).
 struct Send {
   int peer;
   const void* data;
   size_t bytes;
+  const bool* ready = nullptr;
 };
 struct Recv {
   int peer;
   void* data;
   size_t bytes;
+  const bool* ready = nullptr;
 };
 
 namespace wire {
@@ -77,11 +83,16 @@ class RecvCursor {
   void start(std::vector<const Recv*> expected, uint64_t tag, int peerRank);
   void clear();
   bool done() const { return idx_ >= expected_.size(); }
-  // Where the next bytes go and at most how many; never empty while !done().
+  // The next message may not be read yet (its Recv::ready is false).
+  bool held() const {
+    return !done() && off_ == 0 && expected_[idx_]->ready != nullptr && !*expected_[idx_]->ready;
+  }
+  // Where the next bytes go and at most how many; never empty while !done() && !held().
   std::pair<char*, size_t> window();
   // `k` (> 0, at most window().second) bytes were written at window(). A completed header that
   // does not match the expected message throws smddp::Error (kInvalidUsage) naming both sides.
-  void advance(size_t k);
+  // Returns the message these bytes completed, or null.
+  const Recv* advance(size_t k);
 
  private:
   std::vector<const Recv*> expected_;

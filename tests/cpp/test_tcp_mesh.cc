@@ -1,8 +1,9 @@
 // Torch-free tests of the TCP mesh (two ranks as two threads of this process, bootstrapped through
 // a FileStore): strangers that connect to a rank's port during set-up are refused and the mesh
-// still forms; data crosses intact in both directions; a header for another op is an error that
-// names both sides; a peer that goes away is reported promptly; the connections' congestion
-// control is the one asked for, and an unknown one is refused with the reason. Prints "N passed, N failed".
+// still forms; data crosses intact in both directions; a send can wait for data computed from an
+// earlier receive of the same exchange; a header for another op is an error that names both
+// sides; a peer that goes away is reported promptly; the connections' congestion control is the
+// one asked for, and an unknown one is refused with the reason. Prints "N passed, N failed".
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -132,6 +133,49 @@ void testStrangersRefusedThenExchange(const std::string& dir) {
     b.join();
     expect(errors[0].empty() && errors[1].empty() && in[0] == out[1] && in[1] == out[0],
            "exchange of " + std::to_string(n) + " bytes each way intact: [" + errors[0] + "] [" + errors[1] + "]");
+  }
+
+  // One exchange that carries data computed from what it received: rank 1 answers rank 0's
+  // message with a reply it computes in onReceived (its send waits on the gate the callback
+  // opens), and takes a second message into the same buffer only after the first was consumed
+  // (a held receive).
+  {
+    const size_t m = (1 << 20) + 3;
+    std::vector<uint8_t> ask(m), ask2(m), reply(m), got(m, 0), landing(m, 0), seen(m, 0), seen2(m, 0);
+    for (size_t i = 0; i < m; ++i) {
+      ask[i] = static_cast<uint8_t>(i * 13);
+      ask2[i] = static_cast<uint8_t>(i * 5 + 1);
+    }
+    bool replyReady = false, landingFree = false;
+    std::thread a([&] {
+      try {
+        meshes[0]->exchange(net::makeTag(2, 0), {{1, ask.data(), m}, {1, ask2.data(), m}}, {{1, got.data(), m}},
+                            waitFor(std::chrono::seconds(20)), net::Schedule::kMesh);
+      } catch (const std::exception& e) {
+        errors[0] = e.what();
+      }
+    });
+    try {
+      auto received = [&](size_t i) {
+        if (i == 0) {
+          seen = landing;
+          for (size_t k = 0; k < m; ++k) reply[k] = static_cast<uint8_t>(landing[k] + 1);
+          replyReady = landingFree = true;
+        } else {
+          seen2 = landing;
+        }
+      };
+      meshes[1]->exchange(net::makeTag(2, 0), {{0, reply.data(), m, &replyReady}},
+                          {{0, landing.data(), m}, {0, landing.data(), m, &landingFree}},
+                          waitFor(std::chrono::seconds(20)), net::Schedule::kMesh, received);
+    } catch (const std::exception& e) {
+      errors[1] = e.what();
+    }
+    a.join();
+    bool replied = true;
+    for (size_t k = 0; k < m; ++k) replied &= got[k] == static_cast<uint8_t>(ask[k] + 1);
+    expect(errors[0].empty() && errors[1].empty() && seen == ask && seen2 == ask2 && replied,
+           "gated send and held receive in one exchange: [" + errors[0] + "] [" + errors[1] + "]");
   }
 
   // Rank 0 is one op ahead: rank 1 must refuse the message, naming both op numbers.
