@@ -1,8 +1,8 @@
-"""A fixed one-way delay for the packets a network namespace sends, for kernels without
+"""A fixed one-way delay for the packets a network namespace receives, for kernels without
 sch_netem (benchmarks/netcluster.py starts one per emulated host).
 
-An iptables rule (`-A OUTPUT -o eth0 -j NFQUEUE --queue-num Q --queue-bypass`) hands every
-outgoing packet to NFQUEUE queue Q; this process binds the queue over netlink (no library: the
+An iptables rule (`-A INPUT -i eth0 -j NFQUEUE --queue-num Q --queue-bypass`) hands every
+incoming packet to NFQUEUE queue Q; this process binds the queue over netlink (no library: the
 nfnetlink_queue messages are a few packed structs), asks for metadata only and for GSO
 super-packets unsplit, and accepts each packet DELAY after it arrived. Arrivals are FIFO and the
 delay is constant, so one batch verdict ("accept everything up to id N") releases every packet

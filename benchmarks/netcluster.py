@@ -8,9 +8,12 @@ discovery really sees separate machines, and everything between hosts crosses et
 
 Optional link shaping with tc HTB: `rate` caps each host's egress and the switch port towards
 it (a full-duplex NIC); `rates` overrides it per host. `delay` (e.g. "1ms") delays every packet a
-host sends by that much (so the RTT is twice it): this kernel has no sch_netem, so an iptables
-NFQUEUE rule in each host hands its outgoing packets to benchmarks/delayline.py, a user-space
-delay line (needs the iptables command). `congestion` (e.g. "cubic") sets every host's default TCP
+host receives by that much (so the RTT is twice it): this kernel has no sch_netem, so an iptables
+NFQUEUE rule in each host hands its incoming packets to benchmarks/delayline.py, a user-space
+delay line (needs the iptables command). The delay is applied on arrival, after the link, as a
+wire's propagation delay is: a packet held on its way out would still count against its
+sender's socket, and TCP Small Queues would then hold each connection to about one delay's
+worth of its pacing rate, a limit no real network imposes. `congestion` (e.g. "cubic") sets every host's default TCP
 congestion control (a new namespace starts with the machine's), for programs that do not choose
 their own (gloo).
 
@@ -44,6 +47,31 @@ def available(delay=False):
     if delay and shutil.which("iptables") is None:
         return "delays need the iptables command (apt-get install iptables)"
     return None
+
+
+_ECHO = """
+import socket, sys, time
+port = int(sys.argv[2])
+if sys.argv[1] == "server":
+    s = socket.create_server(("0.0.0.0", port))
+    c, _ = s.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while c.recv(1):
+        c.sendall(b"x")
+else:
+    for _ in range(100):
+        try:
+            c = socket.create_connection((sys.argv[3], port), timeout=5)
+            break
+        except OSError:
+            time.sleep(0.05)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for _ in range(int(sys.argv[4])):
+        t0 = time.perf_counter()
+        c.sendall(b"x")
+        c.recv(1)
+        print(time.perf_counter() - t0)
+"""
 
 
 def _run(*argv, check=True):
@@ -127,7 +155,7 @@ class NetCluster:
         if "ready" not in first:
             raise RuntimeError(f"delay line in {ns} did not start: {first}{p.stdout.read() if p.poll() else ''}")
         # --queue-bypass: should the delay line die, packets flow undelayed rather than being dropped
-        _run("ip", "netns", "exec", ns, "iptables", "-A", "OUTPUT", "-o", "eth0", "-j", "NFQUEUE",
+        _run("ip", "netns", "exec", ns, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "NFQUEUE",
              "--queue-num", "0", "--queue-bypass")
     @staticmethod
     def _shape(ns, dev, rate):
@@ -188,6 +216,22 @@ class NetCluster:
     def default_congestion(self, i):
         """Host i's default TCP congestion control."""
         return _run("ip", "netns", "exec", self.hosts[i], "sysctl", "-n", "net.ipv4.tcp_congestion_control").stdout.strip()
+
+    def tcp_round_trips(self, a, b, count=10, port=29512):
+        """`count` round trips (seconds) of 1-byte ping-pong over one TCP connection from host a
+        to host b: the latency the collectives see (ICMP may take another path through the
+        delay line)."""
+        server = self.popen(b, [sys.executable, "-c", _ECHO, "server", str(port)])
+        client = self.popen(a, [sys.executable, "-c", _ECHO, "client", str(port), self.address(b), str(count)],
+                            stdout=subprocess.PIPE, text=True)
+        try:
+            out = client.communicate(timeout=60)[0]
+        finally:
+            server.kill()
+            server.wait()
+        if client.returncode != 0:
+            raise RuntimeError(f"TCP ping-pong from host {a} to host {b} failed (exit {client.returncode})")
+        return [float(x) for x in out.split()]
 
     def link_bytes(self, i):
         """(tx_bytes, rx_bytes) of host i's eth0."""

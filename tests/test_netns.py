@@ -55,37 +55,13 @@ def test_two_hosts_over_network_namespaces():
         assert tx >= BIG and rx >= BIG, f"host {h}: eth0 tx {tx} rx {rx} bytes: the data did not cross the link"
 
 
-ECHO = """
-import socket, sys, time
-if sys.argv[1] == "server":
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("0.0.0.0", 29512)); s.listen(1); c, _ = s.accept()
-    while (d := c.recv(64)):
-        c.sendall(d)
-else:
-    for _ in range(100):
-        try:
-            c = socket.create_connection((sys.argv[2], 29512), timeout=5); break
-        except OSError:
-            time.sleep(0.05)
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    rtts = []
-    for _ in range(10):
-        t0 = time.perf_counter(); c.sendall(b"x"); c.recv(64); rtts.append(time.perf_counter() - t0)
-    print(min(rtts), max(rtts))
-"""
-
-
 @pytest.mark.skipif(netcluster.available(delay=True) is not None, reason=f"{netcluster.available(delay=True)}")
 def test_delay_line_delays_every_packet():
     """The benchmark's delay emulation (benchmarks/delayline.py): 2 ms one way -> TCP round trips
     of at least 4 ms."""
     with netcluster.NetCluster(2, delay="2ms") as c:
-        server = c.popen(1, [sys.executable, "-c", ECHO, "server"])
-        client = c.popen(0, [sys.executable, "-c", ECHO, "client", c.address(1)], stdout=-1, text=True)
-        out = client.communicate(timeout=60)[0]
-        server.wait(timeout=10)
-    lo, hi = map(float, out.split())
+        rtts = c.tcp_round_trips(0, 1)
+    lo, hi = min(rtts), max(rtts)
     assert 0.004 <= lo and hi < 0.5, f"round trips {lo * 1e3:.2f}-{hi * 1e3:.2f} ms with 2 ms added each way"
 
 
