@@ -111,6 +111,14 @@ def test_allreduce_streamed_through_reused_slots(pools, topo, buffer):
           env=(("SMDDP_NET_BUFFER_BYTES", str(buffer)),))
 
 
+@pytest.mark.parametrize("topo", ["012", "0011"])
+def test_reduce_scatter_streamed_through_reused_slots(pools, topo):
+    """reduce_scatter streams the partials the same way: with a 1 MiB buffer a large block has
+    12-13 pieces and the slots hold 2 (3 hosts) or 4 (2 hosts)."""
+    check(pools, topo, reduce_scatter_tensor_forms, ["large"], ["float32", "bfloat16"], ["SUM", "MAX"], "rsW",
+          env=(("SMDDP_NET_BUFFER_BYTES", str(1 << 20)),))
+
+
 @pytest.mark.parametrize("topo", TOPOS)
 def test_allgather(pools, topo):
     check(pools, topo, all_gather_list, SMALL_SIZES, ALL)

@@ -14,21 +14,55 @@
 namespace smddp::algo {
 namespace {
 
-// Most bytes per peer in one piece of a pipelined network stage: small enough that reducing a
-// piece takes less time than the data the sockets still hold, large enough that the per-exchange
-// bookkeeping stays negligible.
-constexpr size_t kNetPieceBytes = 2u << 20;
-// A streamed mesh allreduce cuts a message into about this many pieces, each part (one peer's
-// share of a piece) between these bounds: enough pieces that reducing one overlaps the transfer
-// of the next; parts large enough that per-message costs (a header, a reduce call) stay small.
+// A streamed reduction (mesh allreduce, reduce_scatter) cuts what one peer sends into about this
+// many pieces, each between these bounds: enough pieces that reducing one overlaps the transfer
+// of the next; pieces large enough that per-message costs (a header, a reduce call) stay small.
 constexpr size_t kStreamPieces = 8;
-constexpr size_t kMinStreamPartBytes = 32u << 10;
-constexpr size_t kMaxStreamPartBytes = 256u << 10;
+constexpr size_t kMinStreamPieceBytes = 32u << 10;
+constexpr size_t kMaxStreamPieceBytes = 256u << 10;
 // Least bytes per block in one piece of an inter-host alltoall, whatever SMDDP_NET_BUFFER_BYTES.
 constexpr size_t kMinAlltoallPieceBytes = 4096;
 
 // How many of a block's `count` elements fall in the piece that starts at element `at`.
 size_t pieceSpan(size_t count, size_t at, size_t piece) { return std::min(piece, count - std::min(at, count)); }
+
+// Elements per piece of one peer's `bytes` in a streamed reduction: a function of what sender
+// and receiver both know, so that they cut alike; at most `perPeerBudget` bytes.
+size_t streamPieceElems(size_t bytes, size_t perPeerBudget, DataType dt) {
+  const size_t es = elementSize(dt), align = alignElems(dt);
+  const size_t piece =
+      std::min(std::clamp(bytes / kStreamPieces, kMinStreamPieceBytes, kMaxStreamPieceBytes), perPeerBudget);
+  return std::max(align, piece / es / align * align);
+}
+
+// Where a streamed reduction keeps its peers' contributions: piece k from peer i (0 ... peers-1)
+// in slot k % slots. The receive of piece k waits (Recv::ready) until piece k - slots, whose slot
+// it takes, has been reduced; once the last peer's piece k is in, the caller reduces it and opens
+// whatever waits on reduced(k).
+class ContributionSlots {
+ public:
+  ContributionSlots(size_t pieces, int peers, size_t slotBytes, size_t budgetBytes)
+      : peers_(peers),
+        slotBytes_(slotBytes),
+        slots_(std::clamp<size_t>(budgetBytes / std::max<size_t>(1, peers * slotBytes), 1, std::max<size_t>(pieces, 1))),
+        reduced_(new bool[pieces]()),
+        arrived_(pieces, 0) {}
+  size_t bytes() const { return slots_ * peers_ * slotBytes_; }
+  void place(uint8_t* at) { base_ = at; }
+  uint8_t* slot(size_t k, int i) const { return base_ + ((k % slots_) * peers_ + i) * slotBytes_; }
+  const bool* slotFree(size_t k) const { return k >= slots_ ? &reduced_[k - slots_] : nullptr; }
+  const bool* reduced(size_t k) const { return &reduced_[k]; }
+  // Counts one peer's piece k in; true when it was the last one.
+  bool arrive(size_t k) { return ++arrived_[k] == peers_; }
+  void markReduced(size_t k) { reduced_[k] = true; }
+
+ private:
+  int peers_;
+  size_t slotBytes_, slots_;
+  std::unique_ptr<bool[]> reduced_;
+  std::vector<int> arrived_;
+  uint8_t* base_ = nullptr;
+};
 
 // AVG and PREMUL_SUM finish with a scaling that must happen once, at the last stage; partial
 // stages add.
@@ -104,26 +138,20 @@ void netAllreduceRing(HierContext& ctx, const std::vector<int>& ranks, int me, i
 // (all-gather). When the last peer's contribution to piece k arrives, this rank reduces its part
 // of piece k and opens that piece's all-gather sends: results flow back while later pieces are
 // still coming in, and no piece waits for a lockstep round, each of which would cost a network
-// latency. Contributions land in a ring of `slots` scratch slots per peer (SMDDP_NET_BUFFER_BYTES
-// in all); the receive of piece k waits until piece k - slots, whose slot it takes, is reduced.
+// latency. Contributions wait in ContributionSlots (SMDDP_NET_BUFFER_BYTES in all).
 void netAllreduceMesh(HierContext& ctx, const std::vector<int>& ranks, int me, int segment, DataType dt,
                       const Reduction& red, void* buf, size_t n) {
   if (n == 0) return;
   const int H = static_cast<int>(ranks.size()), peers = H - 1;
   const size_t es = elementSize(dt), align = alignElems(dt);
-  const size_t partBytes = std::min(std::clamp(n * es / H / kStreamPieces, kMinStreamPartBytes, kMaxStreamPartBytes),
-                                    ctx.bufferBytes / peers);
-  const size_t partElems = std::max(align, partBytes / es / align * align), piece = partElems * H;
-  const size_t pieces = (n + piece - 1) / piece, slotBytes = partElems * es;
-  const size_t slots = std::clamp<size_t>(ctx.bufferBytes / (peers * slotBytes), 1, pieces);
-  uint8_t* tmp = ctx.scratchBytes(slots * peers * slotBytes);
-  // Peer i (1 ... H-1) is ranks[(me + i) % H]; its contribution to piece k lands here.
-  auto slot = [&](size_t k, int i) { return tmp + ((k % slots) * peers + (i - 1)) * slotBytes; };
+  const size_t partElems = streamPieceElems(n * es / H, ctx.bufferBytes / peers, dt), piece = partElems * H;
+  const size_t pieces = (n + piece - 1) / piece;
   auto base = [&](size_t k) { return bytes(buf) + k * piece * es; };
   auto partsOf = [&](size_t k) { return slicesOf(std::min(piece, n - k * piece), H, align); };
+  ContributionSlots slots(pieces, peers, partsOf(0).per * es, ctx.bufferBytes);  // piece 0 is the largest
+  slots.place(ctx.scratchBytes(slots.bytes()));
 
-  std::unique_ptr<bool[]> reduced(new bool[pieces]());
-  std::vector<int> arrived(pieces, 0);
+  // Peer i (1 ... H-1) is ranks[(me + i) % H].
   std::vector<net::Send> sends;
   std::vector<net::Recv> recvs;
   sends.reserve(2 * pieces * peers);
@@ -133,23 +161,23 @@ void netAllreduceMesh(HierContext& ctx, const std::vector<int>& ranks, int me, i
     for (size_t k = 0; k < pieces; ++k) {
       const Slices parts = partsOf(k);
       sends.push_back({ranks[j], base(k) + parts.begin(j) * es, parts.size(j) * es});
-      recvs.push_back({ranks[j], slot(k, i), parts.size(me) * es, k >= slots ? &reduced[k - slots] : nullptr});
+      recvs.push_back({ranks[j], slots.slot(k, i - 1), parts.size(me) * es, slots.slotFree(k)});
     }
     for (size_t k = 0; k < pieces; ++k) {
       const Slices parts = partsOf(k);
-      sends.push_back({ranks[j], base(k) + parts.begin(me) * es, parts.size(me) * es, &reduced[k]});
+      sends.push_back({ranks[j], base(k) + parts.begin(me) * es, parts.size(me) * es, slots.reduced(k)});
       recvs.push_back({ranks[j], base(k) + parts.begin(j) * es, parts.size(j) * es});
     }
   }
   std::vector<const void*> srcs(H);
   auto received = [&](size_t r) {
     const size_t k = r % (2 * pieces);  // recvs hold, per peer, pieces reduce-scatter then pieces all-gather
-    if (k >= pieces || ++arrived[k] < peers) return;
+    if (k >= pieces || !slots.arrive(k)) return;
     const Slices parts = partsOf(k);
     uint8_t* mine = base(k) + parts.begin(me) * es;
-    for (int j = 0; j < H; ++j) srcs[j] = j == me ? mine : slot(k, (j - me + H) % H);  // host order everywhere
+    for (int j = 0; j < H; ++j) srcs[j] = j == me ? mine : slots.slot(k, (j - me + H) % H - 1);  // host order
     reduce(dt, red, mine, srcs.data(), H, parts.size(me));
-    reduced[k] = true;
+    slots.markReduced(k);
   };
   ctx.mesh->exchange(net::makeTag(ctx.local.seq, static_cast<uint32_t>(segment)), sends, recvs, ctx.local.wait,
                      ctx.schedule(), received);
@@ -309,13 +337,15 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
   }
   // A rank alone on its host sends its input blocks as they are: there is nothing to reduce locally.
   const size_t recvAt = L == 1 ? 0 : total;
-  // The network stage goes in pieces so that piece i is reduced while the sockets still carry
-  // what was queued of piece i and the peers' piece i+1 collects in the receive buffers; a piece
-  // takes (H-1) slots of scratch, bounded by the buffer size.
-  const size_t align = alignElems(o.dtype);
-  const size_t piece = std::max(align, std::min(ctx.bufferBytes / (H - 1), kNetPieceBytes) / es / align * align);
-  const size_t slotBytes = std::min(piece, cnt(me)) * es;
-  uint8_t* tmp = ctx.scratchBytes(recvAt + static_cast<size_t>(H - 1) * slotBytes);
+  // The network stage is one streamed exchange: every partial goes to its owner in pieces, and
+  // the owner reduces piece k of its block as soon as the last host's piece k is in, while later
+  // pieces are still arriving. Pieces are cut from the block's size alone, alike on both ends.
+  const int peers = H - 1;
+  auto pieceOf = [&](int g) { return streamPieceElems(cnt(g) * es, ctx.bufferBytes / peers, o.dtype); };
+  const size_t piece = pieceOf(me), pieces = (cnt(me) + piece - 1) / piece;
+  ContributionSlots slots(pieces, peers, std::min(piece, cnt(me)) * es, ctx.bufferBytes);
+  uint8_t* tmp = ctx.scratchBytes(recvAt + slots.bytes());
+  slots.place(tmp + recvAt);
   auto partial = [&](size_t k) -> const void* { return L == 1 ? o.inputs[mine[k]] : tmp + partialAt[k]; };
 
   size_t rounds = 0;
@@ -331,49 +361,41 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
     reduceScatter(ctx.local, rs);
   }
 
-  // Outgoing partials (to their rank on another host), this rank's own, and where the other
-  // hosts' partials of block `me` come from.
-  std::vector<std::pair<int, const uint8_t*>> outgoing;
+  // Outgoing partials go to their rank on another host; this rank's own stays for the reduction;
+  // the other hosts' partials of block `me` come from `sources` (one per other host, host order).
+  std::vector<net::Send> sends;
   const uint8_t* own = nullptr;
-  size_t pieces = (cnt(me) + piece - 1) / piece;
   for (size_t k = 0; k < mine.size(); ++k) {
     const int g = mine[k];
     if (g == me) {
       own = bytes(partial(k));
-    } else if (t.hostOf[g] != h) {
-      outgoing.push_back({g, bytes(partial(k))});
-      pieces = std::max(pieces, (cnt(g) + piece - 1) / piece);
+      continue;
+    }
+    if (t.hostOf[g] == h) continue;
+    const uint8_t* data = bytes(partial(k));
+    for (size_t at = 0; at < cnt(g); at += pieceOf(g)) {
+      sends.push_back({g, data + at * es, pieceSpan(cnt(g), at, pieceOf(g)) * es});
     }
   }
-  std::vector<int> sources;  // one per other host, in host order
-  for (int k = 0; k < H; ++k) {
-    if (k != h) sources.push_back(partnerOn(t, me, k));
-  }
-  std::vector<net::Send> sends;
   std::vector<net::Recv> recvs;
-  std::vector<const void*> srcs(H);
-  for (size_t i = 0; i < pieces; ++i) {
-    const size_t at = i * piece;  // element offset of piece i in every block
-    auto span = [&](int g) { return pieceSpan(cnt(g), at, piece); };
-    sends.clear();
-    recvs.clear();
-    for (const auto& [g, data] : outgoing) {
-      if (span(g) > 0) sends.push_back({g, data + at * es, span(g) * es});
+  for (int k = 0, i = 0; k < H; ++k) {
+    if (k == h) continue;
+    for (size_t p = 0; p < pieces; ++p) {
+      recvs.push_back({partnerOn(t, me, k), slots.slot(p, i), pieceSpan(cnt(me), p * piece, piece) * es,
+                       slots.slotFree(p)});
     }
-    const size_t n = span(me);
-    for (int k = 0, slot = 0; k < H && n > 0; ++k) {
-      if (k == h) {
-        srcs[k] = own + at * es;
-        continue;
-      }
-      uint8_t* into = tmp + recvAt + static_cast<size_t>(slot) * slotBytes;
-      recvs.push_back({sources[slot++], into, n * es});
-      srcs[k] = into;
-    }
-    ctx.mesh->exchange(net::makeTag(ctx.local.seq, static_cast<uint32_t>(i)), sends, recvs, ctx.local.wait,
-                       ctx.schedule());
-    if (n > 0) reduce(o.dtype, o.reduction, bytes(o.output) + at * es, srcs.data(), H, n);
+    ++i;
   }
+  std::vector<const void*> srcs(H);
+  auto received = [&](size_t r) {
+    const size_t p = r % pieces;  // recvs hold, per source, the pieces in order
+    if (!slots.arrive(p)) return;
+    const size_t at = p * piece;
+    for (int k = 0, i = 0; k < H; ++k) srcs[k] = k == h ? own + at * es : slots.slot(p, i++);  // host order
+    reduce(o.dtype, o.reduction, bytes(o.output) + at * es, srcs.data(), H, pieceSpan(cnt(me), at, piece));
+    slots.markReduced(p);
+  };
+  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule(), received);
 }
 
 void hierBroadcast(HierContext& ctx, const BroadcastOptions& o) {

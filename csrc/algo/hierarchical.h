@@ -11,9 +11,9 @@
 //                   whose local index matches g's, modulo that host's size) -> all-gather rounds
 //                   inside each host.
 //   reduce_scatter: reduce rounds inside the host (block g is reduced at the local rank matching
-//                   g's local index) -> each partial goes straight to rank g, in pieces of at
-//                   most 2 MiB per peer (and SMDDP_NET_BUFFER_BYTES / (hosts - 1)) -> g reduces
-//                   each piece of the host partials before the next is exchanged.
+//                   g's local index) -> each partial goes straight to rank g in one streamed
+//                   exchange, in pieces -> g reduces piece k of the hosts' partials as soon as
+//                   the last of them is in, while later pieces still arrive.
 //   broadcast:      the root sends to the first rank of every other host -> broadcast in hosts.
 //   barrier:        host barrier, then an all-to-all of empty messages among the hosts' first
 //                   ranks, then host barrier.
