@@ -44,7 +44,8 @@ class ContributionSlots {
   ContributionSlots(size_t pieces, int peers, size_t slotBytes, size_t budgetBytes)
       : peers_(peers),
         slotBytes_(slotBytes),
-        slots_(std::clamp<size_t>(budgetBytes / std::max<size_t>(1, peers * slotBytes), 1, std::max<size_t>(pieces, 1))),
+        slots_(std::clamp<size_t>(budgetBytes / std::max<size_t>(1, peers * slotBytes), 1,
+                                  std::max<size_t>(pieces, 1))),
         reduced_(new bool[pieces]()),
         arrived_(pieces, 0) {}
   size_t bytes() const { return slots_ * peers_ * slotBytes_; }
@@ -361,8 +362,8 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
     reduceScatter(ctx.local, rs);
   }
 
-  // Outgoing partials go to their rank on another host; this rank's own stays for the reduction;
-  // the other hosts' partials of block `me` come from `sources` (one per other host, host order).
+  // Outgoing partials go to their rank on another host, in pieces; this rank's own stays for the
+  // reduction; the other hosts' partials of block `me` come from this rank's partner on each.
   std::vector<net::Send> sends;
   const uint8_t* own = nullptr;
   for (size_t k = 0; k < mine.size(); ++k) {
