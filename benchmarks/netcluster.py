@@ -6,14 +6,14 @@ network. Processes started on a host also get their own UTS namespace (hostname 
 own /dev/shm (a tmpfs per host, bind-mounted in a private mount namespace), so smddp's topology
 discovery really sees separate machines, and everything between hosts crosses eth0.
 
-Optional link shaping with tc HTB: `rate` caps each host's egress and the switch port towards
-it (a full-duplex NIC); `rates` overrides it per host. `delay` (e.g. "1ms") delays every packet a
-host receives by that much (so the RTT is twice it): this kernel has no sch_netem, so an iptables
-NFQUEUE rule in each host hands its incoming packets to benchmarks/delayline.py, a user-space
-delay line (needs the iptables command). The delay is applied on arrival, after the link, as a
-wire's propagation delay is: a packet held on its way out would still count against its
-sender's socket, and TCP Small Queues would then hold each connection to about one delay's
-worth of its pacing rate, a limit no real network imposes. `congestion` (e.g. "cubic") sets every host's default TCP
+Optional link shaping with tc HTB: `rate` caps each host's egress and the switch port towards it (a
+full-duplex NIC); `rates` overrides it per host. `delay` (e.g. "1ms") delays every packet a host
+receives by that much (so the RTT is twice it): this kernel has no sch_netem, so an iptables
+NFQUEUE rule in each host hands its incoming packets to benchmarks/delayline.py, a user-space delay
+line (needs the iptables command). The delay is applied on arrival, after the link, as a wire's
+propagation delay is: a packet held on its way out would still count against its sender's socket,
+and TCP Small Queues would then hold each connection to about one delay's worth of its pacing rate,
+a limit no real network imposes. `congestion` (e.g. "cubic") sets every host's default TCP
 congestion control (a new namespace starts with the machine's), for programs that do not choose
 their own (gloo).
 
