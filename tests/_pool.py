@@ -23,6 +23,7 @@ This file doubles as the worker's entry point (``python _pool.py worker ...``).
 
 import os
 import pickle
+import random
 import shutil
 import socket
 import subprocess
@@ -46,6 +47,22 @@ def backend_name():
 
 
 def free_port():
+    """A port that is free now and outside the kernel's ephemeral range: a port from that range
+    (what binding port 0 returns) can be taken by any outgoing connection, and the tests open
+    many, before the rendezvous store binds it (seen in CI as EADDRINUSE)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = map(int, f.read().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    candidates = range(10000, lo) if lo > 11000 else range(hi + 1, 65536)
+    for port in random.Random().sample(candidates, min(200, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
