@@ -374,16 +374,17 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
     }
     if (t.hostOf[g] == h) continue;
     const uint8_t* data = bytes(partial(k));
-    for (size_t at = 0; at < cnt(g); at += pieceOf(g)) {
-      sends.push_back({g, data + at * es, pieceSpan(cnt(g), at, pieceOf(g)) * es});
+    const size_t gPiece = pieceOf(g);
+    for (size_t at = 0; at < cnt(g); at += gPiece) {
+      sends.push_back({g, data + at * es, pieceSpan(cnt(g), at, gPiece) * es});
     }
   }
   std::vector<net::Recv> recvs;
   for (int k = 0, i = 0; k < H; ++k) {
     if (k == h) continue;
+    const int source = partnerOn(t, me, k);
     for (size_t p = 0; p < pieces; ++p) {
-      recvs.push_back({partnerOn(t, me, k), slots.slot(p, i), pieceSpan(cnt(me), p * piece, piece) * es,
-                       slots.slotFree(p)});
+      recvs.push_back({source, slots.slot(p, i), pieceSpan(cnt(me), p * piece, piece) * es, slots.slotFree(p)});
     }
     ++i;
   }
