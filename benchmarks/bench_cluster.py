@@ -7,8 +7,9 @@ ring) and gloo, one job each, same cluster, one invocation. Needs root.
 
 Columns per implementation: time per op in us (max over ranks of the mean over the timed
 iterations), busbw (nccl-tests: algbw x 2(n-1)/n for allreduce, (n-1)/n otherwise, n = ranks),
-and link% = the bytes each host must move across its link (the same factors with n = hosts)
-per second, as a share of the slowest host's link rate. Ratios: time of X / time of mesh.
+and link% = the bytes each host must move across its link (the same factors with n = hosts;
+all_to_all: times the ranks per host, each with its own data) per second, as a share of the
+slowest host's link rate. Ratios: time of X / time of mesh.
 """
 
 import argparse
@@ -47,6 +48,13 @@ def factor(op, n):
     if n <= 1:
         return 0.0
     return 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
+
+
+def link_bytes(op, size, hosts, per_host):
+    """Bytes each host must move across its link for one op of `size` (nccl-tests' size: the
+    message, or for all_to_all each rank's buffer, whose blocks are that rank's own)."""
+    ranks_data = per_host if op == "alltoall" else 1
+    return size * ranks_data * factor(op, hosts)
 
 
 def measure_rtt(cluster):
@@ -178,7 +186,8 @@ def main():
                     line += f"  {'n/a':>11} {'':>6} {'':>5}"
                     continue
                 bus = size / t / 1e3 * factor(op, world)
-                share = f"{100 * size * factor(op, args.hosts) / (t * 1e-6) / link:5.0f}" if link else "  n/a"
+                moved = link_bytes(op, size, args.hosts, args.per_host)
+                share = f"{100 * moved / (t * 1e-6) / link:5.0f}" if link else "  n/a"
                 line += f"  {t:11.1f} {bus:6.3f} {share}"
             for im in impls:
                 if im == "mesh" or "mesh" not in impls:

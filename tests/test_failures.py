@@ -24,9 +24,12 @@ dist.all_reduce(t)
 print("ready", flush=True)
 if mode == "idle" and rank == 1:
     time.sleep(3600)   # never joins the next collective
-if mode == "between":
+if mode.startswith("between"):
     time.sleep(2)      # the test kills a rank now, while no collective is running
 op = lambda: dist.all_reduce(t)
+if mode == "between_alltoall":  # the group's first all_to_all, which connects more ranks
+    blocks = torch.ones(world * 1024)
+    op = lambda: dist.all_to_all_single(torch.empty_like(blocks), blocks)
 if mode == "p2p":  # ranks 0 and 2 (other hosts with hosts="0011") stream messages; 1 and 3 leave
     if rank in (1, 3):
         dist.destroy_process_group()
@@ -76,10 +79,10 @@ def _finish(procs, limit):
     return outs
 
 
-def _kill_and_check(procs, victim, limit, wait_before_kill=0.0):
+def _kill_and_check(procs, victim, limit, wait_before_kill=0.0, op="allreduce"):
     """SIGKILLs rank `victim`; every other rank must exit 3 (it caught the error) with a
-    DistBackendError naming the allreduce, within `limit` seconds, and after destroying its group
-    have no backend thread left; /dev/shm must be clean. Returns the survivors' outputs by rank."""
+    DistBackendError naming the op, within `limit` seconds, and after destroying its group have
+    no backend thread left; /dev/shm must be clean. Returns the survivors' outputs by rank."""
     time.sleep(wait_before_kill)
     procs[victim].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
@@ -88,7 +91,7 @@ def _kill_and_check(procs, victim, limit, wait_before_kill=0.0):
     survivors = {r: outs[r] for r in range(len(procs)) if r != victim}
     for r, out in survivors.items():
         assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{out[-2000:]}"
-        assert "DistBackendError" in out and "allreduce #" in out, out[-2000:]
+        assert "DistBackendError" in out and f"{op} #" in out, out[-2000:]
         assert "backend threads left: 0" in out, out[-2000:]
     assert elapsed < limit, f"survivors took {elapsed:.1f}s"
     assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
@@ -134,6 +137,23 @@ def test_peer_killed_between_collectives(hosts):
     _wait_ready(procs)
     outs = _kill_and_check(procs, 1, 12)  # 12 s: 2 s of it the ranks sleep before the collective
     assert any("rank 1" in out for out in outs.values()), "\n".join(outs.values())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim", [5, 2])
+def test_peer_killed_before_first_alltoall_across_hosts(victim):
+    """3 + 3 emulated hosts: a rank dies before the group's first all_to_all, which connects the
+    pairs the other collectives left out (1-5 and 2-4). Nobody waits for it until the 60 s
+    timeout: rank 1's connection to a dead rank 5 is refused; rank 4, waiting for a dead rank 2
+    to connect, hears of it from the connections its other peers close when they fail."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(6, "between_alltoall", 60, hosts="000111")
+    _wait_ready(procs)
+    outs = _kill_and_check(procs, victim, 12, op="alltoall")
+    assert any(f"rank {victim}" in out for out in outs.values()), "\n".join(outs.values())
+    if victim == 5:
+        assert "rank 5" in outs[1], outs[1][-2000:]
 
 
 @pytest.mark.timeout(120)

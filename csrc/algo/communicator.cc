@@ -44,7 +44,8 @@ Topology discoverAfterShmCheck(Store& store, int rank, int size) {
 }  // namespace
 
 Communicator::Communicator(Store& store, int rank, int size, std::chrono::milliseconds timeout)
-    : rank_(rank),
+    : store_(store),
+      rank_(rank),
       size_(size),
       topo_(discoverAfterShmCheck(store, rank, size)),
       oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))),
@@ -58,7 +59,6 @@ Communicator::Communicator(Store& store, int rank, int size, std::chrono::millis
   }
   netAlgo_ = netAlgoFromEnv();
   netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
-  alltoallFanout_ = alltoallForwardFanout(topo_);
   PrefixStore hostStore(store, "smddp/host" + std::to_string(topo_.host()) + "/");
   domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes);
   domain_->setGroupRanks(topo_.members[topo_.host()]);
@@ -84,7 +84,6 @@ HierContext Communicator::hier(const OpContext& ctx) {
   h.algo = netAlgo_;
   h.scratch = &netScratch_;
   h.bufferBytes = netBufferBytes_;
-  h.alltoallFanout = alltoallFanout_;
   return h;
 }
 
@@ -220,7 +219,15 @@ void Communicator::scatter(const ScatterOptions& opts, std::chrono::milliseconds
 void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::milliseconds timeout) {
   runEither(OpKind::kAlltoall, timeout,
             [&](OpContext& ctx) { algo::alltoall(ctx, opts); },
-            [&](HierContext& hc) { hierAlltoall(hc, opts); });
+            [&](HierContext& hc) {
+              // Only all_to_all needs every rank of the other hosts connected: groups that never
+              // run one never hold those connections.
+              if (!alltoallConnected_) {
+                mesh_->connect(store_, alltoallPeers(topo_), hc.local.wait);
+                alltoallConnected_ = true;
+              }
+              hierAlltoall(hc, opts);
+            });
 }
 
 void Communicator::reduceScatter(const ReduceScatterOptions& opts, std::chrono::milliseconds timeout) {

@@ -23,6 +23,8 @@ namespace smddp::algo {
 class Communicator {
  public:
   // Collective over the group (bootstrap through `store`; `timeout` bounds connection set-up).
+  // `store` must outlive the communicator: a multi-host group's first all_to_all connects more
+  // ranks through it.
   Communicator(Store& store, int rank, int size, std::chrono::milliseconds timeout);
   ~Communicator();
 
@@ -68,6 +70,7 @@ class Communicator {
   HierContext hier(const OpContext& ctx);
   std::unique_ptr<HelperPool> startHelpers();
 
+  Store& store_;
   int rank_;
   int size_;
   Topology topo_;
@@ -75,7 +78,7 @@ class Communicator {
   std::unique_ptr<net::TcpMesh> mesh_;
   NetAlgo netAlgo_ = NetAlgo::kMesh;
   size_t netBufferBytes_ = 0;
-  size_t alltoallFanout_ = 0;
+  bool alltoallConnected_ = false;  // mesh_ holds every alltoallPeers() connection
   std::vector<uint8_t> netScratch_;
   size_t oneShotMaxBytes_;
   size_t copyStepBytes_;

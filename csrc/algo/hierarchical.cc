@@ -20,8 +20,6 @@ namespace {
 constexpr size_t kStreamPieces = 8;
 constexpr size_t kMinStreamPieceBytes = 32u << 10;
 constexpr size_t kMaxStreamPieceBytes = 256u << 10;
-// Least bytes per block in one piece of an inter-host alltoall, whatever SMDDP_NET_BUFFER_BYTES.
-constexpr size_t kMinAlltoallPieceBytes = 4096;
 
 // How many of a block's `count` elements fall in the piece that starts at element `at`.
 size_t pieceSpan(size_t count, size_t at, size_t piece) { return std::min(piece, count - std::min(at, count)); }
@@ -85,19 +83,6 @@ int segmentOwner(int S, int Lh, int s) {
 int partnerOn(const Topology& t, int g, int h) {
   const auto& m = t.members[h];
   return m[t.localOf[g] % static_cast<int>(m.size())];
-}
-
-// Elements per block in one piece of an inter-host alltoall: the same on every rank (it depends
-// only on the topology, the buffer size and the dtype), so that a sender and its partner cut
-// blocks alike. A rank forwards the blocks of its `via` sources to each of its L-1 host-mates;
-// the most any rank forwards (`fanout`), times a piece, fits the buffer. At least 4 KiB per
-// block, which keeps the count of pieces (a tag field) small whatever the buffer. When every
-// host has one rank nothing is forwarded: one piece, whatever the size.
-size_t alltoallPieceElems(size_t fanout, size_t bufferBytes, DataType dtype) {
-  if (fanout == 0) return SIZE_MAX;
-  const size_t es = elementSize(dtype), align = alignElems(dtype);
-  const size_t elems = std::max(bufferBytes / fanout, kMinAlltoallPieceBytes) / es;
-  return std::max(align, elems / align * align);
 }
 
 // In-place allreduce of buf[0, n) among `ranks` (one per host, in host order; this rank is
@@ -199,17 +184,12 @@ uint8_t* HierContext::scratchBytes(size_t n) {
   return scratch->data();
 }
 
-size_t alltoallForwardFanout(const Topology& t) {
-  size_t widest = 0;
-  for (int k = 0; k < t.hosts(); ++k) {
-    const int L = static_cast<int>(t.members[k].size());
-    std::vector<size_t> via(L, 0);
-    for (int g = 0; g < t.size; ++g) {
-      if (t.hostOf[g] != k) ++via[t.localOf[g] % L];
-    }
-    for (size_t v : via) widest = std::max(widest, v * (L - 1));
+std::vector<int> alltoallPeers(const Topology& t) {
+  std::vector<int> remote;
+  for (int g = 0; g < t.size; ++g) {
+    if (t.hostOf[g] != t.host()) remote.push_back(g);
   }
-  return widest;
+  return remote;
 }
 
 std::vector<int> hierarchicalPeers(const Topology& t) {
@@ -422,137 +402,53 @@ void hierBroadcast(HierContext& ctx, const BroadcastOptions& o) {
 void hierAlltoall(HierContext& ctx, const AlltoallOptions& o) {
   const Topology& t = *ctx.topo;
   const size_t es = elementSize(o.dtype);
-  const int me = t.rank, h = t.host(), H = t.hosts(), L = t.localSize(), l = t.localRank();
-  const std::vector<int>& locals = t.members[h];
-  // via[li]: the ranks of other hosts whose blocks for this host pass through local rank li (the
-  // rank there that partnerOn pairs them with), in rank order.
-  std::vector<std::vector<int>> via(L);
-  for (int g = 0; g < t.size; ++g) {
-    if (t.hostOf[g] != h) via[t.localOf[g] % L].push_back(g);
-  }
-  const std::vector<int>& mine = via[l];
-  const size_t n = mine.size();
+  const int me = t.rank, h = t.host();
+  const std::vector<int> remote = alltoallPeers(t);
 
-  // 1. Network: this rank tells its partner on every other host how many elements it has for
-  //    each rank there. inbound[i * L + lg]: what mine[i] has for locals[lg].
-  std::vector<std::vector<uint64_t>> announce(H);
+  // 1. Network: this rank tells every remote rank how many elements it has for it, and checks
+  //    what it is told against what it expects, so a split mismatch is an error, never a
+  //    shifted read.
+  std::vector<uint64_t> told(remote.size()), heard(remote.size());
   std::vector<net::Send> sends;
   std::vector<net::Recv> recvs;
-  for (int k = 0; k < H; ++k) {
-    if (k == h) continue;
-    for (int g : t.members[k]) announce[k].push_back(o.inCounts[g]);
-    sends.push_back({partnerOn(t, me, k), announce[k].data(), announce[k].size() * sizeof(uint64_t)});
+  for (size_t i = 0; i < remote.size(); ++i) {
+    told[i] = o.inCounts[remote[i]];
+    sends.push_back({remote[i], &told[i], sizeof(uint64_t)});
+    recvs.push_back({remote[i], &heard[i], sizeof(uint64_t)});
   }
-  std::vector<uint64_t> inbound(n * L);
-  for (size_t i = 0; i < n; ++i) recvs.push_back({mine[i], inbound.data() + i * L, L * sizeof(uint64_t)});
   ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule());
-
-  // 2. Shared memory: each local rank learns the size of every block on its way to it and checks
-  //    it against what it expects, so a split mismatch is an error, never a shifted read.
-  std::vector<uint64_t> toLocal(n * L);  // [lg][i]
-  for (size_t i = 0; i < n; ++i) {
-    for (int lg = 0; lg < L; ++lg) toLocal[lg * n + i] = inbound[i * L + lg];
-  }
-  std::vector<size_t> heardAt(L + 1, 0);
-  for (int lp = 0; lp < L; ++lp) heardAt[lp + 1] = heardAt[lp] + via[lp].size();
-  std::vector<uint64_t> heard(heardAt[L]);
-  AlltoallOptions sizes{DataType::kInt64, {}, {}, {}, {}};
-  for (int li = 0; li < L; ++li) {
-    sizes.inputs.push_back(toLocal.data() + li * n);
-    sizes.inCounts.push_back(n);
-    sizes.outputs.push_back(heard.data() + heardAt[li]);
-    sizes.outCounts.push_back(via[li].size());
-  }
-  alltoall(ctx.local, sizes);
-  for (int lp = 0; lp < L; ++lp) {
-    for (size_t i = 0; i < via[lp].size(); ++i) {
-      const int src = via[lp][i];
-      if (heard[heardAt[lp] + i] == o.outCounts[src]) continue;
-      throwError(ErrorCode::kInvalidUsage,
-                 "alltoall: rank %d sends %llu elements to rank %d, which expects %zu from it (the split sizes do "
-                 "not match across ranks)",
-                 src, static_cast<unsigned long long>(heard[heardAt[lp] + i]), me, o.outCounts[src]);
-    }
+  for (size_t i = 0; i < remote.size(); ++i) {
+    const int src = remote[i];
+    if (heard[i] == o.outCounts[src]) continue;
+    throwError(ErrorCode::kInvalidUsage,
+               "alltoall: rank %d sends %llu elements to rank %d, which expects %zu from it (the split sizes do "
+               "not match across ranks)",
+               src, static_cast<unsigned long long>(heard[i]), me, o.outCounts[src]);
   }
 
-  // 3. Shared memory: blocks between ranks of this host go straight from input to output. It
-  //    also holds back this host's ranks if one of them found a mismatch above: none of them then
-  //    reaches step 4, and the other hosts see their connections close instead of finishing.
+  // 2. Shared memory: blocks between ranks of this host go straight from input to output. It
+  //    also holds back this host's ranks if one of them found a mismatch above, and step 3 every
+  //    remote rank (each waits for a message from every rank, empty or not): a mismatch fails
+  //    the op on every rank instead of leaving some to finish.
+  const std::vector<int>& locals = t.members[h];
   AlltoallOptions direct{o.dtype, {}, {}, {}, {}};
-  for (int li = 0; li < L; ++li) {
-    direct.inputs.push_back(o.inputs[locals[li]]);
-    direct.inCounts.push_back(o.inCounts[locals[li]]);
-    direct.outputs.push_back(o.outputs[locals[li]]);
-    direct.outCounts.push_back(o.outCounts[locals[li]]);
+  for (int g : locals) {
+    direct.inputs.push_back(o.inputs[g]);
+    direct.inCounts.push_back(o.inCounts[g]);
+    direct.outputs.push_back(o.outputs[g]);
+    direct.outCounts.push_back(o.outCounts[g]);
   }
   alltoall(ctx.local, direct);
 
-  // 4-5. The blocks themselves, in pieces (the same element range of every block): per piece,
-  //    the network exchange with the partners, then the hand-on inside the host in rounds: in
-  //    round r every local rank passes on the piece of the blocks of its r-th source, each
-  //    straight into its receiver's output for that source. A rank's own blocks go straight into
-  //    its output; the ones it forwards pass through at most SMDDP_NET_BUFFER_BYTES of scratch,
-  //    whatever the message size.
-  const size_t piece = alltoallPieceElems(ctx.alltoallFanout, ctx.bufferBytes, o.dtype);
-  auto pieces = [&](size_t count) -> int64_t {
-    return count == 0 ? 0 : static_cast<int64_t>((count - 1) / piece + 1);  // piece may be SIZE_MAX
-  };
-  auto span = [&](size_t count, size_t at) { return pieceSpan(count, at, piece); };
-  // This rank's sends and receives decide how many pieces it needs; its host-mates hand on to
-  // each other in every piece, so they all run as many as the busiest of them.
-  int64_t piecesHere = 0;
-  for (int k = 0; k < H; ++k) {
-    if (k == h) continue;
-    for (int g : t.members[k]) piecesHere = std::max(piecesHere, pieces(o.inCounts[g]));
+  // 3. Network: every block for a rank of another host goes straight to it, one hop, in one
+  //    rate-controlled exchange with all of them.
+  sends.clear();
+  recvs.clear();
+  for (int g : remote) {
+    sends.push_back({g, o.inputs[g], o.inCounts[g] * es});
+    recvs.push_back({g, o.outputs[g], o.outCounts[g] * es});
   }
-  for (uint64_t c : inbound) piecesHere = std::max(piecesHere, pieces(c));
-  if (L > 1) {
-    allreduce(ctx.local, AllreduceOptions{DataType::kInt64, Reduction{ReduceOp::kMax}, 1, &piecesHere, &piecesHere});
-  }
-  // Block b = i * L + lg comes from mine[i] for locals[lg]; the forwarded ones (lg != l) land in
-  // `forward` at pieceAt[b].
-  uint8_t* forward = L > 1 ? ctx.scratchBytes(n * (L - 1) * piece * es) : nullptr;
-  std::vector<size_t> pieceAt(n * L);
-  size_t rounds = 0;
-  for (const auto& v : via) rounds = std::max(rounds, v.size());
-  for (int64_t j = 0; j < piecesHere; ++j) {
-    const size_t at = static_cast<size_t>(j) * piece;  // element offset of this piece in every block
-    sends.clear();
-    recvs.clear();
-    for (int k = 0; k < H; ++k) {
-      if (k == h) continue;
-      for (int g : t.members[k]) {
-        const size_t m = span(o.inCounts[g], at);
-        if (m > 0) sends.push_back({partnerOn(t, me, k), bytes(o.inputs[g]) + at * es, m * es});
-      }
-    }
-    size_t used = 0;
-    for (size_t b = 0; b < n * L; ++b) {
-      const size_t m = span(inbound[b], at);
-      const int src = mine[b / L];
-      if (static_cast<int>(b % L) == l) {
-        if (m > 0) recvs.push_back({src, bytes(o.outputs[src]) + at * es, m * es});
-        continue;
-      }
-      pieceAt[b] = used;
-      if (m > 0) recvs.push_back({src, forward + used, m * es});
-      used += m * es;
-    }
-    ctx.mesh->exchange(net::makeTag(ctx.local.seq, static_cast<uint32_t>(1 + j)), sends, recvs, ctx.local.wait,
-                       ctx.schedule());
-    for (size_t r = 0; r < rounds && L > 1; ++r) {
-      AlltoallOptions handOn{o.dtype, {}, {}, {}, {}};
-      for (int li = 0; li < L; ++li) {
-        const bool to = r < n && li != l;
-        handOn.inputs.push_back(to ? forward + pieceAt[r * L + li] : nullptr);
-        handOn.inCounts.push_back(to ? span(inbound[r * L + li], at) : 0);
-        const bool from = r < via[li].size() && li != l;
-        handOn.outputs.push_back(from ? bytes(o.outputs[via[li][r]]) + at * es : nullptr);
-        handOn.outCounts.push_back(from ? span(o.outCounts[via[li][r]], at) : 0);
-      }
-      alltoall(ctx.local, handOn);
-    }
-  }
+  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 1), sends, recvs, ctx.local.wait, ctx.schedule());
 }
 
 void hierBarrier(HierContext& ctx) {

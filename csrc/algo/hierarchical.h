@@ -17,9 +17,10 @@
 //   broadcast:      the root sends to the first rank of every other host -> broadcast in hosts.
 //   barrier:        host barrier, then an all-to-all of empty messages among the hosts' first
 //                   ranks, then host barrier.
-//   all_to_all:     two hops, network first: rank g sends its blocks for every rank of host k to
-//                   its partner there (same pairs as allgather), which hands them on through
-//                   shared memory; blocks between ranks of one host go through shared memory only.
+//   all_to_all:     one hop: blocks between ranks of one host go through shared memory, every
+//                   other block straight to its rank over TCP (after the split sizes, so a
+//                   mismatch fails the op everywhere); it needs every pair of ranks on different
+//                   hosts connected (alltoallPeers), which the group's first all_to_all does.
 #pragma once
 
 #include <cstdint>
@@ -40,18 +41,16 @@ struct HierContext {
   net::TcpMesh* mesh = nullptr;
   NetAlgo algo = NetAlgo::kMesh;
   std::vector<uint8_t>* scratch = nullptr;  // reused receive buffer, grown on demand
-  size_t bufferBytes = 16u << 20;           // at most this much of `scratch` per piece (reductions, alltoall)
-  size_t alltoallFanout = 0;                // alltoallForwardFanout(*topo), computed once per group
+  size_t bufferBytes = 16u << 20;           // at most this much of `scratch` per piece (reductions)
   net::Schedule schedule() const { return algo == NetAlgo::kNaive ? net::Schedule::kNaive : net::Schedule::kMesh; }
   uint8_t* scratchBytes(size_t n);
 };
 
-// An inter-host alltoall's most blocks any rank forwards to its host-mates, per element of a
-// block piece (0 when every host has one rank): a property of the topology alone.
-size_t alltoallForwardFanout(const Topology& topo);
-
-// The ranks this rank exchanges data with over TCP (symmetric across ranks).
+// The ranks this rank exchanges data with over TCP (symmetric across ranks): those of every
+// collective but all_to_all, connected when the group is made ...
 std::vector<int> hierarchicalPeers(const Topology& topo);
+// ... and those of all_to_all: every rank of the other hosts.
+std::vector<int> alltoallPeers(const Topology& topo);
 
 void hierAllreduce(HierContext& ctx, const AllreduceOptions& opts);  // root >= 0: a reduce
 void hierBroadcast(HierContext& ctx, const BroadcastOptions& opts);

@@ -63,8 +63,7 @@ constexpr Param kParams[] = {
      "net.ipv4.tcp_allowed_congestion_control) keeps the system's default, with a warning."},
     {"SMDDP_NET_BUFFER_BYTES", "16777216",
      "Bytes of receive buffer per rank for inter-host reductions (peers' contributions stream "
-     "through it in pieces, each reused once reduced) and for the all_to_all blocks a rank forwards "
-     "to its host-mates; larger messages reuse it piece by piece."},
+     "through it in pieces, each reused once reduced); larger messages reuse it piece by piece."},
     {"SMDDP_CUDA_STAGING_BYTES", "67108864",
      "Page-locked host memory per process group for CUDA tensors (allocated at the first CUDA op). "
      "Collectives go through it in rounds (SMDDP_CUDA_ROUND_BYTES, at most half of it), so it bounds "

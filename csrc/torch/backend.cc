@@ -227,9 +227,9 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     : c10d::Backend(rank, size), timeoutMs_(timeout.count()), spin_(lingerBudget(size)) {
   const char* torchDebug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
   debugChecks_ = env::debugChecks() != 0 || (torchDebug != nullptr && std::string(torchDebug) == "DETAIL");
-  C10dStore s(store);
+  store_ = std::make_unique<C10dStore>(store);
   try {
-    comm_ = std::make_unique<algo::Communicator>(s, rank, size, timeout);
+    comm_ = std::make_unique<algo::Communicator>(*store_, rank, size, timeout);
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, rank));
   }
@@ -239,7 +239,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   }
   if (comm_->multiHost()) {
     try {
-      netP2p_ = std::make_unique<engine::NetP2p>(s, comm_->topology(), comm_->netAddress().ip,
+      netP2p_ = std::make_unique<engine::NetP2p>(*store_, comm_->topology(), comm_->netAddress().ip,
                                                  comm_->netAddress().ifname, "smddp-np2p" + std::to_string(rank));
     } catch (const Error& e) {
       std::rethrow_exception(toTorchError(e, rank));

@@ -196,6 +196,7 @@ class SmddpBackend : public c10d::Backend {
   bool debugChecks_ = false;
   std::chrono::microseconds spin_;
   std::atomic<uint64_t> issued_{0};
+  std::unique_ptr<Store> store_;  // the group's c10d store, kept for the communicator (see there)
   std::unique_ptr<algo::Communicator> comm_;
   std::unique_ptr<engine::ProgressThread> progress_;
   std::unique_ptr<engine::P2pEngine> p2p_;  // ranks of this host; null when it is the only one

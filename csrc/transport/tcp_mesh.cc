@@ -114,105 +114,139 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
   m->chunkBytes_ = static_cast<size_t>(std::max<int64_t>(4096, env::netChunkBytes()));
   m->addr_ = chooseLocalAddress(rank);
   m->peers_.resize(topo.size);
-  const auto deadline = Clock::now() + timeout;
-  for (int p : peers) {
-    if (m->addr_.loopback && topo.bootIds[p] != topo.bootIds[rank]) {
+  // The listener stays open for the group's life, so a later connect() needs no new address and
+  // a refused connection always means the peer is gone.
+  const Listener listener = listenOn(m->addr_.ip, m->addr_.ifname, std::max(64, topo.size), rank);
+  m->listenFd_ = listener.fd;
+  store.set("smddp/net/addr/" + std::to_string(rank), listener.address);
+  if (rank == 0) store.set("smddp/net/secret", randomHex(kSecretChars / 2));
+  m->secret_ = store.get("smddp/net/secret");
+  SMDDP_INFO(kNet, "rank %d: listening on %s (%s) for %zu peer(s)", rank, listener.address.c_str(),
+             m->addr_.ifname.c_str(), peers.size());
+  shm::WaitContext wait;
+  wait.deadline = Clock::now() + timeout;
+  m->connect(store, peers, wait);
+  return m;
+}
+
+bool TcpMesh::connected(int rank) const {
+  return rank >= 0 && rank < static_cast<int>(peers_.size()) && peers_[rank] != nullptr;
+}
+
+void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::WaitContext& wait) {
+  const int rank = topo_.rank;
+  std::vector<int> established, dialed, waiting;  // waiting: lower ranks, which dial this one
+  for (int p = 0; p < static_cast<int>(peers_.size()); ++p) {
+    if (peers_[p]) established.push_back(p);
+  }
+  for (int p : wanted) {
+    if (connected(p)) continue;
+    if (addr_.loopback && topo_.bootIds[p] != topo_.bootIds[rank]) {
       throwError(ErrorCode::kInvalidUsage,
                  "rank %d would use the loopback interface (%s, %s) but its peer rank %d runs on another machine (%s): "
                  "set SMDDP_SOCKET_IFNAME to an interface that reaches it",
-                 rank, m->addr_.ifname.c_str(), m->addr_.ip.c_str(), p, topo.hostnames[p].c_str());
+                 rank, addr_.ifname.c_str(), addr_.ip.c_str(), p, topo_.hostnames[p].c_str());
     }
+    (p > rank ? dialed : waiting).push_back(p);
   }
-
-  const Listener listener =
-      listenOn(m->addr_.ip, m->addr_.ifname, std::max<int>(64, static_cast<int>(peers.size())), rank);
-  m->listenFd_ = listener.fd;
-  const std::string& me = listener.address;
-  store.set("smddp/net/addr/" + std::to_string(rank), me);
-  if (rank == 0) store.set("smddp/net/secret", randomHex(kSecretChars / 2));
-  const std::string secret = store.get("smddp/net/secret");
-  SMDDP_INFO(kNet, "rank %d: listening on %s (%s) for %zu peer(s)", rank, me.c_str(), m->addr_.ifname.c_str(),
-             peers.size());
+  if (dialed.empty() && waiting.empty()) return;
 
   auto makePeer = [&](int p, int fd) {
     tuneSocket(fd);
     auto peer = std::make_unique<Peer>();
     peer->rank = p;
     peer->fd = fd;
-    peer->window = 2 * m->chunkBytes_;
-    m->peers_[p] = std::move(peer);
+    peer->window = 2 * chunkBytes_;
+    peers_[p] = std::move(peer);
   };
 
-  // Connect upwards. The peer may not be accepting yet (it connects upwards first), but the
-  // kernel completes the connection; waiting for its acknowledgement cannot form a cycle.
-  for (int p : peers) {
-    if (p <= rank) continue;
+  // Dial upwards and introduce this rank; the 'K' that admits it comes once the peer reaches
+  // its own connect(), which the loop below waits for together with the connections from below.
+  std::vector<std::pair<int, int>> admitting;  // (rank, fd) waiting for their 'K'
+  for (int p : dialed) {
     const std::string where = store.get("smddp/net/addr/" + std::to_string(p));
-    if (isLoopback(where) && topo.bootIds[p] != topo.bootIds[rank]) {
+    if (isLoopback(where) && topo_.bootIds[p] != topo_.bootIds[rank]) {
       throwError(ErrorCode::kInvalidUsage,
                  "rank %d on %s listens on loopback (%s) but this rank %d is on another machine: set "
                  "SMDDP_SOCKET_IFNAME on every host to an interface the hosts share",
-                 p, topo.hostnames[p].c_str(), where.c_str(), rank);
+                 p, topo_.hostnames[p].c_str(), where.c_str(), rank);
     }
     const sockaddr_in to = parseAddress(where, p);
-    int fd = -1;
-    for (;;) {
-      fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      if (connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) == 0) break;
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    wire::Hello h = wire::makeHello(secret_, rank, p);
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) != 0 ||
+        !ioAll(fd, &h, sizeof(h), true, wait.deadline)) {
       const int err = errno;
       close(fd);
-      if (Clock::now() >= deadline) {
-        throwError(ErrorCode::kTimeout, "rank %d: cannot connect to rank %d at %s: %s", rank, p, where.c_str(),
-                   errnoString(err).c_str());
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      for (auto& a : admitting) close(a.second);
+      throwError(ErrorCode::kRemoteError, "rank %d: cannot connect to rank %d at %s: %s (that rank exited or aborted)",
+                 rank, p, where.c_str(), errnoString(err).c_str());
     }
-    wire::Hello h = wire::makeHello(secret, rank, p);
-    char ack = 0;
-    if (!ioAll(fd, &h, sizeof(h), true, deadline) || !ioAll(fd, &ack, 1, false, deadline) || ack != 'K') {
-      close(fd);
-      throwError(ErrorCode::kRemoteError, "rank %d: rank %d at %s did not accept the connection", rank, p,
-                 where.c_str());
-    }
-    makePeer(p, fd);
+    admitting.emplace_back(p, fd);
   }
 
-  // Accept from below; anything that does not introduce itself as an expected peer of this
-  // group, with the group's secret, is dropped.
-  std::vector<int> waiting;
-  for (int p : peers) {
-    if (p < rank) waiting.push_back(p);
-  }
-  while (!waiting.empty()) {
-    pollfd pfd{m->listenFd_, POLLIN, 0};
-    if (poll(&pfd, 1, msLeft(deadline)) <= 0) {
-      std::string missing;
-      for (int p : waiting) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
-      throwError(ErrorCode::kTimeout, "rank %d: ranks %s did not connect within the timeout", rank, missing.c_str());
+  std::vector<pollfd> pfds;
+  try {
+    while (!admitting.empty() || !waiting.empty()) {
+      if (wait.abort && wait.abort->load()) {
+        throwError(ErrorCode::kAborted, "the process group was shut down or aborted while connecting to its peers");
+      }
+      if (Clock::now() >= wait.deadline) {
+        std::string missing;
+        for (auto& a : admitting) missing += (missing.empty() ? "" : ", ") + std::to_string(a.first);
+        for (int p : waiting) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+        throwError(ErrorCode::kTimeout, "rank %d: rank(s) %s did not connect within the timeout", rank,
+                   missing.c_str());
+      }
+      // A peer connected earlier that goes away (a failed or aborted rank closes all its
+      // connections) ends the wait at once: ranks that wait for it here would wait in vain.
+      pfds.clear();
+      for (auto& a : admitting) pfds.push_back({a.second, POLLIN, 0});
+      const size_t listenAt = pfds.size();
+      pfds.push_back({listenFd_, static_cast<short>(waiting.empty() ? 0 : POLLIN), 0});
+      for (int p : established) pfds.push_back({peers_[p]->fd, POLLRDHUP, 0});
+      const int ms = std::min<int>(msLeft(wait.deadline), static_cast<int>(kPollTick.count()));
+      if (poll(pfds.data(), pfds.size(), ms) <= 0) continue;
+      for (size_t i = listenAt + 1; i < pfds.size(); ++i) {
+        if (pfds[i].revents != 0) peerFailed(established[i - listenAt - 1], "connecting more peers", 0);
+      }
+      for (size_t i = listenAt; i-- > 0;) {
+        if (pfds[i].revents == 0) continue;
+        const auto [p, fd] = admitting[i];
+        char ack = 0;
+        if (!ioAll(fd, &ack, 1, false, wait.deadline) || ack != 'K') {
+          throwError(ErrorCode::kRemoteError, "rank %d: rank %d did not accept the connection", rank, p);
+        }
+        makePeer(p, fd);
+        admitting.erase(admitting.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+      if (pfds[listenAt].revents == 0) continue;
+      // A connection from below: anything that does not introduce itself as an expected peer of
+      // this group, with the group's secret, is dropped.
+      sockaddr_in from{};
+      socklen_t flen = sizeof(from);
+      const int fd = accept4(listenFd_, reinterpret_cast<sockaddr*>(&from), &flen, SOCK_CLOEXEC);
+      if (fd < 0) continue;
+      char fromIp[INET_ADDRSTRLEN] = {};
+      inet_ntop(AF_INET, &from.sin_addr, fromIp, sizeof(fromIp));
+      wire::Hello h{};
+      const auto helloDeadline = std::min(wait.deadline, Clock::now() + kHelloTimeout);
+      const bool ok =
+          ioAll(fd, &h, sizeof(h), false, helloDeadline) && wire::helloAccepted(h, secret_, rank, waiting);
+      const char ack = 'K';
+      if (!ok || !ioAll(fd, const_cast<char*>(&ack), 1, true, wait.deadline)) {
+        SMDDP_WARN(kNet, "rank %d: refused a connection from %s:%d (not a peer of this group, or a bad handshake)",
+                   rank, fromIp, ntohs(from.sin_port));
+        close(fd);
+        continue;
+      }
+      waiting.erase(std::find(waiting.begin(), waiting.end(), h.from));
+      makePeer(h.from, fd);
     }
-    sockaddr_in from{};
-    socklen_t flen = sizeof(from);
-    const int fd = accept4(m->listenFd_, reinterpret_cast<sockaddr*>(&from), &flen, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    char fromIp[INET_ADDRSTRLEN] = {};
-    inet_ntop(AF_INET, &from.sin_addr, fromIp, sizeof(fromIp));
-    wire::Hello h{};
-    const auto helloDeadline = std::min(deadline, Clock::now() + kHelloTimeout);
-    const bool ok =
-        ioAll(fd, &h, sizeof(h), false, helloDeadline) && wire::helloAccepted(h, secret, rank, waiting);
-    const char ack = 'K';
-    if (!ok || !ioAll(fd, const_cast<char*>(&ack), 1, true, deadline)) {
-      SMDDP_WARN(kNet, "rank %d: refused a connection from %s:%d (not a peer of this group, or a bad handshake)", rank,
-                 fromIp, ntohs(from.sin_port));
-      close(fd);
-      continue;
-    }
-    waiting.erase(std::find(waiting.begin(), waiting.end(), h.from));
-    makePeer(h.from, fd);
+  } catch (...) {
+    for (auto& a : admitting) close(a.second);
+    throw;
   }
-  close(m->listenFd_);
-  m->listenFd_ = -1;
-  return m;
 }
 
 void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::vector<Recv>& recvs,

@@ -3,7 +3,7 @@
 //
 // Bootstrap (collective over the group, through the store): every rank listens on the address
 // chosen by netif, publishes it, connects to its peers of higher rank and accepts those of lower
-// rank. A connection must open with the group's secret (random, from the store) and the ranks
+// rank. connect() adds peers later, for ops that need more of them; the listener stays open. A connection must open with the group's secret (random, from the store) and the ranks
 // it links, so a stray or stale client is refused, never mistaken for a peer.
 //
 // Data: exchange() moves a set of sends and receives to completion. Each message carries a
@@ -46,6 +46,12 @@ class TcpMesh {
                                          std::chrono::milliseconds timeout);
   ~TcpMesh();
 
+  // Connects to those of `peers` not connected yet; they call it too, at the same point of their
+  // ops (the relation must again be symmetric). Ends with kRemoteError as soon as a peer turns
+  // out to be gone (refused, or an existing connection closed), kAborted or kTimeout.
+  void connect(Store& store, const std::vector<int>& peers, const shm::WaitContext& wait);
+  bool connected(int rank) const;
+
   const LocalAddress& address() const { return addr_; }
 
   // Messages to one peer leave in list order and arrive in list order. `tag` identifies the op
@@ -71,6 +77,7 @@ class TcpMesh {
   LocalAddress addr_;
   std::vector<std::unique_ptr<Peer>> peers_;  // indexed by rank; null where no connection
   int listenFd_ = -1;
+  std::string secret_;
   size_t chunkBytes_;
 };
 

@@ -2,8 +2,9 @@
 // a FileStore): strangers that connect to a rank's port during set-up are refused and the mesh
 // still forms; data crosses intact in both directions; a send can wait for data computed from an
 // earlier receive of the same exchange; a header for another op is an error that names both
-// sides; a peer that goes away is reported promptly; the connections' congestion control is the
-// one asked for, and an unknown one is refused with the reason. Prints "N passed, N failed".
+// sides; a peer that goes away is reported promptly; a later connection round adds the missing
+// connections of a group (a rank with none to add taking part); the connections' congestion
+// control is the one asked for, and an unknown one is refused with the reason. Prints "N passed, N failed".
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -212,6 +213,57 @@ void testStrangersRefusedThenExchange(const std::string& dir) {
          "closed peer reported in " + std::to_string(secs) + " s: " + gone);
 }
 
+// Three ranks, each its own host: the mesh starts as a chain 0-1-2; a second round connects 0
+// and 2 (rank 1, with nothing to add, takes part), then every pair exchanges.
+void testConnectLater(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  auto threeHosts = [](int rank) {
+    Topology t = Topology::singleHost(rank, 3);
+    t.hostOf = {0, 1, 2};
+    t.localOf = {0, 0, 0};
+    t.members = {{0}, {1}, {2}};
+    return t;
+  };
+  const std::vector<std::vector<int>> chain = {{1}, {0, 2}, {1}}, everyone = {{1, 2}, {0, 2}, {0, 1}};
+  std::string errors[3];
+  bool before[3] = {}, after[3] = {};
+  std::vector<uint8_t> in[3][3];
+  auto rank = [&](int r) {
+    try {
+      auto mesh = net::TcpMesh::create(store, threeHosts(r), chain[r], std::chrono::seconds(30));
+      for (int p : everyone[r]) before[r] |= mesh->connected(p) != (r + p != 2);
+      mesh->connect(store, everyone[r], waitFor(std::chrono::seconds(30)));
+      for (int p : everyone[r]) after[r] |= !mesh->connected(p);
+      std::vector<uint8_t> out(100000);
+      for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<uint8_t>(i * 3 + r);
+      std::vector<net::Send> sends;
+      std::vector<net::Recv> recvs;
+      for (int p : everyone[r]) {
+        in[r][p].assign(out.size(), 0);
+        sends.push_back({p, out.data(), out.size()});
+        recvs.push_back({p, in[r][p].data(), out.size()});
+      }
+      mesh->exchange(net::makeTag(1, 0), sends, recvs, waitFor(std::chrono::seconds(20)), net::Schedule::kMesh);
+    } catch (const std::exception& e) {
+      errors[r] = e.what();
+    }
+  };
+  std::thread t0(rank, 0), t1(rank, 1), t2(rank, 2);
+  t0.join();
+  t1.join();
+  t2.join();
+  bool intact = true;
+  for (int r = 0; r < 3; ++r) {
+    for (int p : everyone[r]) {
+      for (size_t i = 0; i < in[r][p].size(); ++i) intact &= in[r][p][i] == static_cast<uint8_t>(i * 3 + p);
+    }
+  }
+  expect(errors[0].empty() && errors[1].empty() && errors[2].empty(),
+         "second connection round: [" + errors[0] + "] [" + errors[1] + "] [" + errors[2] + "]");
+  expect(!before[0] && !before[1] && !before[2], "first round connects exactly the chain");
+  expect(!after[0] && !after[1] && !after[2] && intact, "after the second round every pair exchanges intact data");
+}
+
 std::string congestionOf(int fd) {
   char name[32] = {};
   socklen_t n = sizeof(name);
@@ -264,6 +316,10 @@ int main() {
   if (!mkdtemp(tmpl)) return 1;
   testStrangersRefusedThenExchange(tmpl);
   std::filesystem::remove_all(tmpl);
+  char tmpl2[] = "/tmp/smddp_net_tests.XXXXXX";
+  if (!mkdtemp(tmpl2)) return 1;
+  testConnectLater(tmpl2);
+  std::filesystem::remove_all(tmpl2);
   printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }
