@@ -119,6 +119,28 @@ def test_reduce_scatter_streamed_through_reused_slots(pools, topo):
           env=(("SMDDP_NET_BUFFER_BYTES", str(1 << 20)),))
 
 
+def connections_task(rank, world, want):
+    rep = Report(rank)
+    with rep.cell("tcp connections"):
+        got = dist.group.WORLD._get_backend(torch.device("cpu"))._topology()["tcp_connections"]
+        rep.expect(got == str(want), f"rank {rank}: {got} TCP connections, expected {want}")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("topo", ["012", "0011"])
+def test_striped_over_several_sockets(pools, topo):
+    """SMDDP_NET_SOCKETS_PER_PEER=3: three connections per pair of ranks (2 peers each here), and
+    messages from 256 KiB on (whole blocks, the streamed reductions' largest pieces) striped
+    over them, every collective against its reference."""
+    env = (("SMDDP_NET_SOCKETS_PER_PEER", "3"),)
+    check(pools, topo, connections_task, 2 * 3, env=env)
+    check(pools, topo, allreduce_matrix, [7, "large"], ["float32", "bfloat16"], ["SUM", "MAX"], "arS", env=env)
+    check(pools, topo, all_gather_tensor_forms, [1001, "large"], ["float32"], env=env)
+    check(pools, topo, reduce_scatter_tensor_forms, [333, "large"], ["float32"], ["SUM"], "rsS", env=env)
+    check(pools, topo, alltoall_cases, 1 << 17, ["float32"], env=env)
+    check(pools, topo, connections_task, 2 * 3, env=env)  # all_to_all had nothing to add here
+
+
 @pytest.mark.parametrize("topo", TOPOS)
 def test_allgather(pools, topo):
     check(pools, topo, all_gather_list, SMALL_SIZES, ALL)

@@ -35,8 +35,9 @@ class Communicator {
   bool multiHost() const { return mesh_ != nullptr; }
   // Receive scratch of the inter-host collectives, as grown so far (read when no op runs).
   size_t netScratchBytes() const { return netScratch_.size(); }
-  // The address the inter-host mesh listens on (multi-host groups only).
+  // The address the inter-host mesh listens on, and its connections (multi-host groups only).
   const net::LocalAddress& netAddress() const { return mesh_->address(); }
+  int netConnections() const { return mesh_->connections(); }
   // The shared-memory domain, for the point-to-point engine (it maps nothing in a group of one).
   shm::Domain* domain() const { return domain_.get(); }
 

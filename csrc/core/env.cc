@@ -55,6 +55,11 @@ constexpr Param kParams[] = {
      "in rank order) or ring."},
     {"SMDDP_NET_CHUNK_BYTES", "262144",
      "mesh: bytes handed to one peer's socket per turn of the round-robin."},
+    {"SMDDP_NET_SOCKETS_PER_PEER", "1",
+     "TCP connections between two ranks of different hosts (1-16; rank 0's value holds for the "
+     "group). Messages of 256 KiB and more are striped over them: for links whose bandwidth-delay "
+     "product exceeds what one socket's buffers hold (net.ipv4.tcp_wmem / tcp_rmem), or fabrics "
+     "that spread flows over paths."},
     {"SMDDP_NET_CONGESTION", "cubic",
      "TCP congestion control of smddp's inter-host connections. cubic (Linux's default) suits "
      "mesh's per-peer windows; BBR (v1) misjudges links whose two directions are both full (the "
@@ -147,6 +152,7 @@ SMDDP_STRING_PARAM(hostId, "SMDDP_HOST_ID")
 SMDDP_STRING_PARAM(socketIfname, "SMDDP_SOCKET_IFNAME")
 SMDDP_STRING_PARAM(netAlgo, "SMDDP_NET_ALGO")
 SMDDP_INT_PARAM(netChunkBytes, "SMDDP_NET_CHUNK_BYTES")
+SMDDP_INT_PARAM(netSocketsPerPeer, "SMDDP_NET_SOCKETS_PER_PEER")
 SMDDP_INT_PARAM(netBufferBytes, "SMDDP_NET_BUFFER_BYTES")
 SMDDP_STRING_PARAM(netCongestion, "SMDDP_NET_CONGESTION")
 SMDDP_STRING_PARAM(simd, "SMDDP_SIMD")

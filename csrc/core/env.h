@@ -49,6 +49,7 @@ const std::string& socketIfname();
 const std::string& netAlgo();
 // mesh: bytes per peer per round-robin turn.
 int64_t netChunkBytes();
+int64_t netSocketsPerPeer();
 // Receive buffer for inter-host reductions; bigger messages go in pieces.
 int64_t netBufferBytes();
 // TCP congestion control of the inter-host connections ("" = the system's).

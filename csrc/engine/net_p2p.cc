@@ -188,7 +188,7 @@ void NetP2p::dial(Peer& p) {
       throwError(ErrorCode::kRemoteError, "cannot connect to rank %d at %s: %s", p.rank, p.address.c_str(),
                  errnoString(errno).c_str());
     }
-    p.hello = net::wire::makeHello(secret_, rank_, p.rank);
+    p.hello = net::wire::makeHello(secret_, rank_, p.rank, 0);  // one connection per pair
     p.helloSent = 0;
     p.state = Peer::State::kDialling;
   } catch (const Error& e) {
@@ -209,7 +209,7 @@ void NetP2p::introduce(Incoming& in) {
     if (p && p->rank < rank_ && p->state == Peer::State::kIdle) expected.push_back(p->rank);
   }
   const char ack = 'K';
-  if (k <= 0 || !net::wire::helloAccepted(in.hello, secret_, rank_, expected) ||
+  if (k <= 0 || !net::wire::helloAccepted(in.hello, secret_, rank_, 1, expected) ||
       send(in.fd, &ack, 1, MSG_NOSIGNAL | MSG_DONTWAIT) != 1) {
     SMDDP_WARN(kNet, "rank %d: point-to-point: refused a connection (not a peer of this group, or a bad handshake)",
                rank_);

@@ -272,11 +272,13 @@ c10::intrusive_ptr<c10d::Backend::Options> SmddpBackend::getBackendOptions() {
 
 std::map<std::string, std::string> SmddpBackend::topologySummary() const {
   const Topology& t = comm_->topology();
-  return {{"hosts", std::to_string(t.hosts())},
-          {"host", std::to_string(t.host())},
-          {"local_rank", std::to_string(t.localRank())},
-          {"local_size", std::to_string(t.localSize())},
-          {"transport", comm_->multiHost() ? "shm+tcp" : "shm"}};
+  std::map<std::string, std::string> info = {{"hosts", std::to_string(t.hosts())},
+                                              {"host", std::to_string(t.host())},
+                                              {"local_rank", std::to_string(t.localRank())},
+                                              {"local_size", std::to_string(t.localSize())},
+                                              {"transport", comm_->multiHost() ? "shm+tcp" : "shm"}};
+  if (comm_->multiHost()) info["tcp_connections"] = std::to_string(comm_->netConnections());
+  return info;
 }
 
 c10::intrusive_ptr<c10d::Backend> SmddpBackend::split(const c10::intrusive_ptr<c10d::Store>& store,

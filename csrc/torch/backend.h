@@ -73,7 +73,8 @@ class SmddpBackend : public c10d::Backend {
   const std::string getBackendName() const override { return "smddp"; }
   void setTimeout(std::chrono::milliseconds timeout) override { timeoutMs_.store(timeout.count()); }
   c10::intrusive_ptr<Options> getBackendOptions() override;
-  // Which hosts the group spans, as {"hosts", "host", "local_rank", "local_size", "transport"}.
+  // Which hosts the group spans, as {"hosts", "host", "local_rank", "local_size", "transport"},
+  // and across hosts "tcp_connections" (this rank's, with every socket of every peer).
   std::map<std::string, std::string> topologySummary() const;
   bool debugChecks() const { return debugChecks_; }
   size_t netScratchBytes() const { return comm_->netScratchBytes(); }

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <set>
 #include <thread>
 
 #include "core/env.h"
@@ -30,6 +31,7 @@ using wire::kHeaderBytes;
 using wire::kSecretChars;
 constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client must introduce itself by then
 constexpr auto kPollTick = std::chrono::milliseconds(50);  // how often a waiter checks abort and deadline
+constexpr int64_t kMaxLanes = 16;
 
 int msLeft(Clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
@@ -53,26 +55,33 @@ bool ioAll(int fd, void* buf, size_t n, bool sending, Clock::time_point deadline
 
 }  // namespace
 
-struct TcpMesh::Peer {
+// One TCP connection to a peer (one of its SMDDP_NET_SOCKETS_PER_PEER lanes).
+struct TcpMesh::Conn {
   int rank = -1;
+  int lane = 0;
   int fd = -1;
-  // kMesh: most bytes (unsent + unacknowledged) this peer's socket may hold, and the bytes the
-  // peer had acknowledged when the window last grew. It carries over from one exchange to the next.
+  // kMesh: most bytes (unsent + unacknowledged) this socket may hold, and the bytes the peer had
+  // acknowledged when the window last grew. It carries over from one exchange to the next.
   size_t window = 0;
   uint64_t handed = 0, ackedAtGrowth = 0;  // bytes ever handed to the socket; acked = handed - queued
   bool windowFull = false;  // kMesh: the last pass found the window full
-  // The current exchange's queues and progress through them.
-  std::vector<const Send*> sends;
+  // The current exchange's parts of messages (this lane's stripes) and progress through them.
+  struct SendPart {
+    const Send* msg;
+    const char* data;
+    size_t bytes;
+  };
+  std::vector<SendPart> sends;
   size_t sendIdx = 0, sendOff = 0;  // offsets count the header first
   wire::MsgHeader sendHdr{};
-  std::vector<const Recv*> recvs;  // collected, then handed to rx
+  std::vector<wire::LanePart> recvs;  // collected, then handed to rx
   wire::RecvCursor rx;
 
   bool sending() const { return sendIdx < sends.size(); }
   bool receiving() const { return !rx.done(); }
   // The next message to send waits for its data (Send::ready).
   bool sendHeld() const {
-    return sending() && sendOff == 0 && sends[sendIdx]->ready != nullptr && !*sends[sendIdx]->ready;
+    return sending() && sendOff == 0 && sends[sendIdx].msg->ready != nullptr && !*sends[sendIdx].msg->ready;
   }
 };
 
@@ -81,10 +90,12 @@ TcpMesh::TcpMesh(const Topology& topo) : topo_(topo) {}
 TcpMesh::~TcpMesh() { closeAll(); }
 
 void TcpMesh::closeAll() {
-  for (auto& p : peers_) {
-    if (p && p->fd >= 0) {
-      close(p->fd);
-      p->fd = -1;
+  for (auto& lanes : conns_) {
+    for (auto& c : lanes) {
+      if (c && c->fd >= 0) {
+        close(c->fd);
+        c->fd = -1;
+      }
     }
   }
   if (listenFd_ >= 0) {
@@ -93,11 +104,11 @@ void TcpMesh::closeAll() {
   }
 }
 
-TcpMesh::Peer& TcpMesh::peer(int rank) {
-  if (rank < 0 || rank >= static_cast<int>(peers_.size()) || !peers_[rank]) {
+std::vector<std::unique_ptr<TcpMesh::Conn>>& TcpMesh::lanesTo(int rank) {
+  if (!connected(rank)) {
     throwError(ErrorCode::kInvalidUsage, "rank %d has no connection to rank %d", topo_.rank, rank);
   }
-  return *peers_[rank];
+  return conns_[rank];
 }
 
 void TcpMesh::peerFailed(int rank, const char* what, int err) {
@@ -113,14 +124,19 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
   std::unique_ptr<TcpMesh> m(new TcpMesh(topo));
   m->chunkBytes_ = static_cast<size_t>(std::max<int64_t>(4096, env::netChunkBytes()));
   m->addr_ = chooseLocalAddress(rank);
-  m->peers_.resize(topo.size);
+  m->conns_.resize(topo.size);
   // The listener stays open for the group's life, so a later connect() needs no new address and
   // a refused connection always means the peer is gone.
   const Listener listener = listenOn(m->addr_.ip, m->addr_.ifname, std::max(64, topo.size), rank);
   m->listenFd_ = listener.fd;
   store.set("smddp/net/addr/" + std::to_string(rank), listener.address);
-  if (rank == 0) store.set("smddp/net/secret", randomHex(kSecretChars / 2));
+  if (rank == 0) {
+    store.set("smddp/net/secret", randomHex(kSecretChars / 2));
+    // Rank 0's setting holds for the group: both ends of a pair must open as many connections.
+    store.set("smddp/net/lanes", std::to_string(std::clamp<int64_t>(env::netSocketsPerPeer(), 1, kMaxLanes)));
+  }
   m->secret_ = store.get("smddp/net/secret");
+  m->lanes_ = std::stoi(store.get("smddp/net/lanes"));
   SMDDP_INFO(kNet, "rank %d: listening on %s (%s) for %zu peer(s)", rank, listener.address.c_str(),
              m->addr_.ifname.c_str(), peers.size());
   shm::WaitContext wait;
@@ -130,15 +146,32 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
 }
 
 bool TcpMesh::connected(int rank) const {
-  return rank >= 0 && rank < static_cast<int>(peers_.size()) && peers_[rank] != nullptr;
+  if (rank < 0 || rank >= static_cast<int>(conns_.size()) || conns_[rank].size() != static_cast<size_t>(lanes_)) {
+    return false;
+  }
+  for (const auto& c : conns_[rank]) {
+    if (!c) return false;
+  }
+  return true;
+}
+
+int TcpMesh::connections() const {
+  int n = 0;
+  for (const auto& lanes : conns_) {
+    for (const auto& c : lanes) n += c != nullptr;
+  }
+  return n;
 }
 
 void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::WaitContext& wait) {
   const int rank = topo_.rank;
-  std::vector<int> established, dialed, waiting;  // waiting: lower ranks, which dial this one
-  for (int p = 0; p < static_cast<int>(peers_.size()); ++p) {
-    if (peers_[p]) established.push_back(p);
+  std::vector<const Conn*> established;
+  for (const auto& lanes : conns_) {
+    for (const auto& c : lanes) {
+      if (c) established.push_back(c.get());
+    }
   }
+  std::vector<int> dialed, waiting;  // waiting: rank * lanes + lane of the connections from below
   for (int p : wanted) {
     if (connected(p)) continue;
     if (addr_.loopback && topo_.bootIds[p] != topo_.bootIds[rank]) {
@@ -147,22 +180,31 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
                  "set SMDDP_SOCKET_IFNAME to an interface that reaches it",
                  rank, addr_.ifname.c_str(), addr_.ip.c_str(), p, topo_.hostnames[p].c_str());
     }
-    (p > rank ? dialed : waiting).push_back(p);
+    conns_[p].resize(lanes_);
+    if (p > rank) {
+      dialed.push_back(p);
+    } else {
+      for (int lane = 0; lane < lanes_; ++lane) waiting.push_back(p * lanes_ + lane);
+    }
   }
   if (dialed.empty() && waiting.empty()) return;
 
-  auto makePeer = [&](int p, int fd) {
+  auto makeConn = [&](int p, int lane, int fd) {
     tuneSocket(fd);
-    auto peer = std::make_unique<Peer>();
-    peer->rank = p;
-    peer->fd = fd;
-    peer->window = 2 * chunkBytes_;
-    peers_[p] = std::move(peer);
+    auto c = std::make_unique<Conn>();
+    c->rank = p;
+    c->lane = lane;
+    c->fd = fd;
+    c->window = 2 * chunkBytes_;
+    conns_[p][lane] = std::move(c);
   };
 
   // Dial upwards and introduce this rank; the 'K' that admits it comes once the peer reaches
   // its own connect(), which the loop below waits for together with the connections from below.
-  std::vector<std::pair<int, int>> admitting;  // (rank, fd) waiting for their 'K'
+  struct Dialed {
+    int rank, lane, fd;
+  };
+  std::vector<Dialed> admitting;  // waiting for their 'K'
   for (int p : dialed) {
     const std::string where = store.get("smddp/net/addr/" + std::to_string(p));
     if (isLoopback(where) && topo_.bootIds[p] != topo_.bootIds[rank]) {
@@ -172,17 +214,20 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
                  p, topo_.hostnames[p].c_str(), where.c_str(), rank);
     }
     const sockaddr_in to = parseAddress(where, p);
-    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    wire::Hello h = wire::makeHello(secret_, rank, p);
-    if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) != 0 ||
-        !ioAll(fd, &h, sizeof(h), true, wait.deadline)) {
-      const int err = errno;
-      close(fd);
-      for (auto& a : admitting) close(a.second);
-      throwError(ErrorCode::kRemoteError, "rank %d: cannot connect to rank %d at %s: %s (that rank exited or aborted)",
-                 rank, p, where.c_str(), errnoString(err).c_str());
+    for (int lane = 0; lane < lanes_; ++lane) {
+      const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      wire::Hello h = wire::makeHello(secret_, rank, p, lane);
+      if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) != 0 ||
+          !ioAll(fd, &h, sizeof(h), true, wait.deadline)) {
+        const int err = errno;
+        close(fd);
+        for (auto& a : admitting) close(a.fd);
+        throwError(ErrorCode::kRemoteError,
+                   "rank %d: cannot connect to rank %d at %s: %s (that rank exited or aborted)", rank, p,
+                   where.c_str(), errnoString(err).c_str());
+      }
+      admitting.push_back({p, lane, fd});
     }
-    admitting.emplace_back(p, fd);
   }
 
   std::vector<pollfd> pfds;
@@ -193,31 +238,33 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
       }
       if (Clock::now() >= wait.deadline) {
         std::string missing;
-        for (auto& a : admitting) missing += (missing.empty() ? "" : ", ") + std::to_string(a.first);
-        for (int p : waiting) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+        std::set<int> late;
+        for (auto& a : admitting) late.insert(a.rank);
+        for (int w : waiting) late.insert(w / lanes_);
+        for (int p : late) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
         throwError(ErrorCode::kTimeout, "rank %d: rank(s) %s did not connect within the timeout", rank,
                    missing.c_str());
       }
       // A peer connected earlier that goes away (a failed or aborted rank closes all its
       // connections) ends the wait at once: ranks that wait for it here would wait in vain.
       pfds.clear();
-      for (auto& a : admitting) pfds.push_back({a.second, POLLIN, 0});
+      for (auto& a : admitting) pfds.push_back({a.fd, POLLIN, 0});
       const size_t listenAt = pfds.size();
       pfds.push_back({listenFd_, static_cast<short>(waiting.empty() ? 0 : POLLIN), 0});
-      for (int p : established) pfds.push_back({peers_[p]->fd, POLLRDHUP, 0});
+      for (const Conn* c : established) pfds.push_back({c->fd, POLLRDHUP, 0});
       const int ms = std::min<int>(msLeft(wait.deadline), static_cast<int>(kPollTick.count()));
       if (poll(pfds.data(), pfds.size(), ms) <= 0) continue;
       for (size_t i = listenAt + 1; i < pfds.size(); ++i) {
-        if (pfds[i].revents != 0) peerFailed(established[i - listenAt - 1], "connecting more peers", 0);
+        if (pfds[i].revents != 0) peerFailed(established[i - listenAt - 1]->rank, "connecting more peers", 0);
       }
       for (size_t i = listenAt; i-- > 0;) {
         if (pfds[i].revents == 0) continue;
-        const auto [p, fd] = admitting[i];
+        const Dialed a = admitting[i];
         char ack = 0;
-        if (!ioAll(fd, &ack, 1, false, wait.deadline) || ack != 'K') {
-          throwError(ErrorCode::kRemoteError, "rank %d: rank %d did not accept the connection", rank, p);
+        if (!ioAll(a.fd, &ack, 1, false, wait.deadline) || ack != 'K') {
+          throwError(ErrorCode::kRemoteError, "rank %d: rank %d did not accept the connection", rank, a.rank);
         }
-        makePeer(p, fd);
+        makeConn(a.rank, a.lane, a.fd);
         admitting.erase(admitting.begin() + static_cast<std::ptrdiff_t>(i));
       }
       if (pfds[listenAt].revents == 0) continue;
@@ -232,7 +279,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
       wire::Hello h{};
       const auto helloDeadline = std::min(wait.deadline, Clock::now() + kHelloTimeout);
       const bool ok =
-          ioAll(fd, &h, sizeof(h), false, helloDeadline) && wire::helloAccepted(h, secret_, rank, waiting);
+          ioAll(fd, &h, sizeof(h), false, helloDeadline) && wire::helloAccepted(h, secret_, rank, lanes_, waiting);
       const char ack = 'K';
       if (!ok || !ioAll(fd, const_cast<char*>(&ack), 1, true, wait.deadline)) {
         SMDDP_WARN(kNet, "rank %d: refused a connection from %s:%d (not a peer of this group, or a bad handshake)",
@@ -240,11 +287,11 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
         close(fd);
         continue;
       }
-      waiting.erase(std::find(waiting.begin(), waiting.end(), h.from));
-      makePeer(h.from, fd);
+      waiting.erase(std::find(waiting.begin(), waiting.end(), h.from * lanes_ + h.lane));
+      makeConn(h.from, h.lane, fd);
     }
   } catch (...) {
-    for (auto& a : admitting) close(a.second);
+    for (auto& a : admitting) close(a.fd);
     throw;
   }
 }
@@ -252,46 +299,61 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
 void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::vector<Recv>& recvs,
                        const shm::WaitContext& wait, Schedule schedule,
                        const std::function<void(size_t)>& onReceived) {
-  std::vector<Peer*> active;
-  auto activate = [&](Peer& p) {
-    if (p.sends.empty() && p.recvs.empty()) active.push_back(&p);
+  std::vector<Conn*> active;
+  auto activate = [&](Conn& c) {
+    if (c.sends.empty() && c.recvs.empty()) active.push_back(&c);
   };
+  // Each message goes to the lanes that carry a stripe of it; it has arrived once all of them
+  // have theirs (partsLeft).
   for (const Send& s : sends) {
-    Peer& p = peer(s.peer);
-    activate(p);
-    p.sends.push_back(&s);
+    auto& lanes = lanesTo(s.peer);
+    for (int lane = 0; lane < lanes_; ++lane) {
+      const wire::Stripe st = wire::stripeOf(s.bytes, lanes_, lane);
+      if (!wire::laneCarries(st, lane)) continue;
+      activate(*lanes[lane]);
+      lanes[lane]->sends.push_back({&s, static_cast<const char*>(s.data) + st.offset, st.length});
+    }
   }
-  for (const Recv& r : recvs) {
-    Peer& p = peer(r.peer);
-    activate(p);
-    p.recvs.push_back(&r);
+  std::vector<int> partsLeft(recvs.size(), 0);
+  for (size_t i = 0; i < recvs.size(); ++i) {
+    const Recv& r = recvs[i];
+    auto& lanes = lanesTo(r.peer);
+    for (int lane = 0; lane < lanes_; ++lane) {
+      const wire::Stripe st = wire::stripeOf(r.bytes, lanes_, lane);
+      if (!wire::laneCarries(st, lane)) continue;
+      activate(*lanes[lane]);
+      lanes[lane]->recvs.push_back({&r, static_cast<char*>(r.data) + st.offset, st.length});
+      ++partsLeft[i];
+    }
   }
   if (active.empty()) return;
-  for (Peer* p : active) p->rx.start(std::move(p->recvs), tag, p->rank);
+  for (Conn* c : active) c->rx.start(std::move(c->recvs), tag, c->rank);
   const int me = topo_.rank, W = topo_.size;
   // kMesh serves peers from the one after this rank (so that not every rank starts with the
   // same peer); kNaive in rank order.
-  std::sort(active.begin(), active.end(), [&](const Peer* a, const Peer* b) {
-    return schedule == Schedule::kMesh ? (a->rank - me + W) % W < (b->rank - me + W) % W : a->rank < b->rank;
+  std::sort(active.begin(), active.end(), [&](const Conn* a, const Conn* b) {
+    const int ka = schedule == Schedule::kMesh ? (a->rank - me + W) % W : a->rank;
+    const int kb = schedule == Schedule::kMesh ? (b->rank - me + W) % W : b->rank;
+    return ka != kb ? ka < kb : a->lane < b->lane;
   });
   struct Reset {
-    std::vector<Peer*>& peers;
+    std::vector<Conn*>& conns;
     ~Reset() {
-      for (Peer* p : peers) {
-        p->sends.clear();
-        p->recvs.clear();
-        p->rx.clear();
-        p->sendIdx = p->sendOff = 0;
+      for (Conn* c : conns) {
+        c->sends.clear();
+        c->recvs.clear();
+        c->rx.clear();
+        c->sendIdx = c->sendOff = 0;
       }
     }
   } reset{active};
 
   // Sends up to `budget` bytes of p's queue; returns the bytes written (0 when the socket is full).
-  auto sendSome = [&](Peer& p, size_t budget) -> size_t {
+  auto sendSome = [&](Conn& p, size_t budget) -> size_t {
     size_t total = 0;
     while (p.sending() && !p.sendHeld() && budget > 0) {
-      const Send& s = *p.sends[p.sendIdx];
-      if (p.sendOff == 0) p.sendHdr = wire::MsgHeader{tag, s.bytes};
+      const Conn::SendPart& s = p.sends[p.sendIdx];
+      if (p.sendOff == 0) p.sendHdr = wire::MsgHeader{tag, s.msg->bytes};
       iovec iov[2];
       const int n = wire::nextIov(iov, p.sendHdr, p.sendOff, s.data, s.bytes, budget);
       msghdr mh{};
@@ -314,7 +376,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
     return total;
   };
   // Reads what has arrived from p, straight into the destinations; returns the bytes read.
-  auto recvSome = [&](Peer& p) -> size_t {
+  auto recvSome = [&](Conn& p) -> size_t {
     size_t total = 0;
     while (p.receiving() && !p.rx.held()) {
       const auto [buf, want] = p.rx.window();
@@ -326,7 +388,10 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
       if (k == 0) peerFailed(p.rank, "receiving", 0);
       const Recv* done = p.rx.advance(static_cast<size_t>(k));
       total += static_cast<size_t>(k);
-      if (done && onReceived) onReceived(static_cast<size_t>(done - recvs.data()));
+      if (done) {
+        const size_t i = static_cast<size_t>(done - recvs.data());
+        if (--partsLeft[i] == 0 && onReceived) onReceived(i);
+      }
     }
     return total;
   };
@@ -335,11 +400,11 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
   std::vector<pollfd> pfds;
   for (;;) {
     bool moved = false, windowBlocked = false, pending = false;
-    for (Peer* p : active) {
+    for (Conn* p : active) {
       if (p->receiving()) moved |= recvSome(*p) > 0;
     }
     if (schedule == Schedule::kMesh) {
-      for (Peer* p : active) {
+      for (Conn* p : active) {
         if (!p->sending() || p->sendHeld()) continue;
         int queued = 0;
         ioctl(p->fd, SIOCOUTQ, &queued);
@@ -361,11 +426,11 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
         moved |= sendSome(*p, std::min(chunkBytes_, p->window - q)) > 0;
       }
     } else {
-      for (Peer* p : active) {
+      for (Conn* p : active) {
         if (p->sending()) moved |= sendSome(*p, SIZE_MAX) > 0;
       }
     }
-    for (Peer* p : active) pending |= p->sending() || p->receiving();
+    for (Conn* p : active) pending |= p->sending() || p->receiving();
     if (!pending) return;
     if (moved) continue;
 
@@ -375,7 +440,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
     const auto now = Clock::now();
     if (now >= wait.deadline) {
       std::string missing;
-      for (Peer* p : active) {
+      for (Conn* p : active) {
         if (p->sending() || p->receiving()) missing += (missing.empty() ? "" : ", ") + std::to_string(p->rank);
       }
       throwError(ErrorCode::kTimeout, "timed out in an inter-host exchange with rank(s) %s (op/step %llu/%llu)",
@@ -383,7 +448,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
                  static_cast<unsigned long long>(tag & ((1u << kTagStepBits) - 1)));
     }
     pfds.clear();
-    for (Peer* p : active) {
+    for (Conn* p : active) {
       short ev = 0;
       if (p->receiving() && !p->rx.held()) ev |= POLLIN;
       if (p->sending() && !p->sendHeld() && !(schedule == Schedule::kMesh && p->windowFull)) ev |= POLLOUT;

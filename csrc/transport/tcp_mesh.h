@@ -9,6 +9,8 @@
 // Data: exchange() moves a set of sends and receives to completion. Each message carries a
 // 16-byte header (tag, bytes) and lands straight in its destination buffer; a header that does
 // not match what the receiver expects is an error naming both sides (mismatched collectives).
+// With SMDDP_NET_SOCKETS_PER_PEER > 1 two ranks hold that many connections ("lanes") and large
+// messages are striped over them (wire::stripeOf), each lane paced by its own window.
 #pragma once
 
 #include <chrono>
@@ -51,6 +53,7 @@ class TcpMesh {
   // out to be gone (refused, or an existing connection closed), kAborted or kTimeout.
   void connect(Store& store, const std::vector<int>& peers, const shm::WaitContext& wait);
   bool connected(int rank) const;
+  int connections() const;  // TCP connections held, every lane of every peer
 
   const LocalAddress& address() const { return addr_; }
 
@@ -68,14 +71,15 @@ class TcpMesh {
   void closeAll();
 
  private:
-  struct Peer;
+  struct Conn;
   explicit TcpMesh(const Topology& topo);
-  Peer& peer(int rank);
+  std::vector<std::unique_ptr<Conn>>& lanesTo(int rank);
   [[noreturn]] void peerFailed(int rank, const char* what, int err);
 
   Topology topo_;
   LocalAddress addr_;
-  std::vector<std::unique_ptr<Peer>> peers_;  // indexed by rank; null where no connection
+  std::vector<std::vector<std::unique_ptr<Conn>>> conns_;  // [rank][lane]; empty where no connection
+  int lanes_ = 1;  // connections per peer (SMDDP_NET_SOCKETS_PER_PEER, rank 0's value)
   int listenFd_ = -1;
   std::string secret_;
   size_t chunkBytes_;

@@ -21,23 +21,33 @@ unsigned long long stepOf(uint64_t tag) { return tag & ((1u << kTagStepBits) - 1
 
 }  // namespace
 
-Hello makeHello(const std::string& secret, int from, int to) {
+Hello makeHello(const std::string& secret, int from, int to, int lane) {
   Hello h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   std::memcpy(h.secret, secret.data(), std::min(secret.size(), kSecretChars));
   h.from = from;
   h.to = to;
+  h.lane = lane;
   return h;
 }
 
-bool helloAccepted(const Hello& h, const std::string& secret, int rank, const std::vector<int>& waiting) {
-  const Hello want = makeHello(secret, rank, rank);
+bool helloAccepted(const Hello& h, const std::string& secret, int rank, int lanes, const std::vector<int>& waiting) {
+  const Hello want = makeHello(secret, rank, rank, 0);
   return std::memcmp(h.magic, want.magic, sizeof(want.magic)) == 0 &&
-         equalConstantTime(h.secret, want.secret, kSecretChars) && h.to == rank &&
-         std::find(waiting.begin(), waiting.end(), h.from) != waiting.end();
+         equalConstantTime(h.secret, want.secret, kSecretChars) && h.to == rank && h.lane >= 0 &&
+         h.lane < lanes && h.from >= 0 &&
+         std::find(waiting.begin(), waiting.end(), static_cast<int64_t>(h.from) * lanes + h.lane) != waiting.end();
 }
 
-void RecvCursor::start(std::vector<const Recv*> expected, uint64_t tag, int peerRank) {
+Stripe stripeOf(size_t bytes, int lanes, int lane) {
+  if (lanes <= 1 || bytes < kMinStripedBytes) return lane == 0 ? Stripe{0, bytes} : Stripe{0, 0};
+  constexpr size_t kAlign = 4096;  // page-sized stripes: each lane's copies start page-aligned
+  const size_t per = ((bytes + lanes - 1) / lanes + kAlign - 1) / kAlign * kAlign;
+  const size_t begin = std::min(bytes, per * static_cast<size_t>(lane));
+  return {begin, std::min(per, bytes - begin)};
+}
+
+void RecvCursor::start(std::vector<LanePart> expected, uint64_t tag, int peerRank) {
   expected_ = std::move(expected);
   tag_ = tag;
   peer_ = peerRank;
@@ -52,13 +62,14 @@ void RecvCursor::clear() {
 std::pair<char*, size_t> RecvCursor::window() {
   if (done() || held()) return {nullptr, 0};
   if (off_ < kHeaderBytes) return {reinterpret_cast<char*>(&hdr_) + off_, kHeaderBytes - off_};
-  const Recv& r = *expected_[idx_];
+  const LanePart& part = expected_[idx_];
   const size_t got = off_ - kHeaderBytes;
-  return {static_cast<char*>(r.data) + got, r.bytes - got};
+  return {part.data + got, part.bytes - got};
 }
 
 const Recv* RecvCursor::advance(size_t k) {
-  const Recv& r = *expected_[idx_];
+  const LanePart& part = expected_[idx_];
+  const Recv& r = *part.msg;
   const bool inHeader = off_ < kHeaderBytes;
   off_ += k;
   if (inHeader && off_ == kHeaderBytes) {
@@ -71,7 +82,7 @@ const Recv* RecvCursor::advance(size_t k) {
                  seqOf(tag_), stepOf(tag_));
     }
   }
-  if (off_ >= kHeaderBytes && off_ == kHeaderBytes + r.bytes) {
+  if (off_ >= kHeaderBytes && off_ == kHeaderBytes + part.bytes) {
     ++idx_;
     off_ = 0;
     return &r;

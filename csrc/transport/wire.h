@@ -1,9 +1,10 @@
 // The TCP mesh's wire format, and the parsing of what arrives, kept apart from the sockets so
 // that it can be fuzzed (tests/fuzz/fuzz_wire.cc) and unit-tested without a network.
 //
-// A connection opens with a Hello (magic, the group's secret, the two ranks it links), answered
-// by one 'K' byte. After that each message is a 16-byte header (tag, payload bytes) and the
-// payload, which lands straight in the receiver's destination buffer.
+// A connection opens with a Hello (magic, the group's secret, the two ranks it links and which of
+// their connections it is), answered by one 'K' byte. After that each message is a 16-byte
+// header (tag, the message's bytes) and this connection's stripe of the payload (all of it when
+// two ranks have one connection), which lands straight in the receiver's destination buffer.
 #pragma once
 
 #include <sys/uio.h>
@@ -49,12 +50,26 @@ struct Hello {
   char secret[kSecretChars];
   int32_t from;
   int32_t to;
+  int32_t lane;  // which of the pair's connections, 0 .. lanes - 1
 };
 
-Hello makeHello(const std::string& secret, int from, int to);
-// Whether a Hello, as received from an unknown client, comes from a rank this rank still waits
-// for, with the group's secret (compared in constant time).
-bool helloAccepted(const Hello& h, const std::string& secret, int rank, const std::vector<int>& waiting);
+Hello makeHello(const std::string& secret, int from, int to, int lane);
+// Whether a Hello, as received from an unknown client, comes from a connection this rank still
+// waits for (`waiting` holds from * lanes + lane), with the group's secret (compared in
+// constant time).
+bool helloAccepted(const Hello& h, const std::string& secret, int rank, int lanes, const std::vector<int>& waiting);
+
+// Two ranks with several connections ("lanes") stripe each message over them: lane i carries
+// bytes [offset, offset + length) of it, both sides cut alike from the message's size. Smaller
+// messages than this go whole on lane 0; a lane with an empty stripe carries nothing of the
+// message, lane 0 always its header.
+constexpr size_t kMinStripedBytes = 256u << 10;
+struct Stripe {
+  size_t offset;
+  size_t length;
+};
+Stripe stripeOf(size_t bytes, int lanes, int lane);
+inline bool laneCarries(const Stripe& s, int lane) { return lane == 0 || s.length > 0; }
 
 struct MsgHeader {
   uint64_t tag;
@@ -76,26 +91,34 @@ inline int nextIov(iovec (&iov)[2], const MsgHeader& hdr, size_t sent, const voi
   return n;
 }
 
+// One message as one connection carries it: the header names the whole message's bytes, the
+// payload is this connection's stripe.
+struct LanePart {
+  const Recv* msg;
+  char* data;
+  size_t bytes;
+};
+
 // The receive side of one connection during one exchange: the messages expected from the peer,
 // in order, filled by whatever bytes arrive, in pieces of any size.
 class RecvCursor {
  public:
-  void start(std::vector<const Recv*> expected, uint64_t tag, int peerRank);
+  void start(std::vector<LanePart> expected, uint64_t tag, int peerRank);
   void clear();
   bool done() const { return idx_ >= expected_.size(); }
   // The next message may not be read yet (its Recv::ready is false).
   bool held() const {
-    return !done() && off_ == 0 && expected_[idx_]->ready != nullptr && !*expected_[idx_]->ready;
+    return !done() && off_ == 0 && expected_[idx_].msg->ready != nullptr && !*expected_[idx_].msg->ready;
   }
   // Where the next bytes go and at most how many; never empty while !done() && !held().
   std::pair<char*, size_t> window();
   // `k` (> 0, at most window().second) bytes were written at window(). A completed header that
   // does not match the expected message throws smddp::Error (kInvalidUsage) naming both sides.
-  // Returns the message these bytes completed, or null.
+  // Returns the message whose part these bytes completed, or null.
   const Recv* advance(size_t k);
 
  private:
-  std::vector<const Recv*> expected_;
+  std::vector<LanePart> expected_;
   uint64_t tag_ = 0;
   int peer_ = -1;
   size_t idx_ = 0, off_ = 0;  // off_ counts the header first

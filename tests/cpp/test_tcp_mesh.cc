@@ -2,8 +2,10 @@
 // a FileStore): strangers that connect to a rank's port during set-up are refused and the mesh
 // still forms; data crosses intact in both directions; a send can wait for data computed from an
 // earlier receive of the same exchange; a header for another op is an error that names both
-// sides; a peer that goes away is reported promptly; a later connection round adds the missing
-// connections of a group (a rank with none to add taking part); the connections' congestion
+// sides; messages striped over several connections per pair arrive intact and are reported once,
+// and a size mismatch is caught on the first stripe; a peer that goes away is reported promptly;
+// a later connection round adds the missing connections of a group (a rank with none to add
+// taking part); the connections' congestion
 // control is the one asked for, and an unknown one is refused with the reason. Prints "N passed, N failed".
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -70,12 +72,14 @@ void strangerSends(const std::string& hostPort, const std::string& bytes) {
   close(fd);
 }
 
-// A handshake laid out like the real one (magic, 32 secret characters, from, to).
+// A handshake laid out like the real one (magic, 32 secret characters, from, to, lane).
 std::string hello(const std::string& secret, int32_t from, int32_t to) {
   std::string h = "SMDDPNET" + secret;
   h.resize(40, '0');
+  const int32_t lane = 0;
   h.append(reinterpret_cast<const char*>(&from), 4);
   h.append(reinterpret_cast<const char*>(&to), 4);
+  h.append(reinterpret_cast<const char*>(&lane), 4);
   return h;
 }
 
@@ -179,6 +183,51 @@ void testStrangersRefusedThenExchange(const std::string& dir) {
            "gated send and held receive in one exchange: [" + errors[0] + "] [" + errors[1] + "]");
   }
 
+  // Messages around the striping threshold, several to one peer in one exchange, both ways:
+  // each lands intact and is reported once, when all of its stripes are in.
+  {
+    expect(meshes[0]->connections() == 3 && meshes[1]->connections() == 3,
+           "three connections per pair: " + std::to_string(meshes[0]->connections()));
+    const std::vector<size_t> sizes = {0, 1000, net::wire::kMinStripedBytes - 1, net::wire::kMinStripedBytes,
+                                       (1 << 20) + 4097};
+    std::vector<std::vector<uint8_t>> src[2], dst[2];
+    std::vector<int> reported[2];
+    std::thread ranks[2];
+    for (int r = 0; r < 2; ++r) {
+      reported[r].assign(sizes.size(), 0);
+      for (size_t m = 0; m < sizes.size(); ++m) {
+        src[r].emplace_back(sizes[m]);
+        for (size_t i = 0; i < sizes[m]; ++i) src[r][m][i] = static_cast<uint8_t>(i * 31 + m + 7 * r);
+        dst[r].emplace_back(sizes[m], 0);
+      }
+    }
+    for (int r = 0; r < 2; ++r) {
+      ranks[r] = std::thread([&, r] {
+        std::vector<net::Send> sends;
+        std::vector<net::Recv> recvs;
+        for (size_t m = 0; m < sizes.size(); ++m) {
+          sends.push_back({1 - r, src[r][m].data(), sizes[m]});
+          recvs.push_back({1 - r, dst[r][m].data(), sizes[m]});
+        }
+        try {
+          meshes[r]->exchange(net::makeTag(3, 0), sends, recvs, waitFor(std::chrono::seconds(20)),
+                              net::Schedule::kMesh, [&](size_t i) { ++reported[r][i]; });
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+        }
+      });
+    }
+    ranks[0].join();
+    ranks[1].join();
+    bool intact = true, once = true;
+    for (int r = 0; r < 2; ++r) {
+      intact &= dst[r] == src[1 - r];
+      for (int n : reported[r]) once &= n == 1;
+    }
+    expect(errors[0].empty() && errors[1].empty() && intact && once,
+           "striped messages intact and reported once: [" + errors[0] + "] [" + errors[1] + "]");
+  }
+
   // Rank 0 is one op ahead: rank 1 must refuse the message, naming both op numbers.
   std::string mismatch;
   std::thread a([&] {
@@ -211,6 +260,39 @@ void testStrangersRefusedThenExchange(const std::string& dir) {
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   expect(gone.find("rank 0") != std::string::npos && secs < 5,
          "closed peer reported in " + std::to_string(secs) + " s: " + gone);
+}
+
+// Rank 0 sends a striped message (over all lanes) where rank 1 expects a smaller one that
+// would go whole on lane 0: the header on lane 0 carries the whole message's size, so rank 1
+// refuses it at once, naming both sizes, instead of taking the first stripe as the message.
+void testStripedSizeMismatch(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  std::unique_ptr<net::TcpMesh> meshes[2];
+  std::string errors[2];
+  std::thread r1([&] { meshes[1] = net::TcpMesh::create(store, twoHosts(1), {0}, std::chrono::seconds(30)); });
+  meshes[0] = net::TcpMesh::create(store, twoHosts(0), {1}, std::chrono::seconds(30));
+  r1.join();
+  const size_t sent = 4 * net::wire::kMinStripedBytes, expected = sent / 4;
+  std::vector<uint8_t> out(sent, 1), in(sent, 0);
+  std::thread a([&] {
+    try {
+      meshes[0]->exchange(net::makeTag(4, 0), {{1, out.data(), sent}}, {}, waitFor(std::chrono::seconds(5)),
+                          net::Schedule::kMesh);
+    } catch (const std::exception& e) {
+      errors[0] = e.what();
+    }
+  });
+  try {
+    meshes[1]->exchange(net::makeTag(4, 0), {}, {{0, in.data(), expected}}, waitFor(std::chrono::seconds(5)),
+                        net::Schedule::kMesh);
+  } catch (const Error& e) {
+    errors[1] = e.what();
+  }
+  meshes[1].reset();  // rank 0 may still be writing its stripes: closing ends that
+  a.join();
+  expect(errors[1].find("sent " + std::to_string(sent) + " bytes") != std::string::npos &&
+             errors[1].find("expected " + std::to_string(expected) + " bytes") != std::string::npos,
+         "striped size mismatch refused with both sizes: " + errors[1]);
 }
 
 // Three ranks, each its own host: the mesh starts as a chain 0-1-2; a second round connects 0
@@ -311,6 +393,8 @@ void testCongestionControl() {
 }  // namespace
 
 int main() {
+  // Three connections per pair, so every exchange below is striped (the Python tests cover one).
+  setenv("SMDDP_NET_SOCKETS_PER_PEER", "3", 1);
   testCongestionControl();
   char tmpl[] = "/tmp/smddp_net_tests.XXXXXX";
   if (!mkdtemp(tmpl)) return 1;
@@ -320,6 +404,10 @@ int main() {
   if (!mkdtemp(tmpl2)) return 1;
   testConnectLater(tmpl2);
   std::filesystem::remove_all(tmpl2);
+  char tmpl3[] = "/tmp/smddp_net_tests.XXXXXX";
+  if (!mkdtemp(tmpl3)) return 1;
+  testStripedSizeMismatch(tmpl3);
+  std::filesystem::remove_all(tmpl3);
   printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }

@@ -28,10 +28,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size >= sizeof(wire::Hello)) {
     wire::Hello h;
     std::memcpy(&h, data, sizeof(h));
-    const bool ok = wire::helloAccepted(h, kSecret, 1, {0, 2});
-    // Only the exact secret, magic and an awaited peer may pass.
-    const wire::Hello good = wire::makeHello(kSecret, h.from, 1);
-    if (ok && (std::memcmp(&h, &good, sizeof(h)) != 0 || (h.from != 0 && h.from != 2))) std::abort();
+    // Ranks 0 and 2, two lanes each (waiting holds rank * lanes + lane).
+    const bool ok = wire::helloAccepted(h, kSecret, 1, 2, {0, 1, 4, 5});
+    // Only the exact secret, magic and an awaited connection may pass.
+    const wire::Hello good = wire::makeHello(kSecret, h.from, 1, h.lane);
+    if (ok && (std::memcmp(&h, &good, sizeof(h)) != 0 || (h.from != 0 && h.from != 2) || (h.lane != 0 && h.lane != 1))) {
+      std::abort();
+    }
   }
   if (size < kPreamble) return 0;
   const int n = 1 + data[0] % 4;
@@ -43,8 +46,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     bufs.emplace_back(new char[bytes]);
     recvs.push_back(Recv{0, bufs.back().get(), bytes});
   }
-  std::vector<const Recv*> expected;
-  for (const Recv& r : recvs) expected.push_back(&r);
+  std::vector<wire::LanePart> expected;
+  for (const Recv& r : recvs) expected.push_back({&r, static_cast<char*>(r.data), r.bytes});
   wire::RecvCursor cursor;
   cursor.start(expected, makeTag(7, 3), 0);
   const uint8_t* p = data + kPreamble;
