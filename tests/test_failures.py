@@ -43,11 +43,22 @@ except Exception as e:
     print(f"ERROR after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
     # What a survivor leaves behind once it has given up on the group.
     dist.destroy_process_group()
-    names = []
-    for d in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{d}/comm") as f:
-            names.append(f.read().strip())
-    print("backend threads left:", sum(n.startswith("smddp") for n in names), flush=True)
+    # A joined thread can still be listed for a moment (the kernel wakes the joiner before it
+    # removes the task), so allow a short grace period; one that stays is a leak.
+    grace = time.monotonic() + 2
+    while True:
+        names = []
+        for d in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{d}/comm") as f:
+                    names.append(f.read().strip())
+            except OSError:  # gone while listed
+                pass
+        left = sum(n.startswith("smddp") for n in names)
+        if left == 0 or time.monotonic() > grace:
+            break
+        time.sleep(0.01)
+    print("backend threads left:", left, flush=True)
     sys.exit(3)
 """
 

@@ -159,18 +159,41 @@ std::vector<at::Tensor> stageBlocks(const std::vector<at::Tensor>& blocks, const
 
 // ---- bootstrap ------------------------------------------------------------------------------
 
+// Failures of the c10d store become smddp errors, so that one during an op (a group's first
+// all_to_all reads peers' addresses) fails the op like any other: named, and the group broken.
 class C10dStore : public Store {
  public:
   explicit C10dStore(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
   void set(const std::string& key, const std::string& value) override {
-    store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+    try {
+      store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+    } catch (const c10::DistStoreError& e) {  // timed out
+      failed(ErrorCode::kTimeout, "setting", key, e, "");
+    } catch (const std::exception& e) {
+      failed(ErrorCode::kRemoteError, "setting", key, e, kStoreGone);
+    }
   }
   std::string get(const std::string& key) override {
-    auto v = store_->get(key);
-    return std::string(v.begin(), v.end());
+    try {
+      auto v = store_->get(key);
+      return std::string(v.begin(), v.end());
+    } catch (const c10::DistStoreError& e) {
+      failed(ErrorCode::kTimeout, "reading", key, e, "");
+    } catch (const std::exception& e) {
+      failed(ErrorCode::kRemoteError, "reading", key, e, kStoreGone);
+    }
   }
 
  private:
+  static constexpr const char* kStoreGone =
+      ": the process that hosts it (rank 0's, for init_method tcp:// or env://) may have exited";
+  [[noreturn]] static void failed(ErrorCode code, const char* what, const std::string& key, const std::exception& e,
+                                  const char* hint) {
+    std::string why = e.what();
+    why = why.substr(0, why.find('\n'));  // c10 appends a C++ backtrace
+    throwError(code, "the process group's store failed while %s %s (%s)%s", what, key.c_str(), why.c_str(), hint);
+  }
+
   c10::intrusive_ptr<c10d::Store> store_;
 };
 

@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <cstring>
 #include <set>
-#include <thread>
 
 #include "core/env.h"
 #include "core/error.h"
@@ -171,7 +170,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
       if (c) established.push_back(c.get());
     }
   }
-  std::vector<int> dialed, waiting;  // waiting: rank * lanes + lane of the connections from below
+  std::vector<int> upward, waiting;  // waiting: rank * lanes + lane of the connections from below
   for (int p : wanted) {
     if (connected(p)) continue;
     if (addr_.loopback && topo_.bootIds[p] != topo_.bootIds[rank]) {
@@ -182,12 +181,12 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
     }
     conns_[p].resize(lanes_);
     if (p > rank) {
-      dialed.push_back(p);
+      upward.push_back(p);
     } else {
       for (int lane = 0; lane < lanes_; ++lane) waiting.push_back(p * lanes_ + lane);
     }
   }
-  if (dialed.empty() && waiting.empty()) return;
+  if (upward.empty() && waiting.empty()) return;
 
   auto makeConn = [&](int p, int lane, int fd) {
     tuneSocket(fd);
@@ -201,11 +200,11 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
 
   // Dial upwards and introduce this rank; the 'K' that admits it comes once the peer reaches
   // its own connect(), which the loop below waits for together with the connections from below.
-  struct Dialed {
+  struct Dialing {
     int rank, lane, fd;
   };
-  std::vector<Dialed> admitting;  // waiting for their 'K'
-  for (int p : dialed) {
+  std::vector<Dialing> admitting;  // waiting for their 'K'
+  for (int p : upward) {
     const std::string where = store.get("smddp/net/addr/" + std::to_string(p));
     if (isLoopback(where) && topo_.bootIds[p] != topo_.bootIds[rank]) {
       throwError(ErrorCode::kInvalidUsage,
@@ -259,7 +258,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
       }
       for (size_t i = listenAt; i-- > 0;) {
         if (pfds[i].revents == 0) continue;
-        const Dialed a = admitting[i];
+        const Dialing a = admitting[i];
         char ack = 0;
         if (!ioAll(a.fd, &ack, 1, false, wait.deadline) || ack != 'K') {
           throwError(ErrorCode::kRemoteError, "rank %d: rank %d did not accept the connection", rank, a.rank);
