@@ -125,8 +125,10 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
   m->addr_ = chooseLocalAddress(rank);
   m->conns_.resize(topo.size);
   // The listener stays open for the group's life, so a later connect() needs no new address and
-  // a refused connection always means the peer is gone.
-  const Listener listener = listenOn(m->addr_.ip, m->addr_.ifname, std::max(64, topo.size), rank);
+  // a refused connection always means the peer is gone. Its backlog fits every lane of every
+  // rank dialling at once (the kernel caps it at net.core.somaxconn).
+  const int backlog = static_cast<int>(std::min<int64_t>(std::max(64, topo.size) * kMaxLanes, 65535));
+  const Listener listener = listenOn(m->addr_.ip, m->addr_.ifname, backlog, rank);
   m->listenFd_ = listener.fd;
   store.set("smddp/net/addr/" + std::to_string(rank), listener.address);
   if (rank == 0) {

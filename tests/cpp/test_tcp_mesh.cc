@@ -5,8 +5,8 @@
 // sides; messages striped over several connections per pair arrive intact and are reported once,
 // and a size mismatch is caught on the first stripe; a peer that goes away is reported promptly;
 // a later connection round adds the missing connections of a group (a rank with none to add
-// taking part); the connections' congestion
-// control is the one asked for, and an unknown one is refused with the reason. Prints "N passed, N failed".
+// taking part); the connections' congestion control is the one asked for, and an unknown one is
+// refused with the reason. Prints "N passed, N failed".
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
