@@ -2,7 +2,6 @@
 registration, the build); the GPU parts need a GPU and skip without one."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import smddp
+from _pool import free_port
 from _util import Report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,14 +30,8 @@ def test_cuda_library_built_where_nvcc_is():
     assert lib.exists(), f"nvcc is on PATH but {lib} was not built"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(case, world, extra_env=None, timeout=600):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONFAULTHANDLER="1",
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONFAULTHANDLER="1",
                **(extra_env or {}))
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "cuda_worker.py"), "--rank", str(r),
                                "--world", str(world), "--case", case], env=env,

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from _pool import free_port
+
 BIN = Path(__file__).resolve().parent.parent / "python" / "smddp" / "bin"
 ALIASES = ["all_reduce_perf", "all_gather_perf", "reduce_scatter_perf", "broadcast_perf"]
 
@@ -62,11 +64,7 @@ def test_torchrun_style_launch(hosts):
     """Without -np, RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT make each process one rank of a job
     (rank 0 serves the bootstrap store); SMDDP_HOST_ID splits the ranks into emulated hosts, so
     "0011" runs the inter-host (TCP mesh) path."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([str(BIN / "all_gather_perf"), "-b", "8", "-e", "64K", "-f", "16", "-n", "2", "-w", "1"],
                               env=dict(os.environ, RANK=str(r), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
                                        MASTER_PORT=str(port), SMDDP_HOST_ID=hosts[r]),
@@ -94,12 +92,9 @@ def test_torchrun_style_launch(hosts):
 def test_under_torchrun():
     """torchrun's agent holds MASTER_PORT with its own store; smddp_perf serves its store on the next port."""
     import shutil
-    import socket
 
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     p = run([torchrun, "--nproc-per-node", "2", "--master-port", port, "--no-python", BIN / "reduce_scatter_perf",
              "-b", "1K", "-e", "64K", "-f", "8", "-n", "2", "-w", "1"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
