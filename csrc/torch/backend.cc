@@ -165,28 +165,29 @@ class C10dStore : public Store {
  public:
   explicit C10dStore(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
   void set(const std::string& key, const std::string& value) override {
-    try {
-      store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
-    } catch (const c10::DistStoreError& e) {  // timed out
-      failed(ErrorCode::kTimeout, "setting", key, e, "");
-    } catch (const std::exception& e) {
-      failed(ErrorCode::kRemoteError, "setting", key, e, kStoreGone);
-    }
+    guarded("setting", key, [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
   }
   std::string get(const std::string& key) override {
-    try {
+    std::string value;
+    guarded("reading", key, [&] {
       auto v = store_->get(key);
-      return std::string(v.begin(), v.end());
-    } catch (const c10::DistStoreError& e) {
-      failed(ErrorCode::kTimeout, "reading", key, e, "");
-    } catch (const std::exception& e) {
-      failed(ErrorCode::kRemoteError, "reading", key, e, kStoreGone);
-    }
+      value.assign(v.begin(), v.end());
+    });
+    return value;
   }
 
  private:
-  static constexpr const char* kStoreGone =
-      ": the process that hosts it (rank 0's, for init_method tcp:// or env://) may have exited";
+  template <class Fn>
+  static void guarded(const char* what, const std::string& key, Fn&& fn) {
+    try {
+      fn();
+    } catch (const c10::DistStoreError& e) {  // the store's own timeout
+      failed(ErrorCode::kTimeout, what, key, e, "");
+    } catch (const std::exception& e) {
+      failed(ErrorCode::kRemoteError, what, key, e,
+             ": the process that hosts it (rank 0's, for init_method tcp:// or env://) may have exited");
+    }
+  }
   [[noreturn]] static void failed(ErrorCode code, const char* what, const std::string& key, const std::exception& e,
                                   const char* hint) {
     std::string why = e.what();
