@@ -222,11 +222,12 @@ void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::millisecon
             [&](HierContext& hc) {
               // Only all_to_all needs every rank of the other hosts connected: groups that never
               // run one never hold those connections.
-              if (!alltoallConnected_) {
-                mesh_->connect(store_, alltoallPeers(topo_), hc.local.wait);
-                alltoallConnected_ = true;
+              if (alltoallPeers_.empty()) {
+                std::vector<int> peers = alltoallPeers(topo_);
+                mesh_->connect(store_, peers, hc.local.wait);
+                alltoallPeers_ = std::move(peers);
               }
-              hierAlltoall(hc, opts);
+              hierAlltoall(hc, opts, alltoallPeers_);
             });
 }
 

@@ -79,7 +79,7 @@ class Communicator {
   std::unique_ptr<net::TcpMesh> mesh_;
   NetAlgo netAlgo_ = NetAlgo::kMesh;
   size_t netBufferBytes_ = 0;
-  bool alltoallConnected_ = false;  // mesh_ holds every alltoallPeers() connection
+  std::vector<int> alltoallPeers_;  // alltoallPeers(), once mesh_ holds their connections
   std::vector<uint8_t> netScratch_;
   size_t oneShotMaxBytes_;
   size_t copyStepBytes_;

@@ -399,11 +399,10 @@ void hierBroadcast(HierContext& ctx, const BroadcastOptions& o) {
   broadcast(ctx.local, local);
 }
 
-void hierAlltoall(HierContext& ctx, const AlltoallOptions& o) {
+void hierAlltoall(HierContext& ctx, const AlltoallOptions& o, const std::vector<int>& remote) {
   const Topology& t = *ctx.topo;
   const size_t es = elementSize(o.dtype);
   const int me = t.rank, h = t.host();
-  const std::vector<int> remote = alltoallPeers(t);
 
   // 1. Network: this rank tells every remote rank how many elements it has for it, and checks
   //    what it is told against what it expects, so a split mismatch is an error, never a

@@ -56,7 +56,7 @@ void hierAllreduce(HierContext& ctx, const AllreduceOptions& opts);  // root >= 
 void hierBroadcast(HierContext& ctx, const BroadcastOptions& opts);
 void hierAllgather(HierContext& ctx, const AllgatherOptions& opts);  // root must be -1
 void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& opts);
-void hierAlltoall(HierContext& ctx, const AlltoallOptions& opts);
+void hierAlltoall(HierContext& ctx, const AlltoallOptions& opts, const std::vector<int>& remote);  // alltoallPeers()
 void hierBarrier(HierContext& ctx);
 
 }  // namespace smddp::algo
