@@ -6,6 +6,8 @@ small SMDDP_NET_BUFFER_BYTES so that large messages go through the mesh in many 
 and naive schedules get the allreduce matrix too. A real multi-host run across network
 namespaces is in test_netns.py."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,6 +40,14 @@ def topology_task(rank, world, hosts):
         rep.expect(info["local_size"] == str(len(mine)), f"rank {rank}: local size {info['local_size']}")
         rep.expect(info["local_rank"] == str(mine.index(rank)), f"rank {rank}: local rank {info['local_rank']}")
         rep.expect(info["transport"] == "shm+tcp", f"rank {rank}: transport {info['transport']}")
+    with rep.cell(f"machine share of {hosts}"):
+        # Every "host" here is on this machine: its cores are shared by all the group's ranks, and
+        # a wait spins only briefly when they outnumber them.
+        cpus = len(os.sched_getaffinity(0))
+        rep.expect(info["machine_ranks"] == str(world), f"rank {rank}: {info['machine_ranks']} ranks on the machine")
+        rep.expect(info["machine_cpus"] == str(cpus), f"rank {rank}: {info['machine_cpus']} CPUs, expected {cpus}")
+        want_spin = os.environ.get("SMDDP_SPIN_US") or ("2" if world > cpus else "500")
+        rep.expect(info["wait_spin_us"] == want_spin, f"rank {rank}: spins {info['wait_spin_us']} us, expected {want_spin}")
     return rep.to_dict()
 
 

@@ -47,6 +47,8 @@ def test_two_hosts_over_network_namespaces():
     for r in results:
         t = r["topology"]
         assert (t["hosts"], t["local_size"], t["transport"]) == (str(HOSTS), str(PER_HOST), "shm+tcp"), t
+        # The namespaces share one kernel and its cores: every rank counts all of them.
+        assert t["machine_ranks"] == str(HOSTS * PER_HOST), t
     for h in range(HOSTS):
         tx = after[h][0] - before[h][0]
         rx = after[h][1] - before[h][1]

@@ -21,14 +21,14 @@ void logParamsOnce() {
   });
 }
 
-// SMDDP_CPU_THREADS, or by default the cores this rank's share of the host leaves it, up to 4:
+// SMDDP_CPU_THREADS, or by default the cores this rank's share of the machine leaves it, up to 4:
 // on a 16-core H100 host with 2 ranks, 4 threads made 64 MiB CPU collectives 2.7-3.3x faster
 // than 1 (2 threads: 1.8-2.5x, 8 no better than 4); with ranks on every core, helpers would
 // only steal them.
-int cpuThreadsFor(int ranksOnHost) {
+int cpuThreadsFor(const CpuShare& machine) {
   const int64_t v = env::cpuThreads();
   if (v >= 1) return static_cast<int>(std::min<int64_t>(v, 64));
-  return std::clamp(usableCpus() / std::max(1, ranksOnHost), 1, 4);
+  return std::clamp(std::min(usableCpus(), machine.cpus / std::max(1, machine.ranks)), 1, 4);
 }
 
 // SMDDP_SHM_COPY_STEP_BYTES on a cache-line multiple, at most a slot.
@@ -50,17 +50,17 @@ Communicator::Communicator(Store& store, int rank, int size, std::chrono::millis
       topo_(discoverAfterShmCheck(store, rank, size)),
       oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))),
       copyStepBytes_(copyStepBytesFromEnv()),
-      cpuThreads_(cpuThreadsFor(topo_.localSize())) {
+      cpuThreads_(cpuThreadsFor(topo_.cpuShare)) {
   logParamsOnce();
   const size_t slotBytes = static_cast<size_t>(env::shmSlotBytes());
   if (topo_.hosts() == 1) {
-    domain_ = shm::Domain::create(store, rank, size, slotBytes);
+    domain_ = shm::Domain::create(store, rank, size, slotBytes, topo_.cpuShare);
     return;
   }
   netAlgo_ = netAlgoFromEnv();
   netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
   PrefixStore hostStore(store, "smddp/host" + std::to_string(topo_.host()) + "/");
-  domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes);
+  domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes, topo_.cpuShare);
   domain_->setGroupRanks(topo_.members[topo_.host()]);
   mesh_ = net::TcpMesh::create(store, topo_, hierarchicalPeers(topo_), timeout);
   SMDDP_INFO(kInit, "rank %d/%d: %d hosts, inter-host algorithm %s over %s (%s)", rank, size, topo_.hosts(),

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <chrono>
+#include <string>
+#include <vector>
 
 namespace smddp {
 
@@ -14,14 +16,23 @@ inline void cpuRelax() {
 
 // CPUs this process may run on.
 int usableCpus();
+// Their ids, ascending.
+std::vector<int> usableCpuIds();
+
+// The ranks of a group that run on one machine (one kernel: ranks in other network namespaces or
+// containers count too, since they take the same cores) and the CPUs they may run on together.
+struct CpuShare {
+  int ranks = 1;
+  int cpus = 1;
+  bool oversubscribed() const { return ranks > cpus; }
+};
 
 // How long a rank polls a peer's flag inside a collective: SMDDP_SPIN_US when set (>= 0), else
-// 500 us, or 2 us when `ranksOnHost` exceeds usableCpus().
-std::chrono::microseconds spinBudget(int ranksOnHost);
+// 500 us, or 2 us when the machine's ranks outnumber its cores.
+std::chrono::microseconds spinBudget(const CpuShare& share);
 // How long the progress thread polls for the next op, and Work::wait for completion, before
 // sleeping: at most 50 us, since these spins run between ops, beside the user's compute.
-std::chrono::microseconds lingerBudget(int ranksOnHost);
-bool oversubscribed(int ranksOnHost);
+std::chrono::microseconds lingerBudget(const CpuShare& share);
 
 // Polls `done()` until it returns true or the budget is spent; returns done()'s last value.
 template <class Done>

@@ -248,7 +248,7 @@ void SmddpWork::complete(std::exception_ptr error) {
 
 SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout)
-    : c10d::Backend(rank, size), timeoutMs_(timeout.count()), spin_(lingerBudget(size)) {
+    : c10d::Backend(rank, size), timeoutMs_(timeout.count()) {
   const char* torchDebug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
   debugChecks_ = env::debugChecks() != 0 || (torchDebug != nullptr && std::string(torchDebug) == "DETAIL");
   store_ = std::make_unique<C10dStore>(store);
@@ -257,6 +257,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, rank));
   }
+  spin_ = lingerBudget(comm_->topology().cpuShare);
   progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank), spin_);
   if (comm_->topology().localSize() > 1) {
     p2p_ = std::make_unique<engine::P2pEngine>(comm_->domain(), spin_, "smddp-p2p" + std::to_string(rank));
@@ -300,7 +301,10 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
                                               {"host", std::to_string(t.host())},
                                               {"local_rank", std::to_string(t.localRank())},
                                               {"local_size", std::to_string(t.localSize())},
-                                              {"transport", comm_->multiHost() ? "shm+tcp" : "shm"}};
+                                              {"transport", comm_->multiHost() ? "shm+tcp" : "shm"},
+                                              {"machine_ranks", std::to_string(t.cpuShare.ranks)},
+                                              {"machine_cpus", std::to_string(t.cpuShare.cpus)},
+                                              {"wait_spin_us", std::to_string(comm_->domain()->spin().count())}};
   if (comm_->multiHost()) info["tcp_connections"] = std::to_string(comm_->netConnections());
   return info;
 }

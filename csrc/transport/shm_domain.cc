@@ -91,18 +91,19 @@ void Domain::checkCapacity(int rank, size_t slotBytes) {
   shm::checkShmFits(bytes, bytes, rank);
 }
 
-std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t slotBytes) {
+std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t slotBytes,
+                                       const CpuShare& machine) {
   if (slotBytes < 4096 || slotBytes % 4096 != 0) {
     throwError(ErrorCode::kInvalidUsage, "smddp rank %d: SMDDP_SHM_SLOT_BYTES=%zu must be a multiple of 4096", rank,
                slotBytes);
   }
   std::unique_ptr<Domain> d(new Domain(rank, size, slotBytes));
-  if (size == 1) return d;
-
   // Spinning is bounded in time, not in polls, because the cost of a pause instruction varies
   // tenfold between CPUs. When ranks outnumber cores, yield a few times to let the peer run.
-  d->spin_ = spinBudget(size);
-  d->yieldFor_ = oversubscribed(size) ? std::chrono::microseconds(env::yieldMicros()) : std::chrono::microseconds(0);
+  d->spin_ = spinBudget(machine);
+  d->yieldFor_ =
+      machine.oversubscribed() ? std::chrono::microseconds(env::yieldMicros()) : std::chrono::microseconds(0);
+  if (size == 1) return d;
 
   if (rank == 0) store.set("smddp/shm/token", randomHex(8));
   const std::string token = store.get("smddp/shm/token");

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/spin.h"
 #include "core/store.h"
 #include "transport/shm_segment.h"
 
@@ -47,7 +48,9 @@ class Domain {
  public:
   // Collective over the group: creates this rank's segment, maps every peer's and unlinks the
   // names once all ranks are attached. size == 1 creates nothing.
-  static std::unique_ptr<Domain> create(Store& store, int rank, int size, size_t slotBytes);
+  // `machine`: how this host's ranks share cores with the rest of the machine (it sets how long
+  // waits spin before they sleep).
+  static std::unique_ptr<Domain> create(Store& store, int rank, int size, size_t slotBytes, const CpuShare& machine);
   // Fails fast, before any bootstrap traffic, when even the slots of this rank's segment cannot
   // fit in /dev/shm: every rank then reports the cause itself, rather than some losing the store
   // (rank 0 hosts it) and reporting a closed connection. (create() checks the full size.)
@@ -92,6 +95,8 @@ class Domain {
   bool peerAlive(int rank) const;
   // Waits until every peer has published `phase`. Throws kTimeout naming the missing ranks,
   // kRemoteError if one of them exited, kAborted if ctx.abort was set.
+  // How long a wait polls before it yields or sleeps (see spinBudget()).
+  std::chrono::microseconds spin() const { return spin_; }
   void waitAll(uint64_t phase, const WaitContext& ctx);
 
  private:

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "core/env.h"
@@ -34,6 +35,19 @@ std::vector<std::string> splitLines(const std::string& s) {
   std::vector<std::string> out;
   std::stringstream ss(s);
   for (std::string line; std::getline(ss, line);) out.push_back(line);
+  return out;
+}
+
+std::string joinInts(const std::vector<int>& v) {
+  std::string out;
+  for (int x : v) out += (out.empty() ? "" : ",") + std::to_string(x);
+  return out;
+}
+
+std::vector<int> splitInts(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');) out.push_back(std::stoi(item));
   return out;
 }
 
@@ -68,6 +82,7 @@ Topology Topology::singleHost(int rank, int size) {
   }
   t.bootIds.assign(size, bootId());
   t.hostnames.assign(size, hostname());
+  t.cpuShare = {size, usableCpus()};
   return t;
 }
 
@@ -89,19 +104,27 @@ Topology Topology::discover(Store& store, int rank, int size) {
   } unlinkToken{token};
 
   // Round 1: who am I.
-  const std::string myKey = env::hostId();
-  store.set("smddp/topo/info/" + std::to_string(rank), bootId() + "\n" + myKey + "\n" + hostname() + "\n" + token);
+  const std::string myKey = env::hostId(), myBoot = bootId();
+  store.set("smddp/topo/info/" + std::to_string(rank),
+            myBoot + "\n" + myKey + "\n" + hostname() + "\n" + token + "\n" + joinInts(usableCpuIds()));
   std::vector<std::string> keys(size), tokens(size);
+  int machineRanks = 0;
+  std::set<int> machineCpus;
   t.bootIds.resize(size);
   t.hostnames.resize(size);
   for (int r = 0; r < size; ++r) {
     const auto f = splitLines(store.get("smddp/topo/info/" + std::to_string(r)));
-    if (f.size() != 4) throwError(ErrorCode::kRemoteError, "rank %d published a malformed topology record", r);
+    if (f.size() != 5) throwError(ErrorCode::kRemoteError, "rank %d published a malformed topology record", r);
     t.bootIds[r] = f[0];
     keys[r] = f[1];
     t.hostnames[r] = f[2];
     tokens[r] = f[3];
+    if (t.bootIds[r] == myBoot) {
+      ++machineRanks;
+      for (int c : splitInts(f[4])) machineCpus.insert(c);
+    }
   }
+  t.cpuShare = {machineRanks, static_cast<int>(machineCpus.size())};
   // Round 2: my host's leader is the lowest rank I can share memory with.
   int leader = rank;
   for (int r = 0; r < rank; ++r) {
@@ -141,8 +164,9 @@ Topology Topology::discover(Store& store, int rank, int size) {
                  rank, r);
     }
   }
-  SMDDP_INFO(kInit, "rank %d/%d: %d host(s); this host (%s) has %d rank(s), local rank %d", rank, size, t.hosts(),
-             t.hostnames[rank].c_str(), t.localSize(), t.localRank());
+  SMDDP_INFO(kInit, "rank %d/%d: %d host(s); this host (%s) has %d rank(s), local rank %d; its machine %d rank(s) on %d CPU(s)",
+             rank, size, t.hosts(), t.hostnames[rank].c_str(), t.localSize(), t.localRank(), t.cpuShare.ranks,
+             t.cpuShare.cpus);
   return t;
 }
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/spin.h"
 #include "core/store.h"
 
 namespace smddp {
@@ -22,6 +23,9 @@ struct Topology {
   std::vector<std::vector<int>> members;  // host -> its ranks, ascending
   std::vector<std::string> bootIds;       // rank -> kernel boot id (same machine <=> same boot id)
   std::vector<std::string> hostnames;     // rank -> hostname, for messages
+  // This rank's machine: an emulated cluster's "hosts" (network namespaces, SMDDP_HOST_ID) share
+  // one machine's cores, and a rank that spins as if it had a core to itself starves the others.
+  CpuShare cpuShare;
 
   int hosts() const { return static_cast<int>(members.size()); }
   int host() const { return hostOf[rank]; }
