@@ -354,6 +354,8 @@ def _worker_main(argv):
     conn = Connection(s.detach())
     conn.send(("hello", rank))
     try:
+        if os.environ.get("SMDDP_TEST_CPUS"):  # pins this rank (a comma list of CPU ids)
+            os.sched_setaffinity(0, {int(c) for c in os.environ["SMDDP_TEST_CPUS"].split(",")})
         import warnings
         from datetime import timedelta
 

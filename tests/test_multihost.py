@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import _pool
 from _util import DTYPES, IS_SMDDP, REDOPS, SMALL_SIZES, Report, dname
 from test_allgather import all_gather_list, all_gather_tensor_forms
 from test_allreduce import allreduce_matrix
@@ -49,6 +50,11 @@ def topology_task(rank, world, hosts):
         want_spin = os.environ.get("SMDDP_SPIN_US") or ("2" if world > cpus else "500")
         rep.expect(info["wait_spin_us"] == want_spin, f"rank {rank}: spins {info['wait_spin_us']} us, expected {want_spin}")
     return rep.to_dict()
+
+
+def machine_share_task(rank, world):
+    info = dist.group.WORLD._get_backend(torch.device("cpu"))._topology()
+    return {k: info[k] for k in ("machine_ranks", "machine_cpus", "wait_spin_us")}
 
 
 def unsupported_task(rank, world):
@@ -100,6 +106,25 @@ def check(pools, topo, fn, *args, env=NET_ENV, timeout=300):
 @pytest.mark.parametrize("topo", TOPOS)
 def test_topology(pools, topo):
     check(pools, topo, topology_task, topo)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin two ranks apart")
+@pytest.mark.skipif(bool(os.environ.get("SMDDP_SPIN_US")), reason="SMDDP_SPIN_US overrides the spin budget")
+@pytest.mark.parametrize("hosts", [None, "01"])
+def test_ranks_pinned_apart_are_not_oversubscribed(hosts):
+    """Two ranks of one machine, each pinned to a CPU of its own: each sees 1 usable CPU, but
+    together they have 2 for 2 ranks, so waits keep spinning (a rank that counted only its own
+    CPUs would think itself oversubscribed). Also across emulated hosts (same machine)."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    rank_env = {"SMDDP_TEST_CPUS": [str(c) for c in cpus]}
+    if hosts:
+        rank_env["SMDDP_HOST_ID"] = list(hosts)
+    pool = _pool.Pool(2, rank_env=rank_env)
+    try:
+        got = pool.run(machine_share_task)
+    finally:
+        pool.close()
+    assert got == [{"machine_ranks": "2", "machine_cpus": "2", "wait_spin_us": "500"}] * 2, got
 
 
 @pytest.mark.parametrize("topo", TOPOS)

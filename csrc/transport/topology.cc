@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -38,17 +39,31 @@ std::vector<std::string> splitLines(const std::string& s) {
   return out;
 }
 
-std::string joinInts(const std::vector<int>& v) {
+// CPU ids in the kernel's cpulist form ("0-63,128-191"): a few bytes for a pinned or whole
+// machine, and every rank reads every rank's record.
+std::string cpuList(const std::vector<int>& ascending) {
   std::string out;
-  for (int x : v) out += (out.empty() ? "" : ",") + std::to_string(x);
+  for (size_t i = 0; i < ascending.size();) {
+    size_t j = i;
+    while (j + 1 < ascending.size() && ascending[j + 1] == ascending[j] + 1) ++j;
+    out += (out.empty() ? "" : ",") + std::to_string(ascending[i]);
+    if (j > i) out += "-" + std::to_string(ascending[j]);
+    i = j + 1;
+  }
   return out;
 }
 
-std::vector<int> splitInts(const std::string& s) {
-  std::vector<int> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');) out.push_back(std::stoi(item));
-  return out;
+void addCpuList(const std::string& list, int rank, std::set<int>& cpus) {
+  std::stringstream ss(list);
+  for (std::string item; std::getline(ss, item, ',');) {
+    char* end = nullptr;
+    const long lo = std::strtol(item.c_str(), &end, 10);
+    const long hi = *end == '-' ? std::strtol(end + 1, &end, 10) : lo;
+    if (*end != '\0' || lo < 0 || hi < lo || hi >= (1 << 20)) {
+      throwError(ErrorCode::kRemoteError, "rank %d published a malformed CPU list '%s'", rank, list.c_str());
+    }
+    for (long c = lo; c <= hi; ++c) cpus.insert(static_cast<int>(c));
+  }
 }
 
 bool tokenVisible(const std::string& name) {
@@ -106,7 +121,7 @@ Topology Topology::discover(Store& store, int rank, int size) {
   // Round 1: who am I.
   const std::string myKey = env::hostId(), myBoot = bootId();
   store.set("smddp/topo/info/" + std::to_string(rank),
-            myBoot + "\n" + myKey + "\n" + hostname() + "\n" + token + "\n" + joinInts(usableCpuIds()));
+            myBoot + "\n" + myKey + "\n" + hostname() + "\n" + token + "\n" + cpuList(usableCpuIds()));
   std::vector<std::string> keys(size), tokens(size);
   int machineRanks = 0;
   std::set<int> machineCpus;
@@ -121,7 +136,7 @@ Topology Topology::discover(Store& store, int rank, int size) {
     tokens[r] = f[3];
     if (t.bootIds[r] == myBoot) {
       ++machineRanks;
-      for (int c : splitInts(f[4])) machineCpus.insert(c);
+      addCpuList(f[4], r, machineCpus);
     }
   }
   t.cpuShare = {machineRanks, static_cast<int>(machineCpus.size())};
