@@ -35,12 +35,21 @@ if mode == "p2p":  # ranks 0 and 2 (other hosts with hosts="0011") stream messag
         dist.destroy_process_group()
         sys.exit(0)
     op = (lambda: dist.recv(t, 2)) if rank == 0 else (lambda: dist.send(t, 0))
+if mode == "oom":  # rank 1 cannot allocate what a non-root rank of a reduce across hosts needs
+    big = torch.ones(16 << 20)
+    if rank == 1:
+        import resource
+        vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
+    op = lambda: dist.reduce(big, 0)
 t0 = time.monotonic()
 try:
     while True:
         op()
 except Exception as e:
     print(f"ERROR after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
+    if mode == "oom" and rank == 1:
+        time.sleep(10)  # keeps its group: its peer must hear of the failure from the op itself
     # What a survivor leaves behind once it has given up on the group.
     dist.destroy_process_group()
     # A joined thread can still be listed for a moment (the kernel wakes the joiner before it
@@ -165,6 +174,26 @@ def test_peer_killed_before_first_alltoall_across_hosts(victim):
     assert any(f"rank {victim}" in out for out in outs.values()), "\n".join(outs.values())
     if victim == 5:
         assert "rank 5" in outs[1], outs[1][-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_out_of_memory_inside_an_op_fails_the_group():
+    """Rank 1 (its own emulated host) runs out of memory inside a reduce: it raises an error that
+    names the op and the cause, and its peer hears of it at once (not at the 60 s timeout)."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(2, "oom", 60, hosts="01")
+    _wait_ready(procs)
+    outs = _finish(procs, 40)
+    for r, out in enumerate(outs):
+        assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{out[-2000:]}"
+        assert "DistBackendError" in out and "reduce #" in out, out[-2000:]
+        assert "backend threads left: 0" in out, out[-2000:]
+    assert "out of memory" in outs[1], outs[1][-2000:]
+    # Rank 1 keeps its group for 10 s after the failure: rank 0 must not wait for that.
+    m = re.search(r"ERROR after ([0-9.]+)s", outs[0])
+    assert m and float(m.group(1)) < 5 and "rank 1" in outs[0], outs[0][-2000:]
+    assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
 
 
 @pytest.mark.timeout(120)

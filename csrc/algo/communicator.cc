@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <system_error>
 
 #include "core/slices.h"
@@ -148,16 +149,24 @@ void Communicator::run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn) 
     if (domain_) domain_->commitSlots();
     fn(ctx);
   } catch (const Error& e) {
-    char prefix[96];
-    snprintf(prefix, sizeof(prefix), "%s #%llu: ", opKindName(kind), static_cast<unsigned long long>(seq));
-    brokenBy_ = std::string(prefix) + e.what();
-    SMDDP_WARN(kColl, "rank %d: %s", rank_, brokenBy_.c_str());
-    // Tell the peers that may be waiting for this rank, rather than leave them to time out:
-    // ranks of this host see the flag, ranks of other hosts see their connections close.
-    if (domain_) domain_->markFailed("rank " + std::to_string(rank_) + ": " + brokenBy_);
-    if (mesh_) mesh_->closeAll();
-    throw Error(e.code(), brokenBy_);
+    failOp(kind, seq, e.code(), e.what());
+  } catch (const std::bad_alloc&) {
+    failOp(kind, seq, ErrorCode::kSystemError, "out of memory (std::bad_alloc)");
+  } catch (const std::exception& e) {  // peers must hear of any failure, not only smddp's own
+    failOp(kind, seq, ErrorCode::kSystemError, e.what());
   }
+}
+
+void Communicator::failOp(OpKind kind, uint64_t seq, ErrorCode code, const char* what) {
+  char prefix[96];
+  snprintf(prefix, sizeof(prefix), "%s #%llu: ", opKindName(kind), static_cast<unsigned long long>(seq));
+  brokenBy_ = std::string(prefix) + what;
+  SMDDP_WARN(kColl, "rank %d: %s", rank_, brokenBy_.c_str());
+  // Tell the peers that may be waiting for this rank, rather than leave them to time out:
+  // ranks of this host see the flag, ranks of other hosts see their connections close.
+  if (domain_) domain_->markFailed("rank " + std::to_string(rank_) + ": " + brokenBy_);
+  if (mesh_) mesh_->closeAll();
+  throw Error(code, brokenBy_);
 }
 
 void Communicator::allreduce(const AllreduceOptions& opts, std::chrono::milliseconds timeout) {

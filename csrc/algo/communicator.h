@@ -13,6 +13,7 @@
 
 #include "algo/collectives.h"
 #include "algo/hierarchical.h"
+#include "core/error.h"
 #include "core/store.h"
 #include "transport/shm_domain.h"
 #include "transport/tcp_mesh.h"
@@ -65,6 +66,8 @@ class Communicator {
  private:
   template <class Fn>
   void run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn);
+  // Marks the group broken by op `seq`, tells the peers (shm flag, closed connections) and throws.
+  [[noreturn]] void failOp(OpKind kind, uint64_t seq, ErrorCode code, const char* what);
   // run() with the one-host algorithm, or the multi-host one when the group spans hosts.
   template <class Flat, class Hier>
   void runEither(OpKind kind, std::chrono::milliseconds timeout, Flat flat, Hier hierarchical);
