@@ -1,6 +1,7 @@
-"""Failure behaviour in fresh jobs: a rank killed with SIGKILL during a collective, and a rank that
-never joins a collective (timeout). Survivors must raise promptly, naming the op, its sequence
-number and the rank at fault, and every process must exit."""
+"""Failure behaviour in fresh jobs: a rank killed with SIGKILL during a collective, a rank that
+never joins a collective (timeout), the job's store lost, a rank out of memory inside an op.
+Survivors must raise promptly, naming the op, its sequence number and the rank at fault (or the
+cause), and every process must exit."""
 import os
 import re
 import signal
@@ -24,10 +25,13 @@ dist.all_reduce(t)
 print("ready", flush=True)
 if mode == "idle" and rank == 1:
     time.sleep(3600)   # never joins the next collective
-if mode.startswith("between"):
+if mode == "store_gone" and rank == 0:
+    dist.destroy_process_group()
+    sys.exit(0)        # takes the job's TCP store with it
+if mode.startswith("between") or mode == "store_gone":
     time.sleep(2)      # the test kills a rank now, while no collective is running
 op = lambda: dist.all_reduce(t)
-if mode == "between_alltoall":  # the group's first all_to_all, which connects more ranks
+if mode in ("between_alltoall", "store_gone"):  # the group's first all_to_all, which connects more ranks
     blocks = torch.ones(world * 1024)
     op = lambda: dist.all_to_all_single(torch.empty_like(blocks), blocks)
 if mode == "p2p":  # ranks 0 and 2 (other hosts with hosts="0011") stream messages; 1 and 3 leave
@@ -72,10 +76,11 @@ except Exception as e:
 """
 
 
-def _job(world, mode, timeout_s, hosts=None):
-    """hosts: e.g. "0011" gives rank r SMDDP_HOST_ID=hosts[r] (emulated hosts, TCP between them)."""
+def _job(world, mode, timeout_s, hosts=None, url=None):
+    """hosts: e.g. "0011" gives rank r SMDDP_HOST_ID=hosts[r] (emulated hosts, TCP between them).
+    url: the init method, by default a TCP store that rank 0 hosts."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
-    url = f"tcp://127.0.0.1:{free_port()}"
+    url = url or f"tcp://127.0.0.1:{free_port()}"
     return [subprocess.Popen([sys.executable, "-u", "-c", CHILD, str(r), str(world), url, mode, str(timeout_s)],
                              env=dict(env, SMDDP_HOST_ID=hosts[r]) if hosts else env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -161,19 +166,44 @@ def test_peer_killed_between_collectives(hosts):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("victim", [5, 2])
-def test_peer_killed_before_first_alltoall_across_hosts(victim):
+def test_peer_killed_before_first_alltoall_across_hosts(victim, tmp_path):
     """3 + 3 emulated hosts: a rank dies before the group's first all_to_all, which connects the
     pairs the other collectives left out (1-5 and 2-4). Nobody waits for it until the 60 s
     timeout: rank 1's connection to a dead rank 5 is refused; rank 4, waiting for a dead rank 2
-    to connect, hears of it from the connections its other peers close when they fail."""
+    to connect, hears of it from the connections its other peers close when they fail. The store
+    is a file: a TCP store would go with rank 0, which may fail and exit before rank 1 has read
+    rank 5's address from it (that case: test_store_lost_during_first_alltoall_across_hosts)."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
-    procs = _job(6, "between_alltoall", 60, hosts="000111")
+    procs = _job(6, "between_alltoall", 60, hosts="000111", url=f"file://{tmp_path}/store")
     _wait_ready(procs)
     outs = _kill_and_check(procs, victim, 12, op="alltoall")
     assert any(f"rank {victim}" in out for out in outs.values()), "\n".join(outs.values())
     if victim == 5:
         assert "rank 5" in outs[1], outs[1][-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_store_lost_during_first_alltoall_across_hosts():
+    """3 + 3 emulated hosts; rank 0, which hosts the job's TCP store, leaves the group and exits.
+    The first all_to_all of the others reads addresses from the store (ranks 1 and 2 dial ranks 5
+    and 4): the store's failure fails the op like any other, naming the op and the store, and
+    the ranks waiting for those dials hear of it from the connections closed on failure."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(6, "store_gone", 60, hosts="000111")
+    _wait_ready(procs)
+    outs = _finish(procs, 40)
+    assert procs[0].returncode == 0, outs[0][-2000:]
+    for r in range(1, 6):
+        assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{outs[r][-2000:]}"
+        assert "DistBackendError" in outs[r] and "alltoall #" in outs[r], outs[r][-2000:]
+        assert "backend threads left: 0" in outs[r], outs[r][-2000:]
+        m = re.search(r"ERROR after ([0-9.]+)s", outs[r])
+        assert m and float(m.group(1)) < 10, outs[r][-2000:]
+    for r in (1, 2):
+        assert "store failed while reading smddp/net/addr/" in outs[r], outs[r][-2000:]
+    assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
 
 
 @pytest.mark.timeout(120)

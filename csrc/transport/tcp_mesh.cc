@@ -202,45 +202,55 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
 
   // Dial upwards and introduce this rank; the 'K' that admits it comes once the peer reaches
   // its own connect(), which the loop below waits for together with the connections from below.
+  // Dials do not block: a peer host that drops the handshake must not hold this rank past its
+  // deadline or an abort (a blocking connect() waits out the kernel's SYN retries, minutes).
   struct Dialing {
     int rank, lane, fd;
+    bool introduced;  // connected, Hello sent: waiting for the peer's 'K'
+    std::string where;
   };
-  std::vector<Dialing> admitting;  // waiting for their 'K'
-  for (int p : upward) {
-    const std::string where = store.get("smddp/net/addr/" + std::to_string(p));
-    if (isLoopback(where) && topo_.bootIds[p] != topo_.bootIds[rank]) {
-      throwError(ErrorCode::kInvalidUsage,
-                 "rank %d on %s listens on loopback (%s) but this rank %d is on another machine: set "
-                 "SMDDP_SOCKET_IFNAME on every host to an interface the hosts share",
-                 p, topo_.hostnames[p].c_str(), where.c_str(), rank);
-    }
-    const sockaddr_in to = parseAddress(where, p);
-    for (int lane = 0; lane < lanes_; ++lane) {
-      const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      wire::Hello h = wire::makeHello(secret_, rank, p, lane);
-      if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) != 0 ||
-          !ioAll(fd, &h, sizeof(h), true, wait.deadline)) {
-        const int err = errno;
-        close(fd);
-        for (auto& a : admitting) close(a.fd);
-        throwError(ErrorCode::kRemoteError,
-                   "rank %d: cannot connect to rank %d at %s: %s (that rank exited or aborted)", rank, p,
-                   where.c_str(), errnoString(err).c_str());
-      }
-      admitting.push_back({p, lane, fd});
-    }
-  }
-
+  std::vector<Dialing> dialing;
+  auto refused = [&](const Dialing& d, int err) {
+    throwError(ErrorCode::kRemoteError, "rank %d: cannot connect to rank %d at %s: %s (that rank exited or aborted)",
+               rank, d.rank, d.where.c_str(), errnoString(err).c_str());
+  };
+  auto introduce = [&](Dialing& d) {
+    wire::Hello h = wire::makeHello(secret_, rank, d.rank, d.lane);
+    errno = 0;
+    if (!ioAll(d.fd, &h, sizeof(h), true, wait.deadline)) refused(d, errno != 0 ? errno : ETIMEDOUT);
+    d.introduced = true;
+  };
   std::vector<pollfd> pfds;
   try {
-    while (!admitting.empty() || !waiting.empty()) {
+    for (int p : upward) {
+      const std::string where = store.get("smddp/net/addr/" + std::to_string(p));
+      if (isLoopback(where) && topo_.bootIds[p] != topo_.bootIds[rank]) {
+        throwError(ErrorCode::kInvalidUsage,
+                   "rank %d on %s listens on loopback (%s) but this rank %d is on another machine: set "
+                   "SMDDP_SOCKET_IFNAME on every host to an interface the hosts share",
+                   p, topo_.hostnames[p].c_str(), where.c_str(), rank);
+      }
+      const sockaddr_in to = parseAddress(where, p);
+      for (int lane = 0; lane < lanes_; ++lane) {
+        const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (fd < 0) throwError(ErrorCode::kSystemError, "rank %d: socket: %s", rank, errnoString(errno).c_str());
+        dialing.push_back({p, lane, fd, false, where});
+        if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) == 0) {
+          introduce(dialing.back());
+        } else if (errno != EINPROGRESS) {
+          refused(dialing.back(), errno);
+        }
+      }
+    }
+
+    while (!dialing.empty() || !waiting.empty()) {
       if (wait.abort && wait.abort->load()) {
         throwError(ErrorCode::kAborted, "the process group was shut down or aborted while connecting to its peers");
       }
       if (Clock::now() >= wait.deadline) {
         std::string missing;
         std::set<int> late;
-        for (auto& a : admitting) late.insert(a.rank);
+        for (auto& d : dialing) late.insert(d.rank);
         for (int w : waiting) late.insert(w / lanes_);
         for (int p : late) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
         throwError(ErrorCode::kTimeout, "rank %d: rank(s) %s did not connect within the timeout", rank,
@@ -249,24 +259,34 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
       // A peer connected earlier that goes away (a failed or aborted rank closes all its
       // connections) ends the wait at once: ranks that wait for it here would wait in vain.
       pfds.clear();
-      for (auto& a : admitting) pfds.push_back({a.fd, POLLIN, 0});
+      for (auto& d : dialing) pfds.push_back({d.fd, static_cast<short>(d.introduced ? POLLIN : POLLOUT), 0});
       const size_t listenAt = pfds.size();
       pfds.push_back({listenFd_, static_cast<short>(waiting.empty() ? 0 : POLLIN), 0});
       for (const Conn* c : established) pfds.push_back({c->fd, POLLRDHUP, 0});
       const int ms = std::min<int>(msLeft(wait.deadline), static_cast<int>(kPollTick.count()));
       if (poll(pfds.data(), pfds.size(), ms) <= 0) continue;
-      for (size_t i = listenAt + 1; i < pfds.size(); ++i) {
-        if (pfds[i].revents != 0) peerFailed(established[i - listenAt - 1]->rank, "connecting more peers", 0);
-      }
+      // Dials first: a refused one names the rank that is gone, where a connection closed at the
+      // same time is more likely a peer that gave up because of it.
       for (size_t i = listenAt; i-- > 0;) {
         if (pfds[i].revents == 0) continue;
-        const Dialing a = admitting[i];
-        char ack = 0;
-        if (!ioAll(a.fd, &ack, 1, false, wait.deadline) || ack != 'K') {
-          throwError(ErrorCode::kRemoteError, "rank %d: rank %d did not accept the connection", rank, a.rank);
+        Dialing& d = dialing[i];
+        if (!d.introduced) {
+          int err = 0;
+          socklen_t len = sizeof(err);
+          getsockopt(d.fd, SOL_SOCKET, SO_ERROR, &err, &len);
+          if (err != 0) refused(d, err);
+          introduce(d);
+          continue;
         }
-        makeConn(a.rank, a.lane, a.fd);
-        admitting.erase(admitting.begin() + static_cast<std::ptrdiff_t>(i));
+        char ack = 0;
+        if (!ioAll(d.fd, &ack, 1, false, wait.deadline) || ack != 'K') {
+          throwError(ErrorCode::kRemoteError, "rank %d: rank %d did not accept the connection", rank, d.rank);
+        }
+        makeConn(d.rank, d.lane, d.fd);
+        dialing.erase(dialing.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+      for (size_t i = listenAt + 1; i < pfds.size(); ++i) {
+        if (pfds[i].revents != 0) peerFailed(established[i - listenAt - 1]->rank, "connecting more peers", 0);
       }
       if (pfds[listenAt].revents == 0) continue;
       // A connection from below: anything that does not introduce itself as an expected peer of
@@ -292,7 +312,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
       makeConn(h.from, h.lane, fd);
     }
   } catch (...) {
-    for (auto& a : admitting) close(a.fd);
+    for (auto& d : dialing) close(d.fd);
     throw;
   }
 }

@@ -5,7 +5,8 @@
 // sides; messages striped over several connections per pair arrive intact and are reported once,
 // and a size mismatch is caught on the first stripe; a peer that goes away is reported promptly;
 // a later connection round adds the missing connections of a group (a rank with none to add
-// taking part); the connections' congestion control is the one asked for, and an unknown one is
+// taking part); a dial to a peer that never answers ends at the deadline or an abort; the
+// connections' congestion control is the one asked for, and an unknown one is
 // refused with the reason. Prints "N passed, N failed".
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -13,6 +14,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -346,6 +348,53 @@ void testConnectLater(const std::string& dir) {
   expect(!after[0] && !after[1] && !after[2] && intact, "after the second round every pair exchanges intact data");
 }
 
+// A peer whose listener drops the handshake (its accept queue is full, so the kernel ignores the
+// SYNs, as a host behind a filter would): connect() gives up at its deadline, or at once when the
+// group is aborted, instead of waiting out the kernel's SYN retries (about two minutes).
+void testDialToSilentPeer(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  const net::Listener hole = net::listenOn("127.0.0.1", "lo", 0, 1);
+  const sockaddr_in to = net::parseAddress(hole.address, 1);
+  std::vector<int> fillers;
+  for (int i = 0; i < 4; ++i) {  // never accepted
+    fillers.push_back(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0));
+    connect(fillers.back(), reinterpret_cast<const sockaddr*>(&to), sizeof(to));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto mesh = net::TcpMesh::create(store, twoHosts(0), {}, std::chrono::seconds(30));
+  store.set("smddp/net/addr/1", hole.address);
+
+  auto attempt = [&](const shm::WaitContext& w, ErrorCode want, const std::string& what) {
+    const auto t0 = Clock::now();
+    std::string err = "no error";
+    bool coded = false;
+    try {
+      mesh->connect(store, {1}, w);
+    } catch (const Error& e) {
+      err = e.what();
+      coded = e.code() == want;
+    }
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    expect(coded && s < 5 && !mesh->connected(1), what + " after " + std::to_string(s) + " s: " + err);
+    return err;
+  };
+  const std::string err = attempt(waitFor(std::chrono::milliseconds(1500)), ErrorCode::kTimeout,
+                                  "dial to a silent peer times out at the deadline");
+  expect(err.find("rank(s) 1 ") != std::string::npos, "the timeout names the peer: " + err);
+
+  std::atomic<bool> abort{false};
+  shm::WaitContext w = waitFor(std::chrono::seconds(60));
+  w.abort = &abort;
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    abort.store(true);
+  });
+  attempt(w, ErrorCode::kAborted, "dial to a silent peer ends when the group is aborted");
+  stopper.join();
+  for (int fd : fillers) close(fd);
+  close(hole.fd);
+}
+
 std::string congestionOf(int fd) {
   char name[32] = {};
   socklen_t n = sizeof(name);
@@ -408,6 +457,10 @@ int main() {
   if (!mkdtemp(tmpl3)) return 1;
   testStripedSizeMismatch(tmpl3);
   std::filesystem::remove_all(tmpl3);
+  char tmpl4[] = "/tmp/smddp_net_tests.XXXXXX";
+  if (!mkdtemp(tmpl4)) return 1;
+  testDialToSilentPeer(tmpl4);
+  std::filesystem::remove_all(tmpl4);
   printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }
