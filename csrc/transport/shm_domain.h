@@ -93,10 +93,10 @@ class Domain {
   // Sleeps until this rank's doorbell differs from `seen` (or `max` passes).
   void sleepOnDoorbell(uint32_t seen, std::chrono::nanoseconds max);
   bool peerAlive(int rank) const;
-  // Waits until every peer has published `phase`. Throws kTimeout naming the missing ranks,
-  // kRemoteError if one of them exited, kAborted if ctx.abort was set.
   // How long a wait polls before it yields or sleeps (see spinBudget()).
   std::chrono::microseconds spin() const { return spin_; }
+  // Waits until every peer has published `phase`. Throws kTimeout naming the missing ranks,
+  // kRemoteError if one of them exited, kAborted if ctx.abort was set.
   void waitAll(uint64_t phase, const WaitContext& ctx);
 
  private:
