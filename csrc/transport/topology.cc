@@ -58,8 +58,9 @@ void addCpuList(const std::string& list, int rank, std::set<int>& cpus) {
   for (std::string item; std::getline(ss, item, ',');) {
     char* end = nullptr;
     const long lo = std::strtol(item.c_str(), &end, 10);
+    const bool empty = end == item.c_str();
     const long hi = *end == '-' ? std::strtol(end + 1, &end, 10) : lo;
-    if (*end != '\0' || lo < 0 || hi < lo || hi >= (1 << 20)) {
+    if (empty || *end != '\0' || lo < 0 || hi < lo || hi >= (1 << 20)) {
       throwError(ErrorCode::kRemoteError, "rank %d published a malformed CPU list '%s'", rank, list.c_str());
     }
     for (long c = lo; c <= hi; ++c) cpus.insert(static_cast<int>(c));
@@ -179,7 +180,9 @@ Topology Topology::discover(Store& store, int rank, int size) {
                  rank, r);
     }
   }
-  SMDDP_INFO(kInit, "rank %d/%d: %d host(s); this host (%s) has %d rank(s), local rank %d; its machine %d rank(s) on %d CPU(s)",
+  SMDDP_INFO(kInit,
+             "rank %d/%d: %d host(s); this host (%s) has %d rank(s), local rank %d; the machine has %d of the "
+             "group's ranks on %d CPU(s)",
              rank, size, t.hosts(), t.hostnames[rank].c_str(), t.localSize(), t.localRank(), t.cpuShare.ranks,
              t.cpuShare.cpus);
   return t;
