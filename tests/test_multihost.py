@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import _pool
-from _util import DTYPES, IS_SMDDP, REDOPS, SMALL_SIZES, Report, dname
+from _util import DTYPES, IS_SMDDP, REDOPS, SMALL_SIZES, Report, assert_reports, dname
 from test_allgather import all_gather_list, all_gather_tensor_forms
 from test_allreduce import allreduce_matrix
 from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
@@ -174,6 +174,19 @@ def test_striped_over_several_sockets(pools, topo):
     check(pools, topo, reduce_scatter_tensor_forms, [333, "large"], ["float32"], ["SUM"], "rsS", env=env)
     check(pools, topo, alltoall_cases, 1 << 17, ["float32"], env=env)
     check(pools, topo, connections_task, 2 * 3, env=env)  # all_to_all had nothing to add here
+
+
+def test_sockets_per_peer_out_of_range_or_disagreeing_warns():
+    """Rank 0 asks for 0 sockets per peer: clamped to 1, with a warning; rank 1 asks for 5 and is
+    told that rank 0's value holds. The group runs with one connection per pair."""
+    pool = _pool.Pool(2, rank_env={"SMDDP_HOST_ID": ["0", "1"], "SMDDP_NET_SOCKETS_PER_PEER": ["0", "5"]})
+    try:
+        assert_reports(pool.run(connections_task, 1), 2)
+        logs = [open(f, errors="replace").read() for f in pool.logs]
+    finally:
+        pool.close()
+    assert "SMDDP_NET_SOCKETS_PER_PEER=0 is outside 1-16: using 1" in logs[0], logs[0][-2000:]
+    assert "rank 1: SMDDP_NET_SOCKETS_PER_PEER=5 here, but rank 0's 1 holds" in logs[1], logs[1][-2000:]
 
 
 @pytest.mark.parametrize("topo", TOPOS)

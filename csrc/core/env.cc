@@ -57,10 +57,10 @@ constexpr Param kParams[] = {
     {"SMDDP_NET_CHUNK_BYTES", "262144",
      "mesh: bytes handed to one peer's socket per turn of the round-robin."},
     {"SMDDP_NET_SOCKETS_PER_PEER", "1",
-     "TCP connections between two ranks of different hosts (1-16; rank 0's value holds for the "
-     "group). Messages of 256 KiB and more are striped over them: for links whose bandwidth-delay "
-     "product exceeds what one socket's buffers hold (net.ipv4.tcp_wmem / tcp_rmem), or fabrics "
-     "that spread flows over paths."},
+     "TCP connections between two ranks of different hosts (1-16, others are clamped with a warning; "
+     "rank 0's value holds for the group). Messages of 256 KiB and more are striped over them: for "
+     "links whose bandwidth-delay product exceeds what one socket's buffers hold (net.ipv4.tcp_wmem / "
+     "tcp_rmem), or fabrics that spread flows over paths."},
     {"SMDDP_NET_CONGESTION", "cubic",
      "TCP congestion control of smddp's inter-host connections. cubic (Linux's default) suits "
      "mesh's per-peer windows; BBR (v1) misjudges links whose two directions are both full (the "

@@ -131,13 +131,22 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
   const Listener listener = listenOn(m->addr_.ip, m->addr_.ifname, backlog, rank);
   m->listenFd_ = listener.fd;
   store.set("smddp/net/addr/" + std::to_string(rank), listener.address);
+  const int64_t asked = env::netSocketsPerPeer(), lanes = std::clamp<int64_t>(asked, 1, kMaxLanes);
   if (rank == 0) {
+    if (asked != lanes) {
+      SMDDP_WARN(kNet, "SMDDP_NET_SOCKETS_PER_PEER=%lld is outside 1-%lld: using %lld", static_cast<long long>(asked),
+                 static_cast<long long>(kMaxLanes), static_cast<long long>(lanes));
+    }
     store.set("smddp/net/secret", randomHex(kSecretChars / 2));
     // Rank 0's setting holds for the group: both ends of a pair must open as many connections.
-    store.set("smddp/net/lanes", std::to_string(std::clamp<int64_t>(env::netSocketsPerPeer(), 1, kMaxLanes)));
+    store.set("smddp/net/lanes", std::to_string(lanes));
   }
   m->secret_ = store.get("smddp/net/secret");
   m->lanes_ = std::stoi(store.get("smddp/net/lanes"));
+  if (rank != 0 && lanes != m->lanes_) {
+    SMDDP_WARN(kNet, "rank %d: SMDDP_NET_SOCKETS_PER_PEER=%lld here, but rank 0's %d holds for the group", rank,
+               static_cast<long long>(asked), m->lanes_);
+  }
   SMDDP_INFO(kNet, "rank %d: listening on %s (%s) for %zu peer(s)", rank, listener.address.c_str(),
              m->addr_.ifname.c_str(), peers.size());
   shm::WaitContext wait;
