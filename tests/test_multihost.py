@@ -99,6 +99,17 @@ def alltoall_mismatch_task(rank, world, receiver, sender):
     return rep.to_dict()
 
 
+def run_in_own_pool(rank_env, fn, *args):
+    """Runs fn on a fresh 2-rank pool with per-rank environments (settings read at group creation,
+    which the shared pools cannot vary per rank); returns the results and the ranks' logs."""
+    pool = _pool.Pool(2, rank_env=rank_env)
+    try:
+        results = pool.run(fn, *args)
+        return results, [open(f, errors="replace").read() for f in pool.logs]
+    finally:
+        pool.close()
+
+
 def check(pools, topo, fn, *args, env=NET_ENV, timeout=300):
     pools.check(len(topo), fn, *args, hosts=topo, env=env, timeout=timeout)
 
@@ -119,11 +130,7 @@ def test_ranks_pinned_apart_are_not_oversubscribed(hosts):
     rank_env = {"SMDDP_TEST_CPUS": [str(c) for c in cpus]}
     if hosts:
         rank_env["SMDDP_HOST_ID"] = list(hosts)
-    pool = _pool.Pool(2, rank_env=rank_env)
-    try:
-        got = pool.run(machine_share_task)
-    finally:
-        pool.close()
+    got, _ = run_in_own_pool(rank_env, machine_share_task)
     assert got == [{"machine_ranks": "2", "machine_cpus": "2", "wait_spin_us": "500"}] * 2, got
 
 
@@ -179,12 +186,9 @@ def test_striped_over_several_sockets(pools, topo):
 def test_sockets_per_peer_out_of_range_or_disagreeing_warns():
     """Rank 0 asks for 0 sockets per peer: clamped to 1, with a warning; rank 1 asks for 5 and is
     told that rank 0's value holds. The group runs with one connection per pair."""
-    pool = _pool.Pool(2, rank_env={"SMDDP_HOST_ID": ["0", "1"], "SMDDP_NET_SOCKETS_PER_PEER": ["0", "5"]})
-    try:
-        assert_reports(pool.run(connections_task, 1), 2)
-        logs = [open(f, errors="replace").read() for f in pool.logs]
-    finally:
-        pool.close()
+    reports, logs = run_in_own_pool({"SMDDP_HOST_ID": ["0", "1"], "SMDDP_NET_SOCKETS_PER_PEER": ["0", "5"]},
+                                    connections_task, 1)
+    assert_reports(reports, 2)
     assert "SMDDP_NET_SOCKETS_PER_PEER=0 is outside 1-16: using 1" in logs[0], logs[0][-2000:]
     assert "rank 1: SMDDP_NET_SOCKETS_PER_PEER=5 here, but rank 0's 1 holds" in logs[1], logs[1][-2000:]
 

@@ -31,11 +31,11 @@ std::string hostname() {
   return buf;
 }
 
-// Fields are separated by '\n', which none of them can contain.
-std::vector<std::string> splitLines(const std::string& s) {
+// Record fields are separated by '\n', which none of them can contain; cpulist items by ','.
+std::vector<std::string> splitOn(const std::string& s, char sep) {
   std::vector<std::string> out;
   std::stringstream ss(s);
-  for (std::string line; std::getline(ss, line);) out.push_back(line);
+  for (std::string item; std::getline(ss, item, sep);) out.push_back(item);
   return out;
 }
 
@@ -54,8 +54,7 @@ std::string cpuList(const std::vector<int>& ascending) {
 }
 
 void addCpuList(const std::string& list, int rank, std::set<int>& cpus) {
-  std::stringstream ss(list);
-  for (std::string item; std::getline(ss, item, ',');) {
+  for (const std::string& item : splitOn(list, ',')) {
     char* end = nullptr;
     const long lo = std::strtol(item.c_str(), &end, 10);
     const bool empty = end == item.c_str();
@@ -129,7 +128,7 @@ Topology Topology::discover(Store& store, int rank, int size) {
   t.bootIds.resize(size);
   t.hostnames.resize(size);
   for (int r = 0; r < size; ++r) {
-    const auto f = splitLines(store.get("smddp/topo/info/" + std::to_string(r)));
+    const auto f = splitOn(store.get("smddp/topo/info/" + std::to_string(r)), '\n');
     if (f.size() != 5) throwError(ErrorCode::kRemoteError, "rank %d published a malformed topology record", r);
     t.bootIds[r] = f[0];
     keys[r] = f[1];
