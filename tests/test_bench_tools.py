@@ -1,6 +1,7 @@
-"""The benchmark tools run end to end: compare.py's report from a small run's JSON lines, and
-bench_training.py on a tiny model (both backends must reach the same loss). Speed is never
-asserted here: the numbers come from the benchmarks themselves."""
+"""The benchmark tools run end to end: compare.py's report from a small run's JSON lines,
+bench_subgroups.py on small sizes, and bench_training.py on a tiny model (both backends must
+reach the same loss). Speed is never asserted here: the numbers come from the benchmarks
+themselves."""
 import importlib.util
 import json
 import subprocess
@@ -46,3 +47,15 @@ def test_training_benchmark_runs_both_backends(tmp_path):
     assert [r["backend"] for r in res] == ["gloo", "smddp"]
     assert res[0]["final_loss"] == res[1]["final_loss"], res
     assert all(r["step_ms"] > 0 and 0 < r["comm_share"] < 1 for r in res), res
+
+
+@pytest.mark.timeout(300)
+def test_subgroups_benchmark_runs_both_backends():
+    # world 4 in groups of 2, odd sizes: the script checks each backend's sums before timing
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_subgroups.py"), "--world", "4",
+                        "--group-size", "2", "--sizes", "12,3K", "--repeat", "1", "--target-s", "0.01"],
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines() if line and not line.startswith(("#", " " * 6 + "size"))]
+    assert [r[0] for r in rows] == ["12", "3072"], p.stdout
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), p.stdout

@@ -52,8 +52,11 @@ def topology_task(rank, world, hosts):
     return rep.to_dict()
 
 
-def machine_share_task(rank, world):
-    info = dist.group.WORLD._get_backend(torch.device("cpu"))._topology()
+def machine_share_task(rank, world, subgroups=None):
+    group = dist.group.WORLD
+    if subgroups:  # every rank creates every subgroup, in the same order
+        group = [g for ranks, g in [(r, dist.new_group(r)) for r in subgroups] if rank in ranks][0]
+    info = group._get_backend(torch.device("cpu"))._topology()
     return {k: info[k] for k in ("machine_ranks", "machine_cpus", "wait_spin_us")}
 
 
@@ -99,10 +102,10 @@ def alltoall_mismatch_task(rank, world, receiver, sender):
     return rep.to_dict()
 
 
-def run_in_own_pool(rank_env, fn, *args):
-    """Runs fn on a fresh 2-rank pool with per-rank environments (settings read at group creation,
+def run_in_own_pool(rank_env, fn, *args, world=2):
+    """Runs fn on a fresh pool with per-rank environments (settings read at group creation,
     which the shared pools cannot vary per rank); returns the results and the ranks' logs."""
-    pool = _pool.Pool(2, rank_env=rank_env)
+    pool = _pool.Pool(world, rank_env=rank_env)
     try:
         results = pool.run(fn, *args)
         return results, [open(f, errors="replace").read() for f in pool.logs]
@@ -132,6 +135,18 @@ def test_ranks_pinned_apart_are_not_oversubscribed(hosts):
         rank_env["SMDDP_HOST_ID"] = list(hosts)
     got, _ = run_in_own_pool(rank_env, machine_share_task)
     assert got == [{"machine_ranks": "2", "machine_cpus": "2", "wait_spin_us": "500"}] * 2, got
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin ranks")
+@pytest.mark.skipif(bool(os.environ.get("SMDDP_SPIN_US")), reason="SMDDP_SPIN_US overrides the spin budget")
+def test_subgroup_of_a_crowded_world_is_crowded():
+    """4 ranks on 2 CPUs (ranks 0, 1 on one, 2, 3 on the other), split into the groups {0, 2} and
+    {1, 3}: each group alone has 2 ranks on 2 CPUs, but the world's other ranks take the same
+    cores, so a group's waits must not spin as if it had them to itself."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    rank_env = {"SMDDP_TEST_CPUS": [str(cpus[0])] * 2 + [str(cpus[1])] * 2}
+    got, _ = run_in_own_pool(rank_env, machine_share_task, [[0, 2], [1, 3]], world=4)
+    assert got == [{"machine_ranks": "4", "machine_cpus": "2", "wait_spin_us": "2"}] * 4, got
 
 
 @pytest.mark.parametrize("topo", TOPOS)

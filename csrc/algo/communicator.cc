@@ -49,19 +49,21 @@ Communicator::Communicator(Store& store, int rank, int size, std::chrono::millis
       rank_(rank),
       size_(size),
       topo_(discoverAfterShmCheck(store, rank, size)),
+      cpuClaim_(topo_.cpuShare),
+      machine_(cpuClaim_.busiest()),
       oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))),
       copyStepBytes_(copyStepBytesFromEnv()),
-      cpuThreads_(cpuThreadsFor(topo_.cpuShare)) {
+      cpuThreads_(cpuThreadsFor(machine_)) {
   logParamsOnce();
   const size_t slotBytes = static_cast<size_t>(env::shmSlotBytes());
   if (topo_.hosts() == 1) {
-    domain_ = shm::Domain::create(store, rank, size, slotBytes, topo_.cpuShare);
+    domain_ = shm::Domain::create(store, rank, size, slotBytes, machine_);
     return;
   }
   netAlgo_ = netAlgoFromEnv();
   netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
   PrefixStore hostStore(store, "smddp/host" + std::to_string(topo_.host()) + "/");
-  domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes, topo_.cpuShare);
+  domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes, machine_);
   domain_->setGroupRanks(topo_.members[topo_.host()]);
   mesh_ = net::TcpMesh::create(store, topo_, hierarchicalPeers(topo_), timeout);
   SMDDP_INFO(kInit, "rank %d/%d: %d hosts, inter-host algorithm %s over %s (%s)", rank, size, topo_.hosts(),

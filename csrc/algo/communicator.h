@@ -14,6 +14,7 @@
 #include "algo/collectives.h"
 #include "algo/hierarchical.h"
 #include "core/error.h"
+#include "core/spin.h"
 #include "core/store.h"
 #include "transport/shm_domain.h"
 #include "transport/tcp_mesh.h"
@@ -32,6 +33,9 @@ class Communicator {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const Topology& topology() const { return topo_; }
+  // The machine's ranks and CPUs that waits and helper threads are sized for: this group's, or a
+  // more crowded one of another live group of this process (CpuShareClaim).
+  const CpuShare& machineShare() const { return machine_; }
   // True when the group spans hosts (then domain() holds only this host's ranks).
   bool multiHost() const { return mesh_ != nullptr; }
   // Receive scratch of the inter-host collectives, as grown so far (read when no op runs).
@@ -78,6 +82,8 @@ class Communicator {
   int rank_;
   int size_;
   Topology topo_;
+  CpuShareClaim cpuClaim_;
+  CpuShare machine_;
   std::unique_ptr<shm::Domain> domain_;
   std::unique_ptr<net::TcpMesh> mesh_;
   NetAlgo netAlgo_ = NetAlgo::kMesh;

@@ -30,11 +30,12 @@ constexpr Param kParams[] = {
      "Threads per rank that copy and reduce large messages: the one running the op plus "
      "SMDDP_CPU_THREADS - 1 helpers, started at a group's first op. They help where one core "
      "cannot use up the memory bandwidth (servers, GPU hosts). -1 = the CPUs this process may use "
-     "divided by the group's ranks on this machine, at most 4 (so 1 when ranks fill the cores)."},
+     "divided by the job's ranks on this machine, at most 4 (so 1 when ranks fill the cores)."},
     {"SMDDP_SPIN_US", "-1",
      "Microseconds a rank polls a peer's flag inside a collective before it sleeps on a futex. -1 "
-     "picks 500 us, or 2 us when ranks outnumber cores (then SMDDP_YIELD_US applies): the group's "
-     "ranks on this machine, in any network namespace or container, against the CPUs they may run on."},
+     "picks 500 us, or 2 us when ranks outnumber cores (then SMDDP_YIELD_US applies): the job's "
+     "ranks on this machine, in any network namespace or container, against the CPUs they may run on "
+     "(a subgroup counts the ranks of the most crowded group its process is in)."},
     {"SMDDP_YIELD_US", "50",
      "When ranks outnumber cores: microseconds a waiting rank keeps yielding its core (so the rank it "
      "waits for can run) before it sleeps on a futex."},

@@ -3,6 +3,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <mutex>
 #include <thread>
 
 #include "core/env.h"
@@ -23,6 +24,32 @@ std::vector<int> usableCpuIds() {
     for (int c = 0; c < static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); ++c) ids.push_back(c);
   }
   return ids;
+}
+
+namespace {
+std::mutex claimsMutex;
+std::vector<const CpuShare*> liveClaims;  // few entries: one per process group
+}  // namespace
+
+CpuShareClaim::CpuShareClaim(const CpuShare& share) : share_(share) {
+  std::lock_guard<std::mutex> lock(claimsMutex);
+  liveClaims.push_back(&share_);
+}
+
+CpuShareClaim::~CpuShareClaim() {
+  std::lock_guard<std::mutex> lock(claimsMutex);
+  liveClaims.erase(std::find(liveClaims.begin(), liveClaims.end(), &share_));
+}
+
+CpuShare CpuShareClaim::busiest() const {
+  std::lock_guard<std::mutex> lock(claimsMutex);
+  CpuShare most = share_;
+  for (const CpuShare* s : liveClaims) {
+    // Ranks per CPU, compared without division; on a tie the larger count of ranks.
+    const int64_t lhs = int64_t{s->ranks} * most.cpus, rhs = int64_t{most.ranks} * s->cpus;
+    if (lhs > rhs || (lhs == rhs && s->ranks > most.ranks)) most = *s;
+  }
+  return most;
 }
 
 std::chrono::microseconds spinBudget(const CpuShare& share) {

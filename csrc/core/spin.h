@@ -26,6 +26,22 @@ struct CpuShare {
   bool oversubscribed() const { return ranks > cpus; }
 };
 
+// A group sees only its own ranks, but a subgroup of a job whose ranks outnumber the cores is
+// just as crowded: its ranks' cores are also taken by the job's other ranks. Every group of this
+// process holds a claim for its life; busiest() is the most crowded share among the claims
+// alive, this one's included (the world group is made first, so its subgroups see its share).
+class CpuShareClaim {
+ public:
+  explicit CpuShareClaim(const CpuShare& share);
+  ~CpuShareClaim();
+  CpuShareClaim(const CpuShareClaim&) = delete;
+  CpuShareClaim& operator=(const CpuShareClaim&) = delete;
+  CpuShare busiest() const;
+
+ private:
+  CpuShare share_;
+};
+
 // How long a rank polls a peer's flag inside a collective: SMDDP_SPIN_US when set (>= 0), else
 // 500 us, or 2 us when the machine's ranks outnumber its cores.
 std::chrono::microseconds spinBudget(const CpuShare& share);

@@ -257,7 +257,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, rank));
   }
-  spin_ = lingerBudget(comm_->topology().cpuShare);
+  spin_ = lingerBudget(comm_->machineShare());
   progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank), spin_);
   if (comm_->topology().localSize() > 1) {
     p2p_ = std::make_unique<engine::P2pEngine>(comm_->domain(), spin_, "smddp-p2p" + std::to_string(rank));
@@ -302,8 +302,8 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
                                               {"local_rank", std::to_string(t.localRank())},
                                               {"local_size", std::to_string(t.localSize())},
                                               {"transport", comm_->multiHost() ? "shm+tcp" : "shm"},
-                                              {"machine_ranks", std::to_string(t.cpuShare.ranks)},
-                                              {"machine_cpus", std::to_string(t.cpuShare.cpus)},
+                                              {"machine_ranks", std::to_string(comm_->machineShare().ranks)},
+                                              {"machine_cpus", std::to_string(comm_->machineShare().cpus)},
                                               {"wait_spin_us", std::to_string(comm_->domain()->spin().count())}};
   if (comm_->multiHost()) info["tcp_connections"] = std::to_string(comm_->netConnections());
   return info;

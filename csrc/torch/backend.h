@@ -74,8 +74,8 @@ class SmddpBackend : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override { timeoutMs_.store(timeout.count()); }
   c10::intrusive_ptr<Options> getBackendOptions() override;
   // Which hosts the group spans, as {"hosts", "host", "local_rank", "local_size", "transport"},
-  // how many of its ranks share this machine's CPUs ("machine_ranks", "machine_cpus") and so how
-  // long a shared-memory wait spins ("wait_spin_us"), and across hosts "tcp_connections" (this
+  // how many ranks share this machine's CPUs ("machine_ranks", "machine_cpus": this group's, or
+  // those of a more crowded group of this process) and so how long a shared-memory wait spins ("wait_spin_us"), and across hosts "tcp_connections" (this
   // rank's, with every socket of every peer).
   std::map<std::string, std::string> topologySummary() const;
   bool debugChecks() const { return debugChecks_; }
