@@ -80,18 +80,19 @@ def batch_ring_task(rank, world):
     return rep.to_dict()
 
 
-def alltoall_mismatch_task(rank, world, receiver, sender):
-    """`receiver` expects one element more from `sender` (on another host) than it sends, while
-    every other split agrees: the receiver names both ranks and counts, and every rank raises in
-    this same call (none returns with a wrong or partial result, none hangs)."""
+def alltoall_mismatch_task(rank, world, receiver, sender, every_rank_in_the_call):
+    """`receiver` expects one element more from `sender` than it sends, while every other split
+    agrees: the receiver names both ranks and counts. No rank returns a wrong or partial result
+    and none hangs: with SMDDP_DEBUG_CHECKS every rank raises in this call; without it (no extra
+    round trip for the counts) a rank may complete this op, with the right data, and fail at its
+    next one, since the group is broken."""
     rep = Report(rank)
     out_splits = [2] * world
     if rank == receiver:
         out_splits[sender] = 3
     out = torch.empty(sum(out_splits))
     try:
-        dist.all_to_all_single(out, torch.ones(2 * world), out_splits, [2] * world)
-        rep.expect(False, f"rank {rank}: mismatched split sizes were not detected")
+        dist.all_to_all_single(out, torch.full((2 * world,), float(rank)), out_splits, [2] * world)
     except Exception as e:  # noqa: BLE001
         text = str(e)
         if rank == receiver:
@@ -99,6 +100,15 @@ def alltoall_mismatch_task(rank, world, receiver, sender):
             rep.expect(want in text and "split sizes do not match" in text, f"rank {rank}: unexpected error: {e}")
         else:
             rep.expect("alltoall" in text, f"rank {rank}: error does not name the op: {e}")
+        return rep.to_dict()
+    rep.expect(rank != receiver, f"rank {rank}: mismatched split sizes were not detected")
+    rep.expect(not every_rank_in_the_call, f"rank {rank}: completed an all_to_all that failed on rank {receiver}")
+    rep.expect(torch.equal(out, torch.arange(world).float().repeat_interleave(2)), f"rank {rank}: wrong data {out}")
+    try:
+        dist.all_reduce(torch.ones(1))
+        rep.expect(False, f"rank {rank}: the op after a failed all_to_all did not raise")
+    except Exception as e:  # noqa: BLE001
+        rep.expect(type(e).__name__ == "DistBackendError", f"rank {rank}: unexpected error after the failure: {e!r}")
     return rep.to_dict()
 
 
@@ -276,13 +286,15 @@ def test_alltoall_one_hop(pools, topo):
     check(pools, topo, alltoall_one_hop_task)
 
 
+@pytest.mark.parametrize("counts_first", [False, True], ids=["default", "debug_checks"])
 @pytest.mark.parametrize("topo, receiver, sender",
                          [("0011", 0, 2), ("001", 2, 1), ("0101", 1, 2), ("0011", 0, 1), ("000111", 1, 5)])
-def test_alltoall_split_mismatch_is_an_error(pools, topo, receiver, sender):
+def test_alltoall_split_mismatch_is_an_error(pools, topo, receiver, sender, counts_first):
+    env = NET_ENV + ((("SMDDP_DEBUG_CHECKS", "1"),) if counts_first else ())
     try:
-        check(pools, topo, alltoall_mismatch_task, receiver, sender)
+        check(pools, topo, alltoall_mismatch_task, receiver, sender, counts_first, env=env)
     finally:
-        pools.discard(len(topo), topo, NET_ENV)  # the group refuses further ops after a failed collective
+        pools.discard(len(topo), topo, env)  # the group refuses further ops after a failed collective
 
 
 @pytest.mark.parametrize("topo", TOPOS)

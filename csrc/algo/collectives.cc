@@ -296,6 +296,13 @@ void scatter(OpContext& ctx, const ScatterOptions& o) {
   }
 }
 
+void throwSplitMismatch(int sender, uint64_t sends, int receiver, uint64_t expects) {
+  throwError(ErrorCode::kInvalidUsage,
+             "alltoall: rank %d sends %llu elements to rank %d, which expects %llu from it (the split sizes do not "
+             "match across ranks)",
+             sender, static_cast<unsigned long long>(sends), receiver, static_cast<unsigned long long>(expects));
+}
+
 void alltoall(OpContext& ctx, const AlltoallOptions& o) {
   const size_t es = elementSize(o.dtype);
   const int W = ctx.size;
@@ -334,13 +341,7 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
     for (int p = 0; p < W; ++p) {
       const uint64_t sends = countAt(q, p), expects = countAt(p, W + q);
       maxBytes = std::max<size_t>(maxBytes, sends * es);
-      if (sends != expects) {
-        throwError(ErrorCode::kInvalidUsage,
-                   "alltoall: rank %d sends %llu elements to rank %d, which expects %llu from it (the split sizes "
-                   "do not match across ranks)",
-                   d.groupRank(q), static_cast<unsigned long long>(sends), d.groupRank(p),
-                   static_cast<unsigned long long>(expects));
-      }
+      if (sends != expects) throwSplitMismatch(d.groupRank(q), sends, d.groupRank(p), expects);
     }
   }
   const size_t region = regionBytes(d, W);

@@ -101,16 +101,23 @@ struct ScatterOptions {
 void scatter(OpContext& ctx, const ScatterOptions& opts);
 
 // Rank r sends inputs[p] (inCounts[p] elements) to rank p, which receives it in its outputs[r]
-// (outCounts[r] elements). The first step exchanges the counts, so a mismatch between what one
-// rank sends and what its peer expects is an error, never a silent short read.
+// (outCounts[r] elements). A mismatch between what one rank sends and what its peer expects is
+// an error, never a silent short read: in shared memory the first step exchanges the counts and
+// every rank of the host checks them all; across hosts each message's header carries its size.
 struct AlltoallOptions {
   DataType dtype;
   std::vector<const void*> inputs;
   std::vector<size_t> inCounts;
   std::vector<void*> outputs;
   std::vector<size_t> outCounts;
+  // Across hosts, exchange the counts before any data, so that a mismatch fails the op on every
+  // rank alike. It costs one more network round trip; without it the rank that receives a wrong
+  // size raises, and its peers fail at this op or their next one (the group is broken).
+  bool countsFirst = false;
 };
 void alltoall(OpContext& ctx, const AlltoallOptions& opts);
+// The error for a block whose size is not the one its receiver expects (group ranks).
+[[noreturn]] void throwSplitMismatch(int sender, uint64_t sends, int receiver, uint64_t expects);
 
 void barrier(OpContext& ctx);
 

@@ -399,14 +399,9 @@ void hierBroadcast(HierContext& ctx, const BroadcastOptions& o) {
   broadcast(ctx.local, local);
 }
 
-void hierAlltoall(HierContext& ctx, const AlltoallOptions& o, const std::vector<int>& remote) {
-  const Topology& t = *ctx.topo;
-  const size_t es = elementSize(o.dtype);
-  const int me = t.rank, h = t.host();
-
-  // 1. Network: this rank tells every remote rank how many elements it has for it, and checks
-  //    what it is told against what it expects, so a split mismatch is an error, never a
-  //    shifted read.
+namespace {
+// The counts every rank of the other hosts sends this rank, checked against what it expects.
+void exchangeAlltoallCounts(HierContext& ctx, const AlltoallOptions& o, const std::vector<int>& remote) {
   std::vector<uint64_t> told(remote.size()), heard(remote.size());
   std::vector<net::Send> sends;
   std::vector<net::Recv> recvs;
@@ -418,36 +413,49 @@ void hierAlltoall(HierContext& ctx, const AlltoallOptions& o, const std::vector<
   ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule());
   for (size_t i = 0; i < remote.size(); ++i) {
     const int src = remote[i];
-    if (heard[i] == o.outCounts[src]) continue;
-    throwError(ErrorCode::kInvalidUsage,
-               "alltoall: rank %d sends %llu elements to rank %d, which expects %zu from it (the split sizes do "
-               "not match across ranks)",
-               src, static_cast<unsigned long long>(heard[i]), me, o.outCounts[src]);
+    if (heard[i] != o.outCounts[src]) throwSplitMismatch(src, heard[i], ctx.topo->rank, o.outCounts[src]);
   }
+}
 
-  // 2. Shared memory: blocks between ranks of this host go straight from input to output. It
-  //    also holds back this host's ranks if one of them found a mismatch above, and step 3 every
-  //    remote rank (each waits for a message from every rank, empty or not): a mismatch fails
-  //    the op on every rank instead of leaving some to finish.
-  const std::vector<int>& locals = t.members[h];
+void alltoallInHost(HierContext& ctx, const AlltoallOptions& o) {
   AlltoallOptions direct{o.dtype, {}, {}, {}, {}};
-  for (int g : locals) {
+  for (int g : ctx.topo->members[ctx.topo->host()]) {
     direct.inputs.push_back(o.inputs[g]);
     direct.inCounts.push_back(o.inCounts[g]);
     direct.outputs.push_back(o.outputs[g]);
     direct.outCounts.push_back(o.outCounts[g]);
   }
   alltoall(ctx.local, direct);
+}
+}  // namespace
 
-  // 3. Network: every block for a rank of another host goes straight to it, one hop, in one
-  //    rate-controlled exchange with all of them.
-  sends.clear();
-  recvs.clear();
+void hierAlltoall(HierContext& ctx, const AlltoallOptions& o, const std::vector<int>& remote) {
+  const size_t es = elementSize(o.dtype);
+  if (o.countsFirst) {
+    // Every rank checks its counts before any data moves; the shared-memory step then holds back
+    // this host's ranks if one of them found a mismatch, and the network step every remote rank
+    // (each waits for a message from every rank, empty or not): the op fails on every rank.
+    exchangeAlltoallCounts(ctx, o, remote);
+    alltoallInHost(ctx, o);
+  }
+  // Every block for a rank of another host goes straight to it, one hop, in one rate-controlled
+  // exchange with all of them; each header carries the block's size, which the receiver checks.
+  std::vector<net::Send> sends;
+  std::vector<net::Recv> recvs;
   for (int g : remote) {
     sends.push_back({g, o.inputs[g], o.inCounts[g] * es});
     recvs.push_back({g, o.outputs[g], o.outCounts[g] * es});
   }
-  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 1), sends, recvs, ctx.local.wait, ctx.schedule());
+  try {
+    ctx.mesh->exchange(net::makeTag(ctx.local.seq, 1), sends, recvs, ctx.local.wait, ctx.schedule());
+  } catch (const net::wire::HeaderMismatch& m) {
+    // Same op and step but another size: the sender's split for this rank is not what it expects.
+    if (m.sent().tag != m.expected().tag || m.sent().bytes % es != 0) throw;
+    throwSplitMismatch(m.peer(), m.sent().bytes / es, ctx.topo->rank, m.expected().bytes / es);
+  }
+  // Blocks between ranks of this host last: a rank that found a wrong size above holds its
+  // host-mates back here, so they fail too.
+  if (!o.countsFirst) alltoallInHost(ctx, o);
 }
 
 void hierBarrier(HierContext& ctx) {

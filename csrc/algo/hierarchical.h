@@ -17,10 +17,11 @@
 //   broadcast:      the root sends to the first rank of every other host -> broadcast in hosts.
 //   barrier:        host barrier, then an all-to-all of empty messages among the hosts' first
 //                   ranks, then host barrier.
-//   all_to_all:     one hop: blocks between ranks of one host go through shared memory, every
-//                   other block straight to its rank over TCP (after the split sizes, so a
-//                   mismatch fails the op everywhere); it needs every pair of ranks on different
-//                   hosts connected (alltoallPeers), which the group's first all_to_all does.
+//   all_to_all:     one hop: every block for a rank of another host straight to it over TCP
+//                   (its header carries the size, which the receiver checks), then the blocks
+//                   between ranks of one host through shared memory; it needs every pair of
+//                   ranks on different hosts connected (alltoallPeers), which the group's first
+//                   all_to_all does.
 #pragma once
 
 #include <cstdint>

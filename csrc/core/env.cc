@@ -94,7 +94,9 @@ constexpr Param kParams[] = {
     {"SMDDP_DEBUG_CHECKS", "0",
      "1: ranks also compare a fingerprint of each op's full description (API, dtypes, shapes) at its "
      "first step and report the first divergence with both sides' descriptions (a mismatch of op, "
-     "dtype, reduce op, root or size is always caught). TORCH_DISTRIBUTED_DEBUG=DETAIL turns it on too."},
+     "dtype, reduce op, root or size is always caught), and all_to_all across hosts exchanges the split "
+     "sizes before any data (one more round trip), so a mismatch fails every rank in the same call. "
+     "TORCH_DISTRIBUTED_DEBUG=DETAIL turns it on too."},
     {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, NET, ENV or ALL; ^ inverts."},
 };
 

@@ -18,13 +18,28 @@ const char* errorCodeName(ErrorCode code) {
   return "error";
 }
 
-void throwError(ErrorCode code, const char* fmt, ...) {
+namespace {
+std::string formatList(const char* fmt, va_list ap) {
   char buf[2048];
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  return buf;
+}
+}  // namespace
+
+std::string formatString(const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(buf, sizeof(buf), fmt, ap);
+  std::string s = formatList(fmt, ap);
   va_end(ap);
-  throw Error(code, buf);
+  return s;
+}
+
+void throwError(ErrorCode code, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::string s = formatList(fmt, ap);
+  va_end(ap);
+  throw Error(code, s);
 }
 
 std::string errnoString(int err) {

@@ -27,6 +27,9 @@ class Error : public std::runtime_error {
   ErrorCode code_;
 };
 
+// Formats like printf.
+std::string formatString(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+
 // Formats like printf and throws smddp::Error.
 [[noreturn]] void throwError(ErrorCode code, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 

@@ -882,8 +882,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall_base(at::Tensor& output, a
   const size_t es = in.element_size();
   return enqueue(c10d::OpType::ALLTOALL_BASE, "smddp:all_to_all_single", {output}, {input},
                  resolveTimeout(opts.timeout), opts.asyncOp,
-                 [out, in, inCounts, outCounts, dtype, es](algo::Communicator& c, std::chrono::milliseconds to) {
-                   algo::AlltoallOptions o{dtype, {}, inCounts, {}, outCounts};
+                 [out, in, inCounts, outCounts, dtype, es, countsFirst = debugChecks_](algo::Communicator& c,
+                                                                                     std::chrono::milliseconds to) {
+                   algo::AlltoallOptions o{dtype, {}, inCounts, {}, outCounts, countsFirst};
                    size_t inOff = 0, outOff = 0;
                    for (size_t p = 0; p < inCounts.size(); ++p) {
                      o.inputs.push_back(bytePtr(in) + inOff * es);
@@ -932,8 +933,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& o
   }
   return enqueue(c10d::OpType::ALLTOALL, "smddp:all_to_all", outputs, inputs, resolveTimeout(opts.timeout),
                  opts.asyncOp,
-                 [outs, ins, inCounts, outCounts, dtype](algo::Communicator& c, std::chrono::milliseconds to) {
-                   algo::AlltoallOptions o{dtype, {}, inCounts, {}, outCounts};
+                 [outs, ins, inCounts, outCounts, dtype, countsFirst = debugChecks_](algo::Communicator& c,
+                                                                                   std::chrono::milliseconds to) {
+                   algo::AlltoallOptions o{dtype, {}, inCounts, {}, outCounts, countsFirst};
                    for (const at::Tensor& t : ins) o.inputs.push_back(t.data_ptr());
                    for (const Staged& s : outs) o.outputs.push_back(s.work.data_ptr());
                    c.alltoall(o, to);

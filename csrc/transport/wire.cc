@@ -21,6 +21,18 @@ unsigned long long stepOf(uint64_t tag) { return tag & ((1u << kTagStepBits) - 1
 
 }  // namespace
 
+HeaderMismatch::HeaderMismatch(int peer, const MsgHeader& sent, const MsgHeader& expected)
+    : Error(ErrorCode::kInvalidUsage,
+            formatString("collectives do not match across ranks: rank %d sent %llu bytes for op/step %llu/%llu but "
+                         "this rank expected %llu bytes for op/step %llu/%llu from it. Every rank must issue the same "
+                         "collectives in the same order with matching sizes and dtypes",
+                         peer, static_cast<unsigned long long>(sent.bytes), seqOf(sent.tag), stepOf(sent.tag),
+                         static_cast<unsigned long long>(expected.bytes), seqOf(expected.tag),
+                         stepOf(expected.tag))),
+      peer_(peer),
+      sent_(sent),
+      expected_(expected) {}
+
 Hello makeHello(const std::string& secret, int from, int to, int lane) {
   Hello h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
@@ -73,14 +85,7 @@ const Recv* RecvCursor::advance(size_t k) {
   const bool inHeader = off_ < kHeaderBytes;
   off_ += k;
   if (inHeader && off_ == kHeaderBytes) {
-    if (hdr_.tag != tag_ || hdr_.bytes != r.bytes) {
-      throwError(ErrorCode::kInvalidUsage,
-                 "collectives do not match across ranks: rank %d sent %llu bytes for op/step %llu/%llu but this "
-                 "rank expected %zu bytes for op/step %llu/%llu from it. Every rank must issue the same collectives "
-                 "in the same order with matching sizes and dtypes",
-                 peer_, static_cast<unsigned long long>(hdr_.bytes), seqOf(hdr_.tag), stepOf(hdr_.tag), r.bytes,
-                 seqOf(tag_), stepOf(tag_));
-    }
+    if (hdr_.tag != tag_ || hdr_.bytes != r.bytes) throw HeaderMismatch(peer_, hdr_, {tag_, r.bytes});
   }
   if (off_ >= kHeaderBytes && off_ == kHeaderBytes + part.bytes) {
     ++idx_;

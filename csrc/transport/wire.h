@@ -16,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/error.h"
+
 namespace smddp::net {
 
 // A message tag: the op's sequence number and a step within the op (both ends compute the same).
@@ -77,6 +79,21 @@ struct MsgHeader {
 };
 constexpr size_t kHeaderBytes = sizeof(MsgHeader);
 
+// A header that is not the one the receiver expects (kInvalidUsage): ranks running different
+// collectives, or sizes that differ. It keeps both sides' facts, so that an op that knows
+// what its sizes mean (all_to_all's split sizes) can say so in its own terms.
+class HeaderMismatch : public Error {
+ public:
+  HeaderMismatch(int peer, const MsgHeader& sent, const MsgHeader& expected);
+  int peer() const { return peer_; }
+  const MsgHeader& sent() const { return sent_; }
+  const MsgHeader& expected() const { return expected_; }
+
+ private:
+  int peer_;
+  MsgHeader sent_, expected_;
+};
+
 // The rest of a message being sent, `sent` bytes in (header first), as at most two iovecs: the
 // header's remainder and up to `payloadLimit` bytes of `data`. Returns how many it filled.
 inline int nextIov(iovec (&iov)[2], const MsgHeader& hdr, size_t sent, const void* data, size_t bytes,
@@ -113,7 +130,7 @@ class RecvCursor {
   // Where the next bytes go and at most how many; never empty while !done() && !held().
   std::pair<char*, size_t> window();
   // `k` (> 0, at most window().second) bytes were written at window(). A completed header that
-  // does not match the expected message throws smddp::Error (kInvalidUsage) naming both sides.
+  // does not match the expected message throws HeaderMismatch.
   // Returns the message whose part these bytes completed, or null.
   const Recv* advance(size_t k);
 
