@@ -169,6 +169,17 @@ def test_allreduce_large(pools, topo):
     check(pools, topo, allreduce_matrix, ["large"], ["float32", "bfloat16", "int64"], ["SUM", "AVG", "MAX"], "arL")
 
 
+@pytest.mark.parametrize("topo", ["0011", "012"])
+@pytest.mark.parametrize("oneshot", ["0", str(1 << 30)], ids=["never", "always"])
+def test_allreduce_one_shot_or_two_hops(pools, topo, oneshot):
+    """Across hosts, small allreduce segments go one-shot (SMDDP_NET_ONESHOT_BYTES) and large ones
+    reduce-scatter + all-gather: here each path also takes the other's sizes (odd sizes leave the
+    two-hop path empty parts; a large one-shot segment fills the scratch buffer)."""
+    env = NET_ENV + (("SMDDP_NET_ONESHOT_BYTES", oneshot),)
+    check(pools, topo, allreduce_matrix, SMALL_SIZES + ["large"], ["float32", "bfloat16", "int64"],
+          ["SUM", "AVG", "MAX", "PRODUCT", "PREMUL_SUM_T"], "arO", env=env)
+
+
 @pytest.mark.parametrize("topo,buffer", [("012", 1 << 20), ("0011", 1 << 18)])
 def test_allreduce_streamed_through_reused_slots(pools, topo, buffer):
     """The mesh allreduce streams a message through a ring of scratch slots per peer. With these

@@ -62,6 +62,7 @@ Communicator::Communicator(Store& store, int rank, int size, std::chrono::millis
   }
   netAlgo_ = netAlgoFromEnv();
   netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
+  netOneShotBytes_ = static_cast<size_t>(std::max<int64_t>(0, env::netOneShotBytes()));
   PrefixStore hostStore(store, "smddp/host" + std::to_string(topo_.host()) + "/");
   domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes, machine_);
   domain_->setGroupRanks(topo_.members[topo_.host()]);
@@ -87,6 +88,7 @@ HierContext Communicator::hier(const OpContext& ctx) {
   h.algo = netAlgo_;
   h.scratch = &netScratch_;
   h.bufferBytes = netBufferBytes_;
+  h.oneShotBytes = netOneShotBytes_;
   return h;
 }
 

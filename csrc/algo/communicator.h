@@ -88,6 +88,7 @@ class Communicator {
   std::unique_ptr<net::TcpMesh> mesh_;
   NetAlgo netAlgo_ = NetAlgo::kMesh;
   size_t netBufferBytes_ = 0;
+  size_t netOneShotBytes_ = 0;
   std::vector<int> alltoallPeers_;  // alltoallPeers(), once mesh_ holds their connections
   std::vector<uint8_t> netScratch_;
   size_t oneShotMaxBytes_;

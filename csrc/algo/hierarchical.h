@@ -5,8 +5,9 @@
 //                   message, cut into S = max ranks per host segments, so hosts of different sizes
 //                   still agree on segment boundaries) -> per segment, an allreduce among the
 //                   segment's owners, one per host (mesh: reduce-scatter + all-gather in one hop
-//                   each, streamed piece by piece through one exchange; or a ring) -> all-gather
-//                   inside the host.
+//                   each, streamed piece by piece through one exchange, or for small messages
+//                   one-shot: every owner sends its segment whole to the others; or a ring) ->
+//                   all-gather inside the host.
 //   allgather:      rank g sends its block straight to one rank on every other host (the one
 //                   whose local index matches g's, modulo that host's size) -> all-gather rounds
 //                   inside each host.
@@ -43,6 +44,7 @@ struct HierContext {
   NetAlgo algo = NetAlgo::kMesh;
   std::vector<uint8_t>* scratch = nullptr;  // reused receive buffer, grown on demand
   size_t bufferBytes = 16u << 20;           // at most this much of `scratch` per piece (reductions)
+  size_t oneShotBytes = 0;                  // SMDDP_NET_ONESHOT_BYTES
   net::Schedule schedule() const { return algo == NetAlgo::kNaive ? net::Schedule::kNaive : net::Schedule::kMesh; }
   uint8_t* scratchBytes(size_t n);
 };

@@ -15,7 +15,7 @@ struct Param {
   const char* help;
 };
 
-// Keep this table and README.md's variable table in step (tests/test_env.py checks it).
+// Keep this table and README.md's variable table in step (tests/test_env_readme.py checks it).
 constexpr Param kParams[] = {
     {"SMDDP_SHM_SLOT_BYTES", "1048576",
      "Bytes of each of the two shared-memory staging slots per rank and process group. Messages "
@@ -68,6 +68,11 @@ constexpr Param kParams[] = {
      "acks wait behind data) and left 5-10% of a link idle in the emulated cluster. Empty = the "
      "system's default. A name this process may not use (see "
      "net.ipv4.tcp_allowed_congestion_control) keeps the system's default, with a warning."},
+    {"SMDDP_NET_ONESHOT_BYTES", "65536",
+     "Allreduce across hosts in one hop when (hosts - 1) x the message's bytes is at most this: each "
+     "rank sends its share of the message whole to its peers of the other hosts and reduces theirs, "
+     "one network latency instead of the two of reduce-scatter + all-gather, for more bytes sent "
+     "(H - 1 instead of 2 (H - 1) / H times the message). 0 = never."},
     {"SMDDP_NET_BUFFER_BYTES", "16777216",
      "Bytes of receive buffer per rank for inter-host reductions (peers' contributions stream "
      "through it in pieces, each reused once reduced); larger messages reuse it piece by piece."},
@@ -158,6 +163,7 @@ SMDDP_STRING_PARAM(netAlgo, "SMDDP_NET_ALGO")
 SMDDP_INT_PARAM(netChunkBytes, "SMDDP_NET_CHUNK_BYTES")
 SMDDP_INT_PARAM(netSocketsPerPeer, "SMDDP_NET_SOCKETS_PER_PEER")
 SMDDP_INT_PARAM(netBufferBytes, "SMDDP_NET_BUFFER_BYTES")
+SMDDP_INT_PARAM(netOneShotBytes, "SMDDP_NET_ONESHOT_BYTES")
 SMDDP_STRING_PARAM(netCongestion, "SMDDP_NET_CONGESTION")
 SMDDP_STRING_PARAM(simd, "SMDDP_SIMD")
 SMDDP_INT_PARAM(cudaStagingBytes, "SMDDP_CUDA_STAGING_BYTES")

@@ -52,6 +52,8 @@ int64_t netChunkBytes();
 int64_t netSocketsPerPeer();
 // Receive buffer for inter-host reductions; bigger messages go in pieces.
 int64_t netBufferBytes();
+// Allreduces across hosts with (hosts - 1) x bytes at most this go one-shot.
+int64_t netOneShotBytes();
 // TCP congestion control of the inter-host connections ("" = the system's).
 const std::string& netCongestion();
 // Reduce-kernel instruction set: auto (default), avx512, avx2, scalar.
