@@ -17,21 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GLOO_EXIT_RACE = "terminate called without an active exception"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(args) -> None:
@@ -47,7 +41,10 @@ def worker(args) -> None:
         import smddp  # noqa: F401
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(args.backend)
+    # A file store: no port to pick (a free port found by binding port 0 may be taken before
+    # rank 0 listens on it).
+    dist.init_process_group(args.backend, init_method="file://" + os.environ["BENCH_STORE"], rank=rank,
+                            world_size=world)
     cfg = LlamaConfig(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq,
                       per_rank=args.per_rank)
     torch.manual_seed(0)
@@ -121,13 +118,14 @@ def worker(args) -> None:
 
 
 def run_job(args, backend: str, world: int) -> dict:
-    port = free_port()
     cmd = [sys.executable, __file__, "--_worker", "--backend", backend] + args.passthrough
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(world)]
-    outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, BENCH_STORE=os.path.join(tmp, "store"), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+                   PYTHONWARNINGS="ignore")
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True) for r in range(world)]
+        outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
     # gloo sometimes aborts in its destructors at interpreter exit ("terminate called without an
     # active exception"), after the run is over: that is not a failed run.
     failed = [o for p, o in zip(procs, outs)
