@@ -75,8 +75,9 @@ class SmddpBackend : public c10d::Backend {
   c10::intrusive_ptr<Options> getBackendOptions() override;
   // Which hosts the group spans, as {"hosts", "host", "local_rank", "local_size", "transport"},
   // how many ranks share this machine's CPUs ("machine_ranks", "machine_cpus": this group's, or
-  // those of a more crowded group of this process) and so how long a shared-memory wait spins ("wait_spin_us"), and across hosts "tcp_connections" (this
-  // rank's, with every socket of every peer).
+  // those of a more crowded group of this process) and so how long a shared-memory wait spins
+  // ("wait_spin_us"), and across hosts "tcp_connections" (this rank's, with every socket of every
+  // peer).
   std::map<std::string, std::string> topologySummary() const;
   bool debugChecks() const { return debugChecks_; }
   size_t netScratchBytes() const { return comm_->netScratchBytes(); }
