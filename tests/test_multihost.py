@@ -52,10 +52,13 @@ def topology_task(rank, world, hosts):
     return rep.to_dict()
 
 
-def machine_share_task(rank, world, subgroups=None):
+def machine_share_task(rank, world, subgroups=()):
+    """The CPU share of the world group, or of this rank's group among `subgroups`."""
     group = dist.group.WORLD
-    if subgroups:  # every rank creates every subgroup, in the same order
-        group = [g for ranks, g in [(r, dist.new_group(r)) for r in subgroups] if rank in ranks][0]
+    for ranks in subgroups:  # every rank creates every subgroup, in the same order
+        made = dist.new_group(ranks)
+        if rank in ranks:
+            group = made
     info = group._get_backend(torch.device("cpu"))._topology()
     return {k: info[k] for k in ("machine_ranks", "machine_cpus", "wait_spin_us")}
 
@@ -227,6 +230,20 @@ def test_sockets_per_peer_out_of_range_or_disagreeing_warns():
     assert_reports(reports, 2)
     assert "SMDDP_NET_SOCKETS_PER_PEER=0 is outside 1-16: using 1" in logs[0], logs[0][-2000:]
     assert "rank 1: SMDDP_NET_SOCKETS_PER_PEER=5 here, but rank 0's 1 holds" in logs[1], logs[1][-2000:]
+
+
+def test_disagreeing_net_settings_take_rank_0s():
+    """The inter-host algorithm settings decide how messages are cut, so both ends must agree:
+    rank 1 asks for the ring, another buffer and one-shot for every size, is told that rank 0's
+    values hold, and the allreduces (small and large: one-shot and two hops under rank 0's
+    settings) come out right instead of failing on mismatched headers."""
+    rank_env = {"SMDDP_HOST_ID": ["0", "1"], "SMDDP_NET_ALGO": ["mesh", "ring"],
+                "SMDDP_NET_BUFFER_BYTES": ["65536", "131072"], "SMDDP_NET_ONESHOT_BYTES": ["0", str(1 << 30)]}
+    reports, logs = run_in_own_pool(rank_env, allreduce_matrix, [1, 1001, "large"], ["float32"], ["SUM", "MAX"])
+    assert_reports(reports, 2)
+    assert 'rank 1: SMDDP_NET_ALGO, SMDDP_NET_BUFFER_BYTES, SMDDP_NET_ONESHOT_BYTES are "ring 131072 1073741824" ' \
+        'here, but rank 0\'s "mesh 65536 0" hold' in logs[1], logs[1][-2000:]
+    assert "hold for the group" not in logs[0], logs[0][-2000:]
 
 
 @pytest.mark.parametrize("topo", TOPOS)

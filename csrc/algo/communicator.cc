@@ -4,6 +4,7 @@
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <sstream>
 #include <system_error>
 
 #include "core/slices.h"
@@ -60,15 +61,37 @@ Communicator::Communicator(Store& store, int rank, int size, std::chrono::millis
     domain_ = shm::Domain::create(store, rank, size, slotBytes, machine_);
     return;
   }
-  netAlgo_ = netAlgoFromEnv();
-  netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
-  netOneShotBytes_ = static_cast<size_t>(std::max<int64_t>(0, env::netOneShotBytes()));
+  agreeOnNetSettings(store);
   PrefixStore hostStore(store, "smddp/host" + std::to_string(topo_.host()) + "/");
   domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes, machine_);
   domain_->setGroupRanks(topo_.members[topo_.host()]);
   mesh_ = net::TcpMesh::create(store, topo_, hierarchicalPeers(topo_), timeout);
   SMDDP_INFO(kInit, "rank %d/%d: %d hosts, inter-host algorithm %s over %s (%s)", rank, size, topo_.hosts(),
-             env::netAlgo().c_str(), mesh_->address().ip.c_str(), mesh_->address().ifname.c_str());
+             netAlgoName(netAlgo_), mesh_->address().ip.c_str(), mesh_->address().ifname.c_str());
+}
+
+// How the collectives cut messages across hosts: both ends of every exchange must cut alike, so
+// rank 0's settings hold for the group (as SMDDP_NET_SOCKETS_PER_PEER's do), and a rank whose
+// own differ says so instead of failing its first op on a header mismatch.
+void Communicator::agreeOnNetSettings(Store& store) {
+  const std::string algo = env::netAlgo();
+  netAlgo_ = netAlgoFromName(algo);  // this rank's own value must be valid too
+  netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
+  netOneShotBytes_ = static_cast<size_t>(std::max<int64_t>(0, env::netOneShotBytes()));
+  const std::string mine = algo + " " + std::to_string(netBufferBytes_) + " " + std::to_string(netOneShotBytes_);
+  if (rank_ == 0) store.set("smddp/net/settings", mine);
+  const std::string group = rank_ == 0 ? mine : store.get("smddp/net/settings");
+  if (group == mine) return;
+  SMDDP_WARN(kNet,
+             "rank %d: SMDDP_NET_ALGO, SMDDP_NET_BUFFER_BYTES, SMDDP_NET_ONESHOT_BYTES are \"%s\" here, but "
+             "rank 0's \"%s\" hold for the group",
+             rank_, mine.c_str(), group.c_str());
+  std::istringstream fields(group);
+  std::string groupAlgo;
+  if (!(fields >> groupAlgo >> netBufferBytes_ >> netOneShotBytes_)) {
+    throwError(ErrorCode::kRemoteError, "rank 0 published malformed settings \"%s\"", group.c_str());
+  }
+  netAlgo_ = netAlgoFromName(groupAlgo);
 }
 
 template <class Flat, class Hier>

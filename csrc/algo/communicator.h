@@ -76,6 +76,8 @@ class Communicator {
   template <class Flat, class Hier>
   void runEither(OpKind kind, std::chrono::milliseconds timeout, Flat flat, Hier hierarchical);
   HierContext hier(const OpContext& ctx);
+  // Sets netAlgo_, netBufferBytes_, netOneShotBytes_: rank 0's values (collective, store).
+  void agreeOnNetSettings(Store& store);
   std::unique_ptr<HelperPool> startHelpers();
 
   Store& store_;

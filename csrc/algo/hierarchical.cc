@@ -191,14 +191,50 @@ void netAllreduceOneShot(HierContext& ctx, const std::vector<int>& ranks, int me
   reduce(dt, red, buf, srcs.data(), H, n);
 }
 
+// The counts every rank of the other hosts sends this rank, checked against what it expects.
+void exchangeAlltoallCounts(HierContext& ctx, const AlltoallOptions& o, const std::vector<int>& remote) {
+  std::vector<uint64_t> told(remote.size()), heard(remote.size());
+  std::vector<net::Send> sends;
+  std::vector<net::Recv> recvs;
+  for (size_t i = 0; i < remote.size(); ++i) {
+    told[i] = o.inCounts[remote[i]];
+    sends.push_back({remote[i], &told[i], sizeof(uint64_t)});
+    recvs.push_back({remote[i], &heard[i], sizeof(uint64_t)});
+  }
+  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule());
+  for (size_t i = 0; i < remote.size(); ++i) {
+    const int src = remote[i];
+    if (heard[i] != o.outCounts[src]) throwSplitMismatch(src, heard[i], ctx.topo->rank, o.outCounts[src]);
+  }
+}
+
+void alltoallInHost(HierContext& ctx, const AlltoallOptions& o) {
+  AlltoallOptions direct{o.dtype, {}, {}, {}, {}};
+  for (int g : ctx.topo->members[ctx.topo->host()]) {
+    direct.inputs.push_back(o.inputs[g]);
+    direct.inCounts.push_back(o.inCounts[g]);
+    direct.outputs.push_back(o.outputs[g]);
+    direct.outCounts.push_back(o.outCounts[g]);
+  }
+  alltoall(ctx.local, direct);
+}
+
 }  // namespace
 
-NetAlgo netAlgoFromEnv() {
-  const std::string& a = env::netAlgo();
+NetAlgo netAlgoFromName(const std::string& a) {
   if (a == "ring") return NetAlgo::kRing;
   if (a == "naive") return NetAlgo::kNaive;
   if (a == "mesh") return NetAlgo::kMesh;
   throwError(ErrorCode::kInvalidUsage, "SMDDP_NET_ALGO=%s: expected mesh, naive or ring", a.c_str());
+}
+
+const char* netAlgoName(NetAlgo algo) {
+  switch (algo) {
+    case NetAlgo::kRing: return "ring";
+    case NetAlgo::kNaive: return "naive";
+    case NetAlgo::kMesh: return "mesh";
+  }
+  return "?";
 }
 
 uint8_t* HierContext::scratchBytes(size_t n) {
@@ -426,35 +462,6 @@ void hierBroadcast(HierContext& ctx, const BroadcastOptions& o) {
   broadcast(ctx.local, local);
 }
 
-namespace {
-// The counts every rank of the other hosts sends this rank, checked against what it expects.
-void exchangeAlltoallCounts(HierContext& ctx, const AlltoallOptions& o, const std::vector<int>& remote) {
-  std::vector<uint64_t> told(remote.size()), heard(remote.size());
-  std::vector<net::Send> sends;
-  std::vector<net::Recv> recvs;
-  for (size_t i = 0; i < remote.size(); ++i) {
-    told[i] = o.inCounts[remote[i]];
-    sends.push_back({remote[i], &told[i], sizeof(uint64_t)});
-    recvs.push_back({remote[i], &heard[i], sizeof(uint64_t)});
-  }
-  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule());
-  for (size_t i = 0; i < remote.size(); ++i) {
-    const int src = remote[i];
-    if (heard[i] != o.outCounts[src]) throwSplitMismatch(src, heard[i], ctx.topo->rank, o.outCounts[src]);
-  }
-}
-
-void alltoallInHost(HierContext& ctx, const AlltoallOptions& o) {
-  AlltoallOptions direct{o.dtype, {}, {}, {}, {}};
-  for (int g : ctx.topo->members[ctx.topo->host()]) {
-    direct.inputs.push_back(o.inputs[g]);
-    direct.inCounts.push_back(o.inCounts[g]);
-    direct.outputs.push_back(o.outputs[g]);
-    direct.outCounts.push_back(o.outCounts[g]);
-  }
-  alltoall(ctx.local, direct);
-}
-}  // namespace
 
 void hierAlltoall(HierContext& ctx, const AlltoallOptions& o, const std::vector<int>& remote) {
   const size_t es = elementSize(o.dtype);

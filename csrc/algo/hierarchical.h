@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "algo/collectives.h"
@@ -35,7 +36,8 @@
 namespace smddp::algo {
 
 enum class NetAlgo { kMesh, kNaive, kRing };
-NetAlgo netAlgoFromEnv();  // SMDDP_NET_ALGO
+NetAlgo netAlgoFromName(const std::string& name);  // a value of SMDDP_NET_ALGO
+const char* netAlgoName(NetAlgo algo);
 
 struct HierContext {
   const Topology* topo = nullptr;

@@ -54,7 +54,7 @@ constexpr Param kParams[] = {
     {"SMDDP_NET_ALGO", "mesh",
      "Inter-host schedule: mesh (one hop to every host, chunks paced round-robin from a shifted "
      "start with a per-peer window), naive (one hop, everything handed to the sockets at once, peers "
-     "in rank order) or ring."},
+     "in rank order) or ring. Rank 0's value holds for the group."},
     {"SMDDP_NET_CHUNK_BYTES", "262144",
      "mesh: bytes handed to one peer's socket per turn of the round-robin."},
     {"SMDDP_NET_SOCKETS_PER_PEER", "1",
@@ -72,10 +72,12 @@ constexpr Param kParams[] = {
      "Allreduce across hosts in one hop when (hosts - 1) x the message's bytes is at most this: each "
      "rank sends its share of the message whole to its peers of the other hosts and reduces theirs, "
      "one network latency instead of the two of reduce-scatter + all-gather, for more bytes sent "
-     "(H - 1 instead of 2 (H - 1) / H times the message). 0 = never."},
+     "(H - 1 instead of 2 (H - 1) / H times the message). 0 = never. Rank 0's value holds for the "
+     "group."},
     {"SMDDP_NET_BUFFER_BYTES", "16777216",
      "Bytes of receive buffer per rank for inter-host reductions (peers' contributions stream "
-     "through it in pieces, each reused once reduced); larger messages reuse it piece by piece."},
+     "through it in pieces, each reused once reduced); larger messages reuse it piece by piece. Rank "
+     "0's value holds for the group."},
     {"SMDDP_CUDA_STAGING_BYTES", "67108864",
      "Page-locked host memory per process group for CUDA tensors (allocated at the first CUDA op). "
      "Collectives go through it in rounds (SMDDP_CUDA_ROUND_BYTES, at most half of it), so it bounds "
