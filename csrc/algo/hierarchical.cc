@@ -7,7 +7,6 @@
 #include <set>
 
 #include "core/slices.h"
-#include "core/env.h"
 #include "core/error.h"
 #include "core/reduce.h"
 
