@@ -175,7 +175,7 @@ def test_allreduce_large(pools, topo):
 @pytest.mark.parametrize("topo", ["0011", "012"])
 @pytest.mark.parametrize("oneshot", ["0", str(1 << 30)], ids=["never", "always"])
 def test_allreduce_one_shot_or_two_hops(pools, topo, oneshot):
-    """Across hosts, small allreduce segments go one-shot (SMDDP_NET_ONESHOT_BYTES) and large ones
+    """Across hosts, small allreduces go one-shot (SMDDP_NET_ONESHOT_BYTES) and large ones
     reduce-scatter + all-gather: here each path also takes the other's sizes (odd sizes leave the
     two-hop path empty parts; a large one-shot segment fills the scratch buffer)."""
     env = NET_ENV + (("SMDDP_NET_ONESHOT_BYTES", oneshot),)
