@@ -79,8 +79,7 @@ void Communicator::agreeOnNetSettings(Store& store) {
   netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
   netOneShotBytes_ = static_cast<size_t>(std::max<int64_t>(0, env::netOneShotBytes()));
   const std::string mine = algo + " " + std::to_string(netBufferBytes_) + " " + std::to_string(netOneShotBytes_);
-  if (rank_ == 0) store.set("smddp/net/settings", mine);
-  const std::string group = rank_ == 0 ? mine : store.get("smddp/net/settings");
+  const std::string group = rank0Value(store, rank_, "smddp/net/settings", mine);
   if (group == mine) return;
   SMDDP_WARN(kNet,
              "rank %d: SMDDP_NET_ALGO, SMDDP_NET_BUFFER_BYTES, SMDDP_NET_ONESHOT_BYTES are \"%s\" here, but "

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <memory>
 #include <set>
+#include <utility>
 
 #include "core/slices.h"
 #include "core/error.h"
@@ -220,18 +221,21 @@ void alltoallInHost(HierContext& ctx, const AlltoallOptions& o) {
 
 }  // namespace
 
-NetAlgo netAlgoFromName(const std::string& a) {
-  if (a == "ring") return NetAlgo::kRing;
-  if (a == "naive") return NetAlgo::kNaive;
-  if (a == "mesh") return NetAlgo::kMesh;
-  throwError(ErrorCode::kInvalidUsage, "SMDDP_NET_ALGO=%s: expected mesh, naive or ring", a.c_str());
+namespace {
+constexpr std::pair<NetAlgo, const char*> kNetAlgoNames[] = {
+    {NetAlgo::kMesh, "mesh"}, {NetAlgo::kNaive, "naive"}, {NetAlgo::kRing, "ring"}};
+}  // namespace
+
+NetAlgo netAlgoFromName(const std::string& name) {
+  for (const auto& [algo, n] : kNetAlgoNames) {
+    if (name == n) return algo;
+  }
+  throwError(ErrorCode::kInvalidUsage, "SMDDP_NET_ALGO=%s: expected mesh, naive or ring", name.c_str());
 }
 
 const char* netAlgoName(NetAlgo algo) {
-  switch (algo) {
-    case NetAlgo::kRing: return "ring";
-    case NetAlgo::kNaive: return "naive";
-    case NetAlgo::kMesh: return "mesh";
+  for (const auto& [a, name] : kNetAlgoNames) {
+    if (a == algo) return name;
   }
   return "?";
 }
@@ -460,7 +464,6 @@ void hierBroadcast(HierContext& ctx, const BroadcastOptions& o) {
   local.root = h == rootHost ? t.localOf[o.root] : 0;
   broadcast(ctx.local, local);
 }
-
 
 void hierAlltoall(HierContext& ctx, const AlltoallOptions& o, const std::vector<int>& remote) {
   const size_t es = elementSize(o.dtype);

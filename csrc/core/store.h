@@ -14,6 +14,14 @@ class Store {
   virtual std::string get(const std::string& key) = 0;
 };
 
+// A setting every rank must share: rank 0 publishes `mine` under `key` and every rank returns
+// rank 0's value (a rank compares it with its own to say when they differ).
+inline std::string rank0Value(Store& store, int rank, const std::string& key, const std::string& mine) {
+  if (rank != 0) return store.get(key);
+  store.set(key, mine);
+  return mine;
+}
+
 // A view of a store whose keys all start with `prefix`, so that a sub-protocol (one host's
 // shared-memory domain, say) can reuse fixed key names without colliding with another's.
 class PrefixStore : public Store {

@@ -138,11 +138,10 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
                  static_cast<long long>(kMaxLanes), static_cast<long long>(lanes));
     }
     store.set("smddp/net/secret", randomHex(kSecretChars / 2));
-    // Rank 0's setting holds for the group: both ends of a pair must open as many connections.
-    store.set("smddp/net/lanes", std::to_string(lanes));
   }
   m->secret_ = store.get("smddp/net/secret");
-  m->lanes_ = std::stoi(store.get("smddp/net/lanes"));
+  // Rank 0's setting holds for the group: both ends of a pair must open as many connections.
+  m->lanes_ = std::stoi(rank0Value(store, rank, "smddp/net/lanes", std::to_string(lanes)));
   if (rank != 0 && lanes != m->lanes_) {
     SMDDP_WARN(kNet, "rank %d: SMDDP_NET_SOCKETS_PER_PEER=%lld here, but rank 0's %d holds for the group", rank,
                static_cast<long long>(asked), m->lanes_);
