@@ -24,13 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_vs_gloo import parse_size  # noqa: E402
+
 BACKENDS = ("smddp", "gloo")
-
-
-def parse_size(text):
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
 def timed(fn, target_s):
