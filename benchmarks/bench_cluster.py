@@ -101,6 +101,10 @@ def main():
     p.add_argument("--rate", default="1gbit", help="every host's link rate (tc units), or 'none'")
     p.add_argument("--rates", default=None, help="comma list, one rate per host (overrides --rate)")
     p.add_argument("--delay", default=None, help="one-way delay added to every packet, e.g. 1ms (RTT = 2x)")
+    p.add_argument("--queue", type=int, default=None,
+                   help="packets each shaped link may queue (a pfifo under the HTB class, both directions); "
+                        "default: the device's txqueuelen (1000, deep); a switch port's share of a shallow "
+                        "buffer is some tens")
     p.add_argument("--congestion", default=None,
                    help="every host's default TCP congestion control (gloo uses it; smddp sets its own, "
                         "SMDDP_NET_CONGESTION); default: the machine's")
@@ -149,13 +153,15 @@ def main():
     delay = (f"one-way delay {args.delay} per packet (user-space NFQUEUE delay line, benchmarks/delayline.py)"
              if args.delay else "no added delay")
     print(f"# bench_cluster: {args.hosts} hosts x {args.per_host} rank(s), link rates "
-          f"{','.join(r or 'unshaped' for r in rates)} (tc htb, both directions), {delay}")
+          f"{','.join(r or 'unshaped' for r in rates)} (tc htb, both directions"
+          f"{f', queues of {args.queue} packets' if args.queue else ''}), {delay}")
     print(f"# implementations: {', '.join(impls)} (mesh/naive/ring = smddp with SMDDP_NET_ALGO=...)  float32 sum")
     print("# time = us per op (max over ranks of the mean); busbw GB/s (GB = 1e9, nccl-tests factors, n = ranks); "
           "link% = per-host link traffic / s / slowest link rate")
     results = {}
     t0 = time.monotonic()
-    with netcluster.NetCluster(args.hosts, rates=rates, delay=args.delay, congestion=args.congestion) as c:
+    with netcluster.NetCluster(args.hosts, rates=rates, delay=args.delay, congestion=args.congestion,
+                               queue=args.queue) as c:
         print(f"# measured TCP round trip host 0 -> host 1: {measure_rtt(c)}; hosts' default TCP congestion control: "
               f"{c.default_congestion(0)} (smddp's connections: SMDDP_NET_CONGESTION, default cubic)")
         runs = {impl: [] for impl in impls}

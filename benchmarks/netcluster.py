@@ -82,8 +82,9 @@ def _run(*argv, check=True):
 
 
 class NetCluster:
-    def __init__(self, hosts, rate=None, rates=None, delay=None, net=None, congestion=None):
+    def __init__(self, hosts, rate=None, rates=None, delay=None, net=None, congestion=None, queue=None):
         self.n = hosts
+        self.queue = queue
         self.congestion = congestion
         self.rates = list(rates) if rates else [rate] * hosts
         self.delay = delay
@@ -128,8 +129,8 @@ class NetCluster:
             if self.congestion:
                 self._set_congestion(ns)
             if self.rates[i]:
-                self._shape(ns, "eth0", self.rates[i])
-                self._shape(self.switch, port, self.rates[i])
+                self._shape(ns, "eth0", self.rates[i], self.queue)
+                self._shape(self.switch, port, self.rates[i], self.queue)
             shm = os.path.join(self.shm_root, f"h{i}")
             os.makedirs(shm)
             _run("mount", "-t", "tmpfs", "-o", "mode=1777,size=2g", f"{self.tag}-h{i}", shm)
@@ -158,11 +159,14 @@ class NetCluster:
         _run("ip", "netns", "exec", ns, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "NFQUEUE",
              "--queue-num", "0", "--queue-bypass")
     @staticmethod
-    def _shape(ns, dev, rate):
+    def _shape(ns, dev, rate, queue):
         _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb",
              "default", "1")
         _run("ip", "netns", "exec", ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
              "rate", rate, "ceil", rate, "burst", "256k", "cburst", "256k")
+        if queue:
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+                 "pfifo", "limit", str(queue))
 
     def close(self):
         for p in self.procs:

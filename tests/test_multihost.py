@@ -7,6 +7,8 @@ and naive schedules get the allreduce matrix too. A real multi-host run across n
 namespaces is in test_netns.py."""
 
 import os
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -20,7 +22,8 @@ from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
 from test_clients import ddp_task, fsdp2_task
 from test_gather_scatter_alltoall import alltoall_cases, gather_scatter_all_roots
 from test_misc import barrier_task, shm_task
-from test_p2p import SIZES as P2P_SIZES, batch_ring, exchange_send_first, ping_pong, tag_mismatch
+from test_p2p import (SIZES as P2P_SIZES, any_source_and_batch, any_source_outstanding, exchange_send_first,
+                      ping_pong, tag_mismatch)
 from test_reduce_scatter import reduce_scatter_list, reduce_scatter_tensor_forms
 
 pytestmark = pytest.mark.skipif(not IS_SMDDP, reason="SMDDP_HOST_ID only splits smddp groups")
@@ -63,23 +66,29 @@ def machine_share_task(rank, world, subgroups=()):
     return {k: info[k] for k in ("machine_ranks", "machine_cpus", "wait_spin_us")}
 
 
-def unsupported_task(rank, world):
-    """What the inter-host path does not do yet is refused before anything is sent, with
-    NotImplementedError, and the group keeps working."""
+def any_source_timeout_task(rank, world):
+    """A recv from any source that nobody answers times out on its own (on both of the engines it
+    waits in) and leaves the group working; the next one is answered."""
     rep = Report(rank)
-    with rep.cell("recv from any source across hosts"):
-        try:
-            dist.recv(torch.empty(2))
-            rep.expect(False, f"rank {rank}: recv from any source across hosts did not raise")
-        except NotImplementedError as e:
-            rep.expect("spans hosts" in str(e), f"rank {rank}: unexpected message: {e}")
-    rep.group_still_works("after refused recv", world, rank)
-    return rep.to_dict()
-
-
-def batch_ring_task(rank, world):
-    rep = Report(rank)
-    batch_ring(rank, world, rep)
+    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=2))
+    if rank == 0:
+        with rep.cell("unanswered recv from any source"):
+            t0 = time.monotonic()
+            try:
+                dist.recv(torch.empty(2), tag=9, group=group)
+                rep.expect(False, "a recv from any source that nobody sent to completed")
+            except Exception as e:  # noqa: BLE001
+                rep.expect("recv from any rank" in str(e) and "timed out" in str(e), f"unexpected error: {e}")
+            rep.expect(time.monotonic() - t0 < 30, f"the 2 s timeout took {time.monotonic() - t0:.1f} s")
+    dist.barrier()
+    rep.group_still_works("after the timeout", world, rank, group)
+    if rank == 0:
+        t = torch.empty(1)
+        src = dist.recv(t, tag=3, group=group)
+        rep.expect(src == world - 1 and t.item() == world - 1, f"next any-source recv got {t.item()} from {src}")
+    elif rank == world - 1:
+        dist.send(torch.tensor([float(rank)]), 0, tag=3, group=group)
+    dist.destroy_process_group(group)
     return rep.to_dict()
 
 
@@ -328,11 +337,13 @@ def test_alltoall_split_mismatch_is_an_error(pools, topo, receiver, sender, coun
 @pytest.mark.parametrize("topo", TOPOS)
 def test_send_recv(pools, topo):
     """Point-to-point between ranks of one host (shared memory) and of different hosts (TCP) in
-    one group: rings, an exchange where everyone sends first, batch_isend_irecv."""
+    one group: rings, an exchange where everyone sends first, receives from any source (host-mates
+    and other hosts race for them), batch_isend_irecv."""
     check(pools, topo, ping_pong, ALL, P2P_SIZES[:3])
     check(pools, topo, ping_pong, ["float32"], P2P_SIZES[3:])
     check(pools, topo, exchange_send_first, 200_000)
-    check(pools, topo, batch_ring_task)
+    check(pools, topo, any_source_and_batch)
+    check(pools, topo, any_source_outstanding, 300_000)
 
 
 @pytest.mark.parametrize("topo, sender, receiver", [("0011", 2, 0), ("0011", 1, 0)])
@@ -349,8 +360,8 @@ def test_nothing_left_behind(pools, topo):
 
 
 @pytest.mark.parametrize("topo", ["0011", "001"])
-def test_unsupported_ops_refused(pools, topo):
-    check(pools, topo, unsupported_task)
+def test_recv_any_source_times_out(pools, topo):
+    check(pools, topo, any_source_timeout_task)
 
 
 @pytest.mark.parametrize("topo", ["0011"])

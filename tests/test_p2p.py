@@ -63,6 +63,41 @@ def any_source(rank, world, rep):
         dist.send(torch.tensor([rank, rank * 10, 7]), 0, tag=7)
 
 
+def any_source_outstanding(rank, world, n):
+    """Rank 0 posts one irecv from any source per other rank at once, for messages of many mailbox
+    chunks and socket buffers; each arrives whole in one of them, which names its sender. Then an
+    any-source recv must pass by a sender whose next message has another tag, and named recvs
+    after any-source ones still match in order."""
+    rep = Report(rank)
+    if rank == 0:
+        bufs = [torch.empty(n) for _ in range(world - 1)]
+        works = [dist.irecv(b, tag=1) for b in bufs]
+        for w in works:
+            w.wait()
+        srcs = [w._source_rank() for w in works]
+        rep.expect(sorted(srcs) == list(range(1, world)), f"any-source senders {srcs}")
+        for b, src in zip(bufs, srcs):
+            rep.expect(torch.equal(b, gen("any", src, n, torch.float32)), f"message from rank {src} is wrong")
+        if world > 2:  # rank 1's next message has tag 5: the recv for tag 6 takes the last rank's
+            t = torch.empty(1)
+            src = dist.recv(t, tag=6)
+            rep.expect(src == world - 1 and t.item() == 6, f"tag-6 any-source recv got {t.item()} from {src}")
+            dist.recv(t, 1, tag=5)
+            rep.expect(t.item() == 5, f"named recv after a passed-by message got {t.item()}")
+        for src in range(world - 1, 0, -1):
+            t = torch.empty(1)
+            dist.recv(t, src, tag=2)
+            rep.expect(t.item() == src, f"named recv from rank {src} got {t.item()}")
+    else:
+        dist.send(gen("any", rank, n, torch.float32), 0, tag=1)
+        if world > 2 and rank == 1:
+            dist.send(torch.tensor([5.0]), 0, tag=5)
+        if world > 2 and rank == world - 1:
+            dist.send(torch.tensor([6.0]), 0, tag=6)
+        dist.send(torch.tensor([float(rank)]), 0, tag=2)
+    return rep.to_dict()
+
+
 def batch_ring(rank, world, rep):
     # batch_isend_irecv around a ring, twice in a row.
     for it in range(2):
@@ -113,6 +148,11 @@ def test_exchange_does_not_deadlock(pools, world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_any_source_and_batch(pools, world):
     pools.check(world, any_source_and_batch, timeout=240)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_any_source_outstanding(pools, world):
+    pools.check(world, any_source_outstanding, 300_000, timeout=240)
 
 
 def test_tag_mismatch_is_an_error(pools):

@@ -34,7 +34,8 @@ std::exception_ptr errorOf(ErrorCode code, const std::string& msg) {
 bool wouldBlock(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
 
 std::string describe(const P2pOp& op) {
-  return std::string(op.isSend ? "send to" : "recv from") + " rank " + std::to_string(op.peer) + " (tag " +
+  return std::string(op.isSend ? "send to" : "recv from") +
+         (op.peer >= 0 ? " rank " + std::to_string(op.peer) : std::string(" any rank")) + " (tag " +
          std::to_string(op.tag) + ", " + std::to_string(op.bytes) + " bytes)";
 }
 
@@ -55,11 +56,16 @@ struct NetP2p::Peer {
   size_t recvHdrGot = 0;  // of the front recv's header
   std::string broken;
 
-  short events() const {
+  // `peeking`: receives from any source are waiting, so the next message's header is read even
+  // with no receive posted for this peer.
+  short events(bool peeking) const {
     switch (state) {
       case State::kDialling: return POLLOUT;
       case State::kAwaitingAck: return POLLIN;
-      case State::kReady: return static_cast<short>((sends.empty() ? 0 : POLLOUT) | (recvs.empty() ? 0 : POLLIN));
+      case State::kReady: {
+        const bool in = !recvs.empty() || (peeking && recvHdrGot < kHeaderBytes);
+        return static_cast<short>((sends.empty() ? 0 : POLLOUT) | (in ? POLLIN : 0));
+      }
       default: return 0;
     }
   }
@@ -118,7 +124,7 @@ void NetP2p::abort() {
 
 void NetP2p::submit(P2pOp op) {
   if (aborted_.load()) {
-    op.done(errorOf(ErrorCode::kAborted, "the process group has been shut down or aborted"), op.peer);
+    op.finish(errorOf(ErrorCode::kAborted, "the process group has been shut down or aborted"), op.peer);
     return;
   }
   {
@@ -134,7 +140,7 @@ void NetP2p::failQueued(Peer& p, ErrorCode code, const std::string& why) {
     while (!q->empty()) {
       P2pOp op = std::move(q->front());
       q->pop_front();
-      op.done(errorOf(code, why), p.rank);
+      op.finish(errorOf(code, why), p.rank);
     }
   }
 }
@@ -153,10 +159,12 @@ void NetP2p::failAll(const std::string& why) {
     std::lock_guard<std::mutex> lock(mutex_);
     queued.swap(submitted_);
   }
-  for (P2pOp& op : queued) op.done(errorOf(ErrorCode::kAborted, why), op.peer);
+  for (P2pOp& op : queued) op.finish(errorOf(ErrorCode::kAborted, why), op.peer);
   for (auto& p : peers_) {
     if (p) failQueued(*p, ErrorCode::kAborted, why);
   }
+  for (P2pOp& op : anyRecvs_) op.finish(errorOf(ErrorCode::kAborted, why), -1);
+  anyRecvs_.clear();
 }
 
 void NetP2p::intake() {
@@ -166,9 +174,17 @@ void NetP2p::intake() {
     queued.swap(submitted_);
   }
   for (P2pOp& op : queued) {
+    if (op.peer < 0) {
+      anyRecvs_.push_back(std::move(op));
+      // Any rank of another host may be the sender: call those that wait to be called.
+      for (auto& p : peers_) {
+        if (p && p->state == Peer::State::kIdle && rank_ < p->rank) dial(*p);
+      }
+      continue;
+    }
     Peer& p = *peers_[op.peer];
     if (p.state == Peer::State::kBroken) {
-      op.done(errorOf(ErrorCode::kAborted, "an earlier point-to-point failure with rank " + std::to_string(p.rank) +
+      op.finish(errorOf(ErrorCode::kAborted, "an earlier point-to-point failure with rank " + std::to_string(p.rank) +
                                                ": " + p.broken),
               p.rank);
       continue;
@@ -248,59 +264,105 @@ bool NetP2p::progressSends(Peer& p) {
     P2pOp finished = std::move(op);
     p.sends.pop_front();
     p.sendOff = 0;
-    finished.done(nullptr, rank_);
+    finished.finish(nullptr, rank_);
   }
   return moved;
+}
+
+// Reads what has arrived, up to `want` bytes; -1 if the connection failed (the peer is failed,
+// `op` or an any-source receive named as what was waiting).
+ssize_t NetP2p::recvSome(Peer& p, void* at, size_t want, const P2pOp* op) {
+  const ssize_t k = recv(p.fd, at, want, MSG_DONTWAIT);
+  if (k > 0) return k;
+  if (k < 0 && wouldBlock(errno)) return 0;
+  failPeer(p, ErrorCode::kRemoteError,
+           (op ? describe(*op) : std::string("recv from any rank")) + ": the connection to rank " +
+               std::to_string(p.rank) + " on " + topo_.describeHost(topo_.hostOf[p.rank]) +
+               (k == 0 ? " was closed" : " failed (" + errnoString(errno) + ")") +
+               ": that rank exited, crashed, aborted or gave up on an earlier message");
+  return -1;
 }
 
 bool NetP2p::progressRecvs(Peer& p) {
   bool moved = false;
   while (p.state == Peer::State::kReady && !p.recvs.empty()) {
     P2pOp& op = p.recvs.front();
-    const bool inHeader = p.recvHdrGot < kHeaderBytes;
-    char* at = inHeader ? reinterpret_cast<char*>(&p.recvHdr) + p.recvHdrGot
-                        : reinterpret_cast<char*>(op.buffer) + op.offset;
-    const size_t want = inHeader ? kHeaderBytes - p.recvHdrGot : op.bytes - op.offset;
-    if (want > 0) {
-      const ssize_t k = recv(p.fd, at, want, MSG_DONTWAIT);
-      if (k < 0 && wouldBlock(errno)) break;
-      if (k <= 0) {
-        failPeer(p, ErrorCode::kRemoteError,
-                 describe(op) + ": the connection to rank " + std::to_string(p.rank) + " on " +
-                     topo_.describeHost(topo_.hostOf[p.rank]) +
-                     (k == 0 ? " was closed" : " failed (" + errnoString(errno) + ")") +
-                     ": that rank exited, crashed, aborted or gave up on an earlier message");
+    if (p.recvHdrGot < kHeaderBytes) {
+      const ssize_t k = recvSome(p, reinterpret_cast<char*>(&p.recvHdr) + p.recvHdrGot, kHeaderBytes - p.recvHdrGot, &op);
+      if (k < 0) return true;
+      if (k == 0) break;
+      moved = true;
+      p.recvHdrGot += static_cast<size_t>(k);
+      continue;
+    }
+    if (!op.started) {  // the header may have come in while receives from any source looked for theirs
+      const auto tag = static_cast<int64_t>(p.recvHdr.tag);
+      if (tag != op.tag || p.recvHdr.bytes != op.bytes) {
+        char msg[512];
+        snprintf(msg, sizeof(msg),
+                 "recv from rank %d (tag %d, %zu bytes): the next message from rank %d has tag %lld and %llu "
+                 "bytes; smddp matches point-to-point messages in order per pair of ranks, so sends and recvs "
+                 "must pair up in the same order with the same tags and sizes",
+                 p.rank, op.tag, op.bytes, p.rank, static_cast<long long>(tag),
+                 static_cast<unsigned long long>(p.recvHdr.bytes));
+        P2pOp failed = std::move(op);
+        p.recvs.pop_front();
+        failed.finish(errorOf(ErrorCode::kInvalidUsage, msg), p.rank);
+        failPeer(p, ErrorCode::kAborted, "an earlier point-to-point error with rank " + std::to_string(p.rank) + ": " + msg);
         return true;
       }
+      op.started = true;
+    }
+    if (op.offset < op.bytes) {
+      const ssize_t k = recvSome(p, op.buffer + op.offset, op.bytes - op.offset, &op);
+      if (k < 0) return true;
+      if (k == 0) break;
       moved = true;
-      if (inHeader) {
-        p.recvHdrGot += static_cast<size_t>(k);
-        if (p.recvHdrGot < kHeaderBytes) continue;
-        const auto tag = static_cast<int64_t>(p.recvHdr.tag);
-        if (tag != op.tag || p.recvHdr.bytes != op.bytes) {
-          char msg[512];
-          snprintf(msg, sizeof(msg),
-                   "recv from rank %d (tag %d, %zu bytes): the next message from rank %d has tag %lld and %llu "
-                   "bytes; smddp matches point-to-point messages in order per pair of ranks, so sends and recvs "
-                   "must pair up in the same order with the same tags and sizes",
-                   p.rank, op.tag, op.bytes, p.rank, static_cast<long long>(tag),
-                   static_cast<unsigned long long>(p.recvHdr.bytes));
-          P2pOp failed = std::move(op);
-          p.recvs.pop_front();
-          failed.done(errorOf(ErrorCode::kInvalidUsage, msg), p.rank);
-          failPeer(p, ErrorCode::kAborted,
-                   "an earlier point-to-point error with rank " + std::to_string(p.rank) + ": " + msg);
-          return true;
-        }
-        continue;
-      }
       op.offset += static_cast<size_t>(k);
       if (op.offset < op.bytes) continue;
     }
     P2pOp finished = std::move(op);
     p.recvs.pop_front();
     p.recvHdrGot = 0;
-    finished.done(nullptr, p.rank);
+    finished.finish(nullptr, p.rank);
+  }
+  return moved;
+}
+
+// Gives the oldest receive from any source the first connected peer (other hosts only) whose
+// next message has its tag, as the shared-memory engine does for host-mates: the receive moves
+// to that peer's queue, which must be empty so that per-pair order holds. Reading a header with
+// no receive posted is what lets a message be matched; its payload still waits for the receive.
+bool NetP2p::matchAnySource() {
+  bool moved = false;
+  while (!anyRecvs_.empty()) {
+    P2pOp& op = anyRecvs_.front();
+    if (op.takenElsewhere()) {
+      anyRecvs_.pop_front();
+      moved = true;
+      continue;
+    }
+    Peer* match = nullptr;
+    for (int k = 1; k < topo_.size && !match; ++k) {
+      Peer* p = peers_[(rank_ + k) % topo_.size].get();
+      if (!p || p->state != Peer::State::kReady || !p->recvs.empty()) continue;
+      if (p->recvHdrGot < kHeaderBytes) {
+        const ssize_t got =
+            recvSome(*p, reinterpret_cast<char*>(&p->recvHdr) + p->recvHdrGot, kHeaderBytes - p->recvHdrGot, nullptr);
+        if (got <= 0) continue;
+        moved = true;
+        p->recvHdrGot += static_cast<size_t>(got);
+        if (p->recvHdrGot < kHeaderBytes) continue;
+      }
+      if (static_cast<int64_t>(p->recvHdr.tag) == op.tag) match = p;
+    }
+    if (!match) break;
+    if (op.claim()) {
+      op.peer = match->rank;
+      match->recvs.push_back(std::move(op));
+    }
+    anyRecvs_.pop_front();
+    moved = true;
   }
   return moved;
 }
@@ -309,9 +371,10 @@ void NetP2p::pollOnce(int timeoutMs) {
   std::vector<pollfd> fds{{wakeFd_, POLLIN, 0}, {listenFd_, POLLIN, 0}};
   for (const auto& in : incoming_) fds.push_back({in->fd, POLLIN, 0});
   std::vector<Peer*> polled;
+  const bool peeking = !anyRecvs_.empty();
   for (auto& p : peers_) {
-    if (!p || p->fd < 0 || p->events() == 0) continue;
-    fds.push_back({p->fd, p->events(), 0});
+    if (!p || p->fd < 0 || p->events(peeking) == 0) continue;
+    fds.push_back({p->fd, p->events(peeking), 0});
     polled.push_back(p.get());
   }
   if (poll(fds.data(), fds.size(), timeoutMs) <= 0) return;
@@ -394,10 +457,15 @@ void NetP2p::checkDeadlines() {
       break;
     }
   }
+  if (!anyRecvs_.empty() && now >= anyRecvs_.front().deadline) {
+    P2pOp op = std::move(anyRecvs_.front());
+    anyRecvs_.pop_front();
+    op.finish(errorOf(ErrorCode::kTimeout, describe(op) + " timed out: no matching send was posted"), -1);
+  }
 }
 
 bool NetP2p::anyPending() const {
-  if (!incoming_.empty()) return true;
+  if (!incoming_.empty() || !anyRecvs_.empty()) return true;
   for (const auto& p : peers_) {
     if (p && (!p->sends.empty() || !p->recvs.empty())) return true;
   }
@@ -410,6 +478,7 @@ void NetP2p::loop() {
   while (!stop_.load()) {
     if (aborted_.load()) failAll(aborted);
     intake();
+    matchAnySource();
     for (auto& p : peers_) {  // try at once rather than after a poll round trip
       if (p && p->state == Peer::State::kReady) {
         progressSends(*p);

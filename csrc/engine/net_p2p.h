@@ -7,7 +7,9 @@
 //
 // Messages between a pair match in order; each carries a 16-byte header (tag, bytes) that the
 // receiver checks against its recv: a mismatch is an error, never a truncation. A message is read
-// only once a recv for it is posted, so TCP's flow control holds back a sender that runs ahead.
+// only once a recv for it is posted, so TCP's flow control holds back a sender that runs ahead
+// (while a recv from any source waits, the next header of every idle connection is read, so that
+// the recv can be matched; a rank that may be its sender is dialled if it waits to be called).
 #pragma once
 
 #include <atomic>
@@ -47,6 +49,8 @@ class NetP2p {
   void introduce(Incoming& in);
   bool progressSends(Peer& p);
   bool progressRecvs(Peer& p);
+  ssize_t recvSome(Peer& p, void* at, size_t want, const P2pOp* op);
+  bool matchAnySource();
   void failQueued(Peer& p, ErrorCode code, const std::string& why);  // the ops waiting on p
   void failPeer(Peer& p, ErrorCode code, const std::string& why);    // and the connection
   void failAll(const std::string& why);
@@ -68,6 +72,7 @@ class NetP2p {
   // Owned by the thread.
   std::vector<std::unique_ptr<Peer>> peers_;  // by rank; null for ranks of this host
   std::vector<std::unique_ptr<Incoming>> incoming_;
+  std::deque<P2pOp> anyRecvs_;  // receives from any source, in issue order
   std::thread thread_;
 };
 

@@ -55,7 +55,7 @@ void P2pEngine::abort() {
 
 void P2pEngine::submit(P2pOp op) {
   if (aborted_.load()) {
-    op.done(errorOf(ErrorCode::kAborted, "the process group has been shut down or aborted"), op.peer);
+    op.finish(errorOf(ErrorCode::kAborted, "the process group has been shut down or aborted"), op.peer);
     return;
   }
   if (op.isSend) domain_->commitOutboxes();  // throws on the caller's thread if /dev/shm is full
@@ -70,7 +70,7 @@ void P2pEngine::fail(std::deque<P2pOp>& q, const std::string& why) {
   while (!q.empty()) {
     P2pOp op = std::move(q.front());
     q.pop_front();
-    op.done(errorOf(ErrorCode::kAborted, why), op.peer);
+    op.finish(errorOf(ErrorCode::kAborted, why), op.peer);
   }
 }
 
@@ -126,6 +126,7 @@ bool P2pEngine::progressRecv(P2pOp& op, int s) {
 // Gives the oldest any-source receive the first peer with a message of its tag waiting, by
 // moving it to the front of that peer's queue (which must be empty: per-pair order holds).
 bool P2pEngine::matchAnySource() {
+  while (!anyRecvs_.empty() && anyRecvs_.front().takenElsewhere()) anyRecvs_.pop_front();
   if (anyRecvs_.empty()) return false;
   P2pOp& op = anyRecvs_.front();
   for (int k = 0; k < size_; ++k) {
@@ -136,8 +137,10 @@ bool P2pEngine::matchAnySource() {
     ChunkHeader h;
     std::memcpy(&h, domain_->outbox(s, rank_, i), sizeof(h));
     if (h.tag != op.tag) continue;
-    op.peer = s;
-    recvs_[s].push_back(std::move(op));
+    if (op.claim()) {
+      op.peer = s;
+      recvs_[s].push_back(std::move(op));
+    }
     anyRecvs_.pop_front();
     return true;
   }
@@ -152,7 +155,7 @@ bool P2pEngine::progress() {
       P2pOp op = std::move(incoming_.front());
       incoming_.pop_front();
       if (op.peer >= 0 && !broken_[op.peer].empty()) {
-        op.done(errorOf(ErrorCode::kAborted, broken_[op.peer]), op.peer);
+        op.finish(errorOf(ErrorCode::kAborted, broken_[op.peer]), op.peer);
         continue;
       }
       if (op.isSend) sends_[op.peer].push_back(std::move(op));
@@ -167,7 +170,7 @@ bool P2pEngine::progress() {
       moved = true;
       P2pOp& op = sends_[p].front();
       if (op.offset < op.bytes) break;
-      op.done(nullptr, rank_);
+      op.finish(nullptr, rank_);
       sends_[p].pop_front();
     }
     while (!recvs_[p].empty()) {
@@ -178,7 +181,7 @@ bool P2pEngine::progress() {
         // The stream from p is out of step with what this rank expects: fail everything on it.
         broken_[p] = std::string("an earlier point-to-point error with rank ") + std::to_string(domain_->groupRank(p)) +
                      ": " + e.what();
-        op.done(std::make_exception_ptr(e), p);
+        op.finish(std::make_exception_ptr(e), p);
         recvs_[p].pop_front();
         fail(recvs_[p], broken_[p]);
         fail(sends_[p], broken_[p]);
@@ -187,7 +190,7 @@ bool P2pEngine::progress() {
       }
       moved = true;
       if (op.offset < op.bytes) break;
-      op.done(nullptr, p);
+      op.finish(nullptr, p);
       recvs_[p].pop_front();
     }
   }
@@ -207,7 +210,7 @@ void P2pEngine::checkDeadlinesAndPeers() {
                              std::to_string(op.tag) + ", " + std::to_string(op.bytes) + " bytes)";
     const std::string why = dead ? what + ": rank " + who + " exited"
                                  : what + " timed out: no matching " + (op.isSend ? "recv" : "send") + " was posted";
-    op.done(errorOf(dead ? ErrorCode::kRemoteError : ErrorCode::kTimeout, why), peer);
+    op.finish(errorOf(dead ? ErrorCode::kRemoteError : ErrorCode::kTimeout, why), peer);
     q.pop_front();
     // Part of a message may have moved: the stream can no longer be trusted.
     if (peer >= 0) {

@@ -11,6 +11,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -29,9 +30,27 @@ struct P2pOp {
   std::chrono::steady_clock::time_point deadline;
   // Called once on the p2p thread: the error (or null) and the rank the message came from.
   std::function<void(std::exception_ptr, int)> done;
+  // A receive from any source in a group that spans hosts is posted to both engines (host-mates
+  // through shared memory, other hosts through TCP); whichever first matches a message, times the
+  // receive out or fails it takes this flag, and the other engine drops its copy unfinished.
+  std::shared_ptr<std::atomic<bool>> sharedAnySource;
 
   size_t offset = 0;
   bool started = false;  // first chunk sent / matched
+
+  // True if this engine may finish the op: always, except for a shared receive the other engine
+  // already took. After it, this engine owns the op outright.
+  bool claim() {
+    if (!sharedAnySource) return true;
+    const bool won = !sharedAnySource->exchange(true);
+    sharedAnySource.reset();
+    return won;
+  }
+  // The other engine has taken this shared receive: drop it without calling done.
+  bool takenElsewhere() const { return sharedAnySource && sharedAnySource->load(); }
+  void finish(std::exception_ptr error, int source) {
+    if (claim()) done(std::move(error), source);
+  }
 };
 
 class P2pEngine {

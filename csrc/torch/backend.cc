@@ -959,10 +959,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
                     ": peer ", peer, " is not another rank of this group of size ", size_);
   TORCH_CHECK_VALUE(size_ > 1, "smddp rank ", rank_, ": ", op, ": a group of one rank has no peer");
   const Topology& topo = comm_->topology();
-  TORCH_CHECK_NOT_IMPLEMENTED(peer >= 0 || !comm_->multiHost(), "smddp rank ", rank_,
-                              ": recv from any source is not supported yet in a group that spans hosts (this group "
-                              "has ", topo.hosts(), " hosts); name the source rank");
-  const bool remote = comm_->multiHost() && topo.hostOf[peer] != topo.host();
+  const bool multiHost = comm_->multiHost();
+  const bool remote = multiHost && peer >= 0 && topo.hostOf[peer] != topo.host();
   Staged s = isSend ? Staged{t, stageIn(t), false} : stageOut(t);
   auto work = c10::make_intrusive<SmddpWork>(rank_, isSend ? c10d::OpType::SEND : c10d::OpType::RECV,
                                              isSend ? "smddp:send" : "smddp:recv", tensors,
@@ -970,7 +968,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
   engine::P2pOp o;
   o.isSend = isSend;
   // The shared-memory engine numbers the ranks of its host.
-  o.peer = remote || !comm_->multiHost() ? peer : topo.localOf[peer];
+  o.peer = remote || !multiHost || peer < 0 ? peer : topo.localOf[peer];
   o.tag = tag;
   o.buffer = static_cast<uint8_t*>(s.work.data_ptr());
   o.bytes = s.work.nbytes();
@@ -995,8 +993,23 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
     work->complete(error);
   };
   try {
-    if (remote) netP2p_->submit(std::move(o));
-    else p2p_->submit(std::move(o));
+    if (multiHost && peer < 0) {
+      // Any rank may send it: both engines look, the first match takes it (P2pOp::claim).
+      o.sharedAnySource = std::make_shared<std::atomic<bool>>(false);
+      if (topo.localSize() > 1) {
+        engine::P2pOp local = o;
+        const std::vector<int> hostMates = topo.members[topo.host()];
+        local.done = [done = o.done, hostMates](std::exception_ptr error, int source) {
+          done(std::move(error), source >= 0 ? hostMates[source] : source);
+        };
+        p2p_->submit(std::move(local));
+      }
+      netP2p_->submit(std::move(o));
+    } else if (remote) {
+      netP2p_->submit(std::move(o));
+    } else {
+      p2p_->submit(std::move(o));
+    }
   } catch (const Error& e) {  // e.g. /dev/shm too small for the mailboxes
     std::rethrow_exception(toTorchError(e, rank_));
   }
