@@ -68,7 +68,8 @@ def machine_share_task(rank, world, subgroups=()):
 
 def any_source_timeout_task(rank, world):
     """A recv from any source that nobody answers times out on its own (on both of the engines it
-    waits in) and leaves the group working; the next one is answered."""
+    waits in) and leaves the group working; the next one is answered; one pending when the group
+    is destroyed fails."""
     rep = Report(rank)
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=2))
     if rank == 0:
@@ -86,9 +87,16 @@ def any_source_timeout_task(rank, world):
         t = torch.empty(1)
         src = dist.recv(t, tag=3, group=group)
         rep.expect(src == world - 1 and t.item() == world - 1, f"next any-source recv got {t.item()} from {src}")
+        pending = dist.irecv(torch.empty(1), tag=4, group=group)
     elif rank == world - 1:
         dist.send(torch.tensor([float(rank)]), 0, tag=3, group=group)
     dist.destroy_process_group(group)
+    if rank == 0:  # one still waiting when the group goes fails, on both engines, and holds nothing
+        try:
+            pending.wait()
+            rep.expect(False, "a recv from any source outlived its group")
+        except Exception as e:  # noqa: BLE001
+            rep.expect("shut down or aborted" in str(e), f"unexpected error: {e}")
     return rep.to_dict()
 
 
