@@ -78,3 +78,13 @@ def test_congestion_option_sets_hosts_default_and_restores_allowed_list():
     with netcluster.NetCluster(2, congestion=want) as c:
         assert [c.default_congestion(i) for i in range(2)] == [want, want]
     assert open(key).read() == before
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"{WHY_NOT}")
+def test_queue_option_bounds_each_shaped_link():
+    """bench_cluster --queue: both ends of every shaped link queue at most that many packets."""
+    with netcluster.NetCluster(2, rate="100mbit", queue=30) as c:
+        shown = [netcluster._run("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev).stdout
+                 for ns, dev in [(c.hosts[0], "eth0"), (c.hosts[1], "eth0"), (c.switch, "p0"), (c.switch, "p1")]]
+    for text in shown:
+        assert "pfifo 10: parent 1:1 limit 30p" in text, text
