@@ -217,11 +217,11 @@ def test_reduce_scatter_streamed_through_reused_slots(pools, topo):
           env=(("SMDDP_NET_BUFFER_BYTES", str(1 << 20)),))
 
 
-def connections_task(rank, world, want):
+def connections_task(rank, world, want, kind="tcp_connections"):
     rep = Report(rank)
-    with rep.cell("tcp connections"):
-        got = dist.group.WORLD._get_backend(torch.device("cpu"))._topology()["tcp_connections"]
-        rep.expect(got == str(want), f"rank {rank}: {got} TCP connections, expected {want}")
+    with rep.cell(kind):
+        got = dist.group.WORLD._get_backend(torch.device("cpu"))._topology()[kind]
+        rep.expect(got == str(want), f"rank {rank}: {got} {kind}, expected {want}")
     return rep.to_dict()
 
 
@@ -229,7 +229,7 @@ def connections_task(rank, world, want):
 def test_striped_over_several_sockets(pools, topo):
     """SMDDP_NET_SOCKETS_PER_PEER=3: three connections per pair of ranks (2 peers each here), and
     messages from 256 KiB on (whole blocks, the streamed reductions' largest pieces) striped
-    over them, every collective against its reference."""
+    over them, every collective and point-to-point op against its reference."""
     env = (("SMDDP_NET_SOCKETS_PER_PEER", "3"),)
     check(pools, topo, connections_task, 2 * 3, env=env)
     check(pools, topo, allreduce_matrix, [7, "large"], ["float32", "bfloat16"], ["SUM", "MAX"], "arS", env=env)
@@ -237,6 +237,23 @@ def test_striped_over_several_sockets(pools, topo):
     check(pools, topo, reduce_scatter_tensor_forms, [333, "large"], ["float32"], ["SUM"], "rsS", env=env)
     check(pools, topo, alltoall_cases, 1 << 17, ["float32"], env=env)
     check(pools, topo, connections_task, 2 * 3, env=env)  # all_to_all had nothing to add here
+    check(pools, topo, ping_pong, ["float32", "bfloat16"], P2P_SIZES, env=env)
+    check(pools, topo, exchange_send_first, 200_000, env=env)
+    check(pools, topo, any_source_and_batch, env=env)
+    check(pools, topo, any_source_outstanding, 300_000, env=env)
+    # every rank has sent to every other (exchange_send_first): three lanes to each of 2 peers
+    check(pools, topo, connections_task, 2 * 3, "p2p_connections", env=env)
+
+
+@pytest.mark.parametrize("sent, expected", [(4, 4), (300_000, 200_000), (4, 300_000)])
+def test_striped_send_recv_mismatch_is_an_error(pools, sent, expected):
+    """Three sockets per pair: a recv whose tag or size differs from the next message fails
+    whichever of the message's lanes shows it first, message striped or not."""
+    env = (("SMDDP_NET_SOCKETS_PER_PEER", "3"),)
+    try:
+        check(pools, "0011", tag_mismatch, 2, 0, sent, expected, env=env)
+    finally:
+        pools.discard(4, "0011", env)  # the stream between the two is broken on purpose
 
 
 def test_sockets_per_peer_out_of_range_or_disagreeing_warns():

@@ -117,13 +117,13 @@ def any_source_and_batch(rank, world):
     return rep.to_dict()
 
 
-def tag_mismatch(rank, world, sender=1, receiver=0):
+def tag_mismatch(rank, world, sender=1, receiver=0, sent=4, expected=4):
     rep = Report(rank)
     if rank == sender:
-        dist.send(torch.ones(4), receiver, tag=5)
+        dist.send(torch.ones(sent), receiver, tag=5)
     elif rank == receiver:
         try:
-            dist.recv(torch.empty(4), sender, tag=6)
+            dist.recv(torch.empty(expected), sender, tag=6)
             rep.expect(False, "a recv with another tag than the send was accepted")
         except Exception as e:  # noqa: BLE001
             rep.expect("has tag 5" in str(e) and "tag 6" in str(e), f"unexpected error: {e}")

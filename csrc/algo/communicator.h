@@ -43,6 +43,7 @@ class Communicator {
   // The address the inter-host mesh listens on, and its connections (multi-host groups only).
   const net::LocalAddress& netAddress() const { return mesh_->address(); }
   int netConnections() const { return mesh_->connections(); }
+  int netLanes() const { return mesh_->lanes(); }
   // The shared-memory domain, for the point-to-point engine (it maps nothing in a group of one).
   shm::Domain* domain() const { return domain_.get(); }
 

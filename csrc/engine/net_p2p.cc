@@ -41,33 +41,59 @@ std::string describe(const P2pOp& op) {
 
 }  // namespace
 
-struct NetP2p::Peer {
-  enum class State { kIdle, kDialling, kAwaitingAck, kReady, kBroken };
-  int rank = -1;
-  std::string address;
+// One connection of a pair, and its progress through the message at the front of each queue.
+struct NetP2p::Lane {
+  enum class State { kIdle, kDialling, kAwaitingAck, kReady };
   int fd = -1;
   State state = State::kIdle;
-  std::deque<P2pOp> sends, recvs;  // in issue order
-  net::wire::Hello hello{};
+  net::wire::Hello hello{};  // the dialling side's introduction
   size_t helloSent = 0;
   MsgHeader sendHdr{};
-  size_t sendOff = 0;  // of the front send, header first
+  size_t sendOff = 0;  // of this lane's part of the front send, header first
   MsgHeader recvHdr{};
-  size_t recvHdrGot = 0;  // of the front recv's header
-  std::string broken;
+  size_t recvHdrGot = 0;   // of the front recv's header on this lane
+  bool recvChecked = false;  // that header was compared with the recv
+  size_t recvOff = 0;      // of this lane's stripe of the front recv
+};
 
-  // `peeking`: receives from any source are waiting, so the next message's header is read even
-  // with no receive posted for this peer.
-  short events(bool peeking) const {
-    switch (state) {
-      case State::kDialling: return POLLOUT;
-      case State::kAwaitingAck: return POLLIN;
-      case State::kReady: {
-        const bool in = !recvs.empty() || (peeking && recvHdrGot < kHeaderBytes);
-        return static_cast<short>((sends.empty() ? 0 : POLLOUT) | (in ? POLLIN : 0));
+struct NetP2p::Peer {
+  int rank = -1;
+  std::string address;
+  std::vector<Lane> lanes;
+  bool broken = false;
+  std::string why;  // when broken
+  std::deque<P2pOp> sends, recvs;  // in issue order
+
+  bool idle() const { return !broken && lanes[0].state == Lane::State::kIdle; }  // not dialled yet
+  bool ready() const {
+    if (broken) return false;
+    for (const Lane& l : lanes) {
+      if (l.state != Lane::State::kReady) return false;
+    }
+    return true;
+  }
+  // `peeking`: receives from any source are waiting, so lane 0 reads the next message's header
+  // even with no receive posted for this peer.
+  short events(size_t lane, bool peeking) const {
+    const Lane& l = lanes[lane];
+    switch (l.state) {
+      case Lane::State::kDialling: return POLLOUT;
+      case Lane::State::kAwaitingAck: return POLLIN;
+      case Lane::State::kReady: {
+        if (!ready()) return 0;
+        const int n = static_cast<int>(lanes.size());
+        const bool out = !sends.empty() && partLeft(sends.front(), lane, l.sendOff, n);
+        const bool in = !recvs.empty() ? partLeft(recvs.front(), lane, l.recvHdrGot + l.recvOff, n)
+                                       : peeking && lane == 0 && l.recvHdrGot < kHeaderBytes;
+        return static_cast<short>((out ? POLLOUT : 0) | (in ? POLLIN : 0));
       }
       default: return 0;
     }
+  }
+  // Whether `lane` has not yet moved all of its part of `op` (header and stripe), `moved` in.
+  static bool partLeft(const P2pOp& op, size_t lane, size_t moved, int lanes) {
+    const auto stripe = net::wire::stripeOf(op.bytes, lanes, static_cast<int>(lane));
+    return net::wire::laneCarries(stripe, static_cast<int>(lane)) && moved < kHeaderBytes + stripe.length;
   }
 };
 
@@ -78,9 +104,9 @@ struct NetP2p::Incoming {
   Clock::time_point deadline;
 };
 
-NetP2p::NetP2p(Store& store, const Topology& topo, const std::string& ip, const std::string& ifname,
+NetP2p::NetP2p(Store& store, const Topology& topo, const std::string& ip, const std::string& ifname, int lanes,
                std::string name)
-    : topo_(topo), rank_(topo.rank), name_(std::move(name)), peers_(topo.size) {
+    : topo_(topo), rank_(topo.rank), lanes_(lanes), name_(std::move(name)), peers_(topo.size) {
   const net::Listener l = net::listenOn(ip, ifname, 64, rank_);
   listenFd_ = l.fd;
   try {
@@ -91,6 +117,7 @@ NetP2p::NetP2p(Store& store, const Topology& topo, const std::string& ip, const 
       if (topo.hostOf[g] == topo.host()) continue;
       peers_[g] = std::make_unique<Peer>();
       peers_[g]->rank = g;
+      peers_[g]->lanes.resize(static_cast<size_t>(lanes_));
       peers_[g]->address = store.get("smddp/p2p/addr/" + std::to_string(g));
     }
     wakeFd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -109,7 +136,10 @@ NetP2p::~NetP2p() {
   [[maybe_unused]] ssize_t k = write(wakeFd_, &one, sizeof(one));
   if (thread_.joinable()) thread_.join();
   for (auto& p : peers_) {
-    if (p && p->fd >= 0) close(p->fd);
+    if (!p) continue;
+    for (Lane& l : p->lanes) {
+      if (l.fd >= 0) close(l.fd);
+    }
   }
   for (auto& in : incoming_) close(in->fd);
   close(listenFd_);
@@ -146,10 +176,13 @@ void NetP2p::failQueued(Peer& p, ErrorCode code, const std::string& why) {
 }
 
 void NetP2p::failPeer(Peer& p, ErrorCode code, const std::string& why) {
-  if (p.fd >= 0) close(p.fd);  // the peer's pending ops with this rank fail too, instead of timing out
-  p.fd = -1;
-  p.state = Peer::State::kBroken;
-  p.broken = why;
+  for (Lane& l : p.lanes) {
+    if (l.fd >= 0) close(l.fd);  // the peer's pending ops with this rank fail too, instead of timing out
+    if (l.fd >= 0 && l.state == Lane::State::kReady) connections_.fetch_sub(1);
+    l.fd = -1;
+  }
+  p.broken = true;
+  p.why = why;
   failQueued(p, code, why);
 }
 
@@ -178,35 +211,38 @@ void NetP2p::intake() {
       anyRecvs_.push_back(std::move(op));
       // Any rank of another host may be the sender: call those that wait to be called.
       for (auto& p : peers_) {
-        if (p && p->state == Peer::State::kIdle && rank_ < p->rank) dial(*p);
+        if (p && p->idle() && rank_ < p->rank) dial(*p);
       }
       continue;
     }
     Peer& p = *peers_[op.peer];
-    if (p.state == Peer::State::kBroken) {
-      op.finish(errorOf(ErrorCode::kAborted, "an earlier point-to-point failure with rank " + std::to_string(p.rank) +
-                                               ": " + p.broken),
-              p.rank);
+    if (p.broken) {
+      op.finish(errorOf(ErrorCode::kAborted,
+                        "an earlier point-to-point failure with rank " + std::to_string(p.rank) + ": " + p.why),
+                p.rank);
       continue;
     }
     (op.isSend ? p.sends : p.recvs).push_back(std::move(op));
-    if (p.state == Peer::State::kIdle && rank_ < p.rank) dial(p);  // the higher rank waits to be called
+    if (p.idle() && rank_ < p.rank) dial(p);  // the higher rank waits to be called
   }
 }
 
 void NetP2p::dial(Peer& p) {
   try {
     const sockaddr_in to = net::parseAddress(p.address, p.rank);
-    p.fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (p.fd < 0) throwError(ErrorCode::kSystemError, "socket: %s", errnoString(errno).c_str());
-    net::tuneSocket(p.fd);
-    if (connect(p.fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) != 0 && errno != EINPROGRESS) {
-      throwError(ErrorCode::kRemoteError, "cannot connect to rank %d at %s: %s", p.rank, p.address.c_str(),
-                 errnoString(errno).c_str());
+    for (size_t lane = 0; lane < p.lanes.size(); ++lane) {
+      Lane& l = p.lanes[lane];
+      l.fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (l.fd < 0) throwError(ErrorCode::kSystemError, "socket: %s", errnoString(errno).c_str());
+      net::tuneSocket(l.fd);
+      if (connect(l.fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) != 0 && errno != EINPROGRESS) {
+        throwError(ErrorCode::kRemoteError, "cannot connect to rank %d at %s: %s", p.rank, p.address.c_str(),
+                   errnoString(errno).c_str());
+      }
+      l.hello = net::wire::makeHello(secret_, rank_, p.rank, static_cast<int>(lane));
+      l.helloSent = 0;
+      l.state = Lane::State::kDialling;
     }
-    p.hello = net::wire::makeHello(secret_, rank_, p.rank, 0);  // one connection per pair
-    p.helloSent = 0;
-    p.state = Peer::State::kDialling;
   } catch (const Error& e) {
     failPeer(p, e.code(), e.what());
   }
@@ -220,12 +256,15 @@ void NetP2p::introduce(Incoming& in) {
   if (k < 0 && wouldBlock(errno)) return;
   if (k > 0) in.got += static_cast<size_t>(k);
   if (k > 0 && in.got < sizeof(in.hello)) return;
-  std::vector<int> expected;
+  std::vector<int> expected;  // rank * lanes + lane
   for (const auto& p : peers_) {
-    if (p && p->rank < rank_ && p->state == Peer::State::kIdle) expected.push_back(p->rank);
+    if (!p || p->rank > rank_ || p->broken) continue;
+    for (int lane = 0; lane < lanes_; ++lane) {
+      if (p->lanes[static_cast<size_t>(lane)].fd < 0) expected.push_back(p->rank * lanes_ + lane);
+    }
   }
   const char ack = 'K';
-  if (k <= 0 || !net::wire::helloAccepted(in.hello, secret_, rank_, 1, expected) ||
+  if (k <= 0 || !net::wire::helloAccepted(in.hello, secret_, rank_, lanes_, expected) ||
       send(in.fd, &ack, 1, MSG_NOSIGNAL | MSG_DONTWAIT) != 1) {
     SMDDP_WARN(kNet, "rank %d: point-to-point: refused a connection (not a peer of this group, or a bad handshake)",
                rank_);
@@ -233,46 +272,56 @@ void NetP2p::introduce(Incoming& in) {
     in.fd = -1;
     return;
   }
-  Peer& p = *peers_[in.hello.from];
-  p.fd = in.fd;
-  p.state = Peer::State::kReady;
-  in.fd = -1;  // now the peer's
+  Lane& l = peers_[in.hello.from]->lanes[static_cast<size_t>(in.hello.lane)];
+  l.fd = in.fd;
+  l.state = Lane::State::kReady;
+  connections_.fetch_add(1);
+  in.fd = -1;  // now the lane's
 }
 
 bool NetP2p::progressSends(Peer& p) {
   bool moved = false;
-  while (p.state == Peer::State::kReady && !p.sends.empty()) {
+  while (p.ready() && !p.sends.empty()) {
     P2pOp& op = p.sends.front();
-    if (p.sendOff == 0) p.sendHdr = MsgHeader{static_cast<uint64_t>(static_cast<int64_t>(op.tag)), op.bytes};
-    iovec iov[2];
-    const int n = net::wire::nextIov(iov, p.sendHdr, p.sendOff, op.buffer, op.bytes, op.bytes);
-    msghdr mh{};
-    mh.msg_iov = iov;
-    mh.msg_iovlen = n;
-    const ssize_t k = sendmsg(p.fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (k < 0) {
-      if (wouldBlock(errno)) break;
-      failPeer(p, ErrorCode::kRemoteError,
-               describe(op) + ": the connection to rank " + std::to_string(p.rank) + " on " +
-                   topo_.describeHost(topo_.hostOf[p.rank]) + " failed (" + errnoString(errno) +
-                   "): that rank exited, crashed or aborted");
-      return true;
+    bool left = false;
+    for (size_t lane = 0; lane < p.lanes.size(); ++lane) {
+      Lane& l = p.lanes[lane];
+      const auto stripe = net::wire::stripeOf(op.bytes, lanes_, static_cast<int>(lane));
+      while (Peer::partLeft(op, lane, l.sendOff, lanes_)) {
+        if (l.sendOff == 0) l.sendHdr = MsgHeader{static_cast<uint64_t>(static_cast<int64_t>(op.tag)), op.bytes};
+        iovec iov[2];
+        const int n = net::wire::nextIov(iov, l.sendHdr, l.sendOff, op.buffer + stripe.offset, stripe.length,
+                                         stripe.length);
+        msghdr mh{};
+        mh.msg_iov = iov;
+        mh.msg_iovlen = n;
+        const ssize_t k = sendmsg(l.fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k < 0) {
+          if (wouldBlock(errno)) break;
+          failPeer(p, ErrorCode::kRemoteError,
+                   describe(op) + ": the connection to rank " + std::to_string(p.rank) + " on " +
+                       topo_.describeHost(topo_.hostOf[p.rank]) + " failed (" + errnoString(errno) +
+                       "): that rank exited, crashed or aborted");
+          return true;
+        }
+        moved = true;
+        l.sendOff += static_cast<size_t>(k);
+      }
+      left |= Peer::partLeft(op, lane, l.sendOff, lanes_);
     }
-    moved = true;
-    p.sendOff += static_cast<size_t>(k);
-    if (p.sendOff < kHeaderBytes + op.bytes) continue;
+    if (left) break;
     P2pOp finished = std::move(op);
     p.sends.pop_front();
-    p.sendOff = 0;
+    for (Lane& l : p.lanes) l.sendOff = 0;
     finished.finish(nullptr, rank_);
   }
   return moved;
 }
 
-// Reads what has arrived, up to `want` bytes; -1 if the connection failed (the peer is failed,
-// `op` or an any-source receive named as what was waiting).
-ssize_t NetP2p::recvSome(Peer& p, void* at, size_t want, const P2pOp* op) {
-  const ssize_t k = recv(p.fd, at, want, MSG_DONTWAIT);
+// Reads what has arrived on lane `l` of `p`, up to `want` bytes; -1 if the connection failed (the
+// peer is failed, `op` or an any-source receive named as what was waiting).
+ssize_t NetP2p::recvSome(Peer& p, Lane& l, void* at, size_t want, const P2pOp* op) {
+  const ssize_t k = recv(l.fd, at, want, MSG_DONTWAIT);
   if (k > 0) return k;
   if (k < 0 && wouldBlock(errno)) return 0;
   failPeer(p, ErrorCode::kRemoteError,
@@ -285,45 +334,53 @@ ssize_t NetP2p::recvSome(Peer& p, void* at, size_t want, const P2pOp* op) {
 
 bool NetP2p::progressRecvs(Peer& p) {
   bool moved = false;
-  while (p.state == Peer::State::kReady && !p.recvs.empty()) {
+  while (p.ready() && !p.recvs.empty()) {
     P2pOp& op = p.recvs.front();
-    if (p.recvHdrGot < kHeaderBytes) {
-      const ssize_t k = recvSome(p, reinterpret_cast<char*>(&p.recvHdr) + p.recvHdrGot, kHeaderBytes - p.recvHdrGot, &op);
-      if (k < 0) return true;
-      if (k == 0) break;
-      moved = true;
-      p.recvHdrGot += static_cast<size_t>(k);
-      continue;
-    }
-    if (!op.started) {  // the header may have come in while receives from any source looked for theirs
-      const auto tag = static_cast<int64_t>(p.recvHdr.tag);
-      if (tag != op.tag || p.recvHdr.bytes != op.bytes) {
-        char msg[512];
-        snprintf(msg, sizeof(msg),
-                 "recv from rank %d (tag %d, %zu bytes): the next message from rank %d has tag %lld and %llu "
-                 "bytes; smddp matches point-to-point messages in order per pair of ranks, so sends and recvs "
-                 "must pair up in the same order with the same tags and sizes",
-                 p.rank, op.tag, op.bytes, p.rank, static_cast<long long>(tag),
-                 static_cast<unsigned long long>(p.recvHdr.bytes));
-        P2pOp failed = std::move(op);
-        p.recvs.pop_front();
-        failed.finish(errorOf(ErrorCode::kInvalidUsage, msg), p.rank);
-        failPeer(p, ErrorCode::kAborted, "an earlier point-to-point error with rank " + std::to_string(p.rank) + ": " + msg);
-        return true;
+    bool left = false;
+    for (size_t lane = 0; lane < p.lanes.size(); ++lane) {
+      Lane& l = p.lanes[lane];
+      const auto stripe = net::wire::stripeOf(op.bytes, lanes_, static_cast<int>(lane));
+      for (;;) {
+        // Lane 0's header may have come in while receives from any source looked for theirs.
+        if (l.recvHdrGot == kHeaderBytes && !l.recvChecked) {
+          const auto tag = static_cast<int64_t>(l.recvHdr.tag);
+          if (tag != op.tag || l.recvHdr.bytes != op.bytes) {
+            char msg[512];
+            snprintf(msg, sizeof(msg),
+                     "recv from rank %d (tag %d, %zu bytes): the next message from rank %d has tag %lld and %llu "
+                     "bytes; smddp matches point-to-point messages in order per pair of ranks, so sends and recvs "
+                     "must pair up in the same order with the same tags and sizes",
+                     p.rank, op.tag, op.bytes, p.rank, static_cast<long long>(tag),
+                     static_cast<unsigned long long>(l.recvHdr.bytes));
+            P2pOp failed = std::move(op);
+            p.recvs.pop_front();
+            failed.finish(errorOf(ErrorCode::kInvalidUsage, msg), p.rank);
+            failPeer(p, ErrorCode::kAborted,
+                     "an earlier point-to-point error with rank " + std::to_string(p.rank) + ": " + msg);
+            return true;
+          }
+          l.recvChecked = true;
+        }
+        if (!Peer::partLeft(op, lane, l.recvHdrGot + l.recvOff, lanes_)) break;
+        const bool inHeader = l.recvHdrGot < kHeaderBytes;
+        char* at = inHeader ? reinterpret_cast<char*>(&l.recvHdr) + l.recvHdrGot
+                            : reinterpret_cast<char*>(op.buffer) + stripe.offset + l.recvOff;
+        const size_t want = inHeader ? kHeaderBytes - l.recvHdrGot : stripe.length - l.recvOff;
+        const ssize_t k = recvSome(p, l, at, want, &op);
+        if (k < 0) return true;
+        if (k == 0) break;
+        moved = true;
+        (inHeader ? l.recvHdrGot : l.recvOff) += static_cast<size_t>(k);
       }
-      op.started = true;
+      left |= Peer::partLeft(op, lane, l.recvHdrGot + l.recvOff, lanes_);
     }
-    if (op.offset < op.bytes) {
-      const ssize_t k = recvSome(p, op.buffer + op.offset, op.bytes - op.offset, &op);
-      if (k < 0) return true;
-      if (k == 0) break;
-      moved = true;
-      op.offset += static_cast<size_t>(k);
-      if (op.offset < op.bytes) continue;
-    }
+    if (left) break;
     P2pOp finished = std::move(op);
     p.recvs.pop_front();
-    p.recvHdrGot = 0;
+    for (Lane& l : p.lanes) {
+      l.recvHdrGot = l.recvOff = 0;
+      l.recvChecked = false;
+    }
     finished.finish(nullptr, p.rank);
   }
   return moved;
@@ -345,16 +402,17 @@ bool NetP2p::matchAnySource() {
     Peer* match = nullptr;
     for (int k = 1; k < topo_.size && !match; ++k) {
       Peer* p = peers_[(rank_ + k) % topo_.size].get();
-      if (!p || p->state != Peer::State::kReady || !p->recvs.empty()) continue;
-      if (p->recvHdrGot < kHeaderBytes) {
+      if (!p || !p->ready() || !p->recvs.empty()) continue;
+      Lane& l = p->lanes[0];
+      if (l.recvHdrGot < kHeaderBytes) {
         const ssize_t got =
-            recvSome(*p, reinterpret_cast<char*>(&p->recvHdr) + p->recvHdrGot, kHeaderBytes - p->recvHdrGot, nullptr);
+            recvSome(*p, l, reinterpret_cast<char*>(&l.recvHdr) + l.recvHdrGot, kHeaderBytes - l.recvHdrGot, nullptr);
         if (got <= 0) continue;
         moved = true;
-        p->recvHdrGot += static_cast<size_t>(got);
-        if (p->recvHdrGot < kHeaderBytes) continue;
+        l.recvHdrGot += static_cast<size_t>(got);
+        if (l.recvHdrGot < kHeaderBytes) continue;
       }
-      if (static_cast<int64_t>(p->recvHdr.tag) == op.tag) match = p;
+      if (static_cast<int64_t>(l.recvHdr.tag) == op.tag) match = p;
     }
     if (!match) break;
     if (op.claim()) {
@@ -367,15 +425,51 @@ bool NetP2p::matchAnySource() {
   return moved;
 }
 
+// A dialled lane: sends its introduction once connected, then waits for the 'K'.
+void NetP2p::connectLane(Peer& p, Lane& l, short revents) {
+  if (l.state == Lane::State::kDialling) {
+    int err = 0;
+    socklen_t len = sizeof(err);
+    getsockopt(l.fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    const ssize_t k = err != 0 ? -1
+                               : send(l.fd, reinterpret_cast<char*>(&l.hello) + l.helloSent,
+                                      sizeof(l.hello) - l.helloSent, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k < 0 && err == 0 && wouldBlock(errno)) return;
+    if (k < 0) {
+      failPeer(p, ErrorCode::kRemoteError,
+               "cannot connect to rank " + std::to_string(p.rank) + " at " + p.address + ": " +
+                   errnoString(err != 0 ? err : errno));
+      return;
+    }
+    l.helloSent += static_cast<size_t>(k);
+    if (l.helloSent == sizeof(l.hello)) l.state = Lane::State::kAwaitingAck;
+  } else if (l.state == Lane::State::kAwaitingAck && (revents & (POLLIN | POLLHUP | POLLERR))) {
+    char ack = 0;
+    const ssize_t k = recv(l.fd, &ack, 1, MSG_DONTWAIT);
+    if (k < 0 && wouldBlock(errno)) return;
+    if (k != 1 || ack != 'K') {
+      failPeer(p, ErrorCode::kRemoteError,
+               "rank " + std::to_string(p.rank) + " at " + p.address + " did not accept the connection");
+      return;
+    }
+    l.state = Lane::State::kReady;
+    connections_.fetch_add(1);
+  }
+}
+
 void NetP2p::pollOnce(int timeoutMs) {
   std::vector<pollfd> fds{{wakeFd_, POLLIN, 0}, {listenFd_, POLLIN, 0}};
   for (const auto& in : incoming_) fds.push_back({in->fd, POLLIN, 0});
-  std::vector<Peer*> polled;
+  std::vector<std::pair<Peer*, size_t>> polled;  // (peer, lane)
   const bool peeking = !anyRecvs_.empty();
   for (auto& p : peers_) {
-    if (!p || p->fd < 0 || p->events(peeking) == 0) continue;
-    fds.push_back({p->fd, p->events(peeking), 0});
-    polled.push_back(p.get());
+    if (!p || p->broken) continue;
+    for (size_t lane = 0; lane < p->lanes.size(); ++lane) {
+      const short ev = p->events(lane, peeking);
+      if (p->lanes[lane].fd < 0 || ev == 0) continue;
+      fds.push_back({p->lanes[lane].fd, ev, 0});
+      polled.emplace_back(p.get(), lane);
+    }
   }
   if (poll(fds.data(), fds.size(), timeoutMs) <= 0) return;
   if (fds[0].revents) {
@@ -399,39 +493,18 @@ void NetP2p::pollOnce(int timeoutMs) {
       incoming_.push_back(std::move(in));
     }
   }
+  bool woken = false;  // some lane of the current peer (a peer's lanes are polled together)
   for (size_t i = 0; i < polled.size(); ++i) {
-    Peer& p = *polled[i];
+    auto [p, lane] = polled[i];
     const short rev = fds[2 + nIncoming + i].revents;
-    if (rev == 0) continue;
-    if (p.state == Peer::State::kDialling) {
-      int err = 0;
-      socklen_t len = sizeof(err);
-      getsockopt(p.fd, SOL_SOCKET, SO_ERROR, &err, &len);
-      const ssize_t k = err != 0 ? -1
-                                 : send(p.fd, reinterpret_cast<char*>(&p.hello) + p.helloSent,
-                                        sizeof(p.hello) - p.helloSent, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (k < 0 && err == 0 && wouldBlock(errno)) continue;
-      if (k < 0) {
-        failPeer(p, ErrorCode::kRemoteError,
-                 "cannot connect to rank " + std::to_string(p.rank) + " at " + p.address + ": " +
-                     errnoString(err != 0 ? err : errno));
-        continue;
-      }
-      p.helloSent += static_cast<size_t>(k);
-      if (p.helloSent == sizeof(p.hello)) p.state = Peer::State::kAwaitingAck;
-    } else if (p.state == Peer::State::kAwaitingAck) {
-      char ack = 0;
-      const ssize_t k = recv(p.fd, &ack, 1, MSG_DONTWAIT);
-      if (k < 0 && wouldBlock(errno)) continue;
-      if (k != 1 || ack != 'K') {
-        failPeer(p, ErrorCode::kRemoteError,
-                 "rank " + std::to_string(p.rank) + " at " + p.address + " did not accept the connection");
-        continue;
-      }
-      p.state = Peer::State::kReady;
+    if (rev != 0 && !p->broken) connectLane(*p, p->lanes[lane], rev);
+    woken |= rev != 0;
+    if (i + 1 < polled.size() && polled[i + 1].first == p) continue;
+    if (woken) {  // once per peer: a message moves on only when each of its lanes has moved its part
+      progressSends(*p);
+      progressRecvs(*p);
     }
-    progressSends(p);
-    progressRecvs(p);
+    woken = false;
   }
 }
 
@@ -453,7 +526,7 @@ void NetP2p::checkDeadlines() {
       // Part of a message may have moved: the stream to this peer can no longer be trusted.
       failPeer(*p, ErrorCode::kTimeout,
                describe(op) + " timed out: no matching " + (op.isSend ? "recv" : "send") + " was posted" +
-                   (p->state == Peer::State::kReady ? "" : " (the connection to that rank was never completed)"));
+                   (p->ready() ? "" : " (the connection to that rank was never completed)"));
       break;
     }
   }
@@ -480,7 +553,7 @@ void NetP2p::loop() {
     intake();
     matchAnySource();
     for (auto& p : peers_) {  // try at once rather than after a poll round trip
-      if (p && p->state == Peer::State::kReady) {
+      if (p && p->ready()) {
         progressSends(*p);
         progressRecvs(*p);
       }

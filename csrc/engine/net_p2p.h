@@ -2,14 +2,17 @@
 // (like the shared-memory P2pEngine, so a send waiting for its receiver never blocks the group's
 // collectives). Each rank listens from the start; a pair connects at its first message, the lower
 // rank dialling, the higher accepting, both sides non-blocking inside one poll() loop, so no
-// order of first messages can deadlock. A connection opens with the group's secret and the two
-// ranks (wire::Hello), as the collectives' mesh does.
+// order of first messages can deadlock. A connection opens with the group's secret, the two
+// ranks and its lane (wire::Hello), as the collectives' mesh does, and a pair holds as many
+// connections ("lanes", SMDDP_NET_SOCKETS_PER_PEER) as the mesh: large messages are striped over
+// them alike (wire::stripeOf).
 //
-// Messages between a pair match in order; each carries a 16-byte header (tag, bytes) that the
-// receiver checks against its recv: a mismatch is an error, never a truncation. A message is read
-// only once a recv for it is posted, so TCP's flow control holds back a sender that runs ahead
-// (while a recv from any source waits, the next header of every idle connection is read, so that
-// the recv can be matched; a rank that may be its sender is dialled if it waits to be called).
+// Messages between a pair match in order; each lane that carries a part of a message starts it
+// with a 16-byte header (tag, the whole message's bytes) that the receiver checks against its
+// recv: a mismatch is an error, never a truncation. A message is read only once a recv for it is
+// posted, so TCP's flow control holds back a sender that runs ahead (while a recv from any source
+// waits, the next header on lane 0 of every idle pair is read, so that the recv can be matched;
+// a rank that may be its sender is dialled if it waits to be called).
 #pragma once
 
 #include <atomic>
@@ -31,25 +34,30 @@ class NetP2p {
  public:
   // Collective over the group (a group that spans hosts): listens on `ip`, publishes the address
   // and reads those of the ranks on other hosts.
-  NetP2p(Store& store, const Topology& topo, const std::string& ip, const std::string& ifname, std::string name);
+  // `lanes`: connections per pair, the same on every rank.
+  NetP2p(Store& store, const Topology& topo, const std::string& ip, const std::string& ifname, int lanes,
+         std::string name);
   ~NetP2p();  // fails what is pending, closes every socket, joins
 
   // `op.peer`: a rank on another host. `done` runs on this engine's thread.
   void submit(P2pOp op);
   // Fails every pending and future op promptly. Idempotent.
   void abort();
+  int connections() const { return connections_.load(); }  // open lanes, all peers
 
  private:
+  struct Lane;
   struct Peer;
   struct Incoming;  // an accepted connection that has not introduced itself yet
   void loop();
   void intake();
   void dial(Peer& p);
+  void connectLane(Peer& p, Lane& l, short revents);
   void pollOnce(int timeoutMs);
   void introduce(Incoming& in);
   bool progressSends(Peer& p);
   bool progressRecvs(Peer& p);
-  ssize_t recvSome(Peer& p, void* at, size_t want, const P2pOp* op);
+  ssize_t recvSome(Peer& p, Lane& l, void* at, size_t want, const P2pOp* op);
   bool matchAnySource();
   void failQueued(Peer& p, ErrorCode code, const std::string& why);  // the ops waiting on p
   void failPeer(Peer& p, ErrorCode code, const std::string& why);    // and the connection
@@ -59,6 +67,7 @@ class NetP2p {
 
   Topology topo_;
   int rank_;
+  int lanes_;
   std::string secret_;
   std::string name_;
   int listenFd_ = -1;
@@ -68,6 +77,7 @@ class NetP2p {
   std::deque<P2pOp> submitted_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> aborted_{false};
+  std::atomic<int> connections_{0};
 
   // Owned by the thread.
   std::vector<std::unique_ptr<Peer>> peers_;  // by rank; null for ranks of this host

@@ -265,7 +265,8 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   if (comm_->multiHost()) {
     try {
       netP2p_ = std::make_unique<engine::NetP2p>(*store_, comm_->topology(), comm_->netAddress().ip,
-                                                 comm_->netAddress().ifname, "smddp-np2p" + std::to_string(rank));
+                                                 comm_->netAddress().ifname, comm_->netLanes(),
+                                                 "smddp-np2p" + std::to_string(rank));
     } catch (const Error& e) {
       std::rethrow_exception(toTorchError(e, rank));
     }
@@ -305,7 +306,10 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
                                               {"machine_ranks", std::to_string(comm_->machineShare().ranks)},
                                               {"machine_cpus", std::to_string(comm_->machineShare().cpus)},
                                               {"wait_spin_us", std::to_string(comm_->domain()->spin().count())}};
-  if (comm_->multiHost()) info["tcp_connections"] = std::to_string(comm_->netConnections());
+  if (comm_->multiHost()) {
+    info["tcp_connections"] = std::to_string(comm_->netConnections());
+    info["p2p_connections"] = std::to_string(netP2p_->connections());
+  }
   return info;
 }
 

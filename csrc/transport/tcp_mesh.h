@@ -54,6 +54,7 @@ class TcpMesh {
   void connect(Store& store, const std::vector<int>& peers, const shm::WaitContext& wait);
   bool connected(int rank) const;
   int connections() const;  // TCP connections held, every lane of every peer
+  int lanes() const { return lanes_; }  // connections per peer, the same on every rank
 
   const LocalAddress& address() const { return addr_; }
 
