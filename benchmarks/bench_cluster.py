@@ -6,8 +6,8 @@ ring) and gloo, one job each, same cluster, one invocation. Needs root.
     python benchmarks/bench_cluster.py --hosts 4 --rates 1gbit,1gbit,1gbit,500mbit --ops allgather
 
 Columns per implementation: time per op in us (max over ranks of the mean over the timed
-iterations), busbw (nccl-tests: algbw x 2(n-1)/n for allreduce, 1 for sendrecv, (n-1)/n otherwise,
-n = ranks),
+iterations), busbw (nccl-tests: algbw x 2(n-1)/n for allreduce, 1 for broadcast and sendrecv,
+(n-1)/n otherwise, n = ranks),
 and link% = the bytes each host must move across its link (the same factors with n = hosts;
 all_to_all: times the ranks per host, each with its own data) per second, as a share of the
 slowest host's link rate. Ratios: time of X / time of mesh.
@@ -48,7 +48,7 @@ def parse_rate(r):
 def factor(op, n):
     if n <= 1:
         return 0.0
-    if op == "sendrecv":  # a ring of sends: each rank, and each host's link, carries the message once
+    if op in ("sendrecv", "broadcast"):  # each rank (each link) receives the message once
         return 1.0
     return 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
 

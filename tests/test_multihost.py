@@ -299,6 +299,17 @@ def test_broadcast_reduce(pools, topo):
     check(pools, topo, reduce_all_roots, [0, 7, 1001], ALL, ["SUM", "MAX", "AVG", "PREMUL_SUM_F"])
 
 
+@pytest.mark.parametrize("topo", ["012", "0123", "0011223"])
+def test_broadcast_relayed(pools, topo):
+    """From 3 hosts on, a large broadcast goes to one rank per other host in segments, each
+    forwarded to the others as it arrives: every root, sizes on both sides of the threshold
+    ((hosts - 1) x bytes > SMDDP_NET_ONESHOT_BYTES), and with the threshold at 0 messages too
+    small to fill every segment."""
+    check(pools, topo, broadcast_all_roots, [8191, 8193, 100_003, "large"], ["float32", "uint8"])
+    check(pools, topo, broadcast_all_roots, [0, 1, 7, 1001], ["float32", "bfloat16"],
+          env=NET_ENV + (("SMDDP_NET_ONESHOT_BYTES", "0"),))
+
+
 @pytest.mark.parametrize("topo", TOPOS)
 def test_gather_scatter_barrier(pools, topo):
     check(pools, topo, gather_scatter_all_roots, SMALL_SIZES, ["float32", "int64"])

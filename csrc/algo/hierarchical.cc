@@ -446,19 +446,74 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
   ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule(), received);
 }
 
+namespace {
+
+// Broadcast among hosts, relayed: the message is cut into one segment per other host; the root
+// sends segment i to host i's first rank, which forwards it, piece by piece as the pieces
+// arrive, to the other hosts' first ranks. The root's link carries the message once instead of
+// once per host, every other link about as much, for one more network latency.
+void netBroadcastRelayed(HierContext& ctx, const BroadcastOptions& o) {
+  const Topology& t = *ctx.topo;
+  const size_t es = elementSize(o.dtype);
+  const int rootHost = t.hostOf[o.root];
+  std::vector<int> relays;  // the first rank of every other host; relay i carries segment i
+  for (int k = 0; k < t.hosts(); ++k) {
+    if (k != rootHost) relays.push_back(t.members[k][0]);
+  }
+  const int R = static_cast<int>(relays.size());
+  const Slices segs = slicesOf(o.count, R, alignElems(o.dtype));
+  const size_t piece = streamPieceElems(segs.per * es, ctx.bufferBytes, o.dtype);
+  // Segment i as messages of at most `piece` elements, in order.
+  auto pieces = [&](int i, auto&& each) {
+    for (size_t at = segs.begin(i); at < segs.end(i); at += piece) {
+      each(bytes(o.buffer) + at * es, std::min(piece, segs.end(i) - at) * es);
+    }
+  };
+  const uint64_t tag = net::makeTag(ctx.local.seq, 0);
+  std::vector<net::Send> sends;
+  std::vector<net::Recv> recvs;
+  if (t.rank == o.root) {
+    for (int i = 0; i < R; ++i) pieces(i, [&](uint8_t* at, size_t n) { sends.push_back({relays[i], at, n}); });
+    ctx.mesh->exchange(tag, sends, recvs, ctx.local.wait, ctx.schedule());
+    return;
+  }
+  const int me = static_cast<int>(std::find(relays.begin(), relays.end(), t.rank) - relays.begin());
+  if (me == R) return;  // not a relay: the host broadcast brings the message
+  pieces(me, [&](uint8_t* at, size_t n) { recvs.push_back({o.root, at, n}); });
+  const size_t own = recvs.size();
+  std::unique_ptr<bool[]> arrived(new bool[std::max<size_t>(own, 1)]());  // piece j of my segment is in
+  for (int i = 0; i < R; ++i) {
+    if (i == me) continue;
+    size_t j = 0;
+    pieces(me, [&](uint8_t* at, size_t n) { sends.push_back({relays[i], at, n, &arrived[j++]}); });
+    pieces(i, [&](uint8_t* at, size_t n) { recvs.push_back({relays[i], at, n}); });
+  }
+  ctx.mesh->exchange(tag, sends, recvs, ctx.local.wait, ctx.schedule(), [&](size_t k) {
+    if (k < own) arrived[k] = true;
+  });
+}
+
+}  // namespace
+
 void hierBroadcast(HierContext& ctx, const BroadcastOptions& o) {
   const Topology& t = *ctx.topo;
   const size_t bytesTotal = o.count * elementSize(o.dtype);
   const int h = t.host(), rootHost = t.hostOf[o.root];
-  const uint64_t tag = net::makeTag(ctx.local.seq, 0);
-  if (t.rank == o.root) {
+  const size_t others = static_cast<size_t>(t.hosts() - 1);
+  // Relaying pays once the root would send the message more than once (3 hosts or more), except
+  // for small messages, whose extra latency costs more than the bytes saved (as with allreduce's
+  // one-shot, and with the same threshold).
+  if (others >= 2 && others * bytesTotal > ctx.oneShotBytes) {
+    netBroadcastRelayed(ctx, o);
+  } else if (t.rank == o.root) {
     std::vector<net::Send> sends;
     for (int k = 0; k < t.hosts(); ++k) {
       if (k != rootHost) sends.push_back({t.members[k][0], o.buffer, bytesTotal});
     }
-    ctx.mesh->exchange(tag, sends, {}, ctx.local.wait, ctx.schedule());
+    ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, {}, ctx.local.wait, ctx.schedule());
   } else if (h != rootHost && t.localRank() == 0) {
-    ctx.mesh->exchange(tag, {}, {{o.root, o.buffer, bytesTotal}}, ctx.local.wait, ctx.schedule());
+    ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), {}, {{o.root, o.buffer, bytesTotal}}, ctx.local.wait,
+                       ctx.schedule());
   }
   BroadcastOptions local = o;
   local.root = h == rootHost ? t.localOf[o.root] : 0;

@@ -15,7 +15,9 @@
 //                   g's local index) -> each partial goes straight to rank g in one streamed
 //                   exchange, in pieces -> g reduces piece k of the hosts' partials as soon as
 //                   the last of them is in, while later pieces still arrive.
-//   broadcast:      the root sends to the first rank of every other host -> broadcast in hosts.
+//   broadcast:      the root sends to the first rank of every other host -> broadcast in hosts;
+//                   with 3 hosts or more, a large message goes relayed: the root sends each of
+//                   those ranks one segment, which it forwards to the others as it arrives.
 //   barrier:        host barrier, then an all-to-all of empty messages among the hosts' first
 //                   ranks, then host barrier.
 //   all_to_all:     one hop: every block for a rank of another host straight to it over TCP
