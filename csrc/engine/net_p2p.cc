@@ -177,9 +177,10 @@ void NetP2p::failQueued(Peer& p, ErrorCode code, const std::string& why) {
 
 void NetP2p::failPeer(Peer& p, ErrorCode code, const std::string& why) {
   for (Lane& l : p.lanes) {
-    if (l.fd >= 0) close(l.fd);  // the peer's pending ops with this rank fail too, instead of timing out
-    if (l.fd >= 0 && l.state == Lane::State::kReady) connections_.fetch_sub(1);
+    if (l.fd < 0) continue;
+    close(l.fd);  // the peer's pending ops with this rank fail too, instead of timing out
     l.fd = -1;
+    if (l.state == Lane::State::kReady) connections_.fetch_sub(1);
   }
   p.broken = true;
   p.why = why;

@@ -15,6 +15,8 @@
 // a rank that may be its sender is dialled if it waits to be called).
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <deque>
 #include <memory>
@@ -33,13 +35,14 @@ namespace smddp::engine {
 class NetP2p {
  public:
   // Collective over the group (a group that spans hosts): listens on `ip`, publishes the address
-  // and reads those of the ranks on other hosts.
-  // `lanes`: connections per pair, the same on every rank.
+  // and reads those of the ranks on other hosts. `lanes`: connections per pair, the same on
+  // every rank.
   NetP2p(Store& store, const Topology& topo, const std::string& ip, const std::string& ifname, int lanes,
          std::string name);
   ~NetP2p();  // fails what is pending, closes every socket, joins
 
-  // `op.peer`: a rank on another host. `done` runs on this engine's thread.
+  // `op.peer`: a rank on another host, or -1 for a receive from any of them (see
+  // P2pOp::sharedAnySource). `done` runs on this engine's thread.
   void submit(P2pOp op);
   // Fails every pending and future op promptly. Idempotent.
   void abort();

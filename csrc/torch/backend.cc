@@ -972,7 +972,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
   engine::P2pOp o;
   o.isSend = isSend;
   // The shared-memory engine numbers the ranks of its host.
-  o.peer = remote || !multiHost || peer < 0 ? peer : topo.localOf[peer];
+  o.peer = multiHost && peer >= 0 && !remote ? topo.localOf[peer] : peer;
   o.tag = tag;
   o.buffer = static_cast<uint8_t*>(s.work.data_ptr());
   o.bytes = s.work.nbytes();
