@@ -117,16 +117,19 @@ def any_source_and_batch(rank, world):
     return rep.to_dict()
 
 
-def tag_mismatch(rank, world, sender=1, receiver=0, sent=4, expected=4):
+def tag_mismatch(rank, world, sender=1, receiver=0, sent=4, expected=4, recv_tag=6):
+    """`sender` sends `sent` float32 with tag 5; `receiver` expects `expected` with `recv_tag`."""
     rep = Report(rank)
     if rank == sender:
         dist.send(torch.ones(sent), receiver, tag=5)
     elif rank == receiver:
         try:
-            dist.recv(torch.empty(expected), sender, tag=6)
-            rep.expect(False, "a recv with another tag than the send was accepted")
+            dist.recv(torch.empty(expected), sender, tag=recv_tag)
+            rep.expect(False, "a recv with another tag or size than the send was accepted")
         except Exception as e:  # noqa: BLE001
-            rep.expect("has tag 5" in str(e) and "tag 6" in str(e), f"unexpected error: {e}")
+            text = str(e)
+            rep.expect(f"(tag {recv_tag}, {expected * 4} bytes)" in text and f"has tag 5 and {sent * 4} bytes" in text,
+                       f"unexpected error: {e}")
     return rep.to_dict()
 
 
