@@ -452,14 +452,10 @@ namespace {
 // sends segment i to host i's first rank, which forwards it, piece by piece as the pieces
 // arrive, to the other hosts' first ranks. The root's link carries the message once instead of
 // once per host, every other link about as much, for one more network latency.
-void netBroadcastRelayed(HierContext& ctx, const BroadcastOptions& o) {
+// `relays`: the first rank of every host but the root's; relay i carries segment i.
+void netBroadcastRelayed(HierContext& ctx, const BroadcastOptions& o, const std::vector<int>& relays, uint64_t tag) {
   const Topology& t = *ctx.topo;
   const size_t es = elementSize(o.dtype);
-  const int rootHost = t.hostOf[o.root];
-  std::vector<int> relays;  // the first rank of every other host; relay i carries segment i
-  for (int k = 0; k < t.hosts(); ++k) {
-    if (k != rootHost) relays.push_back(t.members[k][0]);
-  }
   const int R = static_cast<int>(relays.size());
   const Slices segs = slicesOf(o.count, R, alignElems(o.dtype));
   const size_t piece = streamPieceElems(segs.per * es, ctx.bufferBytes, o.dtype);
@@ -469,7 +465,6 @@ void netBroadcastRelayed(HierContext& ctx, const BroadcastOptions& o) {
       each(bytes(o.buffer) + at * es, std::min(piece, segs.end(i) - at) * es);
     }
   };
-  const uint64_t tag = net::makeTag(ctx.local.seq, 0);
   std::vector<net::Send> sends;
   std::vector<net::Recv> recvs;
   if (t.rank == o.root) {
@@ -499,21 +494,22 @@ void hierBroadcast(HierContext& ctx, const BroadcastOptions& o) {
   const Topology& t = *ctx.topo;
   const size_t bytesTotal = o.count * elementSize(o.dtype);
   const int h = t.host(), rootHost = t.hostOf[o.root];
-  const size_t others = static_cast<size_t>(t.hosts() - 1);
+  const uint64_t tag = net::makeTag(ctx.local.seq, 0);
+  std::vector<int> firsts;  // the first rank of every other host than the root's
+  for (int k = 0; k < t.hosts(); ++k) {
+    if (k != rootHost) firsts.push_back(t.members[k][0]);
+  }
   // Relaying pays once the root would send the message more than once (3 hosts or more), except
   // for small messages, whose extra latency costs more than the bytes saved (as with allreduce's
   // one-shot, and with the same threshold).
-  if (others >= 2 && others * bytesTotal > ctx.oneShotBytes) {
-    netBroadcastRelayed(ctx, o);
+  if (firsts.size() >= 2 && firsts.size() * bytesTotal > ctx.oneShotBytes) {
+    netBroadcastRelayed(ctx, o, firsts, tag);
   } else if (t.rank == o.root) {
     std::vector<net::Send> sends;
-    for (int k = 0; k < t.hosts(); ++k) {
-      if (k != rootHost) sends.push_back({t.members[k][0], o.buffer, bytesTotal});
-    }
-    ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, {}, ctx.local.wait, ctx.schedule());
+    for (int g : firsts) sends.push_back({g, o.buffer, bytesTotal});
+    ctx.mesh->exchange(tag, sends, {}, ctx.local.wait, ctx.schedule());
   } else if (h != rootHost && t.localRank() == 0) {
-    ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), {}, {{o.root, o.buffer, bytesTotal}}, ctx.local.wait,
-                       ctx.schedule());
+    ctx.mesh->exchange(tag, {}, {{o.root, o.buffer, bytesTotal}}, ctx.local.wait, ctx.schedule());
   }
   BroadcastOptions local = o;
   local.root = h == rootHost ? t.localOf[o.root] : 0;

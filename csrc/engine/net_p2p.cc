@@ -346,13 +346,7 @@ bool NetP2p::progressRecvs(Peer& p) {
         if (l.recvHdrGot == kHeaderBytes && !l.recvChecked) {
           const auto tag = static_cast<int64_t>(l.recvHdr.tag);
           if (tag != op.tag || l.recvHdr.bytes != op.bytes) {
-            char msg[512];
-            snprintf(msg, sizeof(msg),
-                     "recv from rank %d (tag %d, %zu bytes): the next message from rank %d has tag %lld and %llu "
-                     "bytes; smddp matches point-to-point messages in order per pair of ranks, so sends and recvs "
-                     "must pair up in the same order with the same tags and sizes",
-                     p.rank, op.tag, op.bytes, p.rank, static_cast<long long>(tag),
-                     static_cast<unsigned long long>(l.recvHdr.bytes));
+            const std::string msg = outOfStepMessage(p.rank, op.tag, op.bytes, tag, l.recvHdr.bytes);
             P2pOp failed = std::move(op);
             p.recvs.pop_front();
             failed.finish(errorOf(ErrorCode::kInvalidUsage, msg), p.rank);

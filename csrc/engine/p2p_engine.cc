@@ -27,6 +27,14 @@ std::exception_ptr errorOf(ErrorCode code, const std::string& msg) {
 
 }  // namespace
 
+std::string outOfStepMessage(int peer, int tag, size_t bytes, int64_t sentTag, uint64_t sentBytes) {
+  return formatString(
+      "recv from rank %d (tag %d, %zu bytes): the next message from rank %d has tag %lld and %llu bytes; smddp "
+      "matches point-to-point messages in order per pair of ranks, so sends and recvs must pair up in the same "
+      "order with the same tags and sizes",
+      peer, tag, bytes, peer, static_cast<long long>(sentTag), static_cast<unsigned long long>(sentBytes));
+}
+
 P2pEngine::P2pEngine(shm::Domain* domain, std::chrono::microseconds spin, std::string name)
     : domain_(domain),
       rank_(domain->rank()),
@@ -105,12 +113,8 @@ bool P2pEngine::progressRecv(P2pOp& op, int s) {
     ChunkHeader h;
     std::memcpy(&h, chunk, sizeof(h));
     if (!op.started && (h.tag != op.tag || h.messageBytes != op.bytes)) {
-      throwError(ErrorCode::kInvalidUsage,
-                 "recv from rank %d (tag %d, %zu bytes): the next message from rank %d has tag %d and %llu bytes; "
-                 "smddp matches point-to-point messages in order per pair of ranks, so sends and recvs must "
-                 "pair up in the same order with the same tags and sizes",
-                 domain_->groupRank(s), op.tag, op.bytes, domain_->groupRank(s), h.tag,
-                 static_cast<unsigned long long>(h.messageBytes));
+      throw Error(ErrorCode::kInvalidUsage, outOfStepMessage(domain_->groupRank(s), op.tag, op.bytes, h.tag,
+                                                             h.messageBytes));
     }
     std::memcpy(op.buffer + op.offset, chunk + kHeader, h.chunkBytes);
     op.offset += h.chunkBytes;

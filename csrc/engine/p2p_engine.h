@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -52,6 +53,10 @@ struct P2pOp {
     if (claim()) done(std::move(error), source);
   }
 };
+
+// Why a receive cannot take the next message from `peer` (both engines word it alike): that
+// message has another tag or size than the receive expects.
+std::string outOfStepMessage(int peer, int tag, size_t bytes, int64_t sentTag, uint64_t sentBytes);
 
 class P2pEngine {
  public:

@@ -1000,7 +1000,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
     if (multiHost && peer < 0) {
       // Any rank may send it: both engines look, the first match takes it (P2pOp::claim).
       o.sharedAnySource = std::make_shared<std::atomic<bool>>(false);
-      if (topo.localSize() > 1) {
+      if (p2p_) {  // host-mates (the shared-memory engine exists only where there are some)
         engine::P2pOp local = o;
         const std::vector<int> hostMates = topo.members[topo.host()];
         local.done = [done = o.done, hostMates](std::exception_ptr error, int source) {
