@@ -1,22 +1,32 @@
 #!/usr/bin/env python3
-"""Training benchmark: a Llama-style causal LM trained with FSDP2 on CPU, gloo and smddp in one run.
+"""Training benchmark: a Llama-style causal LM trained with FSDP2 or DDP on CPU, gloo and smddp in one run.
 
 The model is examples/smp_llama.py's (RMSNorm, causal multi-head attention, SwiGLU MLP) at a larger
 size, random init from a fixed seed, on synthetic tokens (no downloads). FSDP2 `fully_shard` per
-block and at the root, AdamW. For each world size the backends run one after the other, in
-alternating rounds, and the best round of each counts (noise on a shared VM only ever slows a run).
+block and at the root, or DDP (default buckets); AdamW. For each world size the backends run one
+after the other, in alternating rounds, and the best round of each counts (noise on a shared VM
+only ever slows a run).
 
-Per backend and world: step time, tokens/s, and the share of the step the training thread spends
-in communication: time inside torch.distributed's collective calls plus time blocked in
-`Work.wait()` (what is not hidden behind compute), measured by wrapping those entry points.
+Per backend and world: step time, tokens/s, and the share of the step that communication adds.
+FSDP2: time the training thread spends inside torch.distributed's collective calls plus time
+blocked in `Work.wait()` (what is not hidden behind compute), measured by wrapping those entry
+points. DDP's reducer calls the process group from C++, out of reach of such wrappers, so for DDP
+it is 1 - (step time under `no_sync()`, no gradient allreduce) / (step time).
+
+With --hosts the ranks run on an emulated cluster (benchmarks/netcluster.py, needs root): --hosts
+network-namespace "hosts" of --per-host ranks each, links shaped by --rate and --delay, the job's
+store on host 0 (env://), so every byte between hosts crosses the emulated links.
 
     python benchmarks/bench_training.py --worlds 2,4 --steps 8
+    sudo python benchmarks/bench_training.py --hosts 2 --per-host 2 --rate 1gbit --parallel fsdp2,ddp
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,7 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-GLOO_EXIT_RACE = "terminate called without an active exception"
+sys.path.insert(0, str(HERE))  # netcluster
 
 
 def worker(args) -> None:
@@ -33,6 +43,7 @@ def worker(args) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     sys.path.insert(0, str(ROOT / "examples"))
     from smp_llama import LlamaConfig, TinyLlama, batch
@@ -41,18 +52,21 @@ def worker(args) -> None:
         import smddp  # noqa: F401
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # A file store: no port to pick (a free port found by binding port 0 may be taken before
-    # rank 0 listens on it).
-    dist.init_process_group(args.backend, init_method="file://" + os.environ["BENCH_STORE"], rank=rank,
-                            world_size=world)
+    # On one machine a file store: no port to pick (a free port found by binding port 0 may be
+    # taken before rank 0 listens on it). On the emulated cluster, torchrun's env:// on host 0.
+    init = "env://" if "MASTER_ADDR" in os.environ else "file://" + os.environ["BENCH_STORE"]
+    dist.init_process_group(args.backend, init_method=init, rank=rank, world_size=world)
     cfg = LlamaConfig(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq,
                       per_rank=args.per_rank)
     torch.manual_seed(0)
     model = TinyLlama(cfg)
     params = sum(p.numel() for p in model.parameters())
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    if args.parallel == "ddp":
+        model = DDP(model)
+    else:
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     # Communication on the training thread: inside the collective calls, and blocked in wait().
@@ -104,6 +118,16 @@ def worker(args) -> None:
         loss = step(args.warmup + i)
     dist.barrier()
     elapsed = time.perf_counter() - t0
+    final_loss = float(loss)
+    if args.parallel == "ddp":
+        # The same steps without the gradient allreduce: what the step costs without communication.
+        t0 = time.perf_counter()
+        with model.no_sync():
+            for i in range(args.steps):
+                step(args.warmup + i)
+        local = time.perf_counter() - t0
+        comm[0] = max(0.0, elapsed - local)
+        dist.barrier()
     # Every rank's figures; rank 0 reports the slowest rank's step time and the mean comm share.
     stats = torch.tensor([elapsed, comm[0]], dtype=torch.float64)
     gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
@@ -111,35 +135,53 @@ def worker(args) -> None:
     if rank == 0:
         step_s = max(float(g[0]) for g in gathered) / args.steps
         share = sum(float(g[1] / g[0]) for g in gathered) / world
-        print("RESULT " + json.dumps({"backend": args.backend, "world": world, "params": params,
+        print("RESULT " + json.dumps({"backend": args.backend, "parallel": args.parallel, "world": world,
+                                      "params": params,
                                       "step_ms": step_s * 1e3, "tokens_per_s": world * cfg.per_rank * cfg.seq / step_s,
-                                      "comm_share": share, "final_loss": float(loss)}), flush=True)
+                                      "comm_share": share, "final_loss": final_loss}), flush=True)
     dist.destroy_process_group()
+    # Leave without running destructors: gloo's can deadlock (~ProcessGroupGloo, reached from DDP's
+    # reducer with the GIL held, joins a worker thread that waits for the GIL to free a tensor) or
+    # abort ("terminate called without an active exception") after the run is over.
+    sys.stdout.flush()
+    os._exit(0)
 
 
-def run_job(args, backend: str, world: int) -> dict:
-    cmd = [sys.executable, __file__, "--_worker", "--backend", backend] + args.passthrough
+def run_job(args, backend: str, parallel: str, world: int, cluster=None, port: int = 0) -> dict:
+    """One training job; on `cluster` (a NetCluster) args.per_host ranks per host, store on host 0."""
+    cmd = [sys.executable, __file__, "--_worker", "--backend", backend, "--parallel", parallel] + args.passthrough
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, BENCH_STORE=os.path.join(tmp, "store"), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
                    PYTHONWARNINGS="ignore")
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for r in range(world)]
+        procs = []
+        for r in range(world):
+            out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if cluster is None:
+                procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(r), GLOO_SOCKET_IFNAME=env.get(
+                    "GLOO_SOCKET_IFNAME", "lo")), **out))
+                continue
+            # smddp's own topology discovery and interface choice apply: no host or interface override
+            renv = {k: v for k, v in env.items() if k not in ("SMDDP_HOST_ID", "SMDDP_SOCKET_IFNAME")}
+            renv.update(RANK=str(r), LOCAL_RANK=str(r % args.per_host), MASTER_ADDR=cluster.address(0),
+                        MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0")
+            procs.append(cluster.popen(r // args.per_host, cmd, env=renv, **out))
         outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-    # gloo sometimes aborts in its destructors at interpreter exit ("terminate called without an
-    # active exception"), after the run is over: that is not a failed run.
-    failed = [o for p, o in zip(procs, outs)
-              if p.returncode and not (backend == "gloo" and GLOO_EXIT_RACE in o and "RESULT " in outs[0])]
+    failed = [o for p, o in zip(procs, outs) if p.returncode]
     if failed:
-        sys.exit(f"{backend} world {world} failed:\n" + "\n".join(o[-2000:] for o in failed))
+        sys.exit(f"{backend} {parallel} world {world} failed:\n" + "\n".join(o[-2000:] for o in failed))
     line = next(ln for ln in outs[0].splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--worlds", default="2,4", help="ranks on this machine (ignored with --hosts)")
     p.add_argument("--backends", default="gloo,smddp", help="the first is the baseline of the ratios")
+    p.add_argument("--parallel", default="fsdp2", help="comma list of fsdp2, ddp")
+    p.add_argument("--hosts", type=int, default=0, help="run on an emulated cluster of this many hosts (root)")
+    p.add_argument("--per-host", type=int, default=1, help="ranks per emulated host")
+    p.add_argument("--rate", default="1gbit", help="emulated hosts' link rate (tc units), or 'none'")
+    p.add_argument("--delay", default=None, help="one-way delay added to every packet between hosts, e.g. 1ms")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds per world; the best counts")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
@@ -157,30 +199,53 @@ def main() -> None:
     if args._worker:
         worker(args)
         return
+    parallels = args.parallel.split(",")
+    if not set(parallels) <= {"fsdp2", "ddp"}:
+        p.error(f"--parallel {args.parallel!r}: expected a comma list of fsdp2, ddp")
     args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}"
                         for k in ("steps", "warmup", "vocab", "dim", "heads", "layers", "seq", "per_rank")]
     backends = args.backends.split(",")
-    print(f"# FSDP2 on CPU: Llama-style LM, vocab {args.vocab}, width {args.dim}, {args.heads} heads, "
-          f"{args.layers} blocks, sequences of {args.seq} tokens, {args.per_rank} per rank and step, AdamW, "
-          f"fp32; {args.warmup} warm-up + {args.steps} timed steps, best of {args.rounds} alternating rounds",
-          flush=True)
-    results = []
-    for world in map(int, args.worlds.split(",")):
-        best = {}
-        for rnd in range(args.rounds):
-            for backend in backends if rnd % 2 == 0 else reversed(backends):
-                r = run_job(args, backend, world)
-                print(f"#   world {world} round {rnd + 1} {backend}: {r['step_ms']:.1f} ms/step", flush=True)
-                if backend not in best or r["step_ms"] < best[backend]["step_ms"]:
-                    best[backend] = r
-        results += [best[b] for b in backends]
+    print(f"# {' and '.join(x.upper() for x in parallels)} on CPU: Llama-style LM, vocab {args.vocab}, width {args.dim}, "
+          f"{args.heads} heads, {args.layers} blocks, sequences of {args.seq} tokens, {args.per_rank} per rank and "
+          f"step, AdamW, fp32; {args.warmup} warm-up + {args.steps} timed steps, best of {args.rounds} "
+          "alternating rounds", flush=True)
+    with contextlib.ExitStack() as stack:
+        cluster = None
+        worlds = [int(w) for w in args.worlds.split(",")]
+        if args.hosts:
+            import netcluster
+            why = netcluster.available(delay=bool(args.delay))
+            if why:
+                sys.exit(f"bench_training: cannot build the emulated cluster: {why}")
+            rate = None if args.rate == "none" else args.rate
+            cluster = stack.enter_context(netcluster.NetCluster(args.hosts, rate=rate, delay=args.delay))
+            worlds = [args.hosts * args.per_host]
+            rtt = statistics.median(cluster.tcp_round_trips(0, 1, count=20)) * 1e3 if args.hosts > 1 else 0.0
+            print(f"# emulated cluster: {args.hosts} hosts x {args.per_host} rank(s), links {rate or 'unshaped'} "
+                  f"(tc htb, both directions), {f'one-way delay {args.delay}' if args.delay else 'no added delay'}, "
+                  f"measured TCP round trip {rtt:.2f} ms", flush=True)
+        results, jobs = [], 0
+        for parallel in parallels:
+            for world in worlds:
+                best = {}
+                for rnd in range(args.rounds):
+                    for backend in backends if rnd % 2 == 0 else reversed(backends):
+                        r = run_job(args, backend, parallel, world, cluster, 29700 + jobs % 200)
+                        jobs += 1
+                        print(f"#   {parallel} world {world} round {rnd + 1} {backend}: {r['step_ms']:.1f} ms/step",
+                              flush=True)
+                        if backend not in best or r["step_ms"] < best[backend]["step_ms"]:
+                            best[backend] = r
+                results += [best[b] for b in backends]
     params = results[0]["params"]
-    print(f"# model: {params / 1e6:.1f} M parameters")
-    print(f"{'world':>5}  {'backend':>8}  {'step ms':>8}  {'tokens/s':>9}  {'comm share':>10}  {'speed-up':>8}  "
-          f"{'final loss':>10}")
+    print(f"# model: {params / 1e6:.1f} M parameters; comm share: FSDP2 = time in collective calls and wait() / step, "
+          "DDP = 1 - step without gradient sync (no_sync) / step")
+    print(f"{'parallel':>8}  {'world':>5}  {'backend':>8}  {'step ms':>8}  {'tokens/s':>9}  {'comm share':>10}  "
+          f"{'speed-up':>8}  {'final loss':>10}")
     for r in results:
-        base = next(x for x in results if x["world"] == r["world"] and x["backend"] == backends[0])
-        print(f"{r['world']:>5}  {r['backend']:>8}  {r['step_ms']:8.1f}  {r['tokens_per_s']:9.0f}  "
+        base = next(x for x in results
+                    if (x["parallel"], x["world"], x["backend"]) == (r["parallel"], r["world"], backends[0]))
+        print(f"{r['parallel']:>8}  {r['world']:>5}  {r['backend']:>8}  {r['step_ms']:8.1f}  {r['tokens_per_s']:9.0f}  "
               f"{100 * r['comm_share']:9.1f}%  {base['step_ms'] / r['step_ms']:7.2f}x  {r['final_loss']:10.4f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
