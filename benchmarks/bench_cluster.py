@@ -76,12 +76,18 @@ def spread(runs):
     return worst
 
 
+def median_cells(runs):
+    """{cell: median over the runs that have it} of a list of {cell: value}."""
+    cells = {key for rows in runs for key in rows}
+    return {key: statistics.median(rows[key] for rows in runs if key in rows) for key in cells}
+
+
 def run_job(cluster, args, impl, port):
     backend, extra = args.variants.get(impl) or IMPLS[impl]
     cfg = {"backend": backend, "mode": "bench", "ops": args.ops, "sizes": args.sizes, "target_s": args.target_s,
            "iters": args.iters, "min_iters": args.min_iters, "warmup": args.warmup}
     procs = cluster.launch_ranks(args.per_host, cfg, port, env=extra)
-    rows, status = {}, []
+    rows, cpu, status = {}, {}, []
     for rank, p in enumerate(procs):
         out, err = p.communicate(timeout=args.timeout)
         for line in out.splitlines():
@@ -90,11 +96,12 @@ def run_job(cluster, args, impl, port):
             msg = json.loads(line)
             if "op" in msg:
                 rows[(msg["op"], msg["size"])] = msg["time_us"]
+                cpu[(msg["op"], msg["size"])] = msg["cpu_us"]
             elif not msg["ok"]:
                 status.append(f"rank {rank}: {msg['errors']}")
         if p.returncode != 0:
             status.append(f"rank {rank} exit {p.returncode}: {err[-1500:]}")
-    return rows, status
+    return rows, cpu, status
 
 
 def main():
@@ -121,6 +128,10 @@ def main():
     p.add_argument("--min-iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--cpu", action="store_true",
+                   help="also print each implementation's CPU time per op (us, mean over ranks: every thread of "
+                        "the process and the kernel's work charged to it, which on this rig includes packet "
+                        "forwarding between the emulated hosts)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every implementation this many times, interleaved (A B C A B C ...), and report "
                         "each cell's median: the emulated links share a noisy machine")
@@ -160,23 +171,25 @@ def main():
           f"{f', queues of {args.queue} packets' if args.queue else ''}), {delay}")
     print(f"# implementations: {', '.join(impls)} (mesh/naive/ring = smddp with SMDDP_NET_ALGO=...)  float32 sum")
     print("# time = us per op (max over ranks of the mean); busbw GB/s (GB = 1e9, nccl-tests factors, n = ranks); "
-          "link% = per-host link traffic / s / slowest link rate")
-    results = {}
+          "link% = per-host link traffic / s / slowest link rate" +
+          ("; cpu us = process CPU time per op (mean over ranks; includes kernel work charged to it)" if args.cpu else ""))
+    results, cpu_results = {}, {}
     t0 = time.monotonic()
     with netcluster.NetCluster(args.hosts, rates=rates, delay=args.delay, congestion=args.congestion,
                                queue=args.queue) as c:
         print(f"# measured TCP round trip host 0 -> host 1: {measure_rtt(c)}; hosts' default TCP congestion control: "
               f"{c.default_congestion(0)} (smddp's connections: SMDDP_NET_CONGESTION, default cubic)")
         runs = {impl: [] for impl in impls}
+        cpu_runs = {impl: [] for impl in impls}
         for r in range(args.repeat):
             for i, impl in enumerate(impls):
-                rows, status = run_job(c, args, impl, 29600 + (r * len(impls) + i) % 200)
+                rows, cpu, status = run_job(c, args, impl, 29600 + (r * len(impls) + i) % 200)
                 runs[impl].append(rows)
+                cpu_runs[impl].append(cpu)
                 for st in status:
                     print(f"# ERROR {impl}: {st}")
-        for impl, rs in runs.items():
-            cells = {key for rows in rs for key in rows}
-            results[impl] = {key: statistics.median(rows[key] for rows in rs if key in rows) for key in cells}
+        for impl in impls:
+            results[impl], cpu_results[impl] = median_cells(runs[impl]), median_cells(cpu_runs[impl])
         if args.repeat > 1:
             print(f"# each cell: the median of {args.repeat} runs, implementations interleaved; time spread "
                   "(max/min - 1) over the runs, largest per implementation: " +
@@ -184,7 +197,8 @@ def main():
     for op in args.ops:
         print("#")
         print(f"# {op}")
-        head = f"#{'size':>11}" + "".join(f"  {im + ' us':>11} {'busbw':>6} {'link%':>5}" for im in impls)
+        cpu_head = f" {'cpu us':>9}" if args.cpu else ""
+        head = f"#{'size':>11}" + "".join(f"  {im + ' us':>11} {'busbw':>6} {'link%':>5}{cpu_head}" for im in impls)
         head += "".join(f"  {im + '/mesh':>10}" for im in impls if im != "mesh" and "mesh" in impls)
         print(head)
         for size in sizes:
@@ -192,12 +206,14 @@ def main():
             for im in impls:
                 t = results[im].get((op, size))
                 if t is None:
-                    line += f"  {'n/a':>11} {'':>6} {'':>5}"
+                    line += f"  {'n/a':>11} {'':>6} {'':>5}" + (f" {'':>9}" if args.cpu else "")
                     continue
                 bus = size / t / 1e3 * factor(op, world)
                 moved = link_bytes(op, size, args.hosts, args.per_host)
                 share = f"{100 * moved / (t * 1e-6) / link:5.0f}" if link else "  n/a"
                 line += f"  {t:11.1f} {bus:6.3f} {share}"
+                if args.cpu:
+                    line += f" {cpu_results[im][(op, size)]:9.1f}"
             for im in impls:
                 if im == "mesh" or "mesh" not in impls:
                     continue

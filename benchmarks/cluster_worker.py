@@ -6,8 +6,9 @@ MASTER_ADDR, MASTER_PORT) and one JSON argument:
    "iters": N, "warmup": N, "target_s": seconds per measurement}
 
 check: every op on every size against a reference; prints {"rank", "ok", "errors", "topology"}.
-bench: rank 0 prints one JSON line per (op, size): {"op", "size", "time_us"} (max over ranks of the
-mean time per op), control traffic on a separate gloo group.
+bench: rank 0 prints one JSON line per (op, size): {"op", "size", "time_us", "cpu_us"} (max over ranks
+of the mean time per op; mean over ranks of the process's CPU time per op), control traffic on a
+separate gloo group.
 """
 
 import json
@@ -130,13 +131,17 @@ def main():
             dist.broadcast(n, src=0, group=ctrl)
             iters = int(n.item())
             dist.barrier(group=ctrl)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 run()
+            # CPU time of the whole process (every thread, and the kernel's work on its behalf).
+            cpu = torch.tensor([(time.process_time() - c0) / iters * 1e6 / world], dtype=torch.float64)
             dt = torch.tensor([(time.perf_counter() - t0) / iters * 1e6], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=ctrl)
+            dist.all_reduce(cpu, group=ctrl)
             if rank == 0:
-                print(json.dumps({"op": op, "size": size, "time_us": dt.item(), "iters": iters}), flush=True)
+                print(json.dumps({"op": op, "size": size, "time_us": dt.item(), "cpu_us": cpu.item(), "iters": iters}),
+                      flush=True)
     print(json.dumps({"rank": rank, "ok": not errors, "errors": errors, "topology": topology}), flush=True)
     dist.barrier(group=ctrl)
     dist.destroy_process_group()

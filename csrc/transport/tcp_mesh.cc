@@ -64,6 +64,10 @@ struct TcpMesh::Conn {
   size_t window = 0;
   uint64_t handed = 0, ackedAtGrowth = 0;  // bytes ever handed to the socket; acked = handed - queued
   bool windowFull = false;  // kMesh: the last pass found the window full
+  // Whether the socket may take (writable) or hold (readable) bytes: false once a call found it
+  // full / empty, true again when poll() says so. The loop calls only sockets that may move, so
+  // a pass costs no system call per idle peer.
+  bool writable = true, readable = true;
   // The current exchange's parts of messages (this lane's stripes) and progress through them.
   struct SendPart {
     const Send* msg;
@@ -373,6 +377,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
         c->recvs.clear();
         c->rx.clear();
         c->sendIdx = c->sendOff = 0;
+        c->writable = c->readable = true;
       }
     }
   } reset{active};
@@ -390,7 +395,11 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
       mh.msg_iovlen = n;
       const ssize_t k = sendmsg(p.fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (k < 0) {
-        if (errno == EAGAIN || errno == EINTR) break;
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN) {
+          p.writable = false;
+          break;
+        }
         peerFailed(p.rank, "sending", errno);
       }
       p.sendOff += static_cast<size_t>(k);
@@ -411,7 +420,11 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
       const auto [buf, want] = p.rx.window();
       const ssize_t k = recv(p.fd, buf, want, MSG_DONTWAIT);
       if (k < 0) {
-        if (errno == EAGAIN || errno == EINTR) break;
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN) {
+          p.readable = false;
+          break;
+        }
         peerFailed(p.rank, "receiving", errno);
       }
       if (k == 0) peerFailed(p.rank, "receiving", 0);
@@ -430,11 +443,11 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
   for (;;) {
     bool moved = false, windowBlocked = false, pending = false;
     for (Conn* p : active) {
-      if (p->receiving()) moved |= recvSome(*p) > 0;
+      if (p->receiving() && p->readable) moved |= recvSome(*p) > 0;
     }
     if (schedule == Schedule::kMesh) {
       for (Conn* p : active) {
-        if (!p->sending() || p->sendHeld()) continue;
+        if (!p->sending() || p->sendHeld() || !p->writable) continue;
         int queued = 0;
         ioctl(p->fd, SIOCOUTQ, &queued);
         const size_t q = static_cast<size_t>(std::max(queued, 0));
@@ -456,39 +469,48 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
       }
     } else {
       for (Conn* p : active) {
-        if (p->sending()) moved |= sendSome(*p, SIZE_MAX) > 0;
+        if (p->sending() && p->writable) moved |= sendSome(*p, SIZE_MAX) > 0;
       }
     }
     for (Conn* p : active) pending |= p->sending() || p->receiving();
     if (!pending) return;
-    if (moved) continue;
-
-    if (wait.abort && wait.abort->load()) {
-      throwError(ErrorCode::kAborted, "the process group was shut down or aborted during an inter-host exchange");
-    }
-    const auto now = Clock::now();
-    if (now >= wait.deadline) {
-      std::string missing;
-      for (Conn* p : active) {
-        if (p->sending() || p->receiving()) missing += (missing.empty() ? "" : ", ") + std::to_string(p->rank);
+    if (!moved) {
+      if (wait.abort && wait.abort->load()) {
+        throwError(ErrorCode::kAborted, "the process group was shut down or aborted during an inter-host exchange");
       }
-      throwError(ErrorCode::kTimeout, "timed out in an inter-host exchange with rank(s) %s (op/step %llu/%llu)",
-                 missing.c_str(), static_cast<unsigned long long>(tag >> kTagStepBits),
-                 static_cast<unsigned long long>(tag & ((1u << kTagStepBits) - 1)));
+      if (Clock::now() >= wait.deadline) {
+        std::string missing;
+        for (Conn* p : active) {
+          if (p->sending() || p->receiving()) missing += (missing.empty() ? "" : ", ") + std::to_string(p->rank);
+        }
+        throwError(ErrorCode::kTimeout, "timed out in an inter-host exchange with rank(s) %s (op/step %llu/%llu)",
+                   missing.c_str(), static_cast<unsigned long long>(tag >> kTagStepBits),
+                   static_cast<unsigned long long>(tag & ((1u << kTagStepBits) - 1)));
+      }
     }
+    // poll() asks only about the sockets last found full or empty. After a pass that moved
+    // bytes it does not wait, only refreshes them (one call instead of one per socket, and a
+    // socket that became ready is served next pass even while others keep moving).
     pfds.clear();
+    bool asking = false;
     for (Conn* p : active) {
       short ev = 0;
-      if (p->receiving() && !p->rx.held()) ev |= POLLIN;
-      if (p->sending() && !p->sendHeld() && !(schedule == Schedule::kMesh && p->windowFull)) ev |= POLLOUT;
+      if (p->receiving() && !p->rx.held() && !p->readable) ev |= POLLIN;
+      if (p->sending() && !p->sendHeld() && !p->writable) ev |= POLLOUT;
+      asking |= ev != 0;
       pfds.push_back({p->fd, ev, 0});
     }
+    if (moved && !asking) continue;
     // A window-blocked peer frees up as acks arrive, which poll() does not report: re-check soon.
     const auto tick = windowBlocked ? std::chrono::milliseconds(1) : kPollTick;
-    const int ms = std::min<int>(msLeft(wait.deadline), static_cast<int>(tick.count()));
+    const int ms = moved ? 0 : std::min<int>(msLeft(wait.deadline), static_cast<int>(tick.count()));
     poll(pfds.data(), pfds.size(), ms);
     for (size_t i = 0; i < pfds.size(); ++i) {
-      if (pfds[i].revents & (POLLERR | POLLNVAL)) peerFailed(active[i]->rank, "waiting", ECONNRESET);
+      const short rev = pfds[i].revents;
+      if (rev & (POLLERR | POLLNVAL)) peerFailed(active[i]->rank, "waiting", ECONNRESET);
+      // A closed peer reads as POLLHUP (and EOF): let recv() see it.
+      if (rev & (POLLIN | POLLHUP)) active[i]->readable = true;
+      if (rev & POLLOUT) active[i]->writable = true;
     }
   }
 }
