@@ -64,9 +64,14 @@ def worker(args) -> None:
     if args.parallel == "ddp":
         model = DDP(model)
     else:
+        mesh = None
+        if args.parallel == "hsdp":  # shard inside groups of consecutive ranks (a host), replicate across
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("cpu", (world // args.shard_degree, args.shard_degree),
+                                    mesh_dim_names=("replicate", "shard"))
         for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     # Communication on the training thread: inside the collective calls, and blocked in wait().
@@ -177,7 +182,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="2,4", help="ranks on this machine (ignored with --hosts)")
     p.add_argument("--backends", default="gloo,smddp", help="the first is the baseline of the ratios")
-    p.add_argument("--parallel", default="fsdp2", help="comma list of fsdp2, ddp")
+    p.add_argument("--parallel", default="fsdp2",
+                   help="comma list of fsdp2, hsdp (FSDP2 hybrid: shard over --shard-degree consecutive ranks, "
+                        "replicate across those groups), ddp")
+    p.add_argument("--shard-degree", type=int, default=0,
+                   help="hsdp's shard group size (default: --per-host with --hosts, else 2)")
     p.add_argument("--hosts", type=int, default=0, help="run on an emulated cluster of this many hosts (root)")
     p.add_argument("--per-host", type=int, default=1, help="ranks per emulated host")
     p.add_argument("--rate", default="1gbit", help="emulated hosts' link rate (tc units), or 'none'")
@@ -200,12 +209,14 @@ def main() -> None:
         worker(args)
         return
     parallels = args.parallel.split(",")
-    if not set(parallels) <= {"fsdp2", "ddp"}:
-        p.error(f"--parallel {args.parallel!r}: expected a comma list of fsdp2, ddp")
+    if not set(parallels) <= {"fsdp2", "hsdp", "ddp"}:
+        p.error(f"--parallel {args.parallel!r}: expected a comma list of fsdp2, hsdp, ddp")
+    args.shard_degree = args.shard_degree or (args.per_host if args.hosts else 2)
     args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}"
-                        for k in ("steps", "warmup", "vocab", "dim", "heads", "layers", "seq", "per_rank")]
+                        for k in ("steps", "warmup", "shard_degree", "vocab", "dim", "heads", "layers", "seq", "per_rank")]
     backends = args.backends.split(",")
-    print(f"# {' and '.join(x.upper() for x in parallels)} on CPU: Llama-style LM, vocab {args.vocab}, width {args.dim}, "
+    hsdp = f" (HSDP: shards of {args.shard_degree} consecutive ranks)" if "hsdp" in parallels else ""
+    print(f"# {', '.join(x.upper() for x in parallels)}{hsdp} on CPU: Llama-style LM, vocab {args.vocab}, width {args.dim}, "
           f"{args.heads} heads, {args.layers} blocks, sequences of {args.seq} tokens, {args.per_rank} per rank and "
           f"step, AdamW, fp32; {args.warmup} warm-up + {args.steps} timed steps, best of {args.rounds} "
           "alternating rounds", flush=True)
@@ -224,6 +235,8 @@ def main() -> None:
             print(f"# emulated cluster: {args.hosts} hosts x {args.per_host} rank(s), links {rate or 'unshaped'} "
                   f"(tc htb, both directions), {f'one-way delay {args.delay}' if args.delay else 'no added delay'}, "
                   f"measured TCP round trip {rtt:.2f} ms", flush=True)
+        if "hsdp" in parallels and any(w % args.shard_degree for w in worlds):
+            sys.exit(f"bench_training: hsdp needs world sizes ({worlds}) divisible by the shard degree {args.shard_degree}")
         results, jobs = [], 0
         for parallel in parallels:
             for world in worlds:
@@ -238,7 +251,7 @@ def main() -> None:
                             best[backend] = r
                 results += [best[b] for b in backends]
     params = results[0]["params"]
-    print(f"# model: {params / 1e6:.1f} M parameters; comm share: FSDP2 = time in collective calls and wait() / step, "
+    print(f"# model: {params / 1e6:.1f} M parameters; comm share: FSDP2, HSDP = time in collective calls and wait() / step, "
           "DDP = 1 - step without gradient sync (no_sync) / step")
     print(f"{'parallel':>8}  {'world':>5}  {'backend':>8}  {'step ms':>8}  {'tokens/s':>9}  {'comm share':>10}  "
           f"{'speed-up':>8}  {'final loss':>10}")

@@ -93,11 +93,12 @@ def test_queue_option_bounds_each_shaped_link():
 
 @pytest.mark.timeout(300)
 def test_training_benchmark_across_hosts(tmp_path):
-    # FSDP2 and DDP across 2 emulated hosts x 2 ranks, gloo and smddp: the same model from the same
-    # seed must reach the same loss (up to summation order: 4 ranks) on both backends.
+    # FSDP2, HSDP (sharded inside a host) and DDP across 2 emulated hosts x 2 ranks, gloo and
+    # smddp: the same model from the same seed must reach the same loss (up to summation order:
+    # 4 ranks) on both backends.
     out = tmp_path / "train.json"
     argv = [sys.executable, os.path.join(BENCH_DIR, "bench_training.py"), "--hosts", "2", "--per-host", "2",
-            "--rate", "none", "--parallel", "fsdp2,ddp", "--rounds", "1", "--steps", "2", "--warmup", "1",
+            "--rate", "none", "--parallel", "fsdp2,hsdp,ddp", "--rounds", "1", "--steps", "2", "--warmup", "1",
             "--vocab", "128", "--dim", "32", "--heads", "2", "--layers", "2", "--seq", "16", "--timeout", "200",
             "--json", str(out)]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=280)
@@ -105,7 +106,7 @@ def test_training_benchmark_across_hosts(tmp_path):
     assert "emulated cluster: 2 hosts x 2 rank(s)" in p.stdout, p.stdout
     res = json.loads(out.read_text())
     assert [(r["parallel"], r["backend"], r["world"]) for r in res] == [
-        ("fsdp2", "gloo", 4), ("fsdp2", "smddp", 4), ("ddp", "gloo", 4), ("ddp", "smddp", 4)], res
-    for gloo, smddp in (res[0:2], res[2:4]):
+        (par, backend, 4) for par in ("fsdp2", "hsdp", "ddp") for backend in ("gloo", "smddp")], res
+    for gloo, smddp in (res[0:2], res[2:4], res[4:6]):
         assert smddp["final_loss"] == pytest.approx(gloo["final_loss"], rel=1e-5), res
     assert all(r["step_ms"] > 0 and 0 <= r["comm_share"] < 1 for r in res), res
