@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Training benchmark: a Llama-style causal LM trained with FSDP2 or DDP on CPU, gloo and smddp in one run.
+"""Training benchmark: a Llama-style causal LM trained with FSDP2, HSDP or DDP on CPU, gloo and smddp in one run.
 
 The model is examples/smp_llama.py's (RMSNorm, causal multi-head attention, SwiGLU MLP) at a larger
 size, random init from a fixed seed, on synthetic tokens (no downloads). FSDP2 `fully_shard` per
-block and at the root, or DDP (default buckets); AdamW. For each world size the backends run one
+block and at the root; HSDP the same on a 2-D device mesh (sharded over --shard-degree
+consecutive ranks, replicated across those groups); or DDP (default buckets); AdamW. For each world size the backends run one
 after the other, in alternating rounds, and the best round of each counts (noise on a shared VM
 only ever slows a run).
 
 Per backend and world: step time, tokens/s, and the share of the step that communication adds.
-FSDP2: time the training thread spends inside torch.distributed's collective calls plus time
+FSDP2 and HSDP: time the training thread spends inside torch.distributed's collective calls plus time
 blocked in `Work.wait()` (what is not hidden behind compute), measured by wrapping those entry
 points. DDP's reducer calls the process group from C++, out of reach of such wrappers, so for DDP
 it is 1 - (step time under `no_sync()`, no gradient allreduce) / (step time).
@@ -18,7 +19,7 @@ network-namespace "hosts" of --per-host ranks each, links shaped by --rate and -
 store on host 0 (env://), so every byte between hosts crosses the emulated links.
 
     python benchmarks/bench_training.py --worlds 2,4 --steps 8
-    sudo python benchmarks/bench_training.py --hosts 2 --per-host 2 --rate 1gbit --parallel fsdp2,ddp
+    sudo python benchmarks/bench_training.py --hosts 2 --per-host 2 --rate 1gbit --parallel fsdp2,hsdp,ddp
 """
 from __future__ import annotations
 
@@ -162,8 +163,8 @@ def run_job(args, backend: str, parallel: str, world: int, cluster=None, port: i
         for r in range(world):
             out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if cluster is None:
-                procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(r), GLOO_SOCKET_IFNAME=env.get(
-                    "GLOO_SOCKET_IFNAME", "lo")), **out))
+                env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+                procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(r)), **out))
                 continue
             # smddp's own topology discovery and interface choice apply: no host or interface override
             renv = {k: v for k, v in env.items() if k not in ("SMDDP_HOST_ID", "SMDDP_SOCKET_IFNAME")}
