@@ -410,6 +410,11 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
         ++p.sendIdx;
         p.sendOff = 0;
       }
+      // A short write filled the socket: asking again would only return EAGAIN.
+      if (static_cast<size_t>(k) < iov[0].iov_len + (n > 1 ? iov[1].iov_len : 0)) {
+        p.writable = false;
+        break;
+      }
     }
     return total;
   };
@@ -433,6 +438,11 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
       if (done) {
         const size_t i = static_cast<size_t>(done - recvs.data());
         if (--partsLeft[i] == 0 && onReceived) onReceived(i);
+      }
+      // A short read emptied the socket: asking again would only return EAGAIN.
+      if (static_cast<size_t>(k) < want) {
+        p.readable = false;
+        break;
       }
     }
     return total;
