@@ -307,6 +307,7 @@ bool NetP2p::progressSends(Peer& p) {
         }
         moved = true;
         l.sendOff += static_cast<size_t>(k);
+        if (static_cast<size_t>(k) < net::wire::iovBytes(iov, n)) break;  // the socket is full: wait for poll()
       }
       left |= Peer::partLeft(op, lane, l.sendOff, lanes_);
     }
@@ -366,6 +367,7 @@ bool NetP2p::progressRecvs(Peer& p) {
         if (k == 0) break;
         moved = true;
         (inHeader ? l.recvHdrGot : l.recvOff) += static_cast<size_t>(k);
+        if (static_cast<size_t>(k) < want) break;  // the socket is empty: wait for poll()
       }
       left |= Peer::partLeft(op, lane, l.recvHdrGot + l.recvOff, lanes_);
     }

@@ -411,7 +411,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
         p.sendOff = 0;
       }
       // A short write filled the socket: asking again would only return EAGAIN.
-      if (static_cast<size_t>(k) < iov[0].iov_len + (n > 1 ? iov[1].iov_len : 0)) {
+      if (static_cast<size_t>(k) < wire::iovBytes(iov, n)) {
         p.writable = false;
         break;
       }

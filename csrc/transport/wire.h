@@ -108,6 +108,9 @@ inline int nextIov(iovec (&iov)[2], const MsgHeader& hdr, size_t sent, const voi
   return n;
 }
 
+// Bytes the first `n` of `iov` hold. A non-blocking send that took fewer filled the socket.
+inline size_t iovBytes(const iovec (&iov)[2], int n) { return iov[0].iov_len + (n > 1 ? iov[1].iov_len : 0); }
+
 // One message as one connection carries it: the header names the whole message's bytes, the
 // payload is this connection's stripe.
 struct LanePart {
