@@ -104,7 +104,7 @@ def worker(args) -> None:
 
     for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
                  "all_reduce", "broadcast"):
-        if hasattr(dist, name):
+        if hasattr(dist, name) and args.parallel != "ddp":  # DDP's reducer calls the group from C++
             setattr(dist, name, timed(getattr(dist, name)))
 
     def step(i):
@@ -156,21 +156,15 @@ def worker(args) -> None:
 def run_job(args, backend: str, parallel: str, world: int, cluster=None, port: int = 0) -> dict:
     """One training job; on `cluster` (a NetCluster) args.per_host ranks per host, store on host 0."""
     cmd = [sys.executable, __file__, "--_worker", "--backend", backend, "--parallel", parallel] + args.passthrough
+    out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, BENCH_STORE=os.path.join(tmp, "store"), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-                   PYTHONWARNINGS="ignore")
-        procs = []
-        for r in range(world):
-            out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            if cluster is None:
-                env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-                procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(r)), **out))
-                continue
-            # smddp's own topology discovery and interface choice apply: no host or interface override
-            renv = {k: v for k, v in env.items() if k not in ("SMDDP_HOST_ID", "SMDDP_SOCKET_IFNAME")}
-            renv.update(RANK=str(r), LOCAL_RANK=str(r % args.per_host), MASTER_ADDR=cluster.address(0),
-                        MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0")
-            procs.append(cluster.popen(r // args.per_host, cmd, env=renv, **out))
+        if cluster is not None:
+            procs = cluster.launch(args.per_host, cmd, port, env={"PYTHONWARNINGS": "ignore"}, **out)
+        else:
+            env = dict(os.environ, BENCH_STORE=os.path.join(tmp, "store"), WORLD_SIZE=str(world),
+                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r)), **out) for r in range(world)]
         outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
     failed = [o for p, o in zip(procs, outs) if p.returncode]
     if failed:

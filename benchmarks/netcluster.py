@@ -199,12 +199,11 @@ class NetCluster:
         self.procs.append(p)
         return p
 
-    def launch_ranks(self, per_host, cfg, port, env=None):
-        """Starts benchmarks/cluster_worker.py with `cfg` as `per_host` ranks on every host, with
-        torchrun's variables (rank 0 on host 0 is the rendezvous) and `env` on top; smddp's own
-        topology discovery and interface choice apply (SMDDP_HOST_ID / SMDDP_SOCKET_IFNAME are
-        removed). Returns the processes, rank order, with text stdout/stderr pipes."""
-        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_worker.py")
+    def launch(self, per_host, argv, port, env=None, **kw):
+        """Starts argv as `per_host` ranks on every host, with torchrun's variables (rank 0 on
+        host 0 is the rendezvous) and `env` on top; smddp's own topology discovery and interface
+        choice apply (SMDDP_HOST_ID / SMDDP_SOCKET_IFNAME are removed). `kw` goes to Popen.
+        Returns the processes, rank order."""
         world = self.n * per_host
         procs = []
         for rank in range(world):
@@ -213,9 +212,14 @@ class NetCluster:
                         OMP_NUM_THREADS="1", **(env or {}))
             for k in ("SMDDP_HOST_ID", "SMDDP_SOCKET_IFNAME"):
                 renv.pop(k, None)
-            procs.append(self.popen(rank // per_host, [sys.executable, worker, json.dumps(cfg)], env=renv,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            procs.append(self.popen(rank // per_host, argv, env=renv, **kw))
         return procs
+
+    def launch_ranks(self, per_host, cfg, port, env=None):
+        """launch() of benchmarks/cluster_worker.py with `cfg`, text stdout/stderr pipes."""
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_worker.py")
+        return self.launch(per_host, [sys.executable, worker, json.dumps(cfg)], port, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def default_congestion(self, i):
         """Host i's default TCP congestion control."""
