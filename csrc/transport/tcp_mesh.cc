@@ -82,6 +82,17 @@ struct TcpMesh::Conn {
 
   bool sending() const { return sendIdx < sends.size(); }
   bool receiving() const { return !rx.done(); }
+  // Payload bytes the socket has taken of this exchange's parts, and of how many (for reports).
+  size_t sent() const {
+    size_t n = sendOff > kHeaderBytes ? sendOff - kHeaderBytes : 0;
+    for (size_t i = 0; i < sendIdx; ++i) n += sends[i].bytes;
+    return n;
+  }
+  size_t toSend() const {
+    size_t n = 0;
+    for (const SendPart& part : sends) n += part.bytes;
+    return n;
+  }
   // The next message to send waits for its data (Send::ready).
   bool sendHeld() const {
     return sending() && sendOff == 0 && sends[sendIdx].msg->ready != nullptr && !*sends[sendIdx].msg->ready;
@@ -329,6 +340,48 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
   }
 }
 
+std::string TcpMesh::stallReport(const std::vector<Conn*>& active) const {
+  // Per peer, over its lanes: what is still to arrive from it, what it has not taken of this
+  // rank's data, and whether the rest waits on data from other peers (a held message).
+  struct Peer {
+    size_t arrived = 0, expected = 0, sent = 0, toSend = 0;
+    bool seen = false, waitingForIt = false, notTaking = false, held = false;
+  };
+  std::vector<int> order;
+  std::vector<Peer> peers(topo_.size);
+  for (const Conn* c : active) {
+    Peer& p = peers[c->rank];
+    if (!p.seen) order.push_back(c->rank);
+    p.seen = true;
+    p.arrived += c->rx.arrived();
+    p.expected += c->rx.expected();
+    p.sent += c->sent();
+    p.toSend += c->toSend();
+    p.waitingForIt |= c->receiving() && !c->rx.held();
+    p.notTaking |= c->sending() && !c->sendHeld();
+    p.held |= c->rx.held() || c->sendHeld();
+  }
+  std::string waitingFor, notTaking, held;
+  auto add = [](std::string& list, const std::string& item) { list += (list.empty() ? "" : ", ") + item; };
+  for (int r : order) {
+    const Peer& p = peers[r];
+    const std::string who = "rank " + std::to_string(r) + " on " + topo_.describeHost(topo_.hostOf[r]);
+    if (p.waitingForIt) {
+      add(waitingFor, who + " (" + std::to_string(p.arrived) + " of " + std::to_string(p.expected) + " bytes arrived)");
+    }
+    if (p.notTaking) {
+      add(notTaking, who + " (" + std::to_string(p.sent) + " of " + std::to_string(p.toSend) + " bytes taken)");
+    }
+    if (p.held && !p.waitingForIt && !p.notTaking) add(held, std::to_string(r));
+  }
+  std::string report;
+  auto clause = [&report](const std::string& text) { report += (report.empty() ? "" : "; ") + text; };
+  if (!waitingFor.empty()) clause("waiting for data from " + waitingFor);
+  if (!notTaking.empty()) clause("not read by " + notTaking);
+  if (!held.empty()) clause("the rest of the exchange with rank(s) " + held + " waits on that");
+  return report;
+}
+
 void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::vector<Recv>& recvs,
                        const shm::WaitContext& wait, Schedule schedule,
                        const std::function<void(size_t)>& onReceived) {
@@ -489,13 +542,9 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
         throwError(ErrorCode::kAborted, "the process group was shut down or aborted during an inter-host exchange");
       }
       if (Clock::now() >= wait.deadline) {
-        std::string missing;
-        for (Conn* p : active) {
-          if (p->sending() || p->receiving()) missing += (missing.empty() ? "" : ", ") + std::to_string(p->rank);
-        }
-        throwError(ErrorCode::kTimeout, "timed out in an inter-host exchange with rank(s) %s (op/step %llu/%llu)",
-                   missing.c_str(), static_cast<unsigned long long>(tag >> kTagStepBits),
-                   static_cast<unsigned long long>(tag & ((1u << kTagStepBits) - 1)));
+        throwError(ErrorCode::kTimeout, "timed out in an inter-host exchange (step %llu): %s; they may have hung, "
+                   "be doing other work, or be issuing a different sequence of collectives",
+                   static_cast<unsigned long long>(tag & ((1u << kTagStepBits) - 1)), stallReport(active).c_str());
       }
     }
     // poll() asks only about the sockets last found full or empty. After a pass that moved

@@ -76,6 +76,8 @@ class TcpMesh {
   explicit TcpMesh(const Topology& topo);
   std::vector<std::unique_ptr<Conn>>& lanesTo(int rank);
   [[noreturn]] void peerFailed(int rank, const char* what, int err);
+  // What an exchange that timed out still waits for, peer by peer.
+  std::string stallReport(const std::vector<Conn*>& active) const;
 
   Topology topo_;
   LocalAddress addr_;

@@ -79,6 +79,18 @@ std::pair<char*, size_t> RecvCursor::window() {
   return {part.data + got, part.bytes - got};
 }
 
+size_t RecvCursor::arrived() const {
+  size_t n = off_ > kHeaderBytes ? off_ - kHeaderBytes : 0;
+  for (size_t i = 0; i < idx_ && i < expected_.size(); ++i) n += expected_[i].bytes;
+  return n;
+}
+
+size_t RecvCursor::expected() const {
+  size_t n = 0;
+  for (const LanePart& part : expected_) n += part.bytes;
+  return n;
+}
+
 const Recv* RecvCursor::advance(size_t k) {
   const LanePart& part = expected_[idx_];
   const Recv& r = *part.msg;

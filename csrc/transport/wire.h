@@ -136,6 +136,9 @@ class RecvCursor {
   // does not match the expected message throws HeaderMismatch.
   // Returns the message whose part these bytes completed, or null.
   const Recv* advance(size_t k);
+  // Payload bytes arrived so far, of the `expected()` this connection carries (for reports).
+  size_t arrived() const;
+  size_t expected() const;
 
  private:
   std::vector<LanePart> expected_;

@@ -5,7 +5,8 @@
 // sides; messages striped over several connections per pair arrive intact and are reported once,
 // and a size mismatch is caught on the first stripe; a peer that goes away is reported promptly;
 // a later connection round adds the missing connections of a group (a rank with none to add
-// taking part); a dial to a peer that never answers ends at the deadline or an abort; the
+// taking part); a dial to a peer that never answers ends at the deadline or an abort; an exchange
+// that times out says what it still waits for from each peer; the
 // connections' congestion control is the one asked for, and an unknown one is
 // refused with the reason. Prints "N passed, N failed".
 #include <arpa/inet.h>
@@ -297,6 +298,48 @@ void testStripedSizeMismatch(const std::string& dir) {
          "striped size mismatch refused with both sizes: " + errors[1]);
 }
 
+// An exchange that times out says, peer by peer, what it still waits for: rank 1 sends only the
+// first of the two messages rank 0 expects and reads nothing of rank 0's 64 MiB (more than the
+// sockets of the three lanes hold).
+void testStalledExchangeReport(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  std::unique_ptr<net::TcpMesh> meshes[2];
+  std::thread r1([&] { meshes[1] = net::TcpMesh::create(store, twoHosts(1), {0}, std::chrono::seconds(30)); });
+  meshes[0] = net::TcpMesh::create(store, twoHosts(0), {1}, std::chrono::seconds(30));
+  r1.join();
+  const size_t small = 1000, big = 64u << 20;
+  std::vector<uint8_t> first(small, 1), in(2 * small), out(big, 2);
+  std::string error = "no error", peerError;
+  bool timedOut = false;
+  std::atomic<bool> done{false};
+  std::thread peer([&] {
+    try {
+      meshes[1]->exchange(net::makeTag(5, 0), {{0, first.data(), small}}, {}, waitFor(std::chrono::seconds(5)),
+                          net::Schedule::kMesh);
+    } catch (const std::exception& e) {
+      peerError = e.what();
+    }
+    while (!done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  });
+  try {
+    meshes[0]->exchange(net::makeTag(5, 0), {{1, out.data(), big}},
+                        {{1, in.data(), small}, {1, in.data() + small, small}}, waitFor(std::chrono::seconds(1)),
+                        net::Schedule::kMesh);
+  } catch (const Error& e) {
+    error = e.what();
+    timedOut = e.code() == ErrorCode::kTimeout;
+  }
+  done.store(true);
+  peer.join();
+  expect(peerError.empty(), "the peer's part of the exchange completes: " + peerError);
+  expect(timedOut && error.find("waiting for data from rank 1 on ") != std::string::npos &&
+             error.find("(1000 of 2000 bytes arrived)") != std::string::npos,
+         "the timeout says what has arrived from the peer: " + error);
+  expect(error.find("not read by rank 1 on ") != std::string::npos &&
+             error.find(" of " + std::to_string(big) + " bytes taken)") != std::string::npos,
+         "the timeout says the peer is not reading: " + error);
+}
+
 // Three ranks, each its own host: the mesh starts as a chain 0-1-2; a second round connects 0
 // and 2 (rank 1, with nothing to add, takes part), then every pair exchanges.
 void testConnectLater(const std::string& dir) {
@@ -461,6 +504,10 @@ int main() {
   if (!mkdtemp(tmpl4)) return 1;
   testDialToSilentPeer(tmpl4);
   std::filesystem::remove_all(tmpl4);
+  char tmpl5[] = "/tmp/smddp_net_tests.XXXXXX";
+  if (!mkdtemp(tmpl5)) return 1;
+  testStalledExchangeReport(tmpl5);
+  std::filesystem::remove_all(tmpl5);
   printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }
