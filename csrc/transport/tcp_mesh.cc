@@ -127,7 +127,8 @@ std::vector<std::unique_ptr<TcpMesh::Conn>>& TcpMesh::lanesTo(int rank) {
 
 void TcpMesh::peerFailed(int rank, const char* what, int err) {
   throwError(ErrorCode::kRemoteError,
-             "the connection to rank %d on %s failed while %s (%s): that rank exited, crashed or aborted",
+             "the connection to rank %d on %s failed while %s (%s): that rank exited, crashed, or gave up the "
+             "group (an abort, or an error of its own such as a timeout: its log says which)",
              rank, topo_.describeHost(topo_.hostOf[rank]).c_str(), what,
              err == 0 ? "closed by the peer" : errnoString(err).c_str());
 }
