@@ -82,8 +82,9 @@ def _run(*argv, check=True):
 
 
 class NetCluster:
-    def __init__(self, hosts, rate=None, rates=None, delay=None, net=None, congestion=None, queue=None):
+    def __init__(self, hosts, rate=None, rates=None, delay=None, net=None, congestion=None, queue=None, ipv6=False):
         self.n = hosts
+        self.ipv6 = ipv6  # hosts get an IPv6 address too, and address() gives it
         self.queue = queue
         self.congestion = congestion
         self.rates = list(rates) if rates else [rate] * hosts
@@ -109,6 +110,9 @@ class NetCluster:
         self.close()
 
     def address(self, i):
+        return f"fd00:{self.net}::{i + 1}" if self.ipv6 else self.address_v4(i)
+
+    def address_v4(self, i):
         return f"10.{self.net}.0.{i + 1}"
 
     def _up(self):
@@ -124,7 +128,9 @@ class NetCluster:
                  "netns", ns)
             _run("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "addr", "add", f"{self.address_v4(i)}/24", "dev", "eth0")
+            if self.ipv6:  # nodad: usable at once, not after duplicate address detection
+                _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/64", "dev", "eth0", "nodad")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
             if self.congestion:
                 self._set_congestion(ns)
@@ -230,7 +236,7 @@ class NetCluster:
         to host b: the latency the collectives see (ICMP may take another path through the
         delay line)."""
         server = self.popen(b, [sys.executable, "-c", _ECHO, "server", str(port)])
-        client = self.popen(a, [sys.executable, "-c", _ECHO, "client", str(port), self.address(b), str(count)],
+        client = self.popen(a, [sys.executable, "-c", _ECHO, "client", str(port), self.address_v4(b), str(count)],
                             stdout=subprocess.PIPE, text=True)
         try:
             out = client.communicate(timeout=60)[0]

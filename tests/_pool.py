@@ -46,6 +46,16 @@ def backend_name():
     return os.environ.get("SMDDP_TEST_BACKEND", "smddp")
 
 
+def ipv6_available():
+    """Whether this machine can bind the IPv6 loopback address (IPv6 is not disabled)."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
 def free_port():
     """A port that is free now and outside the kernel's ephemeral range: a port from that range
     (what binding port 0 returns) can be taken by any outgoing connection, and the tests open

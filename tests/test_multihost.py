@@ -7,6 +7,8 @@ and naive schedules get the allreduce matrix too. A real multi-host run across n
 namespaces is in test_netns.py."""
 
 import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -415,3 +417,79 @@ def test_other_schedules(pools, topo, algo):
           "arS", env=env)
     check(pools, topo, all_gather_tensor_forms, [7, "large"], ["float32"], env=env)
     check(pools, topo, reduce_scatter_tensor_forms, [333], ["float32"], ["SUM"], "rsS", env=env)
+
+
+def address_family_task(rank, world, family):
+    rep = Report(rank)
+    with rep.cell(f"{family} address"):
+        info = dist.group.WORLD._get_backend(torch.device("cpu"))._topology()
+        address = info["net_address"]
+        rep.expect((":" in address) == (family == "AF_INET6"),
+                   f"rank {rank}: SMDDP_SOCKET_FAMILY={family} but the mesh listens on {address} ({info['net_interface']})")
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not _pool.ipv6_available(), reason="this machine cannot bind ::1 (IPv6 disabled)")
+@pytest.mark.parametrize("topo", ["0011", "012"])
+def test_ipv6(pools, topo):
+    """SMDDP_SOCKET_FAMILY=AF_INET6: the mesh and the point-to-point engine listen and connect over
+    IPv6 (a global address where the machine has one, else ::1), collectives and send/recv
+    against their references."""
+    env = NET_ENV + (("SMDDP_SOCKET_FAMILY", "AF_INET6"),)
+    check(pools, topo, address_family_task, "AF_INET6", env=env)
+    check(pools, topo, allreduce_matrix, [7, "large"], ["float32"], ["SUM"], "arS", env=env)
+    check(pools, topo, all_gather_tensor_forms, [1001], ["float32"], env=env)
+    check(pools, topo, alltoall_cases, 1 << 12, ["float32"], env=env)
+    check(pools, topo, ping_pong, ["float32"], P2P_SIZES, env=env)
+    check(pools, topo, address_family_task, "AF_INET6", env=env)
+    ipv4 = NET_ENV + (("SMDDP_SOCKET_FAMILY", "AF_INET"),)
+    check(pools, topo, address_family_task, "AF_INET", env=ipv4)
+
+
+IFACE_CHILD = r"""
+import sys, torch, torch.distributed as dist
+import smddp
+rank = int(sys.argv[1])
+try:
+    dist.init_process_group("smddp", init_method=sys.argv[2], rank=rank, world_size=2)
+    info = dist.group.WORLD._get_backend(torch.device("cpu"))._topology()
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    print("OK", info["net_interface"], info["net_address"], t.tolist(), flush=True)
+    dist.destroy_process_group()
+except Exception as e:
+    print("ERROR", type(e).__name__, str(e).splitlines()[0], flush=True)
+"""
+
+
+def _two_hosts_with(settings):
+    """Ranks 0 and 1 as two emulated hosts with `settings` in their environment; their outputs."""
+    url = f"tcp://127.0.0.1:{_pool.free_port()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pool.TESTS_DIR, **settings)
+    procs = [subprocess.Popen([sys.executable, "-c", IFACE_CHILD, str(r), url], env=dict(env, SMDDP_HOST_ID=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
+    return outs
+
+
+@pytest.mark.parametrize("settings, want", [
+    ({"SMDDP_SOCKET_IFNAME": "=lo"}, "OK lo 127.0.0.1 [2.0, 2.0, 2.0]"),
+    ({"SMDDP_SOCKET_IFNAME": "=lo", "SMDDP_SOCKET_FAMILY": "AF_INET6"}, "OK lo ::1 [2.0, 2.0, 2.0]"),
+    ({"SMDDP_SOCKET_IFNAME": "nosuch0,nosuch1"},
+     "ERROR ValueError smddp rank {rank}: SMDDP_SOCKET_IFNAME=nosuch0,nosuch1 matches no interface that is up with an IPv4 or "
+     "IPv6 address (have: lo"),
+    ({"SMDDP_SOCKET_IFNAME": "=l", "SMDDP_SOCKET_FAMILY": "AF_INET"},
+     "ERROR ValueError smddp rank {rank}: SMDDP_SOCKET_IFNAME==l matches no interface that is up with an IPv4 address"),
+    ({"SMDDP_SOCKET_FAMILY": "AF_INET7"},
+     "ERROR ValueError smddp rank {rank}: SMDDP_SOCKET_FAMILY=AF_INET7: expected AF_INET, AF_INET6 or nothing"),
+], ids=["lo", "lo_ipv6", "no_match", "exact_no_prefix", "bad_family"])
+def test_interface_and_family_choice(settings, want):
+    """SMDDP_SOCKET_IFNAME (NCCL syntax) and SMDDP_SOCKET_FAMILY pick the mesh's address; a choice
+    that matches nothing, or an unknown family, fails init_process_group on every rank with a
+    ValueError naming the rank, the setting and what there is, and leaves nothing in /dev/shm."""
+    if settings.get("SMDDP_SOCKET_FAMILY") == "AF_INET6" and not _pool.ipv6_available():
+        pytest.skip("this machine cannot bind ::1 (IPv6 disabled)")
+    outs = _two_hosts_with(settings)
+    for rank, out in enumerate(outs):
+        assert want.format(rank=rank) in out, f"rank {rank}:\n{out[-2000:]}"

@@ -36,8 +36,11 @@ def run_job(cluster, cfg, timeout=240):
     return results, logs
 
 
-def test_two_hosts_over_network_namespaces():
-    with netcluster.NetCluster(HOSTS) as c:
+@pytest.mark.parametrize("ipv6", [False, True], ids=["ipv4", "ipv6"])
+def test_two_hosts_over_network_namespaces(ipv6):
+    """With ipv6 the hosts also have IPv6 addresses and MASTER_ADDR is host 0's: the store and
+    smddp's connections (the address that routes to MASTER_ADDR) go over IPv6."""
+    with netcluster.NetCluster(HOSTS, ipv6=ipv6) as c:
         before = [c.link_bytes(h) for h in range(HOSTS)]
         cfg = {"backend": "smddp", "mode": "check",
                "ops": ["allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv"],
@@ -50,6 +53,7 @@ def test_two_hosts_over_network_namespaces():
         assert (t["hosts"], t["local_size"], t["transport"]) == (str(HOSTS), str(PER_HOST), "shm+tcp"), t
         # The namespaces share one kernel and its cores: every rank counts all of them.
         assert t["machine_ranks"] == str(HOSTS * PER_HOST), t
+        assert t["net_interface"] == "eth0" and (":" in t["net_address"]) == ipv6, t
     for h in range(HOSTS):
         tx = after[h][0] - before[h][0]
         rx = after[h][1] - before[h][1]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _pool import free_port
+from _pool import free_port, ipv6_available
 
 BIN = Path(__file__).resolve().parent.parent / "python" / "smddp" / "bin"
 ALIASES = ["all_reduce_perf", "all_gather_perf", "reduce_scatter_perf", "broadcast_perf"]
@@ -59,14 +59,18 @@ def test_bad_arguments_fail_with_usage():
     assert p.returncode == 2 and "unknown datatype complex64" in p.stderr
 
 
-@pytest.mark.parametrize("hosts", ["0000", "0011"])
-def test_torchrun_style_launch(hosts):
+@pytest.mark.parametrize("hosts, master", [("0000", "127.0.0.1"), ("0011", "127.0.0.1"), ("0011", "::1")],
+                         ids=["one_host", "2x2", "2x2_ipv6"])
+def test_torchrun_style_launch(hosts, master):
     """Without -np, RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT make each process one rank of a job
     (rank 0 serves the bootstrap store); SMDDP_HOST_ID splits the ranks into emulated hosts, so
-    "0011" runs the inter-host (TCP mesh) path."""
+    "0011" runs the inter-host (TCP mesh) path; with MASTER_ADDR=::1 the store and the mesh
+    (which takes the address that routes to MASTER_ADDR) run over IPv6."""
+    if ":" in master and not ipv6_available():
+        pytest.skip("this machine cannot bind ::1 (IPv6 disabled)")
     port = free_port()
     procs = [subprocess.Popen([str(BIN / "all_gather_perf"), "-b", "8", "-e", "64K", "-f", "16", "-n", "2", "-w", "1"],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="4", MASTER_ADDR=master,
                                        MASTER_PORT=str(port), SMDDP_HOST_ID=hosts[r]),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
     outs = []

@@ -49,6 +49,10 @@ Communicator::Communicator(Store& store, int rank, int size, std::chrono::millis
     : store_(store),
       rank_(rank),
       size_(size),
+      // Local choices first, before any store exchange: a setting that fails them
+      // (SMDDP_SOCKET_IFNAME, SMDDP_SOCKET_FAMILY) then fails every rank alike, instead of failing
+      // rank 0 first and taking the store its process hosts from ranks still using it.
+      netAddr_(size > 1 ? net::chooseLocalAddress() : net::LocalAddress{}),
       topo_(discoverAfterShmCheck(store, rank, size)),
       cpuClaim_(topo_.cpuShare),
       machine_(cpuClaim_.busiest()),
@@ -65,7 +69,7 @@ Communicator::Communicator(Store& store, int rank, int size, std::chrono::millis
   PrefixStore hostStore(store, "smddp/host" + std::to_string(topo_.host()) + "/");
   domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes, machine_);
   domain_->setGroupRanks(topo_.members[topo_.host()]);
-  mesh_ = net::TcpMesh::create(store, topo_, hierarchicalPeers(topo_), timeout);
+  mesh_ = net::TcpMesh::create(store, topo_, netAddr_, hierarchicalPeers(topo_), timeout);
   SMDDP_INFO(kInit, "rank %d/%d: %d hosts, inter-host algorithm %s over %s (%s)", rank, size, topo_.hosts(),
              netAlgoName(netAlgo_), mesh_->address().ip.c_str(), mesh_->address().ifname.c_str());
 }

@@ -84,6 +84,7 @@ class Communicator {
   Store& store_;
   int rank_;
   int size_;
+  net::LocalAddress netAddr_;  // where the TCP mesh listens, should the group span hosts
   Topology topo_;
   CpuShareClaim cpuClaim_;
   CpuShare machine_;

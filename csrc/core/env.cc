@@ -51,6 +51,9 @@ constexpr Param kParams[] = {
      "Network interface(s) for the inter-host TCP mesh, NCCL syntax: 'eth' (prefix), 'eth0,eth1', "
      "'^docker,lo' (exclude), '=eth0' (exact). Default: the interface that routes to MASTER_ADDR, "
      "else the first non-loopback interface that is up."},
+    {"SMDDP_SOCKET_FAMILY", "",
+     "Address family of the inter-host TCP connections: AF_INET (IPv4) or AF_INET6 (IPv6), NCCL's "
+     "names. Default: either; the address that routes to MASTER_ADDR decides, else IPv4 first."},
     {"SMDDP_NET_ALGO", "mesh",
      "Inter-host schedule: mesh (one hop to every host, chunks paced round-robin from a shifted "
      "start with a per-peer window), naive (one hop, everything handed to the sockets at once, peers "
@@ -161,6 +164,7 @@ SMDDP_STRING_PARAM(debugSubsys, "SMDDP_DEBUG_SUBSYS")
 SMDDP_INT_PARAM(debugChecks, "SMDDP_DEBUG_CHECKS")
 SMDDP_STRING_PARAM(hostId, "SMDDP_HOST_ID")
 SMDDP_STRING_PARAM(socketIfname, "SMDDP_SOCKET_IFNAME")
+SMDDP_STRING_PARAM(socketFamily, "SMDDP_SOCKET_FAMILY")
 SMDDP_STRING_PARAM(netAlgo, "SMDDP_NET_ALGO")
 SMDDP_INT_PARAM(netChunkBytes, "SMDDP_NET_CHUNK_BYTES")
 SMDDP_INT_PARAM(netSocketsPerPeer, "SMDDP_NET_SOCKETS_PER_PEER")

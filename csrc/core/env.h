@@ -45,6 +45,8 @@ int64_t yieldMicros();
 const std::string& hostId();
 // Interfaces for the TCP mesh (NCCL_SOCKET_IFNAME syntax); empty = route to MASTER_ADDR.
 const std::string& socketIfname();
+// Address family of the inter-host connections ("", "AF_INET" or "AF_INET6").
+const std::string& socketFamily();
 // Inter-host schedule: mesh, naive or ring.
 const std::string& netAlgo();
 // mesh: bytes per peer per round-robin turn.

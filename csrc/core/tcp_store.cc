@@ -48,14 +48,29 @@ int pollMs(Clock::time_point deadline) {
 class TcpStore::Server {
  public:
   explicit Server(int port) {
-    listenFd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    const int one = 1;
+    // One socket for IPv4 and IPv6 clients (an IPv6 one that also takes v4-mapped addresses),
+    // or IPv4 alone where the machine has no IPv6.
+    const int one = 1, zero = 0;
+    sockaddr_in6 a6{};
+    a6.sin6_family = AF_INET6;
+    a6.sin6_addr = in6addr_any;
+    a6.sin6_port = htons(static_cast<uint16_t>(port));
+    sockaddr_in a4{};
+    a4.sin_family = AF_INET;
+    a4.sin_addr.s_addr = htonl(INADDR_ANY);
+    a4.sin_port = htons(static_cast<uint16_t>(port));
+    const sockaddr* a = reinterpret_cast<const sockaddr*>(&a6);
+    socklen_t len = sizeof(a6);
+    listenFd_ = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (listenFd_ >= 0) {
+      setsockopt(listenFd_, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+    } else {
+      listenFd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      a = reinterpret_cast<const sockaddr*>(&a4);
+      len = sizeof(a4);
+    }
     setsockopt(listenFd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_ANY);
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    if (bind(listenFd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || listen(listenFd_, 1024) != 0) {
+    if (bind(listenFd_, a, len) != 0 || listen(listenFd_, 1024) != 0) {
       const int err = errno;
       close(listenFd_);
       throwError(ErrorCode::kSystemError, "TcpStore: cannot serve on port %d: %s", port, errnoString(err).c_str());
@@ -203,7 +218,7 @@ TcpStore::TcpStore(const std::string& host, int port, bool serve, std::chrono::m
     : where_(host + ":" + std::to_string(port)), timeout_(timeout) {
   if (serve) server_ = std::make_unique<Server>(port);
   addrinfo hints{};
-  hints.ai_family = AF_INET;
+  hints.ai_family = AF_UNSPEC;  // the host's name or address, IPv4 or IPv6
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
   if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || res == nullptr) {
@@ -211,10 +226,10 @@ TcpStore::TcpStore(const std::string& host, int port, bool serve, std::chrono::m
   }
   const auto deadline = Clock::now() + timeout;
   for (;;) {
-    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (connect(fd_, res->ai_addr, res->ai_addrlen) == 0) break;
+    fd_ = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd_ >= 0 && connect(fd_, res->ai_addr, res->ai_addrlen) == 0) break;
     const int err = errno;
-    close(fd_);
+    if (fd_ >= 0) close(fd_);
     fd_ = -1;
     if (Clock::now() >= deadline) {
       freeaddrinfo(res);

@@ -230,13 +230,13 @@ void NetP2p::intake() {
 
 void NetP2p::dial(Peer& p) {
   try {
-    const sockaddr_in to = net::parseAddress(p.address, p.rank);
+    const net::SocketAddress to = net::parseAddress(p.address, p.rank);
     for (size_t lane = 0; lane < p.lanes.size(); ++lane) {
       Lane& l = p.lanes[lane];
-      l.fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      l.fd = socket(to.family(), SOCK_STREAM | SOCK_CLOEXEC, 0);
       if (l.fd < 0) throwError(ErrorCode::kSystemError, "socket: %s", errnoString(errno).c_str());
       net::tuneSocket(l.fd);
-      if (connect(l.fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) != 0 && errno != EINPROGRESS) {
+      if (connect(l.fd, to.get(), to.len) != 0 && errno != EINPROGRESS) {
         throwError(ErrorCode::kRemoteError, "cannot connect to rank %d at %s: %s", p.rank, p.address.c_str(),
                    errnoString(errno).c_str());
       }

@@ -307,6 +307,8 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
                                               {"machine_cpus", std::to_string(comm_->machineShare().cpus)},
                                               {"wait_spin_us", std::to_string(comm_->domain()->spin().count())}};
   if (comm_->multiHost()) {
+    info["net_address"] = comm_->netAddress().ip;
+    info["net_interface"] = comm_->netAddress().ifname;
     info["tcp_connections"] = std::to_string(comm_->netConnections());
     info["p2p_connections"] = std::to_string(netP2p_->connections());
   }

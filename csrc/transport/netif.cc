@@ -10,50 +10,67 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <sstream>
 #include <vector>
 
 #include "core/env.h"
 #include "core/error.h"
+#include "transport/sockets.h"
 
 namespace smddp::net {
 namespace {
 
-std::vector<LocalAddress> upIPv4Interfaces() {
-  std::vector<LocalAddress> out;
+// The addresses of the interfaces that are up, IPv4 first (each group in the system's order).
+// IPv6 link-local addresses are left out: they name a link, not a host, and need a scope id.
+std::vector<LocalAddress> upInterfaces() {
+  std::vector<LocalAddress> v4, v6;
   ifaddrs* list = nullptr;
-  if (getifaddrs(&list) != 0) return out;
+  if (getifaddrs(&list) != 0) return v4;
   for (ifaddrs* a = list; a; a = a->ifa_next) {
-    if (!a->ifa_addr || a->ifa_addr->sa_family != AF_INET || !(a->ifa_flags & IFF_UP)) continue;
-    char ip[INET_ADDRSTRLEN] = {};
-    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, ip, sizeof(ip));
-    out.push_back({a->ifa_name, ip, (a->ifa_flags & IFF_LOOPBACK) != 0});
+    if (!a->ifa_addr || !(a->ifa_flags & IFF_UP)) continue;
+    const int family = a->ifa_addr->sa_family;
+    if (family == AF_INET6 && IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<sockaddr_in6*>(a->ifa_addr)->sin6_addr)) continue;
+    if (family != AF_INET && family != AF_INET6) continue;
+    (family == AF_INET ? v4 : v6).push_back({a->ifa_name, hostOf(a->ifa_addr), (a->ifa_flags & IFF_LOOPBACK) != 0,
+                                             family == AF_INET6});
   }
   freeifaddrs(list);
-  return out;
+  v4.insert(v4.end(), v6.begin(), v6.end());
+  return v4;
 }
 
-// The local IPv4 address the kernel would use to reach `host` (a UDP connect sends nothing).
-std::string routeTo(const std::string& host) {
+// The local address the kernel would use to reach `host` (a UDP connect sends nothing), of the
+// first family `host` resolves to that `family` allows (AF_UNSPEC: either).
+std::string routeTo(const std::string& host, int family) {
   addrinfo hints{};
-  hints.ai_family = AF_INET;
+  hints.ai_family = family;
   hints.ai_socktype = SOCK_DGRAM;
   addrinfo* res = nullptr;
   if (getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || !res) return "";
   std::string ip;
-  const int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  const int fd = socket(res->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
-    sockaddr_in local{};
+    sockaddr_storage local{};
     socklen_t len = sizeof(local);
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
-      char buf[INET_ADDRSTRLEN] = {};
-      inet_ntop(AF_INET, &local.sin_addr, buf, sizeof(buf));
-      ip = buf;
-    }
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) ip = hostOf(reinterpret_cast<sockaddr*>(&local));
   }
   if (fd >= 0) close(fd);
   freeaddrinfo(res);
   return ip;
+}
+
+// SMDDP_SOCKET_FAMILY as an address family.
+int familyAsked() {
+  const std::string& f = env::socketFamily();
+  if (f.empty()) return AF_UNSPEC;
+  if (f == "AF_INET") return AF_INET;
+  if (f == "AF_INET6") return AF_INET6;
+  throwError(ErrorCode::kInvalidUsage, "SMDDP_SOCKET_FAMILY=%s: expected AF_INET, AF_INET6 or nothing", f.c_str());
+}
+
+const char* familyText(int family) {
+  return family == AF_INET ? "an IPv4 address" : family == AF_INET6 ? "an IPv6 address" : "an IPv4 or IPv6 address";
 }
 
 }  // namespace
@@ -73,21 +90,26 @@ bool ifnameMatches(const std::string& specIn, const std::string& name) {
   return exclude ? !hit : hit;
 }
 
-LocalAddress chooseLocalAddress(int rank) {
-  const std::vector<LocalAddress> all = upIPv4Interfaces();
+LocalAddress chooseLocalAddress() {
+  const int family = familyAsked();
+  std::vector<LocalAddress> all = upInterfaces();
+  if (family != AF_UNSPEC) {
+    std::erase_if(all, [&](const LocalAddress& a) { return a.ipv6 != (family == AF_INET6); });
+  }
   const std::string& spec = env::socketIfname();
   if (!spec.empty()) {
     for (const LocalAddress& a : all) {
       if (ifnameMatches(spec, a.ifname)) return a;
     }
     std::string names;
-    for (const LocalAddress& a : all) names += (names.empty() ? "" : ", ") + a.ifname;
-    throwError(ErrorCode::kInvalidUsage,
-               "rank %d: SMDDP_SOCKET_IFNAME=%s matches no interface that is up with an IPv4 address (have: %s)",
-               rank, spec.c_str(), names.c_str());
+    for (const LocalAddress& a : all) {
+      if (names.find(a.ifname) == std::string::npos) names += (names.empty() ? "" : ", ") + a.ifname;
+    }
+    throwError(ErrorCode::kInvalidUsage, "SMDDP_SOCKET_IFNAME=%s matches no interface that is up with %s (have: %s)",
+               spec.c_str(), familyText(family), names.c_str());
   }
   if (const char* master = std::getenv("MASTER_ADDR"); master && *master) {
-    const std::string ip = routeTo(master);
+    const std::string ip = routeTo(master, family);
     for (const LocalAddress& a : all) {
       if (a.ip == ip) return a;
     }
@@ -98,7 +120,7 @@ LocalAddress chooseLocalAddress(int rank) {
   for (const LocalAddress& a : all) {
     if (a.loopback) return a;
   }
-  throwError(ErrorCode::kSystemError, "rank %d: no network interface is up with an IPv4 address", rank);
+  throwError(ErrorCode::kSystemError, "no network interface is up with %s", familyText(family));
 }
 
 }  // namespace smddp::net

@@ -7,17 +7,19 @@ namespace smddp::net {
 
 struct LocalAddress {
   std::string ifname;
-  std::string ip;  // dotted IPv4
+  std::string ip;  // numeric IPv4 or IPv6
   bool loopback = false;
+  bool ipv6 = false;
 };
 
 // NCCL_SOCKET_IFNAME semantics: a comma list of name prefixes; a leading '^' excludes instead of
 // selects; a leading '=' (after any '^') matches names exactly.
 bool ifnameMatches(const std::string& spec, const std::string& name);
 
-// SMDDP_SOCKET_IFNAME if set (an error if nothing matches); otherwise the address that routes
-// to MASTER_ADDR; otherwise the first interface that is up, not loopback and not docker*;
-// loopback only when there is nothing else. `rank` is for messages.
-LocalAddress chooseLocalAddress(int rank);
+// Among the addresses of SMDDP_SOCKET_FAMILY (default either, IPv4 first): SMDDP_SOCKET_IFNAME's
+// if set (an error if nothing matches); otherwise the address that routes to MASTER_ADDR;
+// otherwise the first interface that is up, not loopback and not docker*; loopback only when
+// there is nothing else.
+LocalAddress chooseLocalAddress();
 
 }  // namespace smddp::net

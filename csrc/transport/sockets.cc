@@ -16,36 +16,89 @@
 
 namespace smddp::net {
 
+namespace {
+
+// `ip` (IPv4 or IPv6 text) and `port` as a socket address; len 0 when `ip` is neither.
+SocketAddress socketAddress(const std::string& ip, uint16_t port) {
+  SocketAddress a;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&a.storage);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&a.storage);
+  if (inet_pton(AF_INET, ip.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    v4->sin_port = htons(port);
+    a.len = sizeof(sockaddr_in);
+  } else if (inet_pton(AF_INET6, ip.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    v6->sin6_port = htons(port);
+    a.len = sizeof(sockaddr_in6);
+  }
+  return a;
+}
+
+uint16_t portOf(const SocketAddress& a) {
+  return ntohs(a.family() == AF_INET6 ? reinterpret_cast<const sockaddr_in6*>(&a.storage)->sin6_port
+                                      : reinterpret_cast<const sockaddr_in*>(&a.storage)->sin_port);
+}
+
+}  // namespace
+
+std::string hostOf(const sockaddr* sa) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (sa->sa_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(sa)->sin_addr, buf, sizeof(buf));
+  } else if (sa->sa_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr, buf, sizeof(buf));
+  }
+  return buf;
+}
+
+std::string addressText(const SocketAddress& a) {
+  const std::string host = hostOf(a.get());
+  return (a.family() == AF_INET6 ? "[" + host + "]" : host) + ":" + std::to_string(portOf(a));
+}
+
+bool isLoopback(const SocketAddress& a) {
+  if (a.family() == AF_INET6) {
+    return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(&a.storage)->sin6_addr);
+  }
+  return a.family() == AF_INET &&
+         (ntohl(reinterpret_cast<const sockaddr_in*>(&a.storage)->sin_addr.s_addr) >> 24) == 127;
+}
+
 Listener listenOn(const std::string& ip, const std::string& ifname, int backlog, int rank) {
   Listener l;
-  l.fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  inet_pton(AF_INET, ip.c_str(), &sa.sin_addr);
-  socklen_t len = sizeof(sa);
-  if (l.fd < 0 || bind(l.fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 || listen(l.fd, backlog) != 0 ||
-      getsockname(l.fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
-    const int err = errno;
+  SocketAddress a = socketAddress(ip, 0);
+  l.fd = a.len == 0 ? -1 : socket(a.family(), SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (l.fd < 0 || bind(l.fd, a.get(), a.len) != 0 || listen(l.fd, backlog) != 0 ||
+      getsockname(l.fd, reinterpret_cast<sockaddr*>(&a.storage), &a.len) != 0) {
+    const int err = a.len == 0 ? EINVAL : errno;
     if (l.fd >= 0) close(l.fd);
     throwError(ErrorCode::kSystemError, "rank %d: cannot listen on %s (%s): %s", rank, ip.c_str(), ifname.c_str(),
                errnoString(err).c_str());
   }
-  l.address = ip + ":" + std::to_string(ntohs(sa.sin_port));
+  l.address = addressText(a);
   return l;
 }
 
-sockaddr_in parseAddress(const std::string& hostPort, int rank) {
+SocketAddress parseAddress(const std::string& hostPort, int rank) {
   const size_t colon = hostPort.rfind(':');
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  if (colon == std::string::npos || inet_pton(AF_INET, hostPort.substr(0, colon).c_str(), &sa.sin_addr) != 1) {
+  std::string host = colon == std::string::npos ? "" : hostPort.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  } else if (host.find(':') != std::string::npos) {
+    host.clear();  // an IPv6 host must be bracketed, or its last group would pass for the port
+  }
+  int port = -1;
+  try {
+    port = colon == std::string::npos ? -1 : std::stoi(hostPort.substr(colon + 1));
+  } catch (const std::exception&) {
+  }
+  const SocketAddress a = socketAddress(host, static_cast<uint16_t>(port));
+  if (a.len == 0 || port <= 0 || port > 65535) {
     throwError(ErrorCode::kRemoteError, "rank %d published a malformed address '%s'", rank, hostPort.c_str());
   }
-  sa.sin_port = htons(static_cast<uint16_t>(std::stoi(hostPort.substr(colon + 1))));
-  return sa;
+  return a;
 }
-
-bool isLoopback(const std::string& hostPort) { return hostPort.compare(0, 4, "127.") == 0; }
 
 std::string setCongestionControl(int fd, const std::string& name) {
   if (name.empty() || setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name.data(), name.size()) == 0) return "";

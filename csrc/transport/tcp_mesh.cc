@@ -133,12 +133,12 @@ void TcpMesh::peerFailed(int rank, const char* what, int err) {
              err == 0 ? "closed by the peer" : errnoString(err).c_str());
 }
 
-std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, const std::vector<int>& peers,
-                                         std::chrono::milliseconds timeout) {
+std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, const LocalAddress& addr,
+                                         const std::vector<int>& peers, std::chrono::milliseconds timeout) {
   const int rank = topo.rank;
   std::unique_ptr<TcpMesh> m(new TcpMesh(topo));
   m->chunkBytes_ = static_cast<size_t>(std::max<int64_t>(4096, env::netChunkBytes()));
-  m->addr_ = chooseLocalAddress(rank);
+  m->addr_ = addr;
   m->conns_.resize(topo.size);
   // The listener stays open for the group's life, so a later connect() needs no new address and
   // a refused connection always means the peer is gone. Its backlog fits every lane of every
@@ -248,18 +248,18 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
   try {
     for (int p : upward) {
       const std::string where = store.get("smddp/net/addr/" + std::to_string(p));
-      if (isLoopback(where) && topo_.bootIds[p] != topo_.bootIds[rank]) {
+      const SocketAddress to = parseAddress(where, p);
+      if (isLoopback(to) && topo_.bootIds[p] != topo_.bootIds[rank]) {
         throwError(ErrorCode::kInvalidUsage,
                    "rank %d on %s listens on loopback (%s) but this rank %d is on another machine: set "
                    "SMDDP_SOCKET_IFNAME on every host to an interface the hosts share",
                    p, topo_.hostnames[p].c_str(), where.c_str(), rank);
       }
-      const sockaddr_in to = parseAddress(where, p);
       for (int lane = 0; lane < lanes_; ++lane) {
-        const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        const int fd = socket(to.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
         if (fd < 0) throwError(ErrorCode::kSystemError, "rank %d: socket: %s", rank, errnoString(errno).c_str());
         dialing.push_back({p, lane, fd, false, where});
-        if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) == 0) {
+        if (::connect(fd, to.get(), to.len) == 0) {
           introduce(dialing.back());
         } else if (errno != EINPROGRESS) {
           refused(dialing.back(), errno);
@@ -315,20 +315,18 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
       if (pfds[listenAt].revents == 0) continue;
       // A connection from below: anything that does not introduce itself as an expected peer of
       // this group, with the group's secret, is dropped.
-      sockaddr_in from{};
-      socklen_t flen = sizeof(from);
-      const int fd = accept4(listenFd_, reinterpret_cast<sockaddr*>(&from), &flen, SOCK_CLOEXEC);
+      SocketAddress from;
+      from.len = sizeof(from.storage);
+      const int fd = accept4(listenFd_, reinterpret_cast<sockaddr*>(&from.storage), &from.len, SOCK_CLOEXEC);
       if (fd < 0) continue;
-      char fromIp[INET_ADDRSTRLEN] = {};
-      inet_ntop(AF_INET, &from.sin_addr, fromIp, sizeof(fromIp));
       wire::Hello h{};
       const auto helloDeadline = std::min(wait.deadline, Clock::now() + kHelloTimeout);
       const bool ok =
           ioAll(fd, &h, sizeof(h), false, helloDeadline) && wire::helloAccepted(h, secret_, rank, lanes_, waiting);
       const char ack = 'K';
       if (!ok || !ioAll(fd, const_cast<char*>(&ack), 1, true, wait.deadline)) {
-        SMDDP_WARN(kNet, "rank %d: refused a connection from %s:%d (not a peer of this group, or a bad handshake)",
-                   rank, fromIp, ntohs(from.sin_port));
+        SMDDP_WARN(kNet, "rank %d: refused a connection from %s (not a peer of this group, or a bad handshake)", rank,
+                   addressText(from).c_str());
         close(fd);
         continue;
       }

@@ -42,10 +42,10 @@ enum class Schedule {
 
 class TcpMesh {
  public:
-  // Collective over the group. `peers`: the ranks this rank exchanges with (the relation must be
-  // symmetric across ranks).
-  static std::unique_ptr<TcpMesh> create(Store& store, const Topology& topo, const std::vector<int>& peers,
-                                         std::chrono::milliseconds timeout);
+  // Collective over the group. `addr`: where this rank listens (chooseLocalAddress()). `peers`:
+  // the ranks this rank exchanges with (the relation must be symmetric across ranks).
+  static std::unique_ptr<TcpMesh> create(Store& store, const Topology& topo, const LocalAddress& addr,
+                                         const std::vector<int>& peers, std::chrono::milliseconds timeout);
   ~TcpMesh();
 
   // Connects to those of `peers` not connected yet; they call it too, at the same point of their

@@ -6,7 +6,8 @@
 // and a size mismatch is caught on the first stripe; a peer that goes away is reported promptly;
 // a later connection round adds the missing connections of a group (a rank with none to add
 // taking part); a dial to a peer that never answers ends at the deadline or an abort; an exchange
-// that times out says what it still waits for from each peer; the
+// that times out says what it still waits for from each peer; IPv4 and IPv6 addresses parse,
+// print and listen; the
 // connections' congestion control is the one asked for, and an unknown one is
 // refused with the reason. Prints "N passed, N failed".
 #include <arpa/inet.h>
@@ -30,6 +31,7 @@
 #include "core/env.h"
 #include "core/error.h"
 #include "core/file_store.h"
+#include "transport/netif.h"
 #include "transport/sockets.h"
 #include "transport/tcp_mesh.h"
 #include "transport/topology.h"
@@ -92,7 +94,7 @@ void testStrangersRefusedThenExchange(const std::string& dir) {
   std::string errors[2];
   auto make = [&](int rank) {
     try {
-      meshes[rank] = net::TcpMesh::create(store, twoHosts(rank), {1 - rank}, std::chrono::seconds(30));
+      meshes[rank] = net::TcpMesh::create(store, twoHosts(rank), net::chooseLocalAddress(), {1 - rank}, std::chrono::seconds(30));
     } catch (const std::exception& e) {
       errors[rank] = e.what();
     }
@@ -272,8 +274,8 @@ void testStripedSizeMismatch(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
   std::unique_ptr<net::TcpMesh> meshes[2];
   std::string errors[2];
-  std::thread r1([&] { meshes[1] = net::TcpMesh::create(store, twoHosts(1), {0}, std::chrono::seconds(30)); });
-  meshes[0] = net::TcpMesh::create(store, twoHosts(0), {1}, std::chrono::seconds(30));
+  std::thread r1([&] { meshes[1] = net::TcpMesh::create(store, twoHosts(1), net::chooseLocalAddress(), {0}, std::chrono::seconds(30)); });
+  meshes[0] = net::TcpMesh::create(store, twoHosts(0), net::chooseLocalAddress(), {1}, std::chrono::seconds(30));
   r1.join();
   const size_t sent = 4 * net::wire::kMinStripedBytes, expected = sent / 4;
   std::vector<uint8_t> out(sent, 1), in(sent, 0);
@@ -298,14 +300,61 @@ void testStripedSizeMismatch(const std::string& dir) {
          "striped size mismatch refused with both sizes: " + errors[1]);
 }
 
+// Published addresses: IPv4 "ip:port" and IPv6 "[ip]:port" parse and print back alike; anything
+// else (an unbracketed IPv6 host, no port, a port out of range) is refused. Interface names
+// match SMDDP_SOCKET_IFNAME's patterns.
+void testAddresses() {
+  for (const std::string text : {"127.0.0.1:80", "10.1.2.3:65535", "[::1]:29500", "[fd00::2]:1"}) {
+    std::string back;
+    try {
+      back = net::addressText(net::parseAddress(text, 0));
+    } catch (const Error& e) {
+      back = e.what();
+    }
+    expect(back == text, text + " parses and prints back, got " + back);
+  }
+  expect(net::parseAddress("[::1]:80", 0).family() == AF_INET6 && net::parseAddress("1.2.3.4:80", 0).family() == AF_INET,
+         "families");
+  expect(net::isLoopback(net::parseAddress("[::1]:80", 0)) && net::isLoopback(net::parseAddress("127.9.9.9:80", 0)) &&
+             !net::isLoopback(net::parseAddress("[fd00::1]:80", 0)) && !net::isLoopback(net::parseAddress("10.0.0.1:80", 0)),
+         "loopback addresses of both families");
+  for (const std::string bad : {"::1:80", "1.2.3.4", "[::1]", "[::1]:0", "[::1]:70000", "host:80", "1.2.3.4:x", ""}) {
+    bool refused = false;
+    try {
+      net::parseAddress(bad, 3);
+    } catch (const Error& e) {
+      refused = e.code() == ErrorCode::kRemoteError && std::string(e.what()).find("rank 3") != std::string::npos;
+    }
+    expect(refused, "malformed address '" + bad + "' refused, naming the rank");
+  }
+  // SMDDP_SOCKET_IFNAME's NCCL syntax: prefixes, a comma list, '^' excludes, '=' exact.
+  expect(net::ifnameMatches("eth", "eth0") && net::ifnameMatches("eth", "eth") && !net::ifnameMatches("eth", "en0"),
+         "a name prefix");
+  expect(net::ifnameMatches("ib,eth", "eth1") && net::ifnameMatches("ib,eth", "ib0") && !net::ifnameMatches("ib,eth", "lo"),
+         "a comma list of prefixes");
+  expect(!net::ifnameMatches("^lo,docker", "lo") && !net::ifnameMatches("^lo,docker", "docker0") &&
+             net::ifnameMatches("^lo,docker", "eth0"),
+         "'^' excludes");
+  expect(net::ifnameMatches("=eth0", "eth0") && !net::ifnameMatches("=eth0", "eth01") && !net::ifnameMatches("=eth", "eth0"),
+         "'=' matches exactly");
+  expect(!net::ifnameMatches("^=eth0", "eth0") && net::ifnameMatches("^=eth0", "eth01"), "'^=' excludes exact names");
+  const int v6 = socket(AF_INET6, SOCK_STREAM, 0);
+  if (v6 >= 0) {  // where the machine has IPv6 at all
+    close(v6);
+    const net::Listener l = net::listenOn("::1", "lo", 4, 0);
+    expect(l.address.compare(0, 6, "[::1]:") == 0, "an IPv6 listener publishes [::1]:port, got " + l.address);
+    close(l.fd);
+  }
+}
+
 // An exchange that times out says, peer by peer, what it still waits for: rank 1 sends only the
 // first of the two messages rank 0 expects and reads nothing of rank 0's 64 MiB (more than the
 // sockets of the three lanes hold).
 void testStalledExchangeReport(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
   std::unique_ptr<net::TcpMesh> meshes[2];
-  std::thread r1([&] { meshes[1] = net::TcpMesh::create(store, twoHosts(1), {0}, std::chrono::seconds(30)); });
-  meshes[0] = net::TcpMesh::create(store, twoHosts(0), {1}, std::chrono::seconds(30));
+  std::thread r1([&] { meshes[1] = net::TcpMesh::create(store, twoHosts(1), net::chooseLocalAddress(), {0}, std::chrono::seconds(30)); });
+  meshes[0] = net::TcpMesh::create(store, twoHosts(0), net::chooseLocalAddress(), {1}, std::chrono::seconds(30));
   r1.join();
   const size_t small = 1000, big = 64u << 20;
   std::vector<uint8_t> first(small, 1), in(2 * small), out(big, 2);
@@ -357,7 +406,7 @@ void testConnectLater(const std::string& dir) {
   std::vector<uint8_t> in[3][3];
   auto rank = [&](int r) {
     try {
-      auto mesh = net::TcpMesh::create(store, threeHosts(r), chain[r], std::chrono::seconds(30));
+      auto mesh = net::TcpMesh::create(store, threeHosts(r), net::chooseLocalAddress(), chain[r], std::chrono::seconds(30));
       for (int p : everyone[r]) before[r] |= mesh->connected(p) != (r + p != 2);
       mesh->connect(store, everyone[r], waitFor(std::chrono::seconds(30)));
       for (int p : everyone[r]) after[r] |= !mesh->connected(p);
@@ -397,14 +446,14 @@ void testConnectLater(const std::string& dir) {
 void testDialToSilentPeer(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
   const net::Listener hole = net::listenOn("127.0.0.1", "lo", 0, 1);
-  const sockaddr_in to = net::parseAddress(hole.address, 1);
+  const net::SocketAddress to = net::parseAddress(hole.address, 1);
   std::vector<int> fillers;
   for (int i = 0; i < 4; ++i) {  // never accepted
     fillers.push_back(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0));
-    connect(fillers.back(), reinterpret_cast<const sockaddr*>(&to), sizeof(to));
+    connect(fillers.back(), to.get(), to.len);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  auto mesh = net::TcpMesh::create(store, twoHosts(0), {}, std::chrono::seconds(30));
+  auto mesh = net::TcpMesh::create(store, twoHosts(0), net::chooseLocalAddress(), {}, std::chrono::seconds(30));
   store.set("smddp/net/addr/1", hole.address);
 
   auto attempt = [&](const shm::WaitContext& w, ErrorCode want, const std::string& what) {
@@ -457,9 +506,9 @@ bool listed(const std::string& names, const std::string& name) {
 
 void testCongestionControl() {
   const net::Listener l = net::listenOn("127.0.0.1", "lo", 1, 0);
-  const sockaddr_in to = net::parseAddress(l.address, 0);
+  const net::SocketAddress to = net::parseAddress(l.address, 0);
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  expect(connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) == 0, "connect to own listener");
+  expect(connect(fd, to.get(), to.len) == 0, "connect to own listener");
   const int peer = accept(l.fd, nullptr, nullptr);
 
   // reno is built into every kernel and always allowed.
@@ -488,6 +537,7 @@ int main() {
   // Three connections per pair, so every exchange below is striped (the Python tests cover one).
   setenv("SMDDP_NET_SOCKETS_PER_PEER", "3", 1);
   testCongestionControl();
+  testAddresses();
   char tmpl[] = "/tmp/smddp_net_tests.XXXXXX";
   if (!mkdtemp(tmpl)) return 1;
   testStrangersRefusedThenExchange(tmpl);
