@@ -424,8 +424,8 @@ def address_family_task(rank, world, family):
     with rep.cell(f"{family} address"):
         info = dist.group.WORLD._get_backend(torch.device("cpu"))._topology()
         address = info["net_address"]
-        rep.expect((":" in address) == (family == "AF_INET6"),
-                   f"rank {rank}: SMDDP_SOCKET_FAMILY={family} but the mesh listens on {address} ({info['net_interface']})")
+        rep.expect((":" in address) == (family == "AF_INET6"), f"rank {rank}: SMDDP_SOCKET_FAMILY={family} but "
+                   f"the mesh listens on {address} ({info['net_interface']})")
     return rep.to_dict()
 
 
@@ -477,8 +477,8 @@ def _two_hosts_with(settings):
     ({"SMDDP_SOCKET_IFNAME": "=lo"}, "OK lo 127.0.0.1 [2.0, 2.0, 2.0]"),
     ({"SMDDP_SOCKET_IFNAME": "=lo", "SMDDP_SOCKET_FAMILY": "AF_INET6"}, "OK lo ::1 [2.0, 2.0, 2.0]"),
     ({"SMDDP_SOCKET_IFNAME": "nosuch0,nosuch1"},
-     "ERROR ValueError smddp rank {rank}: SMDDP_SOCKET_IFNAME=nosuch0,nosuch1 matches no interface that is up with an IPv4 or "
-     "IPv6 address (have: lo"),
+     "ERROR ValueError smddp rank {rank}: SMDDP_SOCKET_IFNAME=nosuch0,nosuch1 matches no interface that is up "
+     "with an IPv4 or IPv6 address (have: lo"),
     ({"SMDDP_SOCKET_IFNAME": "=l", "SMDDP_SOCKET_FAMILY": "AF_INET"},
      "ERROR ValueError smddp rank {rank}: SMDDP_SOCKET_IFNAME==l matches no interface that is up with an IPv4 address"),
     ({"SMDDP_SOCKET_FAMILY": "AF_INET7"},

@@ -8,10 +8,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <sstream>
+#include <string>
 #include <vector>
 
 #include "core/env.h"
@@ -53,7 +54,9 @@ std::string routeTo(const std::string& host, int family) {
   if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
     sockaddr_storage local{};
     socklen_t len = sizeof(local);
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) ip = hostOf(reinterpret_cast<sockaddr*>(&local));
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      ip = hostOf(reinterpret_cast<sockaddr*>(&local));
+    }
   }
   if (fd >= 0) close(fd);
   freeaddrinfo(res);
@@ -101,9 +104,12 @@ LocalAddress chooseLocalAddress() {
     for (const LocalAddress& a : all) {
       if (ifnameMatches(spec, a.ifname)) return a;
     }
+    std::vector<std::string> seen;  // an interface with several addresses is named once
     std::string names;
     for (const LocalAddress& a : all) {
-      if (names.find(a.ifname) == std::string::npos) names += (names.empty() ? "" : ", ") + a.ifname;
+      if (std::find(seen.begin(), seen.end(), a.ifname) != seen.end()) continue;
+      seen.push_back(a.ifname);
+      names += (names.empty() ? "" : ", ") + a.ifname;
     }
     throwError(ErrorCode::kInvalidUsage, "SMDDP_SOCKET_IFNAME=%s matches no interface that is up with %s (have: %s)",
                spec.c_str(), familyText(family), names.c_str());

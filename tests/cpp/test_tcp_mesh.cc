@@ -57,6 +57,11 @@ Topology twoHosts(int rank) {
   return t;
 }
 
+// This rank's part of a mesh over the loopback / local interfaces (collective: every rank calls it).
+std::unique_ptr<net::TcpMesh> meshOf(Store& store, const Topology& t, const std::vector<int>& peers) {
+  return net::TcpMesh::create(store, t, net::chooseLocalAddress(), peers, std::chrono::seconds(30));
+}
+
 shm::WaitContext waitFor(std::chrono::milliseconds ms) {
   shm::WaitContext w;
   w.deadline = Clock::now() + ms;
@@ -94,7 +99,7 @@ void testStrangersRefusedThenExchange(const std::string& dir) {
   std::string errors[2];
   auto make = [&](int rank) {
     try {
-      meshes[rank] = net::TcpMesh::create(store, twoHosts(rank), net::chooseLocalAddress(), {1 - rank}, std::chrono::seconds(30));
+      meshes[rank] = meshOf(store, twoHosts(rank), {1 - rank});
     } catch (const std::exception& e) {
       errors[rank] = e.what();
     }
@@ -274,8 +279,8 @@ void testStripedSizeMismatch(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
   std::unique_ptr<net::TcpMesh> meshes[2];
   std::string errors[2];
-  std::thread r1([&] { meshes[1] = net::TcpMesh::create(store, twoHosts(1), net::chooseLocalAddress(), {0}, std::chrono::seconds(30)); });
-  meshes[0] = net::TcpMesh::create(store, twoHosts(0), net::chooseLocalAddress(), {1}, std::chrono::seconds(30));
+  std::thread r1([&] { meshes[1] = meshOf(store, twoHosts(1), {0}); });
+  meshes[0] = meshOf(store, twoHosts(0), {1});
   r1.join();
   const size_t sent = 4 * net::wire::kMinStripedBytes, expected = sent / 4;
   std::vector<uint8_t> out(sent, 1), in(sent, 0);
@@ -313,10 +318,10 @@ void testAddresses() {
     }
     expect(back == text, text + " parses and prints back, got " + back);
   }
-  expect(net::parseAddress("[::1]:80", 0).family() == AF_INET6 && net::parseAddress("1.2.3.4:80", 0).family() == AF_INET,
-         "families");
-  expect(net::isLoopback(net::parseAddress("[::1]:80", 0)) && net::isLoopback(net::parseAddress("127.9.9.9:80", 0)) &&
-             !net::isLoopback(net::parseAddress("[fd00::1]:80", 0)) && !net::isLoopback(net::parseAddress("10.0.0.1:80", 0)),
+  auto parsed = [](const char* text) { return net::parseAddress(text, 0); };
+  expect(parsed("[::1]:80").family() == AF_INET6 && parsed("1.2.3.4:80").family() == AF_INET, "families");
+  expect(net::isLoopback(parsed("[::1]:80")) && net::isLoopback(parsed("127.9.9.9:80")) &&
+             !net::isLoopback(parsed("[fd00::1]:80")) && !net::isLoopback(parsed("10.0.0.1:80")),
          "loopback addresses of both families");
   for (const std::string bad : {"::1:80", "1.2.3.4", "[::1]", "[::1]:0", "[::1]:70000", "host:80", "1.2.3.4:x", ""}) {
     bool refused = false;
@@ -330,12 +335,14 @@ void testAddresses() {
   // SMDDP_SOCKET_IFNAME's NCCL syntax: prefixes, a comma list, '^' excludes, '=' exact.
   expect(net::ifnameMatches("eth", "eth0") && net::ifnameMatches("eth", "eth") && !net::ifnameMatches("eth", "en0"),
          "a name prefix");
-  expect(net::ifnameMatches("ib,eth", "eth1") && net::ifnameMatches("ib,eth", "ib0") && !net::ifnameMatches("ib,eth", "lo"),
+  expect(net::ifnameMatches("ib,eth", "eth1") && net::ifnameMatches("ib,eth", "ib0") &&
+             !net::ifnameMatches("ib,eth", "lo"),
          "a comma list of prefixes");
   expect(!net::ifnameMatches("^lo,docker", "lo") && !net::ifnameMatches("^lo,docker", "docker0") &&
              net::ifnameMatches("^lo,docker", "eth0"),
          "'^' excludes");
-  expect(net::ifnameMatches("=eth0", "eth0") && !net::ifnameMatches("=eth0", "eth01") && !net::ifnameMatches("=eth", "eth0"),
+  expect(net::ifnameMatches("=eth0", "eth0") && !net::ifnameMatches("=eth0", "eth01") &&
+             !net::ifnameMatches("=eth", "eth0"),
          "'=' matches exactly");
   expect(!net::ifnameMatches("^=eth0", "eth0") && net::ifnameMatches("^=eth0", "eth01"), "'^=' excludes exact names");
   const int v6 = socket(AF_INET6, SOCK_STREAM, 0);
@@ -353,8 +360,8 @@ void testAddresses() {
 void testStalledExchangeReport(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
   std::unique_ptr<net::TcpMesh> meshes[2];
-  std::thread r1([&] { meshes[1] = net::TcpMesh::create(store, twoHosts(1), net::chooseLocalAddress(), {0}, std::chrono::seconds(30)); });
-  meshes[0] = net::TcpMesh::create(store, twoHosts(0), net::chooseLocalAddress(), {1}, std::chrono::seconds(30));
+  std::thread r1([&] { meshes[1] = meshOf(store, twoHosts(1), {0}); });
+  meshes[0] = meshOf(store, twoHosts(0), {1});
   r1.join();
   const size_t small = 1000, big = 64u << 20;
   std::vector<uint8_t> first(small, 1), in(2 * small), out(big, 2);
@@ -406,7 +413,7 @@ void testConnectLater(const std::string& dir) {
   std::vector<uint8_t> in[3][3];
   auto rank = [&](int r) {
     try {
-      auto mesh = net::TcpMesh::create(store, threeHosts(r), net::chooseLocalAddress(), chain[r], std::chrono::seconds(30));
+      auto mesh = meshOf(store, threeHosts(r), chain[r]);
       for (int p : everyone[r]) before[r] |= mesh->connected(p) != (r + p != 2);
       mesh->connect(store, everyone[r], waitFor(std::chrono::seconds(30)));
       for (int p : everyone[r]) after[r] |= !mesh->connected(p);
@@ -453,7 +460,7 @@ void testDialToSilentPeer(const std::string& dir) {
     connect(fillers.back(), to.get(), to.len);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  auto mesh = net::TcpMesh::create(store, twoHosts(0), net::chooseLocalAddress(), {}, std::chrono::seconds(30));
+  auto mesh = meshOf(store, twoHosts(0), {});
   store.set("smddp/net/addr/1", hole.address);
 
   auto attempt = [&](const shm::WaitContext& w, ErrorCode want, const std::string& what) {
