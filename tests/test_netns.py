@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from _pool import ipv6_available
 from _util import IS_SMDDP
 
 BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -40,6 +41,8 @@ def run_job(cluster, cfg, timeout=240):
 def test_two_hosts_over_network_namespaces(ipv6):
     """With ipv6 the hosts also have IPv6 addresses and MASTER_ADDR is host 0's: the store and
     smddp's connections (the address that routes to MASTER_ADDR) go over IPv6."""
+    if ipv6 and not ipv6_available():
+        pytest.skip("this machine cannot bind ::1 (IPv6 disabled)")
     with netcluster.NetCluster(HOSTS, ipv6=ipv6) as c:
         before = [c.link_bytes(h) for h in range(HOSTS)]
         cfg = {"backend": "smddp", "mode": "check",
