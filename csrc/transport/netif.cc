@@ -1,6 +1,5 @@
 #include "transport/netif.h"
 
-#include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
@@ -33,8 +32,8 @@ std::vector<LocalAddress> upInterfaces() {
     const int family = a->ifa_addr->sa_family;
     if (family == AF_INET6 && IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<sockaddr_in6*>(a->ifa_addr)->sin6_addr)) continue;
     if (family != AF_INET && family != AF_INET6) continue;
-    (family == AF_INET ? v4 : v6).push_back({a->ifa_name, hostOf(a->ifa_addr), (a->ifa_flags & IFF_LOOPBACK) != 0,
-                                             family == AF_INET6});
+    const bool loopback = (a->ifa_flags & IFF_LOOPBACK) != 0;
+    (family == AF_INET ? v4 : v6).push_back({a->ifa_name, numericHost(a->ifa_addr), loopback, family == AF_INET6});
   }
   freeifaddrs(list);
   v4.insert(v4.end(), v6.begin(), v6.end());
@@ -55,7 +54,7 @@ std::string routeTo(const std::string& host, int family) {
     sockaddr_storage local{};
     socklen_t len = sizeof(local);
     if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
-      ip = hostOf(reinterpret_cast<sockaddr*>(&local));
+      ip = numericHost(reinterpret_cast<sockaddr*>(&local));
     }
   }
   if (fd >= 0) close(fd);

@@ -42,7 +42,7 @@ uint16_t portOf(const SocketAddress& a) {
 
 }  // namespace
 
-std::string hostOf(const sockaddr* sa) {
+std::string numericHost(const sockaddr* sa) {
   char buf[INET6_ADDRSTRLEN] = {};
   if (sa->sa_family == AF_INET) {
     inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(sa)->sin_addr, buf, sizeof(buf));
@@ -53,7 +53,7 @@ std::string hostOf(const sockaddr* sa) {
 }
 
 std::string addressText(const SocketAddress& a) {
-  const std::string host = hostOf(a.get());
+  const std::string host = numericHost(a.get());
   return (a.family() == AF_INET6 ? "[" + host + "]" : host) + ":" + std::to_string(portOf(a));
 }
 

@@ -30,7 +30,7 @@ Listener listenOn(const std::string& ip, const std::string& ifname, int backlog,
 SocketAddress parseAddress(const std::string& hostPort, int rank);
 
 // The numeric host of an IPv4 or IPv6 socket address ("" for another family).
-std::string hostOf(const sockaddr* sa);
+std::string numericHost(const sockaddr* sa);
 
 // "ip:port", or "[ipv6]:port".
 std::string addressText(const SocketAddress& a);

@@ -1,6 +1,5 @@
 #include "transport/tcp_mesh.h"
 
-#include <arpa/inet.h>
 #include <linux/sockios.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -344,14 +343,11 @@ std::string TcpMesh::stallReport(const std::vector<Conn*>& active) const {
   // rank's data, and whether the rest waits on data from other peers (a held message).
   struct Peer {
     size_t arrived = 0, expected = 0, sent = 0, toSend = 0;
-    bool seen = false, waitingForIt = false, notTaking = false, held = false;
+    bool waitingForIt = false, notTaking = false, held = false;
   };
-  std::vector<int> order;
   std::vector<Peer> peers(topo_.size);
   for (const Conn* c : active) {
     Peer& p = peers[c->rank];
-    if (!p.seen) order.push_back(c->rank);
-    p.seen = true;
     p.arrived += c->rx.arrived();
     p.expected += c->rx.expected();
     p.sent += c->sent();
@@ -362,7 +358,7 @@ std::string TcpMesh::stallReport(const std::vector<Conn*>& active) const {
   }
   std::string waitingFor, notTaking, held;
   auto add = [](std::string& list, const std::string& item) { list += (list.empty() ? "" : ", ") + item; };
-  for (int r : order) {
+  for (int r = 0; r < topo_.size; ++r) {
     const Peer& p = peers[r];
     const std::string who = "rank " + std::to_string(r) + " on " + topo_.describeHost(topo_.hostOf[r]);
     if (p.waitingForIt) {
