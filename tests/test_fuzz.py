@@ -27,7 +27,10 @@ def _seeds():
     good = bytes([1, 5, 0, 0, 0, 3]) + struct.pack("<QQ", _tag(7, 3), 5) + b"hello"
     two = bytes([2, 0, 9, 0, 0, 200]) + struct.pack("<QQ", _tag(7, 3), 0) + struct.pack("<QQ", _tag(7, 3), 9) + b"123456789"
     wrong_tag = bytes([1, 4, 0, 0, 0, 1]) + struct.pack("<QQ", _tag(8, 3), 4) + b"abcd"
-    return {"hello": hello, "good": good, "two": two, "wrong_tag": wrong_tag}
+    why = b"allreduce #7: timed out"
+    farewell = struct.pack("<QQ", 2**64 - 1, len(why)) + why
+    after_one = bytes([2, 3, 3, 0, 0, 7]) + struct.pack("<QQ", _tag(7, 3), 3) + b"abc" + farewell
+    return {"hello": hello, "good": good, "two": two, "wrong_tag": wrong_tag, "farewell": after_one}
 
 
 def test_wire_parser_fuzzed(tmp_path):

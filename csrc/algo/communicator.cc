@@ -193,9 +193,9 @@ void Communicator::failOp(OpKind kind, uint64_t seq, ErrorCode code, const char*
   brokenBy_ = std::string(prefix) + what;
   SMDDP_WARN(kColl, "rank %d: %s", rank_, brokenBy_.c_str());
   // Tell the peers that may be waiting for this rank, rather than leave them to time out:
-  // ranks of this host see the flag, ranks of other hosts see their connections close.
+  // ranks of this host see the flag, ranks of other hosts a farewell and their connections close.
   if (domain_) domain_->markFailed("rank " + std::to_string(rank_) + ": " + brokenBy_);
-  if (mesh_) mesh_->closeAll();
+  if (mesh_) mesh_->closeAll(brokenBy_);
   throw Error(code, brokenBy_);
 }
 

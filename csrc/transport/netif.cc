@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -92,7 +94,9 @@ bool ifnameMatches(const std::string& specIn, const std::string& name) {
   return exclude ? !hit : hit;
 }
 
-LocalAddress chooseLocalAddress() {
+namespace {
+
+LocalAddress pickLocalAddress(const std::string& master) {
   const int family = familyAsked();
   std::vector<LocalAddress> all = upInterfaces();
   if (family != AF_UNSPEC) {
@@ -113,7 +117,7 @@ LocalAddress chooseLocalAddress() {
     throwError(ErrorCode::kInvalidUsage, "SMDDP_SOCKET_IFNAME=%s matches no interface that is up with %s (have: %s)",
                spec.c_str(), familyText(family), names.c_str());
   }
-  if (const char* master = std::getenv("MASTER_ADDR"); master && *master) {
+  if (!master.empty()) {
     const std::string ip = routeTo(master, family);
     for (const LocalAddress& a : all) {
       if (a.ip == ip) return a;
@@ -126,6 +130,22 @@ LocalAddress chooseLocalAddress() {
     if (a.loopback) return a;
   }
   throwError(ErrorCode::kSystemError, "no network interface is up with %s", familyText(family));
+}
+
+}  // namespace
+
+LocalAddress chooseLocalAddress() {
+  // Once per process and MASTER_ADDR (the settings are read once too, and NCCL also picks its
+  // interfaces once): FSDP and DeviceMesh create many groups, and a MASTER_ADDR that is a name
+  // would cost a DNS lookup for each. A failure is not kept: the next group tries again.
+  static std::mutex mutex;
+  static std::map<std::string, LocalAddress> chosen;
+  const char* master = std::getenv("MASTER_ADDR");
+  const std::string key = master != nullptr ? master : "";
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = chosen.find(key);
+  if (it == chosen.end()) it = chosen.emplace(key, pickLocalAddress(key)).first;
+  return it->second;
 }
 
 }  // namespace smddp::net

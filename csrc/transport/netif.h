@@ -19,7 +19,7 @@ bool ifnameMatches(const std::string& spec, const std::string& name);
 // Among the addresses of SMDDP_SOCKET_FAMILY (default either, IPv4 first): SMDDP_SOCKET_IFNAME's
 // if set (an error if nothing matches); otherwise the address that routes to MASTER_ADDR;
 // otherwise the first interface that is up, not loopback and not docker*; loopback only when
-// there is nothing else.
+// there is nothing else. Chosen once per process and MASTER_ADDR.
 LocalAddress chooseLocalAddress();
 
 }  // namespace smddp::net

@@ -59,7 +59,7 @@ struct Domain::Control {
   // Set (after `failure`) when the owner gave up on a collective, so that peers waiting for it
   // fail at once with its reason instead of waiting out the timeout.
   alignas(64) std::atomic<uint32_t> failed;
-  char failure[256];
+  char failure[1024];  // room for a reason relayed from another host (a farewell, nested)
 };
 
 namespace {

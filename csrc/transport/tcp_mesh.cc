@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <set>
 
 #include "core/env.h"
@@ -63,6 +64,10 @@ struct TcpMesh::Conn {
   size_t window = 0;
   uint64_t handed = 0, ackedAtGrowth = 0;  // bytes ever handed to the socket; acked = handed - queued
   bool windowFull = false;  // kMesh: the last pass found the window full
+  // An exchange ended (failed) with part of a message in the stream to the peer: no farewell
+  // can follow it (the peer would read it as payload).
+  bool torn = false;
+  bool peerLeft = false;  // the peer closed without a farewell (it may have destroyed the group)
   // Whether the socket may take (writable) or hold (readable) bytes: false once a call found it
   // full / empty, true again when poll() says so. The loop calls only sockets that may move, so
   // a pass costs no system call per idle peer.
@@ -102,13 +107,24 @@ TcpMesh::TcpMesh(const Topology& topo) : topo_(topo) {}
 
 TcpMesh::~TcpMesh() { closeAll(); }
 
-void TcpMesh::closeAll() {
+void TcpMesh::closeAll(std::string_view farewell) {
+  const std::string frame = farewell.empty() ? std::string() : wire::farewellFrame(farewell);
   for (auto& lanes : conns_) {
     for (auto& c : lanes) {
-      if (c && c->fd >= 0) {
-        close(c->fd);
-        c->fd = -1;
+      if (!c || c->fd < 0) continue;
+      if (!frame.empty() && !c->torn) {
+        // Whole or in part: a peer that stopped reading gets a cut farewell, which it reads as a
+        // closed connection. FIN follows the farewell.
+        send(c->fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        shutdown(c->fd, SHUT_WR);
+        // Closing a socket that holds unread data resets the connection at once, and a reset
+        // drops whatever is still queued to go out, the farewell too: take what is there first.
+        char sink[4096];
+        while (recv(c->fd, sink, sizeof(sink), MSG_DONTWAIT) > 0) {
+        }
       }
+      close(c->fd);
+      c->fd = -1;
     }
   }
   if (listenFd_ >= 0) {
@@ -124,12 +140,26 @@ std::vector<std::unique_ptr<TcpMesh::Conn>>& TcpMesh::lanesTo(int rank) {
   return conns_[rank];
 }
 
-void TcpMesh::peerFailed(int rank, const char* what, int err) {
+std::optional<std::string> TcpMesh::farewellOf(const Conn& c) {
+  // A peer that gave up said why before closing, unless it left in the middle of a message.
+  if (const std::string* told = c.rx.farewell()) return *told;
+  if (!c.rx.atBoundary()) return std::nullopt;
+  char buf[kHeaderBytes + wire::kMaxFarewellBytes];
+  const ssize_t k = recv(c.fd, buf, sizeof(buf), MSG_PEEK | MSG_DONTWAIT);
+  return k > 0 ? wire::farewellIn(buf, static_cast<size_t>(k)) : std::nullopt;
+}
+
+void TcpMesh::peerFailed(const Conn& c, const char* what, int err) {
+  const std::optional<std::string> why = farewellOf(c);
+  const std::string where = topo_.describeHost(topo_.hostOf[c.rank]);
+  if (why) {
+    throwError(ErrorCode::kRemoteError, "rank %d on %s gave up the group (this rank was %s): %s", c.rank,
+               where.c_str(), what, why->c_str());
+  }
   throwError(ErrorCode::kRemoteError,
              "the connection to rank %d on %s failed while %s (%s): that rank exited, crashed, or gave up the "
              "group (an abort, or an error of its own such as a timeout: its log says which)",
-             rank, topo_.describeHost(topo_.hostOf[rank]).c_str(), what,
-             err == 0 ? "closed by the peer" : errnoString(err).c_str());
+             c.rank, where.c_str(), what, err == 0 ? "closed by the peer" : errnoString(err).c_str());
 }
 
 std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, const LocalAddress& addr,
@@ -309,7 +339,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
         dialing.erase(dialing.begin() + static_cast<std::ptrdiff_t>(i));
       }
       for (size_t i = listenAt + 1; i < pfds.size(); ++i) {
-        if (pfds[i].revents != 0) peerFailed(established[i - listenAt - 1]->rank, "connecting more peers", 0);
+        if (pfds[i].revents != 0) peerFailed(*established[i - listenAt - 1], "connecting more peers", 0);
       }
       if (pfds[listenAt].revents == 0) continue;
       // A connection from below: anything that does not introduce itself as an expected peer of
@@ -421,6 +451,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
     std::vector<Conn*>& conns;
     ~Reset() {
       for (Conn* c : conns) {
+        c->torn |= c->sendOff != 0;
         c->sends.clear();
         c->recvs.clear();
         c->rx.clear();
@@ -448,7 +479,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
           p.writable = false;
           break;
         }
-        peerFailed(p.rank, "sending", errno);
+        peerFailed(p, "sending", errno);
       }
       p.sendOff += static_cast<size_t>(k);
       p.handed += static_cast<uint64_t>(k);
@@ -478,10 +509,11 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
           p.readable = false;
           break;
         }
-        peerFailed(p.rank, "receiving", errno);
+        peerFailed(p, "receiving", errno);
       }
-      if (k == 0) peerFailed(p.rank, "receiving", 0);
+      if (k == 0) peerFailed(p, "receiving", 0);
       const Recv* done = p.rx.advance(static_cast<size_t>(k));
+      if (p.rx.farewell()) peerFailed(p, "receiving", 0);
       total += static_cast<size_t>(k);
       if (done) {
         const size_t i = static_cast<size_t>(done - recvs.data());
@@ -552,7 +584,11 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
       if (p->receiving() && !p->rx.held() && !p->readable) ev |= POLLIN;
       if (p->sending() && !p->sendHeld() && !p->writable) ev |= POLLOUT;
       asking |= ev != 0;
-      pfds.push_back({p->fd, ev, 0});
+      // A peer that leaves (FIN, after a farewell) ends the exchange even while this rank reads
+      // nothing from it. One that left without a farewell and is done with this exchange is left
+      // out (poll skips fd -1): its end, reported at every call, would turn the wait into a spin.
+      const bool watched = p->sending() || p->receiving() || !p->peerLeft;
+      pfds.push_back({watched ? p->fd : -1, static_cast<short>(ev | POLLRDHUP), 0});
     }
     if (moved && !asking) continue;
     // A window-blocked peer frees up as acks arrive, which poll() does not report: re-check soon.
@@ -561,10 +597,23 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
     poll(pfds.data(), pfds.size(), ms);
     for (size_t i = 0; i < pfds.size(); ++i) {
       const short rev = pfds[i].revents;
-      if (rev & (POLLERR | POLLNVAL)) peerFailed(active[i]->rank, "waiting", ECONNRESET);
-      // A closed peer reads as POLLHUP (and EOF): let recv() see it.
-      if (rev & (POLLIN | POLLHUP)) active[i]->readable = true;
-      if (rev & POLLOUT) active[i]->writable = true;
+      Conn& p = *active[i];
+      // A peer that left: where this rank reads from it now, recv() takes what it sent before,
+      // its farewell included, then meets the end or the error; where this rank only sends to
+      // it or reads from it later, nothing more can come. One done with this exchange matters
+      // only if it gave up the group (a farewell): one that closed may just have destroyed the
+      // group after its last op, which this rank may still complete with the others.
+      if ((rev & (POLLERR | POLLHUP | POLLRDHUP)) && !p.sending() && !p.receiving()) {
+        if (farewellOf(p)) peerFailed(p, "waiting", 0);
+        p.peerLeft = true;
+      } else if (rev & (POLLERR | POLLHUP | POLLRDHUP | POLLNVAL)) {
+        if (!(p.receiving() && !p.rx.held()) || (rev & POLLNVAL)) {
+          peerFailed(p, "waiting", (rev & POLLERR) ? ECONNRESET : 0);
+        }
+        p.readable = true;
+      }
+      if (rev & POLLIN) p.readable = true;
+      if (rev & POLLOUT) p.writable = true;
     }
   }
 }

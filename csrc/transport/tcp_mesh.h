@@ -17,7 +17,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/store.h"
@@ -68,14 +70,19 @@ class TcpMesh {
                 const shm::WaitContext& wait, Schedule schedule,
                 const std::function<void(size_t)>& onReceived = {});
 
-  // Interrupts nothing by itself; the next poll tick sees the abort flag of the wait context.
-  void closeAll();
+  // Closes every connection and the listener. With a `farewell` (why this rank gives up the
+  // group), first sends it on each connection that is between messages, so that peers report
+  // the reason, not just a closed connection. Interrupts nothing by itself; the next poll tick
+  // sees the abort flag of the wait context.
+  void closeAll(std::string_view farewell = {});
 
  private:
   struct Conn;
   explicit TcpMesh(const Topology& topo);
   std::vector<std::unique_ptr<Conn>>& lanesTo(int rank);
-  [[noreturn]] void peerFailed(int rank, const char* what, int err);
+  // What a peer that gave up the group said as it left, if it did (see closeAll).
+  static std::optional<std::string> farewellOf(const Conn& c);
+  [[noreturn]] void peerFailed(const Conn& c, const char* what, int err);
   // What an exchange that timed out still waits for, peer by peer.
   std::string stallReport(const std::vector<Conn*>& active) const;
 

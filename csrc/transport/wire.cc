@@ -59,6 +59,23 @@ Stripe stripeOf(size_t bytes, int lanes, int lane) {
   return {begin, std::min(per, bytes - begin)};
 }
 
+std::string farewellFrame(std::string_view why) {
+  if (why.empty()) why = "no reason given";
+  const size_t n = std::min(why.size(), kMaxFarewellBytes);
+  const MsgHeader hdr{kFarewellTag, n};
+  std::string frame(reinterpret_cast<const char*>(&hdr), kHeaderBytes);
+  frame.append(why.substr(0, n));
+  return frame;
+}
+
+std::optional<std::string> farewellIn(const char* data, size_t n) {
+  MsgHeader hdr;
+  if (n < kHeaderBytes) return std::nullopt;
+  std::memcpy(&hdr, data, kHeaderBytes);
+  if (hdr.tag != kFarewellTag || hdr.bytes > kMaxFarewellBytes || n - kHeaderBytes < hdr.bytes) return std::nullopt;
+  return std::string(data + kHeaderBytes, hdr.bytes);
+}
+
 void RecvCursor::start(std::vector<LanePart> expected, uint64_t tag, int peerRank) {
   expected_ = std::move(expected);
   tag_ = tag;
@@ -69,9 +86,13 @@ void RecvCursor::start(std::vector<LanePart> expected, uint64_t tag, int peerRan
 void RecvCursor::clear() {
   expected_.clear();
   idx_ = off_ = 0;
+  farewell_.clear();
+  farewellDone_ = false;
 }
 
 std::pair<char*, size_t> RecvCursor::window() {
+  if (farewellDone_) return {nullptr, 0};
+  if (!farewell_.empty()) return {farewell_.data() + off_, farewell_.size() - off_};
   if (done() || held()) return {nullptr, 0};
   if (off_ < kHeaderBytes) return {reinterpret_cast<char*>(&hdr_) + off_, kHeaderBytes - off_};
   const LanePart& part = expected_[idx_];
@@ -80,7 +101,7 @@ std::pair<char*, size_t> RecvCursor::window() {
 }
 
 size_t RecvCursor::arrived() const {
-  size_t n = off_ > kHeaderBytes ? off_ - kHeaderBytes : 0;
+  size_t n = farewell_.empty() && off_ > kHeaderBytes ? off_ - kHeaderBytes : 0;
   for (size_t i = 0; i < idx_ && i < expected_.size(); ++i) n += expected_[i].bytes;
   return n;
 }
@@ -92,11 +113,20 @@ size_t RecvCursor::expected() const {
 }
 
 const Recv* RecvCursor::advance(size_t k) {
+  off_ += k;
+  if (!farewell_.empty()) {
+    farewellDone_ = off_ == farewell_.size();
+    return nullptr;
+  }
   const LanePart& part = expected_[idx_];
   const Recv& r = *part.msg;
-  const bool inHeader = off_ < kHeaderBytes;
-  off_ += k;
-  if (inHeader && off_ == kHeaderBytes) {
+  if (off_ == kHeaderBytes && off_ - k < kHeaderBytes) {
+    if (hdr_.tag == kFarewellTag && hdr_.bytes <= kMaxFarewellBytes) {
+      off_ = 0;
+      farewell_.assign(hdr_.bytes, '\0');
+      farewellDone_ = hdr_.bytes == 0;
+      return nullptr;
+    }
     if (hdr_.tag != tag_ || hdr_.bytes != r.bytes) throw HeaderMismatch(peer_, hdr_, {tag_, r.bytes});
   }
   if (off_ >= kHeaderBytes && off_ == kHeaderBytes + part.bytes) {

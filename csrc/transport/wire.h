@@ -5,6 +5,8 @@
 // their connections it is), answered by one 'K' byte. After that each message is a 16-byte
 // header (tag, the message's bytes) and this connection's stripe of the payload (all of it when
 // two ranks have one connection), which lands straight in the receiver's destination buffer.
+// A rank that gives up the group ends each connection that is between messages with a farewell
+// (a header tagged kFarewellTag and the reason as text), so that its peers report why it left.
 #pragma once
 
 #include <sys/uio.h>
@@ -12,7 +14,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -79,6 +83,15 @@ struct MsgHeader {
 };
 constexpr size_t kHeaderBytes = sizeof(MsgHeader);
 
+// The farewell's tag: no op's (an op's sequence number would need 40 bits). Its text is clamped
+// to kMaxFarewellBytes, so that it fits a socket's buffer whole.
+constexpr uint64_t kFarewellTag = ~0ull;
+constexpr size_t kMaxFarewellBytes = 480;
+std::string farewellFrame(std::string_view why);
+// The reason, when `data` (n bytes, as read from a connection at a message boundary) starts with
+// a whole farewell.
+std::optional<std::string> farewellIn(const char* data, size_t n);
+
 // A header that is not the one the receiver expects (kInvalidUsage): ranks running different
 // collectives, or sizes that differ. It keeps both sides' facts, so that an op that knows
 // what its sizes mean (all_to_all's split sizes) can say so in its own terms.
@@ -128,14 +141,19 @@ class RecvCursor {
   bool done() const { return idx_ >= expected_.size(); }
   // The next message may not be read yet (its Recv::ready is false).
   bool held() const {
-    return !done() && off_ == 0 && expected_[idx_].msg->ready != nullptr && !*expected_[idx_].msg->ready;
+    return !done() && atBoundary() && expected_[idx_].msg->ready != nullptr && !*expected_[idx_].msg->ready;
   }
-  // Where the next bytes go and at most how many; never empty while !done() && !held().
+  // Where the next bytes go and at most how many; never empty while !done() && !held() and no
+  // whole farewell has arrived.
   std::pair<char*, size_t> window();
   // `k` (> 0, at most window().second) bytes were written at window(). A completed header that
-  // does not match the expected message throws HeaderMismatch.
+  // does not match the expected message throws HeaderMismatch, unless it is a farewell: its text
+  // is read next, and farewell() returns it once whole.
   // Returns the message whose part these bytes completed, or null.
   const Recv* advance(size_t k);
+  const std::string* farewell() const { return farewellDone_ ? &farewell_ : nullptr; }
+  // Between two messages (or past the last), where a peer that gave up may have said farewell.
+  bool atBoundary() const { return off_ == 0 && farewell_.empty(); }
   // Payload bytes arrived so far, of the `expected()` this connection carries (for reports).
   size_t arrived() const;
   size_t expected() const;
@@ -146,6 +164,8 @@ class RecvCursor {
   int peer_ = -1;
   size_t idx_ = 0, off_ = 0;  // off_ counts the header first
   MsgHeader hdr_{};
+  std::string farewell_;  // sized by a farewell's header; off_ then counts its text
+  bool farewellDone_ = false;
 };
 
 }  // namespace wire

@@ -6,7 +6,8 @@
 // and a size mismatch is caught on the first stripe; a peer that goes away is reported promptly;
 // a later connection round adds the missing connections of a group (a rank with none to add
 // taking part); a dial to a peer that never answers ends at the deadline or an abort; an exchange
-// that times out says what it still waits for from each peer; IPv4 and IPv6 addresses parse,
+// that times out says what it still waits for from each peer; a peer that gives up says why
+// (unless it left in the middle of a message); IPv4 and IPv6 addresses parse,
 // print and listen; the
 // connections' congestion control is the one asked for, and an unknown one is
 // refused with the reason. Prints "N passed, N failed".
@@ -16,12 +17,15 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -60,6 +64,15 @@ Topology twoHosts(int rank) {
 // This rank's part of a mesh over the loopback / local interfaces (collective: every rank calls it).
 std::unique_ptr<net::TcpMesh> meshOf(Store& store, const Topology& t, const std::vector<int>& peers) {
   return net::TcpMesh::create(store, t, net::chooseLocalAddress(), peers, std::chrono::seconds(30));
+}
+
+// Two ranks, each its own host, joined by a fresh mesh (collective: both threads run here).
+std::array<std::unique_ptr<net::TcpMesh>, 2> meshPair(Store& store) {
+  std::array<std::unique_ptr<net::TcpMesh>, 2> meshes;
+  std::thread r1([&] { meshes[1] = meshOf(store, twoHosts(1), {0}); });
+  meshes[0] = meshOf(store, twoHosts(0), {1});
+  r1.join();
+  return meshes;
 }
 
 shm::WaitContext waitFor(std::chrono::milliseconds ms) {
@@ -277,11 +290,8 @@ void testStrangersRefusedThenExchange(const std::string& dir) {
 // refuses it at once, naming both sizes, instead of taking the first stripe as the message.
 void testStripedSizeMismatch(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
-  std::unique_ptr<net::TcpMesh> meshes[2];
+  auto meshes = meshPair(store);
   std::string errors[2];
-  std::thread r1([&] { meshes[1] = meshOf(store, twoHosts(1), {0}); });
-  meshes[0] = meshOf(store, twoHosts(0), {1});
-  r1.join();
   const size_t sent = 4 * net::wire::kMinStripedBytes, expected = sent / 4;
   std::vector<uint8_t> out(sent, 1), in(sent, 0);
   std::thread a([&] {
@@ -359,10 +369,7 @@ void testAddresses() {
 // sockets of the three lanes hold).
 void testStalledExchangeReport(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
-  std::unique_ptr<net::TcpMesh> meshes[2];
-  std::thread r1([&] { meshes[1] = meshOf(store, twoHosts(1), {0}); });
-  meshes[0] = meshOf(store, twoHosts(0), {1});
-  r1.join();
+  auto meshes = meshPair(store);
   const size_t small = 1000, big = 64u << 20;
   std::vector<uint8_t> first(small, 1), in(2 * small), out(big, 2);
   std::string error = "no error", peerError;
@@ -394,6 +401,67 @@ void testStalledExchangeReport(const std::string& dir) {
   expect(error.find("not read by rank 1 on ") != std::string::npos &&
              error.find(" of " + std::to_string(big) + " bytes taken)") != std::string::npos,
          "the timeout says the peer is not reading: " + error);
+}
+
+// Rank 1's error from an exchange with rank 0, which gives up (closeAll with a farewell) as
+// `rank0` decides; how long rank 1 took to hear of it. A fresh mesh, bootstrapped in `dir`.
+std::pair<std::string, double> rank1SeesRank0GiveUp(const std::string& dir, const std::vector<net::Send>& sends,
+                                                    const std::vector<net::Recv>& recvs,
+                                                    const std::function<void(net::TcpMesh&)>& rank0) {
+  std::filesystem::create_directory(dir);
+  FileStore store(dir, std::chrono::seconds(30));
+  auto meshes = meshPair(store);
+  std::thread a([&] { rank0(*meshes[0]); });
+  std::string error = "no error";
+  const auto t0 = Clock::now();
+  try {
+    meshes[1]->exchange(net::makeTag(3, 0), sends, recvs, waitFor(std::chrono::seconds(20)), net::Schedule::kMesh);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  a.join();
+  return {error, secs};
+}
+
+// A rank that gives up tells its peers why: one that reads from it (the farewell comes where the
+// next message would), one that only sends to it (the farewell waits behind the data it does not
+// read), both within a second. A rank that gave up in the middle of a message sends none: its
+// peer would take it for payload; it hears that the connection closed.
+void testFarewell(const std::string& dir) {
+  const std::string why = "allreduce #3: a reason only rank 0 knows";
+  const size_t big = 64u << 20;
+  std::vector<uint8_t> small(1000, 1), in(2 * small.size()), out(big, 2), into(big);
+
+  auto [reading, readSecs] = rank1SeesRank0GiveUp(dir + "/reader", {}, {{0, in.data(), 1000}, {0, in.data() + 1000, 1000}},
+                                                  [&](net::TcpMesh& m) {
+    m.exchange(net::makeTag(3, 0), {{1, small.data(), 1000}}, {}, waitFor(std::chrono::seconds(5)),
+               net::Schedule::kMesh);
+    m.closeAll(why);
+  });
+  expect(reading.find("rank 0 on ") != std::string::npos && reading.find("gave up the group") != std::string::npos &&
+             reading.find(why) != std::string::npos && readSecs < 1,
+         "a reader hears the farewell in " + std::to_string(readSecs) + " s: " + reading);
+
+  auto [sending, sendSecs] = rank1SeesRank0GiveUp(dir + "/sender", {{0, out.data(), big}}, {}, [&](net::TcpMesh& m) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    m.closeAll(why);
+  });
+  expect(sending.find("gave up the group") != std::string::npos && sending.find(why) != std::string::npos &&
+             sendSecs < 1.5,
+         "a sender hears the farewell in " + std::to_string(sendSecs) + " s: " + sending);
+
+  auto [torn, tornSecs] = rank1SeesRank0GiveUp(dir + "/torn", {}, {{0, into.data(), big}}, [&](net::TcpMesh& m) {
+    try {  // rank 1 reads only once this has timed out with the message half sent
+      m.exchange(net::makeTag(3, 0), {{1, out.data(), big}}, {}, waitFor(std::chrono::milliseconds(1)),
+                 net::Schedule::kMesh);
+    } catch (const Error&) {
+    }
+    m.closeAll(why);
+  });
+  const bool onlyPayload = std::all_of(into.begin(), into.end(), [](uint8_t b) { return b == 0 || b == 2; });
+  expect(torn.find("closed by the peer") != std::string::npos && onlyPayload && tornSecs < 5,
+         "no farewell after half a message: " + torn);
 }
 
 // Three ranks, each its own host: the mesh starts as a chain 0-1-2; a second round connects 0
@@ -545,26 +613,13 @@ int main() {
   setenv("SMDDP_NET_SOCKETS_PER_PEER", "3", 1);
   testCongestionControl();
   testAddresses();
-  char tmpl[] = "/tmp/smddp_net_tests.XXXXXX";
-  if (!mkdtemp(tmpl)) return 1;
-  testStrangersRefusedThenExchange(tmpl);
-  std::filesystem::remove_all(tmpl);
-  char tmpl2[] = "/tmp/smddp_net_tests.XXXXXX";
-  if (!mkdtemp(tmpl2)) return 1;
-  testConnectLater(tmpl2);
-  std::filesystem::remove_all(tmpl2);
-  char tmpl3[] = "/tmp/smddp_net_tests.XXXXXX";
-  if (!mkdtemp(tmpl3)) return 1;
-  testStripedSizeMismatch(tmpl3);
-  std::filesystem::remove_all(tmpl3);
-  char tmpl4[] = "/tmp/smddp_net_tests.XXXXXX";
-  if (!mkdtemp(tmpl4)) return 1;
-  testDialToSilentPeer(tmpl4);
-  std::filesystem::remove_all(tmpl4);
-  char tmpl5[] = "/tmp/smddp_net_tests.XXXXXX";
-  if (!mkdtemp(tmpl5)) return 1;
-  testStalledExchangeReport(tmpl5);
-  std::filesystem::remove_all(tmpl5);
+  for (auto test : {testStrangersRefusedThenExchange, testConnectLater, testStripedSizeMismatch, testDialToSilentPeer,
+                    testStalledExchangeReport, testFarewell}) {
+    char dir[] = "/tmp/smddp_net_tests.XXXXXX";  // each test's own store
+    if (!mkdtemp(dir)) return 1;
+    test(dir);
+    std::filesystem::remove_all(dir);
+  }
   printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }

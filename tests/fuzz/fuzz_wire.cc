@@ -1,7 +1,8 @@
 // libFuzzer target for the TCP mesh's wire parsing (csrc/transport/wire.h): the Hello an unknown
 // client sends, and the byte stream of a connection fed to a RecvCursor in pieces of arbitrary
-// sizes. Built and run by tests/test_fuzz.py with clang's -fsanitize=fuzzer,address,undefined:
-// any crash, out-of-bounds write, undefined behaviour or slow input fails the test.
+// sizes (up to a farewell, if one comes, read to its end). Built and run by tests/test_fuzz.py
+// with clang's -fsanitize=fuzzer,address,undefined: any crash, out-of-bounds write, undefined
+// behaviour or slow input fails the test.
 //
 // Input layout: [0] messages expected (1-4), [1..4] their payload sizes, [5] seed of the piece
 // sizes, then the stream; the first sizeof(Hello) bytes are also tried as a Hello.
@@ -36,6 +37,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       std::abort();
     }
   }
+  if (auto why = wire::farewellIn(reinterpret_cast<const char*>(data), size)) {
+    if (why->size() > wire::kMaxFarewellBytes) std::abort();
+  }
   if (size < kPreamble) return 0;
   const int n = 1 + data[0] % 4;
   // Exactly sized heap buffers, so AddressSanitizer sees any write past a destination.
@@ -54,7 +58,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   size_t left = size - kPreamble;
   uint32_t seed = data[5];
   try {
-    while (!cursor.done() && left > 0) {
+    while (!cursor.done() && !cursor.farewell() && left > 0) {
       const auto [buf, want] = cursor.window();
       if (want == 0 || buf == nullptr) std::abort();  // the cursor promised never to ask for nothing
       seed = seed * 1103515245u + 12345u;
