@@ -118,9 +118,10 @@ void TcpMesh::closeAll(std::string_view farewell) {
         send(c->fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
         shutdown(c->fd, SHUT_WR);
         // Closing a socket that holds unread data resets the connection at once, and a reset
-        // drops whatever is still queued to go out, the farewell too: take what is there first.
-        char sink[4096];
-        while (recv(c->fd, sink, sizeof(sink), MSG_DONTWAIT) > 0) {
+        // drops whatever is still queued to go out, the farewell too: take what is there first
+        // (bounded, for a peer that keeps sending as fast as this reads).
+        char sink[64 << 10];
+        for (int i = 0; i < 256 && recv(c->fd, sink, sizeof(sink), MSG_DONTWAIT) > 0; ++i) {
         }
       }
       close(c->fd);
