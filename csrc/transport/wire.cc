@@ -77,10 +77,10 @@ std::optional<std::string> farewellIn(const char* data, size_t n) {
 }
 
 void RecvCursor::start(std::vector<LanePart> expected, uint64_t tag, int peerRank) {
+  clear();
   expected_ = std::move(expected);
   tag_ = tag;
   peer_ = peerRank;
-  idx_ = off_ = 0;
 }
 
 void RecvCursor::clear() {
