@@ -337,7 +337,8 @@ std::string timeStr(double us) {
 }
 
 int rankMain(const Args& a, int rank, Store& store) {
-  algo::Communicator comm(store, rank, a.ranks, std::chrono::minutes(5));
+  BootstrapStore bootstrap(store);
+  algo::Communicator comm(bootstrap, rank, a.ranks, std::chrono::minutes(5));
   store.set("smddp_perf/pid/" + std::to_string(rank), std::to_string(getpid()));
   const int W = a.ranks;
   FILE* json = nullptr;

@@ -7,6 +7,7 @@ and naive schedules get the allreduce matrix too. A real multi-host run across n
 namespaces is in test_netns.py."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -447,27 +448,32 @@ def test_ipv6(pools, topo):
 
 
 IFACE_CHILD = r"""
-import sys, torch, torch.distributed as dist
+import datetime, sys, time, torch, torch.distributed as dist
 import smddp
-rank = int(sys.argv[1])
+rank, world = int(sys.argv[1]), int(sys.argv[3])
+t0 = time.monotonic()
 try:
-    dist.init_process_group("smddp", init_method=sys.argv[2], rank=rank, world_size=2)
+    dist.init_process_group("smddp", init_method=sys.argv[2], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     info = dist.group.WORLD._get_backend(torch.device("cpu"))._topology()
     t = torch.ones(3)
     dist.all_reduce(t)
     print("OK", info["net_interface"], info["net_address"], t.tolist(), flush=True)
     dist.destroy_process_group()
 except Exception as e:
-    print("ERROR", type(e).__name__, str(e).splitlines()[0], flush=True)
+    print("ERROR", type(e).__name__, str(e).splitlines()[0], f"(after {time.monotonic() - t0:.1f} s)", flush=True)
 """
 
 
-def _two_hosts_with(settings):
-    """Ranks 0 and 1 as two emulated hosts with `settings` in their environment; their outputs."""
+def _hosts_with(settings, hosts="01", bad_settings=None, bad=()):
+    """Ranks on the emulated hosts `hosts` (rank r on host hosts[r]) with `settings` in their
+    environment, and the ranks in `bad` with `bad_settings` too; their outputs."""
     url = f"tcp://127.0.0.1:{_pool.free_port()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pool.TESTS_DIR, **settings)
-    procs = [subprocess.Popen([sys.executable, "-c", IFACE_CHILD, str(r), url], env=dict(env, SMDDP_HOST_ID=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", IFACE_CHILD, str(r), url, str(len(hosts))],
+                              env=dict(env, SMDDP_HOST_ID=hosts[r], **(bad_settings if r in bad else {})),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(len(hosts))]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
     return outs
@@ -490,6 +496,29 @@ def test_interface_and_family_choice(settings, want):
     ValueError naming the rank, the setting and what there is, and leaves nothing in /dev/shm."""
     if settings.get("SMDDP_SOCKET_FAMILY") == "AF_INET6" and not _pool.ipv6_available():
         pytest.skip("this machine cannot bind ::1 (IPv6 disabled)")
-    outs = _two_hosts_with(settings)
+    outs = _hosts_with(settings)
     for rank, out in enumerate(outs):
         assert want.format(rank=rank) in out, f"rank {rank}:\n{out[-2000:]}"
+
+
+@pytest.mark.parametrize("hosts, bad, settings, cause", [
+    ("01", [1], {"SMDDP_NET_ALGO": "bogus"}, "SMDDP_NET_ALGO=bogus: expected mesh, naive or ring"),
+    ("01", [1], {"SMDDP_SOCKET_IFNAME": "nosuch0"}, "SMDDP_SOCKET_IFNAME=nosuch0 matches no interface"),
+    ("0011", [2, 3], {"SMDDP_SHM_SLOT_BYTES": str(1 << 40)}, "/dev/shm is too small"),
+], ids=["net_algo_on_one_host", "ifname_on_one_host", "shm_too_small_on_one_host"])
+def test_setup_failure_on_one_host_fails_every_rank(hosts, bad, settings, cause):
+    """A set-up that fails on one host only (a variable set on one node, a container with too
+    little /dev/shm) fails every rank at init_process_group within seconds: the failed ranks
+    with their own error, the others naming a failed rank and its cause, where they used to wait
+    for its part of the set-up until the group's timeout (60 s here; 30 minutes by default)."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    outs = _hosts_with({}, hosts, settings, bad)
+    for rank, out in enumerate(outs):
+        line = next((l for l in out.splitlines() if l.startswith("ERROR")), "")
+        assert cause in line, f"rank {rank}:\n{out[-2000:]}"
+        if rank not in bad:
+            assert "DistBackendError" in line and re.search(
+                rf"smddp rank {rank}: rank ({'|'.join(map(str, bad))}) could not set up the process group: ", line), line
+        seconds = float(re.search(r"\(after ([0-9.]+) s\)", line).group(1))
+        assert seconds < 10, line

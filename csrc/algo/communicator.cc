@@ -39,38 +39,78 @@ size_t copyStepBytesFromEnv() {
   return std::min(static_cast<size_t>(env::shmSlotBytes()), step / kAlignBytes * kAlignBytes);
 }
 
+const std::string kNetSettingsKey = "smddp/net/settings";
+
+// The keys of the group's set-up that peers wait for from `rank`, but the host's shared-memory
+// ones (its host is not known before the topology, and its host-mates fail on the topology's).
+std::vector<std::string> groupKeysOwedBy(int rank) {
+  std::vector<std::string> keys = Topology::keysOwedBy(rank);
+  for (const std::string& k : net::TcpMesh::keysOwedBy(rank)) keys.push_back(k);
+  if (rank == 0) keys.push_back(kNetSettingsKey);
+  return keys;
+}
+
+// fn(), or, if it throws, the error published to the peers first.
+template <class Fn>
+auto tellingPeers(BootstrapStore& store, int rank, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    store.publishFailure(groupKeysOwedBy(rank), rank, e.what());
+    throw;
+  }
+}
+
 Topology discoverAfterShmCheck(Store& store, int rank, int size) {
   if (size > 1) shm::Domain::checkCapacity(rank, static_cast<size_t>(env::shmSlotBytes()));
   return size > 1 ? Topology::discover(store, rank, size) : Topology::singleHost(rank, size);
 }
+
+std::string hostPrefix(const Topology& t) { return "smddp/host" + std::to_string(t.host()) + "/"; }
 }  // namespace
 
-Communicator::Communicator(Store& store, int rank, int size, std::chrono::milliseconds timeout)
+Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout)
     : store_(store),
       rank_(rank),
       size_(size),
       // Local choices first, before any store exchange: a setting that fails them
       // (SMDDP_SOCKET_IFNAME, SMDDP_SOCKET_FAMILY) then fails every rank alike, instead of failing
       // rank 0 first and taking the store its process hosts from ranks still using it.
-      netAddr_(size > 1 ? net::chooseLocalAddress() : net::LocalAddress{}),
-      topo_(discoverAfterShmCheck(store, rank, size)),
+      netAddr_(size > 1 ? tellingPeers(store, rank, [] { return net::chooseLocalAddress(); }) : net::LocalAddress{}),
+      topo_(tellingPeers(store, rank, [&] { return discoverAfterShmCheck(store, rank, size); })),
       cpuClaim_(topo_.cpuShare),
       machine_(cpuClaim_.busiest()),
       oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))),
       copyStepBytes_(copyStepBytesFromEnv()),
       cpuThreads_(cpuThreadsFor(machine_)) {
   logParamsOnce();
+  try {
+    setUp(timeout);
+  } catch (const std::exception& e) {
+    store.publishFailure(keysOwed(), rank, e.what());
+    throw;
+  }
+}
+
+std::vector<std::string> Communicator::keysOwed() const {
+  std::vector<std::string> keys = groupKeysOwedBy(rank_);
+  const std::string prefix = topo_.hosts() == 1 ? "" : hostPrefix(topo_);
+  for (const std::string& k : shm::Domain::keysOwedBy(topo_.localRank())) keys.push_back(prefix + k);
+  return keys;
+}
+
+void Communicator::setUp(std::chrono::milliseconds timeout) {
   const size_t slotBytes = static_cast<size_t>(env::shmSlotBytes());
   if (topo_.hosts() == 1) {
-    domain_ = shm::Domain::create(store, rank, size, slotBytes, machine_);
+    domain_ = shm::Domain::create(store_, rank_, size_, slotBytes, machine_);
     return;
   }
-  agreeOnNetSettings(store);
-  PrefixStore hostStore(store, "smddp/host" + std::to_string(topo_.host()) + "/");
+  agreeOnNetSettings(store_);
+  PrefixStore hostStore(store_, hostPrefix(topo_));
   domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes, machine_);
   domain_->setGroupRanks(topo_.members[topo_.host()]);
-  mesh_ = net::TcpMesh::create(store, topo_, netAddr_, hierarchicalPeers(topo_), timeout);
-  SMDDP_INFO(kInit, "rank %d/%d: %d hosts, inter-host algorithm %s over %s (%s)", rank, size, topo_.hosts(),
+  mesh_ = net::TcpMesh::create(store_, topo_, netAddr_, hierarchicalPeers(topo_), timeout);
+  SMDDP_INFO(kInit, "rank %d/%d: %d hosts, inter-host algorithm %s over %s (%s)", rank_, size_, topo_.hosts(),
              netAlgoName(netAlgo_), mesh_->address().ip.c_str(), mesh_->address().ifname.c_str());
 }
 
@@ -83,7 +123,7 @@ void Communicator::agreeOnNetSettings(Store& store) {
   netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
   netOneShotBytes_ = static_cast<size_t>(std::max<int64_t>(0, env::netOneShotBytes()));
   const std::string mine = algo + " " + std::to_string(netBufferBytes_) + " " + std::to_string(netOneShotBytes_);
-  const std::string group = rank0Value(store, rank_, "smddp/net/settings", mine);
+  const std::string group = rank0Value(store, rank_, kNetSettingsKey, mine);
   if (group == mine) return;
   SMDDP_WARN(kNet,
              "rank %d: SMDDP_NET_ALGO, SMDDP_NET_BUFFER_BYTES, SMDDP_NET_ONESHOT_BYTES are \"%s\" here, but "

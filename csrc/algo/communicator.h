@@ -10,11 +10,13 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "algo/collectives.h"
 #include "algo/hierarchical.h"
 #include "core/error.h"
 #include "core/spin.h"
+#include "core/store.h"
 #include "core/store.h"
 #include "transport/shm_domain.h"
 #include "transport/tcp_mesh.h"
@@ -26,8 +28,12 @@ class Communicator {
  public:
   // Collective over the group (bootstrap through `store`; `timeout` bounds connection set-up).
   // `store` must outlive the communicator: a multi-host group's first all_to_all connects more
-  // ranks through it.
-  Communicator(Store& store, int rank, int size, std::chrono::milliseconds timeout);
+  // ranks through it. A rank whose set-up fails publishes its error through `store` before it
+  // throws, so that its peers fail with it at once.
+  Communicator(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout);
+  // The store keys a rank's set-up publishes that peers wait for: a rank that fails after the
+  // communicator (the point-to-point engine) publishes its error under them too.
+  std::vector<std::string> keysOwed() const;
   ~Communicator();
 
   int rank() const { return rank_; }
@@ -77,11 +83,13 @@ class Communicator {
   template <class Flat, class Hier>
   void runEither(OpKind kind, std::chrono::milliseconds timeout, Flat flat, Hier hierarchical);
   HierContext hier(const OpContext& ctx);
+  // The set-up after the topology: shared memory, and across hosts settings and the mesh.
+  void setUp(std::chrono::milliseconds timeout);
   // Sets netAlgo_, netBufferBytes_, netOneShotBytes_: rank 0's values (collective, store).
   void agreeOnNetSettings(Store& store);
   std::unique_ptr<HelperPool> startHelpers();
 
-  Store& store_;
+  BootstrapStore& store_;
   int rank_;
   int size_;
   net::LocalAddress netAddr_;  // where the TCP mesh listens, should the group span hosts

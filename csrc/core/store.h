@@ -2,7 +2,9 @@
 // benchmark binary and C++ tests can use any other implementation.
 #pragma once
 
+#include <set>
 #include <string>
+#include <vector>
 
 namespace smddp {
 
@@ -33,6 +35,26 @@ class PrefixStore : public Store {
  private:
   Store& inner_;
   std::string prefix_;
+};
+
+// The store as a group's set-up uses it. A rank whose set-up fails publishes its error under the
+// keys its peers may still wait for (publishFailure), and get() turns such a value into that
+// error: peers fail at once, naming the rank and its cause, instead of waiting out the store's
+// timeout (the group's, 30 minutes by default) for a key that will never come; one host with a
+// /dev/shm too small, or a setting only some ranks have, stops the whole job in seconds.
+class BootstrapStore : public Store {
+ public:
+  explicit BootstrapStore(Store& inner) : inner_(inner) {}
+  void set(const std::string& key, const std::string& value) override;
+  // Throws kRemoteError with a failed peer's error where one stands in for the value.
+  std::string get(const std::string& key) override;
+  // Publishes "rank `rank` could not set up the process group: `why`" under each of `keys` this
+  // rank has not set itself. Never throws: the store may be what failed.
+  void publishFailure(const std::vector<std::string>& keys, int rank, const std::string& why) noexcept;
+
+ private:
+  Store& inner_;
+  std::set<std::string> set_;  // keys this rank has set: their values are good
 };
 
 }  // namespace smddp

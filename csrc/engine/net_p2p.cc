@@ -24,6 +24,7 @@ using Clock = std::chrono::steady_clock;
 using net::wire::kHeaderBytes;
 using net::wire::MsgHeader;
 constexpr int kActiveTickMs = 50;  // how often deadlines are checked while something is pending
+std::string addrKey(int rank) { return "smddp/p2p/addr/" + std::to_string(rank); }
 constexpr int kIdleTickMs = 1000;
 constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client must introduce itself by then
 
@@ -104,6 +105,8 @@ struct NetP2p::Incoming {
   Clock::time_point deadline;
 };
 
+std::vector<std::string> NetP2p::keysOwedBy(int rank) { return {addrKey(rank)}; }
+
 NetP2p::NetP2p(Store& store, const Topology& topo, const std::string& ip, const std::string& ifname, int lanes,
                std::string name)
     : topo_(topo), rank_(topo.rank), lanes_(lanes), name_(std::move(name)), peers_(topo.size) {
@@ -111,14 +114,14 @@ NetP2p::NetP2p(Store& store, const Topology& topo, const std::string& ip, const 
   listenFd_ = l.fd;
   try {
     fcntl(listenFd_, F_SETFL, fcntl(listenFd_, F_GETFL) | O_NONBLOCK);
-    store.set("smddp/p2p/addr/" + std::to_string(rank_), l.address);
+    store.set(addrKey(rank_), l.address);
     secret_ = store.get("smddp/net/secret");
     for (int g = 0; g < topo.size; ++g) {
       if (topo.hostOf[g] == topo.host()) continue;
       peers_[g] = std::make_unique<Peer>();
       peers_[g]->rank = g;
       peers_[g]->lanes.resize(static_cast<size_t>(lanes_));
-      peers_[g]->address = store.get("smddp/p2p/addr/" + std::to_string(g));
+      peers_[g]->address = store.get(addrKey(g));
     }
     wakeFd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (wakeFd_ < 0) throwError(ErrorCode::kSystemError, "rank %d: eventfd: %s", rank_, errnoString(errno).c_str());

@@ -39,6 +39,9 @@ class NetP2p {
   // every rank.
   NetP2p(Store& store, const Topology& topo, const std::string& ip, const std::string& ifname, int lanes,
          std::string name);
+  // The keys the constructor sets for `rank`, which its peers wait for
+  // (BootstrapStore::publishFailure).
+  static std::vector<std::string> keysOwedBy(int rank);
   ~NetP2p();  // fails what is pending, closes every socket, joins
 
   // `op.peer`: a rank on another host, or -1 for a receive from any of them (see

@@ -252,8 +252,9 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   const char* torchDebug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
   debugChecks_ = env::debugChecks() != 0 || (torchDebug != nullptr && std::string(torchDebug) == "DETAIL");
   store_ = std::make_unique<C10dStore>(store);
+  bootstrap_ = std::make_unique<BootstrapStore>(*store_);
   try {
-    comm_ = std::make_unique<algo::Communicator>(*store_, rank, size, timeout);
+    comm_ = std::make_unique<algo::Communicator>(*bootstrap_, rank, size, timeout);
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, rank));
   }
@@ -264,10 +265,11 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   }
   if (comm_->multiHost()) {
     try {
-      netP2p_ = std::make_unique<engine::NetP2p>(*store_, comm_->topology(), comm_->netAddress().ip,
+      netP2p_ = std::make_unique<engine::NetP2p>(*bootstrap_, comm_->topology(), comm_->netAddress().ip,
                                                  comm_->netAddress().ifname, comm_->netLanes(),
                                                  "smddp-np2p" + std::to_string(rank));
     } catch (const Error& e) {
+      bootstrap_->publishFailure(engine::NetP2p::keysOwedBy(rank), rank, e.what());
       std::rethrow_exception(toTorchError(e, rank));
     }
   }

@@ -201,6 +201,7 @@ class SmddpBackend : public c10d::Backend {
   std::chrono::microseconds spin_;
   std::atomic<uint64_t> issued_{0};
   std::unique_ptr<Store> store_;  // the group's c10d store, kept for the communicator (see there)
+  std::unique_ptr<BootstrapStore> bootstrap_;  // store_ as the set-up uses it
   std::unique_ptr<algo::Communicator> comm_;
   std::unique_ptr<engine::ProgressThread> progress_;
   std::unique_ptr<engine::P2pEngine> p2p_;  // ranks of this host; null when it is the only one

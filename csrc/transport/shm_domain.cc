@@ -67,7 +67,17 @@ namespace {
 // each on its own cache line.
 constexpr size_t kCounterStride = 64;
 size_t roundUpPage(size_t n) { return (n + 4095) / 4096 * 4096; }
+
+const std::string kTokenKey = "smddp/shm/token";
+std::string createdKey(int rank) { return "smddp/shm/created/" + std::to_string(rank); }
+std::string attachedKey(int rank) { return "smddp/shm/attached/" + std::to_string(rank); }
 }  // namespace
+
+std::vector<std::string> Domain::keysOwedBy(int rank) {
+  std::vector<std::string> keys = {createdKey(rank), attachedKey(rank)};
+  if (rank == 0) keys.push_back(kTokenKey);
+  return keys;
+}
 
 
 Domain::Domain(int rank, int size, size_t slotBytes) : rank_(rank), size_(size), slotBytes_(slotBytes) {
@@ -105,8 +115,8 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
       machine.oversubscribed() ? std::chrono::microseconds(env::yieldMicros()) : std::chrono::microseconds(0);
   if (size == 1) return d;
 
-  if (rank == 0) store.set("smddp/shm/token", randomHex(8));
-  const std::string token = store.get("smddp/shm/token");
+  if (rank == 0) store.set(kTokenKey, randomHex(8));
+  const std::string token = store.get(kTokenKey);
   auto nameOf = [&](int r) { return "/smddp-" + token + "-" + std::to_string(r); };
 
   d->p2pCountersOffset_ = kHeaderBytes;
@@ -114,14 +124,9 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   d->p2pOutboxOffset_ = slotsOffset + 2 * slotBytes;
   const size_t segBytes = segmentBytes(size, slotBytes);
   d->segments_.resize(size);
-  try {
-    // Only the control page and counters now; slots and mailboxes on first use (commit*()), so
-    // a group that is never used, or never uses point-to-point, costs no staging memory.
-    d->segments_[rank] = Segment::create(nameOf(rank), segBytes, segBytes * size, rank, slotsOffset);
-  } catch (const Error& e) {
-    store.set("smddp/shm/created/" + std::to_string(rank), std::string("err ") + e.what());
-    throw;
-  }
+  // Only the control page and counters now; slots and mailboxes on first use (commit*()), so
+  // a group that is never used, or never uses point-to-point, costs no staging memory.
+  d->segments_[rank] = Segment::create(nameOf(rank), segBytes, segBytes * size, rank, slotsOffset);
   Control* mine = new (d->segments_[rank].data()) Control();
   mine->pid = getpid();
   mine->rank = rank;
@@ -135,15 +140,11 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
     new (&d->consumedFrom(rank, p)) std::atomic<uint64_t>(0);
   }
   mine->magic = kMagic;
-  store.set("smddp/shm/created/" + std::to_string(rank), "ok");
+  store.set(createdKey(rank), "ok");
 
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
-    const std::string status = store.get("smddp/shm/created/" + std::to_string(r));
-    if (status.rfind("err ", 0) == 0) {
-      throwError(ErrorCode::kRemoteError, "smddp rank %d: rank %d could not create its shared memory: %s", rank, r,
-                 status.c_str() + 4);
-    }
+    store.get(createdKey(r));  // a peer that could not create its segment published its error here
     d->segments_[r] = Segment::open(nameOf(r), rank, r);
     Control* c = d->control(r);
     if (d->segments_[r].size() != segBytes || c->magic != kMagic || c->rank != r || c->slotBytes != slotBytes) {
@@ -155,9 +156,9 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   }
   // Once everybody has mapped everything the names are no longer needed: remove them now, so a
   // crash later cannot leave anything behind in /dev/shm.
-  store.set("smddp/shm/attached/" + std::to_string(rank), "1");
+  store.set(attachedKey(rank), "1");
   for (int r = 0; r < size; ++r) {
-    if (r != rank) store.get("smddp/shm/attached/" + std::to_string(r));
+    if (r != rank) store.get(attachedKey(r));
   }
   d->segments_[rank].unlink();
 

@@ -51,6 +51,8 @@ class Domain {
   // `machine`: how this host's ranks share cores with the rest of the machine (it sets how long
   // waits spin before they sleep).
   static std::unique_ptr<Domain> create(Store& store, int rank, int size, size_t slotBytes, const CpuShare& machine);
+  // The keys create() sets for `rank`, which its peers wait for (BootstrapStore::publishFailure).
+  static std::vector<std::string> keysOwedBy(int rank);
   // Fails fast, before any bootstrap traffic, when even the slots of this rank's segment cannot
   // fit in /dev/shm: every rank then reports the cause itself, rather than some losing the store
   // (rank 0 hosts it) and reporting a closed connection. (create() checks the full size.)

@@ -32,6 +32,9 @@ constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client 
 constexpr auto kPollTick = std::chrono::milliseconds(50);  // how often a waiter checks abort and deadline
 constexpr int64_t kMaxLanes = 16;
 
+const std::string kSecretKey = "smddp/net/secret", kLanesKey = "smddp/net/lanes";
+std::string addrKey(int rank) { return "smddp/net/addr/" + std::to_string(rank); }
+
 int msLeft(Clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
   return static_cast<int>(std::clamp<long long>(left, 0, 1 << 30));
@@ -163,6 +166,12 @@ void TcpMesh::peerFailed(const Conn& c, const char* what, int err) {
              c.rank, where.c_str(), what, err == 0 ? "closed by the peer" : errnoString(err).c_str());
 }
 
+std::vector<std::string> TcpMesh::keysOwedBy(int rank) {
+  std::vector<std::string> keys = {addrKey(rank)};
+  if (rank == 0) keys.insert(keys.end(), {kSecretKey, kLanesKey});
+  return keys;
+}
+
 std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, const LocalAddress& addr,
                                          const std::vector<int>& peers, std::chrono::milliseconds timeout) {
   const int rank = topo.rank;
@@ -176,18 +185,18 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
   const int backlog = static_cast<int>(std::min<int64_t>(std::max(64, topo.size) * kMaxLanes, 65535));
   const Listener listener = listenOn(m->addr_.ip, m->addr_.ifname, backlog, rank);
   m->listenFd_ = listener.fd;
-  store.set("smddp/net/addr/" + std::to_string(rank), listener.address);
+  store.set(addrKey(rank), listener.address);
   const int64_t asked = env::netSocketsPerPeer(), lanes = std::clamp<int64_t>(asked, 1, kMaxLanes);
   if (rank == 0) {
     if (asked != lanes) {
       SMDDP_WARN(kNet, "SMDDP_NET_SOCKETS_PER_PEER=%lld is outside 1-%lld: using %lld", static_cast<long long>(asked),
                  static_cast<long long>(kMaxLanes), static_cast<long long>(lanes));
     }
-    store.set("smddp/net/secret", randomHex(kSecretChars / 2));
+    store.set(kSecretKey, randomHex(kSecretChars / 2));
   }
-  m->secret_ = store.get("smddp/net/secret");
+  m->secret_ = store.get(kSecretKey);
   // Rank 0's setting holds for the group: both ends of a pair must open as many connections.
-  m->lanes_ = std::stoi(rank0Value(store, rank, "smddp/net/lanes", std::to_string(lanes)));
+  m->lanes_ = std::stoi(rank0Value(store, rank, kLanesKey, std::to_string(lanes)));
   if (rank != 0 && lanes != m->lanes_) {
     SMDDP_WARN(kNet, "rank %d: SMDDP_NET_SOCKETS_PER_PEER=%lld here, but rank 0's %d holds for the group", rank,
                static_cast<long long>(asked), m->lanes_);
@@ -277,7 +286,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
   std::vector<pollfd> pfds;
   try {
     for (int p : upward) {
-      const std::string where = store.get("smddp/net/addr/" + std::to_string(p));
+      const std::string where = store.get(addrKey(p));
       const SocketAddress to = parseAddress(where, p);
       if (isLoopback(to) && topo_.bootIds[p] != topo_.bootIds[rank]) {
         throwError(ErrorCode::kInvalidUsage,

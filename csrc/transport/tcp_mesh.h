@@ -48,6 +48,8 @@ class TcpMesh {
   // the ranks this rank exchanges with (the relation must be symmetric across ranks).
   static std::unique_ptr<TcpMesh> create(Store& store, const Topology& topo, const LocalAddress& addr,
                                          const std::vector<int>& peers, std::chrono::milliseconds timeout);
+  // The keys create() sets for `rank`, which its peers wait for (BootstrapStore::publishFailure).
+  static std::vector<std::string> keysOwedBy(int rank);
   ~TcpMesh();
 
   // Connects to those of `peers` not connected yet; they call it too, at the same point of their

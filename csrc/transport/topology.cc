@@ -18,6 +18,10 @@
 namespace smddp {
 namespace {
 
+const std::string kNonceKey = "smddp/topo/nonce";
+std::string infoKey(int rank) { return "smddp/topo/info/" + std::to_string(rank); }
+std::string leaderKey(int rank) { return "smddp/topo/leader/" + std::to_string(rank); }
+
 std::string bootId() {
   std::string id;
   std::ifstream f("/proc/sys/kernel/random/boot_id");
@@ -101,12 +105,18 @@ Topology Topology::singleHost(int rank, int size) {
   return t;
 }
 
+std::vector<std::string> Topology::keysOwedBy(int rank) {
+  std::vector<std::string> keys = {infoKey(rank), leaderKey(rank)};
+  if (rank == 0) keys.push_back(kNonceKey);
+  return keys;
+}
+
 Topology Topology::discover(Store& store, int rank, int size) {
   Topology t;
   t.rank = rank;
   t.size = size;
-  if (rank == 0) store.set("smddp/topo/nonce", randomHex(8));
-  const std::string token = "/smddp-" + store.get("smddp/topo/nonce") + "-host-" + std::to_string(rank);
+  if (rank == 0) store.set(kNonceKey, randomHex(8));
+  const std::string token = "/smddp-" + store.get(kNonceKey) + "-host-" + std::to_string(rank);
   const int fd = shm_open(token.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
     throwError(ErrorCode::kSystemError, "rank %d: cannot create the topology token %s in /dev/shm: %s", rank,
@@ -120,7 +130,7 @@ Topology Topology::discover(Store& store, int rank, int size) {
 
   // Round 1: who am I.
   const std::string myKey = env::hostId(), myBoot = bootId();
-  store.set("smddp/topo/info/" + std::to_string(rank),
+  store.set(infoKey(rank),
             myBoot + "\n" + myKey + "\n" + hostname() + "\n" + token + "\n" + cpuList(usableCpuIds()));
   std::vector<std::string> keys(size), tokens(size);
   int machineRanks = 0;
@@ -128,7 +138,7 @@ Topology Topology::discover(Store& store, int rank, int size) {
   t.bootIds.resize(size);
   t.hostnames.resize(size);
   for (int r = 0; r < size; ++r) {
-    const auto f = splitOn(store.get("smddp/topo/info/" + std::to_string(r)), '\n');
+    const auto f = splitOn(store.get(infoKey(r)), '\n');
     if (f.size() != 5) throwError(ErrorCode::kRemoteError, "rank %d published a malformed topology record", r);
     t.bootIds[r] = f[0];
     keys[r] = f[1];
@@ -148,9 +158,9 @@ Topology Topology::discover(Store& store, int rank, int size) {
       break;
     }
   }
-  store.set("smddp/topo/leader/" + std::to_string(rank), std::to_string(leader));
+  store.set(leaderKey(rank), std::to_string(leader));
   std::vector<int> leaders(size);
-  for (int r = 0; r < size; ++r) leaders[r] = std::stoi(store.get("smddp/topo/leader/" + std::to_string(r)));
+  for (int r = 0; r < size; ++r) leaders[r] = std::stoi(store.get(leaderKey(r)));
   // Every rank has checked its peers' tokens by now (it published its leader after doing so).
 
   std::vector<int> hostOfLeader(size, -1);

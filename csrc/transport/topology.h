@@ -37,6 +37,8 @@ struct Topology {
 
   // Collective over the group (three rounds through `store`).
   static Topology discover(Store& store, int rank, int size);
+  // The keys discover() sets for `rank`, which its peers wait for (BootstrapStore::publishFailure).
+  static std::vector<std::string> keysOwedBy(int rank);
   // All ranks on one host, for groups of one and for callers that know it.
   static Topology singleHost(int rank, int size);
 };
