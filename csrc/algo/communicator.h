@@ -17,7 +17,6 @@
 #include "core/error.h"
 #include "core/spin.h"
 #include "core/store.h"
-#include "core/store.h"
 #include "transport/shm_domain.h"
 #include "transport/tcp_mesh.h"
 #include "transport/topology.h"
@@ -31,9 +30,6 @@ class Communicator {
   // ranks through it. A rank whose set-up fails publishes its error through `store` before it
   // throws, so that its peers fail with it at once.
   Communicator(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout);
-  // The store keys a rank's set-up publishes that peers wait for: a rank that fails after the
-  // communicator (the point-to-point engine) publishes its error under them too.
-  std::vector<std::string> keysOwed() const;
   ~Communicator();
 
   int rank() const { return rank_; }
@@ -85,6 +81,8 @@ class Communicator {
   HierContext hier(const OpContext& ctx);
   // The set-up after the topology: shared memory, and across hosts settings and the mesh.
   void setUp(std::chrono::milliseconds timeout);
+  // The store keys this rank's set-up sets that its peers wait for.
+  std::vector<std::string> keysOwed() const;
   // Sets netAlgo_, netBufferBytes_, netOneShotBytes_: rank 0's values (collective, store).
   void agreeOnNetSettings(Store& store);
   std::unique_ptr<HelperPool> startHelpers();

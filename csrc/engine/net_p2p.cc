@@ -24,9 +24,10 @@ using Clock = std::chrono::steady_clock;
 using net::wire::kHeaderBytes;
 using net::wire::MsgHeader;
 constexpr int kActiveTickMs = 50;  // how often deadlines are checked while something is pending
-std::string addrKey(int rank) { return "smddp/p2p/addr/" + std::to_string(rank); }
 constexpr int kIdleTickMs = 1000;
 constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client must introduce itself by then
+
+std::string addrKey(int rank) { return "smddp/p2p/addr/" + std::to_string(rank); }
 
 std::exception_ptr errorOf(ErrorCode code, const std::string& msg) {
   return std::make_exception_ptr(Error(code, msg));
