@@ -82,7 +82,9 @@ CASES = {
                         "transformers", None),
 }
 
-LOSS_RE = re.compile(r"^step (\d+) loss (\S+)$", re.M)
+# Not anchored at the line's end: a rank's stderr (gloo's exit race below) can land on the same
+# line as the last loss.
+LOSS_RE = re.compile(r"^step (\d+) loss ([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))", re.M)
 GLOO_EXIT_RACE = "terminate called without an active exception"
 
 

@@ -465,10 +465,11 @@ except Exception as e:
 """
 
 
-def _hosts_with(settings, hosts="01", bad_settings=None, bad=()):
+def _hosts_with(settings, hosts="01", bad_settings=None, bad=(), url=None):
     """Ranks on the emulated hosts `hosts` (rank r on host hosts[r]) with `settings` in their
-    environment, and the ranks in `bad` with `bad_settings` too; their outputs."""
-    url = f"tcp://127.0.0.1:{_pool.free_port()}"
+    environment, and the ranks in `bad` with `bad_settings` too; their outputs. `url`: the init
+    method, by default a TCP store that rank 0 hosts."""
+    url = url or f"tcp://127.0.0.1:{_pool.free_port()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pool.TESTS_DIR, **settings)
     procs = [subprocess.Popen([sys.executable, "-c", IFACE_CHILD, str(r), url, str(len(hosts))],
                               env=dict(env, SMDDP_HOST_ID=hosts[r], **(bad_settings if r in bad else {})),
@@ -506,14 +507,16 @@ def test_interface_and_family_choice(settings, want):
     ("01", [1], {"SMDDP_SOCKET_IFNAME": "nosuch0"}, "SMDDP_SOCKET_IFNAME=nosuch0 matches no interface"),
     ("0011", [2, 3], {"SMDDP_SHM_SLOT_BYTES": str(1 << 40)}, "/dev/shm is too small"),
 ], ids=["net_algo_on_one_host", "ifname_on_one_host", "shm_too_small_on_one_host"])
-def test_setup_failure_on_one_host_fails_every_rank(hosts, bad, settings, cause):
+def test_setup_failure_on_one_host_fails_every_rank(hosts, bad, settings, cause, tmp_path):
     """A set-up that fails on one host only (a variable set on one node, a container with too
     little /dev/shm) fails every rank at init_process_group within seconds: the failed ranks
     with their own error, the others naming a failed rank and its cause, where they used to wait
-    for its part of the set-up until the group's timeout (60 s here; 30 minutes by default)."""
+    for its part of the set-up until the group's timeout (60 s here; 30 minutes by default).
+    The store outlives the ranks, as torchrun's does: one that rank 0 hosts goes when rank 0,
+    having read the cause, exits, and a rank that reads after that reports the store's loss."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
-    outs = _hosts_with({}, hosts, settings, bad)
+    outs = _hosts_with({}, hosts, settings, bad, url=f"file://{tmp_path}/store")
     for rank, out in enumerate(outs):
         line = next((l for l in out.splitlines() if l.startswith("ERROR")), "")
         assert cause in line, f"rank {rank}:\n{out[-2000:]}"
