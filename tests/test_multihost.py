@@ -442,7 +442,6 @@ def test_ipv6(pools, topo):
     check(pools, topo, all_gather_tensor_forms, [1001], ["float32"], env=env)
     check(pools, topo, alltoall_cases, 1 << 12, ["float32"], env=env)
     check(pools, topo, ping_pong, ["float32"], P2P_SIZES, env=env)
-    check(pools, topo, address_family_task, "AF_INET6", env=env)
     ipv4 = NET_ENV + (("SMDDP_SOCKET_FAMILY", "AF_INET"),)
     check(pools, topo, address_family_task, "AF_INET", env=ipv4)
 

@@ -77,25 +77,7 @@ const char* familyText(int family) {
   return family == AF_INET ? "an IPv4 address" : family == AF_INET6 ? "an IPv6 address" : "an IPv4 or IPv6 address";
 }
 
-}  // namespace
-
-bool ifnameMatches(const std::string& specIn, const std::string& name) {
-  std::string spec = specIn;
-  const bool exclude = !spec.empty() && spec[0] == '^';
-  if (exclude) spec.erase(0, 1);
-  const bool exact = !spec.empty() && spec[0] == '=';
-  if (exact) spec.erase(0, 1);
-  bool hit = false;
-  std::stringstream ss(spec);
-  for (std::string item; std::getline(ss, item, ',');) {
-    if (item.empty()) continue;
-    if (exact ? name == item : name.compare(0, item.size(), item) == 0) hit = true;
-  }
-  return exclude ? !hit : hit;
-}
-
-namespace {
-
+// chooseLocalAddress() without the cache; `master`: MASTER_ADDR ("" when unset).
 LocalAddress pickLocalAddress(const std::string& master) {
   const int family = familyAsked();
   std::vector<LocalAddress> all = upInterfaces();
@@ -133,6 +115,21 @@ LocalAddress pickLocalAddress(const std::string& master) {
 }
 
 }  // namespace
+
+bool ifnameMatches(const std::string& specIn, const std::string& name) {
+  std::string spec = specIn;
+  const bool exclude = !spec.empty() && spec[0] == '^';
+  if (exclude) spec.erase(0, 1);
+  const bool exact = !spec.empty() && spec[0] == '=';
+  if (exact) spec.erase(0, 1);
+  bool hit = false;
+  std::stringstream ss(spec);
+  for (std::string item; std::getline(ss, item, ',');) {
+    if (item.empty()) continue;
+    if (exact ? name == item : name.compare(0, item.size(), item) == 0) hit = true;
+  }
+  return exclude ? !hit : hit;
+}
 
 LocalAddress chooseLocalAddress() {
   // Once per process and MASTER_ADDR (the settings are read once too, and NCCL also picks its

@@ -153,17 +153,18 @@ std::optional<std::string> TcpMesh::farewellOf(const Conn& c) {
   return k > 0 ? wire::farewellIn(buf, static_cast<size_t>(k)) : std::nullopt;
 }
 
+void TcpMesh::peerGaveUp(const Conn& c, const char* what, const std::string& why) {
+  throwError(ErrorCode::kRemoteError, "rank %d on %s gave up the group (this rank was %s): %s", c.rank,
+             topo_.describeHost(topo_.hostOf[c.rank]).c_str(), what, why.c_str());
+}
+
 void TcpMesh::peerFailed(const Conn& c, const char* what, int err) {
-  const std::optional<std::string> why = farewellOf(c);
-  const std::string where = topo_.describeHost(topo_.hostOf[c.rank]);
-  if (why) {
-    throwError(ErrorCode::kRemoteError, "rank %d on %s gave up the group (this rank was %s): %s", c.rank,
-               where.c_str(), what, why->c_str());
-  }
+  if (const std::optional<std::string> why = farewellOf(c)) peerGaveUp(c, what, *why);
   throwError(ErrorCode::kRemoteError,
              "the connection to rank %d on %s failed while %s (%s): that rank exited, crashed, or gave up the "
              "group (an abort, or an error of its own such as a timeout: its log says which)",
-             c.rank, where.c_str(), what, err == 0 ? "closed by the peer" : errnoString(err).c_str());
+             c.rank, topo_.describeHost(topo_.hostOf[c.rank]).c_str(), what,
+             err == 0 ? "closed by the peer" : errnoString(err).c_str());
 }
 
 std::vector<std::string> TcpMesh::keysOwedBy(int rank) {
@@ -523,7 +524,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
       }
       if (k == 0) peerFailed(p, "receiving", 0);
       const Recv* done = p.rx.advance(static_cast<size_t>(k));
-      if (p.rx.farewell()) peerFailed(p, "receiving", 0);
+      if (const std::string* why = p.rx.farewell()) peerGaveUp(p, "receiving", *why);
       total += static_cast<size_t>(k);
       if (done) {
         const size_t i = static_cast<size_t>(done - recvs.data());
@@ -614,7 +615,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
       // only if it gave up the group (a farewell): one that closed may just have destroyed the
       // group after its last op, which this rank may still complete with the others.
       if ((rev & (POLLERR | POLLHUP | POLLRDHUP)) && !p.sending() && !p.receiving()) {
-        if (farewellOf(p)) peerFailed(p, "waiting", 0);
+        if (const std::optional<std::string> why = farewellOf(p)) peerGaveUp(p, "waiting", *why);
         p.peerLeft = true;
       } else if (rev & (POLLERR | POLLHUP | POLLRDHUP | POLLNVAL)) {
         if (!(p.receiving() && !p.rx.held()) || (rev & POLLNVAL)) {

@@ -84,6 +84,8 @@ class TcpMesh {
   std::vector<std::unique_ptr<Conn>>& lanesTo(int rank);
   // What a peer that gave up the group said as it left, if it did (see closeAll).
   static std::optional<std::string> farewellOf(const Conn& c);
+  [[noreturn]] void peerGaveUp(const Conn& c, const char* what, const std::string& why);
+  // peerGaveUp where the peer said farewell, else a closed or failed connection (`err`, 0: closed).
   [[noreturn]] void peerFailed(const Conn& c, const char* what, int err);
   // What an exchange that timed out still waits for, peer by peer.
   std::string stallReport(const std::vector<Conn*>& active) const;
