@@ -4,13 +4,17 @@ ring) and gloo, one job each, same cluster, one invocation. Needs root.
 
     python benchmarks/bench_cluster.py --hosts 4 --per-host 1 --rate 1gbit
     python benchmarks/bench_cluster.py --hosts 4 --rates 1gbit,1gbit,1gbit,500mbit --ops allgather
+    python benchmarks/bench_cluster.py --hosts 2 --nics 2 --rate 1gbit      # two NICs per host
 
 Columns per implementation: time per op in us (max over ranks of the mean over the timed
 iterations), busbw (nccl-tests: algbw x 2(n-1)/n for allreduce, 1 for broadcast and sendrecv,
 (n-1)/n otherwise, n = ranks),
 and link% = the bytes each host must move across its link (the same factors with n = hosts;
 all_to_all: times the ranks per host, each with its own data) per second, as a share of the
-slowest host's link rate. Ratios: time of X / time of mesh.
+slowest host's link rate (times the NICs per host). Ratios: time of X / time of mesh.
+
+With --nics N every implementation is given all N interfaces: SMDDP_SOCKET_IFNAME=eth for smddp,
+GLOO_SOCKET_IFNAME=eth0,...,eth<N-1> for gloo (a --variant may set its own).
 """
 
 import argparse
@@ -84,6 +88,9 @@ def median_cells(runs):
 
 def run_job(cluster, args, impl, port):
     backend, extra = args.variants.get(impl) or IMPLS[impl]
+    if args.nics > 1:
+        nics = {"SMDDP_SOCKET_IFNAME": "eth", "GLOO_SOCKET_IFNAME": ",".join(f"eth{k}" for k in range(args.nics))}
+        extra = dict(nics, **extra)
     cfg = {"backend": backend, "mode": "bench", "ops": args.ops, "sizes": args.sizes, "target_s": args.target_s,
            "iters": args.iters, "min_iters": args.min_iters, "warmup": args.warmup}
     procs = cluster.launch_ranks(args.per_host, cfg, port, env=extra)
@@ -110,6 +117,8 @@ def main():
     p.add_argument("--per-host", type=int, default=1)
     p.add_argument("--rate", default="1gbit", help="every host's link rate (tc units), or 'none'")
     p.add_argument("--rates", default=None, help="comma list, one rate per host (overrides --rate)")
+    p.add_argument("--nics", type=int, default=1,
+                   help="network interfaces per host, each on its own bridge and subnet, each shaped at the rate")
     p.add_argument("--delay", default=None, help="one-way delay added to every packet, e.g. 1ms (RTT = 2x)")
     p.add_argument("--queue", type=int, default=None,
                    help="packets each shaped link may queue (a pfifo under the HTB class, both directions); "
@@ -161,12 +170,13 @@ def main():
         s *= args.stepfactor
     args.sizes = sizes
     rates = args.rates.split(",") if args.rates else [None if args.rate == "none" else args.rate] * args.hosts
-    link = min(parse_rate(r) for r in rates) if all(rates) else None
+    link = min(parse_rate(r) for r in rates) * args.nics if all(rates) else None
     world = args.hosts * args.per_host
 
     delay = (f"one-way delay {args.delay} per packet (user-space NFQUEUE delay line, benchmarks/delayline.py)"
              if args.delay else "no added delay")
-    print(f"# bench_cluster: {args.hosts} hosts x {args.per_host} rank(s), link rates "
+    nics = f", {args.nics} NICs per host" if args.nics > 1 else ""
+    print(f"# bench_cluster: {args.hosts} hosts x {args.per_host} rank(s){nics}, link rates "
           f"{','.join(r or 'unshaped' for r in rates)} (tc htb, both directions"
           f"{f', queues of {args.queue} packets' if args.queue else ''}), {delay}")
     print(f"# implementations: {', '.join(impls)} (mesh/naive/ring = smddp with SMDDP_NET_ALGO=...)  float32 sum")
@@ -176,7 +186,7 @@ def main():
     results, cpu_results = {}, {}
     t0 = time.monotonic()
     with netcluster.NetCluster(args.hosts, rates=rates, delay=args.delay, congestion=args.congestion,
-                               queue=args.queue) as c:
+                               queue=args.queue, nics=args.nics) as c:
         print(f"# measured TCP round trip host 0 -> host 1: {measure_rtt(c)}; hosts' default TCP congestion control: "
               f"{c.default_congestion(0)} (smddp's connections: SMDDP_NET_CONGESTION, default cubic)")
         runs = {impl: [] for impl in impls}

@@ -2,7 +2,8 @@
 
 Each host is a network namespace with one interface (eth0, 10.<net>.0.<i+1>/24) plugged into a
 bridge that lives in a "switch" namespace of its own, so nothing touches the root namespace's
-network. Processes started on a host also get their own UTS namespace (hostname h<i>) and their
+network. `nics` > 1 gives every host more interfaces (eth<k>, 10.<net+k>.0.<i+1>/24, each on a
+bridge and subnet of its own, as hosts with several NICs on separate rails), each shaped alike. Processes started on a host also get their own UTS namespace (hostname h<i>) and their
 own /dev/shm (a tmpfs per host, bind-mounted in a private mount namespace), so smddp's topology
 discovery really sees separate machines, and everything between hosts crosses eth0.
 
@@ -82,8 +83,10 @@ def _run(*argv, check=True):
 
 
 class NetCluster:
-    def __init__(self, hosts, rate=None, rates=None, delay=None, net=None, congestion=None, queue=None, ipv6=False):
+    def __init__(self, hosts, rate=None, rates=None, delay=None, net=None, congestion=None, queue=None, ipv6=False,
+                 nics=1):
         self.n = hosts
+        self.nics = nics
         self.ipv6 = ipv6  # hosts get an IPv6 address too, and address() gives it
         self.queue = queue
         self.congestion = congestion
@@ -109,34 +112,36 @@ class NetCluster:
     def __exit__(self, *exc):
         self.close()
 
-    def address(self, i):
-        return f"fd00:{self.net}::{i + 1}" if self.ipv6 else self.address_v4(i)
+    def address(self, i, nic=0):
+        return f"fd00:{self.net}:{nic}::{i + 1}" if self.ipv6 else self.address_v4(i, nic)
 
-    def address_v4(self, i):
-        return f"10.{self.net}.0.{i + 1}"
+    def address_v4(self, i, nic=0):
+        return f"10.{self.net + nic}.0.{i + 1}"
 
     def _up(self):
         _run("ip", "netns", "add", self.switch)
         _run("ip", "-n", self.switch, "link", "set", "lo", "up")
-        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for k in range(self.nics):
+            _run("ip", "-n", self.switch, "link", "add", f"br{k}", "type", "bridge")
+            _run("ip", "-n", self.switch, "link", "set", f"br{k}", "up")
         self.shm_root = tempfile.mkdtemp(prefix=f"{self.tag}-shm-")
         for i, ns in enumerate(self.hosts):
             _run("ip", "netns", "add", ns)
-            port = f"p{i}"
-            _run("ip", "link", "add", port, "netns", self.switch, "type", "veth", "peer", "name", "eth0",
-                 "netns", ns)
-            _run("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "-n", ns, "addr", "add", f"{self.address_v4(i)}/24", "dev", "eth0")
-            if self.ipv6:  # nodad: usable at once, not after duplicate address detection
-                _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/64", "dev", "eth0", "nodad")
-            _run("ip", "-n", ns, "link", "set", "eth0", "up")
             if self.congestion:
                 self._set_congestion(ns)
-            if self.rates[i]:
-                self._shape(ns, "eth0", self.rates[i], self.queue)
-                self._shape(self.switch, port, self.rates[i], self.queue)
+            for k in range(self.nics):
+                port, dev = f"p{i}n{k}", f"eth{k}"
+                _run("ip", "link", "add", port, "netns", self.switch, "type", "veth", "peer", "name", dev,
+                     "netns", ns)
+                _run("ip", "-n", self.switch, "link", "set", port, "master", f"br{k}", "up")
+                _run("ip", "-n", ns, "addr", "add", f"{self.address_v4(i, k)}/24", "dev", dev)
+                if self.ipv6:  # nodad: usable at once, not after duplicate address detection
+                    _run("ip", "-n", ns, "addr", "add", f"{self.address(i, k)}/64", "dev", dev, "nodad")
+                _run("ip", "-n", ns, "link", "set", dev, "up")
+                if self.rates[i]:
+                    self._shape(ns, dev, self.rates[i], self.queue)
+                    self._shape(self.switch, port, self.rates[i], self.queue)
             shm = os.path.join(self.shm_root, f"h{i}")
             os.makedirs(shm)
             _run("mount", "-t", "tmpfs", "-o", "mode=1777,size=2g", f"{self.tag}-h{i}", shm)
@@ -162,8 +167,9 @@ class NetCluster:
         if "ready" not in first:
             raise RuntimeError(f"delay line in {ns} did not start: {first}{p.stdout.read() if p.poll() else ''}")
         # --queue-bypass: should the delay line die, packets flow undelayed rather than being dropped
-        _run("ip", "netns", "exec", ns, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "NFQUEUE",
-             "--queue-num", "0", "--queue-bypass")
+        for k in range(self.nics):
+            _run("ip", "netns", "exec", ns, "iptables", "-A", "INPUT", "-i", f"eth{k}", "-j", "NFQUEUE",
+                 "--queue-num", "0", "--queue-bypass")
     @staticmethod
     def _shape(ns, dev, rate, queue):
         _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb",
@@ -208,16 +214,16 @@ class NetCluster:
     def launch(self, per_host, argv, port, env=None, **kw):
         """Starts argv as `per_host` ranks on every host, with torchrun's variables (rank 0 on
         host 0 is the rendezvous) and `env` on top; smddp's own topology discovery and interface
-        choice apply (SMDDP_HOST_ID / SMDDP_SOCKET_IFNAME are removed). `kw` goes to Popen.
-        Returns the processes, rank order."""
+        choice apply unless `env` says otherwise (SMDDP_HOST_ID / SMDDP_SOCKET_IFNAME of this
+        process are dropped). `kw` goes to Popen. Returns the processes, rank order."""
         world = self.n * per_host
+        base = {k: v for k, v in os.environ.items() if k not in ("SMDDP_HOST_ID", "SMDDP_SOCKET_IFNAME")}
         procs = []
         for rank in range(world):
-            renv = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_host),
+            renv = dict(base, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_host),
                         MASTER_ADDR=self.address(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
-                        OMP_NUM_THREADS="1", **(env or {}))
-            for k in ("SMDDP_HOST_ID", "SMDDP_SOCKET_IFNAME"):
-                renv.pop(k, None)
+                        OMP_NUM_THREADS="1")
+            renv.update(env or {})
             procs.append(self.popen(rank // per_host, argv, env=renv, **kw))
         return procs
 
@@ -247,8 +253,8 @@ class NetCluster:
             raise RuntimeError(f"TCP ping-pong from host {a} to host {b} failed (exit {client.returncode})")
         return [float(x) for x in out.split()]
 
-    def link_bytes(self, i):
-        """(tx_bytes, rx_bytes) of host i's eth0."""
-        out = _run("ip", "-n", self.hosts[i], "-s", "-j", "link", "show", "eth0").stdout
+    def link_bytes(self, i, nic=0):
+        """(tx_bytes, rx_bytes) of host i's eth<nic>."""
+        out = _run("ip", "-n", self.hosts[i], "-s", "-j", "link", "show", f"eth{nic}").stdout
         st = json.loads(out)[0]["stats64"]
         return st["tx"]["bytes"], st["rx"]["bytes"]

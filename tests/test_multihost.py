@@ -267,7 +267,8 @@ def test_sockets_per_peer_out_of_range_or_disagreeing_warns():
                                     connections_task, 1)
     assert_reports(reports, 2)
     assert "SMDDP_NET_SOCKETS_PER_PEER=0 is outside 1-16: using 1" in logs[0], logs[0][-2000:]
-    assert "rank 1: SMDDP_NET_SOCKETS_PER_PEER=5 here, but rank 0's 1 holds" in logs[1], logs[1][-2000:]
+    assert ("rank 1 would open 5 connection(s) per peer (SMDDP_NET_SOCKETS_PER_PEER=5, 1 interface(s)), but "
+            "rank 0's 1 hold for the group") in logs[1], logs[1][-2000:]
 
 
 def test_disagreeing_net_settings_take_rank_0s():

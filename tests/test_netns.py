@@ -26,8 +26,8 @@ HOSTS, PER_HOST = 2, 2
 BIG = 8 << 20
 
 
-def run_job(cluster, cfg, timeout=240):
-    procs = cluster.launch_ranks(PER_HOST, cfg, port=29511)
+def run_job(cluster, cfg, timeout=240, env=None):
+    procs = cluster.launch_ranks(PER_HOST, cfg, port=29511, env=env)
     results, logs = [], []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
@@ -65,6 +65,32 @@ def test_two_hosts_over_network_namespaces(ipv6):
         assert tx >= BIG and rx >= BIG, f"host {h}: eth0 tx {tx} rx {rx} bytes: the data did not cross the link"
 
 
+def test_two_nics_per_host_share_the_traffic():
+    """Hosts with two interfaces (eth0, eth1: separate bridges and subnets) and
+    SMDDP_SOCKET_IFNAME=eth use both, as NCCL does with every interface NCCL_SOCKET_IFNAME matches:
+    every op is right, the collectives' and point-to-point's large messages are striped over a
+    connection per interface, and each interface's byte counters show its share."""
+    with netcluster.NetCluster(HOSTS, nics=2) as c:
+        before = [[c.link_bytes(h, k) for k in range(2)] for h in range(HOSTS)]
+        cfg = {"backend": "smddp", "mode": "check",
+               "ops": ["allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv"],
+               "sizes": [8, 4096, 1 << 20, BIG]}
+        results, logs = run_job(c, cfg, env={"SMDDP_SOCKET_IFNAME": "eth"})
+        after = [[c.link_bytes(h, k) for k in range(2)] for h in range(HOSTS)]
+    assert all(r["ok"] for r in results), "\n".join(f"rank {i}: {r}\n{logs[i]}" for i, r in enumerate(results))
+    for i, r in enumerate(results):
+        t = r["topology"]
+        assert t["net_interface"] == "eth0,eth1", t
+        assert "SMDDP WARN" not in logs[i], logs[i]  # two lanes for two NICs is no setting out of range
+        assert t["net_address"] == f"{c.address_v4(i // PER_HOST, 0)},{c.address_v4(i // PER_HOST, 1)}", t
+    for h in range(HOSTS):
+        for k in range(2):
+            tx = after[h][k][0] - before[h][k][0]
+            rx = after[h][k][1] - before[h][k][1]
+            # The 8 MiB allreduce alone moves 8 MiB out of and into each host, half on each NIC.
+            assert tx >= BIG // 2 and rx >= BIG // 2, f"host {h}: eth{k} tx {tx} rx {rx} bytes: it carried too little"
+
+
 @pytest.mark.skipif(netcluster.available(delay=True) is not None, reason=f"{netcluster.available(delay=True)}")
 def test_delay_line_delays_every_packet():
     """The benchmark's delay emulation (benchmarks/delayline.py): 2 ms one way -> TCP round trips
@@ -93,7 +119,7 @@ def test_queue_option_bounds_each_shaped_link():
     """bench_cluster --queue: both ends of every shaped link queue at most that many packets."""
     with netcluster.NetCluster(2, rate="100mbit", queue=30) as c:
         shown = [netcluster._run("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev).stdout
-                 for ns, dev in [(c.hosts[0], "eth0"), (c.hosts[1], "eth0"), (c.switch, "p0"), (c.switch, "p1")]]
+                 for ns, dev in [(c.hosts[0], "eth0"), (c.hosts[1], "eth0"), (c.switch, "p0n0"), (c.switch, "p1n0")]]
     for text in shown:
         assert "pfifo 10: parent 1:1 limit 30p" in text, text
 

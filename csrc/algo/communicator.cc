@@ -76,7 +76,8 @@ Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chron
       // Local choices first, before any store exchange: a setting that fails them
       // (SMDDP_SOCKET_IFNAME, SMDDP_SOCKET_FAMILY) then fails every rank alike, instead of failing
       // rank 0 first and taking the store its process hosts from ranks still using it.
-      netAddr_(size > 1 ? tellingPeers(store, rank, [] { return net::chooseLocalAddress(); }) : net::LocalAddress{}),
+      netAddrs_(size > 1 ? tellingPeers(store, rank, [] { return net::chooseLocalAddresses(); })
+                         : std::vector<net::LocalAddress>{}),
       topo_(tellingPeers(store, rank, [&] { return discoverAfterShmCheck(store, rank, size); })),
       cpuClaim_(topo_.cpuShare),
       machine_(cpuClaim_.busiest()),
@@ -109,9 +110,9 @@ void Communicator::setUp(std::chrono::milliseconds timeout) {
   PrefixStore hostStore(store_, hostPrefix(topo_));
   domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes, machine_);
   domain_->setGroupRanks(topo_.members[topo_.host()]);
-  mesh_ = net::TcpMesh::create(store_, topo_, netAddr_, hierarchicalPeers(topo_), timeout);
-  SMDDP_INFO(kInit, "rank %d/%d: %d hosts, inter-host algorithm %s over %s (%s)", rank_, size_, topo_.hosts(),
-             netAlgoName(netAlgo_), mesh_->address().ip.c_str(), mesh_->address().ifname.c_str());
+  mesh_ = net::TcpMesh::create(store_, topo_, netAddrs_, hierarchicalPeers(topo_), timeout);
+  SMDDP_INFO(kInit, "rank %d/%d: %d hosts, inter-host algorithm %s over %s", rank_, size_, topo_.hosts(),
+             netAlgoName(netAlgo_), net::interfaceNames(netAddrs_).c_str());
 }
 
 // How the collectives cut messages across hosts: both ends of every exchange must cut alike, so

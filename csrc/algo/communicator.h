@@ -43,7 +43,7 @@ class Communicator {
   // Receive scratch of the inter-host collectives, as grown so far (read when no op runs).
   size_t netScratchBytes() const { return netScratch_.size(); }
   // The address the inter-host mesh listens on, and its connections (multi-host groups only).
-  const net::LocalAddress& netAddress() const { return mesh_->address(); }
+  const std::vector<net::LocalAddress>& netAddresses() const { return mesh_->addresses(); }
   int netConnections() const { return mesh_->connections(); }
   int netLanes() const { return mesh_->lanes(); }
   // The shared-memory domain, for the point-to-point engine (it maps nothing in a group of one).
@@ -90,7 +90,7 @@ class Communicator {
   BootstrapStore& store_;
   int rank_;
   int size_;
-  net::LocalAddress netAddr_;  // where the TCP mesh listens, should the group span hosts
+  std::vector<net::LocalAddress> netAddrs_;  // where the TCP mesh listens, should the group span hosts
   Topology topo_;
   CpuShareClaim cpuClaim_;
   CpuShare machine_;

@@ -49,8 +49,10 @@ constexpr Param kParams[] = {
      "/dev/shm."},
     {"SMDDP_SOCKET_IFNAME", "",
      "Network interface(s) for the inter-host TCP mesh, NCCL syntax: 'eth' (prefix), 'eth0,eth1', "
-     "'^docker,lo' (exclude), '=eth0' (exact). Default: the interface that routes to MASTER_ADDR, "
-     "else the first non-loopback interface that is up."},
+     "'^docker,lo' (exclude), '=eth0' (exact). Every interface it matches is used, as NCCL does (at "
+     "most 16, of the first one's address family): two ranks hold at least one connection per "
+     "interface and stripe large messages over them. Default: the one interface that routes to "
+     "MASTER_ADDR, else the first non-loopback interface that is up."},
     {"SMDDP_SOCKET_FAMILY", "",
      "Address family of the inter-host TCP connections: AF_INET (IPv4) or AF_INET6 (IPv6), NCCL's "
      "names. Default: either; the address that routes to MASTER_ADDR decides, else IPv4 first."},
@@ -62,7 +64,9 @@ constexpr Param kParams[] = {
      "mesh: bytes handed to one peer's socket per turn of the round-robin."},
     {"SMDDP_NET_SOCKETS_PER_PEER", "1",
      "TCP connections between two ranks of different hosts (1-16, others are clamped with a warning; "
-     "rank 0's value holds for the group). Messages of 256 KiB and more are striped over them: for "
+     "at least one per interface SMDDP_SOCKET_IFNAME selects; rank 0's value holds for the group). "
+     "Messages of 256 KiB and more are striped over them, smaller ones of an exchange take them in "
+     "turn: for several NICs, for "
      "links whose bandwidth-delay product exceeds what one socket's buffers hold (net.ipv4.tcp_wmem / "
      "tcp_rmem), or fabrics that spread flows over paths."},
     {"SMDDP_NET_CONGESTION", "cubic",

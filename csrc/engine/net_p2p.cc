@@ -95,7 +95,7 @@ struct NetP2p::Peer {
   // Whether `lane` has not yet moved all of its part of `op` (header and stripe), `moved` in.
   static bool partLeft(const P2pOp& op, size_t lane, size_t moved, int lanes) {
     const auto stripe = net::wire::stripeOf(op.bytes, lanes, static_cast<int>(lane));
-    return net::wire::laneCarries(stripe, static_cast<int>(lane)) && moved < kHeaderBytes + stripe.length;
+    return stripe.carried && moved < kHeaderBytes + stripe.length;
   }
 };
 
@@ -108,14 +108,14 @@ struct NetP2p::Incoming {
 
 std::vector<std::string> NetP2p::keysOwedBy(int rank) { return {addrKey(rank)}; }
 
-NetP2p::NetP2p(Store& store, const Topology& topo, const std::string& ip, const std::string& ifname, int lanes,
+NetP2p::NetP2p(Store& store, const Topology& topo, const std::vector<net::LocalAddress>& addrs, int lanes,
                std::string name)
-    : topo_(topo), rank_(topo.rank), lanes_(lanes), name_(std::move(name)), peers_(topo.size) {
-  const net::Listener l = net::listenOn(ip, ifname, 64, rank_);
-  listenFd_ = l.fd;
+    : topo_(topo), rank_(topo.rank), lanes_(lanes), name_(std::move(name)), addrs_(addrs), peers_(topo.size) {
+  const std::vector<net::Listener> listeners = net::listenOnEach(addrs, 64, rank_);
+  for (const net::Listener& l : listeners) listenFds_.push_back(l.fd);
   try {
-    fcntl(listenFd_, F_SETFL, fcntl(listenFd_, F_GETFL) | O_NONBLOCK);
-    store.set(addrKey(rank_), l.address);
+    for (int fd : listenFds_) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    store.set(addrKey(rank_), net::publishedAddresses(listeners));
     secret_ = store.get("smddp/net/secret");
     for (int g = 0; g < topo.size; ++g) {
       if (topo.hostOf[g] == topo.host()) continue;
@@ -127,7 +127,7 @@ NetP2p::NetP2p(Store& store, const Topology& topo, const std::string& ip, const 
     wakeFd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (wakeFd_ < 0) throwError(ErrorCode::kSystemError, "rank %d: eventfd: %s", rank_, errnoString(errno).c_str());
   } catch (...) {
-    close(listenFd_);
+    for (int fd : listenFds_) close(fd);
     throw;
   }
   thread_ = std::thread([this] { loop(); });
@@ -146,7 +146,7 @@ NetP2p::~NetP2p() {
     }
   }
   for (auto& in : incoming_) close(in->fd);
-  close(listenFd_);
+  for (int fd : listenFds_) close(fd);
   close(wakeFd_);
 }
 
@@ -234,15 +234,15 @@ void NetP2p::intake() {
 
 void NetP2p::dial(Peer& p) {
   try {
-    const net::SocketAddress to = net::parseAddress(p.address, p.rank);
+    const std::vector<net::SocketAddress> peerAddrs = net::parseAddresses(p.address, p.rank);
     for (size_t lane = 0; lane < p.lanes.size(); ++lane) {
       Lane& l = p.lanes[lane];
-      l.fd = socket(to.family(), SOCK_STREAM | SOCK_CLOEXEC, 0);
-      if (l.fd < 0) throwError(ErrorCode::kSystemError, "socket: %s", errnoString(errno).c_str());
+      const net::SocketAddress* to = nullptr;
+      l.fd = net::laneSocket(peerAddrs, addrs_, static_cast<int>(lane), rank_, &to);
       net::tuneSocket(l.fd);
-      if (connect(l.fd, to.get(), to.len) != 0 && errno != EINPROGRESS) {
-        throwError(ErrorCode::kRemoteError, "cannot connect to rank %d at %s: %s", p.rank, p.address.c_str(),
-                   errnoString(errno).c_str());
+      if (connect(l.fd, to->get(), to->len) != 0 && errno != EINPROGRESS) {
+        throwError(ErrorCode::kRemoteError, "cannot connect to rank %d at %s: %s", p.rank,
+                   net::addressText(*to).c_str(), errnoString(errno).c_str());
       }
       l.hello = net::wire::makeHello(secret_, rank_, p.rank, static_cast<int>(lane));
       l.helloSent = 0;
@@ -459,7 +459,9 @@ void NetP2p::connectLane(Peer& p, Lane& l, short revents) {
 }
 
 void NetP2p::pollOnce(int timeoutMs) {
-  std::vector<pollfd> fds{{wakeFd_, POLLIN, 0}, {listenFd_, POLLIN, 0}};
+  std::vector<pollfd> fds{{wakeFd_, POLLIN, 0}};
+  for (int fd : listenFds_) fds.push_back({fd, POLLIN, 0});
+  const size_t incomingAt = fds.size();
   for (const auto& in : incoming_) fds.push_back({in->fd, POLLIN, 0});
   std::vector<std::pair<Peer*, size_t>> polled;  // (peer, lane)
   const bool peeking = !anyRecvs_.empty();
@@ -479,13 +481,14 @@ void NetP2p::pollOnce(int timeoutMs) {
   }
   const size_t nIncoming = incoming_.size();
   for (size_t i = 0; i < nIncoming; ++i) {
-    if (fds[2 + i].revents) introduce(*incoming_[i]);
+    if (fds[incomingAt + i].revents) introduce(*incoming_[i]);
   }
   incoming_.erase(std::remove_if(incoming_.begin(), incoming_.end(), [](const auto& in) { return in->fd < 0; }),
                   incoming_.end());
-  if (fds[1].revents & POLLIN) {
+  for (size_t i = 1; i < incomingAt; ++i) {
+    if (!(fds[i].revents & POLLIN)) continue;
     for (;;) {
-      const int fd = accept4(listenFd_, nullptr, nullptr, SOCK_CLOEXEC);
+      const int fd = accept4(fds[i].fd, nullptr, nullptr, SOCK_CLOEXEC);
       if (fd < 0) break;
       net::tuneSocket(fd);
       auto in = std::make_unique<Incoming>();
@@ -497,7 +500,7 @@ void NetP2p::pollOnce(int timeoutMs) {
   bool woken = false;  // some lane of the current peer (a peer's lanes are polled together)
   for (size_t i = 0; i < polled.size(); ++i) {
     auto [p, lane] = polled[i];
-    const short rev = fds[2 + nIncoming + i].revents;
+    const short rev = fds[incomingAt + nIncoming + i].revents;
     if (rev != 0 && !p->broken) connectLane(*p, p->lanes[lane], rev);
     woken |= rev != 0;
     if (i + 1 < polled.size() && polled[i + 1].first == p) continue;

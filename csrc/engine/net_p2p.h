@@ -28,16 +28,17 @@
 #include "core/error.h"
 #include "core/store.h"
 #include "engine/p2p_engine.h"
+#include "transport/netif.h"
 #include "transport/topology.h"
 
 namespace smddp::engine {
 
 class NetP2p {
  public:
-  // Collective over the group (a group that spans hosts): listens on `ip`, publishes the address
-  // and reads those of the ranks on other hosts. `lanes`: connections per pair, the same on
-  // every rank.
-  NetP2p(Store& store, const Topology& topo, const std::string& ip, const std::string& ifname, int lanes,
+  // Collective over the group (a group that spans hosts): listens on `addrs` (one per interface),
+  // publishes them and reads those of the ranks on other hosts. `lanes`: connections per pair, the
+  // same on every rank; lane k joins the two ranks' k-th interfaces (net::laneSocket).
+  NetP2p(Store& store, const Topology& topo, const std::vector<net::LocalAddress>& addrs, int lanes,
          std::string name);
   // The keys the constructor sets for `rank`, which its peers wait for
   // (BootstrapStore::publishFailure).
@@ -76,7 +77,8 @@ class NetP2p {
   int lanes_;
   std::string secret_;
   std::string name_;
-  int listenFd_ = -1;
+  std::vector<net::LocalAddress> addrs_;  // this rank's, one per interface
+  std::vector<int> listenFds_;  // one per address
   int wakeFd_ = -1;  // eventfd: submissions and abort
 
   std::mutex mutex_;

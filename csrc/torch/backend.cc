@@ -265,9 +265,8 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   }
   if (comm_->multiHost()) {
     try {
-      netP2p_ = std::make_unique<engine::NetP2p>(*bootstrap_, comm_->topology(), comm_->netAddress().ip,
-                                                 comm_->netAddress().ifname, comm_->netLanes(),
-                                                 "smddp-np2p" + std::to_string(rank));
+      netP2p_ = std::make_unique<engine::NetP2p>(*bootstrap_, comm_->topology(), comm_->netAddresses(),
+                                                 comm_->netLanes(), "smddp-np2p" + std::to_string(rank));
     } catch (const Error& e) {
       bootstrap_->publishFailure(engine::NetP2p::keysOwedBy(rank), rank, e.what());
       std::rethrow_exception(toTorchError(e, rank));
@@ -309,8 +308,10 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
                                               {"machine_cpus", std::to_string(comm_->machineShare().cpus)},
                                               {"wait_spin_us", std::to_string(comm_->domain()->spin().count())}};
   if (comm_->multiHost()) {
-    info["net_address"] = comm_->netAddress().ip;
-    info["net_interface"] = comm_->netAddress().ifname;
+    std::string ips;
+    for (const net::LocalAddress& a : comm_->netAddresses()) ips += (ips.empty() ? "" : ",") + a.ip;
+    info["net_address"] = ips;  // one per interface, comma-separated
+    info["net_interface"] = net::interfaceNames(comm_->netAddresses());
     info["tcp_connections"] = std::to_string(comm_->netConnections());
     info["p2p_connections"] = std::to_string(netP2p_->connections());
   }

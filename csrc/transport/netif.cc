@@ -77,8 +77,8 @@ const char* familyText(int family) {
   return family == AF_INET ? "an IPv4 address" : family == AF_INET6 ? "an IPv6 address" : "an IPv4 or IPv6 address";
 }
 
-// chooseLocalAddress() without the cache; `master`: MASTER_ADDR ("" when unset).
-LocalAddress pickLocalAddress(const std::string& master) {
+// chooseLocalAddresses() without the cache; `master`: MASTER_ADDR ("" when unset).
+std::vector<LocalAddress> pickLocalAddresses(const std::string& master) {
   const int family = familyAsked();
   std::vector<LocalAddress> all = upInterfaces();
   if (family != AF_UNSPEC) {
@@ -86,9 +86,15 @@ LocalAddress pickLocalAddress(const std::string& master) {
   }
   const std::string& spec = env::socketIfname();
   if (!spec.empty()) {
+    // One address per interface (its first: IPv4 before IPv6), all of one family: lane k of a
+    // pair joins the two ranks' k-th interfaces, which must speak the same protocol.
+    std::vector<LocalAddress> picked;
     for (const LocalAddress& a : all) {
-      if (ifnameMatches(spec, a.ifname)) return a;
+      if (!ifnameMatches(spec, a.ifname) || static_cast<int>(picked.size()) == kMaxInterfaces) continue;
+      const bool named = std::any_of(picked.begin(), picked.end(), [&](const LocalAddress& p) { return p.ifname == a.ifname; });
+      if (!named && (picked.empty() || picked.front().ipv6 == a.ipv6)) picked.push_back(a);
     }
+    if (!picked.empty()) return picked;
     std::vector<std::string> seen;  // an interface with several addresses is named once
     std::string names;
     for (const LocalAddress& a : all) {
@@ -102,14 +108,14 @@ LocalAddress pickLocalAddress(const std::string& master) {
   if (!master.empty()) {
     const std::string ip = routeTo(master, family);
     for (const LocalAddress& a : all) {
-      if (a.ip == ip) return a;
+      if (a.ip == ip) return {a};
     }
   }
   for (const LocalAddress& a : all) {
-    if (!a.loopback && a.ifname.compare(0, 6, "docker") != 0) return a;
+    if (!a.loopback && a.ifname.compare(0, 6, "docker") != 0) return {a};
   }
   for (const LocalAddress& a : all) {
-    if (a.loopback) return a;
+    if (a.loopback) return {a};
   }
   throwError(ErrorCode::kSystemError, "no network interface is up with %s", familyText(family));
 }
@@ -131,17 +137,23 @@ bool ifnameMatches(const std::string& specIn, const std::string& name) {
   return exclude ? !hit : hit;
 }
 
-LocalAddress chooseLocalAddress() {
+std::string interfaceNames(const std::vector<LocalAddress>& addrs) {
+  std::string names;
+  for (const LocalAddress& a : addrs) names += (names.empty() ? "" : ",") + a.ifname;
+  return names;
+}
+
+std::vector<LocalAddress> chooseLocalAddresses() {
   // Once per process and MASTER_ADDR (the settings are read once too, and NCCL also picks its
   // interfaces once): FSDP and DeviceMesh create many groups, and a MASTER_ADDR that is a name
   // would cost a DNS lookup for each. A failure is not kept: the next group tries again.
   static std::mutex mutex;
-  static std::map<std::string, LocalAddress> chosen;
+  static std::map<std::string, std::vector<LocalAddress>> chosen;
   const char* master = std::getenv("MASTER_ADDR");
   const std::string key = master != nullptr ? master : "";
   std::lock_guard<std::mutex> lock(mutex);
   auto it = chosen.find(key);
-  if (it == chosen.end()) it = chosen.emplace(key, pickLocalAddress(key)).first;
+  if (it == chosen.end()) it = chosen.emplace(key, pickLocalAddresses(key)).first;
   return it->second;
 }
 

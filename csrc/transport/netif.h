@@ -1,7 +1,8 @@
-// Which local address the inter-host TCP mesh listens on.
+// Which local addresses the inter-host TCP mesh listens on.
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace smddp::net {
 
@@ -16,10 +17,18 @@ struct LocalAddress {
 // selects; a leading '=' (after any '^') matches names exactly.
 bool ifnameMatches(const std::string& spec, const std::string& name);
 
-// Among the addresses of SMDDP_SOCKET_FAMILY (default either, IPv4 first): SMDDP_SOCKET_IFNAME's
-// if set (an error if nothing matches); otherwise the address that routes to MASTER_ADDR;
-// otherwise the first interface that is up, not loopback and not docker*; loopback only when
-// there is nothing else. Chosen once per process and MASTER_ADDR.
-LocalAddress chooseLocalAddress();
+// Most interfaces one rank uses (NCCL's MAX_IFS).
+constexpr int kMaxInterfaces = 16;
+
+// Where the TCP mesh listens, one address per interface. Among the addresses of
+// SMDDP_SOCKET_FAMILY (default either, IPv4 first): with SMDDP_SOCKET_IFNAME, every interface it
+// matches, as NCCL uses every interface NCCL_SOCKET_IFNAME matches (an error if none; at most
+// kMaxInterfaces, all of the first one's family); otherwise the one address that routes to
+// MASTER_ADDR, else the first interface that is up, not loopback and not docker*, loopback only
+// when there is nothing else. Chosen once per process and MASTER_ADDR.
+std::vector<LocalAddress> chooseLocalAddresses();
+
+// The interfaces' names, comma-separated ("eth0,eth1").
+std::string interfaceNames(const std::vector<LocalAddress>& addrs);
 
 }  // namespace smddp::net

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <fstream>
 #include <mutex>
+#include <sstream>
 
 #include "core/env.h"
 #include "core/error.h"
@@ -78,6 +79,51 @@ Listener listenOn(const std::string& ip, const std::string& ifname, int backlog,
   }
   l.address = addressText(a);
   return l;
+}
+
+std::vector<Listener> listenOnEach(const std::vector<LocalAddress>& addrs, int backlog, int rank) {
+  std::vector<Listener> listeners;
+  try {
+    for (const LocalAddress& a : addrs) listeners.push_back(listenOn(a.ip, a.ifname, backlog, rank));
+  } catch (...) {
+    for (const Listener& l : listeners) close(l.fd);
+    throw;
+  }
+  return listeners;
+}
+
+std::string publishedAddresses(const std::vector<Listener>& listeners) {
+  std::string text;
+  for (const Listener& l : listeners) text += (text.empty() ? "" : " ") + l.address;
+  return text;
+}
+
+std::vector<SocketAddress> parseAddresses(const std::string& published, int rank) {
+  std::vector<SocketAddress> addrs;
+  std::istringstream words(published);
+  for (std::string w; words >> w;) addrs.push_back(parseAddress(w, rank));
+  if (addrs.empty()) throwError(ErrorCode::kRemoteError, "rank %d published no address", rank);
+  return addrs;
+}
+
+int laneSocket(const std::vector<SocketAddress>& peer, const std::vector<LocalAddress>& local, int lane, int rank,
+               const SocketAddress** to) {
+  const SocketAddress& dst = peer[static_cast<size_t>(lane) % peer.size()];
+  *to = &dst;
+  const int fd = socket(dst.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) throwError(ErrorCode::kSystemError, "rank %d: socket: %s", rank, errnoString(errno).c_str());
+  // With one interface the kernel's choice of source stands.
+  if (local.size() > 1) {
+    const LocalAddress& from = local[static_cast<size_t>(lane) % local.size()];
+    const SocketAddress src = socketAddress(from.ip, 0);
+    if (src.len == 0 || bind(fd, src.get(), src.len) != 0) {
+      const int err = src.len == 0 ? EINVAL : errno;
+      close(fd);
+      throwError(ErrorCode::kSystemError, "rank %d: cannot connect from %s (%s) to %s: %s", rank, from.ip.c_str(),
+                 from.ifname.c_str(), addressText(dst).c_str(), errnoString(err).c_str());
+    }
+  }
+  return fd;
 }
 
 SocketAddress parseAddress(const std::string& hostPort, int rank) {

@@ -6,6 +6,9 @@
 #include <sys/socket.h>
 
 #include <string>
+#include <vector>
+
+#include "transport/netif.h"
 
 namespace smddp::net {
 
@@ -37,6 +40,23 @@ std::string addressText(const SocketAddress& a);
 
 // 127.0.0.0/8 or ::1.
 bool isLoopback(const SocketAddress& a);
+
+// Listeners on each of `addrs` (one per interface, as chooseLocalAddresses() gives them); those
+// made are closed if a later one fails.
+std::vector<Listener> listenOnEach(const std::vector<LocalAddress>& addrs, int backlog, int rank);
+
+// The listeners' addresses as a rank publishes them: space-separated, in interface order.
+std::string publishedAddresses(const std::vector<Listener>& listeners);
+
+// What rank `rank` published (publishedAddresses); throws kRemoteError when malformed or empty.
+std::vector<SocketAddress> parseAddresses(const std::string& published, int rank);
+
+// A non-blocking socket for lane `lane` of a connection to a peer that listens on `peer`: bound
+// for the peer's (lane mod count)-th address, which it returns in `to`, and, when this rank has
+// several interfaces, leaving from its own (lane mod count)-th, so that lane k joins the two
+// hosts' k-th NICs. Throws kSystemError naming `rank`.
+int laneSocket(const std::vector<SocketAddress>& peer, const std::vector<LocalAddress>& local, int lane, int rank,
+               const SocketAddress** to);
 
 // No Nagle (messages are headers followed by payload; latency matters), non-blocking, and the
 // congestion control SMDDP_NET_CONGESTION names (warns once per process where it cannot be had).

@@ -131,10 +131,8 @@ void TcpMesh::closeAll(std::string_view farewell) {
       c->fd = -1;
     }
   }
-  if (listenFd_ >= 0) {
-    close(listenFd_);
-    listenFd_ = -1;
-  }
+  for (int fd : listenFds_) close(fd);
+  listenFds_.clear();
 }
 
 std::vector<std::unique_ptr<TcpMesh::Conn>>& TcpMesh::lanesTo(int rank) {
@@ -173,25 +171,28 @@ std::vector<std::string> TcpMesh::keysOwedBy(int rank) {
   return keys;
 }
 
-std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, const LocalAddress& addr,
+std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, const std::vector<LocalAddress>& addrs,
                                          const std::vector<int>& peers, std::chrono::milliseconds timeout) {
   const int rank = topo.rank;
   std::unique_ptr<TcpMesh> m(new TcpMesh(topo));
   m->chunkBytes_ = static_cast<size_t>(std::max<int64_t>(4096, env::netChunkBytes()));
-  m->addr_ = addr;
+  m->addrs_ = addrs;
   m->conns_.resize(topo.size);
-  // The listener stays open for the group's life, so a later connect() needs no new address and
-  // a refused connection always means the peer is gone. Its backlog fits every lane of every
+  // The listeners stay open for the group's life, so a later connect() needs no new address and
+  // a refused connection always means the peer is gone. Their backlog fits every lane of every
   // rank dialling at once (the kernel caps it at net.core.somaxconn).
   const int backlog = static_cast<int>(std::min<int64_t>(std::max(64, topo.size) * kMaxLanes, 65535));
-  const Listener listener = listenOn(m->addr_.ip, m->addr_.ifname, backlog, rank);
-  m->listenFd_ = listener.fd;
-  store.set(addrKey(rank), listener.address);
-  const int64_t asked = env::netSocketsPerPeer(), lanes = std::clamp<int64_t>(asked, 1, kMaxLanes);
+  const std::vector<Listener> listeners = listenOnEach(addrs, backlog, rank);
+  for (const Listener& l : listeners) m->listenFds_.push_back(l.fd);
+  const std::string published = publishedAddresses(listeners);
+  store.set(addrKey(rank), published);
+  // At least one lane per interface, so that every NIC carries its stripe of large messages.
+  const int64_t asked = env::netSocketsPerPeer(), clamped = std::clamp<int64_t>(asked, 1, kMaxLanes);
+  const int64_t lanes = std::max<int64_t>(clamped, static_cast<int64_t>(addrs.size()));
   if (rank == 0) {
-    if (asked != lanes) {
+    if (asked != clamped) {
       SMDDP_WARN(kNet, "SMDDP_NET_SOCKETS_PER_PEER=%lld is outside 1-%lld: using %lld", static_cast<long long>(asked),
-                 static_cast<long long>(kMaxLanes), static_cast<long long>(lanes));
+                 static_cast<long long>(kMaxLanes), static_cast<long long>(clamped));
     }
     store.set(kSecretKey, randomHex(kSecretChars / 2));
   }
@@ -199,11 +200,13 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
   // Rank 0's setting holds for the group: both ends of a pair must open as many connections.
   m->lanes_ = std::stoi(rank0Value(store, rank, kLanesKey, std::to_string(lanes)));
   if (rank != 0 && lanes != m->lanes_) {
-    SMDDP_WARN(kNet, "rank %d: SMDDP_NET_SOCKETS_PER_PEER=%lld here, but rank 0's %d holds for the group", rank,
-               static_cast<long long>(asked), m->lanes_);
+    SMDDP_WARN(kNet,
+               "rank %d would open %lld connection(s) per peer (SMDDP_NET_SOCKETS_PER_PEER=%lld, %zu interface(s)), "
+               "but rank 0's %d hold for the group",
+               rank, static_cast<long long>(lanes), static_cast<long long>(asked), addrs.size(), m->lanes_);
   }
-  SMDDP_INFO(kNet, "rank %d: listening on %s (%s) for %zu peer(s)", rank, listener.address.c_str(),
-             m->addr_.ifname.c_str(), peers.size());
+  SMDDP_INFO(kNet, "rank %d: listening on %s (%s) for %zu peer(s), %d connection(s) per peer", rank,
+             published.c_str(), interfaceNames(addrs).c_str(), peers.size(), m->lanes_);
   shm::WaitContext wait;
   wait.deadline = Clock::now() + timeout;
   m->connect(store, peers, wait);
@@ -239,11 +242,13 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
   std::vector<int> upward, waiting;  // waiting: rank * lanes + lane of the connections from below
   for (int p : wanted) {
     if (connected(p)) continue;
-    if (addr_.loopback && topo_.bootIds[p] != topo_.bootIds[rank]) {
-      throwError(ErrorCode::kInvalidUsage,
-                 "rank %d would use the loopback interface (%s, %s) but its peer rank %d runs on another machine (%s): "
-                 "set SMDDP_SOCKET_IFNAME to an interface that reaches it",
-                 rank, addr_.ifname.c_str(), addr_.ip.c_str(), p, topo_.hostnames[p].c_str());
+    for (const LocalAddress& a : addrs_) {
+      if (a.loopback && topo_.bootIds[p] != topo_.bootIds[rank]) {
+        throwError(ErrorCode::kInvalidUsage,
+                   "rank %d would use the loopback interface (%s, %s) but its peer rank %d runs on another machine "
+                   "(%s): set SMDDP_SOCKET_IFNAME to interfaces that reach it",
+                   rank, a.ifname.c_str(), a.ip.c_str(), p, topo_.hostnames[p].c_str());
+      }
     }
     conns_[p].resize(lanes_);
     if (p > rank) {
@@ -284,22 +289,44 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
     if (!ioAll(d.fd, &h, sizeof(h), true, wait.deadline)) refused(d, errno != 0 ? errno : ETIMEDOUT);
     d.introduced = true;
   };
+  // A connection from below: anything that does not introduce itself as an expected peer of this
+  // group, with the group's secret, is dropped.
+  auto acceptPeer = [&](int listenFd) {
+    SocketAddress from;
+    from.len = sizeof(from.storage);
+    const int fd = accept4(listenFd, reinterpret_cast<sockaddr*>(&from.storage), &from.len, SOCK_CLOEXEC);
+    if (fd < 0) return;
+    wire::Hello h{};
+    const auto helloDeadline = std::min(wait.deadline, Clock::now() + kHelloTimeout);
+    const bool ok =
+        ioAll(fd, &h, sizeof(h), false, helloDeadline) && wire::helloAccepted(h, secret_, rank, lanes_, waiting);
+    const char ack = 'K';
+    if (!ok || !ioAll(fd, const_cast<char*>(&ack), 1, true, wait.deadline)) {
+      SMDDP_WARN(kNet, "rank %d: refused a connection from %s (not a peer of this group, or a bad handshake)", rank,
+                 addressText(from).c_str());
+      close(fd);
+      return;
+    }
+    waiting.erase(std::find(waiting.begin(), waiting.end(), h.from * lanes_ + h.lane));
+    makeConn(h.from, h.lane, fd);
+  };
   std::vector<pollfd> pfds;
   try {
     for (int p : upward) {
-      const std::string where = store.get(addrKey(p));
-      const SocketAddress to = parseAddress(where, p);
-      if (isLoopback(to) && topo_.bootIds[p] != topo_.bootIds[rank]) {
-        throwError(ErrorCode::kInvalidUsage,
-                   "rank %d on %s listens on loopback (%s) but this rank %d is on another machine: set "
-                   "SMDDP_SOCKET_IFNAME on every host to an interface the hosts share",
-                   p, topo_.hostnames[p].c_str(), where.c_str(), rank);
+      const std::vector<SocketAddress> peerAddrs = parseAddresses(store.get(addrKey(p)), p);  // one per interface
+      for (const SocketAddress& a : peerAddrs) {
+        if (isLoopback(a) && topo_.bootIds[p] != topo_.bootIds[rank]) {
+          throwError(ErrorCode::kInvalidUsage,
+                     "rank %d on %s listens on loopback (%s) but this rank %d is on another machine: set "
+                     "SMDDP_SOCKET_IFNAME on every host to interfaces the hosts share",
+                     p, topo_.hostnames[p].c_str(), addressText(a).c_str(), rank);
+        }
       }
       for (int lane = 0; lane < lanes_; ++lane) {
-        const int fd = socket(to.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-        if (fd < 0) throwError(ErrorCode::kSystemError, "rank %d: socket: %s", rank, errnoString(errno).c_str());
-        dialing.push_back({p, lane, fd, false, where});
-        if (::connect(fd, to.get(), to.len) == 0) {
+        const SocketAddress* to = nullptr;
+        const int fd = laneSocket(peerAddrs, addrs_, lane, rank, &to);
+        dialing.push_back({p, lane, fd, false, addressText(*to)});
+        if (::connect(fd, to->get(), to->len) == 0) {
           introduce(dialing.back());
         } else if (errno != EINPROGRESS) {
           refused(dialing.back(), errno);
@@ -324,8 +351,8 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
       // connections) ends the wait at once: ranks that wait for it here would wait in vain.
       pfds.clear();
       for (auto& d : dialing) pfds.push_back({d.fd, static_cast<short>(d.introduced ? POLLIN : POLLOUT), 0});
-      const size_t listenAt = pfds.size();
-      pfds.push_back({listenFd_, static_cast<short>(waiting.empty() ? 0 : POLLIN), 0});
+      const size_t listenAt = pfds.size(), establishedAt = listenAt + listenFds_.size();
+      for (int fd : listenFds_) pfds.push_back({fd, static_cast<short>(waiting.empty() ? 0 : POLLIN), 0});
       for (const Conn* c : established) pfds.push_back({c->fd, POLLRDHUP, 0});
       const int ms = std::min<int>(msLeft(wait.deadline), static_cast<int>(kPollTick.count()));
       if (poll(pfds.data(), pfds.size(), ms) <= 0) continue;
@@ -349,29 +376,12 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
         makeConn(d.rank, d.lane, d.fd);
         dialing.erase(dialing.begin() + static_cast<std::ptrdiff_t>(i));
       }
-      for (size_t i = listenAt + 1; i < pfds.size(); ++i) {
-        if (pfds[i].revents != 0) peerFailed(*established[i - listenAt - 1], "connecting more peers", 0);
+      for (size_t i = establishedAt; i < pfds.size(); ++i) {
+        if (pfds[i].revents != 0) peerFailed(*established[i - establishedAt], "connecting more peers", 0);
       }
-      if (pfds[listenAt].revents == 0) continue;
-      // A connection from below: anything that does not introduce itself as an expected peer of
-      // this group, with the group's secret, is dropped.
-      SocketAddress from;
-      from.len = sizeof(from.storage);
-      const int fd = accept4(listenFd_, reinterpret_cast<sockaddr*>(&from.storage), &from.len, SOCK_CLOEXEC);
-      if (fd < 0) continue;
-      wire::Hello h{};
-      const auto helloDeadline = std::min(wait.deadline, Clock::now() + kHelloTimeout);
-      const bool ok =
-          ioAll(fd, &h, sizeof(h), false, helloDeadline) && wire::helloAccepted(h, secret_, rank, lanes_, waiting);
-      const char ack = 'K';
-      if (!ok || !ioAll(fd, const_cast<char*>(&ack), 1, true, wait.deadline)) {
-        SMDDP_WARN(kNet, "rank %d: refused a connection from %s (not a peer of this group, or a bad handshake)", rank,
-                   addressText(from).c_str());
-        close(fd);
-        continue;
+      for (size_t i = listenAt; i < establishedAt; ++i) {
+        if (pfds[i].revents != 0) acceptPeer(pfds[i].fd);
       }
-      waiting.erase(std::find(waiting.begin(), waiting.end(), h.from * lanes_ + h.lane));
-      makeConn(h.from, h.lane, fd);
     }
   } catch (...) {
     for (auto& d : dialing) close(d.fd);
@@ -426,12 +436,14 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
     if (c.sends.empty() && c.recvs.empty()) active.push_back(&c);
   };
   // Each message goes to the lanes that carry a stripe of it; it has arrived once all of them
-  // have theirs (partsLeft).
+  // have theirs (partsLeft). Both sides number the messages of a direction alike (ordinal).
+  std::vector<size_t> sentTo(static_cast<size_t>(topo_.size), 0), receivedFrom(static_cast<size_t>(topo_.size), 0);
   for (const Send& s : sends) {
     auto& lanes = lanesTo(s.peer);
+    const size_t ordinal = sentTo[static_cast<size_t>(s.peer)]++;
     for (int lane = 0; lane < lanes_; ++lane) {
-      const wire::Stripe st = wire::stripeOf(s.bytes, lanes_, lane);
-      if (!wire::laneCarries(st, lane)) continue;
+      const wire::Stripe st = wire::stripeOf(s.bytes, lanes_, lane, ordinal);
+      if (!st.carried) continue;
       activate(*lanes[lane]);
       lanes[lane]->sends.push_back({&s, static_cast<const char*>(s.data) + st.offset, st.length});
     }
@@ -440,9 +452,10 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
   for (size_t i = 0; i < recvs.size(); ++i) {
     const Recv& r = recvs[i];
     auto& lanes = lanesTo(r.peer);
+    const size_t ordinal = receivedFrom[static_cast<size_t>(r.peer)]++;
     for (int lane = 0; lane < lanes_; ++lane) {
-      const wire::Stripe st = wire::stripeOf(r.bytes, lanes_, lane);
-      if (!wire::laneCarries(st, lane)) continue;
+      const wire::Stripe st = wire::stripeOf(r.bytes, lanes_, lane, ordinal);
+      if (!st.carried) continue;
       activate(*lanes[lane]);
       lanes[lane]->recvs.push_back({&r, static_cast<char*>(r.data) + st.offset, st.length});
       ++partsLeft[i];

@@ -1,16 +1,19 @@
 // The inter-host transport: one TCP connection per pair of ranks that exchange data across
 // hosts, driven by a poll() loop on the calling (progress) thread, no thread of its own.
 //
-// Bootstrap (collective over the group, through the store): every rank listens on the address
-// chosen by netif, publishes it, connects to its peers of higher rank and accepts those of lower
-// rank. connect() adds peers later, for ops that need more of them; the listener stays open. A connection must open with the group's secret (random, from the store) and the ranks
-// it links, so a stray or stale client is refused, never mistaken for a peer.
+// Bootstrap (collective over the group, through the store): every rank listens on the addresses
+// chosen by netif (one per interface), publishes them, connects to its peers of higher rank and
+// accepts those of lower rank. connect() adds peers later, for ops that need more of them; the
+// listeners stay open. A connection must open with the group's secret (random, from the store)
+// and the ranks it links, so a stray or stale client is refused, never mistaken for a peer.
 //
 // Data: exchange() moves a set of sends and receives to completion. Each message carries a
 // 16-byte header (tag, bytes) and lands straight in its destination buffer; a header that does
 // not match what the receiver expects is an error naming both sides (mismatched collectives).
-// With SMDDP_NET_SOCKETS_PER_PEER > 1 two ranks hold that many connections ("lanes") and large
-// messages are striped over them (wire::stripeOf), each lane paced by its own window.
+// With SMDDP_NET_SOCKETS_PER_PEER > 1, or several interfaces, two ranks hold several connections
+// ("lanes": at least one per interface) and large messages are striped over them
+// (wire::stripeOf), each lane paced by its own window. Lane k joins the two ranks' k-th
+// interfaces (counted modulo each rank's number of them), so a host's NICs share the traffic.
 #pragma once
 
 #include <chrono>
@@ -44,9 +47,10 @@ enum class Schedule {
 
 class TcpMesh {
  public:
-  // Collective over the group. `addr`: where this rank listens (chooseLocalAddress()). `peers`:
-  // the ranks this rank exchanges with (the relation must be symmetric across ranks).
-  static std::unique_ptr<TcpMesh> create(Store& store, const Topology& topo, const LocalAddress& addr,
+  // Collective over the group. `addrs`: where this rank listens, one address per interface
+  // (chooseLocalAddresses()). `peers`: the ranks this rank exchanges with (the relation must be
+  // symmetric across ranks).
+  static std::unique_ptr<TcpMesh> create(Store& store, const Topology& topo, const std::vector<LocalAddress>& addrs,
                                          const std::vector<int>& peers, std::chrono::milliseconds timeout);
   // The keys create() sets for `rank`, which its peers wait for (BootstrapStore::publishFailure).
   static std::vector<std::string> keysOwedBy(int rank);
@@ -60,7 +64,7 @@ class TcpMesh {
   int connections() const;  // TCP connections held, every lane of every peer
   int lanes() const { return lanes_; }  // connections per peer, the same on every rank
 
-  const LocalAddress& address() const { return addr_; }
+  const std::vector<LocalAddress>& addresses() const { return addrs_; }
 
   // Messages to one peer leave in list order and arrive in list order. `tag` identifies the op
   // and step; both sides must use the same. `onReceived(i)`, when given, runs on this thread as
@@ -72,7 +76,7 @@ class TcpMesh {
                 const shm::WaitContext& wait, Schedule schedule,
                 const std::function<void(size_t)>& onReceived = {});
 
-  // Closes every connection and the listener. With a `farewell` (why this rank gives up the
+  // Closes every connection and the listeners. With a `farewell` (why this rank gives up the
   // group), first sends it on each connection that is between messages, so that peers report
   // the reason, not just a closed connection. Interrupts nothing by itself; the next poll tick
   // sees the abort flag of the wait context.
@@ -91,10 +95,10 @@ class TcpMesh {
   std::string stallReport(const std::vector<Conn*>& active) const;
 
   Topology topo_;
-  LocalAddress addr_;
+  std::vector<LocalAddress> addrs_;
   std::vector<std::vector<std::unique_ptr<Conn>>> conns_;  // [rank][lane]; empty where no connection
   int lanes_ = 1;  // connections per peer (SMDDP_NET_SOCKETS_PER_PEER, rank 0's value)
-  int listenFd_ = -1;
+  std::vector<int> listenFds_;  // one per address
   std::string secret_;
   size_t chunkBytes_;
 };

@@ -51,12 +51,16 @@ bool helloAccepted(const Hello& h, const std::string& secret, int rank, int lane
          std::find(waiting.begin(), waiting.end(), static_cast<int64_t>(h.from) * lanes + h.lane) != waiting.end();
 }
 
-Stripe stripeOf(size_t bytes, int lanes, int lane) {
-  if (lanes <= 1 || bytes < kMinStripedBytes) return lane == 0 ? Stripe{0, bytes} : Stripe{0, 0};
+Stripe stripeOf(size_t bytes, int lanes, int lane, size_t ordinal) {
+  if (lanes <= 1 || bytes < kMinStripedBytes) {
+    const bool home = static_cast<size_t>(lane) == ordinal % static_cast<size_t>(std::max(lanes, 1));
+    return home ? Stripe{0, bytes, true} : Stripe{0, 0, false};
+  }
   constexpr size_t kAlign = 4096;  // page-sized stripes: each lane's copies start page-aligned
   const size_t per = ((bytes + lanes - 1) / lanes + kAlign - 1) / kAlign * kAlign;
   const size_t begin = std::min(bytes, per * static_cast<size_t>(lane));
-  return {begin, std::min(per, bytes - begin)};
+  const size_t length = std::min(per, bytes - begin);
+  return {begin, length, lane == 0 || length > 0};
 }
 
 std::string farewellFrame(std::string_view why) {

@@ -67,15 +67,17 @@ bool helloAccepted(const Hello& h, const std::string& secret, int rank, int lane
 
 // Two ranks with several connections ("lanes") stripe each message over them: lane i carries
 // bytes [offset, offset + length) of it, both sides cut alike from the message's size. Smaller
-// messages than this go whole on lane 0; a lane with an empty stripe carries nothing of the
-// message, lane 0 always its header.
+// messages than this go whole on one lane: lane `ordinal` mod lanes, where `ordinal` is the
+// message's place among those one side sends the other in an exchange (both sides count alike),
+// so a run of small messages spreads over the lanes, and the NICs they use. A lane with an
+// empty stripe of a striped message carries nothing of it, lane 0 always its header.
 constexpr size_t kMinStripedBytes = 256u << 10;
 struct Stripe {
   size_t offset;
   size_t length;
+  bool carried;  // the lane moves a header (and these bytes) of the message
 };
-Stripe stripeOf(size_t bytes, int lanes, int lane);
-inline bool laneCarries(const Stripe& s, int lane) { return lane == 0 || s.length > 0; }
+Stripe stripeOf(size_t bytes, int lanes, int lane, size_t ordinal = 0);
 
 struct MsgHeader {
   uint64_t tag;

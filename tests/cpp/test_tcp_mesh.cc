@@ -7,7 +7,8 @@
 // a later connection round adds the missing connections of a group (a rank with none to add
 // taking part); a dial to a peer that never answers ends at the deadline or an abort; an exchange
 // that times out says what it still waits for from each peer; a peer that gives up says why
-// (unless it left in the middle of a message); IPv4 and IPv6 addresses parse,
+// (unless it left in the middle of a message); ranks with two interfaces join lane k from their
+// k-th addresses, small messages of an exchange spread over the lanes; IPv4 and IPv6 addresses parse,
 // print and listen; the
 // connections' congestion control is the one asked for, and an unknown one is
 // refused with the reason. Prints "N passed, N failed".
@@ -28,6 +29,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -63,7 +65,7 @@ Topology twoHosts(int rank) {
 
 // This rank's part of a mesh over the loopback / local interfaces (collective: every rank calls it).
 std::unique_ptr<net::TcpMesh> meshOf(Store& store, const Topology& t, const std::vector<int>& peers) {
-  return net::TcpMesh::create(store, t, net::chooseLocalAddress(), peers, std::chrono::seconds(30));
+  return net::TcpMesh::create(store, t, net::chooseLocalAddresses(), peers, std::chrono::seconds(30));
 }
 
 // Two ranks, each its own host, joined by a fresh mesh (collective: both threads run here).
@@ -79,6 +81,51 @@ shm::WaitContext waitFor(std::chrono::milliseconds ms) {
   shm::WaitContext w;
   w.deadline = Clock::now() + ms;
   return w;
+}
+
+// Each rank sends the other messages of `sizes` and receives theirs, in one exchange (both
+// threads run here). Returns what went wrong ("" if every message arrived intact and was
+// reported once).
+std::string crossBothWays(net::TcpMesh& rank0, net::TcpMesh& rank1, const std::vector<size_t>& sizes, uint64_t tag) {
+  net::TcpMesh* meshes[2] = {&rank0, &rank1};
+  std::vector<std::vector<uint8_t>> src[2], dst[2];
+  std::vector<int> reported[2];
+  std::string errors[2];
+  for (int r = 0; r < 2; ++r) {
+    reported[r].assign(sizes.size(), 0);
+    for (size_t m = 0; m < sizes.size(); ++m) {
+      src[r].emplace_back(sizes[m]);
+      for (size_t i = 0; i < sizes[m]; ++i) src[r][m][i] = static_cast<uint8_t>(i * 31 + m + 7 * r);
+      dst[r].emplace_back(sizes[m], 0);
+    }
+  }
+  std::thread ranks[2];
+  for (int r = 0; r < 2; ++r) {
+    ranks[r] = std::thread([&, r] {
+      std::vector<net::Send> sends;
+      std::vector<net::Recv> recvs;
+      for (size_t m = 0; m < sizes.size(); ++m) {
+        sends.push_back({1 - r, src[r][m].data(), sizes[m]});
+        recvs.push_back({1 - r, dst[r][m].data(), sizes[m]});
+      }
+      try {
+        meshes[r]->exchange(tag, sends, recvs, waitFor(std::chrono::seconds(20)), net::Schedule::kMesh,
+                            [&](size_t i) { ++reported[r][i]; });
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  ranks[0].join();
+  ranks[1].join();
+  if (!errors[0].empty() || !errors[1].empty()) return "[" + errors[0] + "] [" + errors[1] + "]";
+  for (int r = 0; r < 2; ++r) {
+    if (dst[r] != src[1 - r]) return "rank " + std::to_string(r) + " received wrong bytes";
+    for (int n : reported[r]) {
+      if (n != 1) return "rank " + std::to_string(r) + " reported a message " + std::to_string(n) + " times";
+    }
+  }
+  return "";
 }
 
 // Connects to host:port, sends `bytes` and hangs up (the rank reads them once it accepts).
@@ -213,42 +260,8 @@ void testStrangersRefusedThenExchange(const std::string& dir) {
            "three connections per pair: " + std::to_string(meshes[0]->connections()));
     const std::vector<size_t> sizes = {0, 1000, net::wire::kMinStripedBytes - 1, net::wire::kMinStripedBytes,
                                        (1 << 20) + 4097};
-    std::vector<std::vector<uint8_t>> src[2], dst[2];
-    std::vector<int> reported[2];
-    std::thread ranks[2];
-    for (int r = 0; r < 2; ++r) {
-      reported[r].assign(sizes.size(), 0);
-      for (size_t m = 0; m < sizes.size(); ++m) {
-        src[r].emplace_back(sizes[m]);
-        for (size_t i = 0; i < sizes[m]; ++i) src[r][m][i] = static_cast<uint8_t>(i * 31 + m + 7 * r);
-        dst[r].emplace_back(sizes[m], 0);
-      }
-    }
-    for (int r = 0; r < 2; ++r) {
-      ranks[r] = std::thread([&, r] {
-        std::vector<net::Send> sends;
-        std::vector<net::Recv> recvs;
-        for (size_t m = 0; m < sizes.size(); ++m) {
-          sends.push_back({1 - r, src[r][m].data(), sizes[m]});
-          recvs.push_back({1 - r, dst[r][m].data(), sizes[m]});
-        }
-        try {
-          meshes[r]->exchange(net::makeTag(3, 0), sends, recvs, waitFor(std::chrono::seconds(20)),
-                              net::Schedule::kMesh, [&](size_t i) { ++reported[r][i]; });
-        } catch (const std::exception& e) {
-          errors[r] = e.what();
-        }
-      });
-    }
-    ranks[0].join();
-    ranks[1].join();
-    bool intact = true, once = true;
-    for (int r = 0; r < 2; ++r) {
-      intact &= dst[r] == src[1 - r];
-      for (int n : reported[r]) once &= n == 1;
-    }
-    expect(errors[0].empty() && errors[1].empty() && intact && once,
-           "striped messages intact and reported once: [" + errors[0] + "] [" + errors[1] + "]");
+    const std::string problem = crossBothWays(*meshes[0], *meshes[1], sizes, net::makeTag(3, 0));
+    expect(problem.empty(), "striped messages intact and reported once: " + problem);
   }
 
   // Rank 0 is one op ahead: rank 1 must refuse the message, naming both op numbers.
@@ -342,6 +355,27 @@ void testAddresses() {
     }
     expect(refused, "malformed address '" + bad + "' refused, naming the rank");
   }
+  // A rank with several interfaces publishes one address per interface.
+  const std::vector<net::SocketAddress> two = net::parseAddresses("10.0.0.1:5 [fd00::1]:6", 0);
+  expect(two.size() == 2 && net::addressText(two[0]) == "10.0.0.1:5" && net::addressText(two[1]) == "[fd00::1]:6",
+         "a list of published addresses");
+  bool emptyRefused = false;
+  try {
+    net::parseAddresses(" ", 4);
+  } catch (const Error& e) {
+    emptyRefused = e.code() == ErrorCode::kRemoteError && std::string(e.what()).find("rank 4") != std::string::npos;
+  }
+  expect(emptyRefused, "an empty address list refused, naming the rank");
+  // Messages too small to stripe go whole on lane ordinal mod lanes; larger ones on every lane.
+  bool spread = true;
+  for (size_t ordinal = 0; ordinal < 7; ++ordinal) {
+    for (int lane = 0; lane < 3; ++lane) {
+      const net::wire::Stripe st = net::wire::stripeOf(1000, 3, lane, ordinal);
+      spread &= st.carried == (static_cast<size_t>(lane) == ordinal % 3) && st.length == (st.carried ? 1000 : 0);
+      spread &= net::wire::stripeOf(1 << 20, 3, lane, ordinal).carried;
+    }
+  }
+  expect(spread, "small messages of an exchange take the lanes in turn");
   // SMDDP_SOCKET_IFNAME's NCCL syntax: prefixes, a comma list, '^' excludes, '=' exact.
   expect(net::ifnameMatches("eth", "eth0") && net::ifnameMatches("eth", "eth") && !net::ifnameMatches("eth", "en0"),
          "a name prefix");
@@ -362,6 +396,64 @@ void testAddresses() {
     expect(l.address.compare(0, 6, "[::1]:") == 0, "an IPv6 listener publishes [::1]:port, got " + l.address);
     close(l.fd);
   }
+}
+
+// Established connections (this process's and any other's) to `addr` ("127.0.0.2:port"), from
+// /proc/net/tcp, whose addresses read as little-endian hex.
+int connectionsTo(const std::string& addr) {
+  const size_t colon = addr.rfind(':');
+  in_addr ip{};
+  inet_pton(AF_INET, addr.substr(0, colon).c_str(), &ip);
+  char want[32];
+  snprintf(want, sizeof(want), "%08X:%04X", ip.s_addr, std::stoi(addr.substr(colon + 1)));
+  std::ifstream tcp("/proc/net/tcp");
+  std::string line;
+  std::getline(tcp, line);  // header
+  int n = 0;
+  while (std::getline(tcp, line)) {
+    char local[64], remote[64], state[8];
+    if (sscanf(line.c_str(), "%*s %63s %63s %7s", local, remote, state) == 3 && std::string(remote) == want &&
+        std::string(state) == "01") {
+      ++n;
+    }
+  }
+  return n;
+}
+
+// Two ranks with two "interfaces" each (127.0.0.1 and 127.0.0.2) and three lanes per pair: lanes
+// 0 and 2 run between the first addresses, lane 1 between the second ones; three small messages
+// and a striped one cross intact both ways.
+void testTwoInterfaces(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  const std::vector<net::LocalAddress> addrs = {{"lo", "127.0.0.1", true, false}, {"lo", "127.0.0.2", true, false}};
+  std::array<std::unique_ptr<net::TcpMesh>, 2> meshes;
+  std::string errors[2];
+  std::thread r1([&] {
+    try {
+      meshes[1] = net::TcpMesh::create(store, twoHosts(1), addrs, {0}, std::chrono::seconds(30));
+    } catch (const std::exception& e) {
+      errors[1] = e.what();
+    }
+  });
+  try {
+    meshes[0] = net::TcpMesh::create(store, twoHosts(0), addrs, {1}, std::chrono::seconds(30));
+  } catch (const std::exception& e) {
+    errors[0] = e.what();
+  }
+  r1.join();
+  expect(errors[0].empty() && errors[1].empty(), "two interfaces: the mesh forms: [" + errors[0] + "] [" + errors[1] + "]");
+  if (!meshes[0] || !meshes[1]) return;
+  expect(meshes[0]->lanes() == 3 && meshes[0]->connections() == 3, "two interfaces, three lanes");
+  std::istringstream published(store.get("smddp/net/addr/1"));
+  std::string first, second;
+  published >> first >> second;
+  expect(first.rfind("127.0.0.1:", 0) == 0 && second.rfind("127.0.0.2:", 0) == 0,
+         "rank 1 publishes both addresses: " + first + " " + second);
+  expect(connectionsTo(first) == 2 && connectionsTo(second) == 1,
+         "lanes 0 and 2 go to the first address, lane 1 to the second: " + std::to_string(connectionsTo(first)) +
+             ", " + std::to_string(connectionsTo(second)));
+  const std::string problem = crossBothWays(*meshes[0], *meshes[1], {1000, 3000, 5000, (1 << 20) + 7}, net::makeTag(1, 0));
+  expect(problem.empty(), "two interfaces: messages intact both ways: " + problem);
 }
 
 // An exchange that times out says, peer by peer, what it still waits for: rank 1 sends only the
@@ -614,7 +706,7 @@ int main() {
   testCongestionControl();
   testAddresses();
   for (auto test : {testStrangersRefusedThenExchange, testConnectLater, testStripedSizeMismatch, testDialToSilentPeer,
-                    testStalledExchangeReport, testFarewell}) {
+                    testStalledExchangeReport, testFarewell, testTwoInterfaces}) {
     char dir[] = "/tmp/smddp_net_tests.XXXXXX";  // each test's own store
     if (!mkdtemp(dir)) return 1;
     test(dir);
