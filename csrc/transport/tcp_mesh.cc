@@ -279,9 +279,16 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
     std::string where;
   };
   std::vector<Dialing> dialing;
+  // With several interfaces, one that does not reach the peer's host is a likely cause too.
+  auto fromWhere = [&](const Dialing& d) -> std::string {
+    if (addrs_.size() < 2) return "";
+    const LocalAddress& a = addrs_[static_cast<size_t>(d.lane) % addrs_.size()];
+    return ", or " + a.ifname + " (" + a.ip + ") does not reach it: SMDDP_SOCKET_IFNAME selects " +
+           interfaceNames(addrs_) + ", and each must reach the other hosts";
+  };
   auto refused = [&](const Dialing& d, int err) {
-    throwError(ErrorCode::kRemoteError, "rank %d: cannot connect to rank %d at %s: %s (that rank exited or aborted)",
-               rank, d.rank, d.where.c_str(), errnoString(err).c_str());
+    throwError(ErrorCode::kRemoteError, "rank %d: cannot connect to rank %d at %s: %s (that rank exited or aborted%s)",
+               rank, d.rank, d.where.c_str(), errnoString(err).c_str(), fromWhere(d).c_str());
   };
   auto introduce = [&](Dialing& d) {
     wire::Hello h = wire::makeHello(secret_, rank, d.rank, d.lane);
@@ -344,8 +351,16 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
         for (auto& d : dialing) late.insert(d.rank);
         for (int w : waiting) late.insert(w / lanes_);
         for (int p : late) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
-        throwError(ErrorCode::kTimeout, "rank %d: rank(s) %s did not connect within the timeout", rank,
-                   missing.c_str());
+        // A dial never answered (no SYN-ACK) points at the network rather than at the peer.
+        std::string unanswered;
+        for (const Dialing& d : dialing) {
+          if (d.introduced) continue;
+          unanswered = " (rank " + std::to_string(d.rank) + " at " + d.where + " never answered the dial" + fromWhere(d) +
+                       ")";
+          break;
+        }
+        throwError(ErrorCode::kTimeout, "rank %d: rank(s) %s did not connect within the timeout%s", rank,
+                   missing.c_str(), unanswered.c_str());
       }
       // A peer connected earlier that goes away (a failed or aborted rank closes all its
       // connections) ends the wait at once: ranks that wait for it here would wait in vain.

@@ -639,7 +639,8 @@ void testDialToSilentPeer(const std::string& dir) {
   };
   const std::string err = attempt(waitFor(std::chrono::milliseconds(1500)), ErrorCode::kTimeout,
                                   "dial to a silent peer times out at the deadline");
-  expect(err.find("rank(s) 1 ") != std::string::npos, "the timeout names the peer: " + err);
+  expect(err.find("rank(s) 1 ") != std::string::npos && err.find("never answered the dial") != std::string::npos,
+         "the timeout names the peer and the unanswered dial: " + err);
 
   std::atomic<bool> abort{false};
   shm::WaitContext w = waitFor(std::chrono::seconds(60));
@@ -650,6 +651,22 @@ void testDialToSilentPeer(const std::string& dir) {
   });
   attempt(w, ErrorCode::kAborted, "dial to a silent peer ends when the group is aborted");
   stopper.join();
+
+  // With two interfaces the timeout also names the one the dial left from, and the setting.
+  const std::string dir2 = dir + "/two";
+  std::filesystem::create_directory(dir2);
+  FileStore store2(dir2, std::chrono::seconds(30));
+  const std::vector<net::LocalAddress> two = {{"lo", "127.0.0.1", true, false}, {"lo", "127.0.0.2", true, false}};
+  auto mesh2 = net::TcpMesh::create(store2, twoHosts(0), two, {}, std::chrono::seconds(30));
+  store2.set("smddp/net/addr/1", hole.address + " " + hole.address);
+  std::string err2 = "no error";
+  try {
+    mesh2->connect(store2, {1}, waitFor(std::chrono::milliseconds(1000)));
+  } catch (const Error& e) {
+    err2 = e.what();
+  }
+  expect(err2.find("or lo (127.0.0.1) does not reach it: SMDDP_SOCKET_IFNAME selects lo,lo") != std::string::npos,
+         "with two interfaces the timeout names the one dialled from: " + err2);
   for (int fd : fillers) close(fd);
   close(hole.fd);
 }
