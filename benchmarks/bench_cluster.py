@@ -88,12 +88,9 @@ def median_cells(runs):
 
 def run_job(cluster, args, impl, port):
     backend, extra = args.variants.get(impl) or IMPLS[impl]
-    if args.nics > 1:
-        nics = {"SMDDP_SOCKET_IFNAME": "eth", "GLOO_SOCKET_IFNAME": ",".join(f"eth{k}" for k in range(args.nics))}
-        extra = dict(nics, **extra)
     cfg = {"backend": backend, "mode": "bench", "ops": args.ops, "sizes": args.sizes, "target_s": args.target_s,
            "iters": args.iters, "min_iters": args.min_iters, "warmup": args.warmup}
-    procs = cluster.launch_ranks(args.per_host, cfg, port, env=extra)
+    procs = cluster.launch_ranks(args.per_host, cfg, port, env=dict(cluster.all_nics_env(), **extra))
     rows, cpu, status = {}, {}, []
     for rank, p in enumerate(procs):
         out, err = p.communicate(timeout=args.timeout)

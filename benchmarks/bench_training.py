@@ -159,7 +159,8 @@ def run_job(args, backend: str, parallel: str, world: int, cluster=None, port: i
     out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with tempfile.TemporaryDirectory() as tmp:
         if cluster is not None:
-            procs = cluster.launch(args.per_host, cmd, port, env={"PYTHONWARNINGS": "ignore"}, **out)
+            procs = cluster.launch(args.per_host, cmd, port, env=dict(cluster.all_nics_env(), PYTHONWARNINGS="ignore"),
+                                   **out)
         else:
             env = dict(os.environ, BENCH_STORE=os.path.join(tmp, "store"), WORLD_SIZE=str(world),
                        OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -186,6 +187,8 @@ def main() -> None:
     p.add_argument("--per-host", type=int, default=1, help="ranks per emulated host")
     p.add_argument("--rate", default="1gbit", help="emulated hosts' link rate (tc units), or 'none'")
     p.add_argument("--delay", default=None, help="one-way delay added to every packet between hosts, e.g. 1ms")
+    p.add_argument("--nics", type=int, default=1,
+                   help="interfaces per emulated host, each shaped at --rate; both backends are given them all")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds per world; the best counts")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
@@ -224,10 +227,12 @@ def main() -> None:
             if why:
                 sys.exit(f"bench_training: cannot build the emulated cluster: {why}")
             rate = None if args.rate == "none" else args.rate
-            cluster = stack.enter_context(netcluster.NetCluster(args.hosts, rate=rate, delay=args.delay))
+            cluster = stack.enter_context(netcluster.NetCluster(args.hosts, rate=rate, delay=args.delay,
+                                                                nics=args.nics))
             worlds = [args.hosts * args.per_host]
             rtt = statistics.median(cluster.tcp_round_trips(0, 1, count=20)) * 1e3 if args.hosts > 1 else 0.0
-            print(f"# emulated cluster: {args.hosts} hosts x {args.per_host} rank(s), links {rate or 'unshaped'} "
+            nics = f", {args.nics} NICs per host" if args.nics > 1 else ""
+            print(f"# emulated cluster: {args.hosts} hosts x {args.per_host} rank(s){nics}, links {rate or 'unshaped'} "
                   f"(tc htb, both directions), {f'one-way delay {args.delay}' if args.delay else 'no added delay'}, "
                   f"measured TCP round trip {rtt:.2f} ms", flush=True)
         if "hsdp" in parallels and any(w % args.shard_degree for w in worlds):

@@ -227,6 +227,12 @@ class NetCluster:
             procs.append(self.popen(rank // per_host, argv, env=renv, **kw))
         return procs
 
+    def all_nics_env(self):
+        """Environment that gives smddp and gloo every interface of a host (none needed with one)."""
+        if self.nics == 1:
+            return {}
+        return {"SMDDP_SOCKET_IFNAME": "eth", "GLOO_SOCKET_IFNAME": ",".join(f"eth{k}" for k in range(self.nics))}
+
     def launch_ranks(self, per_host, cfg, port, env=None):
         """launch() of benchmarks/cluster_worker.py with `cfg`, text stdout/stderr pipes."""
         worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_worker.py")
