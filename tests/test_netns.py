@@ -91,6 +91,16 @@ def test_two_nics_per_host_share_the_traffic():
             assert tx >= BIG // 2 and rx >= BIG // 2, f"host {h}: eth{k} tx {tx} rx {rx} bytes: it carried too little"
 
 
+def test_exclusion_selects_one_of_several_nics():
+    """SMDDP_SOCKET_IFNAME=^lo on hosts with two NICs: an exclusion names no NIC to use, so the
+    mesh takes the first interface it leaves (eth0), as before several NICs were used."""
+    with netcluster.NetCluster(HOSTS, nics=2) as c:
+        cfg = {"backend": "smddp", "mode": "check", "ops": ["allreduce", "sendrecv"], "sizes": [8, 1 << 20]}
+        results, logs = run_job(c, cfg, env={"SMDDP_SOCKET_IFNAME": "^lo"})
+    assert all(r["ok"] for r in results), "\n".join(f"rank {i}: {r}\n{logs[i]}" for i, r in enumerate(results))
+    assert [r["topology"]["net_interface"] for r in results] == ["eth0"] * (HOSTS * PER_HOST), results
+
+
 @pytest.mark.skipif(netcluster.available(delay=True) is not None, reason=f"{netcluster.available(delay=True)}")
 def test_delay_line_delays_every_packet():
     """The benchmark's delay emulation (benchmarks/delayline.py): 2 ms one way -> TCP round trips

@@ -49,10 +49,11 @@ constexpr Param kParams[] = {
      "/dev/shm."},
     {"SMDDP_SOCKET_IFNAME", "",
      "Network interface(s) for the inter-host TCP mesh, NCCL syntax: 'eth' (prefix), 'eth0,eth1', "
-     "'^docker,lo' (exclude), '=eth0' (exact). Every interface it matches is used, as NCCL does (at "
-     "most 16, of the first one's address family): two ranks hold at least one connection per "
-     "interface and stripe large messages over them. Default: the one interface that routes to "
-     "MASTER_ADDR, else the first non-loopback interface that is up."},
+     "'^docker,lo' (exclude), '=eth0' (exact). Names and prefixes select every interface they match, "
+     "as NCCL does (at most 16, of the first one's address family): two ranks hold at least one "
+     "connection per interface and stripe large messages over them; an exclusion selects the first "
+     "interface it leaves. Default: the one interface that routes to MASTER_ADDR, else the first "
+     "non-loopback interface that is up."},
     {"SMDDP_SOCKET_FAMILY", "",
      "Address family of the inter-host TCP connections: AF_INET (IPv4) or AF_INET6 (IPv6), NCCL's "
      "names. Default: either; the address that routes to MASTER_ADDR decides, else IPv4 first."},

@@ -87,10 +87,14 @@ std::vector<LocalAddress> pickLocalAddresses(const std::string& master) {
   const std::string& spec = env::socketIfname();
   if (!spec.empty()) {
     // One address per interface (its first: IPv4 before IPv6), all of one family: lane k of a
-    // pair joins the two ranks' k-th interfaces, which must speak the same protocol.
+    // pair joins the two ranks' k-th interfaces, which must speak the same protocol. Names (a
+    // prefix, a list) select every interface they match; an exclusion ('^lo,docker') only the
+    // first one left, as it always did: "not these" does not name the NICs to use, and the rest
+    // may include bridges and VPNs that do not reach the other hosts.
+    const size_t most = spec[0] == '^' ? 1 : static_cast<size_t>(kMaxInterfaces);
     std::vector<LocalAddress> picked;
     for (const LocalAddress& a : all) {
-      if (!ifnameMatches(spec, a.ifname) || static_cast<int>(picked.size()) == kMaxInterfaces) continue;
+      if (!ifnameMatches(spec, a.ifname) || picked.size() == most) continue;
       const bool named = std::any_of(picked.begin(), picked.end(), [&](const LocalAddress& p) { return p.ifname == a.ifname; });
       if (!named && (picked.empty() || picked.front().ipv6 == a.ipv6)) picked.push_back(a);
     }

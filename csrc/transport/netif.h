@@ -21,11 +21,13 @@ bool ifnameMatches(const std::string& spec, const std::string& name);
 constexpr int kMaxInterfaces = 16;
 
 // Where the TCP mesh listens, one address per interface. Among the addresses of
-// SMDDP_SOCKET_FAMILY (default either, IPv4 first): with SMDDP_SOCKET_IFNAME, every interface it
-// matches, as NCCL uses every interface NCCL_SOCKET_IFNAME matches (an error if none; at most
-// kMaxInterfaces, all of the first one's family); otherwise the one address that routes to
-// MASTER_ADDR, else the first interface that is up, not loopback and not docker*, loopback only
-// when there is nothing else. Chosen once per process and MASTER_ADDR.
+// SMDDP_SOCKET_FAMILY (default either, IPv4 first): with SMDDP_SOCKET_IFNAME naming interfaces
+// ('eth', 'eth0,eth1', '=eth0'), every interface it matches, as NCCL uses every interface
+// NCCL_SOCKET_IFNAME matches (at most kMaxInterfaces, all of the first one's family); with an
+// exclusion ('^lo,docker'), the first interface it leaves; an error if it matches none. Without
+// it, the one address that routes to MASTER_ADDR, else the first interface that is up, not
+// loopback and not docker*, loopback only when there is nothing else. Chosen once per process
+// and MASTER_ADDR.
 std::vector<LocalAddress> chooseLocalAddresses();
 
 // The interfaces' names, comma-separated ("eth0,eth1").
