@@ -3,9 +3,10 @@
 Each host is a network namespace with one interface (eth0, 10.<net>.0.<i+1>/24) plugged into a
 bridge that lives in a "switch" namespace of its own, so nothing touches the root namespace's
 network. `nics` > 1 gives every host more interfaces (eth<k>, 10.<net+k>.0.<i+1>/24, each on a
-bridge and subnet of its own, as hosts with several NICs on separate rails), each shaped alike. Processes started on a host also get their own UTS namespace (hostname h<i>) and their
-own /dev/shm (a tmpfs per host, bind-mounted in a private mount namespace), so smddp's topology
-discovery really sees separate machines, and everything between hosts crosses eth0.
+bridge and subnet of its own, as hosts with several NICs on separate rails), each shaped alike.
+Processes started on a host also get their own UTS namespace (hostname h<i>) and their own /dev/shm
+(a tmpfs per host, bind-mounted in a private mount namespace), so smddp's topology discovery really
+sees separate machines, and everything between hosts crosses their interfaces.
 
 Optional link shaping with tc HTB: `rate` caps each host's egress and the switch port towards it (a
 full-duplex NIC); `rates` overrides it per host. `delay` (e.g. "1ms") delays every packet a host
@@ -113,7 +114,9 @@ class NetCluster:
         self.close()
 
     def address(self, i, nic=0):
-        return f"fd00:{self.net}:{nic}::{i + 1}" if self.ipv6 else self.address_v4(i, nic)
+        if not self.ipv6:
+            return self.address_v4(i, nic)
+        return f"fd00:{self.net}::{i + 1}" if nic == 0 else f"fd00:{self.net}:{nic}::{i + 1}"
 
     def address_v4(self, i, nic=0):
         return f"10.{self.net + nic}.0.{i + 1}"

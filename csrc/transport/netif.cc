@@ -95,7 +95,8 @@ std::vector<LocalAddress> pickLocalAddresses(const std::string& master) {
     std::vector<LocalAddress> picked;
     for (const LocalAddress& a : all) {
       if (!ifnameMatches(spec, a.ifname) || picked.size() == most) continue;
-      const bool named = std::any_of(picked.begin(), picked.end(), [&](const LocalAddress& p) { return p.ifname == a.ifname; });
+      const bool named =
+          std::any_of(picked.begin(), picked.end(), [&](const LocalAddress& p) { return p.ifname == a.ifname; });
       if (!named && (picked.empty() || picked.front().ipv6 == a.ipv6)) picked.push_back(a);
     }
     if (!picked.empty()) return picked;

@@ -51,9 +51,9 @@ std::string publishedAddresses(const std::vector<Listener>& listeners);
 // What rank `rank` published (publishedAddresses); throws kRemoteError when malformed or empty.
 std::vector<SocketAddress> parseAddresses(const std::string& published, int rank);
 
-// A non-blocking socket for lane `lane` of a connection to a peer that listens on `peer`: bound
-// for the peer's (lane mod count)-th address, which it returns in `to`, and, when this rank has
-// several interfaces, leaving from its own (lane mod count)-th, so that lane k joins the two
+// A non-blocking socket for lane `lane` of a connection to a peer that listens on `peer`, to be
+// connected to the peer's (lane mod count)-th address, which it returns in `to`; when this rank
+// has several interfaces it is bound to its own (lane mod count)-th, so that lane k joins the two
 // hosts' k-th NICs. Throws kSystemError naming `rank`.
 int laneSocket(const std::vector<SocketAddress>& peer, const std::vector<LocalAddress>& local, int lane, int rank,
                const SocketAddress** to);

@@ -280,7 +280,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
   };
   std::vector<Dialing> dialing;
   // With several interfaces, one that does not reach the peer's host is a likely cause too.
-  auto fromWhere = [&](const Dialing& d) -> std::string {
+  auto interfaceHint = [&](const Dialing& d) -> std::string {
     if (addrs_.size() < 2) return "";
     const LocalAddress& a = addrs_[static_cast<size_t>(d.lane) % addrs_.size()];
     return ", or " + a.ifname + " (" + a.ip + ") does not reach it: SMDDP_SOCKET_IFNAME selects " +
@@ -288,7 +288,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
   };
   auto refused = [&](const Dialing& d, int err) {
     throwError(ErrorCode::kRemoteError, "rank %d: cannot connect to rank %d at %s: %s (that rank exited or aborted%s)",
-               rank, d.rank, d.where.c_str(), errnoString(err).c_str(), fromWhere(d).c_str());
+               rank, d.rank, d.where.c_str(), errnoString(err).c_str(), interfaceHint(d).c_str());
   };
   auto introduce = [&](Dialing& d) {
     wire::Hello h = wire::makeHello(secret_, rank, d.rank, d.lane);
@@ -355,8 +355,8 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
         std::string unanswered;
         for (const Dialing& d : dialing) {
           if (d.introduced) continue;
-          unanswered = " (rank " + std::to_string(d.rank) + " at " + d.where + " never answered the dial" + fromWhere(d) +
-                       ")";
+          unanswered =
+              " (rank " + std::to_string(d.rank) + " at " + d.where + " never answered the dial" + interfaceHint(d) + ")";
           break;
         }
         throwError(ErrorCode::kTimeout, "rank %d: rank(s) %s did not connect within the timeout%s", rank,

@@ -441,7 +441,8 @@ void testTwoInterfaces(const std::string& dir) {
     errors[0] = e.what();
   }
   r1.join();
-  expect(errors[0].empty() && errors[1].empty(), "two interfaces: the mesh forms: [" + errors[0] + "] [" + errors[1] + "]");
+  expect(errors[0].empty() && errors[1].empty(),
+         "two interfaces: the mesh forms: [" + errors[0] + "] [" + errors[1] + "]");
   if (!meshes[0] || !meshes[1]) return;
   expect(meshes[0]->lanes() == 3 && meshes[0]->connections() == 3, "two interfaces, three lanes");
   std::istringstream published(store.get("smddp/net/addr/1"));
@@ -452,7 +453,8 @@ void testTwoInterfaces(const std::string& dir) {
   expect(connectionsTo(first) == 2 && connectionsTo(second) == 1,
          "lanes 0 and 2 go to the first address, lane 1 to the second: " + std::to_string(connectionsTo(first)) +
              ", " + std::to_string(connectionsTo(second)));
-  const std::string problem = crossBothWays(*meshes[0], *meshes[1], {1000, 3000, 5000, (1 << 20) + 7}, net::makeTag(1, 0));
+  const std::string problem =
+      crossBothWays(*meshes[0], *meshes[1], {1000, 3000, 5000, (1 << 20) + 7}, net::makeTag(1, 0));
   expect(problem.empty(), "two interfaces: messages intact both ways: " + problem);
 }
 
