@@ -112,9 +112,12 @@ int laneSocket(const std::vector<SocketAddress>& peer, const std::vector<LocalAd
   *to = &dst;
   const int fd = socket(dst.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) throwError(ErrorCode::kSystemError, "rank %d: socket: %s", rank, errnoString(errno).c_str());
-  // With one interface the kernel's choice of source stands.
-  if (local.size() > 1) {
-    const LocalAddress& from = local[static_cast<size_t>(lane) % local.size()];
+  // The source is pinned only where both ranks have several interfaces and the lane joins their
+  // interfaces of the same index (a rail): a peer with one NIC, or fewer than this rank, may
+  // have no route back to this rank's other rails, so there the kernel's choice of source stands.
+  const size_t mine = static_cast<size_t>(lane) % local.size(), theirs = static_cast<size_t>(lane) % peer.size();
+  if (local.size() > 1 && peer.size() > 1 && mine == theirs) {
+    const LocalAddress& from = local[mine];
     const SocketAddress src = socketAddress(from.ip, 0);
     if (src.len == 0 || bind(fd, src.get(), src.len) != 0) {
       const int err = src.len == 0 ? EINVAL : errno;

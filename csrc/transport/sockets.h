@@ -52,9 +52,10 @@ std::string publishedAddresses(const std::vector<Listener>& listeners);
 std::vector<SocketAddress> parseAddresses(const std::string& published, int rank);
 
 // A non-blocking socket for lane `lane` of a connection to a peer that listens on `peer`, to be
-// connected to the peer's (lane mod count)-th address, which it returns in `to`; when this rank
-// has several interfaces it is bound to its own (lane mod count)-th, so that lane k joins the two
-// hosts' k-th NICs. Throws kSystemError naming `rank`.
+// connected to the peer's (lane mod count)-th address, which it returns in `to`; where both ranks
+// have several interfaces and the lane's index is the same on both sides, it is bound to this
+// rank's one of that index, so that lane k joins the two hosts' k-th NICs (a rail). Throws
+// kSystemError naming `rank`.
 int laneSocket(const std::vector<SocketAddress>& peer, const std::vector<LocalAddress>& local, int lane, int rank,
                const SocketAddress** to);
 

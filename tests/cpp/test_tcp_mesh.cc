@@ -8,7 +8,8 @@
 // taking part); a dial to a peer that never answers ends at the deadline or an abort; an exchange
 // that times out says what it still waits for from each peer; a peer that gives up says why
 // (unless it left in the middle of a message); ranks with two interfaces join lane k from their
-// k-th addresses, small messages of an exchange spread over the lanes; IPv4 and IPv6 addresses parse,
+// k-th addresses (not where the peer has one), small messages of an exchange spread over the
+// lanes; IPv4 and IPv6 addresses parse,
 // print and listen; the
 // connections' congestion control is the one asked for, and an unknown one is
 // refused with the reason. Prints "N passed, N failed".
@@ -399,13 +400,20 @@ void testAddresses() {
 }
 
 // Established connections (this process's and any other's) to `addr` ("127.0.0.2:port"), from
-// /proc/net/tcp, whose addresses read as little-endian hex.
-int connectionsTo(const std::string& addr) {
+// /proc/net/tcp, whose addresses read as little-endian hex; with `fromIp`, only those leaving
+// from that address.
+int connectionsTo(const std::string& addr, const std::string& fromIp = "") {
+  auto hex = [](const std::string& ipText) {
+    in_addr ip{};
+    inet_pton(AF_INET, ipText.c_str(), &ip);
+    char text[16];
+    snprintf(text, sizeof(text), "%08X", ip.s_addr);
+    return std::string(text);
+  };
   const size_t colon = addr.rfind(':');
-  in_addr ip{};
-  inet_pton(AF_INET, addr.substr(0, colon).c_str(), &ip);
-  char want[32];
-  snprintf(want, sizeof(want), "%08X:%04X", ip.s_addr, std::stoi(addr.substr(colon + 1)));
+  char port[8];
+  snprintf(port, sizeof(port), "%04X", std::stoi(addr.substr(colon + 1)));
+  const std::string want = hex(addr.substr(0, colon)) + ":" + port;
   std::ifstream tcp("/proc/net/tcp");
   std::string line;
   std::getline(tcp, line);  // header
@@ -413,16 +421,35 @@ int connectionsTo(const std::string& addr) {
   while (std::getline(tcp, line)) {
     char local[64], remote[64], state[8];
     if (sscanf(line.c_str(), "%*s %63s %63s %7s", local, remote, state) == 3 && std::string(remote) == want &&
-        std::string(state) == "01") {
+        std::string(state) == "01" && (fromIp.empty() || std::string(local).rfind(hex(fromIp) + ":", 0) == 0)) {
       ++n;
     }
   }
   return n;
 }
 
+// Two ranks with different numbers of interfaces: rank 0 has two, rank 1 one. All three lanes go
+// to rank 1's one address, and none is pinned to rank 0's second address (rank 1 may have no
+// route back to it): the kernel picks the source, here 127.0.0.1.
+void testUnevenInterfaces(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  const std::vector<net::LocalAddress> two = {{"lo", "127.0.0.1", true, false}, {"lo", "127.0.0.2", true, false}};
+  const std::vector<net::LocalAddress> one = {{"lo", "127.0.0.1", true, false}};
+  std::array<std::unique_ptr<net::TcpMesh>, 2> meshes;
+  std::thread r1([&] { meshes[1] = net::TcpMesh::create(store, twoHosts(1), one, {0}, std::chrono::seconds(30)); });
+  meshes[0] = net::TcpMesh::create(store, twoHosts(0), two, {1}, std::chrono::seconds(30));
+  r1.join();
+  const std::string at = store.get("smddp/net/addr/1");
+  expect(at.find(' ') == std::string::npos && connectionsTo(at) == 3 && connectionsTo(at, "127.0.0.2") == 0,
+         "uneven interfaces: three lanes to the one address, none from the second interface: " +
+             std::to_string(connectionsTo(at)) + ", " + std::to_string(connectionsTo(at, "127.0.0.2")));
+  const std::string problem = crossBothWays(*meshes[0], *meshes[1], {1000, 3000, (1 << 20) + 7}, net::makeTag(1, 0));
+  expect(problem.empty(), "uneven interfaces: messages intact both ways: " + problem);
+}
+
 // Two ranks with two "interfaces" each (127.0.0.1 and 127.0.0.2) and three lanes per pair: lanes
-// 0 and 2 run between the first addresses, lane 1 between the second ones; three small messages
-// and a striped one cross intact both ways.
+// 0 and 2 run between the first addresses, lane 1 between the second ones (its source pinned);
+// three small messages and a striped one cross intact both ways.
 void testTwoInterfaces(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
   const std::vector<net::LocalAddress> addrs = {{"lo", "127.0.0.1", true, false}, {"lo", "127.0.0.2", true, false}};
@@ -450,8 +477,9 @@ void testTwoInterfaces(const std::string& dir) {
   published >> first >> second;
   expect(first.rfind("127.0.0.1:", 0) == 0 && second.rfind("127.0.0.2:", 0) == 0,
          "rank 1 publishes both addresses: " + first + " " + second);
-  expect(connectionsTo(first) == 2 && connectionsTo(second) == 1,
-         "lanes 0 and 2 go to the first address, lane 1 to the second: " + std::to_string(connectionsTo(first)) +
+  expect(connectionsTo(first) == 2 && connectionsTo(second) == 1 && connectionsTo(second, "127.0.0.2") == 1 &&
+             connectionsTo(first, "127.0.0.1") == 2,
+         "lanes 0 and 2 join the first addresses, lane 1 the second ones: " + std::to_string(connectionsTo(first)) +
              ", " + std::to_string(connectionsTo(second)));
   const std::string problem =
       crossBothWays(*meshes[0], *meshes[1], {1000, 3000, 5000, (1 << 20) + 7}, net::makeTag(1, 0));
@@ -725,7 +753,7 @@ int main() {
   testCongestionControl();
   testAddresses();
   for (auto test : {testStrangersRefusedThenExchange, testConnectLater, testStripedSizeMismatch, testDialToSilentPeer,
-                    testStalledExchangeReport, testFarewell, testTwoInterfaces}) {
+                    testStalledExchangeReport, testFarewell, testTwoInterfaces, testUnevenInterfaces}) {
     char dir[] = "/tmp/smddp_net_tests.XXXXXX";  // each test's own store
     if (!mkdtemp(dir)) return 1;
     test(dir);
