@@ -42,7 +42,8 @@ class Communicator {
   bool multiHost() const { return mesh_ != nullptr; }
   // Receive scratch of the inter-host collectives, as grown so far (read when no op runs).
   size_t netScratchBytes() const { return netScratch_.size(); }
-  // The address the inter-host mesh listens on, and its connections (multi-host groups only).
+  // The addresses the inter-host mesh listens on (one per interface), and its connections
+  // (multi-host groups only).
   const std::vector<net::LocalAddress>& netAddresses() const { return mesh_->addresses(); }
   int netConnections() const { return mesh_->connections(); }
   int netLanes() const { return mesh_->lanes(); }

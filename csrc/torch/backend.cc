@@ -308,9 +308,7 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
                                               {"machine_cpus", std::to_string(comm_->machineShare().cpus)},
                                               {"wait_spin_us", std::to_string(comm_->domain()->spin().count())}};
   if (comm_->multiHost()) {
-    std::string ips;
-    for (const net::LocalAddress& a : comm_->netAddresses()) ips += (ips.empty() ? "" : ",") + a.ip;
-    info["net_address"] = ips;  // one per interface, comma-separated
+    info["net_address"] = net::interfaceAddresses(comm_->netAddresses());  // one per interface
     info["net_interface"] = net::interfaceNames(comm_->netAddresses());
     info["tcp_connections"] = std::to_string(comm_->netConnections());
     info["p2p_connections"] = std::to_string(netP2p_->connections());

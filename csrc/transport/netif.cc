@@ -77,6 +77,12 @@ const char* familyText(int family) {
   return family == AF_INET ? "an IPv4 address" : family == AF_INET6 ? "an IPv6 address" : "an IPv4 or IPv6 address";
 }
 
+std::string commaList(const std::vector<LocalAddress>& addrs, std::string LocalAddress::*field) {
+  std::string list;
+  for (const LocalAddress& a : addrs) list += (list.empty() ? "" : ",") + a.*field;
+  return list;
+}
+
 // chooseLocalAddresses() without the cache; `master`: MASTER_ADDR ("" when unset).
 std::vector<LocalAddress> pickLocalAddresses(const std::string& master) {
   const int family = familyAsked();
@@ -142,11 +148,9 @@ bool ifnameMatches(const std::string& specIn, const std::string& name) {
   return exclude ? !hit : hit;
 }
 
-std::string interfaceNames(const std::vector<LocalAddress>& addrs) {
-  std::string names;
-  for (const LocalAddress& a : addrs) names += (names.empty() ? "" : ",") + a.ifname;
-  return names;
-}
+std::string interfaceNames(const std::vector<LocalAddress>& addrs) { return commaList(addrs, &LocalAddress::ifname); }
+
+std::string interfaceAddresses(const std::vector<LocalAddress>& addrs) { return commaList(addrs, &LocalAddress::ip); }
 
 std::vector<LocalAddress> chooseLocalAddresses() {
   // Once per process and MASTER_ADDR (the settings are read once too, and NCCL also picks its

@@ -30,7 +30,8 @@ constexpr int kMaxInterfaces = 16;
 // and MASTER_ADDR.
 std::vector<LocalAddress> chooseLocalAddresses();
 
-// The interfaces' names, comma-separated ("eth0,eth1").
+// The interfaces' names ("eth0,eth1") and addresses ("10.0.0.1,10.1.0.1"), comma-separated.
 std::string interfaceNames(const std::vector<LocalAddress>& addrs);
+std::string interfaceAddresses(const std::vector<LocalAddress>& addrs);
 
 }  // namespace smddp::net

@@ -451,11 +451,16 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
     if (c.sends.empty() && c.recvs.empty()) active.push_back(&c);
   };
   // Each message goes to the lanes that carry a stripe of it; it has arrived once all of them
-  // have theirs (partsLeft). Both sides number the messages of a direction alike (ordinal).
-  std::vector<size_t> sentTo(static_cast<size_t>(topo_.size), 0), receivedFrom(static_cast<size_t>(topo_.size), 0);
+  // have theirs (partsLeft). Both sides number the messages of a direction alike (ordinal: which
+  // lane a message too small to stripe takes), which only several lanes need counted.
+  std::vector<size_t> sentTo, receivedFrom;
+  if (lanes_ > 1) {
+    sentTo.assign(static_cast<size_t>(topo_.size), 0);
+    receivedFrom.assign(static_cast<size_t>(topo_.size), 0);
+  }
   for (const Send& s : sends) {
     auto& lanes = lanesTo(s.peer);
-    const size_t ordinal = sentTo[static_cast<size_t>(s.peer)]++;
+    const size_t ordinal = lanes_ > 1 ? sentTo[static_cast<size_t>(s.peer)]++ : 0;
     for (int lane = 0; lane < lanes_; ++lane) {
       const wire::Stripe st = wire::stripeOf(s.bytes, lanes_, lane, ordinal);
       if (!st.carried) continue;
@@ -467,7 +472,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
   for (size_t i = 0; i < recvs.size(); ++i) {
     const Recv& r = recvs[i];
     auto& lanes = lanesTo(r.peer);
-    const size_t ordinal = receivedFrom[static_cast<size_t>(r.peer)]++;
+    const size_t ordinal = lanes_ > 1 ? receivedFrom[static_cast<size_t>(r.peer)]++ : 0;
     for (int lane = 0; lane < lanes_; ++lane) {
       const wire::Stripe st = wire::stripeOf(r.bytes, lanes_, lane, ordinal);
       if (!st.carried) continue;

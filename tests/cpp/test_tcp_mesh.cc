@@ -64,16 +64,28 @@ Topology twoHosts(int rank) {
   return t;
 }
 
-// This rank's part of a mesh over the loopback / local interfaces (collective: every rank calls it).
-std::unique_ptr<net::TcpMesh> meshOf(Store& store, const Topology& t, const std::vector<int>& peers) {
-  return net::TcpMesh::create(store, t, net::chooseLocalAddresses(), peers, std::chrono::seconds(30));
+// `n` (1 or 2) "interfaces" on loopback: 127.0.0.1, then 127.0.0.2.
+std::vector<net::LocalAddress> loopbackInterfaces(size_t n) {
+  std::vector<net::LocalAddress> two = {{"lo", "127.0.0.1", true, false}, {"lo", "127.0.0.2", true, false}};
+  two.resize(n);
+  return two;
 }
 
-// Two ranks, each its own host, joined by a fresh mesh (collective: both threads run here).
-std::array<std::unique_ptr<net::TcpMesh>, 2> meshPair(Store& store) {
+// This rank's part of a mesh over `addrs`, by default the local interfaces as smddp picks them
+// (collective: every rank calls it).
+std::unique_ptr<net::TcpMesh> meshOf(Store& store, const Topology& t, const std::vector<int>& peers,
+                                     const std::vector<net::LocalAddress>& addrs = net::chooseLocalAddresses()) {
+  return net::TcpMesh::create(store, t, addrs, peers, std::chrono::seconds(30));
+}
+
+// Two ranks, each its own host, joined by a fresh mesh over their `addrs0` / `addrs1`
+// (collective: both threads run here).
+std::array<std::unique_ptr<net::TcpMesh>, 2> meshPair(
+    Store& store, const std::vector<net::LocalAddress>& addrs0 = net::chooseLocalAddresses(),
+    const std::vector<net::LocalAddress>& addrs1 = net::chooseLocalAddresses()) {
   std::array<std::unique_ptr<net::TcpMesh>, 2> meshes;
-  std::thread r1([&] { meshes[1] = meshOf(store, twoHosts(1), {0}); });
-  meshes[0] = meshOf(store, twoHosts(0), {1});
+  std::thread r1([&] { meshes[1] = meshOf(store, twoHosts(1), {0}, addrs1); });
+  meshes[0] = meshOf(store, twoHosts(0), {1}, addrs0);
   r1.join();
   return meshes;
 }
@@ -433,12 +445,7 @@ int connectionsTo(const std::string& addr, const std::string& fromIp = "") {
 // route back to it): the kernel picks the source, here 127.0.0.1.
 void testUnevenInterfaces(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
-  const std::vector<net::LocalAddress> two = {{"lo", "127.0.0.1", true, false}, {"lo", "127.0.0.2", true, false}};
-  const std::vector<net::LocalAddress> one = {{"lo", "127.0.0.1", true, false}};
-  std::array<std::unique_ptr<net::TcpMesh>, 2> meshes;
-  std::thread r1([&] { meshes[1] = net::TcpMesh::create(store, twoHosts(1), one, {0}, std::chrono::seconds(30)); });
-  meshes[0] = net::TcpMesh::create(store, twoHosts(0), two, {1}, std::chrono::seconds(30));
-  r1.join();
+  auto meshes = meshPair(store, loopbackInterfaces(2), loopbackInterfaces(1));
   const std::string at = store.get("smddp/net/addr/1");
   expect(at.find(' ') == std::string::npos && connectionsTo(at) == 3 && connectionsTo(at, "127.0.0.2") == 0,
          "uneven interfaces: three lanes to the one address, none from the second interface: " +
@@ -452,25 +459,8 @@ void testUnevenInterfaces(const std::string& dir) {
 // three small messages and a striped one cross intact both ways.
 void testTwoInterfaces(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
-  const std::vector<net::LocalAddress> addrs = {{"lo", "127.0.0.1", true, false}, {"lo", "127.0.0.2", true, false}};
-  std::array<std::unique_ptr<net::TcpMesh>, 2> meshes;
-  std::string errors[2];
-  std::thread r1([&] {
-    try {
-      meshes[1] = net::TcpMesh::create(store, twoHosts(1), addrs, {0}, std::chrono::seconds(30));
-    } catch (const std::exception& e) {
-      errors[1] = e.what();
-    }
-  });
-  try {
-    meshes[0] = net::TcpMesh::create(store, twoHosts(0), addrs, {1}, std::chrono::seconds(30));
-  } catch (const std::exception& e) {
-    errors[0] = e.what();
-  }
-  r1.join();
-  expect(errors[0].empty() && errors[1].empty(),
-         "two interfaces: the mesh forms: [" + errors[0] + "] [" + errors[1] + "]");
-  if (!meshes[0] || !meshes[1]) return;
+  auto meshes = meshPair(store, loopbackInterfaces(2), loopbackInterfaces(2));
+  expect(meshes[0] && meshes[1], "two interfaces: the mesh forms");
   expect(meshes[0]->lanes() == 3 && meshes[0]->connections() == 3, "two interfaces, three lanes");
   std::istringstream published(store.get("smddp/net/addr/1"));
   std::string first, second;
@@ -686,8 +676,7 @@ void testDialToSilentPeer(const std::string& dir) {
   const std::string dir2 = dir + "/two";
   std::filesystem::create_directory(dir2);
   FileStore store2(dir2, std::chrono::seconds(30));
-  const std::vector<net::LocalAddress> two = {{"lo", "127.0.0.1", true, false}, {"lo", "127.0.0.2", true, false}};
-  auto mesh2 = net::TcpMesh::create(store2, twoHosts(0), two, {}, std::chrono::seconds(30));
+  auto mesh2 = meshOf(store2, twoHosts(0), {}, loopbackInterfaces(2));
   store2.set("smddp/net/addr/1", hole.address + " " + hole.address);
   std::string err2 = "no error";
   try {
