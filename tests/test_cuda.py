@@ -30,11 +30,13 @@ def test_cuda_library_built_where_nvcc_is():
     assert lib.exists(), f"nvcc is on PATH but {lib} was not built"
 
 
-def _run_ranks(case, world, extra_env=None, timeout=600):
+def _run_ranks(case, world, extra_env=None, timeout=600, hosts=None):
+    """hosts: e.g. "001" gives rank r SMDDP_HOST_ID=hosts[r] (emulated hosts, TCP between them)."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONFAULTHANDLER="1",
                **(extra_env or {}))
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "cuda_worker.py"), "--rank", str(r),
-                               "--world", str(world), "--case", case], env=env,
+                               "--world", str(world), "--case", case],
+                              env=dict(env, SMDDP_HOST_ID=hosts[r]) if hosts else env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     outs = []
@@ -68,6 +70,20 @@ def test_cuda_collectives_small(world):
 ], ids=["memops", "kernel", "round-cap"])
 def test_cuda_collectives_many_staging_rounds(setting):
     _run_ranks("large", 2, setting)
+
+
+@needs_gpu
+@pytest.mark.parametrize("hosts", ["01", "001"])
+def test_cuda_collectives_across_hosts(hosts):
+    # Staged CUDA ops over the inter-host path (TCP mesh between emulated hosts, shared memory
+    # within one), in small pieces so that each op takes many exchanges.
+    _run_ranks("small", len(hosts), {"SMDDP_NET_BUFFER_BYTES": "65536"}, hosts=hosts)
+
+
+@needs_gpu
+def test_cuda_collectives_across_hosts_many_staging_rounds():
+    _run_ranks("large", 2, {"SMDDP_CUDA_STAGING_BYTES": str(1 << 20), "SMDDP_NET_BUFFER_BYTES": "65536"},
+               hosts="01")
 
 
 @needs_gpu
