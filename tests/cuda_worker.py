@@ -185,10 +185,110 @@ def block_caps(rank, world, dev):
     print(f"rank {rank}: smddp kernels seen in one all_reduce: {sorted({e['name'] for e in ours})}", flush=True)
 
 
+def point_to_point(rank, world, dev):
+    """send/recv of CUDA tensors: every dtype, sizes from empty to many staging rounds, against the
+    data sent; batches in both orders; any source; stream order; CPU and CUDA sends keeping order."""
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    for dtype in DTYPES:
+        d = _util.dname(dtype)
+        for n in [0, 1, 13, 4099, (3 << 20) // 2 + 77]:
+            data = _util.gen_all("p2p", world, n, dtype)
+            # a ring of blocking calls: even ranks send first, odd ranks receive first
+            got = torch.full((n,), 3, dtype=dtype, device=dev)
+            if rank % 2 == 0:
+                dist.send(data[rank].to(dev), dst=nxt, tag=n)
+                dist.recv(got, src=prv, tag=n)
+            else:
+                dist.recv(got, src=prv, tag=n)
+                dist.send(data[rank].to(dev), dst=nxt, tag=n)
+            same(got, data[prv], True, f"send/recv ring {d} n={n}")
+    # Batches in both orders: every rank posts its receive before its send (what deadlocks when a
+    # receive holds up the stream the send needs), and the other way round.
+    for recv_first in (True, False):
+        for n in [5, 1 << 20]:
+            data = _util.gen_all("batch", world, n, torch.float32)
+            got = torch.zeros(n, device=dev)
+            ops = [dist.P2POp(dist.irecv, got, prv), dist.P2POp(dist.isend, data[rank].to(dev), nxt)]
+            for w in dist.batch_isend_irecv(ops if recv_first else ops[::-1]):
+                w.wait()
+            same(got, data[prv], True, f"batch_isend_irecv recv_first={recv_first} n={n}")
+    # Any source: rank 0 receives one message from every other rank, in whatever order they come.
+    if rank == 0:
+        seen = {}
+        for _ in range(world - 1):
+            t = torch.zeros(64, device=dev)
+            w = dist.irecv(t, tag=99)
+            w.wait()
+            seen[w._source_rank()] = t.cpu()
+        check(sorted(seen) == list(range(1, world)), f"recv from any source: sources {sorted(seen)}")
+        for src, t in seen.items():
+            check(bool((t == src).all()), f"recv from any source: rank {src}'s message holds {t[:2].tolist()}")
+    else:
+        dist.send(torch.full((64,), float(rank), device=dev), dst=0, tag=99)
+    dist.barrier()
+    # Stream order, without blocking the host: the receive lands after the kernels queued before it
+    # on the caller's stream, and what is queued after wait() sees it, although the message comes
+    # 0.3 s later; the send takes its data after a 0.1 s kernel that writes it.
+    s = torch.cuda.Stream()
+    if rank == 0:
+        with torch.cuda.stream(s):
+            x = torch.zeros(1 << 16, device=dev)
+            x.add_(1)  # loads the kernel now (lazy loading waits for the device)
+            torch.cuda._sleep(int(2e8))
+            x.fill_(42)
+            dist.send(x, dst=1)
+        s.synchronize()
+        time.sleep(0.3)
+        dist.send(torch.full((1 << 16,), 7.0, device=dev), dst=1, tag=1)
+    elif rank == 1:
+        with torch.cuda.stream(s):
+            y = torch.zeros(1 << 16, device=dev)
+            y.add_(1)
+            dist.recv(y, src=0)
+            z = torch.empty(1 << 16, device=dev)
+            z.add_(1)
+            torch.cuda._sleep(int(2e8))
+            z.fill_(-1)  # still running when the message arrives: the copy must land after it
+            t0 = time.perf_counter()
+            dist.irecv(z, src=0, tag=1).wait()
+            host_s = time.perf_counter() - t0
+            out = z * 2
+        s.synchronize()
+        check(bool((y == 42).all()), f"send waits for the kernel that writes its tensor: got {y[:2].tolist()}")
+        check(bool((out == 14).all()), f"recv lands in stream order: got {out[:2].tolist()}")
+        check(host_s < 0.05, f"irecv + wait() blocked the host {host_s:.3f} s for a message 0.3 s away")
+    dist.barrier()
+    # A CUDA send held up on the device, then a CPU send with the same tag: the receiver must get
+    # them in the order sent.
+    if rank == 0:
+        a = torch.full((1000,), 1.0, device=dev)
+        torch.cuda._sleep(int(2e8))
+        a.fill_(2)
+        dist.isend(a, dst=1, tag=5)
+        dist.send(torch.full((1000,), 3.0), dst=1, tag=5)
+        torch.cuda.synchronize()
+    elif rank == 1:
+        first, second = torch.zeros(1000, device=dev), torch.zeros(1000)
+        dist.recv(first, src=0, tag=5)
+        dist.recv(second, src=0, tag=5)
+        check(bool((first == 2).all()) and bool((second == 3).all()),
+              f"CUDA then CPU send, same tag: got {first[0].item()} then {second[0].item()}")
+    # Sends and receives between collectives on the same tensors.
+    t = torch.full((4099,), float(rank + 1), device=dev)
+    for _ in range(3):
+        dist.all_reduce(t)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, nxt), dist.P2POp(dist.irecv, t.clone(), prv)])
+        for w in reqs:
+            w.wait()
+    want = float(sum(range(1, world + 1))) * world ** 2
+    check(bool((t == want).all()), f"collectives around send/recv: got {t[0].item()} want {want}")
+
+
 def refusals(rank, world, dev):
     x = torch.ones(4, device=dev)
     for label, call, exc in [
-        ("send of a CUDA tensor", lambda: dist.send(x, dst=(rank + 1) % world), NotImplementedError),
+        ("send of a non-contiguous CUDA tensor",
+         lambda: dist.send(torch.ones(4, 4, device=dev).t(), dst=(rank + 1) % world), ValueError),
         ("CPU and CUDA tensors in one op", lambda: dist.all_gather_into_tensor(torch.empty(4 * world), x), ValueError),
         ("non-contiguous CUDA tensor", lambda: dist.all_reduce(torch.ones(4, 4, device=dev).t()), ValueError),
     ]:
@@ -225,6 +325,8 @@ def main():
         collectives(a.rank, a.world, dev, [0, 1, 13, 4099])
     elif a.case == "large":  # many staging rounds: SMDDP_CUDA_STAGING_BYTES is small in this case
         collectives(a.rank, a.world, dev, [(3 << 20) // 2 + 77])
+    elif a.case == "p2p":
+        point_to_point(a.rank, a.world, dev)
     elif a.case == "semantics":
         stream_semantics(a.rank, a.world, dev)
         ddp(a.rank, a.world, dev)

@@ -93,6 +93,14 @@ def test_cuda_stream_semantics_ddp_block_caps(flags):
 
 
 @needs_gpu
+@pytest.mark.parametrize("world, hosts, flags", [(2, None, "auto"), (3, None, "kernel"), (3, "001", "auto")],
+                         ids=["2-ranks", "3-ranks-kernel-flags", "across-hosts"])
+def test_cuda_send_recv(world, hosts, flags):
+    # 1 MiB of staging: the largest messages go through many rounds on their way out.
+    _run_ranks("p2p", world, {"SMDDP_CUDA_STAGING_BYTES": str(1 << 20), "SMDDP_CUDA_FLAGS": flags}, hosts=hosts)
+
+
+@needs_gpu
 def test_cuda_eager_setup_with_device_id():
     _run_ranks("eager", 2)
 

@@ -1,7 +1,5 @@
 #include "cuda/staging.h"
 
-#include <time.h>
-
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -10,9 +8,6 @@
 
 namespace smddp::cuda {
 namespace {
-constexpr size_t kFlagStride = 64 / sizeof(uint64_t);  // one cache line per flag
-// After abort() the done word holds this: it releases every round number the pipeline can reach.
-constexpr uint64_t kReleasedForever = ~uint64_t{0} >> 1;
 
 // Elements per round when a round stages `slots` pieces of `es`-byte elements.
 size_t piece(size_t roundBytes, size_t slots, size_t es) {
@@ -25,30 +20,15 @@ size_t piece(size_t roundBytes, size_t slots, size_t es) {
 }
 }  // namespace
 
-StagingPipeline::StagingPipeline(DeviceOps& ops, size_t capacityBytes) : ops_(ops), half_(capacityBytes / 2) {
-  half_ = half_ / kStagingAlign * kStagingAlign;
+StagingPipeline::StagingPipeline(DeviceOps& ops, size_t capacityBytes)
+    : ops_(ops), half_(capacityBytes / 2 / kStagingAlign * kStagingAlign), flags_(ops, 3) {
   if (half_ == 0) throw std::length_error("smddp: SMDDP_CUDA_STAGING_BYTES is too small");
   buffer_ = static_cast<uint8_t*>(ops_.hostAlloc(2 * half_));
-  try {
-    flags_ = static_cast<uint64_t*>(ops_.hostAlloc(3 * kFlagStride * sizeof(uint64_t)));
-  } catch (...) {
-    ops_.hostFree(buffer_);
-    throw;
-  }
-  ready_ = flags_;
-  done_ = flags_ + kFlagStride;
-  back_ = flags_ + 2 * kFlagStride;
-  for (uint64_t* w : {ready_, done_, back_}) __atomic_store_n(w, 0, __ATOMIC_RELEASE);
-  uint64_t* dev = static_cast<uint64_t*>(ops_.deviceAddress(flags_));
-  readyDevice_ = dev;
-  doneDevice_ = dev + kFlagStride;
-  backDevice_ = dev + 2 * kFlagStride;
 }
 
 StagingPipeline::~StagingPipeline() {
   abort();
   ops_.hostFree(buffer_);
-  ops_.hostFree(flags_);
 }
 
 Ticket StagingPipeline::enqueue(const std::vector<Round>& rounds, Stream stream) {
@@ -64,57 +44,33 @@ Ticket StagingPipeline::enqueue(const std::vector<Round>& rounds, Stream stream)
   auto base = [&](size_t i) { return stagingOf(t, i); };
   auto stageIn = [&](size_t i) {
     for (const Copy& c : rounds[i].toHost) ops_.toHost(base(i), c, stream);
-    ops_.signal(readyDevice_, t.first + i, stream);
+    ops_.signal(flags_.device(kReady), t.first + i, stream);
   };
   if (!rounds.empty()) stageIn(0);
   for (size_t i = 0; i < rounds.size(); ++i) {
     if (i + 1 < rounds.size()) stageIn(i + 1);  // overlaps the host work of round i
-    ops_.waitFor(doneDevice_, t.first + i, stream);
+    ops_.waitFor(flags_.device(kDone), t.first + i, stream);
     for (const Copy& c : rounds[i].toDevice) ops_.toDevice(base(i), c, stream);
   }
-  if (!rounds.empty()) ops_.signal(backDevice_, t.first + rounds.size() - 1, stream);
+  if (!rounds.empty()) ops_.signal(flags_.device(kBack), t.first + rounds.size() - 1, stream);
   nextRound_ += rounds.size();
   return t;
 }
 
 uint8_t* StagingPipeline::awaitRound(const Ticket& t, size_t i, std::chrono::steady_clock::time_point deadline) {
-  awaitDevice(ready_, t.first + i, deadline, "copy the op's data to pinned staging");
+  awaitFlag(flags_.host(kReady), t.first + i, deadline, aborted_, "copy the op's data to pinned staging", "round");
   return stagingOf(t, i);
 }
 
 void StagingPipeline::awaitCopiedBack(const Ticket& t, std::chrono::steady_clock::time_point deadline) {
-  if (t.rounds > 0) awaitDevice(back_, t.first + t.rounds - 1, deadline, "copy the op's results back from pinned staging");
-}
-
-void StagingPipeline::awaitDevice(const uint64_t* word, uint64_t g, std::chrono::steady_clock::time_point deadline,
-                                  const char* what) {
-  // Spin a little (the copy is often done already), then sleep in growing steps up to 200 us:
-  // the device cannot wake a sleeping thread, and a polling thread must not take a core that a
-  // rank's reduction needs.
-  long sleepNs = 2000;
-  for (int spins = 0; __atomic_load_n(word, __ATOMIC_ACQUIRE) < g; ++spins) {
-    if (aborted_.load(std::memory_order_relaxed)) {
-      throwError(ErrorCode::kAborted, "the process group was shut down while waiting for the GPU to stage its data");
-    }
-    if (spins < 2000) continue;
-    if (std::chrono::steady_clock::now() >= deadline) {
-      throwError(ErrorCode::kTimeout,
-                 "timed out waiting for the GPU to %s (round %llu): the stream the op was issued on did not get "
-                 "there; an earlier kernel on that stream may be stuck",
-                 what, static_cast<unsigned long long>(g));
-    }
-    timespec ts{0, sleepNs};
-    nanosleep(&ts, nullptr);
-    sleepNs = std::min(sleepNs * 2, 200000L);
+  if (t.rounds > 0) {
+    awaitFlag(flags_.host(kBack), t.first + t.rounds - 1, deadline, aborted_,
+              "copy the op's results back from pinned staging", "round");
   }
 }
 
-void StagingPipeline::publishDone(uint64_t g) {
-  // Rounds finish in order, but a release after a failure may run ahead: never move backwards.
-  uint64_t cur = doneValue();
-  while (cur < g && !__atomic_compare_exchange_n(done_, &cur, g, false, __ATOMIC_RELEASE, __ATOMIC_ACQUIRE)) {
-  }
-}
+// Rounds finish in order, but a release after a failure may run ahead: raiseFlag never moves back.
+void StagingPipeline::publishDone(uint64_t g) { raiseFlag(flags_.host(kDone), g); }
 
 void StagingPipeline::finishRound(const Ticket& t, size_t i) { publishDone(t.first + i); }
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cuda/device_ops.h"
+#include "cuda/flags.h"
 
 namespace smddp::cuda {
 
@@ -73,24 +74,18 @@ class StagingPipeline {
   // Releases every round ever enqueued, now and later, so no stream waits on a host that stopped.
   void abort();
 
-  uint64_t readyValue() const { return __atomic_load_n(ready_, __ATOMIC_ACQUIRE); }
-  uint64_t doneValue() const { return __atomic_load_n(done_, __ATOMIC_ACQUIRE); }
+  uint64_t readyValue() const { return __atomic_load_n(flags_.host(kReady), __ATOMIC_ACQUIRE); }
+  uint64_t doneValue() const { return __atomic_load_n(flags_.host(kDone), __ATOMIC_ACQUIRE); }
 
  private:
   void publishDone(uint64_t g);
-  void awaitDevice(const uint64_t* word, uint64_t g, std::chrono::steady_clock::time_point deadline,
-                   const char* what);
+
+  enum Flag { kReady, kDone, kBack };  // device: round g is in staging; host: its results are; device: they are back
 
   DeviceOps& ops_;
   size_t half_;
   uint8_t* buffer_ = nullptr;
-  uint64_t* flags_ = nullptr;  // the three counters, each on its own cache line
-  uint64_t* ready_ = nullptr;   // device: round g is in staging
-  uint64_t* done_ = nullptr;    // host: round g's results are in staging
-  uint64_t* back_ = nullptr;    // device: round g's results are back in device memory
-  uint64_t* readyDevice_ = nullptr;
-  uint64_t* doneDevice_ = nullptr;
-  uint64_t* backDevice_ = nullptr;
+  FlagWords flags_;
   std::mutex enqueueMutex_;
   uint64_t nextRound_ = 1;  // 0 is the flags' initial value
   std::atomic<bool> aborted_{false};

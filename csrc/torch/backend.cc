@@ -30,6 +30,17 @@ std::exception_ptr toTorchError(const Error& e, int rank) {
   }
 }
 
+std::exception_ptr asTorchError(std::exception_ptr error, int rank) {
+  if (!error) return error;
+  try {
+    std::rethrow_exception(error);
+  } catch (const Error& e) {
+    return toTorchError(e, rank);
+  } catch (...) {
+    return error;
+  }
+}
+
 namespace {
 
 // ---- validation (phase 1, on the caller's thread) -------------------------------------------
@@ -959,46 +970,68 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
   const char* op = isSend ? "send" : "recv";
   const at::Tensor& t = single(tensors, rank_, op);
   checkTensor(t, rank_, op);
-  TORCH_CHECK_NOT_IMPLEMENTED(!t.is_cuda(), "smddp rank ", rank_, ": ", op,
-                              " of CUDA tensors is not supported yet; copy to the CPU first (tensor.cpu())");
   TORCH_CHECK_VALUE((peer == -1 && !isSend) || (peer >= 0 && peer < size_ && peer != rank_), "smddp rank ", rank_,
                     ": ", op,
                     ": peer ", peer, " is not another rank of this group of size ", size_);
   TORCH_CHECK_VALUE(size_ > 1, "smddp rank ", rank_, ": ", op, ": a group of one rank has no peer");
-  const Topology& topo = comm_->topology();
-  const bool multiHost = comm_->multiHost();
-  const bool remote = multiHost && peer >= 0 && topo.hostOf[peer] != topo.host();
+  if (isCudaOp(tensors, op)) return isSend ? cudaSend(t, peer, tag) : cudaRecv(t, peer, tag);
   Staged s = isSend ? Staged{t, stageIn(t), false} : stageOut(t);
   auto work = c10::make_intrusive<SmddpWork>(rank_, isSend ? c10d::OpType::SEND : c10d::OpType::RECV,
                                              isSend ? "smddp:send" : "smddp:recv", tensors,
                                              std::optional<std::vector<at::Tensor>>(tensors), spin_);
-  engine::P2pOp o;
-  o.isSend = isSend;
-  // The shared-memory engine numbers the ranks of its host.
-  o.peer = multiHost && peer >= 0 && !remote ? topo.localOf[peer] : peer;
-  o.tag = tag;
-  o.buffer = static_cast<uint8_t*>(s.work.data_ptr());
-  o.bytes = s.work.nbytes();
-  o.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs_.load());
+  engine::P2pOp o = p2pOp(isSend, peer, tag, s.work);
   const int rank = rank_;
   o.done = [work, s, rank, peer](std::exception_ptr error, int source) {
+    error = asTorchError(error, rank);
     if (!error) {
       try {
         finishStaged(s);
       } catch (...) {
         error = std::current_exception();
       }
-    } else {
-      try {
-        std::rethrow_exception(error);
-      } catch (const Error& e) {
-        error = toTorchError(e, rank);
-      } catch (...) {
-      }
     }
     work->setSourceRank(peer >= 0 ? peer : source);
     work->complete(error);
   };
+  if (isSend && cudaSendsQueued_.load() > 0) {
+    // A CUDA send issued earlier is still on its way to the engine (it waits for the device to
+    // stage its data): this one goes behind it, or a receiver matching by tag would take them swapped.
+    auto submit = [this, o]() mutable {
+      try {
+        submitP2p(o);
+      } catch (...) {
+        o.done(std::current_exception(), -1);
+      }
+    };
+    try {
+      progress_->enqueue(std::move(submit));
+    } catch (const std::logic_error&) {
+      TORCH_CHECK(false, "smddp rank ", rank_, ": send: the process group has been shut down");
+    }
+  } else {
+    submitP2p(o);
+  }
+  return work;
+}
+
+engine::P2pOp SmddpBackend::p2pOp(bool isSend, int peer, int tag, const at::Tensor& buffer) const {
+  engine::P2pOp o;
+  o.isSend = isSend;
+  o.peer = peer;
+  o.tag = tag;
+  o.buffer = static_cast<uint8_t*>(buffer.data_ptr());
+  o.bytes = buffer.nbytes();
+  o.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs_.load());
+  return o;
+}
+
+void SmddpBackend::submitP2p(engine::P2pOp o) {
+  const Topology& topo = comm_->topology();
+  const bool multiHost = comm_->multiHost();
+  const int peer = o.peer;
+  const bool remote = multiHost && peer >= 0 && topo.hostOf[peer] != topo.host();
+  // The shared-memory engine numbers the ranks of its host.
+  if (multiHost && peer >= 0 && !remote) o.peer = topo.localOf[peer];
   try {
     if (multiHost && peer < 0) {
       // Any rank may send it: both engines look, the first match takes it (P2pOp::claim).
@@ -1020,7 +1053,6 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
   } catch (const Error& e) {  // e.g. /dev/shm too small for the mailboxes
     std::rethrow_exception(toTorchError(e, rank_));
   }
-  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {

@@ -180,6 +180,14 @@ class SmddpBackend : public c10d::Backend {
                    std::chrono::milliseconds timeout, const std::vector<cuda::Round>& rounds,
                    const std::function<std::vector<CudaStep>(const CudaPath::Launch&)>& makeSteps);
   CudaPath& cudaPathFor(const Tensors& tensors, const char* op);
+  // send: staged like a collective; its host side copies the data out of staging and hands the
+  // message to the engine, so the Work is done once the tensor may be reused (a failure later is
+  // raised by the next call on the group). recv: into pinned memory, then a copy queued on the
+  // receive stream (CudaPath::launchReceive); wait() makes the current stream wait for it.
+  Work cudaSend(const at::Tensor& t, int peer, int tag);
+  Work cudaRecv(const at::Tensor& t, int peer, int tag);
+  // Records a CUDA op's failure, for throwIfCudaFailed.
+  void recordCudaFailure(std::exception_ptr error);
   // A CUDA op's failure is reported by the next call on the group too, since wait() does not block.
   void throwIfCudaFailed(const char* op);
   // Inside cudaWhole's CPU twin: queues `body` as the staged op's host side; null otherwise.
@@ -195,6 +203,11 @@ class SmddpBackend : public c10d::Backend {
   Body describedBody(c10d::OpType opType, const char* title, const Tensors& outputs, const Tensors& inputs,
                      Body body) const;
   c10::intrusive_ptr<c10d::Work> p2p(bool isSend, std::vector<at::Tensor>& tensors, int peer, int tag);
+  // A message to or from `peer` (-1: any rank) in `buffer`, due within the group's timeout; its done
+  // callback is the caller's to set.
+  engine::P2pOp p2pOp(bool isSend, int peer, int tag, const at::Tensor& buffer) const;
+  // Hands `o` to the engine(s) that reach its peer.
+  void submitP2p(engine::P2pOp o);
 
   std::atomic<int64_t> timeoutMs_;
   bool debugChecks_ = false;
@@ -219,10 +232,14 @@ class SmddpBackend : public c10d::Backend {
   std::mutex cudaFailureMutex_;
   std::exception_ptr cudaFailure_;
   std::atomic<bool> cudaFailed_{false};
+  // CUDA sends issued but not yet handed to the engine: CPU sends queue behind them.
+  std::atomic<int> cudaSendsQueued_{0};
 };
 
 // smddp::Error -> the c10 error type Python maps to the right exception class.
 std::exception_ptr toTorchError(const Error& e, int rank);
+// The same for an error caught anywhere: smddp::Errors converted, null and others as they are.
+std::exception_ptr asTorchError(std::exception_ptr error, int rank);
 
 c10::intrusive_ptr<c10d::Backend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                 std::chrono::milliseconds timeout);

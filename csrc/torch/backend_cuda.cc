@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -67,6 +68,12 @@ void SmddpBackend::throwIfCudaFailed(const char* op) {
   if (cudaFailure_) std::rethrow_exception(cudaFailure_);
 }
 
+void SmddpBackend::recordCudaFailure(std::exception_ptr error) {
+  std::lock_guard<std::mutex> lock(cudaFailureMutex_);
+  if (!cudaFailure_) cudaFailure_ = std::move(error);
+  cudaFailed_.store(true, std::memory_order_release);
+}
+
 c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
     c10d::OpType opType, const char* title, Tensors outputs, Tensors inputs, std::chrono::milliseconds timeout,
     const std::vector<cuda::Round>& rounds,
@@ -96,11 +103,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
     } catch (...) {
       error = std::current_exception();
     }
-    if (error) {
-      std::lock_guard<std::mutex> failLock(cudaFailureMutex_);
-      if (!cudaFailure_) cudaFailure_ = error;
-      cudaFailed_.store(true, std::memory_order_release);
-    }
+    if (error) recordCudaFailure(error);
     // The Work and the tensors go to the completion thread: completing runs the future's
     // callbacks, and dropping a tensor may enter the CUDA allocator.
     path->completeLater([work = std::move(work), keep = std::move(keep), error]() { work->complete(error); });
@@ -236,6 +239,91 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::divertToCuda(c10d::OpType opType, c
   whole->used = true;
   return enqueueCuda(opType, title, whole->outputs, whole->inputs, timeout, whole->rounds,
                      [&body](const CudaPath::Launch&) { return std::vector<CudaStep>{body}; });
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int peer, int tag) {
+  std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
+  CudaPath& path = cudaPathFor({t}, "send");
+  const size_t bytes = t.nbytes();
+  std::vector<cuda::Round> rounds = cuda::planFlat(bytePtr(t), bytes, 1, path.pipelinedRoundBytes(), true, false);
+  // The message leaves from memory of its own: the staging halves are reused as soon as the
+  // round's host step returns, and the engine may send later than that.
+  at::Tensor message = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
+  engine::P2pOp o = p2pOp(true, peer, tag, message);
+  const int rank = rank_;
+  o.done = [this, message, rank, peer](std::exception_ptr error, int) {
+    if (!error) return;
+    error = asTorchError(error, rank);
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      SMDDP_WARN(kColl, "rank %d: send of a CUDA tensor to rank %d failed after its Work completed: %s", rank, peer,
+                 e.what());
+    }
+    recordCudaFailure(error);
+  };
+  cudaSendsQueued_.fetch_add(1);
+  try {
+    return enqueueCuda(c10d::OpType::SEND, "smddp:send", {t}, {t}, std::chrono::milliseconds(timeoutMs_.load()),
+                       rounds, [&](const CudaPath::Launch& l) {
+                         std::vector<CudaStep> steps;
+                         for (size_t i = 0; i < rounds.size(); ++i) {
+                           const bool last = i + 1 == rounds.size();
+                           steps.push_back([this, o, last, from = l.bases[i], to = bytePtr(message) + rounds[i].offset,
+                                            count = rounds[i].count](algo::Communicator&, std::chrono::milliseconds) {
+                             std::memcpy(to, from, count);
+                             if (!last) return;
+                             cudaSendsQueued_.fetch_sub(1);
+                             submitP2p(o);
+                           });
+                         }
+                         return steps;
+                       });
+  } catch (...) {
+    cudaSendsQueued_.fetch_sub(1);
+    throw;
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int peer, int tag) {
+  std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
+  throwIfCudaFailed("recv");
+  cudaPathFor({t}, "recv");  // created at the group's first CUDA tensor; checks the device
+  const std::shared_ptr<CudaPath> path = cuda_;
+  const size_t bytes = t.nbytes();
+  at::Tensor message = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  auto work = c10::make_intrusive<SmddpWork>(rank_, c10d::OpType::RECV, "smddp:recv", Tensors{t},
+                                             std::optional<Tensors>(Tensors{t}), spin_);
+  const CudaPath::Receive r = path->launchReceive(bytePtr(t), bytePtr(message), bytes);
+  work->setCuda(path->events(), path->device(), r.doneEvent);
+  engine::P2pOp o = p2pOp(false, peer, tag, message);
+  const int rank = rank_;
+  const std::chrono::milliseconds timeout(timeoutMs_.load());
+  o.done = [this, path, work, message, number = r.number, rank, peer, timeout](std::exception_ptr error,
+                                                                               int source) {
+    error = asTorchError(error, rank);
+    work->setSourceRank(peer >= 0 ? peer : source);
+    path->received(number);  // the receive stream copies it now (or, after a failure, moves on)
+    if (error) recordCudaFailure(error);
+    // The pinned message (and, through the Work, the tensor) is held until the copy is done.
+    path->completeLater([path, work, message, number, timeout, error, rank]() mutable {
+      if (!error) {
+        try {
+          path->awaitDelivered(number, timeout);
+        } catch (const Error& e) {
+          error = toTorchError(e, rank);
+        }
+      }
+      work->complete(error);
+    });
+  };
+  try {
+    submitP2p(o);
+  } catch (...) {
+    path->received(r.number);
+    throw;
+  }
+  return work;
 }
 
 }  // namespace smddp::torchext

@@ -88,15 +88,20 @@ CudaPath::CudaPath(int rank, c10::Device device) : rank_(rank), device_(device) 
   TORCH_CHECK_VALUE(bytes >= 4096, "smddp rank ", rank, ": SMDDP_CUDA_STAGING_BYTES=", bytes, " is too small");
   try {
     stream_ = ops_->createStream();
+    receiveStream_ = ops_->createStream();
     callerReady_ = ops_->createEvent();
     pipeline_ = std::make_unique<cuda::StagingPipeline>(*ops_, static_cast<size_t>(bytes));
+    receives_ = std::make_unique<cuda::ReceiveQueue>(*ops_);
     const size_t cap = static_cast<size_t>(std::max<int64_t>(cuda::kStagingAlign, env::cudaRoundBytes()));
     pipelinedRoundBytes_ = std::min(pipeline_->roundCapacity(), cap / cuda::kStagingAlign * cuda::kStagingAlign);
     events_ = std::make_shared<EventPool>(*ops_);
     completer_ = std::make_unique<engine::ProgressThread>("smddp-cuda" + std::to_string(rank),
                                                           std::chrono::microseconds(0));
   } catch (const std::exception& e) {
+    pipeline_.reset();  // before the streams: nothing was queued on them yet
+    receives_.reset();
     if (callerReady_) ops_->destroyEvent(callerReady_);
+    if (receiveStream_) ops_->destroyStream(receiveStream_);
     if (stream_) ops_->destroyStream(stream_);
     TORCH_CHECK(false, "smddp rank ", rank, ": setting up CUDA staging on ", device_, ": ", e.what());
   }
@@ -105,25 +110,28 @@ CudaPath::CudaPath(int rank, c10::Device device) : rank_(rank), device_(device) 
 }
 
 CudaPath::~CudaPath() {
-  pipeline_->abort();
+  abort();
   completer_->stop();  // finishes the Works still queued
-  // The pinned buffer may be freed only once the stream stopped using it. A stream stuck behind
-  // a kernel that never ends would hold us forever: give it a few seconds, then leak the buffer.
+  // Pinned memory may be freed only once the streams stopped using it. A stream stuck behind a
+  // kernel that never ends would hold us forever: give them a few seconds, then leak the memory.
   bool idle = false;
   try {
-    for (int i = 0; i < 5000 && !(idle = ops_->streamIdle(stream_)); ++i) {
+    for (int i = 0; i < 5000 && !(idle = ops_->streamIdle(stream_) && ops_->streamIdle(receiveStream_)); ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   } catch (const std::exception&) {
   }
   if (idle) {
     pipeline_.reset();
+    receives_.reset();
   } else {
-    SMDDP_WARN(kInit, "rank %d: the CUDA staging stream is still busy at shutdown; its pinned buffer is not freed",
+    SMDDP_WARN(kInit, "rank %d: a CUDA stream of the group is still busy at shutdown; its pinned memory is not freed",
                rank_);
     (void)pipeline_.release();
+    (void)receives_.release();
   }
   ops_->destroyEvent(callerReady_);
+  ops_->destroyStream(receiveStream_);
   ops_->destroyStream(stream_);
 }
 
@@ -153,6 +161,25 @@ CudaPath::Launch CudaPath::launch(const std::vector<cuda::Round>& rounds) {
     TORCH_CHECK(false, "smddp rank ", rank_, ": ", e.what());
   }
   return l;
+}
+
+CudaPath::Receive CudaPath::launchReceive(uint8_t* device, const uint8_t* host, size_t bytes) {
+  c10::DeviceGuard guard(device_);
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  Receive r;
+  try {
+    ops_->recordEvent(callerReady_, impl.getStream(device_).native_handle());
+    ops_->streamWaitEvent(receiveStream_, callerReady_);
+    r.number = receives_->enqueue(device, host, bytes, receiveStream_);
+    r.doneEvent = events_->take();
+    ops_->recordEvent(r.doneEvent, receiveStream_);
+  } catch (const std::exception& e) {
+    // The copy is queued (or not) but nobody will receive into it: let the stream pass.
+    if (r.number > 0) receives_->arrived(r.number);
+    if (r.doneEvent) events_->give(r.doneEvent);
+    TORCH_CHECK(false, "smddp rank ", rank_, ": ", e.what());
+  }
+  return r;
 }
 
 void CudaPath::runHost(const Launch& l, const std::vector<CudaStep>& steps, algo::Communicator& c,

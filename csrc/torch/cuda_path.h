@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "algo/communicator.h"
+#include "cuda/receive_queue.h"
 #include "cuda/staging.h"
 #include "engine/progress_thread.h"
 
@@ -78,16 +79,36 @@ class CudaPath {
   // user's thread that waits for a later op, i.e. for the progress thread (a deadlock seen on an
   // H100, then through an event destroyed by a Work); user callbacks may do anything.
   void completeLater(std::function<void()> finish);
+  // Receives (see cuda/receive_queue.h). Caller's thread: the copy of the message from `host`
+  // (pinned, alive until awaitDelivered returns) to `device`, on the receive stream behind the
+  // caller's current stream. Returns the receive's number and the event recorded after the copy.
+  struct Receive {
+    uint64_t number = 0;
+    void* doneEvent = nullptr;  // the Work gives it back to events()
+  };
+  Receive launchReceive(uint8_t* device, const uint8_t* host, size_t bytes);
+  // Any thread (no driver call): receive `number`'s message is in `host` (or failed).
+  void received(uint64_t number) { receives_->arrived(number); }
+  // Completion thread: waits until receive `number` is in device memory.
+  void awaitDelivered(uint64_t number, std::chrono::milliseconds timeout) {
+    receives_->awaitDelivered(number, std::chrono::steady_clock::now() + timeout);
+  }
+
   // Unblocks every stream and host waiter for good (group shutdown).
-  void abort() { pipeline_->abort(); }
+  void abort() {
+    pipeline_->abort();
+    receives_->abort();
+  }
 
  private:
   int rank_;
   c10::Device device_;
   cuda::DeviceOps* ops_ = nullptr;
   cuda::Stream stream_ = nullptr;
+  cuda::Stream receiveStream_ = nullptr;
   void* callerReady_ = nullptr;  // reused: recorded on the caller's stream at each launch
   std::unique_ptr<cuda::StagingPipeline> pipeline_;
+  std::unique_ptr<cuda::ReceiveQueue> receives_;
   size_t pipelinedRoundBytes_ = 0;
   std::shared_ptr<EventPool> events_;
   std::unique_ptr<engine::ProgressThread> completer_;

@@ -19,6 +19,7 @@
 
 #include "core/error.h"
 #include "cuda/kernel_math.h"
+#include "cuda/receive_queue.h"
 #include "cuda/staging.h"
 #include "expect.h"
 
@@ -527,6 +528,56 @@ void checkPipelineFailures() {
   }
 }
 
+// Receives: each copy waits for its own message, copies run in the order posted, and a message
+// that arrives early waits for the ones posted before it.
+void checkReceiveQueue() {
+  HostDeviceOps ops;
+  {
+    FakeStream stream;
+    ReceiveQueue q(ops);
+    std::vector<std::vector<uint8_t>> host(3, std::vector<uint8_t>(100)), dev(3, std::vector<uint8_t>(100, 0));
+    std::vector<uint64_t> k;
+    for (int i = 0; i < 3; ++i) k.push_back(q.enqueue(dev[i].data(), host[i].data(), 100, &stream));
+    expect(k == std::vector<uint64_t>{1, 2, 3}, "receive queue: receives numbered 1, 2, 3 in the order posted");
+    for (int i = 0; i < 3; ++i) std::fill(host[i].begin(), host[i].end(), static_cast<uint8_t>(10 + i));
+    q.arrived(3);  // the last posted arrives first, then the second
+    q.arrived(2);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    expect(!stream.drain(std::chrono::milliseconds(50)) && dev[2][0] == 0 && q.arrivedValue() == 0,
+           "receive queue: later receives that arrive first wait for the first one");
+    bool timedOut = false;
+    try {
+      q.awaitDelivered(1, Clock::now() + std::chrono::milliseconds(50));
+    } catch (const Error& e) {
+      timedOut = e.code() == ErrorCode::kTimeout && std::string(e.what()).find("receive 1") != std::string::npos;
+    }
+    expect(timedOut, "receive queue: waiting for an undelivered receive times out naming it");
+    q.arrived(1);
+    q.awaitDelivered(3, Clock::now() + std::chrono::seconds(5));
+    bool ok = q.arrivedValue() == 3;
+    for (int i = 0; i < 3; ++i) ok = ok && dev[i] == std::vector<uint8_t>(100, static_cast<uint8_t>(10 + i));
+    expect(ok, "receive queue: once the first arrives all three are copied, each from its own message");
+    expect(stream.logText() == "W1 D S1 W2 D S2 W3 D S3 ", "receive queue: device order, got '" + stream.logText() + "'");
+  }
+  {  // abort releases a stream parked on a receive that never arrives, and a host waiter
+    FakeStream stream;
+    ReceiveQueue q(ops);
+    std::vector<uint8_t> host(8), dev(8);
+    const uint64_t k = q.enqueue(dev.data(), host.data(), 8, &stream);
+    q.abort();
+    expect(stream.drain(std::chrono::seconds(5)), "receive queue: abort releases a stream waiting for a message");
+    bool aborted = false;
+    try {
+      q.enqueue(dev.data(), host.data(), 8, &stream);
+      q.awaitDelivered(k + 5, Clock::now() + std::chrono::seconds(5));
+    } catch (const Error& e) {
+      aborted = e.code() == ErrorCode::kAborted;
+    }
+    expect(aborted && stream.drain(std::chrono::seconds(5)),
+           "receive queue: after abort later receives never hold the stream and waiters fail with kAborted");
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -540,5 +591,6 @@ int main() {
   checkPipelineFlat();
   checkPipelineGatherScatter();
   checkPipelineFailures();
+  checkReceiveQueue();
   return smddp::test::report();
 }
