@@ -9,6 +9,10 @@ Columns as nccl-tests: algbw = bytes / time, busbw = algbw x the op's bus factor
     python benchmarks/bench_cuda.py --world 2 -b 4K -e 256M -f 4 --out results/cuda.txt
 
 All ranks may share one GPU (rank r uses device r % device_count()).
+
+sendrecv: every rank sends to the next and receives from the previous (batch_isend_irecv). smddp
+takes the CUDA tensors; gloo's send/recv take CPU tensors, so its row is what a gloo user writes:
+tensor.cpu(), the exchange, a copy back into the CUDA tensor. busbw = algbw for it.
 """
 import argparse
 import os
@@ -24,12 +28,39 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_vs_gloo import BUSBW_FACTOR, fmt_bytes, parse_size, size_list  # noqa: E402
 
 # torch's names for the ops -> bench_vs_gloo's (for its nccl-tests bus factors)
-OPS = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reduce_scatter"}
+OPS = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reduce_scatter",
+       "sendrecv": "sendrecv"}
+BUS_FACTOR = dict(BUSBW_FACTOR, sendrecv=lambda n: 1.0)
 
 
-def make_case(op, nbytes, world, rank, dev):
+def exchange(send, recv, rank, world):
+    ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+
+
+def make_case(op, nbytes, world, rank, dev, backend):
     """(call, check): call runs the op once; check() says whether its result is right."""
     n = max(nbytes // 4 // world * world, world)  # float32, divisible by world
+    if op == "sendrecv":
+        n = max(nbytes // 4, 1)
+        src = torch.full((n,), float(rank + 1), device=dev)
+        dst = torch.empty(n, device=dev)
+        if backend == "gloo":
+            host = torch.empty(n, pin_memory=True)
+
+            def call():
+                exchange(src.cpu(), host, rank, world)
+                dst.copy_(host, non_blocking=True)
+        else:
+            def call():
+                exchange(src, dst, rank, world)
+
+        def check():
+            dst.zero_()
+            call()
+            return bool((dst == (rank - 1) % world + 1).all())
+        return call, check, n * 4
     if op == "all_reduce":
         t = torch.empty(n, device=dev)
 
@@ -94,8 +125,10 @@ def time_call(call, repeat, ctrl):
     return t.item()
 
 
-def worker(rank, world, port, backend, ops, sizes, repeat, queue):
+def worker(rank, world, port, backend, ops, sizes, repeat, queue, host_ids):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if host_ids:
+        os.environ["SMDDP_HOST_ID"] = host_ids[rank]
     if backend == "smddp":
         import smddp  # noqa: F401
     dev = torch.device("cuda", rank % torch.cuda.device_count())
@@ -105,7 +138,7 @@ def worker(rank, world, port, backend, ops, sizes, repeat, queue):
     for op in ops:
         for nbytes in sizes:
             try:
-                call, check, real = make_case(op, nbytes, world, rank, dev)
+                call, check, real = make_case(op, nbytes, world, rank, dev, backend)
                 ok = torch.tensor([int(check())])
                 dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctrl)  # all ranks time it or none
                 ok = bool(ok.item())
@@ -133,11 +166,15 @@ def main():
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
     ap.add_argument("--backends", default="smddp,gloo")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--host-ids", help="emulated hosts for smddp, a character per rank (SMDDP_HOST_ID), e.g. 01: "
+                    "the ranks then talk over the TCP mesh")
     ap.add_argument("--out", help="also write the table to this file")
     a = ap.parse_args()
     ops = a.ops.split(",")
     if any(op not in OPS for op in ops):
         ap.error(f"--ops {a.ops!r}: each one of {', '.join(OPS)}")
+    if a.host_ids and len(a.host_ids) != a.world:
+        ap.error(f"--host-ids {a.host_ids!r}: one character per rank of --world {a.world}")
     if not torch.cuda.is_available():
         sys.exit("bench_cuda: no CUDA device on this machine")
     sizes = size_list(parse_size(a.minbytes), parse_size(a.maxbytes), a.stepfactor)
@@ -146,7 +183,7 @@ def main():
     for backend in a.backends.split(","):
         queue = ctx.Queue()
         port = free_port()
-        procs = [ctx.Process(target=worker, args=(r, a.world, port, backend, ops, sizes, a.repeat, queue))
+        procs = [ctx.Process(target=worker, args=(r, a.world, port, backend, ops, sizes, a.repeat, queue, a.host_ids))
                  for r in range(a.world)]
         for p in procs:
             p.start()
@@ -159,7 +196,8 @@ def main():
                 sys.exit(f"bench_cuda: a {backend} rank exited with {p.exitcode}")
     backends = a.backends.split(",")
     lines = [f"# {' '.join(sys.argv)}", f"# {torch.cuda.get_device_name()} x {torch.cuda.device_count()}, "
-             f"{a.world} ranks, torch {torch.__version__}, float32, time = best of {a.repeat} (us)"]
+             f"{a.world} ranks{' on hosts ' + a.host_ids if a.host_ids else ''}, torch {torch.__version__}, "
+             f"float32, time = best of {a.repeat} (us)"]
     head = f"{'op':<15}{'size':>9}" + "".join(f"{b + ' us':>12}{'busbw':>8}" for b in backends)
     if len(backends) == 2:
         head += f"{backends[0] + ' speedup':>14}"
@@ -169,7 +207,7 @@ def main():
             row, times, notes = f"{op:<15}{fmt_bytes(nbytes):>9}", [], []
             for b in backends:
                 real, secs, note = cells[(b, op, nbytes)]
-                bus = real / secs / 1e9 * BUSBW_FACTOR[OPS[op]](a.world) if secs == secs else float("nan")
+                bus = real / secs / 1e9 * BUS_FACTOR[OPS[op]](a.world) if secs == secs else float("nan")
                 row += f"{secs * 1e6:12.1f}{bus:8.2f}"
                 times.append(secs)
                 if note:

@@ -149,6 +149,7 @@ def test_cuda_benchmark_runs_both_backends(tmp_path):
     out = tmp_path / "cuda.txt"
     proc = _bench_cuda("-b", "64K", "-e", "256K", "--repeat", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [ln for ln in out.read_text().splitlines() if ln.startswith(("all_reduce", "all_gather", "reduce_scatter"))]
-    assert len(rows) == 6, out.read_text()
+    rows = [ln for ln in out.read_text().splitlines()
+            if ln.startswith(("all_reduce", "all_gather", "reduce_scatter", "sendrecv"))]
+    assert len(rows) == 8, out.read_text()
     assert not any("WRONG" in r or "smddp: error" in r for r in rows), out.read_text()
