@@ -262,27 +262,28 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int p
     }
     recordCudaFailure(error);
   };
-  cudaSendsQueued_.fetch_add(1);
-  try {
-    return enqueueCuda(c10d::OpType::SEND, "smddp:send", {t}, {t}, std::chrono::milliseconds(timeoutMs_.load()),
-                       rounds, [&](const CudaPath::Launch& l) {
-                         std::vector<CudaStep> steps;
-                         for (size_t i = 0; i < rounds.size(); ++i) {
-                           const bool last = i + 1 == rounds.size();
-                           steps.push_back([this, o, last, from = l.bases[i], to = bytePtr(message) + rounds[i].offset,
-                                            count = rounds[i].count](algo::Communicator&, std::chrono::milliseconds) {
-                             std::memcpy(to, from, count);
-                             if (!last) return;
-                             cudaSendsQueued_.fetch_sub(1);
-                             submitP2p(o);
-                           });
-                         }
-                         return steps;
-                       });
-  } catch (...) {
-    cudaSendsQueued_.fetch_sub(1);
-    throw;
-  }
+  // Counts this send as queued while its steps exist: until it is handed to the engine, or
+  // fails, or is never queued.
+  struct Queued {
+    std::atomic<int>& count;
+    explicit Queued(std::atomic<int>& c) : count(c) { count.fetch_add(1); }
+    ~Queued() { count.fetch_sub(1); }
+  };
+  auto queued = std::make_shared<Queued>(cudaSendsQueued_);
+  return enqueueCuda(c10d::OpType::SEND, "smddp:send", {t}, {t}, std::chrono::milliseconds(timeoutMs_.load()), rounds,
+                     [&](const CudaPath::Launch& l) {
+                       std::vector<CudaStep> steps;
+                       for (size_t i = 0; i < rounds.size(); ++i) {
+                         const bool last = i + 1 == rounds.size();
+                         steps.push_back([this, o, last, queued, from = l.bases[i],
+                                          to = bytePtr(message) + rounds[i].offset,
+                                          count = rounds[i].count](algo::Communicator&, std::chrono::milliseconds) {
+                           std::memcpy(to, from, count);
+                           if (last) submitP2p(o);
+                         });
+                       }
+                       return steps;
+                     });
 }
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int peer, int tag) {
@@ -305,14 +306,15 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
     work->setSourceRank(peer >= 0 ? peer : source);
     path->received(number);  // the receive stream copies it now (or, after a failure, moves on)
     if (error) recordCudaFailure(error);
-    // The pinned message (and, through the Work, the tensor) is held until the copy is done.
-    path->completeLater([path, work, message, number, timeout, error, rank]() mutable {
-      if (!error) {
-        try {
-          path->awaitDelivered(number, timeout);
-        } catch (const Error& e) {
-          error = toTorchError(e, rank);
-        }
+    // The pinned message (and, through the Work, the tensor) is held until the copy is done,
+    // after a failure too: the stream still writes into the tensor then. A raw pointer: the
+    // CudaPath finishes its queued completions before it goes, and a shared one dropped last on
+    // the completion thread would make that thread join itself.
+    path->completeLater([p = path.get(), work, message, number, timeout, error, rank]() mutable {
+      try {
+        p->awaitDelivered(number, timeout);
+      } catch (const Error& e) {
+        if (!error) error = toTorchError(e, rank);
       }
       work->complete(error);
     });
