@@ -227,8 +227,9 @@ def point_to_point(rank, world, dev):
         dist.send(torch.full((64,), float(rank), device=dev), dst=0, tag=99)
     dist.barrier()
     # Stream order, without blocking the host: the receive lands after the kernels queued before it
-    # on the caller's stream, and what is queued after wait() sees it, although the message comes
-    # 0.3 s later; the send takes its data after a 0.1 s kernel that writes it.
+    # on the caller's stream even when its message comes first, what is queued after wait() sees
+    # it, and wait() returns at once although the message comes 0.3 s later; the send takes its
+    # data after a 0.1 s kernel that writes it.
     s = torch.cuda.Stream()
     if rank == 0:
         with torch.cuda.stream(s):
@@ -247,8 +248,8 @@ def point_to_point(rank, world, dev):
             dist.recv(y, src=0)
             z = torch.empty(1 << 16, device=dev)
             z.add_(1)
-            torch.cuda._sleep(int(2e8))
-            z.fill_(-1)  # still running when the message arrives: the copy must land after it
+            torch.cuda._sleep(int(2e9))  # ~1 s: still running when the message comes (~0.5 s)
+            z.fill_(-1)  # the copy must land after this
             t0 = time.perf_counter()
             dist.irecv(z, src=0, tag=1).wait()
             host_s = time.perf_counter() - t0
