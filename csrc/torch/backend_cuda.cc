@@ -81,7 +81,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
   std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
   throwIfCudaFailed(title);
   std::shared_ptr<CudaPath> path = cuda_;
-  issued_.fetch_add(1);
+  if (opType != c10d::OpType::SEND) issued_.fetch_add(1);  // collectives only, as for CPU tensors: p2p is one-sided
   // The tensors stay referenced until the device has copied the results back, so the caching
   // allocator cannot hand their memory to someone else while the staging stream still uses it.
   Tensors keep = outputs;
