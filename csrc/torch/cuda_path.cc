@@ -143,13 +143,17 @@ void CudaPath::completeLater(std::function<void()> finish) {
   }
 }
 
+void CudaPath::followCaller(cuda::Stream s) {
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  ops_->recordEvent(callerReady_, impl.getStream(device_).native_handle());
+  ops_->streamWaitEvent(s, callerReady_);
+}
+
 CudaPath::Launch CudaPath::launch(const std::vector<cuda::Round>& rounds) {
   c10::DeviceGuard guard(device_);
-  c10::impl::VirtualGuardImpl impl(device_.type());
   Launch l;
   try {
-    ops_->recordEvent(callerReady_, impl.getStream(device_).native_handle());
-    ops_->streamWaitEvent(stream_, callerReady_);
+    followCaller(stream_);
     l.ticket = pipeline_->enqueue(rounds, stream_);
     for (size_t i = 0; i < rounds.size(); ++i) l.bases.push_back(pipeline_->stagingOf(l.ticket, i));
     l.doneEvent = events_->take();
@@ -165,11 +169,9 @@ CudaPath::Launch CudaPath::launch(const std::vector<cuda::Round>& rounds) {
 
 CudaPath::Receive CudaPath::launchReceive(uint8_t* device, const uint8_t* host, size_t bytes) {
   c10::DeviceGuard guard(device_);
-  c10::impl::VirtualGuardImpl impl(device_.type());
   Receive r;
   try {
-    ops_->recordEvent(callerReady_, impl.getStream(device_).native_handle());
-    ops_->streamWaitEvent(receiveStream_, callerReady_);
+    followCaller(receiveStream_);
     r.number = receives_->enqueue(device, host, bytes, receiveStream_);
     r.doneEvent = events_->take();
     ops_->recordEvent(r.doneEvent, receiveStream_);

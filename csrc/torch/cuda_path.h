@@ -101,6 +101,10 @@ class CudaPath {
   }
 
  private:
+  // Caller's thread, device guard held: later work on `s` waits for what the caller's current
+  // stream holds now.
+  void followCaller(cuda::Stream s);
+
   int rank_;
   c10::Device device_;
   cuda::DeviceOps* ops_ = nullptr;
