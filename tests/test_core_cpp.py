@@ -1,4 +1,7 @@
-"""Runs the torch-free C++ unit tests of the core (built by setup.py next to the extension)."""
+"""Runs the torch-free C++ unit tests of the core (built by setup.py next to the extension), and
+the p2p engine's under ThreadSanitizer."""
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,11 +12,31 @@ ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"
 
 
-@pytest.mark.parametrize("binary", ["smddp_core_tests", "smddp_net_tests", "smddp_cuda_host_tests"])
+@pytest.mark.parametrize("binary", ["smddp_core_tests", "smddp_net_tests", "smddp_p2p_tests", "smddp_cuda_host_tests"])
 def test_core_binary(binary):
     exe = BUILD / binary
     if not exe.exists():
         pytest.fail(f"{exe} is missing: build with `pip install --no-build-isolation -e .`")
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed, 0 failed" in proc.stdout.splitlines()[-1]
+
+
+def test_p2p_engine_under_thread_sanitizer(tmp_path):
+    """The p2p engine's state is moved by its own thread and by every thread waiting on an op:
+    the engine test again, built with ThreadSanitizer (clang; CI installs it), must report no race."""
+    clang = shutil.which("clang++")
+    if clang is None:
+        pytest.skip("clang++ is not installed (apt-get install clang)")
+    exe = tmp_path / "p2p_tsan"
+    sources = ["tests/cpp/test_p2p_engine.cc", "csrc/engine/p2p_engine.cc", "csrc/transport/shm_domain.cc",
+               "csrc/transport/shm_segment.cc", "csrc/core/file_store.cc", "csrc/core/error.cc", "csrc/core/spin.cc",
+               "csrc/core/env.cc", "csrc/core/log.cc", "csrc/core/random.cc"]
+    build = subprocess.run([clang, "-std=c++20", "-O1", "-g", "-fsanitize=thread", f"-I{ROOT / 'csrc'}",
+                            *[str(ROOT / s) for s in sources], "-o", str(exe), "-lpthread"],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TSAN_OPTIONS="halt_on_error=1 exitcode=66"))
+    assert "ThreadSanitizer" not in proc.stderr and proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert " passed, 0 failed" in proc.stdout.splitlines()[-1]

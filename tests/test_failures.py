@@ -23,8 +23,8 @@ dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world,
 t = torch.ones(1 << 16)
 dist.all_reduce(t)
 print("ready", flush=True)
-if mode == "idle" and rank == 1:
-    time.sleep(3600)   # never joins the next collective
+if mode in ("idle", "p2p_idle") and rank == 1:
+    time.sleep(3600)   # never joins the next collective, never sends
 if mode == "store_gone" and rank == 0:
     dist.destroy_process_group()
     sys.exit(0)        # takes the job's TCP store with it
@@ -39,6 +39,8 @@ if mode == "p2p":  # ranks 0 and 2 (other hosts with hosts="0011") stream messag
         dist.destroy_process_group()
         sys.exit(0)
     op = (lambda: dist.recv(t, 2)) if rank == 0 else (lambda: dist.send(t, 0))
+if mode == "p2p_idle":  # rank 0 blocks in a recv whose sender never comes
+    op = lambda: dist.recv(t, 1)
 if mode == "oom":  # rank 1 cannot allocate what a non-root rank of a reduce across hosts needs
     big = torch.ones(16 << 20)
     if rank == 1:
@@ -264,28 +266,37 @@ def test_missing_rank_times_out_with_names(hosts):
 
 
 PENDING = r"""
-import os, sys, time, torch, torch.distributed as dist
+import os, sys, threading, time, torch, torch.distributed as dist
 import smddp
-rank, world, url, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+rank, world, url, how, op = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world)
 t = torch.ones(1 << 16)
 dist.all_reduce(t)
 print("ready", flush=True)
 if rank == 1:
-    time.sleep(3600)  # never joins the next collective
+    time.sleep(3600)  # never joins the next collective, never sends
 pg = dist.distributed_c10d._get_default_group()
-work = dist.all_reduce(t, async_op=True)  # waits for rank 1 (60 s group timeout)
-time.sleep(0.5)
+# Waits for rank 1 (60 s group timeout).
+work = dist.all_reduce(t, async_op=True) if op == "allreduce" else dist.irecv(t, 1)
+def end_group():
+    if how == "destroy":
+        dist.destroy_process_group()
+    else:
+        pg._get_backend(torch.device("cpu")).abort() if how == "abort" else pg._get_backend(torch.device("cpu")).shutdown()
 t0 = time.monotonic()
-if how == "destroy":
-    dist.destroy_process_group()
+ender = threading.Timer(0.5, end_group)
+if op == "recv":  # ended by another thread while this one blocks in wait(), running the p2p engine
+    ender.start()
 else:
-    pg._get_backend(torch.device("cpu")).abort() if how == "abort" else pg._get_backend(torch.device("cpu")).shutdown()
+    time.sleep(0.5)
+    end_group()
 try:
     work.wait()
     print("wait returned", flush=True)
 except Exception as e:
     print(f"raised after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
+if ender.is_alive():
+    ender.join()  # the group is torn down once end_group() returns
 names = []
 for d in os.listdir("/proc/self/task"):
     with open(f"/proc/self/task/{d}/comm") as f:
@@ -295,15 +306,17 @@ print("backend threads left:", sum(n.startswith("smddp") for n in names), flush=
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["allreduce", "recv"])
 @pytest.mark.parametrize("how", ["destroy", "abort", "shutdown"])
-def test_pending_op_released_by_destroy_abort_shutdown(how):
-    """A collective waiting for a rank that never comes: destroy_process_group(), abort() or
-    shutdown() fails it promptly (well before the 60 s timeout) and joins the backend's threads."""
+def test_pending_op_released_by_destroy_abort_shutdown(how, op):
+    """A collective or a recv waiting for a rank that never comes: destroy_process_group(), abort()
+    or shutdown() fails it promptly (well before the 60 s timeout) and joins the backend's
+    threads; for the recv, from another thread while this one blocks in wait()."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
     url = f"tcp://127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-u", "-c", PENDING, str(r), "2", url, how], env=env,
+    procs = [subprocess.Popen([sys.executable, "-u", "-c", PENDING, str(r), "2", url, how, op], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     _wait_ready(procs)
     out = _finish([procs[0]], 30)[0]
@@ -317,12 +330,14 @@ def test_pending_op_released_by_destroy_abort_shutdown(how):
 
 
 @pytest.mark.timeout(120)
-def test_peer_killed_during_send_recv_across_hosts():
-    """Rank 2 dies while sending to rank 0 on another host (TCP): rank 0's recv fails promptly,
+@pytest.mark.parametrize("hosts", ["0011", None], ids=["across-hosts", "one-host"])
+def test_peer_killed_during_send_recv(hosts):
+    """Rank 2 dies while sending to rank 0, on another host (TCP) or on the same one (shared
+    memory; rank 0 blocks in its recv, running the engine itself): rank 0's recv fails promptly,
     naming rank 2, and destroying the group leaves no thread."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
-    procs = _job(4, "p2p", 60, hosts="0011")
+    procs = _job(4, "p2p", 60, hosts=hosts)
     _wait_ready(procs)
     time.sleep(0.5)
     procs[2].send_signal(signal.SIGKILL)
@@ -335,3 +350,23 @@ def test_peer_killed_during_send_recv_across_hosts():
     assert procs[1].returncode == 0 and procs[3].returncode == 0, outs
     assert elapsed < 10, f"rank 0 took {elapsed:.1f}s"
     assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", ["01", None], ids=["across-hosts", "one-host"])
+def test_recv_without_sender_times_out(hosts):
+    """Rank 0 blocks in a recv from rank 1, which never sends: the recv fails at the group's
+    timeout (3 s), naming the peer and the cause, not later."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(2, "p2p_idle", 3, hosts=hosts)
+    _wait_ready(procs)
+    t0 = time.monotonic()
+    out = _finish([procs[0]], 30)[0]
+    elapsed = time.monotonic() - t0
+    procs[1].kill()
+    procs[1].communicate()
+    assert procs[0].returncode == 3, f"rank 0: exit {procs[0].returncode}\n{out[-2000:]}"
+    assert "recv from rank 1" in out and "timed out: no matching send was posted" in out, out[-2000:]
+    assert "backend threads left: 0" in out, out[-2000:]
+    assert elapsed < 10, f"a timeout of 3 s took {elapsed:.1f}s to surface"

@@ -117,6 +117,48 @@ def any_source_and_batch(rank, world):
     return rep.to_dict()
 
 
+def waits_from_threads(rank, world, rounds):
+    """Every rank posts isends and irecvs of several sizes to and from every other rank at once,
+    then three threads wait on them in shuffled orders: several waiters run the engine at the
+    same time, beside its own thread, and each message must still land whole and in order."""
+    import random
+    import threading
+
+    rep = Report(rank)
+    sizes = [0, 1, 70_000, 300_000]
+    works, expected = [], []
+    for r in range(rounds):
+        for k, n in enumerate(sizes):
+            for p in range(world):
+                if p == rank:
+                    continue
+                works.append(dist.isend(gen(f"thr|{r}|{k}|{p}", rank, n, torch.float32), p))
+                got = torch.empty(n)
+                works.append(dist.irecv(got, p))
+                expected.append((f"round {r} size {n} from {p}", got, gen(f"thr|{r}|{k}|{rank}", p, n, torch.float32)))
+    order = list(range(len(works)))
+    random.Random(rank).shuffle(order)
+    errors = []
+
+    def waiter(part):
+        try:
+            for i in part:
+                works[i].wait()
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=waiter, args=(order[i::3],)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    rep.expect(not any(t.is_alive() for t in threads), "a waiting thread is still blocked after 120 s")
+    rep.expect(not errors, f"waits raised: {errors[:3]}")
+    for label, got, ref in expected:
+        rep.expect(torch.equal(got, ref), f"{label}: wrong data")
+    return rep.to_dict()
+
+
 def tag_mismatch(rank, world, sender=1, receiver=0, sent=4, expected=4, recv_tag=6):
     """`sender` sends `sent` float32 with tag 5; `receiver` expects `expected` with `recv_tag`."""
     rep = Report(rank)
@@ -156,6 +198,11 @@ def test_any_source_and_batch(pools, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_any_source_outstanding(pools, world):
     pools.check(world, any_source_outstanding, 300_000, timeout=240)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_waits_from_several_threads(pools, world):
+    pools.check(world, waits_from_threads, 3, timeout=240)
 
 
 def test_tag_mismatch_is_an_error(pools):

@@ -49,16 +49,34 @@ P2pEngine::P2pEngine(shm::Domain* domain, std::chrono::microseconds spin, std::s
   thread_ = std::thread([this] { loop(); });
 }
 
-P2pEngine::~P2pEngine() {
-  abort();
-  stop_.store(true);
-  domain_->ringDoorbell(rank_);
-  if (thread_.joinable()) thread_.join();
-}
+P2pEngine::~P2pEngine() { shutdown(); }
 
 void P2pEngine::abort() {
   aborted_.store(true);
-  domain_->ringDoorbell(rank_);
+  domain_->ringDoorbell(rank_);  // wakes a driver, or the thread asleep with ops pending
+  std::lock_guard<std::mutex> lock(mutex_);
+  kicked_ = true;
+  wake_.notify_all();
+}
+
+void P2pEngine::shutdown() {
+  std::call_once(shutdownOnce_, [this] { shutdownNow(); });
+}
+
+void P2pEngine::shutdownNow() {
+  abort();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_.store(true);
+    wake_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+  // A driver sees aborted_ at its next pass (it entered before aborted_ was set, or it would not
+  // have touched the domain at all) and fails what it waited for.
+  while (drivers_.load() > 0) {
+    domain_->ringDoorbell(rank_);
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
 }
 
 void P2pEngine::submit(P2pOp op) {
@@ -71,15 +89,62 @@ void P2pEngine::submit(P2pOp op) {
     std::lock_guard<std::mutex> lock(mutex_);
     incoming_.push_back(std::move(op));
   }
-  domain_->ringDoorbell(rank_);  // wakes our own thread
+  const Pass p = pass(/*tryOnly=*/true);
+  if (p.ran && !p.pending) return;
+  // Another thread is making a pass (it reads the doorbell before each, so it will pass again),
+  // or ops are left for the thread or a driver to finish.
+  domain_->ringDoorbell(rank_);
+  handOver();
+}
+
+void P2pEngine::handOver() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  kicked_ = true;
+  wake_.notify_all();
+}
+
+void P2pEngine::driveUntil(const std::function<bool()>& done) {
+  drivers_.fetch_add(1);
+  Pass p;
+  while (!aborted_.load()) {
+    const uint32_t bell = domain_->doorbell();
+    p = pass();
+    if (done() || aborted_.load()) break;
+    if (!p.moved) await(bell, p);
+  }
+  // After an abort, one more pass fails what is pending (the thread may already be gone).
+  if (aborted_.load()) p = pass();
+  drivers_.fetch_sub(1);
+  bool queued;  // submitted while this thread made the pass, after its intake
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queued = !incoming_.empty();
+  }
+  if (p.pending || queued) handOver();
+}
+
+void P2pEngine::complete(P2pOp op, std::exception_ptr error, int source) {
+  completions_.push_back({std::move(op), std::move(error), source});
 }
 
 void P2pEngine::fail(std::deque<P2pOp>& q, const std::string& why) {
   while (!q.empty()) {
-    P2pOp op = std::move(q.front());
+    const int peer = q.front().peer;
+    complete(std::move(q.front()), errorOf(ErrorCode::kAborted, why), peer);
     q.pop_front();
-    op.finish(errorOf(ErrorCode::kAborted, why), op.peer);
   }
+}
+
+void P2pEngine::failEverything(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fail(incoming_, why);
+  }
+  for (int p = 0; p < size_; ++p) {
+    fail(sends_[p], why);
+    fail(recvs_[p], why);
+  }
+  fail(anyRecvs_, why);
 }
 
 bool P2pEngine::progressSend(P2pOp& op) {
@@ -159,7 +224,8 @@ bool P2pEngine::progress() {
       P2pOp op = std::move(incoming_.front());
       incoming_.pop_front();
       if (op.peer >= 0 && !broken_[op.peer].empty()) {
-        op.finish(errorOf(ErrorCode::kAborted, broken_[op.peer]), op.peer);
+        const int peer = op.peer;
+        complete(std::move(op), errorOf(ErrorCode::kAborted, broken_[peer]), peer);
         continue;
       }
       if (op.isSend) sends_[op.peer].push_back(std::move(op));
@@ -174,7 +240,7 @@ bool P2pEngine::progress() {
       moved = true;
       P2pOp& op = sends_[p].front();
       if (op.offset < op.bytes) break;
-      op.finish(nullptr, rank_);
+      complete(std::move(op), nullptr, rank_);
       sends_[p].pop_front();
     }
     while (!recvs_[p].empty()) {
@@ -185,7 +251,7 @@ bool P2pEngine::progress() {
         // The stream from p is out of step with what this rank expects: fail everything on it.
         broken_[p] = std::string("an earlier point-to-point error with rank ") + std::to_string(domain_->groupRank(p)) +
                      ": " + e.what();
-        op.finish(std::make_exception_ptr(e), p);
+        complete(std::move(op), std::make_exception_ptr(e), p);
         recvs_[p].pop_front();
         fail(recvs_[p], broken_[p]);
         fail(sends_[p], broken_[p]);
@@ -194,7 +260,7 @@ bool P2pEngine::progress() {
       }
       moved = true;
       if (op.offset < op.bytes) break;
-      op.finish(nullptr, p);
+      complete(std::move(op), nullptr, p);
       recvs_[p].pop_front();
     }
   }
@@ -214,7 +280,7 @@ void P2pEngine::checkDeadlinesAndPeers() {
                              std::to_string(op.tag) + ", " + std::to_string(op.bytes) + " bytes)";
     const std::string why = dead ? what + ": rank " + who + " exited"
                                  : what + " timed out: no matching " + (op.isSend ? "recv" : "send") + " was posted";
-    op.finish(errorOf(dead ? ErrorCode::kRemoteError : ErrorCode::kTimeout, why), peer);
+    complete(std::move(op), errorOf(dead ? ErrorCode::kRemoteError : ErrorCode::kTimeout, why), peer);
     q.pop_front();
     // Part of a message may have moved: the stream can no longer be trusted.
     if (peer >= 0) {
@@ -230,30 +296,70 @@ void P2pEngine::checkDeadlinesAndPeers() {
   expire(anyRecvs_, -1);
 }
 
+P2pEngine::Pass P2pEngine::pass(bool tryOnly) {
+  Pass p;
+  std::vector<Completion> done;
+  {
+    std::unique_lock<std::mutex> lock(progressMutex_, std::defer_lock);
+    if (tryOnly) {
+      if (!lock.try_lock()) return p;
+    } else {
+      lock.lock();
+    }
+    p.ran = true;
+    if (aborted_.load()) {
+      failEverything("the process group has been shut down or aborted");
+    } else {
+      p.moved = progress();
+      p.pending = !anyRecvs_.empty();
+      for (int d = 0; d < size_; ++d) {
+        p.pending |= !sends_[d].empty() || !recvs_[d].empty();
+        // Only a message already under way is worth polling for: its next chunk comes as soon as
+        // the peer's copy ends, where the next message comes when the peer's program sends it.
+        p.streaming |= (!sends_[d].empty() && sends_[d].front().started) ||
+                       (!recvs_[d].empty() && recvs_[d].front().started);
+      }
+    }
+    done.swap(completions_);
+  }
+  for (Completion& c : done) c.op.finish(std::move(c.error), c.source);
+  return p;
+}
+
+void P2pEngine::await(uint32_t bell, const Pass& p) {
+  if (p.streaming && spinUntil(spin_, [&] { return domain_->doorbell() != bell; })) return;
+  domain_->sleepOnDoorbell(bell, kActiveTick);
+  if (!p.pending) return;
+  std::vector<Completion> done;
+  {
+    std::lock_guard<std::mutex> lock(progressMutex_);
+    checkDeadlinesAndPeers();
+    done.swap(completions_);
+  }
+  for (Completion& c : done) c.op.finish(std::move(c.error), c.source);
+}
+
 void P2pEngine::loop() {
   pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
   while (!stop_.load()) {
-    if (aborted_.load()) {
-      const std::string why = "the process group has been shut down or aborted";
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        fail(incoming_, why);
-      }
-      for (int p = 0; p < size_; ++p) {
-        fail(sends_[p], why);
-        fail(recvs_[p], why);
-      }
-      fail(anyRecvs_, why);
-      domain_->sleepOnDoorbell(domain_->doorbell(), kIdleTick);
+    if (drivers_.load() > 0) {
+      // A caller makes the passes; it hands over when it leaves with ops pending.
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait_for(lock, kActiveTick, [&] { return kicked_ || stop_.load(); });
+      kicked_ = false;
       continue;
     }
     const uint32_t bell = domain_->doorbell();
-    if (progress()) continue;
-    bool pending = !anyRecvs_.empty();
-    for (int p = 0; p < size_ && !pending; ++p) pending = !sends_[p].empty() || !recvs_[p].empty();
-    if (pending && spinUntil(spin_, [&] { return domain_->doorbell() != bell; })) continue;
-    domain_->sleepOnDoorbell(bell, pending ? std::chrono::nanoseconds(kActiveTick) : std::chrono::nanoseconds(kIdleTick));
-    if (pending) checkDeadlinesAndPeers();
+    const Pass p = pass();
+    if (p.moved) continue;
+    if (!p.pending) {
+      // Nothing to wait for from the peers: sleep until something is submitted or handed over.
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait_for(lock, kIdleTick, [&] { return kicked_ || !incoming_.empty() || stop_.load(); });
+      kicked_ = false;
+      continue;
+    }
+    await(bell, p);
   }
 }
 

@@ -3,6 +3,12 @@
 // ranks send, then both receive) cannot deadlock: every pending op progresses as far as it can
 // on each pass. Messages between a pair of ranks are matched in order, and a receive checks the
 // sender's tag and size: a mismatch is an error, never a silent truncation.
+//
+// The thread is there for what nobody waits on. A caller moves what it can at once (submit()
+// makes a pass on its own thread when no other is under way), and a caller blocked in a wait
+// runs the passes itself (driveUntil(); the thread steps aside meanwhile): a blocking send/recv
+// then costs one wake-up per message, the receiver's, instead of three hand-overs between
+// threads (caller -> p2p thread -> peer's p2p thread -> peer's caller).
 #pragma once
 
 #include <atomic>
@@ -61,20 +67,50 @@ std::string outOfStepMessage(int peer, int tag, size_t bytes, int64_t sentTag, u
 class P2pEngine {
  public:
   P2pEngine(shm::Domain* domain, std::chrono::microseconds spin, std::string name);
-  ~P2pEngine();  // fails what is pending, joins
+  ~P2pEngine();  // shutdown()
 
+  // Queues `op` and, unless another thread is making a pass, moves what it can of it at once
+  // (at most the two chunks a mailbox holds): `done` may run before submit() returns.
   void submit(P2pOp op);
+  // Makes the passes on the calling thread until `done()` holds (checked after each pass), the
+  // engine is aborted, or after shutdown(): what a blocking wait calls, so that the waiter is
+  // the one its peer's doorbell wakes. Ops' deadlines and dead peers are checked as on the thread.
+  void driveUntil(const std::function<bool()>& done);
   // Fails every pending and future op promptly. Idempotent.
   void abort();
+  // abort(), then joins the thread and waits for every driveUntil() to return; afterwards the
+  // engine touches its domain no more (a Work may still hold it and call driveUntil).
+  void shutdown();
 
  private:
+  struct Completion {
+    P2pOp op;
+    std::exception_ptr error;
+    int source;
+  };
+  struct Pass {
+    bool ran = false;        // false: another thread was making one (pass(true) only)
+    bool moved = false;      // anything moved: pass again at once
+    bool pending = false;    // ops wait: sleep on the doorbell, check deadlines
+    bool streaming = false;  // a message is half through: its next chunk is imminent, poll for it
+  };
   void loop();
+  // One pass under progressMutex_ (blocking, or skipped when another thread holds it and `tryOnly`),
+  // then the completions it produced, outside the lock (a `done` may submit again).
+  Pass pass(bool tryOnly = false);
+  // Waits for the doorbell to move on from `bell` (polling first while streaming, then asleep
+  // for at most a tick); then checks deadlines and peers if ops wait.
+  void await(uint32_t bell, const Pass& p);
   bool progress();  // one pass over every pending op; true if anything moved
   bool progressSend(P2pOp& op);
   bool progressRecv(P2pOp& op, int src);
   bool matchAnySource();
+  void complete(P2pOp op, std::exception_ptr error, int source);  // done() after the pass
   void fail(std::deque<P2pOp>& q, const std::string& why);
+  void failEverything(const std::string& why);
   void checkDeadlinesAndPeers();
+  void handOver();  // wakes the thread to take over pending ops, unless a driver runs them
+  void shutdownNow();
 
   shm::Domain* domain_;
   int rank_;
@@ -83,11 +119,17 @@ class P2pEngine {
   std::string name_;
 
   std::mutex mutex_;
-  std::deque<P2pOp> incoming_;  // submitted, not yet sorted into the per-peer queues
+  std::condition_variable wake_;  // the thread's sleep while nothing is pending or a caller drives
+  bool kicked_ = false;           // ops were handed over to the thread, or it must wake
+  std::deque<P2pOp> incoming_;    // submitted, not yet sorted into the per-peer queues
   std::atomic<bool> stop_{false};
   std::atomic<bool> aborted_{false};
+  std::atomic<int> drivers_{0};  // threads inside driveUntil()
+  std::once_flag shutdownOnce_;
 
-  // Owned by the p2p thread.
+  // The engine's state, touched by whichever thread makes the pass.
+  std::mutex progressMutex_;
+  std::vector<Completion> completions_;
   std::vector<std::deque<P2pOp>> sends_;  // per destination, in issue order
   std::vector<std::deque<P2pOp>> recvs_;  // per source, in issue order
   std::deque<P2pOp> anyRecvs_;

@@ -237,6 +237,8 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
     synchronize();
     return true;
   }
+  // Without a time limit only: the engine's own deadlines end the drive, not the caller's.
+  if (p2pDriver_ && timeout == kNoTimeout) p2pDriver_->driveUntil([this] { return future_->completed(); });
   spinUntil(spin_, [this] { return future_->completed(); });
   return c10d::Work::wait(timeout);  // then synchronize()
 }
@@ -272,7 +274,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   spin_ = lingerBudget(comm_->machineShare());
   progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank), spin_);
   if (comm_->topology().localSize() > 1) {
-    p2p_ = std::make_unique<engine::P2pEngine>(comm_->domain(), spin_, "smddp-p2p" + std::to_string(rank));
+    p2p_ = std::make_shared<engine::P2pEngine>(comm_->domain(), spin_, "smddp-p2p" + std::to_string(rank));
   }
   if (comm_->multiHost()) {
     try {
@@ -299,7 +301,8 @@ void SmddpBackend::shutdown() {
     if (netP2p_) netP2p_->abort();
     if (progress_) progress_->stop();
     if (comm_) comm_->stopHelpers();
-    p2p_.reset();  // joins its thread before the domain it uses goes away
+    if (p2p_) p2p_->shutdown();  // joins its thread and drivers before the domain it uses goes away
+    p2p_.reset();
     netP2p_.reset();
   });
 }
@@ -1009,7 +1012,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
       TORCH_CHECK(false, "smddp rank ", rank_, ": send: the process group has been shut down");
     }
   } else {
-    submitP2p(o);
+    submitP2p(o, work.get());
   }
   return work;
 }
@@ -1025,7 +1028,7 @@ engine::P2pOp SmddpBackend::p2pOp(bool isSend, int peer, int tag, const at::Tens
   return o;
 }
 
-void SmddpBackend::submitP2p(engine::P2pOp o) {
+void SmddpBackend::submitP2p(engine::P2pOp o, SmddpWork* driven) {
   const Topology& topo = comm_->topology();
   const bool multiHost = comm_->multiHost();
   const int peer = o.peer;
@@ -1048,6 +1051,7 @@ void SmddpBackend::submitP2p(engine::P2pOp o) {
     } else if (remote) {
       netP2p_->submit(std::move(o));
     } else {
+      if (driven) driven->setP2pDriver(p2p_);
       p2p_->submit(std::move(o));
     }
   } catch (const Error& e) {  // e.g. /dev/shm too small for the mailboxes
