@@ -176,6 +176,10 @@ class MpiWorker:
         if op == "reduce_scatter":
             i, o = [inp, dt], [out, dt]
             return lambda: comm.Reduce_scatter_block(i, o, op=mop)
+        if op == "sendrecv":
+            i, o = [inp, dt], [out, dt]
+            nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+            return lambda: comm.Sendrecv(i, dest=nxt, recvbuf=o, source=prv)
         raise ValueError(op)
 
     def buffers(self, op, count):
@@ -183,6 +187,8 @@ class MpiWorker:
         if op == "allreduce":
             inp = np.empty(count, dtype=self.dtype)
             return inp, inp
+        if op == "sendrecv":
+            return np.empty(count, dtype=self.dtype), np.empty(count, dtype=self.dtype)
         if op == "allgather":
             return np.empty(count * w, dtype=self.dtype), np.empty(count, dtype=self.dtype)
         return np.empty(count, dtype=self.dtype), np.empty(count * w, dtype=self.dtype)
@@ -193,6 +199,8 @@ class MpiWorker:
             return reduce_ref(self.np, [self.pat.get(q, count) for q in range(w)], self.redop)
         if op == "reduce_scatter":
             return reduce_ref(self.np, [self.pat.get(q, count, start=r * count) for q in range(w)], self.redop)
+        if op == "sendrecv":
+            return self.pat.get((r - 1) % w, count)
         return None
 
     def count_wrong(self, op, out, ref, count) -> int:

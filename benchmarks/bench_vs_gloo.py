@@ -69,13 +69,17 @@ DTYPES = {
     "uint8": (1, False),
 }
 REDOPS = ("sum", "avg", "max", "min", "prod")
-OPS = ("allreduce", "allgather", "reduce_scatter")
+OPS = ("allreduce", "allgather", "reduce_scatter")  # the default set
+# sendrecv (nccl-tests' sendrecv_perf): every rank sends to the next rank and receives from the
+# previous one at once (torch: batch_isend_irecv, then wait; MPI: Sendrecv).
+ALL_OPS = OPS + ("sendrecv",)
 
 # busbw = algbw * factor(n)  (nccl-tests PERFORMANCE.md)
 BUSBW_FACTOR = {
     "allreduce": lambda n: 2.0 * (n - 1) / n,
     "allgather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
+    "sendrecv": lambda n: 1.0,
 }
 
 KIB, MIB = 1024, 1024 * 1024
@@ -123,9 +127,10 @@ def geometry(op: str, size: int, world: int, esize: int):
     allreduce:      size = tensor bytes,            count = elements
     allgather:      size = total output bytes,      count = elements per rank
     reduce_scatter: size = total input bytes,       count = output elements per rank
+    sendrecv:       size = bytes each rank sends,   count = elements
     eff_size is the size actually moved after rounding down to whole elements.
     """
-    if op == "allreduce":
+    if op in ("allreduce", "sendrecv"):
         count = size // esize
         return count, count, count, count * esize
     count = size // (esize * world)
@@ -232,6 +237,9 @@ class Backend:
     def reduce_scatter(self, out, inp, redop: str) -> None:
         raise NotImplementedError
 
+    def send_recv(self, out, inp) -> None:  # inp to the next rank, out from the previous one
+        raise NotImplementedError
+
     def teardown(self) -> None:
         pass
 
@@ -249,6 +257,9 @@ class Backend:
         if op == "reduce_scatter":
             f = self.reduce_scatter
             return lambda: f(out, inp, redop)
+        if op == "sendrecv":
+            f = self.send_recv
+            return lambda: f(out, inp)
         raise ValueError(op)
 
 
@@ -283,6 +294,14 @@ class TorchDistBackend(Backend):
     def reduce_scatter(self, out, inp, redop):
         fn = getattr(self._dist, "reduce_scatter_single", None) or self._dist.reduce_scatter_tensor
         fn(out, inp, op=self._ops[redop], group=self.group, async_op=False)
+
+    def send_recv(self, out, inp):
+        d = self._dist
+        rank, world = d.get_rank(), d.get_world_size()
+        ops = [d.P2POp(d.isend, inp, (rank + 1) % world, self.group),
+               d.P2POp(d.irecv, out, (rank - 1) % world, self.group)]
+        for work in d.batch_isend_irecv(ops):
+            work.wait()
 
 
 class CandidateBackend(TorchDistBackend):
@@ -543,6 +562,8 @@ class Worker:
         if op == "allreduce":
             inp = torch.empty(count, dtype=self.dtype)
             return inp, inp
+        if op == "sendrecv":
+            return torch.empty(count, dtype=self.dtype), torch.empty(count, dtype=self.dtype)
         if op == "allgather":
             return torch.empty(count * w, dtype=self.dtype), torch.empty(count, dtype=self.dtype)
         return torch.empty(count, dtype=self.dtype), torch.empty(count * w, dtype=self.dtype)
@@ -559,6 +580,8 @@ class Worker:
         if op == "reduce_scatter":
             chunks = [self.pat.get(q, count, start=r * count) for q in range(w)]
             return _reduce_ref(self.torch, chunks, self.redop, self.dtype, w)
+        if op == "sendrecv":
+            return self.pat.get((r - 1) % w, count)
         return None
 
     def count_wrong(self, op, out, ref, count) -> int:
@@ -567,7 +590,7 @@ class Worker:
                 _count_wrong(self.torch, out.narrow(0, q * count, count), self.pat.get(q, count), "sum")
                 for q in range(self.world)
             )
-        return _count_wrong(self.torch, out, ref, self.redop)
+        return _count_wrong(self.torch, out, ref, self.redop if op != "sendrecv" else "sum")
 
     def check(self, backend, op, out, inp, ref, count):
         """Run once on known data.  Returns (#wrong summed over ranks, error or None).
@@ -627,7 +650,7 @@ class Worker:
                 del out, inp
                 self.send(
                     type="row", world=w, op=op, size=eff, count=count, dtype=cfg["dtype"],
-                    redop=self.redop if op != "allgather" else "none",
+                    redop=self.redop if op not in ("allgather", "sendrecv") else "none",
                     results=[results[b.label] for b in self.backends],
                 )
             self.send(type="table_end", world=w, op=op)
@@ -872,7 +895,7 @@ class Reporter:
         for note in self.notes:
             self.out(note)
         self.notes = []
-        factor = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n"}[op]
+        factor = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n", "sendrecv": "1"}[op]
         self.out(f"# world {world}  {op}  dtype {self.args.dtype}  busbw factor {factor} = {BUSBW_FACTOR[op](world):.3f}")
         for j in self.jobs:
             if self.world_status.get(j.label):
@@ -1358,7 +1381,7 @@ def parse_args(argv):
                    help=f"comma list of baselines ({','.join(list(BASELINES) + list(JOB_BASELINES))}); "
                         "default gloo,mpich if mpi4py, numpy and mpiexec are available, else gloo")
     p.add_argument("--worlds", default="2,4", help="comma list of world sizes")
-    p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {','.join(OPS)}")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {','.join(ALL_OPS)}")
     p.add_argument("-d", "--dtype", default="float32", choices=list(DTYPES), help="datatype")
     p.add_argument("-o", "--op", default="sum", choices=list(REDOPS), help="reduction op")
     p.add_argument("-b", "--minbytes", default="8", type=parse_size, help="smallest size (K/M/G suffixes, binary)")
@@ -1415,8 +1438,8 @@ def parse_args(argv):
             p.error(f"mpich baseline unavailable: {why} (pip install -r requirements-bench.txt)")
         args.mpiexec = exe
     for o in args.ops:
-        if o not in OPS:
-            p.error(f"unknown op {o!r} (choose from {', '.join(OPS)})")
+        if o not in ALL_OPS:
+            p.error(f"unknown op {o!r} (choose from {', '.join(ALL_OPS)})")
     for b in args.baselines:
         if b not in BASELINES and b not in JOB_BASELINES:
             p.error(f"unknown baseline {b!r} (available: {', '.join(list(BASELINES) + list(JOB_BASELINES))})")
