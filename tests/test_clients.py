@@ -560,3 +560,60 @@ def compile_task(rank, world):
 @pytest.mark.parametrize("world", [2])
 def test_functional_collectives_compiled(pools, world):
     pools.check(world, compile_task, timeout=240)
+
+
+# ---------------------------------------------------------------------------
+# 9. pipeline parallelism (torch.distributed.pipelining): activations and
+#    their gradients go between the stages by send/recv (batch_isend_irecv)
+# ---------------------------------------------------------------------------
+def pipeline_task(rank, world, schedule_name):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rep = Report(rank)
+    tag = f"pipelining {schedule_name} world={world}"
+    microbatches = 4
+    torch.manual_seed(77)
+    layers = []
+    for _ in range(world):  # two layers per stage, one stage per rank
+        layers += [nn.Linear(DIN, DIN), nn.Tanh()]
+    ref = nn.Sequential(*layers, nn.Linear(DIN, DOUT)).to(torch.float64)
+    per_stage = [list(range(2 * s, 2 * s + 2)) for s in range(world)]
+    per_stage[-1].append(2 * world)  # the last stage also holds the output layer
+    stage_mod = nn.Sequential(*[copy.deepcopy(ref[i]) for i in per_stage[rank]])
+    ref_of = [ref[i] for i in per_stage[rank]]
+    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
+    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name](
+        stage, microbatches, loss_fn=nn.functional.mse_loss)
+    opt = torch.optim.SGD(stage_mod.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(_batches(world, key=9)):
+        with rep.cell(f"{tag} step {step}"):
+            opt.zero_grad()
+            losses = []
+            if rank == 0:
+                schedule.step(x)
+            elif rank == world - 1:
+                schedule.step(target=y, losses=losses)
+            else:
+                schedule.step()
+            ref_opt.zero_grad()
+            # Equal microbatches, gradients scaled by 1/microbatches: the full batch's mean loss.
+            ref_losses = [_loss(ref, xm, ym) for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches))]
+            (sum(ref_losses) / microbatches).backward()
+            if rank == world - 1:
+                rep.expect(len(losses) == microbatches, f"{tag} step {step}: {len(losses)} losses")
+                for m, (got, want) in enumerate(zip(losses, ref_losses)):
+                    _close(rep, f"{tag} step {step}: loss of microbatch {m}", got, want, **TOL64, cross_rank=False)
+            for k, (mod, rmod) in enumerate(zip(stage_mod, ref_of)):
+                for (n, p), q in zip(mod.named_parameters(), rmod.parameters()):
+                    _close(rep, f"{tag} step {step}: grad of stage {rank} layer {k} {n}", p.grad, q.grad, **TOL64,
+                           cross_rank=False)
+            opt.step()
+            ref_opt.step()
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_parallel(pools, world, schedule):
+    pools.check(world, pipeline_task, schedule, timeout=240)
