@@ -1,5 +1,6 @@
 """The benchmark tools run end to end: compare.py's report from a small run's JSON lines,
-bench_subgroups.py on small sizes, and bench_training.py on a tiny model (both backends must
+bench_vs_gloo.py (the main job) and bench_subgroups.py on small sizes, and bench_training.py on a
+tiny model (both backends must
 reach the same loss). Speed is never asserted here: the numbers come from the benchmarks
 themselves."""
 import importlib.util
@@ -59,3 +60,21 @@ def test_subgroups_benchmark_runs_both_backends():
     rows = [line.split() for line in p.stdout.splitlines() if line and not line.startswith(("#", " " * 6 + "size"))]
     assert [r[0] for r in rows] == ["12", "3072"], p.stdout
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), p.stdout
+
+
+@pytest.mark.timeout(300)
+def test_side_by_side_benchmark_checks_sendrecv(tmp_path):
+    # The main job's script on small sizes: every row is first checked against the pattern the
+    # previous rank sent (sendrecv) or the reduction (allreduce), for smddp and gloo alike.
+    out = tmp_path / "rows.jsonl"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vs_gloo.py"), "--ops", "sendrecv,allreduce",
+                        "--worlds", "2,3", "-b", "8", "-e", "300K", "-f", "64", "--rounds", "1", "--baselines", "gloo",
+                        "--target-ms", "5", "--warmup-ms", "1", "--job-warmup-ms", "1", "--idle-seconds", "0",
+                        "-J", str(out)],
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    cells = {(r["world"], r["op"], r["size"], r["backend"]) for r in rows}
+    assert cells == {(w, op, s, b) for w in (2, 3) for op in ("sendrecv", "allreduce") for s in (8, 512, 32768)
+                     for b in ("smddp", "gloo")}, sorted(cells)
+    assert all(r["error"] is None and r["wrong"] == 0 and r["time_us"] > 0 for r in rows), rows
