@@ -12,14 +12,35 @@ ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"
 
 
-@pytest.mark.parametrize("binary", ["smddp_core_tests", "smddp_net_tests", "smddp_p2p_tests", "smddp_cuda_host_tests"])
-def test_core_binary(binary):
+def _run_binary(binary, env=None):
     exe = BUILD / binary
     if not exe.exists():
         pytest.fail(f"{exe} is missing: build with `pip install --no-build-isolation -e .`")
-    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, env=dict(os.environ, **(env or {})))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed, 0 failed" in proc.stdout.splitlines()[-1]
+    return proc.stdout
+
+
+def _ptrace_allowed():
+    """Whether this kernel lets a process read another one of its user (Yama absent or scope 0)."""
+    try:
+        return Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip() == "0"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("binary", ["smddp_core_tests", "smddp_net_tests", "smddp_cuda_host_tests"])
+def test_core_binary(binary):
+    _run_binary(binary)
+
+
+@pytest.mark.parametrize("single_copy", ["on", "off"])
+def test_p2p_engine_binary(single_copy):
+    """Large messages read straight from the sender's memory, and through the mailboxes."""
+    out = _run_binary("smddp_p2p_tests", None if single_copy == "on" else {"SMDDP_P2P_SINGLE_COPY_BYTES": "0"})
+    if single_copy == "off" or _ptrace_allowed():
+        assert f"single-copy reads between the two ranks: {single_copy}" in out, out[-2000:]
 
 
 def test_p2p_engine_under_thread_sanitizer(tmp_path):

@@ -180,9 +180,12 @@ def test_send_recv_ring(pools, world):
     pools.check(world, ping_pong, [dname(d) for d in DTYPES], SIZES[:3], timeout=240)
 
 
+@pytest.mark.parametrize("single_copy", ["default", "off"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_send_recv_large(pools, world):
-    pools.check(world, ping_pong, ["float32", "bfloat16"], SIZES[3:], timeout=240)
+def test_send_recv_large(pools, world, single_copy):
+    # By default the receiver reads large messages from the sender's memory; "off": the mailboxes.
+    env = (("SMDDP_P2P_SINGLE_COPY_BYTES", "0"),) if single_copy == "off" else None
+    pools.check(world, ping_pong, ["float32", "bfloat16"], SIZES[3:], timeout=240, env=env)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

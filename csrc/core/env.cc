@@ -39,6 +39,12 @@ constexpr Param kParams[] = {
     {"SMDDP_YIELD_US", "50",
      "When ranks outnumber cores: microseconds a waiting rank keeps yielding its core (so the rank it "
      "waits for can run) before it sleeps on a futex."},
+    {"SMDDP_P2P_SINGLE_COPY_BYTES", "-1",
+     "Point-to-point messages between ranks of one host of at least this many bytes are copied "
+     "once, by the receiver, straight from the sender's buffer (process_vm_readv), instead of "
+     "twice through the shared-memory mailboxes (where sender and receiver copy at the same time). "
+     "Used only where the receiver checked at set-up that it may read its peers' memory. -1 = 4 MiB, "
+     "or 256 KiB when the machine's ranks outnumber its cores; 0 = never."},
     {"SMDDP_STREAM_MIN_BYTES", "-1",
      "Allgather and broadcast write their output with non-temporal (streaming) stores, which skip "
      "the cache and the read-for-ownership of every line, when the outputs of the ranks on the host "
@@ -161,6 +167,7 @@ SMDDP_INT_PARAM(shmSlotBytes, "SMDDP_SHM_SLOT_BYTES")
 SMDDP_INT_PARAM(shmCopyStepBytes, "SMDDP_SHM_COPY_STEP_BYTES")
 SMDDP_INT_PARAM(allreduceOneShotMaxBytes, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES")
 SMDDP_INT_PARAM(streamMinBytes, "SMDDP_STREAM_MIN_BYTES")
+SMDDP_INT_PARAM(p2pSingleCopyBytes, "SMDDP_P2P_SINGLE_COPY_BYTES")
 SMDDP_INT_PARAM(cpuThreads, "SMDDP_CPU_THREADS")
 SMDDP_INT_PARAM(spinMicros, "SMDDP_SPIN_US")
 SMDDP_INT_PARAM(yieldMicros, "SMDDP_YIELD_US")

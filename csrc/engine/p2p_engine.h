@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/spin.h"
 #include "transport/shm_domain.h"
 
 namespace smddp::engine {
@@ -44,6 +45,7 @@ struct P2pOp {
 
   size_t offset = 0;
   bool started = false;  // first chunk sent / matched
+  uint64_t readUntil = 0;  // shared-memory send handed over by address: done once the peer consumed this many chunks
 
   // True if this engine may finish the op: always, except for a shared receive the other engine
   // already took. After it, this engine owns the op outright.
@@ -66,7 +68,11 @@ std::string outOfStepMessage(int peer, int tag, size_t bytes, int64_t sentTag, u
 
 class P2pEngine {
  public:
-  P2pEngine(shm::Domain* domain, std::chrono::microseconds spin, std::string name);
+  // `singleCopyBytes`: messages of at least this size to a rank that reads its peers' memory are
+  // handed over by address (singleCopyBytesFor()).
+  P2pEngine(shm::Domain* domain, std::chrono::microseconds spin, size_t singleCopyBytes, std::string name);
+  // SMDDP_P2P_SINGLE_COPY_BYTES, or its default for how the machine's cores are shared.
+  static size_t singleCopyBytesFor(const CpuShare& machine);
   ~P2pEngine();  // shutdown()
 
   // Queues `op` and, unless another thread is making a pass, moves what it can of it at once
@@ -116,6 +122,7 @@ class P2pEngine {
   int rank_;
   int size_;
   std::chrono::microseconds spin_;
+  size_t singleCopyBytes_;  // SMDDP_P2P_SINGLE_COPY_BYTES (SIZE_MAX: never)
   std::string name_;
 
   std::mutex mutex_;

@@ -274,7 +274,9 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   spin_ = lingerBudget(comm_->machineShare());
   progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank), spin_);
   if (comm_->topology().localSize() > 1) {
-    p2p_ = std::make_shared<engine::P2pEngine>(comm_->domain(), spin_, "smddp-p2p" + std::to_string(rank));
+    p2p_ = std::make_shared<engine::P2pEngine>(comm_->domain(), spin_,
+                                               engine::P2pEngine::singleCopyBytesFor(comm_->machineShare()),
+                                               "smddp-p2p" + std::to_string(rank));
   }
   if (comm_->multiHost()) {
     try {

@@ -4,6 +4,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -60,6 +61,11 @@ struct Domain::Control {
   // fail at once with its reason instead of waiting out the timeout.
   alignas(64) std::atomic<uint32_t> failed;
   char failure[1024];  // room for a reason relayed from another host (a farewell, nested)
+  // Single-copy reads: a random token, where the owner keeps a copy of it in its own memory, and
+  // whether the owner could read every peer's copy (0: not checked yet, 1: yes, 2: no).
+  uint64_t probeToken;
+  uint64_t probeAddress;
+  alignas(64) std::atomic<uint32_t> readsPeers;
 };
 
 namespace {
@@ -135,6 +141,10 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   mine->sleepers.store(0);
   mine->doorbell.store(0);
   mine->doorbellSleepers.store(0);
+  d->probeWord_ = std::stoull(randomHex(8), nullptr, 16) | 1;  // never 0, an unset word
+  mine->probeToken = d->probeWord_;
+  mine->probeAddress = reinterpret_cast<uint64_t>(&d->probeWord_);
+  mine->readsPeers.store(0);
   for (int p = 0; p < size; ++p) {
     new (&d->sentTo(rank, p)) std::atomic<uint64_t>(0);
     new (&d->consumedFrom(rank, p)) std::atomic<uint64_t>(0);
@@ -161,6 +171,7 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
     if (r != rank) store.get(attachedKey(r));
   }
   d->segments_[rank].unlink();
+  d->probePeerReads();
 
   d->slotsOffset_ = slotsOffset;
   d->groupBytes_ = segBytes * size;
@@ -224,6 +235,45 @@ void Domain::sleepOnDoorbell(uint32_t seen, std::chrono::nanoseconds max) {
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(&c->doorbell), FUTEX_WAIT, seen, &ts, nullptr, 0);
   }
   c->doorbellSleepers.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+void Domain::probePeerReads() {
+  bool ok = env::p2pSingleCopyBytes() != 0;
+  for (int r = 0; r < size_ && ok; ++r) {
+    if (r == rank_) continue;
+    uint64_t word = 0;
+    const int err = readFromPeer(r, &word, control(r)->probeAddress, sizeof(word));
+    // A pid of another pid namespace names another process: its word (if any) is not the token.
+    ok = err == 0 && word == control(r)->probeToken;
+    if (!ok) {
+      SMDDP_INFO(kInit, "rank %d: no single-copy reads from rank %d (%s): large messages go through the mailboxes",
+                 rank_, r, err != 0 ? strerror(err) : "another process under its pid");
+    }
+  }
+  control(rank_)->readsPeers.store(ok ? 1 : 2, std::memory_order_release);
+}
+
+bool Domain::readsPeers(int rank) const {
+  return control(rank)->readsPeers.load(std::memory_order_acquire) == 1;
+}
+
+int Domain::readFromPeer(int peer, void* dst, uint64_t address, size_t bytes) const {
+  const pid_t pid = control(peer)->pid;
+  auto* at = static_cast<uint8_t*>(dst);
+  while (bytes > 0) {  // the kernel may copy less than asked (at most IOV_MAX pages' worth per call)
+    struct iovec local{at, bytes};
+    struct iovec remote{reinterpret_cast<void*>(address), bytes};
+    const ssize_t n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return EFAULT;
+    at += n;
+    address += static_cast<uint64_t>(n);
+    bytes -= static_cast<size_t>(n);
+  }
+  return 0;
 }
 
 bool Domain::peerAlive(int rank) const {

@@ -95,6 +95,15 @@ class Domain {
   // Sleeps until this rank's doorbell differs from `seen` (or `max` passes).
   void sleepOnDoorbell(uint32_t seen, std::chrono::nanoseconds max);
   bool peerAlive(int rank) const;
+
+  // ---- single-copy reads between processes (process_vm_readv) ----
+  // Whether `rank` found, when the domain was made, that it may read every other rank's memory
+  // (same user, no seccomp or security module rule against it, one pid namespace), and
+  // SMDDP_P2P_SINGLE_COPY_BYTES is not 0 there. Messages to it may then hand over an address.
+  bool readsPeers(int rank) const;
+  // Copies `bytes` at `address` in `peer`'s process to `dst`; 0 or the errno of the failure.
+  int readFromPeer(int peer, void* dst, uint64_t address, size_t bytes) const;
+
   // How long a wait polls before it yields or sleeps (see spinBudget()).
   std::chrono::microseconds spin() const { return spin_; }
   // Waits until every peer has published `phase`. Throws kTimeout naming the missing ranks,
@@ -107,6 +116,9 @@ class Domain {
   Domain(int rank, int size, size_t slotBytes);
   Control* control(int rank) const;
   bool waitFor(int peer, uint64_t phase, const WaitContext& ctx);
+  // Reads every peer's probe word (their tokens in their control blocks say what it must hold)
+  // and publishes in this rank's control block whether all reads succeeded.
+  void probePeerReads();
 
   int rank_;
   int size_;
@@ -124,6 +136,7 @@ class Domain {
   std::vector<std::array<uint8_t*, 2>> slots_;
   size_t p2pCountersOffset_ = 0;
   size_t p2pOutboxOffset_ = 0;
+  uint64_t probeWord_ = 0;  // peers read it through process_vm_readv (its address is in our control block)
 };
 
 }  // namespace smddp::shm

@@ -1,6 +1,7 @@
 // Torch-free tests of the shared-memory point-to-point engine (two ranks as two threads of this
 // process, bootstrapped through a FileStore): many messages of mixed sizes in both directions at
-// once, waited on by several threads that run the engine themselves (driveUntil) beside its own
+// once (the large ones read by the receiver straight from the sender's buffer, unless
+// SMDDP_P2P_SINGLE_COPY_BYTES=0 or the kernel refuses: the first line says which), waited on by several threads that run the engine themselves (driveUntil) beside its own
 // thread, land whole and in order; a waiter blocked on a recv whose sender never comes is
 // released by the op's deadline, and by shutdown() from another thread; a wait after shutdown
 // returns at once. tests/test_core_cpp.py also builds it under ThreadSanitizer when clang can.
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
@@ -65,7 +67,8 @@ std::vector<std::unique_ptr<shm::Domain>> domains(Store& store) {
 void testManyMessagesManyWaiters(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
   auto d = domains(store);
-  const size_t sizes[] = {0, 1, 64 * 1024 - 64, 64 * 1024, 200'001, 1 << 20};
+  std::printf("single-copy reads between the two ranks: %s\n", d[0]->readsPeers(1) && d[1]->readsPeers(0) ? "on" : "off");
+  const size_t sizes[] = {0, 1, 64 * 1024 - 64, 64 * 1024, 200'001, 300'000, 1 << 20};
   constexpr int kMessages = 60;
   std::atomic<int> wrong{0}, failed{0}, stuck{0};
   auto rank = [&](int r) {
@@ -78,7 +81,7 @@ void testManyMessagesManyWaiters(const std::string& dir) {
       in[m]->data.resize(n);
       for (size_t i = 0; i < n; ++i) out[m]->data[i] = pattern(r, m, i);
     }
-    engine::P2pEngine eng(d[r].get(), std::chrono::microseconds(20), "p2ptest" + std::to_string(r));
+    engine::P2pEngine eng(d[r].get(), std::chrono::microseconds(20), 256 << 10, "p2ptest" + std::to_string(r));
     // Sends and recvs interleaved; the waiters start while the ops are still being submitted.
     std::vector<Slot*> all;
     for (int m = 0; m < kMessages; ++m) {
@@ -128,7 +131,7 @@ void waitReleased(const std::string& dir, const char* what, std::chrono::millise
   FileStore store(dir, std::chrono::seconds(30));
   auto d = domains(store);
   Slot s;
-  auto eng = std::make_unique<engine::P2pEngine>(d[0].get(), std::chrono::microseconds(20), "p2ptest0");
+  auto eng = std::make_unique<engine::P2pEngine>(d[0].get(), std::chrono::microseconds(20), 256 << 10, "p2ptest0");
   s.data.resize(1000);
   eng->submit(opFor(false, 1, s, within));
   const auto t0 = Clock::now();
