@@ -43,8 +43,8 @@ constexpr Param kParams[] = {
      "Point-to-point messages between ranks of one host of at least this many bytes are copied "
      "once, by the receiver, straight from the sender's buffer (process_vm_readv), instead of "
      "twice through the shared-memory mailboxes (where sender and receiver copy at the same time). "
-     "Used only where the receiver checked at set-up that it may read its peers' memory. -1 = 4 MiB, "
-     "or 256 KiB when the machine's ranks outnumber its cores; 0 = never."},
+     "Used only where the receiver checked at set-up that it may read its peers' memory. -1 = 256 KiB "
+     "when the machine's ranks outnumber its cores, else never; 0 = never."},
     {"SMDDP_STREAM_MIN_BYTES", "-1",
      "Allgather and broadcast write their output with non-temporal (streaming) stores, which skip "
      "the cache and the read-for-ownership of every line, when the outputs of the ranks on the host "

@@ -73,6 +73,7 @@ class P2pEngine {
   P2pEngine(shm::Domain* domain, std::chrono::microseconds spin, size_t singleCopyBytes, std::string name);
   // SMDDP_P2P_SINGLE_COPY_BYTES, or its default for how the machine's cores are shared.
   static size_t singleCopyBytesFor(const CpuShare& machine);
+  size_t singleCopyBytes() const { return singleCopyBytes_; }
   ~P2pEngine();  // shutdown()
 
   // Queues `op` and, unless another thread is making a pass, moves what it can of it at once
@@ -104,9 +105,9 @@ class P2pEngine {
   // One pass under progressMutex_ (blocking, or skipped when another thread holds it and `tryOnly`),
   // then the completions it produced, outside the lock (a `done` may submit again).
   Pass pass(bool tryOnly = false);
-  // Waits for the doorbell to move on from `bell` (polling first while streaming, then asleep
-  // for at most a tick); then checks deadlines and peers if ops wait.
-  void await(uint32_t bell, const Pass& p);
+  // Waits for the doorbell to move on from `bell` (polling first if `poll` or streaming, then
+  // asleep for at most a tick); then checks deadlines and peers if ops wait.
+  void await(uint32_t bell, const Pass& p, bool poll);
   bool progress();  // one pass over every pending op; true if anything moved
   bool progressSend(P2pOp& op);
   bool progressRecv(P2pOp& op, int src);

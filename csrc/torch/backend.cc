@@ -323,6 +323,13 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
                                               {"machine_ranks", std::to_string(comm_->machineShare().ranks)},
                                               {"machine_cpus", std::to_string(comm_->machineShare().cpus)},
                                               {"wait_spin_us", std::to_string(comm_->domain()->spin().count())}};
+  if (p2p_) {
+    // Whether messages to this rank from its host-mates may be read from their memory, and from what size.
+    const bool reads = comm_->domain()->readsPeers(t.localRank());
+    info["p2p_single_copy"] = p2p_->singleCopyBytes() == SIZE_MAX ? "off"
+                              : reads ? "from " + std::to_string(p2p_->singleCopyBytes()) + " bytes"
+                                      : "off (this rank may not read its host-mates' memory)";
+  }
   if (comm_->multiHost()) {
     info["net_address"] = net::interfaceAddresses(comm_->netAddresses());  // one per interface
     info["net_interface"] = net::interfaceNames(comm_->netAddresses());
