@@ -180,6 +180,11 @@ class MpiWorker:
             i, o = [inp, dt], [out, dt]
             nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
             return lambda: comm.Sendrecv(i, dest=nxt, recvbuf=o, source=prv)
+        if op == "pingpong":
+            i, o, peer = [inp, dt], [out, dt], self.rank ^ 1
+            if self.rank % 2 == 0:
+                return lambda: (comm.Send(i, dest=peer), comm.Recv(o, source=peer))
+            return lambda: (comm.Recv(o, source=peer), comm.Send(i, dest=peer))
         raise ValueError(op)
 
     def buffers(self, op, count):
@@ -187,7 +192,7 @@ class MpiWorker:
         if op == "allreduce":
             inp = np.empty(count, dtype=self.dtype)
             return inp, inp
-        if op == "sendrecv":
+        if op in ("sendrecv", "pingpong"):
             return np.empty(count, dtype=self.dtype), np.empty(count, dtype=self.dtype)
         if op == "allgather":
             return np.empty(count * w, dtype=self.dtype), np.empty(count, dtype=self.dtype)
@@ -201,6 +206,8 @@ class MpiWorker:
             return reduce_ref(self.np, [self.pat.get(q, count, start=r * count) for q in range(w)], self.redop)
         if op == "sendrecv":
             return self.pat.get((r - 1) % w, count)
+        if op == "pingpong":
+            return self.pat.get(r ^ 1, count)
         return None
 
     def count_wrong(self, op, out, ref, count) -> int:

@@ -72,7 +72,9 @@ REDOPS = ("sum", "avg", "max", "min", "prod")
 OPS = ("allreduce", "allgather", "reduce_scatter")  # the default set
 # sendrecv (nccl-tests' sendrecv_perf): every rank sends to the next rank and receives from the
 # previous one at once (torch: batch_isend_irecv, then wait; MPI: Sendrecv).
-ALL_OPS = OPS + ("sendrecv",)
+# pingpong (OSU-style latency): ranks 2k and 2k+1 pair up; the even one sends, then receives the
+# odd one's message (blocking send and recv); time = one round trip; even world sizes only.
+ALL_OPS = OPS + ("sendrecv", "pingpong")
 
 # busbw = algbw * factor(n)  (nccl-tests PERFORMANCE.md)
 BUSBW_FACTOR = {
@@ -80,6 +82,7 @@ BUSBW_FACTOR = {
     "allgather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "sendrecv": lambda n: 1.0,
+    "pingpong": lambda n: 2.0,  # a round trip moves the message twice
 }
 
 KIB, MIB = 1024, 1024 * 1024
@@ -127,10 +130,10 @@ def geometry(op: str, size: int, world: int, esize: int):
     allreduce:      size = tensor bytes,            count = elements
     allgather:      size = total output bytes,      count = elements per rank
     reduce_scatter: size = total input bytes,       count = output elements per rank
-    sendrecv:       size = bytes each rank sends,   count = elements
+    sendrecv, pingpong: size = bytes each rank sends, count = elements
     eff_size is the size actually moved after rounding down to whole elements.
     """
-    if op in ("allreduce", "sendrecv"):
+    if op in ("allreduce", "sendrecv", "pingpong"):
         count = size // esize
         return count, count, count, count * esize
     count = size // (esize * world)
@@ -240,6 +243,9 @@ class Backend:
     def send_recv(self, out, inp) -> None:  # inp to the next rank, out from the previous one
         raise NotImplementedError
 
+    def ping_pong(self, out, inp) -> None:  # inp to the partner (rank ^ 1), out from it
+        raise NotImplementedError
+
     def teardown(self) -> None:
         pass
 
@@ -259,6 +265,9 @@ class Backend:
             return lambda: f(out, inp, redop)
         if op == "sendrecv":
             f = self.send_recv
+            return lambda: f(out, inp)
+        if op == "pingpong":
+            f = self.ping_pong
             return lambda: f(out, inp)
         raise ValueError(op)
 
@@ -302,6 +311,17 @@ class TorchDistBackend(Backend):
                d.P2POp(d.irecv, out, (rank - 1) % world, self.group)]
         for work in d.batch_isend_irecv(ops):
             work.wait()
+
+    def ping_pong(self, out, inp):
+        d = self._dist
+        rank = d.get_rank()
+        peer = rank ^ 1
+        if rank % 2 == 0:
+            d.send(inp, peer, group=self.group)
+            d.recv(out, peer, group=self.group)
+        else:
+            d.recv(out, peer, group=self.group)
+            d.send(inp, peer, group=self.group)
 
 
 class CandidateBackend(TorchDistBackend):
@@ -562,7 +582,7 @@ class Worker:
         if op == "allreduce":
             inp = torch.empty(count, dtype=self.dtype)
             return inp, inp
-        if op == "sendrecv":
+        if op in ("sendrecv", "pingpong"):
             return torch.empty(count, dtype=self.dtype), torch.empty(count, dtype=self.dtype)
         if op == "allgather":
             return torch.empty(count * w, dtype=self.dtype), torch.empty(count, dtype=self.dtype)
@@ -582,6 +602,8 @@ class Worker:
             return _reduce_ref(self.torch, chunks, self.redop, self.dtype, w)
         if op == "sendrecv":
             return self.pat.get((r - 1) % w, count)
+        if op == "pingpong":
+            return self.pat.get(r ^ 1, count)
         return None
 
     def count_wrong(self, op, out, ref, count) -> int:
@@ -590,7 +612,7 @@ class Worker:
                 _count_wrong(self.torch, out.narrow(0, q * count, count), self.pat.get(q, count), "sum")
                 for q in range(self.world)
             )
-        return _count_wrong(self.torch, out, ref, self.redop if op != "sendrecv" else "sum")
+        return _count_wrong(self.torch, out, ref, self.redop if op not in ("sendrecv", "pingpong") else "sum")
 
     def check(self, backend, op, out, inp, ref, count):
         """Run once on known data.  Returns (#wrong summed over ranks, error or None).
@@ -650,7 +672,7 @@ class Worker:
                 del out, inp
                 self.send(
                     type="row", world=w, op=op, size=eff, count=count, dtype=cfg["dtype"],
-                    redop=self.redop if op not in ("allgather", "sendrecv") else "none",
+                    redop=self.redop if op not in ("allgather", "sendrecv", "pingpong") else "none",
                     results=[results[b.label] for b in self.backends],
                 )
             self.send(type="table_end", world=w, op=op)
@@ -895,7 +917,7 @@ class Reporter:
         for note in self.notes:
             self.out(note)
         self.notes = []
-        factor = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n", "sendrecv": "1"}[op]
+        factor = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n", "sendrecv": "1", "pingpong": "2"}[op]
         self.out(f"# world {world}  {op}  dtype {self.args.dtype}  busbw factor {factor} = {BUSBW_FACTOR[op](world):.3f}")
         for j in self.jobs:
             if self.world_status.get(j.label):
@@ -1440,6 +1462,8 @@ def parse_args(argv):
     for o in args.ops:
         if o not in ALL_OPS:
             p.error(f"unknown op {o!r} (choose from {', '.join(ALL_OPS)})")
+    if "pingpong" in args.ops and any(w % 2 for w in args.worlds):
+        p.error("pingpong pairs ranks 2k and 2k+1: give even --worlds")
     for b in args.baselines:
         if b not in BASELINES and b not in JOB_BASELINES:
             p.error(f"unknown baseline {b!r} (available: {', '.join(list(BASELINES) + list(JOB_BASELINES))})")

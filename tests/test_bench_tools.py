@@ -63,18 +63,19 @@ def test_subgroups_benchmark_runs_both_backends():
 
 
 @pytest.mark.timeout(300)
-def test_side_by_side_benchmark_checks_sendrecv(tmp_path):
+def test_side_by_side_benchmark_checks_point_to_point(tmp_path):
     # The main job's script on small sizes: every row is first checked against the pattern the
-    # previous rank sent (sendrecv) or the reduction (allreduce), for smddp and gloo alike.
+    # previous rank (sendrecv) or the partner (pingpong) sent, or the reduction (allreduce), for
+    # smddp and gloo alike.
     out = tmp_path / "rows.jsonl"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vs_gloo.py"), "--ops", "sendrecv,allreduce",
-                        "--worlds", "2,3", "-b", "8", "-e", "300K", "-f", "64", "--rounds", "1", "--baselines", "gloo",
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vs_gloo.py"), "--ops", "sendrecv,pingpong,allreduce",
+                        "--worlds", "2,4", "-b", "8", "-e", "300K", "-f", "64", "--rounds", "1", "--baselines", "gloo",
                         "--target-ms", "5", "--warmup-ms", "1", "--job-warmup-ms", "1", "--idle-seconds", "0",
                         "-J", str(out)],
                        capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     cells = {(r["world"], r["op"], r["size"], r["backend"]) for r in rows}
-    assert cells == {(w, op, s, b) for w in (2, 3) for op in ("sendrecv", "allreduce") for s in (8, 512, 32768)
+    assert cells == {(w, op, s, b) for w in (2, 4) for op in ("sendrecv", "pingpong", "allreduce") for s in (8, 512, 32768)
                      for b in ("smddp", "gloo")}, sorted(cells)
     assert all(r["error"] is None and r["wrong"] == 0 and r["time_us"] > 0 for r in rows), rows
