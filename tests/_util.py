@@ -39,6 +39,16 @@ PROMPT_S = 10.0  # a refusal must come back faster than this
 SMALL_SIZES = [0, 1, 7, 1001]
 
 
+def ptrace_allowed():
+    """Whether this kernel lets a process read the memory of another one of its user, a sibling
+    included (Yama absent or ptrace_scope 0): smddp's single-copy point-to-point path needs it."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return f.read().strip() == "0"
+    except OSError:
+        return True
+
+
 def dname(dtype):
     return str(dtype).replace("torch.", "")
 

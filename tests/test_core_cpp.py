@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from _util import ptrace_allowed
+
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"
 
@@ -22,14 +24,6 @@ def _run_binary(binary, env=None):
     return proc.stdout
 
 
-def _ptrace_allowed():
-    """Whether this kernel lets a process read another one of its user (Yama absent or scope 0)."""
-    try:
-        return Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip() == "0"
-    except OSError:
-        return True
-
-
 @pytest.mark.parametrize("binary", ["smddp_core_tests", "smddp_net_tests", "smddp_cuda_host_tests"])
 def test_core_binary(binary):
     _run_binary(binary)
@@ -39,7 +33,7 @@ def test_core_binary(binary):
 def test_p2p_engine_binary(single_copy):
     """Large messages read straight from the sender's memory, and through the mailboxes."""
     out = _run_binary("smddp_p2p_tests", None if single_copy == "on" else {"SMDDP_P2P_SINGLE_COPY_BYTES": "0"})
-    if single_copy == "off" or _ptrace_allowed():
+    if single_copy == "off" or ptrace_allowed():
         assert f"single-copy reads between the two ranks: {single_copy}" in out, out[-2000:]
 
 

@@ -116,7 +116,7 @@ class P2pEngine {
   void fail(std::deque<P2pOp>& q, const std::string& why);
   void failEverything(const std::string& why);
   void checkDeadlinesAndPeers();
-  void handOver();  // wakes the thread to take over pending ops, unless a driver runs them
+  void handOver();  // wakes the thread to take over pending ops (it steps aside again while a driver runs)
   void shutdownNow();
 
   shm::Domain* domain_;
