@@ -7,7 +7,8 @@ ring) and gloo, one job each, same cluster, one invocation. Needs root.
     python benchmarks/bench_cluster.py --hosts 2 --nics 2 --rate 1gbit      # two NICs per host
 
 Columns per implementation: time per op in us (max over ranks of the mean over the timed
-iterations), busbw (nccl-tests: algbw x 2(n-1)/n for allreduce, 1 for broadcast and sendrecv,
+iterations), busbw (nccl-tests: algbw x 2(n-1)/n for allreduce, 1 for broadcast, sendrecv and
+pingpong (ranks 2k and 2k+1, blocking send then recv: time = one round trip),
 (n-1)/n otherwise, n = ranks),
 and link% = the bytes each host must move across its link (the same factors with n = hosts;
 all_to_all: times the ranks per host, each with its own data) per second, as a share of the
@@ -27,6 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import netcluster  # noqa: E402
 
+OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv", "pingpong")  # cluster_worker.make
 IMPLS = {
     "mesh": ("smddp", {"SMDDP_NET_ALGO": "mesh"}),
     "naive": ("smddp", {"SMDDP_NET_ALGO": "naive"}),
@@ -52,7 +54,7 @@ def parse_rate(r):
 def factor(op, n):
     if n <= 1:
         return 0.0
-    if op in ("sendrecv", "broadcast"):  # each rank (each link) receives the message once
+    if op in ("sendrecv", "broadcast", "pingpong"):  # each rank (each link) receives the message once
         return 1.0
     return 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
 
@@ -156,10 +158,15 @@ def main():
     unknown = [i for i in args.impls.split(",") if i not in IMPLS and i not in args.variants]
     if unknown:
         p.error(f"--impls: unknown {', '.join(unknown)} (built in: {', '.join(IMPLS)}; or define it with --variant)")
+    args.ops = args.ops.split(",")
+    bad = [op for op in args.ops if op not in OPS]
+    if bad:
+        p.error(f"--ops: unknown {', '.join(bad)} (one of {', '.join(OPS)})")
+    if "pingpong" in args.ops and (args.per_host != 1 or args.hosts % 2):
+        p.error("pingpong pairs ranks 2k and 2k+1 across hosts: give --per-host 1 and an even --hosts")
     why = netcluster.available(delay=bool(args.delay))
     if why:
         sys.exit(f"bench_cluster: cannot build the emulated cluster: {why}")
-    args.ops = args.ops.split(",")
     impls = args.impls.split(",")
     sizes, s = [], parse_size(args.minbytes)
     while s <= parse_size(args.maxbytes):

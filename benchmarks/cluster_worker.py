@@ -98,6 +98,23 @@ def make(op, size, rank, world):
             run()
             return torch.equal(out, torch.full((n,), float(prv)))
         return run, verify
+    if op == "pingpong":  # ranks 2k and 2k+1: blocking send, then recv; time = one round trip
+        n = max(1, size // 4)
+        peer = rank ^ 1
+        inp, out = torch.full((n,), float(rank)), torch.empty(n)
+
+        def run():
+            if rank % 2 == 0:
+                dist.send(inp, peer)
+                dist.recv(out, peer)
+            else:
+                dist.recv(out, peer)
+                dist.send(inp, peer)
+
+        def verify():
+            run()
+            return torch.equal(out, torch.full((n,), float(peer)))
+        return run, verify
     raise ValueError(op)
 
 

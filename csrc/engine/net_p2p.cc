@@ -165,6 +165,19 @@ void NetP2p::submit(P2pOp op) {
     std::lock_guard<std::mutex> lock(mutex_);
     submitted_.push_back(std::move(op));
   }
+  // Moves what it can at once on the caller's thread (a send the socket takes whole is done
+  // without waking the engine's thread), unless that thread is making a pass.
+  bool wake = true;
+  {
+    std::unique_lock<std::mutex> lock(stateMutex_, std::try_to_lock);
+    if (lock.owns_lock() && !aborted_.load()) {
+      intake();
+      progressReady();
+      wake = anyPending();  // the thread's poll set must then cover it
+    }
+  }
+  runCompletions();
+  if (!wake) return;
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t k = write(wakeFd_, &one, sizeof(one));
 }
@@ -172,14 +185,14 @@ void NetP2p::submit(P2pOp op) {
 void NetP2p::failQueued(Peer& p, ErrorCode code, const std::string& why) {
   for (auto* q : {&p.sends, &p.recvs}) {
     while (!q->empty()) {
-      P2pOp op = std::move(q->front());
+      complete(std::move(q->front()), errorOf(code, why), p.rank);
       q->pop_front();
-      op.finish(errorOf(code, why), p.rank);
     }
   }
 }
 
 void NetP2p::failPeer(Peer& p, ErrorCode code, const std::string& why) {
+  ++fdGeneration_;
   for (Lane& l : p.lanes) {
     if (l.fd < 0) continue;
     close(l.fd);  // the peer's pending ops with this rank fail too, instead of timing out
@@ -197,11 +210,14 @@ void NetP2p::failAll(const std::string& why) {
     std::lock_guard<std::mutex> lock(mutex_);
     queued.swap(submitted_);
   }
-  for (P2pOp& op : queued) op.finish(errorOf(ErrorCode::kAborted, why), op.peer);
+  for (P2pOp& op : queued) {
+    const int peer = op.peer;
+    complete(std::move(op), errorOf(ErrorCode::kAborted, why), peer);
+  }
   for (auto& p : peers_) {
     if (p) failQueued(*p, ErrorCode::kAborted, why);
   }
-  for (P2pOp& op : anyRecvs_) op.finish(errorOf(ErrorCode::kAborted, why), -1);
+  for (P2pOp& op : anyRecvs_) complete(std::move(op), errorOf(ErrorCode::kAborted, why), -1);
   anyRecvs_.clear();
 }
 
@@ -222,9 +238,10 @@ void NetP2p::intake() {
     }
     Peer& p = *peers_[op.peer];
     if (p.broken) {
-      op.finish(errorOf(ErrorCode::kAborted,
-                        "an earlier point-to-point failure with rank " + std::to_string(p.rank) + ": " + p.why),
-                p.rank);
+      complete(std::move(op),
+               errorOf(ErrorCode::kAborted,
+                       "an earlier point-to-point failure with rank " + std::to_string(p.rank) + ": " + p.why),
+               p.rank);
       continue;
     }
     (op.isSend ? p.sends : p.recvs).push_back(std::move(op));
@@ -233,6 +250,7 @@ void NetP2p::intake() {
 }
 
 void NetP2p::dial(Peer& p) {
+  ++fdGeneration_;
   try {
     const std::vector<net::SocketAddress> peerAddrs = net::parseAddresses(p.address, p.rank);
     for (size_t lane = 0; lane < p.lanes.size(); ++lane) {
@@ -319,7 +337,7 @@ bool NetP2p::progressSends(Peer& p) {
     P2pOp finished = std::move(op);
     p.sends.pop_front();
     for (Lane& l : p.lanes) l.sendOff = 0;
-    finished.finish(nullptr, rank_);
+    complete(std::move(finished), nullptr, rank_);
   }
   return moved;
 }
@@ -354,7 +372,7 @@ bool NetP2p::progressRecvs(Peer& p) {
             const std::string msg = outOfStepMessage(p.rank, op.tag, op.bytes, tag, l.recvHdr.bytes);
             P2pOp failed = std::move(op);
             p.recvs.pop_front();
-            failed.finish(errorOf(ErrorCode::kInvalidUsage, msg), p.rank);
+            complete(std::move(failed), errorOf(ErrorCode::kInvalidUsage, msg), p.rank);
             failPeer(p, ErrorCode::kAborted,
                      "an earlier point-to-point error with rank " + std::to_string(p.rank) + ": " + msg);
             return true;
@@ -382,7 +400,7 @@ bool NetP2p::progressRecvs(Peer& p) {
       l.recvHdrGot = l.recvOff = 0;
       l.recvChecked = false;
     }
-    finished.finish(nullptr, p.rank);
+    complete(std::move(finished), nullptr, p.rank);
   }
   return moved;
 }
@@ -458,37 +476,41 @@ void NetP2p::connectLane(Peer& p, Lane& l, short revents) {
   }
 }
 
-void NetP2p::pollOnce(int timeoutMs) {
-  std::vector<pollfd> fds{{wakeFd_, POLLIN, 0}};
-  for (int fd : listenFds_) fds.push_back({fd, POLLIN, 0});
-  const size_t incomingAt = fds.size();
-  for (const auto& in : incoming_) fds.push_back({in->fd, POLLIN, 0});
-  std::vector<std::pair<Peer*, size_t>> polled;  // (peer, lane)
+void NetP2p::buildPollSet(PollSet& ps) const {
+  ps.fds.assign(1, pollfd{wakeFd_, POLLIN, 0});
+  for (int fd : listenFds_) ps.fds.push_back({fd, POLLIN, 0});
+  ps.incomingAt = ps.fds.size();
+  for (const auto& in : incoming_) ps.fds.push_back({in->fd, POLLIN, 0});
+  ps.polled.clear();
   const bool peeking = !anyRecvs_.empty();
-  for (auto& p : peers_) {
+  for (const auto& p : peers_) {
     if (!p || p->broken) continue;
     for (size_t lane = 0; lane < p->lanes.size(); ++lane) {
       const short ev = p->events(lane, peeking);
       if (p->lanes[lane].fd < 0 || ev == 0) continue;
-      fds.push_back({p->lanes[lane].fd, ev, 0});
-      polled.emplace_back(p.get(), lane);
+      ps.fds.push_back({p->lanes[lane].fd, ev, 0});
+      ps.polled.emplace_back(p.get(), lane);
     }
   }
-  if (poll(fds.data(), fds.size(), timeoutMs) <= 0) return;
-  if (fds[0].revents) {
+  ps.generation = fdGeneration_;
+}
+
+void NetP2p::processPolled(const PollSet& ps) {
+  ++fdGeneration_;  // accepts, introductions and lanes that connect change the sockets
+  if (ps.fds[0].revents) {
     uint64_t v;
     [[maybe_unused]] ssize_t k = read(wakeFd_, &v, sizeof(v));
   }
   const size_t nIncoming = incoming_.size();
   for (size_t i = 0; i < nIncoming; ++i) {
-    if (fds[incomingAt + i].revents) introduce(*incoming_[i]);
+    if (ps.fds[ps.incomingAt + i].revents) introduce(*incoming_[i]);
   }
   incoming_.erase(std::remove_if(incoming_.begin(), incoming_.end(), [](const auto& in) { return in->fd < 0; }),
                   incoming_.end());
-  for (size_t i = 1; i < incomingAt; ++i) {
-    if (!(fds[i].revents & POLLIN)) continue;
+  for (size_t i = 1; i < ps.incomingAt; ++i) {
+    if (!(ps.fds[i].revents & POLLIN)) continue;
     for (;;) {
-      const int fd = accept4(fds[i].fd, nullptr, nullptr, SOCK_CLOEXEC);
+      const int fd = accept4(ps.fds[i].fd, nullptr, nullptr, SOCK_CLOEXEC);
       if (fd < 0) break;
       net::tuneSocket(fd);
       auto in = std::make_unique<Incoming>();
@@ -498,12 +520,12 @@ void NetP2p::pollOnce(int timeoutMs) {
     }
   }
   bool woken = false;  // some lane of the current peer (a peer's lanes are polled together)
-  for (size_t i = 0; i < polled.size(); ++i) {
-    auto [p, lane] = polled[i];
-    const short rev = fds[incomingAt + nIncoming + i].revents;
+  for (size_t i = 0; i < ps.polled.size(); ++i) {
+    auto [p, lane] = ps.polled[i];
+    const short rev = ps.fds[ps.incomingAt + nIncoming + i].revents;
     if (rev != 0 && !p->broken) connectLane(*p, p->lanes[lane], rev);
     woken |= rev != 0;
-    if (i + 1 < polled.size() && polled[i + 1].first == p) continue;
+    if (i + 1 < ps.polled.size() && ps.polled[i + 1].first == p) continue;
     if (woken) {  // once per peer: a message moves on only when each of its lanes has moved its part
       progressSends(*p);
       progressRecvs(*p);
@@ -518,6 +540,7 @@ void NetP2p::checkDeadlines() {
     if (now >= in->deadline) {
       close(in->fd);
       in->fd = -1;
+      ++fdGeneration_;
     }
   }
   incoming_.erase(std::remove_if(incoming_.begin(), incoming_.end(), [](const auto& in) { return in->fd < 0; }),
@@ -537,7 +560,8 @@ void NetP2p::checkDeadlines() {
   if (!anyRecvs_.empty() && now >= anyRecvs_.front().deadline) {
     P2pOp op = std::move(anyRecvs_.front());
     anyRecvs_.pop_front();
-    op.finish(errorOf(ErrorCode::kTimeout, describe(op) + " timed out: no matching send was posted"), -1);
+    const std::string why = describe(op) + " timed out: no matching send was posted";
+    complete(std::move(op), errorOf(ErrorCode::kTimeout, why), -1);
   }
 }
 
@@ -549,23 +573,59 @@ bool NetP2p::anyPending() const {
   return false;
 }
 
+void NetP2p::complete(P2pOp op, std::exception_ptr error, int source) {
+  completions_.push_back({std::move(op), std::move(error), source});
+}
+
+void NetP2p::runCompletions() {
+  std::vector<Completion> done;
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    done.swap(completions_);
+  }
+  for (Completion& c : done) c.op.finish(std::move(c.error), c.source);
+}
+
+void NetP2p::progressReady() {
+  for (auto& p : peers_) {
+    if (p && p->ready()) {
+      progressSends(*p);
+      progressRecvs(*p);
+    }
+  }
+}
+
 void NetP2p::loop() {
   pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
   const std::string aborted = "the process group has been shut down or aborted";
+  PollSet ps;
   while (!stop_.load()) {
-    if (aborted_.load()) failAll(aborted);
-    intake();
-    matchAnySource();
-    for (auto& p : peers_) {  // try at once rather than after a poll round trip
-      if (p && p->ready()) {
-        progressSends(*p);
-        progressRecvs(*p);
-      }
+    bool pending;
+    {
+      std::lock_guard<std::mutex> lock(stateMutex_);
+      if (aborted_.load()) failAll(aborted);
+      intake();
+      matchAnySource();
+      progressReady();  // try at once rather than after a poll round trip
+      buildPollSet(ps);
+      pending = anyPending();
     }
-    pollOnce(anyPending() ? kActiveTickMs : kIdleTickMs);
-    checkDeadlines();
+    runCompletions();
+    // Without the lock, so that a caller's submit() can move its message meanwhile; if that
+    // opened or closed sockets (or another pass handled these events), the results are stale.
+    const int n = poll(ps.fds.data(), ps.fds.size(), pending ? kActiveTickMs : kIdleTickMs);
+    {
+      std::lock_guard<std::mutex> lock(stateMutex_);
+      if (n > 0 && ps.generation == fdGeneration_) processPolled(ps);
+      checkDeadlines();
+    }
+    runCompletions();
   }
-  failAll(aborted);
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    failAll(aborted);
+  }
+  runCompletions();
 }
 
 }  // namespace smddp::engine

@@ -15,6 +15,7 @@
 // a rank that may be its sender is dialled if it waits to be called).
 #pragma once
 
+#include <poll.h>
 #include <sys/types.h>
 
 #include <atomic>
@@ -56,11 +57,29 @@ class NetP2p {
   struct Lane;
   struct Peer;
   struct Incoming;  // an accepted connection that has not introduced itself yet
+  struct Completion {
+    P2pOp op;
+    std::exception_ptr error;
+    int source;
+  };
+  // What one poll() watches: the wake fd, the listeners, connections still introducing
+  // themselves, then lanes (polled[i]: the peer and lane of fds[incomingAt + incoming + i]),
+  // and the fdGeneration_ it was built at.
+  struct PollSet {
+    std::vector<pollfd> fds;
+    size_t incomingAt = 0;
+    std::vector<std::pair<Peer*, size_t>> polled;
+    uint64_t generation = 0;
+  };
   void loop();
   void intake();
+  void progressReady();  // sends and receives of every connected peer, as far as the sockets take them
+  void buildPollSet(PollSet& ps) const;
+  void processPolled(const PollSet& ps);  // what poll() found, if the set is not stale
+  void complete(P2pOp op, std::exception_ptr error, int source);  // done() once the lock is released
+  void runCompletions();
   void dial(Peer& p);
   void connectLane(Peer& p, Lane& l, short revents);
-  void pollOnce(int timeoutMs);
   void introduce(Incoming& in);
   bool progressSends(Peer& p);
   bool progressRecvs(Peer& p);
@@ -87,7 +106,13 @@ class NetP2p {
   std::atomic<bool> aborted_{false};
   std::atomic<int> connections_{0};
 
-  // Owned by the thread.
+  // Touched by the thread, and by submit() on the caller's thread when the thread is not making a
+  // pass; the thread's poll() runs without the lock.
+  std::mutex stateMutex_;
+  // Counts changes to the set of sockets (dialled, closed, accepted, introduced) and passes over
+  // poll() results: a poll whose set was built at an older count has stale results, ignored.
+  uint64_t fdGeneration_ = 0;
+  std::vector<Completion> completions_;
   std::vector<std::unique_ptr<Peer>> peers_;  // by rank; null for ranks of this host
   std::vector<std::unique_ptr<Incoming>> incoming_;
   std::deque<P2pOp> anyRecvs_;  // receives from any source, in issue order
