@@ -27,6 +27,9 @@ constexpr size_t kPayload = shm::Domain::kP2pChunkBytes - kHeader;
 constexpr auto kActiveTick = std::chrono::milliseconds(50);
 constexpr auto kIdleTick = std::chrono::seconds(1);
 
+// The engine the calling thread drives, if any (its own completions need not wake it).
+thread_local const P2pEngine* tDriving = nullptr;
+
 std::exception_ptr errorOf(ErrorCode code, const std::string& msg) {
   return std::make_exception_ptr(Error(code, msg));
 }
@@ -125,6 +128,8 @@ void P2pEngine::handOver() {
 
 void P2pEngine::driveUntil(const std::function<bool()>& done) {
   drivers_.fetch_add(1);
+  const P2pEngine* outer = tDriving;
+  tDriving = this;
   Pass p;
   while (!aborted_.load()) {
     const uint32_t bell = domain_->doorbell();
@@ -134,6 +139,7 @@ void P2pEngine::driveUntil(const std::function<bool()>& done) {
   }
   // After an abort, one more pass fails what is pending (the thread may already be gone).
   if (aborted_.load()) p = pass();
+  tDriving = outer;
   drivers_.fetch_sub(1);
   bool queued;  // submitted while this thread made the pass, after its intake
   {
@@ -369,8 +375,15 @@ P2pEngine::Pass P2pEngine::pass(bool tryOnly) {
     }
     done.swap(completions_);
   }
-  for (Completion& c : done) c.op.finish(std::move(c.error), c.source);
+  finish(done);
   return p;
+}
+
+void P2pEngine::finish(std::vector<Completion>& done) {
+  for (Completion& c : done) c.op.finish(std::move(c.error), c.source);
+  // A caller may be asleep on the doorbell waiting for one of these ops: it must look again (not
+  // after an abort: drivers leave then, and after shutdown() the domain may be gone).
+  if (!done.empty() && !aborted_.load() && drivers_.load() > (tDriving == this ? 1 : 0)) domain_->ringDoorbell(rank_);
 }
 
 void P2pEngine::await(uint32_t bell, const Pass& p, bool poll) {
@@ -383,7 +396,7 @@ void P2pEngine::await(uint32_t bell, const Pass& p, bool poll) {
     checkDeadlinesAndPeers();
     done.swap(completions_);
   }
-  for (Completion& c : done) c.op.finish(std::move(c.error), c.source);
+  finish(done);
 }
 
 void P2pEngine::loop() {

@@ -113,6 +113,8 @@ class P2pEngine {
   bool progressRecv(P2pOp& op, int src);
   bool matchAnySource();
   void complete(P2pOp op, std::exception_ptr error, int source);  // done() after the pass
+  // Runs `done`'s callbacks; rings the doorbell if another thread drives (its op may be among them).
+  void finish(std::vector<Completion>& done);
   void fail(std::deque<P2pOp>& q, const std::string& why);
   void failEverything(const std::string& why);
   void checkDeadlinesAndPeers();
