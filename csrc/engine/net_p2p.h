@@ -1,6 +1,8 @@
 // Point-to-point send/recv between ranks on different hosts, over TCP, on a thread of its own
 // (like the shared-memory P2pEngine, so a send waiting for its receiver never blocks the group's
-// collectives). Each rank listens from the start; a pair connects at its first message, the lower
+// collectives); submit() also moves what it can at once on the caller's thread when the engine's
+// thread is not making a pass, so a send the socket takes whole does not wait for that thread to
+// wake. Each rank listens from the start; a pair connects at its first message, the lower
 // rank dialling, the higher accepting, both sides non-blocking inside one poll() loop, so no
 // order of first messages can deadlock. A connection opens with the group's secret, the two
 // ranks and its lane (wire::Hello), as the collectives' mesh does, and a pair holds as many
