@@ -257,19 +257,13 @@ class Backend:
         if op == "allreduce":
             f = self.all_reduce
             return lambda: f(inp, redop)
-        if op == "allgather":
-            f = self.all_gather
-            return lambda: f(out, inp)
         if op == "reduce_scatter":
             f = self.reduce_scatter
             return lambda: f(out, inp, redop)
-        if op == "sendrecv":
-            f = self.send_recv
-            return lambda: f(out, inp)
-        if op == "pingpong":
-            f = self.ping_pong
-            return lambda: f(out, inp)
-        raise ValueError(op)
+        f = {"allgather": self.all_gather, "sendrecv": self.send_recv, "pingpong": self.ping_pong}.get(op)
+        if f is None:
+            raise ValueError(op)
+        return lambda: f(out, inp)
 
 
 class TorchDistBackend(Backend):
