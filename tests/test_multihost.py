@@ -146,6 +146,60 @@ def run_in_own_pool(rank_env, fn, *args, world=2):
         pool.close()
 
 
+def farewell_task(rank, world, case, a=0, b=2):
+    """Rank `a` gives up on rank `b` (on another host) for a reason of its own; `b` must then fail
+    with that reason, at once (well inside the subgroup's 2 s timeout), not with a bare "closed".
+    timeout: a's recv from b times out; mismatch: b's message has another tag than a's recv;
+    shutdown: a destroys the subgroup; send: after a's timeout, b only sends (a send that finds
+    the connection closed reads the farewell that came before the close)."""
+    rep = Report(rank)
+    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=2))
+    if rank == a and case != "send":
+        # Connected, and one message through, with the tag whose 64-bit form is a farewell's.
+        dist.send(torch.full((1,), 7.0), b, tag=-1, group=group)
+    elif rank == b and case != "send":
+        t = torch.empty(1)
+        dist.recv(t, a, tag=-1, group=group)
+        rep.expect(t.item() == 7.0, f"tag -1: got {t.item()}")
+    if rank == a:
+        with rep.cell(f"{case}: rank {a} gives up on rank {b}"):
+            try:
+                if case in ("timeout", "send"):
+                    dist.recv(torch.empty(4), b, group=group)
+                elif case == "mismatch":
+                    dist.recv(torch.empty(4), b, tag=6, group=group)
+                rep.expect(case == "shutdown", f"rank {a}'s recv completed")
+            except Exception as e:  # noqa: BLE001
+                rep.expect(case != "shutdown", f"unexpected error: {e}")
+            if case == "shutdown":
+                dist.destroy_process_group(group)
+    elif rank == b and case == "mismatch":
+        dist.send(torch.ones(4), a, tag=5, group=group)
+    dist.barrier()
+    want = {"timeout": f"recv from rank {b} (tag 0, 16 bytes) timed out", "send": "timed out: no matching send",
+            "mismatch": "has tag 5 and 16 bytes", "shutdown": "its process group was shut down or aborted"}[case]
+    if rank == b:
+        with rep.cell(f"{case}: rank {b} hears why"):
+            t0 = time.monotonic()
+            try:
+                if case == "send":  # the first sends may still fit in the socket before the reset arrives
+                    for _ in range(200):
+                        dist.send(torch.ones(4), a, group=group)
+                        time.sleep(0.005)
+                else:
+                    dist.recv(torch.empty(4), a, group=group)
+                rep.expect(False, f"rank {b}'s op on the pair completed")
+            except Exception as e:  # noqa: BLE001
+                text = str(e)
+                rep.expect(f"rank {a} on " in text and "gave up point-to-point with this rank" in text and want in text,
+                           f"unexpected error: {e}")
+            rep.expect(time.monotonic() - t0 < 1.5, f"took {time.monotonic() - t0:.2f} s: the farewell was not read")
+    if case != "shutdown" or rank != a:
+        dist.destroy_process_group(group)
+    rep.group_still_works(f"{case}: the world group", world, rank)
+    return rep.to_dict()
+
+
 def check(pools, topo, fn, *args, env=NET_ENV, timeout=300):
     pools.check(len(topo), fn, *args, hosts=topo, env=env, timeout=timeout)
 
@@ -393,6 +447,13 @@ def test_send_recv_tag_mismatch_is_an_error(pools, topo, sender, receiver):
         check(pools, topo, tag_mismatch, sender, receiver)
     finally:
         pools.discard(len(topo), topo, NET_ENV)  # the stream between the two is broken on purpose
+
+
+@pytest.mark.parametrize("case", ["timeout", "mismatch", "shutdown", "send"])
+def test_send_recv_peer_gives_up_with_its_reason(pools, case):
+    """A rank that gives up on a peer of another host (timeout, mismatched message, group shut
+    down) ends their connection with a farewell; the peer's next op with it reports that reason."""
+    check(pools, "0011", farewell_task, case)
 
 
 @pytest.mark.parametrize("topo", ["0011", "001"])

@@ -25,6 +25,7 @@ using net::wire::kHeaderBytes;
 using net::wire::MsgHeader;
 constexpr int kActiveTickMs = 50;  // how often deadlines are checked while something is pending
 constexpr int kIdleTickMs = 1000;
+constexpr const char* kShutDown = "the process group has been shut down or aborted";
 constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client must introduce itself by then
 
 std::string addrKey(int rank) { return "smddp/p2p/addr/" + std::to_string(rank); }
@@ -34,6 +35,10 @@ std::exception_ptr errorOf(ErrorCode code, const std::string& msg) {
 }
 
 bool wouldBlock(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
+
+// A user's tag travels as 32 bits, so no tag can be mistaken for a farewell's.
+uint64_t wireTag(int tag) { return static_cast<uint32_t>(tag); }
+int64_t userTag(uint64_t wire) { return static_cast<int32_t>(static_cast<uint32_t>(wire)); }
 
 std::string describe(const P2pOp& op) {
   return std::string(op.isSend ? "send to" : "recv from") +
@@ -139,12 +144,14 @@ NetP2p::~NetP2p() {
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t k = write(wakeFd_, &one, sizeof(one));
   if (thread_.joinable()) thread_.join();
-  for (auto& p : peers_) {
-    if (!p) continue;
-    for (Lane& l : p->lanes) {
-      if (l.fd >= 0) close(l.fd);
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    failAll(kShutDown);  // what was submitted after the thread's last pass
+    for (auto& p : peers_) {
+      if (p && !p->broken) failPeer(*p, ErrorCode::kAborted, kShutDown, "its process group was shut down or aborted");
     }
   }
+  runCompletions();
   for (auto& in : incoming_) close(in->fd);
   for (int fd : listenFds_) close(fd);
   close(wakeFd_);
@@ -158,7 +165,7 @@ void NetP2p::abort() {
 
 void NetP2p::submit(P2pOp op) {
   if (aborted_.load()) {
-    op.finish(errorOf(ErrorCode::kAborted, "the process group has been shut down or aborted"), op.peer);
+    op.finish(errorOf(ErrorCode::kAborted, kShutDown), op.peer);
     return;
   }
   {
@@ -191,17 +198,52 @@ void NetP2p::failQueued(Peer& p, ErrorCode code, const std::string& why) {
   }
 }
 
-void NetP2p::failPeer(Peer& p, ErrorCode code, const std::string& why) {
+void NetP2p::failPeer(Peer& p, ErrorCode code, const std::string& why, const std::string& farewell) {
   ++fdGeneration_;
+  const std::string frame = farewell.empty() ? std::string() : net::wire::farewellFrame(farewell);
   for (Lane& l : p.lanes) {
     if (l.fd < 0) continue;
-    close(l.fd);  // the peer's pending ops with this rank fail too, instead of timing out
+    // Either way the peer's pending ops with this rank fail too, instead of timing out.
+    const bool betweenMessages = l.state == Lane::State::kReady && l.sendOff == 0;
+    net::closeWithFarewell(l.fd, betweenMessages ? frame : std::string());
     l.fd = -1;
     if (l.state == Lane::State::kReady) connections_.fetch_sub(1);
   }
   p.broken = true;
   p.why = why;
   failQueued(p, code, why);
+}
+
+std::optional<std::string> NetP2p::farewellOn(Lane& l) {
+  using net::wire::kFarewellTag;
+  using net::wire::kMaxFarewellBytes;
+  if (l.recvHdrGot == 0) {
+    char buf[kHeaderBytes + kMaxFarewellBytes];
+    const ssize_t k = recv(l.fd, buf, sizeof(buf), MSG_PEEK | MSG_DONTWAIT);
+    return k > 0 ? net::wire::farewellIn(buf, static_cast<size_t>(k)) : std::nullopt;
+  }
+  if (l.recvHdrGot < kHeaderBytes || l.recvHdr.tag != kFarewellTag) return std::nullopt;
+  // The text left with its header, in one send: wait briefly for a segment still on its way.
+  std::string text(std::min<size_t>(l.recvHdr.bytes, kMaxFarewellBytes), '\0');
+  size_t got = 0;
+  const auto until = Clock::now() + std::chrono::milliseconds(100);
+  while (got < text.size()) {
+    const ssize_t k = recv(l.fd, text.data() + got, text.size() - got, MSG_DONTWAIT);
+    if (k > 0) {
+      got += static_cast<size_t>(k);
+      continue;
+    }
+    pollfd pfd{l.fd, POLLIN, 0};
+    if (k == 0 || !wouldBlock(errno) || Clock::now() >= until || poll(&pfd, 1, 10) < 0) break;
+  }
+  text.resize(got);
+  return got > 0 ? text : std::string("(its reason did not arrive)");
+}
+
+void NetP2p::peerGaveUp(Peer& p, const std::string& what, const std::string& reason) {
+  failPeer(p, ErrorCode::kRemoteError,
+           what + ": rank " + std::to_string(p.rank) + " on " + topo_.describeHost(topo_.hostOf[p.rank]) +
+               " gave up point-to-point with this rank: " + reason);
 }
 
 void NetP2p::failAll(const std::string& why) {
@@ -311,7 +353,7 @@ bool NetP2p::progressSends(Peer& p) {
       Lane& l = p.lanes[lane];
       const auto stripe = net::wire::stripeOf(op.bytes, lanes_, static_cast<int>(lane));
       while (Peer::partLeft(op, lane, l.sendOff, lanes_)) {
-        if (l.sendOff == 0) l.sendHdr = MsgHeader{static_cast<uint64_t>(static_cast<int64_t>(op.tag)), op.bytes};
+        if (l.sendOff == 0) l.sendHdr = MsgHeader{wireTag(op.tag), op.bytes};
         iovec iov[2];
         const int n = net::wire::nextIov(iov, l.sendHdr, l.sendOff, op.buffer + stripe.offset, stripe.length,
                                          stripe.length);
@@ -321,9 +363,14 @@ bool NetP2p::progressSends(Peer& p) {
         const ssize_t k = sendmsg(l.fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k < 0) {
           if (wouldBlock(errno)) break;
+          const int err = errno;
+          if (const std::optional<std::string> why = farewellOn(l)) {
+            peerGaveUp(p, describe(op), *why);
+            return true;
+          }
           failPeer(p, ErrorCode::kRemoteError,
                    describe(op) + ": the connection to rank " + std::to_string(p.rank) + " on " +
-                       topo_.describeHost(topo_.hostOf[p.rank]) + " failed (" + errnoString(errno) +
+                       topo_.describeHost(topo_.hostOf[p.rank]) + " failed (" + errnoString(err) +
                        "): that rank exited, crashed or aborted");
           return true;
         }
@@ -367,14 +414,18 @@ bool NetP2p::progressRecvs(Peer& p) {
       for (;;) {
         // Lane 0's header may have come in while receives from any source looked for theirs.
         if (l.recvHdrGot == kHeaderBytes && !l.recvChecked) {
-          const auto tag = static_cast<int64_t>(l.recvHdr.tag);
+          if (const std::optional<std::string> why = farewellOn(l)) {
+            peerGaveUp(p, describe(op), *why);
+            return true;
+          }
+          const int64_t tag = userTag(l.recvHdr.tag);
           if (tag != op.tag || l.recvHdr.bytes != op.bytes) {
             const std::string msg = outOfStepMessage(p.rank, op.tag, op.bytes, tag, l.recvHdr.bytes);
             P2pOp failed = std::move(op);
             p.recvs.pop_front();
             complete(std::move(failed), errorOf(ErrorCode::kInvalidUsage, msg), p.rank);
             failPeer(p, ErrorCode::kAborted,
-                     "an earlier point-to-point error with rank " + std::to_string(p.rank) + ": " + msg);
+                     "an earlier point-to-point error with rank " + std::to_string(p.rank) + ": " + msg, msg);
             return true;
           }
           l.recvChecked = true;
@@ -431,7 +482,11 @@ bool NetP2p::matchAnySource() {
         l.recvHdrGot += static_cast<size_t>(got);
         if (l.recvHdrGot < kHeaderBytes) continue;
       }
-      if (static_cast<int64_t>(l.recvHdr.tag) == op.tag) match = p;
+      if (const std::optional<std::string> why = farewellOn(l)) {
+        peerGaveUp(*p, "recv from any rank", *why);
+        continue;
+      }
+      if (userTag(l.recvHdr.tag) == op.tag) match = p;
     }
     if (!match) break;
     if (op.claim()) {
@@ -551,9 +606,9 @@ void NetP2p::checkDeadlines() {
       if (q->empty() || now < q->front().deadline) continue;
       const P2pOp& op = q->front();
       // Part of a message may have moved: the stream to this peer can no longer be trusted.
-      failPeer(*p, ErrorCode::kTimeout,
-               describe(op) + " timed out: no matching " + (op.isSend ? "recv" : "send") + " was posted" +
-                   (p->ready() ? "" : " (the connection to that rank was never completed)"));
+      const std::string why = describe(op) + " timed out: no matching " + (op.isSend ? "recv" : "send") +
+                              " was posted" + (p->ready() ? "" : " (the connection to that rank was never completed)");
+      failPeer(*p, ErrorCode::kTimeout, why, why);
       break;
     }
   }
@@ -597,13 +652,12 @@ void NetP2p::progressReady() {
 
 void NetP2p::loop() {
   pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
-  const std::string aborted = "the process group has been shut down or aborted";
   PollSet ps;
   while (!stop_.load()) {
     bool pending;
     {
       std::lock_guard<std::mutex> lock(stateMutex_);
-      if (aborted_.load()) failAll(aborted);
+      if (aborted_.load()) failAll(kShutDown);
       intake();
       matchAnySource();
       progressReady();  // try at once rather than after a poll round trip
@@ -623,7 +677,7 @@ void NetP2p::loop() {
   }
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
-    failAll(aborted);
+    failAll(kShutDown);
   }
   runCompletions();
 }

@@ -15,6 +15,11 @@
 // posted, so TCP's flow control holds back a sender that runs ahead (while a recv from any source
 // waits, the next header on lane 0 of every idle pair is read, so that the recv can be matched;
 // a rank that may be its sender is dialled if it waits to be called).
+//
+// A rank that gives up on a peer for a reason of its own (a timeout, a mismatched message, its
+// group shut down) ends each of that pair's connections that is between two messages with a
+// farewell (wire::farewellFrame), as the collectives' mesh does: the peer's next receive from it,
+// or a send that finds the connection closed, reports that reason instead of a bare "closed".
 #pragma once
 
 #include <poll.h>
@@ -24,6 +29,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -88,7 +94,12 @@ class NetP2p {
   ssize_t recvSome(Peer& p, Lane& l, void* at, size_t want, const P2pOp* op);
   bool matchAnySource();
   void failQueued(Peer& p, ErrorCode code, const std::string& why);  // the ops waiting on p
-  void failPeer(Peer& p, ErrorCode code, const std::string& why);    // and the connection
+  // And the connection; `farewell`: this rank gives up on p for that reason, and tells it.
+  void failPeer(Peer& p, ErrorCode code, const std::string& why, const std::string& farewell = {});
+  // The reason p gave on lane l, if it said farewell there: a farewell header just read, or one
+  // waiting unread at a message boundary.
+  std::optional<std::string> farewellOn(Lane& l);
+  void peerGaveUp(Peer& p, const std::string& what, const std::string& reason);
   void failAll(const std::string& why);
   void checkDeadlines();
   bool anyPending() const;

@@ -167,6 +167,22 @@ std::string setCongestionControl(int fd, const std::string& name) {
   return errnoString(err);
 }
 
+void closeWithFarewell(int fd, const std::string& frame) {
+  if (!frame.empty()) {
+    // Whole or in part: a peer that stopped reading gets a cut farewell, which it reads as a
+    // closed connection.
+    send(fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    shutdown(fd, SHUT_WR);
+    // Closing a socket that holds unread data resets the connection at once, and a reset drops
+    // whatever is still queued to go out, the farewell too: take what is there first (bounded,
+    // for a peer that keeps sending as fast as this reads).
+    char sink[64 << 10];
+    for (int i = 0; i < 256 && recv(fd, sink, sizeof(sink), MSG_DONTWAIT) > 0; ++i) {
+    }
+  }
+  close(fd);
+}
+
 void tuneSocket(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));

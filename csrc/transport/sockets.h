@@ -63,6 +63,10 @@ int laneSocket(const std::vector<SocketAddress>& peer, const std::vector<LocalAd
 // congestion control SMDDP_NET_CONGESTION names (warns once per process where it cannot be had).
 void tuneSocket(int fd);
 
+// Closes a connection, first sending `frame` (a farewell, wire::farewellFrame; nothing if empty)
+// and a FIN after it. Call it only where the stream to the peer is between two messages.
+void closeWithFarewell(int fd, const std::string& frame);
+
 // Sets fd's TCP congestion control to `name` ("" leaves it alone). Returns "" on success, else
 // why not (unknown to this kernel, or not allowed for this process).
 std::string setCongestionControl(int fd, const std::string& name);

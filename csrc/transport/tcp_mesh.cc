@@ -115,19 +115,7 @@ void TcpMesh::closeAll(std::string_view farewell) {
   for (auto& lanes : conns_) {
     for (auto& c : lanes) {
       if (!c || c->fd < 0) continue;
-      if (!frame.empty() && !c->torn) {
-        // Whole or in part: a peer that stopped reading gets a cut farewell, which it reads as a
-        // closed connection. FIN follows the farewell.
-        send(c->fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-        shutdown(c->fd, SHUT_WR);
-        // Closing a socket that holds unread data resets the connection at once, and a reset
-        // drops whatever is still queued to go out, the farewell too: take what is there first
-        // (bounded, for a peer that keeps sending as fast as this reads).
-        char sink[64 << 10];
-        for (int i = 0; i < 256 && recv(c->fd, sink, sizeof(sink), MSG_DONTWAIT) > 0; ++i) {
-        }
-      }
-      close(c->fd);
+      closeWithFarewell(c->fd, c->torn ? std::string() : frame);
       c->fd = -1;
     }
   }
