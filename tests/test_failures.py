@@ -306,17 +306,20 @@ print("backend threads left:", sum(n.startswith("smddp") for n in names), flush=
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", [None, "01"], ids=["one-host", "across-hosts"])
 @pytest.mark.parametrize("op", ["allreduce", "recv"])
 @pytest.mark.parametrize("how", ["destroy", "abort", "shutdown"])
-def test_pending_op_released_by_destroy_abort_shutdown(how, op):
+def test_pending_op_released_by_destroy_abort_shutdown(how, op, hosts):
     """A collective or a recv waiting for a rank that never comes: destroy_process_group(), abort()
     or shutdown() fails it promptly (well before the 60 s timeout) and joins the backend's
-    threads; for the recv, from another thread while this one blocks in wait()."""
+    threads; for the recv, from another thread while this one blocks in wait(), running the
+    shared-memory engine or polling the sockets itself (across hosts)."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
     url = f"tcp://127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-u", "-c", PENDING, str(r), "2", url, how, op], env=env,
+    procs = [subprocess.Popen([sys.executable, "-u", "-c", PENDING, str(r), "2", url, how, op],
+                              env=dict(env, SMDDP_HOST_ID=hosts[r]) if hosts else env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     _wait_ready(procs)
     out = _finish([procs[0]], 30)[0]

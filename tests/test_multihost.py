@@ -26,7 +26,7 @@ from test_clients import ddp_task, fsdp2_task
 from test_gather_scatter_alltoall import alltoall_cases, gather_scatter_all_roots
 from test_misc import barrier_task, shm_task
 from test_p2p import (SIZES as P2P_SIZES, any_source_and_batch, any_source_outstanding, exchange_send_first,
-                      ping_pong, tag_mismatch)
+                      ping_pong, tag_mismatch, waits_from_threads)
 from test_reduce_scatter import reduce_scatter_list, reduce_scatter_tensor_forms
 
 pytestmark = pytest.mark.skipif(not IS_SMDDP, reason="SMDDP_HOST_ID only splits smddp groups")
@@ -439,6 +439,14 @@ def test_send_recv(pools, topo):
     check(pools, topo, exchange_send_first, 200_000)
     check(pools, topo, any_source_and_batch)
     check(pools, topo, any_source_outstanding, 300_000)
+
+
+@pytest.mark.parametrize("topo", ["0011", "012"])
+def test_send_recv_waits_from_several_threads(pools, topo):
+    """Three threads per rank wait on isends and irecvs to and from every rank, host-mates and
+    other hosts: one waiter at a time runs each engine (the others wait for it or the engine's
+    thread), and every message must land whole and in order."""
+    check(pools, topo, waits_from_threads, 3)
 
 
 @pytest.mark.parametrize("topo, sender, receiver", [("0011", 2, 0), ("0011", 1, 0)])

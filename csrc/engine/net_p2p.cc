@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/spin.h"
 #include "transport/sockets.h"
 #include "transport/wire.h"
 
@@ -35,6 +36,22 @@ std::exception_ptr errorOf(ErrorCode code, const std::string& msg) {
 }
 
 bool wouldBlock(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
+
+void ring(int eventFd) {
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t k = write(eventFd, &one, sizeof(one));
+}
+
+// Waits up to `ms` for the set's sockets; a ring of its bell (its first fd) is taken at once,
+// even where the results turn out stale: the pass after this one looks at everything again.
+int pollSet(std::vector<pollfd>& fds, int ms) {
+  const int n = poll(fds.data(), fds.size(), ms);
+  if (n > 0 && fds[0].revents) {
+    uint64_t v;
+    [[maybe_unused]] ssize_t k = read(fds[0].fd, &v, sizeof(v));
+  }
+  return n;
+}
 
 // A user's tag travels as 32 bits, so no tag can be mistaken for a farewell's.
 uint64_t wireTag(int tag) { return static_cast<uint32_t>(tag); }
@@ -114,8 +131,14 @@ struct NetP2p::Incoming {
 std::vector<std::string> NetP2p::keysOwedBy(int rank) { return {addrKey(rank)}; }
 
 NetP2p::NetP2p(Store& store, const Topology& topo, const std::vector<net::LocalAddress>& addrs, int lanes,
-               std::string name)
-    : topo_(topo), rank_(topo.rank), lanes_(lanes), name_(std::move(name)), addrs_(addrs), peers_(topo.size) {
+               std::chrono::microseconds linger, std::string name)
+    : topo_(topo),
+      rank_(topo.rank),
+      lanes_(lanes),
+      linger_(linger),
+      name_(std::move(name)),
+      addrs_(addrs),
+      peers_(topo.size) {
   const std::vector<net::Listener> listeners = net::listenOnEach(addrs, 64, rank_);
   for (const net::Listener& l : listeners) listenFds_.push_back(l.fd);
   try {
@@ -129,38 +152,51 @@ NetP2p::NetP2p(Store& store, const Topology& topo, const std::vector<net::LocalA
       peers_[g]->lanes.resize(static_cast<size_t>(lanes_));
       peers_[g]->address = store.get(addrKey(g));
     }
-    wakeFd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (wakeFd_ < 0) throwError(ErrorCode::kSystemError, "rank %d: eventfd: %s", rank_, errnoString(errno).c_str());
+    for (int* fd : {&wakeFd_, &driverBellFd_}) {
+      *fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+      if (*fd < 0) throwError(ErrorCode::kSystemError, "rank %d: eventfd: %s", rank_, errnoString(errno).c_str());
+    }
   } catch (...) {
     for (int fd : listenFds_) close(fd);
+    for (int fd : {wakeFd_, driverBellFd_}) {
+      if (fd >= 0) close(fd);
+    }
     throw;
   }
   thread_ = std::thread([this] { loop(); });
 }
 
-NetP2p::~NetP2p() {
-  abort();
-  stop_.store(true);
-  const uint64_t one = 1;
-  [[maybe_unused]] ssize_t k = write(wakeFd_, &one, sizeof(one));
-  if (thread_.joinable()) thread_.join();
-  {
-    std::lock_guard<std::mutex> lock(stateMutex_);
-    failAll(kShutDown);  // what was submitted after the thread's last pass
-    for (auto& p : peers_) {
-      if (p && !p->broken) failPeer(*p, ErrorCode::kAborted, kShutDown, "its process group was shut down or aborted");
+NetP2p::~NetP2p() { shutdown(); }
+
+void NetP2p::shutdown() {
+  std::call_once(shutdownOnce_, [this] {
+    abort();
+    {
+      std::lock_guard<std::mutex> drive(driveMutex_);  // the driver sees aborted_ and leaves
+      shutDown_ = true;
     }
-  }
-  runCompletions();
-  for (auto& in : incoming_) close(in->fd);
-  for (int fd : listenFds_) close(fd);
-  close(wakeFd_);
+    stop_.store(true);
+    ring(wakeFd_);
+    if (thread_.joinable()) thread_.join();
+    {
+      std::lock_guard<std::mutex> lock(stateMutex_);
+      failAll(kShutDown);  // what was submitted after the thread's last pass
+      for (auto& p : peers_) {
+        if (p && !p->broken) failPeer(*p, ErrorCode::kAborted, kShutDown, "its process group was shut down or aborted");
+      }
+    }
+    runCompletions();
+    for (auto& in : incoming_) close(in->fd);
+    for (int fd : listenFds_) close(fd);
+    close(wakeFd_);
+    close(driverBellFd_);
+  });
 }
 
 void NetP2p::abort() {
   aborted_.store(true);
-  const uint64_t one = 1;
-  [[maybe_unused]] ssize_t k = write(wakeFd_, &one, sizeof(one));
+  ring(wakeFd_);
+  ring(driverBellFd_);
 }
 
 void NetP2p::submit(P2pOp op) {
@@ -184,9 +220,46 @@ void NetP2p::submit(P2pOp op) {
     }
   }
   runCompletions();
-  if (!wake) return;
-  const uint64_t one = 1;
-  [[maybe_unused]] ssize_t k = write(wakeFd_, &one, sizeof(one));
+  if (wake) ring(wakeFd_);
+}
+
+void NetP2p::driveUntil(const std::function<bool()>& done) {
+  std::unique_lock<std::mutex> drive(driveMutex_, std::try_to_lock);
+  if (!drive.owns_lock() || shutDown_) return;
+  driving_.store(true);  // before done() is read: a completion on another thread then rings the bell
+  PollSet ps;
+  bool lingered = false;
+  while (!done() && !aborted_.load()) {
+    {
+      std::lock_guard<std::mutex> lock(stateMutex_);
+      intake();
+      matchAnySource();
+      progressReady();
+      buildPollSet(ps, driverBellFd_);
+    }
+    runCompletions(/*byDriver=*/true);
+    if (done()) break;
+    // The first wait polls for the linger budget: a reply often comes within it, and finding it
+    // awake saves a wake-up. Later ones sleep at once: in the middle of a large message the
+    // sockets wait for the kernel, which needs the core more than a spinning caller does.
+    int n = 0;
+    if (!lingered) spinUntil(linger_, [&] { return (n = pollSet(ps.fds, 0)) != 0; });
+    lingered = true;
+    if (n == 0) n = pollSet(ps.fds, kActiveTickMs);
+    {
+      std::lock_guard<std::mutex> lock(stateMutex_);
+      if (n > 0 && ps.generation == fdGeneration_) processPolled(ps);
+      checkDeadlines();
+    }
+    runCompletions(/*byDriver=*/true);
+  }
+  driving_.store(false);
+  bool pending;  // ops this thread took in that nobody waits on: the engine's thread must watch them
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    pending = anyPending();
+  }
+  if (pending) ring(wakeFd_);
 }
 
 void NetP2p::failQueued(Peer& p, ErrorCode code, const std::string& why) {
@@ -531,12 +604,18 @@ void NetP2p::connectLane(Peer& p, Lane& l, short revents) {
   }
 }
 
-void NetP2p::buildPollSet(PollSet& ps) const {
-  ps.fds.assign(1, pollfd{wakeFd_, POLLIN, 0});
+void NetP2p::buildPollSet(PollSet& ps, int bellFd) const {
+  ps.fds.assign(1, pollfd{bellFd, POLLIN, 0});
   for (int fd : listenFds_) ps.fds.push_back({fd, POLLIN, 0});
   ps.incomingAt = ps.fds.size();
   for (const auto& in : incoming_) ps.fds.push_back({in->fd, POLLIN, 0});
   ps.polled.clear();
+  // While a caller drives, the engine's thread leaves the connections to it: two threads woken by
+  // every segment of a message would take turns at the state for nothing.
+  if (bellFd == wakeFd_ && driving_.load()) {
+    ps.generation = fdGeneration_;
+    return;
+  }
   const bool peeking = !anyRecvs_.empty();
   for (const auto& p : peers_) {
     if (!p || p->broken) continue;
@@ -552,10 +631,6 @@ void NetP2p::buildPollSet(PollSet& ps) const {
 
 void NetP2p::processPolled(const PollSet& ps) {
   ++fdGeneration_;  // accepts, introductions and lanes that connect change the sockets
-  if (ps.fds[0].revents) {
-    uint64_t v;
-    [[maybe_unused]] ssize_t k = read(wakeFd_, &v, sizeof(v));
-  }
   const size_t nIncoming = incoming_.size();
   for (size_t i = 0; i < nIncoming; ++i) {
     if (ps.fds[ps.incomingAt + i].revents) introduce(*incoming_[i]);
@@ -632,13 +707,19 @@ void NetP2p::complete(P2pOp op, std::exception_ptr error, int source) {
   completions_.push_back({std::move(op), std::move(error), source});
 }
 
-void NetP2p::runCompletions() {
+void NetP2p::runCompletions(bool byDriver) {
   std::vector<Completion> done;
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
     done.swap(completions_);
   }
   for (Completion& c : done) c.op.finish(std::move(c.error), c.source);
+  // A driver that read its done() before these may be about to sleep in poll(): it must look
+  // again. The fence orders the ops' completion before the read of driving_ (the driver sets
+  // driving_ before it reads done()).
+  if (done.empty() || byDriver) return;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (driving_.load()) ring(driverBellFd_);
 }
 
 void NetP2p::progressReady() {
@@ -661,13 +742,13 @@ void NetP2p::loop() {
       intake();
       matchAnySource();
       progressReady();  // try at once rather than after a poll round trip
-      buildPollSet(ps);
+      buildPollSet(ps, wakeFd_);
       pending = anyPending();
     }
     runCompletions();
     // Without the lock, so that a caller's submit() can move its message meanwhile; if that
     // opened or closed sockets (or another pass handled these events), the results are stale.
-    const int n = poll(ps.fds.data(), ps.fds.size(), pending ? kActiveTickMs : kIdleTickMs);
+    const int n = pollSet(ps.fds, pending ? kActiveTickMs : kIdleTickMs);
     {
       std::lock_guard<std::mutex> lock(stateMutex_);
       if (n > 0 && ps.generation == fdGeneration_) processPolled(ps);

@@ -2,7 +2,9 @@
 // (like the shared-memory P2pEngine, so a send waiting for its receiver never blocks the group's
 // collectives); submit() also moves what it can at once on the caller's thread when the engine's
 // thread is not making a pass, so a send the socket takes whole does not wait for that thread to
-// wake. Each rank listens from the start; a pair connects at its first message, the lower
+// wake, and a caller blocked in a wait makes the passes itself (driveUntil()), so that the
+// message it waits for wakes it directly rather than the engine's thread, which then wakes it.
+// Each rank listens from the start; a pair connects at its first message, the lower
 // rank dialling, the higher accepting, both sides non-blocking inside one poll() loop, so no
 // order of first messages can deadlock. A connection opens with the group's secret, the two
 // ranks and its lane (wire::Hello), as the collectives' mesh does, and a pair holds as many
@@ -42,23 +44,32 @@
 
 namespace smddp::engine {
 
-class NetP2p {
+class NetP2p : public P2pDriver {
  public:
   // Collective over the group (a group that spans hosts): listens on `addrs` (one per interface),
   // publishes them and reads those of the ranks on other hosts. `lanes`: connections per pair, the
-  // same on every rank; lane k joins the two ranks' k-th interfaces (net::laneSocket).
+  // same on every rank; lane k joins the two ranks' k-th interfaces (net::laneSocket). `linger`:
+  // how long a driver polls its sockets before it sleeps in poll().
   NetP2p(Store& store, const Topology& topo, const std::vector<net::LocalAddress>& addrs, int lanes,
-         std::string name);
+         std::chrono::microseconds linger, std::string name);
   // The keys the constructor sets for `rank`, which its peers wait for
   // (BootstrapStore::publishFailure).
   static std::vector<std::string> keysOwedBy(int rank);
-  ~NetP2p();  // fails what is pending, closes every socket, joins
+  ~NetP2p() override;  // shutdown()
 
   // `op.peer`: a rank on another host, or -1 for a receive from any of them (see
-  // P2pOp::sharedAnySource). `done` runs on this engine's thread.
+  // P2pOp::sharedAnySource). `done` runs on whichever thread moves the op.
   void submit(P2pOp op);
+  // Polls the sockets and makes the passes on the calling thread until `done()` holds (the
+  // engine's thread goes on meanwhile; both serialise on the state). One thread drives at a
+  // time: another returns at once, to wait for the first or the engine's thread to finish its op.
+  void driveUntil(const std::function<bool()>& done) override;
   // Fails every pending and future op promptly. Idempotent.
   void abort();
+  // abort(), waits for a driver to leave, joins the thread, ends the connections (with a
+  // farewell where they are between messages) and closes every socket. Idempotent; afterwards
+  // driveUntil() returns at once (a Work may still hold the engine).
+  void shutdown();
   int connections() const { return connections_.load(); }  // open lanes, all peers
 
  private:
@@ -70,9 +81,9 @@ class NetP2p {
     std::exception_ptr error;
     int source;
   };
-  // What one poll() watches: the wake fd, the listeners, connections still introducing
-  // themselves, then lanes (polled[i]: the peer and lane of fds[incomingAt + incoming + i]),
-  // and the fdGeneration_ it was built at.
+  // What one poll() watches: its poller's bell (wakeFd_ or driverBellFd_), the listeners,
+  // connections still introducing themselves, then lanes (polled[i]: the peer and lane of
+  // fds[incomingAt + incoming + i]), and the fdGeneration_ it was built at.
   struct PollSet {
     std::vector<pollfd> fds;
     size_t incomingAt = 0;
@@ -82,10 +93,10 @@ class NetP2p {
   void loop();
   void intake();
   void progressReady();  // sends and receives of every connected peer, as far as the sockets take them
-  void buildPollSet(PollSet& ps) const;
+  void buildPollSet(PollSet& ps, int bellFd) const;  // bellFd: the poller's own eventfd, first
   void processPolled(const PollSet& ps);  // what poll() found, if the set is not stale
   void complete(P2pOp op, std::exception_ptr error, int source);  // done() once the lock is released
-  void runCompletions();
+  void runCompletions(bool byDriver = false);  // rings the driver's bell unless it ran them
   void dial(Peer& p);
   void connectLane(Peer& p, Lane& l, short revents);
   void introduce(Incoming& in);
@@ -107,11 +118,17 @@ class NetP2p {
   Topology topo_;
   int rank_;
   int lanes_;
+  std::chrono::microseconds linger_;
   std::string secret_;
   std::string name_;
   std::vector<net::LocalAddress> addrs_;  // this rank's, one per interface
   std::vector<int> listenFds_;  // one per address
   int wakeFd_ = -1;  // eventfd: submissions and abort
+  int driverBellFd_ = -1;  // eventfd: a driver's op was completed by another thread, or abort
+  std::mutex driveMutex_;  // held by the one driver
+  bool shutDown_ = false;  // under driveMutex_
+  std::atomic<bool> driving_{false};
+  std::once_flag shutdownOnce_;
 
   std::mutex mutex_;
   std::deque<P2pOp> submitted_;

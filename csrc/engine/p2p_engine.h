@@ -66,7 +66,16 @@ struct P2pOp {
 // message has another tag or size than the receive expects.
 std::string outOfStepMessage(int peer, int tag, size_t bytes, int64_t sentTag, uint64_t sentBytes);
 
-class P2pEngine {
+// What a blocking wait on a point-to-point op runs (SmddpWork::wait): the passes of the engine
+// that moves the op, on the waiting thread, until `done()` holds, the engine is aborted or shut
+// down; the waiter is then the thread its peer's message wakes.
+class P2pDriver {
+ public:
+  virtual ~P2pDriver() = default;
+  virtual void driveUntil(const std::function<bool()>& done) = 0;
+};
+
+class P2pEngine : public P2pDriver {
  public:
   // `singleCopyBytes`: messages of at least this size to a rank that reads its peers' memory are
   // handed over by address (singleCopyBytesFor()).
@@ -82,7 +91,7 @@ class P2pEngine {
   // Makes the passes on the calling thread until `done()` holds (checked after each pass), the
   // engine is aborted, or after shutdown(): what a blocking wait calls, so that the waiter is
   // the one its peer's doorbell wakes. Ops' deadlines and dead peers are checked as on the thread.
-  void driveUntil(const std::function<bool()>& done);
+  void driveUntil(const std::function<bool()>& done) override;
   // Fails every pending and future op promptly. Idempotent.
   void abort();
   // abort(), then joins the thread and waits for every driveUntil() to return; afterwards the

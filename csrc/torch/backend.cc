@@ -280,8 +280,8 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   }
   if (comm_->multiHost()) {
     try {
-      netP2p_ = std::make_unique<engine::NetP2p>(*bootstrap_, comm_->topology(), comm_->netAddresses(),
-                                                 comm_->netLanes(), "smddp-np2p" + std::to_string(rank));
+      netP2p_ = std::make_shared<engine::NetP2p>(*bootstrap_, comm_->topology(), comm_->netAddresses(),
+                                                 comm_->netLanes(), spin_, "smddp-np2p" + std::to_string(rank));
     } catch (const Error& e) {
       bootstrap_->publishFailure(engine::NetP2p::keysOwedBy(rank), rank, e.what());
       std::rethrow_exception(toTorchError(e, rank));
@@ -304,6 +304,7 @@ void SmddpBackend::shutdown() {
     if (progress_) progress_->stop();
     if (comm_) comm_->stopHelpers();
     if (p2p_) p2p_->shutdown();  // joins its thread and drivers before the domain it uses goes away
+    if (netP2p_) netP2p_->shutdown();  // a Work may still hold it: its sockets and thread go now
     p2p_.reset();
     netP2p_.reset();
   });
@@ -1058,6 +1059,7 @@ void SmddpBackend::submitP2p(engine::P2pOp o, SmddpWork* driven) {
       }
       netP2p_->submit(std::move(o));
     } else if (remote) {
+      if (driven) driven->setP2pDriver(netP2p_);
       netP2p_->submit(std::move(o));
     } else {
       if (driven) driven->setP2pDriver(p2p_);

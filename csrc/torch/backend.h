@@ -33,9 +33,9 @@ class SmddpWork : public c10d::Work {
   // A CUDA op: `doneEvent` (from `events`) is recorded on the staging stream after the results
   // are copied back.
   void setCuda(std::shared_ptr<EventPool> events, c10::Device device, void* doneEvent);
-  // A point-to-point op of the shared-memory engine: wait() runs the engine itself until the op
-  // is done (P2pEngine::driveUntil), rather than sleep until the engine's thread wakes it.
-  void setP2pDriver(std::shared_ptr<engine::P2pEngine> engine) { p2pDriver_ = std::move(engine); }
+  // A point-to-point op: wait() runs the engine that moves it until the op is done
+  // (P2pDriver::driveUntil), rather than sleep until the engine's thread wakes it.
+  void setP2pDriver(std::shared_ptr<engine::P2pDriver> engine) { p2pDriver_ = std::move(engine); }
 
   // CPU ops: polls briefly before blocking (an async op is often waited on right after a short
   // op, and a sleep plus wake-up costs tens of microseconds). CUDA ops: makes the current stream
@@ -65,7 +65,7 @@ class SmddpWork : public c10d::Work {
   std::shared_ptr<EventPool> events_;  // set for CUDA ops
   c10::Device device_{c10::kCPU};
   void* doneEvent_ = nullptr;
-  std::shared_ptr<engine::P2pEngine> p2pDriver_;
+  std::shared_ptr<engine::P2pDriver> p2pDriver_;
 };
 
 class SmddpBackend : public c10d::Backend {
@@ -224,7 +224,7 @@ class SmddpBackend : public c10d::Backend {
   std::unique_ptr<engine::ProgressThread> progress_;
   // Ranks of this host; null when it is the only one. Shared with the Works that drive it.
   std::shared_ptr<engine::P2pEngine> p2p_;
-  std::unique_ptr<engine::NetP2p> netP2p_;  // ranks of other hosts; null in a one-host group
+  std::shared_ptr<engine::NetP2p> netP2p_;  // ranks of other hosts; null in a one-host group
   std::once_flag shutdownOnce_;
   // The last split's child, handed out again when torch asks for the next device type.
   std::mutex splitMutex_;
