@@ -22,7 +22,7 @@ from _util import DTYPES, IS_SMDDP, REDOPS, SMALL_SIZES, Report, assert_reports,
 from test_allgather import all_gather_list, all_gather_tensor_forms
 from test_allreduce import allreduce_matrix
 from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
-from test_clients import ddp_task, fsdp2_task
+from test_clients import ddp_task, fsdp2_task, pipeline_task
 from test_gather_scatter_alltoall import alltoall_cases, gather_scatter_all_roots
 from test_misc import barrier_task, shm_task
 from test_p2p import (SIZES as P2P_SIZES, any_source_and_batch, any_source_outstanding, exchange_send_first,
@@ -478,6 +478,14 @@ def test_recv_any_source_times_out(pools, topo):
 def test_ddp_and_fsdp2(pools, topo):
     check(pools, topo, ddp_task, "plain")
     check(pools, topo, fsdp2_task, "default")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("topo", ["0101", "0011"])
+def test_pipeline_parallel(pools, topo, schedule):
+    """torch.distributed.pipelining with a stage per rank: activations and gradients cross hosts
+    (0101: every hop; 0011: the middle one) by send/recv and batch_isend_irecv."""
+    check(pools, topo, pipeline_task, schedule)
 
 
 @pytest.mark.parametrize("algo", ["ring", "naive"])
