@@ -1056,6 +1056,10 @@ void SmddpBackend::submitP2p(engine::P2pOp o, SmddpWork* driven) {
           done(std::move(error), source >= 0 ? hostMates[source] : source);
         };
         p2p_->submit(std::move(local));
+      } else if (driven) {
+        // Only the sockets can answer it. With host-mates too, the waiter could drive only one
+        // engine, and would not hear the other complete the op: it waits as usual then.
+        driven->setP2pDriver(netP2p_);
       }
       netP2p_->submit(std::move(o));
     } else if (remote) {
