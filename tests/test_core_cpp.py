@@ -24,7 +24,7 @@ def _run_binary(binary, env=None):
     return proc.stdout
 
 
-@pytest.mark.parametrize("binary", ["smddp_core_tests", "smddp_net_tests", "smddp_cuda_host_tests"])
+@pytest.mark.parametrize("binary", ["smddp_core_tests", "smddp_net_tests", "smddp_net_p2p_tests", "smddp_cuda_host_tests"])
 def test_core_binary(binary):
     _run_binary(binary)
 
@@ -37,18 +37,27 @@ def test_p2p_engine_binary(single_copy):
         assert f"single-copy reads between the two ranks: {single_copy}" in out, out[-2000:]
 
 
-def test_p2p_engine_under_thread_sanitizer(tmp_path):
-    """The p2p engine's state is moved by its own thread and by every thread waiting on an op:
-    the engine test again, built with ThreadSanitizer (clang; CI installs it), must report no race."""
+CORE_SOURCES = ["csrc/core/file_store.cc", "csrc/core/error.cc", "csrc/core/spin.cc", "csrc/core/env.cc",
+                "csrc/core/log.cc", "csrc/core/random.cc"]
+SHM_P2P_SOURCES = ["csrc/engine/p2p_engine.cc", "csrc/transport/shm_domain.cc", "csrc/transport/shm_segment.cc"]
+TSAN_BUILDS = {
+    "shm": ["tests/cpp/test_p2p_engine.cc", *SHM_P2P_SOURCES, *CORE_SOURCES],
+    "tcp": ["tests/cpp/test_net_p2p.cc", "csrc/engine/net_p2p.cc", *SHM_P2P_SOURCES, "csrc/transport/sockets.cc",
+            "csrc/transport/wire.cc", "csrc/transport/netif.cc", "csrc/transport/topology.cc", *CORE_SOURCES],
+}
+
+
+@pytest.mark.parametrize("engine", ["shm", "tcp"])
+def test_p2p_engine_under_thread_sanitizer(tmp_path, engine):
+    """A p2p engine's state is moved by its own thread and by every thread waiting on an op: the
+    engine's test again (shared memory, or TCP between hosts), built with ThreadSanitizer (clang;
+    CI installs it), must report no race."""
     clang = shutil.which("clang++")
     if clang is None:
         pytest.skip("clang++ is not installed (apt-get install clang)")
     exe = tmp_path / "p2p_tsan"
-    sources = ["tests/cpp/test_p2p_engine.cc", "csrc/engine/p2p_engine.cc", "csrc/transport/shm_domain.cc",
-               "csrc/transport/shm_segment.cc", "csrc/core/file_store.cc", "csrc/core/error.cc", "csrc/core/spin.cc",
-               "csrc/core/env.cc", "csrc/core/log.cc", "csrc/core/random.cc"]
     build = subprocess.run([clang, "-std=c++20", "-O1", "-g", "-fsanitize=thread", f"-I{ROOT / 'csrc'}",
-                            *[str(ROOT / s) for s in sources], "-o", str(exe), "-lpthread"],
+                            *[str(ROOT / s) for s in TSAN_BUILDS[engine]], "-o", str(exe), "-lpthread"],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,

@@ -6,14 +6,11 @@
 // released by the op's deadline, and by shutdown() from another thread; a wait after shutdown
 // returns at once. tests/test_core_cpp.py also builds it under ThreadSanitizer when clang can.
 // Prints "N passed, N failed".
-#include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,37 +20,16 @@
 #include "core/spin.h"
 #include "engine/p2p_engine.h"
 #include "expect.h"
+#include "p2p_harness.h"
 #include "transport/shm_domain.h"
 
 using namespace smddp;
 using test::expect;
+using test::opFor;
+using test::Slot;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-// One message's bookkeeping, shared by the op's done callback and the threads that wait for it.
-struct Slot {
-  std::vector<uint8_t> data;
-  std::atomic<bool> done{false};
-  std::atomic<int> errors{0};
-};
-
-engine::P2pOp opFor(bool isSend, int peer, Slot& s, std::chrono::milliseconds within) {
-  engine::P2pOp o;
-  o.isSend = isSend;
-  o.peer = peer;
-  o.tag = 3;
-  o.buffer = s.data.data();
-  o.bytes = s.data.size();
-  o.deadline = Clock::now() + within;
-  o.done = [&s](std::exception_ptr e, int) {
-    if (e) s.errors.fetch_add(1);
-    s.done.store(true);
-  };
-  return o;
-}
-
-uint8_t pattern(int from, size_t msg, size_t i) { return static_cast<uint8_t>(from * 131 + msg * 7 + i * 13); }
 
 // Both ranks' domains, made together (Domain::create is collective).
 std::vector<std::unique_ptr<shm::Domain>> domains(Store& store) {
@@ -68,60 +44,18 @@ void testManyMessagesManyWaiters(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
   auto d = domains(store);
   std::printf("single-copy reads between the two ranks: %s\n", d[0]->readsPeers(1) && d[1]->readsPeers(0) ? "on" : "off");
-  const size_t sizes[] = {0, 1, 64 * 1024 - 64, 64 * 1024, 200'001, 300'000, 1 << 20};
-  constexpr int kMessages = 60;
-  std::atomic<int> wrong{0}, failed{0}, stuck{0};
-  auto rank = [&](int r) {
-    std::vector<std::unique_ptr<Slot>> out(kMessages), in(kMessages);  // outlive the engine's callbacks
-    for (int m = 0; m < kMessages; ++m) {
-      const size_t n = sizes[m % std::size(sizes)];
-      out[m] = std::make_unique<Slot>();
-      in[m] = std::make_unique<Slot>();
-      out[m]->data.resize(n);
-      in[m]->data.resize(n);
-      for (size_t i = 0; i < n; ++i) out[m]->data[i] = pattern(r, m, i);
-    }
-    engine::P2pEngine eng(d[r].get(), std::chrono::microseconds(20), 256 << 10, "p2ptest" + std::to_string(r));
-    // Sends and recvs interleaved; the waiters start while the ops are still being submitted.
-    std::vector<Slot*> all;
-    for (int m = 0; m < kMessages; ++m) {
-      all.push_back(out[m].get());
-      all.push_back(in[m].get());
-    }
-    std::mt19937 rng(r);
-    std::vector<Slot*> order = all;
-    std::shuffle(order.begin(), order.end(), rng);
-    std::vector<std::thread> waiters;
-    for (int w = 0; w < 3; ++w) {
-      waiters.emplace_back([&, w] {
-        for (size_t i = w; i < order.size(); i += 3) {
-          Slot* s = order[i];
-          eng.driveUntil([s] { return s->done.load(); });
-          if (!s->done.load()) stuck.fetch_add(1);
-        }
+  std::unique_ptr<engine::P2pEngine> eng[2];
+  for (int r = 0; r < 2; ++r) {
+    eng[r] = std::make_unique<engine::P2pEngine>(d[r].get(), std::chrono::microseconds(20), 256 << 10,
+                                                 "p2ptest" + std::to_string(r));
+  }
+  test::manyMessagesManyWaiters(
+      "", {0, 1, 64 * 1024 - 64, 64 * 1024, 200'001, 300'000, 1 << 20},
+      [&](int r, engine::P2pOp op) { eng[r]->submit(std::move(op)); },
+      [&](int r, test::Slot& s) { eng[r]->driveUntil([&s] { return s.done.load(); }); },
+      [&] {
+        for (auto& e : eng) e->shutdown();
       });
-    }
-    for (int m = 0; m < kMessages; ++m) {
-      eng.submit(opFor(true, 1 - r, *out[m], std::chrono::seconds(60)));
-      eng.submit(opFor(false, 1 - r, *in[m], std::chrono::seconds(60)));
-    }
-    for (auto& t : waiters) t.join();
-    for (int m = 0; m < kMessages; ++m) {
-      failed += out[m]->errors.load() + in[m]->errors.load();
-      for (size_t i = 0; i < in[m]->data.size(); ++i) {
-        if (in[m]->data[i] != pattern(1 - r, m, i)) {
-          wrong.fetch_add(1);
-          break;
-        }
-      }
-    }
-  };
-  std::thread r1(rank, 1);
-  rank(0);
-  r1.join();
-  expect(stuck == 0, "every wait returned with its op done (" + std::to_string(stuck) + " did not)");
-  expect(failed == 0, "no op failed (" + std::to_string(failed) + " did)");
-  expect(wrong == 0, "every message arrived whole and in order (" + std::to_string(wrong) + " wrong)");
 }
 
 // Rank 0 waits for a message rank 1 never sends; `release` ends the wait.

@@ -42,9 +42,11 @@
 #include "transport/sockets.h"
 #include "transport/tcp_mesh.h"
 #include "transport/topology.h"
+#include "two_hosts.h"
 
 using namespace smddp;
 using Clock = std::chrono::steady_clock;
+using test::twoHosts;
 
 namespace {
 
@@ -53,15 +55,6 @@ int passed = 0, failed = 0;
 void expect(bool ok, const std::string& what) {
   (ok ? passed : failed)++;
   if (!ok) printf("FAIL %s\n", what.c_str());
-}
-
-// Two ranks, each its own "host" (on this machine, so loopback is allowed).
-Topology twoHosts(int rank) {
-  Topology t = Topology::singleHost(rank, 2);
-  t.hostOf = {0, 1};
-  t.localOf = {0, 0};
-  t.members = {{0}, {1}};
-  return t;
 }
 
 // `n` (1 or 2) "interfaces" on loopback: 127.0.0.1, then 127.0.0.2.
