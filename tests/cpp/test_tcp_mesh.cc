@@ -510,13 +510,16 @@ void testStalledExchangeReport(const std::string& dir) {
 
 // Rank 1's error from an exchange with rank 0, which gives up (closeAll with a farewell) as
 // `rank0` decides; how long rank 1 took to hear of it. A fresh mesh, bootstrapped in `dir`.
+// Rank 1 starts its exchange once `rank1Starts()` returns.
 std::pair<std::string, double> rank1SeesRank0GiveUp(const std::string& dir, const std::vector<net::Send>& sends,
                                                     const std::vector<net::Recv>& recvs,
-                                                    const std::function<void(net::TcpMesh&)>& rank0) {
+                                                    const std::function<void(net::TcpMesh&)>& rank0,
+                                                    const std::function<void()>& rank1Starts = [] {}) {
   std::filesystem::create_directory(dir);
   FileStore store(dir, std::chrono::seconds(30));
   auto meshes = meshPair(store);
   std::thread a([&] { rank0(*meshes[0]); });
+  rank1Starts();
   std::string error = "no error";
   const auto t0 = Clock::now();
   try {
@@ -556,14 +559,23 @@ void testFarewell(const std::string& dir) {
              sendSecs < 1.5,
          "a sender hears the farewell in " + std::to_string(sendSecs) + " s: " + sending);
 
-  auto [torn, tornSecs] = rank1SeesRank0GiveUp(dir + "/torn", {}, {{0, into.data(), big}}, [&](net::TcpMesh& m) {
-    try {  // rank 1 reads only once this has timed out with the message half sent
-      m.exchange(net::makeTag(3, 0), {{1, out.data(), big}}, {}, waitFor(std::chrono::milliseconds(1)),
-                 net::Schedule::kMesh);
-    } catch (const Error&) {
-    }
-    m.closeAll(why);
-  });
+  // Rank 1 reads only once this has timed out with the message half sent (the sockets hold a few
+  // MiB of it): were it reading meanwhile, every pass would move bytes and the send could finish.
+  std::atomic<bool> gaveUp{false};
+  auto [torn, tornSecs] = rank1SeesRank0GiveUp(
+      dir + "/torn", {}, {{0, into.data(), big}},
+      [&](net::TcpMesh& m) {
+        try {
+          m.exchange(net::makeTag(3, 0), {{1, out.data(), big}}, {}, waitFor(std::chrono::milliseconds(1)),
+                     net::Schedule::kMesh);
+        } catch (const Error&) {
+        }
+        m.closeAll(why);
+        gaveUp.store(true);
+      },
+      [&] {
+        while (!gaveUp.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      });
   const bool onlyPayload = std::all_of(into.begin(), into.end(), [](uint8_t b) { return b == 0 || b == 2; });
   expect(torn.find("closed by the peer") != std::string::npos && onlyPayload && tornSecs < 5,
          "no farewell after half a message: " + torn);
