@@ -230,14 +230,7 @@ void NetP2p::driveUntil(const std::function<bool()>& done) {
   PollSet ps;
   bool lingered = false;
   while (!done() && !aborted_.load()) {
-    {
-      std::lock_guard<std::mutex> lock(stateMutex_);
-      intake();
-      matchAnySource();
-      progressReady();
-      buildPollSet(ps, driverBellFd_);
-    }
-    runCompletions(/*byDriver=*/true);
+    passBeforePoll(ps, driverBellFd_);
     if (done()) break;
     // The first wait polls for the linger budget: a reply often comes within it, and finding it
     // awake saves a wake-up. Later ones sleep at once: in the middle of a large message the
@@ -246,12 +239,7 @@ void NetP2p::driveUntil(const std::function<bool()>& done) {
     if (!lingered) spinUntil(linger_, [&] { return (n = pollSet(ps.fds, 0)) != 0; });
     lingered = true;
     if (n == 0) n = pollSet(ps.fds, kActiveTickMs);
-    {
-      std::lock_guard<std::mutex> lock(stateMutex_);
-      if (n > 0 && ps.generation == fdGeneration_) processPolled(ps);
-      checkDeadlines();
-    }
-    runCompletions(/*byDriver=*/true);
+    passAfterPoll(ps, n);
   }
   driving_.store(false);
   bool pending;  // ops this thread took in that nobody waits on: the engine's thread must watch them
@@ -290,11 +278,7 @@ void NetP2p::failPeer(Peer& p, ErrorCode code, const std::string& why, const std
 std::optional<std::string> NetP2p::farewellOn(Lane& l) {
   using net::wire::kFarewellTag;
   using net::wire::kMaxFarewellBytes;
-  if (l.recvHdrGot == 0) {
-    char buf[kHeaderBytes + kMaxFarewellBytes];
-    const ssize_t k = recv(l.fd, buf, sizeof(buf), MSG_PEEK | MSG_DONTWAIT);
-    return k > 0 ? net::wire::farewellIn(buf, static_cast<size_t>(k)) : std::nullopt;
-  }
+  if (l.recvHdrGot == 0) return net::peekFarewell(l.fd);
   if (l.recvHdrGot < kHeaderBytes || l.recvHdr.tag != kFarewellTag) return std::nullopt;
   // The text left with its header, in one send: wait briefly for a segment still on its way.
   std::string text(std::min<size_t>(l.recvHdr.bytes, kMaxFarewellBytes), '\0');
@@ -731,30 +715,38 @@ void NetP2p::progressReady() {
   }
 }
 
+bool NetP2p::passBeforePoll(PollSet& ps, int bellFd) {
+  bool pending;
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    if (aborted_.load()) failAll(kShutDown);
+    intake();
+    matchAnySource();
+    progressReady();  // try at once rather than after a poll round trip
+    buildPollSet(ps, bellFd);
+    pending = anyPending();
+  }
+  runCompletions(/*byDriver=*/bellFd == driverBellFd_);
+  return pending;
+}
+
+void NetP2p::passAfterPoll(const PollSet& ps, int polled) {
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    if (polled > 0 && ps.generation == fdGeneration_) processPolled(ps);
+    checkDeadlines();
+  }
+  runCompletions(/*byDriver=*/ps.fds[0].fd == driverBellFd_);
+}
+
 void NetP2p::loop() {
   pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
   PollSet ps;
   while (!stop_.load()) {
-    bool pending;
-    {
-      std::lock_guard<std::mutex> lock(stateMutex_);
-      if (aborted_.load()) failAll(kShutDown);
-      intake();
-      matchAnySource();
-      progressReady();  // try at once rather than after a poll round trip
-      buildPollSet(ps, wakeFd_);
-      pending = anyPending();
-    }
-    runCompletions();
+    const bool pending = passBeforePoll(ps, wakeFd_);
     // Without the lock, so that a caller's submit() can move its message meanwhile; if that
     // opened or closed sockets (or another pass handled these events), the results are stale.
-    const int n = pollSet(ps.fds, pending ? kActiveTickMs : kIdleTickMs);
-    {
-      std::lock_guard<std::mutex> lock(stateMutex_);
-      if (n > 0 && ps.generation == fdGeneration_) processPolled(ps);
-      checkDeadlines();
-    }
-    runCompletions();
+    passAfterPoll(ps, pollSet(ps.fds, pending ? kActiveTickMs : kIdleTickMs));
   }
   {
     std::lock_guard<std::mutex> lock(stateMutex_);

@@ -91,6 +91,11 @@ class NetP2p : public P2pDriver {
     uint64_t generation = 0;
   };
   void loop();
+  // One pass under the lock (intake, matching, progress) and the poll set for the poller whose
+  // bell is `bellFd` (the engine's thread or the driver); true if ops are pending.
+  bool passBeforePoll(PollSet& ps, int bellFd);
+  // What poll() returned (`polled`), then deadlines, under the lock; completions after it.
+  void passAfterPoll(const PollSet& ps, int polled);
   void intake();
   void progressReady();  // sends and receives of every connected peer, as far as the sockets take them
   void buildPollSet(PollSet& ps, int bellFd) const;  // bellFd: the poller's own eventfd, first

@@ -14,6 +14,7 @@
 #include "core/env.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "transport/wire.h"
 
 namespace smddp::net {
 
@@ -181,6 +182,12 @@ void closeWithFarewell(int fd, const std::string& frame) {
     }
   }
   close(fd);
+}
+
+std::optional<std::string> peekFarewell(int fd) {
+  char buf[wire::kHeaderBytes + wire::kMaxFarewellBytes];
+  const ssize_t k = recv(fd, buf, sizeof(buf), MSG_PEEK | MSG_DONTWAIT);
+  return k > 0 ? wire::farewellIn(buf, static_cast<size_t>(k)) : std::nullopt;
 }
 
 void tuneSocket(int fd) {

@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -66,6 +67,9 @@ void tuneSocket(int fd);
 // Closes a connection, first sending `frame` (a farewell, wire::farewellFrame; nothing if empty)
 // and a FIN after it. Call it only where the stream to the peer is between two messages.
 void closeWithFarewell(int fd, const std::string& frame);
+// The reason in a whole farewell waiting unread at the front of fd's stream (left there), if
+// one is; call it only where the stream from the peer is between two messages.
+std::optional<std::string> peekFarewell(int fd);
 
 // Sets fd's TCP congestion control to `name` ("" leaves it alone). Returns "" on success, else
 // why not (unknown to this kernel, or not allowed for this process).

@@ -134,9 +134,7 @@ std::optional<std::string> TcpMesh::farewellOf(const Conn& c) {
   // A peer that gave up said why before closing, unless it left in the middle of a message.
   if (const std::string* told = c.rx.farewell()) return *told;
   if (!c.rx.atBoundary()) return std::nullopt;
-  char buf[kHeaderBytes + wire::kMaxFarewellBytes];
-  const ssize_t k = recv(c.fd, buf, sizeof(buf), MSG_PEEK | MSG_DONTWAIT);
-  return k > 0 ? wire::farewellIn(buf, static_cast<size_t>(k)) : std::nullopt;
+  return peekFarewell(c.fd);
 }
 
 void TcpMesh::peerGaveUp(const Conn& c, const char* what, const std::string& why) {
