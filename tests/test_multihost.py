@@ -25,8 +25,8 @@ from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
 from test_clients import ddp_task, fsdp2_task, pipeline_task
 from test_gather_scatter_alltoall import alltoall_cases, gather_scatter_all_roots
 from test_misc import barrier_task, shm_task
-from test_p2p import (SIZES as P2P_SIZES, any_source_and_batch, any_source_outstanding, exchange_send_first,
-                      ping_pong, tag_mismatch, waits_from_threads)
+from test_p2p import (SIZES as P2P_SIZES, any_source_and_batch, any_source_by_tag, any_source_outstanding,
+                      any_source_then_named, exchange_send_first, ping_pong, tag_mismatch, waits_from_threads)
 from test_reduce_scatter import reduce_scatter_list, reduce_scatter_tensor_forms
 
 pytestmark = pytest.mark.skipif(not IS_SMDDP, reason="SMDDP_HOST_ID only splits smddp groups")
@@ -298,6 +298,7 @@ def test_striped_over_several_sockets(pools, topo):
     check(pools, topo, exchange_send_first, 200_000, env=env)
     check(pools, topo, any_source_and_batch, env=env)
     check(pools, topo, any_source_outstanding, 300_000, env=env)
+    check(pools, topo, any_source_then_named, 1, 300_000, env=env)
     # every rank has sent to every other (exchange_send_first): three lanes to each of 2 peers
     check(pools, topo, connections_task, 2 * 3, "p2p_connections", env=env)
 
@@ -439,6 +440,9 @@ def test_send_recv(pools, topo):
     check(pools, topo, exchange_send_first, 200_000)
     check(pools, topo, any_source_and_batch)
     check(pools, topo, any_source_outstanding, 300_000)
+    check(pools, topo, any_source_then_named, 300_000, 1)
+    check(pools, topo, any_source_then_named, 1, 300_000)
+    check(pools, topo, any_source_by_tag)
 
 
 @pytest.mark.parametrize("topo", ["0011", "012"])

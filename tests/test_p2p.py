@@ -3,6 +3,9 @@ empty to many mailbox chunks (large ones also read straight from the sender's me
 in which both ranks send first (must not deadlock), many outstanding ops waited on from several
 threads at once, and a tag mismatch (an error, never a silent mix-up)."""
 
+import time
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,6 +74,16 @@ def any_source(rank, world, rep):
         dist.send(torch.tensor([rank, rank * 10, 7]), 0, tag=7)
 
 
+def _check_any_source(rep, world, works, bufs, n):
+    """Rank 0's receives from any source: one message from each other rank, each whole."""
+    for w in works:
+        w.wait()
+    srcs = [w._source_rank() for w in works]
+    rep.expect(sorted(srcs) == list(range(1, world)), f"any-source senders {srcs}")
+    for b, src in zip(bufs, srcs):
+        rep.expect(torch.equal(b, gen("any", src, n, torch.float32)), f"message from rank {src} is wrong")
+
+
 def any_source_outstanding(rank, world, n):
     """Rank 0 posts one irecv from any source per other rank at once, for messages of many mailbox
     chunks and socket buffers; each arrives whole in one of them, which names its sender. Then an
@@ -80,12 +93,7 @@ def any_source_outstanding(rank, world, n):
     if rank == 0:
         bufs = [torch.empty(n) for _ in range(world - 1)]
         works = [dist.irecv(b, tag=1) for b in bufs]
-        for w in works:
-            w.wait()
-        srcs = [w._source_rank() for w in works]
-        rep.expect(sorted(srcs) == list(range(1, world)), f"any-source senders {srcs}")
-        for b, src in zip(bufs, srcs):
-            rep.expect(torch.equal(b, gen("any", src, n, torch.float32)), f"message from rank {src} is wrong")
+        _check_any_source(rep, world, works, bufs, n)
         if world > 2:  # rank 1's next message has tag 5: the recv for tag 6 takes the last rank's
             t = torch.empty(1)
             src = dist.recv(t, tag=6)
@@ -103,6 +111,56 @@ def any_source_outstanding(rank, world, n):
         if world > 2 and rank == world - 1:
             dist.send(torch.tensor([6.0]), 0, tag=6)
         dist.send(torch.tensor([float(rank)]), 0, tag=2)
+    return rep.to_dict()
+
+
+def any_source_then_named(rank, world, n, m):
+    """Rank 0 posts receives from any source (tag 1, n elements) and, before they have matched, a
+    named recv from each sender (tag 2, m elements); each sender's tag-1 message arrives while the
+    named recv waits for that sender. As in MPI and gloo the named recv lets it pass to an
+    any-source receive of its tag instead of calling it out of step (a message that no receive
+    takes is still an error). Across hosts with several sockets per peer, a small tag-1 message
+    then a large tag-2 one put part of the second on a socket the first does not use."""
+    rep = Report(rank)
+    if rank == 0:
+        bufs = [torch.empty(n) for _ in range(world - 1)]
+        works = [dist.irecv(b, tag=1) for b in bufs]
+        for src in range(1, world):
+            t = torch.empty(m)
+            dist.recv(t, src, tag=2)
+            rep.expect(torch.equal(t, gen("named", src, m, torch.float32)), f"named recv from rank {src} is wrong")
+        _check_any_source(rep, world, works, bufs, n)
+    else:
+        time.sleep(0.3)  # rank 0's named recvs are waiting by now
+        dist.send(gen("any", rank, n, torch.float32), 0, tag=1)
+        dist.send(gen("named", rank, m, torch.float32), 0, tag=2)
+    return rep.to_dict()
+
+
+def any_source_by_tag(rank, world):
+    """Rank 0 posts receives from any source for tag 1, then for tag 2; the senders send tag 2
+    first and tag 1 only once rank 0 has all of tag 2. A younger any-source receive must take a
+    message of its tag while older ones wait for another tag (as MPI and gloo match them), or
+    this deadlocks (and fails by the 30 s wait limit)."""
+    rep = Report(rank)
+    if rank == 0:
+        ones, twos = [torch.empty(1) for _ in range(world - 1)], [torch.empty(1) for _ in range(world - 1)]
+        first = [dist.irecv(t, tag=1) for t in ones]
+        second = [dist.irecv(t, tag=2) for t in twos]
+        for w in second:
+            w.wait(timedelta(seconds=30))
+        rep.expect(sorted(t.item() for t in twos) == [20.0 + r for r in range(1, world)],
+                   f"tag-2 messages {[t.item() for t in twos]}")
+        for r in range(1, world):
+            dist.send(torch.ones(1), r, tag=3)
+        for w in first:
+            w.wait(timedelta(seconds=30))
+        rep.expect(sorted(t.item() for t in ones) == [10.0 + r for r in range(1, world)],
+                   f"tag-1 messages {[t.item() for t in ones]}")
+    else:
+        dist.send(torch.tensor([20.0 + rank]), 0, tag=2)
+        dist.recv(torch.empty(1), 0, tag=3)
+        dist.send(torch.tensor([10.0 + rank]), 0, tag=1)
     return rep.to_dict()
 
 
@@ -212,6 +270,17 @@ def test_any_source_and_batch(pools, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_any_source_outstanding(pools, world):
     pools.check(world, any_source_outstanding, 300_000, timeout=240)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("n, m", [(1, 1), (300_000, 1), (1, 300_000)])
+def test_any_source_then_named(pools, world, n, m):
+    pools.check(world, any_source_then_named, n, m, timeout=240)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_any_source_by_tag(pools, world):
+    pools.check(world, any_source_by_tag, timeout=240)
 
 
 @pytest.mark.parametrize("world", [2, 4])

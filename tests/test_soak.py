@@ -2,7 +2,8 @@
 reference, with resident memory watched for growth.
 
 Every op draws its kind (all_reduce with every reduce op, all_gather, reduce_scatter,
-broadcast, reduce, gather, all_to_all with even and uneven splits, barrier), dtype, size,
+broadcast, reduce, gather, all_to_all with even and uneven splits, barrier, and point-to-point:
+a batched exchange around the group, one send to one receiver, receives from any source), dtype, size,
 group (the world, or a subgroup: two ends, the even ranks, all but rank 0, which cross the
 emulated hosts) and whether it runs async; up to five async ops stay outstanding, on several
 groups at once, before their results are checked. CI runs 2,000 ops on one host and on
@@ -33,7 +34,7 @@ RSS_GROWTH_LIMIT = 16 << 20
 MALLOC_ENV = (("MALLOC_MMAP_THRESHOLD_", "65536"),)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64, torch.uint8]
 KINDS = ["all_reduce", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "all_to_all",
-         "all_to_all_uneven", "barrier"]
+         "all_to_all_uneven", "barrier", "sendrecv", "send_recv", "recv_any"]
 REDUCE_OPS = ["SUM", "MAX", "MIN", "PRODUCT", "AVG"]
 MAX_OUTSTANDING = 5
 
@@ -74,8 +75,9 @@ class Draw:
 
 
 def _run_op(d, seed, i, rank, group):
-    """Issues op i. Returns (work or None, result tensor, reference) or None where this rank has
-    nothing to check (a non-root of reduce / gather, a barrier)."""
+    """Issues op i. Returns (work, a list of works or None; result tensor, or a function giving the result and
+    reference once the work is done; reference) or None where this rank has nothing to check (a non-root of
+    reduce / gather, a barrier)."""
     gw, gr = len(d.members), d.members.index(rank)
     n, dtype = d.n, d.dtype
     ins = [_input(seed, i, r, n, dtype) for r in d.members]
@@ -133,8 +135,62 @@ def _run_op(d, seed, i, rank, group):
         work = dist.all_to_all_single(out, src, [splits[s][gr] for s in range(gw)], splits[gr], group=group,
                                       async_op=d.async_op)
         return work, out, torch.cat([block(s, gr) for s in range(gw)])
+    if d.kind in ("sendrecv", "send_recv", "recv_any"):
+        return _run_p2p(d, i, ins, gr, group)
     work = dist.barrier(group=group, async_op=d.async_op)
     return (work, None, None) if d.async_op else None
+
+
+def _run_p2p(d, i, ins, gr, group):
+    """Point-to-point ops, tagged with the op's index so that a message meant for another op
+    fails loudly (a tag mismatch) instead of landing in the wrong tensor."""
+    gw = len(d.members)
+    if d.kind == "sendrecv":  # every member sends to the next and receives from the previous at once
+        got = torch.empty_like(ins[gr])
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, ins[gr], d.members[(gr + 1) % gw], group, tag=i),
+            dist.P2POp(dist.irecv, got, d.members[(gr - 1) % gw], group, tag=i)])
+        if not d.async_op:
+            for w in works:
+                w.wait()
+            works = None
+        return works, got, ins[(gr - 1) % gw]
+    if d.kind == "send_recv":  # the root sends to one other member; blocking or not on either side
+        to = (d.root + 1 + d.split_seed % (gw - 1)) % gw
+        if gr == d.root:
+            if d.async_op:
+                return dist.isend(ins[gr], d.members[to], group=group, tag=i), None, None
+            dist.send(ins[gr], d.members[to], group=group, tag=i)
+        elif gr == to:
+            got = torch.empty_like(ins[gr])
+            if d.async_op:
+                return dist.irecv(got, d.members[d.root], group=group, tag=i), got, ins[d.root]
+            dist.recv(got, d.members[d.root], group=group, tag=i)
+            return None, got, ins[d.root]
+        return None
+    # recv_any: the root receives one message from every other member, naming none of them; its
+    # later named recvs from those members may be posted before these have matched.
+    if gr != d.root:
+        if d.async_op:
+            return dist.isend(ins[gr], d.members[d.root], group=group, tag=i), None, None
+        dist.send(ins[gr], d.members[d.root], group=group, tag=i)
+        return None
+    bufs = [torch.empty_like(ins[gr]) for _ in range(gw - 1)]
+    works = [dist.irecv(b, group=group, tag=i) for b in bufs]
+
+    def received():  # once the works are done: which member each message came from decides the order
+        sources = [w._source_rank() for w in works]  # ranks of the group
+        expected = [j for j in range(gw) if j != gr]
+        if sorted(sources) != expected:  # each sender exactly once
+            return torch.tensor(sorted(sources)), torch.tensor(expected)
+        by_source = sorted(range(gw - 1), key=lambda k: sources[k])
+        return torch.cat([bufs[k] for k in by_source]), torch.cat([ins[j] for j in expected])
+
+    if not d.async_op:
+        for w in works:
+            w.wait()
+        return None, *received()
+    return works, received, None
 
 
 def soak_task(rank, world, ops, seed):
@@ -148,9 +204,12 @@ def soak_task(rank, world, ops, seed):
 
     def settle():
         nonlocal mismatches
-        for work, got, ref, what in outstanding:
-            if work is not None:
-                work.wait()
+        for works, got, ref, what in outstanding:
+            for work in works if isinstance(works, list) else [works]:
+                if work is not None:
+                    work.wait()
+            if callable(got):  # a result known only once the op is done
+                got, ref = got()
             if got is not None and not rep.expect(torch.equal(got, ref), f"rank {rank}: {what}: wrong result"):
                 mismatches += 1
         outstanding.clear()

@@ -465,7 +465,8 @@ bool NetP2p::progressRecvs(Peer& p) {
   while (p.ready() && !p.recvs.empty()) {
     P2pOp& op = p.recvs.front();
     bool left = false;
-    for (size_t lane = 0; lane < p.lanes.size(); ++lane) {
+    bool passed = false;  // a receive from any source took the message and is first now
+    for (size_t lane = 0; lane < p.lanes.size() && !passed; ++lane) {
       Lane& l = p.lanes[lane];
       const auto stripe = net::wire::stripeOf(op.bytes, lanes_, static_cast<int>(lane));
       for (;;) {
@@ -476,6 +477,10 @@ bool NetP2p::progressRecvs(Peer& p) {
             return true;
           }
           const int64_t tag = userTag(l.recvHdr.tag);
+          if (tag != op.tag && passToAnySource(anyRecvs_, p.recvs, p.rank, static_cast<int>(tag))) {
+            passed = true;
+            break;
+          }
           if (tag != op.tag || l.recvHdr.bytes != op.bytes) {
             const std::string msg = outOfStepMessage(p.rank, op.tag, op.bytes, tag, l.recvHdr.bytes);
             P2pOp failed = std::move(op);
@@ -501,57 +506,51 @@ bool NetP2p::progressRecvs(Peer& p) {
       }
       left |= Peer::partLeft(op, lane, l.recvHdrGot + l.recvOff, lanes_);
     }
+    moved |= passed;
+    if (passed) continue;
     if (left) break;
-    P2pOp finished = std::move(op);
-    p.recvs.pop_front();
-    for (Lane& l : p.lanes) {
+    // Only the lanes that carried the message start over: another lane may already hold part of
+    // the next one, read for a named receive that let this message pass to an any-source one.
+    for (size_t lane = 0; lane < p.lanes.size(); ++lane) {
+      if (!net::wire::stripeOf(op.bytes, lanes_, static_cast<int>(lane)).carried) continue;
+      Lane& l = p.lanes[lane];
       l.recvHdrGot = l.recvOff = 0;
       l.recvChecked = false;
     }
+    P2pOp finished = std::move(op);
+    p.recvs.pop_front();
     complete(std::move(finished), nullptr, p.rank);
   }
   return moved;
 }
 
-// Gives the oldest receive from any source the first connected peer (other hosts only) whose
-// next message has its tag, as the shared-memory engine does for host-mates: the receive moves
-// to that peer's queue, which must be empty so that per-pair order holds. Reading a header with
-// no receive posted is what lets a message be matched; its payload still waits for the receive.
+// Hands the next message of each connected peer (other hosts only) that has no named receive
+// waiting to the oldest receive from any source with its tag, as the shared-memory engine does
+// for host-mates. Reading a header with no receive posted is what lets a message be matched; its
+// payload still waits for the receive.
 bool NetP2p::matchAnySource() {
   bool moved = false;
-  while (!anyRecvs_.empty()) {
-    P2pOp& op = anyRecvs_.front();
-    if (op.takenElsewhere()) {
-      anyRecvs_.pop_front();
-      moved = true;
-      continue;
-    }
-    Peer* match = nullptr;
-    for (int k = 1; k < topo_.size && !match; ++k) {
-      Peer* p = peers_[(rank_ + k) % topo_.size].get();
-      if (!p || !p->ready() || !p->recvs.empty()) continue;
-      Lane& l = p->lanes[0];
-      if (l.recvHdrGot < kHeaderBytes) {
-        const ssize_t got =
-            recvSome(*p, l, reinterpret_cast<char*>(&l.recvHdr) + l.recvHdrGot, kHeaderBytes - l.recvHdrGot, nullptr);
-        if (got <= 0) continue;
-        moved = true;
-        l.recvHdrGot += static_cast<size_t>(got);
-        if (l.recvHdrGot < kHeaderBytes) continue;
-      }
-      if (const std::optional<std::string> why = farewellOn(l)) {
-        peerGaveUp(*p, "recv from any rank", *why);
-        continue;
-      }
-      if (userTag(l.recvHdr.tag) == op.tag) match = p;
-    }
-    if (!match) break;
-    if (op.claim()) {
-      op.peer = match->rank;
-      match->recvs.push_back(std::move(op));
-    }
+  while (!anyRecvs_.empty() && anyRecvs_.front().takenElsewhere()) {
     anyRecvs_.pop_front();
     moved = true;
+  }
+  for (int k = 1; k < topo_.size && !anyRecvs_.empty(); ++k) {
+    Peer* p = peers_[(rank_ + k) % topo_.size].get();
+    if (!p || !p->ready() || !p->recvs.empty()) continue;
+    Lane& l = p->lanes[0];
+    if (l.recvHdrGot < kHeaderBytes) {
+      const ssize_t got =
+          recvSome(*p, l, reinterpret_cast<char*>(&l.recvHdr) + l.recvHdrGot, kHeaderBytes - l.recvHdrGot, nullptr);
+      if (got <= 0) continue;
+      moved = true;
+      l.recvHdrGot += static_cast<size_t>(got);
+      if (l.recvHdrGot < kHeaderBytes) continue;
+    }
+    if (const std::optional<std::string> why = farewellOn(l)) {
+      peerGaveUp(*p, "recv from any rank", *why);
+      continue;
+    }
+    moved |= passToAnySource(anyRecvs_, p->recvs, p->rank, static_cast<int>(userTag(l.recvHdr.tag)));
   }
   return moved;
 }

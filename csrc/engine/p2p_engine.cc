@@ -44,6 +44,22 @@ std::string outOfStepMessage(int peer, int tag, size_t bytes, int64_t sentTag, u
       peer, tag, bytes, peer, static_cast<long long>(sentTag), static_cast<unsigned long long>(sentBytes));
 }
 
+bool passToAnySource(std::deque<P2pOp>& anyRecvs, std::deque<P2pOp>& recvs, int peer, int tag) {
+  for (size_t k = 0; k < anyRecvs.size();) {
+    if (anyRecvs[k].tag != tag && !anyRecvs[k].takenElsewhere()) {
+      ++k;
+      continue;
+    }
+    P2pOp op = std::move(anyRecvs[k]);
+    anyRecvs.erase(anyRecvs.begin() + static_cast<std::ptrdiff_t>(k));
+    if (op.tag != tag || !op.claim()) continue;  // the other engine's now: drop this copy
+    op.peer = peer;
+    recvs.push_front(std::move(op));
+    return true;
+  }
+  return false;
+}
+
 size_t P2pEngine::singleCopyBytesFor(const CpuShare& machine) {
   const int64_t v = env::p2pSingleCopyBytes();
   if (v == 0) return SIZE_MAX;
@@ -216,6 +232,7 @@ bool P2pEngine::progressRecv(P2pOp& op, int s) {
     ChunkHeader h;
     std::memcpy(&h, chunk, sizeof(h));
     if (!op.started && (h.tag != op.tag || h.messageBytes != op.bytes)) {
+      if (h.tag != op.tag && passToAnySource(anyRecvs_, recvs_[s], s, h.tag)) return true;  // op is second now
       throw Error(ErrorCode::kInvalidUsage, outOfStepMessage(domain_->groupRank(s), op.tag, op.bytes, h.tag,
                                                              h.messageBytes));
     }
@@ -242,28 +259,22 @@ bool P2pEngine::progressRecv(P2pOp& op, int s) {
   return moved;
 }
 
-// Gives the oldest any-source receive the first peer with a message of its tag waiting, by
-// moving it to the front of that peer's queue (which must be empty: per-pair order holds).
+// Hands the next message of each peer that has no named receive waiting to the oldest receive
+// from any source with its tag (a named receive that does not want a message lets it pass in
+// progressRecv). The receive moves to the front of that peer's queue, so per-pair order holds.
 bool P2pEngine::matchAnySource() {
   while (!anyRecvs_.empty() && anyRecvs_.front().takenElsewhere()) anyRecvs_.pop_front();
-  if (anyRecvs_.empty()) return false;
-  P2pOp& op = anyRecvs_.front();
-  for (int k = 0; k < size_; ++k) {
-    const int s = (rank_ + 1 + k) % size_;
-    if (s == rank_ || !recvs_[s].empty() || !broken_[s].empty()) continue;
+  bool moved = false;
+  for (int k = 1; k < size_ && !anyRecvs_.empty(); ++k) {
+    const int s = (rank_ + k) % size_;
+    if (!recvs_[s].empty() || !broken_[s].empty()) continue;
     const uint64_t i = recvNext_[s];
     if (domain_->sentTo(s, rank_).load(std::memory_order_acquire) <= i) continue;
     ChunkHeader h;
     std::memcpy(&h, domain_->outbox(s, rank_, i), sizeof(h));
-    if (h.tag != op.tag) continue;
-    if (op.claim()) {
-      op.peer = s;
-      recvs_[s].push_back(std::move(op));
-    }
-    anyRecvs_.pop_front();
-    return true;
+    moved |= passToAnySource(anyRecvs_, recvs_[s], s, h.tag);
   }
-  return false;
+  return moved;
 }
 
 bool P2pEngine::progress() {
@@ -284,7 +295,7 @@ bool P2pEngine::progress() {
       moved = true;
     }
   }
-  while (matchAnySource()) moved = true;
+  moved |= matchAnySource();
   for (int p = 0; p < size_; ++p) {
     while (!sends_[p].empty()) {
       P2pOp& op = sends_[p].front();
@@ -312,6 +323,7 @@ bool P2pEngine::progress() {
         break;
       }
       moved = true;
+      if (&op != &recvs_[p].front()) continue;  // a receive from any source took the message: it is first now
       if (op.offset < op.bytes) break;
       complete(std::move(op), nullptr, p);
       recvs_[p].pop_front();

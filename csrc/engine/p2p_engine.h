@@ -66,6 +66,15 @@ struct P2pOp {
 // message has another tag or size than the receive expects.
 std::string outOfStepMessage(int peer, int tag, size_t bytes, int64_t sentTag, uint64_t sentBytes);
 
+// The next message from `peer` has tag `tag` and no named receive wants it (none waits, or the
+// one waiting expects another tag): the oldest receive from any source with that tag that no
+// other engine took, if any, takes it, put first in `recvs` (`peer`'s queue), and this returns
+// true. A message thus matches as in MPI and gloo: a named receive does not turn an any-source
+// one's message into an error, and an any-source receive does not wait behind older ones that
+// want another tag. Both engines call it when they match any-source receives and where they would
+// report a named receive's mismatch.
+bool passToAnySource(std::deque<P2pOp>& anyRecvs, std::deque<P2pOp>& recvs, int peer, int tag);
+
 // What a blocking wait on a point-to-point op runs (SmddpWork::wait): the passes of the engine
 // that moves the op, on the waiting thread, until `done()` holds, the engine is aborted or shut
 // down; the waiter is then the thread its peer's message wakes.
