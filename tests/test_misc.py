@@ -5,6 +5,7 @@ import gc
 import os
 import re
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -140,6 +141,45 @@ def async_task(rank, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_async(pools, world):
     pools.check(world, async_task)
+
+
+def wait_limit_task(rank, world):
+    """Work.wait(timeout) that runs out: an error naming the rank, the op and the limit, and the op
+    stays pending; the next wait() returns it complete and right (an all_reduce whose last rank
+    comes late, and a recv whose sender does)."""
+    rep = Report(rank)
+    late = world - 1
+    for op in ("all_reduce", "recv"):
+        with rep.cell(f"wait(timeout) runs out: {op}"):
+            t = torch.full((1000,), float(rank))
+            if rank == late:
+                time.sleep(1.0)
+            if op == "all_reduce":
+                work = dist.all_reduce(t, async_op=True)
+                want = torch.full((1000,), float(sum(range(world))))
+            elif rank == 0:
+                work = dist.irecv(t, late, tag=3)
+                want = torch.full((1000,), float(late))
+            else:  # the sender has nothing to check
+                work = dist.isend(t, 0, tag=3) if rank == late else None
+                want = None
+            if rank == 0 and work is not None:
+                try:
+                    work.wait(timedelta(milliseconds=200))
+                    rep.expect(False, f"{op}: wait(200 ms) returned although rank {late} comes 1 s late")
+                except dist.DistBackendError as e:
+                    rep.expect(f"smddp rank 0: {op}: wait(timeout=200 ms) ran out" in str(e), f"{op}: {e}")
+            if work is not None:
+                work.wait()
+            if want is not None:
+                rep.expect(torch.equal(t, want), f"{op}: wrong result after a wait that ran out")
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="smddp's message (gloo's says only 'Operation timed out!')")
+@pytest.mark.parametrize("world", [2, 3])
+def test_wait_limit_runs_out(pools, world):
+    pools.check(world, wait_limit_task)
 
 
 # ---------------------------------------------------------------------------

@@ -43,6 +43,9 @@ std::exception_ptr asTorchError(std::exception_ptr error, int rank) {
 
 namespace {
 
+// "all_reduce" for the profiler's "smddp:all_reduce": how messages name an op.
+const char* opName(const char* title) { return std::strncmp(title, "smddp:", 6) == 0 ? title + 6 : title; }
+
 // ---- validation (phase 1, on the caller's thread) -------------------------------------------
 
 std::optional<DataType> toDataType(at::ScalarType t) {
@@ -216,6 +219,7 @@ class C10dStore : public Store {
 SmddpWork::SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, std::vector<at::Tensor> outputs,
                      const std::optional<std::vector<at::Tensor>>& inputs, std::chrono::microseconds spin)
     : c10d::Work(rank, opType, profilingTitle, inputs),
+      title_(opName(profilingTitle)),
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
       spin_(spin) {}
@@ -240,7 +244,17 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
   // Without a time limit only: the engine's own deadlines end the drive, not the caller's.
   if (p2pDriver_ && timeout == kNoTimeout) p2pDriver_->driveUntil([this] { return future_->completed(); });
   spinUntil(spin_, [this] { return future_->completed(); });
-  return c10d::Work::wait(timeout);  // then synchronize()
+  try {
+    return c10d::Work::wait(timeout);  // then synchronize()
+  } catch (const c10::Error&) {
+    if (isCompleted()) throw;  // the op's own error
+    // The base class says only "Operation timed out!".
+    const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
+    throw c10::DistBackendError(loc, "smddp rank " + std::to_string(rank_) + ": " + title_ + ": wait(timeout=" +
+                                         std::to_string(timeout.count()) +
+                                         " ms) ran out before the op completed; the op is still pending (the "
+                                         "group's timeout ends it if its peers never come)");
+  }
 }
 
 void SmddpWork::synchronize() {
@@ -377,7 +391,7 @@ SmddpBackend::Body SmddpBackend::describedBody(c10d::OpType opType, const char* 
     default: outShapes = inShapes = true;
   }
   std::ostringstream text;
-  text << (std::strncmp(title, "smddp:", 6) == 0 ? title + 6 : title) << "(";
+  text << opName(title) << "(";
   const at::Tensor* first = !outputs.empty() ? &outputs[0] : (!inputs.empty() ? &inputs[0] : nullptr);
   if (first) text << first->scalar_type() << " on " << first->device().type();
   auto shapes = [&](const char* what, const Tensors& ts) {

@@ -58,6 +58,7 @@ class SmddpWork : public c10d::Work {
   void setSourceRank(int rank) { sourceRank_.store(rank); }
 
  private:
+  std::string title_;  // "smddp:allreduce", for errors
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::chrono::microseconds spin_;
