@@ -25,6 +25,7 @@ from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
 from test_clients import ddp_task, fsdp2_task, pipeline_task
 from test_gather_scatter_alltoall import alltoall_cases, gather_scatter_all_roots
 from test_misc import barrier_task, shm_task
+from test_moved_dtypes import moved_dtypes_task
 from test_p2p import (SIZES as P2P_SIZES, any_source_and_batch, any_source_by_tag, any_source_outstanding,
                       any_source_then_named, exchange_send_first, ping_pong, tag_mismatch, waits_from_threads)
 from test_reduce_scatter import reduce_scatter_list, reduce_scatter_tensor_forms
@@ -379,6 +380,12 @@ def test_gather_scatter_barrier(pools, topo):
 # 3 + 3: the other collectives connect only some pairs of ranks across hosts (1-5 and 2-4 are
 # not among them); the group's first all_to_all connects the rest.
 ALLTOALL_TOPOS = TOPOS + ["000111"]
+
+
+@pytest.mark.parametrize("topo", ["0011", "012"])
+def test_moved_dtypes(pools, topo):
+    """float8, uint16/32/64 and complex tensors through every op that only moves data."""
+    check(pools, topo, moved_dtypes_task, 300_001)
 
 
 @pytest.mark.parametrize("topo", ALLTOALL_TOPOS)

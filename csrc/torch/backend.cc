@@ -65,17 +65,43 @@ std::optional<DataType> toDataType(at::ScalarType t) {
 }
 
 // Checks a tensor can be handed to the core and returns its element type.
-DataType checkTensor(const at::Tensor& t, int rank, const char* op) {
+// What every op needs of a tensor: defined, dense, on the CPU or a CUDA device.
+void checkPlacement(const at::Tensor& t, int rank, const char* op) {
   TORCH_CHECK_VALUE(t.defined(), "smddp rank ", rank, ": ", op, ": got an undefined tensor");
   TORCH_CHECK_NOT_IMPLEMENTED(t.device().is_cpu() || t.device().is_cuda(), "smddp rank ", rank, ": ", op,
                               ": tensors on ", t.device(), " are not supported; smddp handles CPU and CUDA tensors");
-  TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == at::kStrided, "smddp rank ", rank, ": ", op,
-                              ": only dense (strided) tensors are supported, got layout ", t.layout());
+  TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == at::kStrided && !t.is_quantized(), "smddp rank ", rank, ": ", op,
+                              ": only dense (strided, not quantized) tensors are supported, got ",
+                              t.is_quantized() ? "a quantized tensor" : "layout " + c10::str(t.layout()));
+}
+
+// A tensor that an op reduces: its dtype must be one smddp computes in.
+DataType checkTensor(const at::Tensor& t, int rank, const char* op) {
+  checkPlacement(t, rank, op);
   auto dt = toDataType(t.scalar_type());
   TORCH_CHECK_NOT_IMPLEMENTED(dt.has_value(), "smddp rank ", rank, ": ", op, ": dtype ", t.scalar_type(),
-                              " is not supported (supported: float32, float64, float16, bfloat16, int8, uint8, "
-                              "int16, int32, int64, bool)");
+                              " is not supported for reductions (supported: float32, float64, float16, bfloat16, "
+                              "int8, uint8, int16, int32, int64, bool); ops that only move data take any dtype of 1, "
+                              "2, 4 or 8 bytes");
   return *dt;
+}
+
+// A tensor that an op only moves (broadcast, the gathers, scatter, all_to_all, send/recv): any
+// dtype of 1, 2, 4 or 8 bytes (float8, uint16/32/64, complex32/64 too), carried bit for bit as
+// the integer type of its size, which every step of such an op treats alike.
+DataType checkMovedTensor(const at::Tensor& t, int rank, const char* op) {
+  checkPlacement(t, rank, op);
+  if (auto dt = toDataType(t.scalar_type())) return *dt;
+  switch (t.element_size()) {
+    case 1: return DataType::kUInt8;
+    case 2: return DataType::kInt16;
+    case 4: return DataType::kInt32;
+    case 8: return DataType::kInt64;
+    default:
+      TORCH_CHECK_NOT_IMPLEMENTED(false, "smddp rank ", rank, ": ", op, ": dtype ", t.scalar_type(), " (",
+                                  t.element_size(), " bytes per element) is not supported; ops that only move data "
+                                  "take any dtype of 1, 2, 4 or 8 bytes");
+  }
 }
 
 void checkSameType(const at::Tensor& a, const at::Tensor& b, int rank, const char* op) {
@@ -161,7 +187,7 @@ std::vector<at::Tensor> stageBlocks(const std::vector<at::Tensor>& blocks, const
                                     const char* op) {
   std::vector<at::Tensor> srcs;
   for (const at::Tensor& b : blocks) {
-    checkTensor(b, rank, op);
+    checkMovedTensor(b, rank, op);
     checkSameType(out, b, rank, op);
     TORCH_CHECK_VALUE(b.numel() == out.numel(), "smddp rank ", rank, ": ", op, ": every input must have the output's ",
                       out.numel(), " elements, got one with ", b.numel());
@@ -525,7 +551,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce(std::vector<at::Tensor>& ten
 c10::intrusive_ptr<c10d::Work> SmddpBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                        const c10d::BroadcastOptions& opts) {
   const at::Tensor& t = single(tensors, rank_, "broadcast");
-  const DataType dtype = checkTensor(t, rank_, "broadcast");
+  const DataType dtype = checkMovedTensor(t, rank_, "broadcast");
   const int root = static_cast<int>(opts.rootRank);
   TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp rank ", rank_, ": broadcast: root ", root,
                     " is not a rank of this group of size ", size_);
@@ -550,7 +576,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather(std::vector<std::vector<a
   const at::Tensor& in = single(inputs, rank_, "allgather");
   TORCH_CHECK_VALUE(outputs.size() == 1, "smddp rank ", rank_, ": allgather takes one output list, got ",
                     outputs.size());
-  const DataType dtype = checkTensor(in, rank_, "allgather");
+  const DataType dtype = checkMovedTensor(in, rank_, "allgather");
   std::vector<at::Tensor>& outs = outputs[0];
   if (isCudaOp(concat({in}, outs), "allgather")) {
     return cudaWhole("allgather", {in}, outs, [&](const Tensors& hostIn, const Tensors& hostOut) {
@@ -564,7 +590,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather(std::vector<std::vector<a
   std::vector<Staged> staged;
   std::vector<size_t> counts;
   for (const at::Tensor& o : outs) {
-    checkTensor(o, rank_, "allgather");
+    checkMovedTensor(o, rank_, "allgather");
     checkSameType(o, in, rank_, "allgather");
     staged.push_back(stageOut(o));
     counts.push_back(static_cast<size_t>(o.numel()));
@@ -600,8 +626,8 @@ struct FlatGather {
 };
 
 DataType checkFlatGather(const at::Tensor& output, const at::Tensor& input, int rank, int size, const char* op) {
-  const DataType dtype = checkTensor(input, rank, op);
-  checkTensor(output, rank, op);
+  const DataType dtype = checkMovedTensor(input, rank, op);
+  checkMovedTensor(output, rank, op);
   checkSameType(output, input, rank, op);
   TORCH_CHECK_VALUE(output.numel() == input.numel() * size, "smddp rank ", rank, ": ", op, ": the output has ",
                     output.numel(), " elements but must have world size (", size, ") x input (", input.numel(),
@@ -798,7 +824,7 @@ int checkRoot(int64_t root, int rank, int size, const char* op) {
 c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                     std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   const at::Tensor& in = single(inputs, rank_, "gather");
-  const DataType dtype = checkTensor(in, rank_, "gather");
+  const DataType dtype = checkMovedTensor(in, rank_, "gather");
   const int root = checkRoot(opts.rootRank, rank_, size_, "gather");
   const Tensors rootOuts = rank_ == root && outputs.size() == 1 ? outputs[0] : Tensors{};
   if (isCudaOp(concat({in}, rootOuts), "gather")) {
@@ -816,7 +842,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
                       ": gather: the root needs one output list of ", size_, " tensors");
     outs = outputs[0];
     for (const at::Tensor& o : outs) {
-      checkTensor(o, rank_, "gather");
+      checkMovedTensor(o, rank_, "gather");
       checkSameType(o, in, rank_, "gather");
       TORCH_CHECK_VALUE(o.numel() == in.numel(), "smddp rank ", rank_, ": gather: every output must have the input's ",
                         in.numel(), " elements, got one with ", o.numel());
@@ -848,7 +874,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& ou
                                                      std::vector<std::vector<at::Tensor>>& inputs,
                                                      const c10d::ScatterOptions& opts) {
   const at::Tensor& out = single(outputs, rank_, "scatter");
-  const DataType dtype = checkTensor(out, rank_, "scatter");
+  const DataType dtype = checkMovedTensor(out, rank_, "scatter");
   const int root = checkRoot(opts.rootRank, rank_, size_, "scatter");
   const Tensors rootIns = rank_ == root && inputs.size() == 1 ? inputs[0] : Tensors{};
   if (isCudaOp(concat({out}, rootIns), "scatter")) {
@@ -916,8 +942,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall_base(at::Tensor& output, a
       return alltoall_base(o, i, outputSplitSizes, inputSplitSizes, opts);
     });
   }
-  const DataType dtype = checkTensor(input, rank_, "all_to_all_single");
-  checkTensor(output, rank_, "all_to_all_single");
+  const DataType dtype = checkMovedTensor(input, rank_, "all_to_all_single");
+  checkMovedTensor(output, rank_, "all_to_all_single");
   checkSameType(output, input, rank_, "all_to_all_single");
   const std::vector<size_t> inCounts = blockCounts(input, inputSplitSizes, rank_, size_, "input");
   const std::vector<size_t> outCounts = blockCounts(output, outputSplitSizes, rank_, size_, "output");
@@ -954,13 +980,13 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& o
       return alltoall(o, i, opts);
     });
   }
-  const DataType dtype = checkTensor(inputs[0], rank_, "all_to_all");
+  const DataType dtype = checkMovedTensor(inputs[0], rank_, "all_to_all");
   std::vector<Staged> outs;
   std::vector<at::Tensor> ins;
   std::vector<size_t> inCounts, outCounts;
   for (int p = 0; p < size_; ++p) {
-    checkTensor(inputs[p], rank_, "all_to_all");
-    checkTensor(outputs[p], rank_, "all_to_all");
+    checkMovedTensor(inputs[p], rank_, "all_to_all");
+    checkMovedTensor(outputs[p], rank_, "all_to_all");
     checkSameType(outputs[p], inputs[0], rank_, "all_to_all");
     checkSameType(inputs[p], inputs[0], rank_, "all_to_all");
     outs.push_back(stageOut(outputs[p]));
@@ -996,7 +1022,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::barrier(const c10d::BarrierOptions&
 c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Tensor>& tensors, int peer, int tag) {
   const char* op = isSend ? "send" : "recv";
   const at::Tensor& t = single(tensors, rank_, op);
-  checkTensor(t, rank_, op);
+  checkMovedTensor(t, rank_, op);
   TORCH_CHECK_VALUE((peer == -1 && !isSend) || (peer >= 0 && peer < size_ && peer != rank_), "smddp rank ", rank_,
                     ": ", op,
                     ": peer ", peer, " is not another rank of this group of size ", size_);

@@ -1,0 +1,84 @@
+"""Ops that only move data (broadcast, all_gather in both forms, gather, scatter, all_to_all in
+both forms, send/recv) take dtypes smddp does not compute in: float8 (FSDP2 all-gathers float8
+weights in their own dtype when every parameter of a module is float8), uint16/32/64, complex32
+and complex64. Each arrives bit for bit, NaN patterns included. (Reductions of such dtypes are
+refused at the call: tests/test_misc.py's errors test.)"""
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _util import IS_SMDDP, Report
+
+MOVED_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64, torch.complex32,
+                torch.complex64]
+
+
+def _bits(what, rank, n, dtype):
+    """n elements of `dtype` with arbitrary bit patterns, the same on every rank that asks."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(zlib.crc32(f"{what}|{rank}|{dtype}".encode()))
+    return torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=g).view(dtype)
+
+
+def _same_bits(got, want):
+    return got.shape == want.shape and torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8))
+
+
+def moved_dtypes_task(rank, world, n):
+    rep = Report(rank)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    for dtype in MOVED_DTYPES:
+        name = str(dtype).replace("torch.", "")
+
+        def check(op, got, want):
+            rep.expect(_same_bits(got, want), f"rank {rank}: {op} of {name}, {n} elements: bits differ")
+
+        mine = _bits("in", rank, n, dtype)
+        with rep.cell(f"broadcast {name}"):
+            t = mine.clone() if rank == 0 else _bits("junk", rank, n, dtype)
+            dist.broadcast(t, src=0)
+            check("broadcast", t, _bits("in", 0, n, dtype))
+        everyone = torch.cat([_bits("in", r, n, dtype) for r in range(world)])
+        with rep.cell(f"all_gather_into_tensor {name}"):
+            out = torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(out, mine)
+            check("all_gather_into_tensor", out, everyone)
+        with rep.cell(f"all_gather {name}"):
+            outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
+            dist.all_gather(outs, mine)
+            check("all_gather", torch.cat(outs), everyone)
+        with rep.cell(f"gather {name}"):
+            root = world - 1
+            outs = [torch.empty(n, dtype=dtype) for _ in range(world)] if rank == root else None
+            dist.gather(mine, outs, dst=root)
+            if rank == root:
+                check("gather", torch.cat(outs), everyone)
+        with rep.cell(f"scatter {name}"):
+            out = torch.empty(n, dtype=dtype)
+            dist.scatter(out, [_bits("scatter", r, n, dtype) for r in range(world)] if rank == 0 else None, src=0)
+            check("scatter", out, _bits("scatter", rank, n, dtype))
+        per = max(1, n // world)
+        with rep.cell(f"all_to_all_single {name}"):
+            out = torch.empty(per * world, dtype=dtype)
+            dist.all_to_all_single(out, torch.cat([_bits(f"a2a{r}", rank, per, dtype) for r in range(world)]))
+            check("all_to_all_single", out, torch.cat([_bits(f"a2a{rank}", r, per, dtype) for r in range(world)]))
+        with rep.cell(f"all_to_all {name}"):
+            outs = [torch.empty(per, dtype=dtype) for _ in range(world)]
+            dist.all_to_all(outs, [_bits(f"a2l{r}", rank, per, dtype) for r in range(world)])
+            check("all_to_all", torch.cat(outs), torch.cat([_bits(f"a2l{rank}", r, per, dtype) for r in range(world)]))
+        if world > 1:
+            with rep.cell(f"send/recv {name}"):
+                got = torch.empty(n, dtype=dtype)
+                for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, nxt), dist.P2POp(dist.irecv, got, prv)]):
+                    w.wait()
+                check("send/recv", got, _bits("in", prv, n, dtype))
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="gloo refuses most of these dtypes")
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("n", [1001, 300_001])
+def test_moved_dtypes(pools, world, n):
+    pools.check(world, moved_dtypes_task, n, timeout=300)
