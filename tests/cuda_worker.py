@@ -89,6 +89,10 @@ def collectives(rank, world, dev, sizes):
                 outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(world)]
                 dist.all_gather(outs, ins[rank].to(dev))
                 same(torch.cat(outs), torch.cat(ins), True, f"all_gather (list) {d} n={n}")
+                lists = [[torch.empty(n, dtype=dtype, device=dev), torch.empty(0, dtype=dtype, device=dev)]
+                         for _ in range(world)]
+                dist.all_gather_coalesced(lists, [ins[rank].to(dev), torch.empty(0, dtype=dtype, device=dev)])
+                same(torch.cat([ls[0] for ls in lists]), torch.cat(ins), True, f"all_gather_coalesced {d} n={n}")
                 a2a = _util.gen_all("a2a", world, n * world, dtype)
                 o = torch.empty(n * world, dtype=dtype, device=dev)
                 dist.all_to_all_single(o, a2a[rank].to(dev))

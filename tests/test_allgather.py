@@ -1,5 +1,5 @@
 """all_gather (list), all_gather_into_tensor / all_gather_single (cat and stack
-output forms, 1-D and 2-D), the FSDP2 in-place form, large sizes."""
+output forms, 1-D and 2-D), the FSDP2 in-place form, all_gather_coalesced, large sizes."""
 
 import pytest
 import torch
@@ -106,6 +106,36 @@ def test_all_gather_list(pools, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_all_gather_into_tensor(pools, world):
     pools.check(world, all_gather_tensor_forms, SMALL_SIZES, ALL, timeout=240)
+
+
+def all_gather_coalesced(rank, world, sizes, dtypes):
+    """Several inputs in one call (dist.all_gather_coalesced; torch wants one dtype per call):
+    1-D, 2-D and empty at once; output list r gets rank r's inputs."""
+    rep = Report(rank)
+    for n in sizes:
+        for dtype in [getattr(torch, d) for d in dtypes]:
+            label = f"all_gather_coalesced dtype={dname(dtype)} world={world} n={n}"
+            why = backend_skip("all_gather", dtype)
+            if why:
+                rep.skip(label, why)
+                continue
+            numel = large_elems(dtype) if n == "large" else n
+            shapes = [(numel,), (numel, 3), (0,)]
+            with rep.cell(label):
+                ins = [[gen(f"agc{k}", r, torch.Size(shape).numel(), dtype).reshape(shape)
+                        for k, shape in enumerate(shapes)] for r in range(world)]
+                outs = [[torch.empty(shape, dtype=dtype) for shape in shapes] for _ in range(world)]
+                dist.all_gather_coalesced(outs, [t.clone() for t in ins[rank]])
+                for r in range(world):
+                    for k, shape in enumerate(shapes):
+                        rep.check(f"{label} output[{r}][{k}] (shape {shape})", outs[r][k], ins[r][k])
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_gather_coalesced(pools, world):
+    pools.check(world, all_gather_coalesced, [1, 1001], ALL, timeout=240)
+    pools.check(world, all_gather_coalesced, ["large"], ["float32"], timeout=240)
 
 
 @pytest.mark.parametrize("world", WORLDS)

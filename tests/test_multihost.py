@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import _pool
 from _util import DTYPES, IS_SMDDP, REDOPS, SMALL_SIZES, Report, assert_reports, dname
-from test_allgather import all_gather_list, all_gather_tensor_forms
+from test_allgather import all_gather_coalesced, all_gather_list, all_gather_tensor_forms
 from test_allreduce import allreduce_matrix
 from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
 from test_clients import ddp_task, fsdp2_task, pipeline_task
@@ -344,6 +344,7 @@ def test_disagreeing_net_settings_take_rank_0s():
 @pytest.mark.parametrize("topo", TOPOS)
 def test_allgather(pools, topo):
     check(pools, topo, all_gather_list, SMALL_SIZES, ALL)
+    check(pools, topo, all_gather_coalesced, [1001], ["float32", "int64"])
     check(pools, topo, all_gather_tensor_forms, SMALL_SIZES + ["large"], ["float32", "int8"])
 
 

@@ -408,7 +408,8 @@ SmddpBackend::Body SmddpBackend::describedBody(c10d::OpType opType, const char* 
   // all_to_all, gather/scatter lists on the root only), so their shapes stay out.
   bool outShapes = false, inShapes = false;
   switch (opType) {
-    case c10d::OpType::ALLGATHER: outShapes = true; break;
+    case c10d::OpType::ALLGATHER:
+    case c10d::OpType::ALLGATHER_COALESCED: outShapes = true; break;
     case c10d::OpType::REDUCE_SCATTER: inShapes = true; break;
     case c10d::OpType::GATHER:
     case c10d::OpType::SCATTER:
@@ -570,13 +571,55 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::broadcast(std::vector<at::Tensor>& 
                  });
 }
 
+namespace {
+// An all-gather into a list of per-rank outputs (sizes may differ per rank, as gloo allows).
+struct ListGather {
+  std::vector<Staged> staged;
+  std::vector<size_t> counts;
+  at::Tensor in;
+  DataType dtype;
+};
+
+ListGather prepareListGather(const std::vector<at::Tensor>& outs, const at::Tensor& in, int rank, int size,
+                             const char* op) {
+  ListGather g{{}, {}, stageIn(in), checkMovedTensor(in, rank, op)};
+  TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == size, "smddp rank ", rank, ": ", op, ": the output list has ",
+                    outs.size(), " tensors but the group has ", size, " ranks");
+  for (const at::Tensor& o : outs) {
+    checkMovedTensor(o, rank, op);
+    checkSameType(o, in, rank, op);
+    g.staged.push_back(stageOut(o));
+    g.counts.push_back(static_cast<size_t>(o.numel()));
+  }
+  TORCH_CHECK_VALUE(g.counts[rank] == static_cast<size_t>(in.numel()), "smddp rank ", rank, ": ", op, ": output ",
+                    rank, " has ", g.counts[rank], " elements but the input has ", in.numel());
+  // Pieces are written while the input is still being staged chunk by chunk: an input that
+  // overlaps an output (other than being exactly this rank's own output) goes through a copy.
+  for (int p = 0; p < size; ++p) {
+    const at::Tensor& o = g.staged[p].work;
+    if (overlaps(g.in, o) && !(p == rank && o.data_ptr() == g.in.data_ptr())) {
+      g.in = g.in.clone();
+      break;
+    }
+  }
+  return g;
+}
+
+void runListGather(algo::Communicator& c, const ListGather& g, std::chrono::milliseconds to) {
+  algo::AllgatherOptions o{g.dtype, g.in.data_ptr(), {}, g.counts};
+  for (const Staged& s : g.staged) o.outputs.push_back(s.work.data_ptr());
+  c.allgather(o, to);
+  for (const Staged& s : g.staged) finishStaged(s);
+}
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllgatherOptions& opts) {
   const at::Tensor& in = single(inputs, rank_, "allgather");
   TORCH_CHECK_VALUE(outputs.size() == 1, "smddp rank ", rank_, ": allgather takes one output list, got ",
                     outputs.size());
-  const DataType dtype = checkMovedTensor(in, rank_, "allgather");
+  checkMovedTensor(in, rank_, "allgather");
   std::vector<at::Tensor>& outs = outputs[0];
   if (isCudaOp(concat({in}, outs), "allgather")) {
     return cudaWhole("allgather", {in}, outs, [&](const Tensors& hostIn, const Tensors& hostOut) {
@@ -585,34 +628,46 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather(std::vector<std::vector<a
       return allgather(o, i, opts);
     });
   }
-  TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == size_, "smddp rank ", rank_, ": allgather: the output list has ",
-                    outs.size(), " tensors but the group has ", size_, " ranks");
-  std::vector<Staged> staged;
-  std::vector<size_t> counts;
-  for (const at::Tensor& o : outs) {
-    checkMovedTensor(o, rank_, "allgather");
-    checkSameType(o, in, rank_, "allgather");
-    staged.push_back(stageOut(o));
-    counts.push_back(static_cast<size_t>(o.numel()));
-  }
-  TORCH_CHECK_VALUE(counts[rank_] == static_cast<size_t>(in.numel()), "smddp rank ", rank_, ": allgather: output ",
-                    rank_, " has ", counts[rank_], " elements but the input has ", in.numel());
-  at::Tensor src = stageIn(in);
-  // Pieces are written while the input is still being staged chunk by chunk: an input that
-  // overlaps an output (other than being exactly this rank's own output) goes through a copy.
-  for (int p = 0; p < size_; ++p) {
-    const at::Tensor& o = staged[p].work;
-    if (overlaps(src, o) && !(p == rank_ && o.data_ptr() == src.data_ptr())) {
-      src = src.clone();
-      break;
-    }
-  }
+  ListGather g = prepareListGather(outs, in, rank_, size_, "allgather");
   return enqueue(c10d::OpType::ALLGATHER, "smddp:all_gather", outs, inputs, resolveTimeout(opts.timeout), opts.asyncOp,
-                 [staged, counts, src, dtype](algo::Communicator& c, std::chrono::milliseconds to) {
-                   algo::AllgatherOptions o{dtype, src.data_ptr(), {}, counts};
-                   for (const Staged& s : staged) o.outputs.push_back(s.work.data_ptr());
-                   c.allgather(o, to);
-                   for (const Staged& s : staged) finishStaged(s);
+                 [g](algo::Communicator& c, std::chrono::milliseconds to) { runListGather(c, g, to); });
+}
+
+// all_gather_coalesced: outputLists[r][i] receives rank r's inputs[i]; one list all-gather per
+// input, all in one op.
+c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK_VALUE(static_cast<int>(outputLists.size()) == size_, "smddp rank ", rank_,
+                    ": allgather_coalesced: got ", outputLists.size(), " output lists but the group has ", size_,
+                    " ranks");
+  Tensors outs;  // rank-major: rank r's outputs for every input, then rank r + 1's
+  for (const std::vector<at::Tensor>& list : outputLists) {
+    TORCH_CHECK_VALUE(list.size() == inputs.size(), "smddp rank ", rank_, ": allgather_coalesced: an output list has ",
+                      list.size(), " tensors for ", inputs.size(), " inputs");
+    outs.insert(outs.end(), list.begin(), list.end());
+  }
+  for (const at::Tensor& in : inputs) checkMovedTensor(in, rank_, "allgather_coalesced");
+  if (isCudaOp(concat(inputs, outs), "allgather_coalesced")) {
+    return cudaWhole("allgather_coalesced", inputs, outs, [&](const Tensors& hostIn, const Tensors& hostOut) {
+      std::vector<std::vector<at::Tensor>> lists;
+      for (size_t r = 0; r < outputLists.size(); ++r) {
+        lists.emplace_back(hostOut.begin() + r * inputs.size(), hostOut.begin() + (r + 1) * inputs.size());
+      }
+      Tensors i = hostIn;
+      return allgather_coalesced(lists, i, opts);
+    });
+  }
+  std::vector<ListGather> gathers;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    std::vector<at::Tensor> perRank;
+    for (const std::vector<at::Tensor>& list : outputLists) perRank.push_back(list[i]);
+    gathers.push_back(prepareListGather(perRank, inputs[i], rank_, size_, "allgather_coalesced"));
+  }
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "smddp:all_gather_coalesced", outs, inputs,
+                 resolveTimeout(opts.timeout), opts.asyncOp,
+                 [gathers](algo::Communicator& c, std::chrono::milliseconds to) {
+                   for (const ListGather& g : gathers) runListGather(c, g, to);
                  });
 }
 
