@@ -28,7 +28,7 @@ from test_misc import barrier_task, shm_task
 from test_moved_dtypes import moved_dtypes_task
 from test_p2p import (SIZES as P2P_SIZES, any_source_and_batch, any_source_by_tag, any_source_outstanding,
                       any_source_then_named, exchange_send_first, ping_pong, tag_mismatch, waits_from_threads)
-from test_reduce_scatter import reduce_scatter_list, reduce_scatter_tensor_forms
+from test_reduce_scatter import reduce_scatter_list, reduce_scatter_sizes_disagree, reduce_scatter_tensor_forms
 
 pytestmark = pytest.mark.skipif(not IS_SMDDP, reason="SMDDP_HOST_ID only splits smddp groups")
 
@@ -351,6 +351,7 @@ def test_allgather(pools, topo):
 @pytest.mark.parametrize("topo", TOPOS)
 def test_reduce_scatter(pools, topo):
     check(pools, topo, reduce_scatter_list, [0, 1, 1001], ALL, REDOPS)
+    check(pools, topo, reduce_scatter_list, [1001, "large"], ["float32", "int64"], ["SUM", "MAX"], True)
     check(pools, topo, reduce_scatter_tensor_forms, [7, 333, "large"], ["float32", "bfloat16", "int32"],
           ["SUM", "AVG", "MIN", "PREMUL_SUM_T"], "rstM")
 
@@ -381,6 +382,14 @@ def test_gather_scatter_barrier(pools, topo):
 # 3 + 3: the other collectives connect only some pairs of ranks across hosts (1-5 and 2-4 are
 # not among them); the group's first all_to_all connects the rest.
 ALLTOALL_TOPOS = TOPOS + ["000111"]
+
+
+@pytest.mark.parametrize("topo", ["01", "0011"])
+def test_reduce_scatter_sizes_disagree_is_an_error(pools, topo):
+    try:
+        check(pools, topo, reduce_scatter_sizes_disagree, timeout=120)
+    finally:
+        pools.discard(len(topo), topo, NET_ENV)  # the group refuses further ops after a failed collective
 
 
 @pytest.mark.parametrize("topo", ["0011", "012"])

@@ -19,18 +19,25 @@ def _apis():
     return apis
 
 
-def reduce_scatter_list(rank, world, sizes, dtypes, opnames):
+def reduce_scatter_list(rank, world, sizes, dtypes, opnames, uneven=False):
+    """reduce_scatter with an input list; `uneven`: block j has n + 3j elements (reduce_scatter_v)."""
     rep = Report(rank)
+
+    def block(n, j):
+        n = large_elems(dtype) if n == "large" else n
+        return n + 3 * j if uneven else n
+
     for n in sizes:
         for dtype in [getattr(torch, d) for d in dtypes]:
             for opname in opnames:
-                label = f"reduce_scatter(list) dtype={dname(dtype)} op={opname} world={world} size={n}"
+                label = (f"reduce_scatter(list) dtype={dname(dtype)} op={opname} world={world} size={n}"
+                         f"{' + 3 x rank (uneven)' if uneven else ''}")
                 with rep.cell(label):
                     if refused(dtype, opname):
                         if n != sizes[0]:
                             continue
-                        ins = [gen("rslr", rank, n, dtype, "SUM") for _ in range(world)]
-                        out = torch.empty(n, dtype=dtype)
+                        ins = [gen("rslr", rank, block(n, 0), dtype, "SUM") for _ in range(world)]
+                        out = torch.empty(block(n, 0), dtype=dtype)
                         if rep.expect_refusal(label + " (must be refused)",
                                               lambda: dist.reduce_scatter(out, ins,
                                                                           op=make_op(opname, dtype))):
@@ -41,9 +48,9 @@ def reduce_scatter_list(rank, world, sizes, dtypes, opnames):
                         rep.skip(label, why)
                         continue
                     # ins[r][j] = rank r's input chunk destined to rank j
-                    ins = [[gen(f"rsl|{j}", r, n, dtype, opname) for j in range(world)]
+                    ins = [[gen(f"rsl|{j}", r, block(n, j), dtype, opname) for j in range(world)]
                            for r in range(world)]
-                    out = torch.empty(n, dtype=dtype)
+                    out = torch.empty(block(n, rank), dtype=dtype)
                     dist.reduce_scatter(out, [x.clone() for x in ins[rank]], op=make_op(opname, dtype))
                     mine = [ins[r][rank] for r in range(world)]
                     rep.check(label, out, reduce_ref(mine, dtype, opname),
@@ -118,6 +125,35 @@ ALL = [dname(d) for d in DTYPES]
 @pytest.mark.parametrize("world", WORLDS)
 def test_reduce_scatter_list(pools, world):
     pools.check(world, reduce_scatter_list, [1, 7, 1001], ALL, REDOPS, timeout=300)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_scatter_list_uneven(pools, world):
+    pools.check(world, reduce_scatter_list, [0, 1001], ALL, ["SUM", "MAX", "AVG"], True, timeout=300)
+    pools.check(world, reduce_scatter_list, ["large"], ["float32"], ["SUM"], True, timeout=300)
+
+
+def reduce_scatter_sizes_disagree(rank, world):
+    """Uneven blocks (rank p's has 4 + p elements), but rank 0 takes rank 1's to be one element
+    shorter: an error on every rank (never a result reduced from misaligned blocks)."""
+    rep = Report(rank)
+    sizes = [4 + p for p in range(world)]
+    if rank == 0:
+        sizes[1] -= 1
+    try:
+        dist.reduce_scatter(torch.empty(sizes[rank]), [torch.ones(n) for n in sizes])
+        rep.expect(False, f"rank {rank}: block sizes that disagree across ranks were not detected")
+    except Exception as e:  # noqa: BLE001
+        rep.expect("collectives do not match across ranks" in str(e), f"rank {rank}: unexpected error: {e}")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_sizes_disagree_is_an_error(pools, world):
+    try:
+        pools.check(world, reduce_scatter_sizes_disagree, timeout=120)
+    finally:
+        pools.discard(world)  # the group refuses further ops after a failed collective
 
 
 @pytest.mark.parametrize("world", WORLDS)

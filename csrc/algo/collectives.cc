@@ -18,7 +18,18 @@ struct Expect {
   int root;
 };
 
-void writeDescriptor(OpContext& ctx, uint64_t phase, const Expect& e, uint64_t count) {
+// FNV-1a over the element count this rank expects of each rank (OpDescriptor::layout).
+template <class CountOf>
+uint64_t layoutOf(int size, CountOf countOf) {
+  uint64_t h = 1469598103934665603ull;
+  for (int p = 0; p < size; ++p) {
+    const uint64_t c = countOf(p);
+    for (int b = 0; b < 8; ++b) h = (h ^ ((c >> (8 * b)) & 0xff)) * 1099511628211ull;
+  }
+  return h;
+}
+
+void writeDescriptor(OpContext& ctx, uint64_t phase, const Expect& e, uint64_t count, uint64_t layout) {
   shm::OpDescriptor& d = ctx.domain->descriptor(ctx.rank, phase);
   d.seq = ctx.seq;
   d.kind = static_cast<uint32_t>(e.kind);
@@ -26,6 +37,7 @@ void writeDescriptor(OpContext& ctx, uint64_t phase, const Expect& e, uint64_t c
   d.redop = static_cast<uint32_t>(e.redop);
   d.root = e.root;
   d.count = count;
+  d.layout = layout;
   d.fingerprint = ctx.fingerprint;
   if (ctx.fingerprint != 0 && ctx.text != nullptr) {
     const size_t n = std::min(ctx.text->size(), shm::kOpTextBytes - 1);
@@ -37,7 +49,7 @@ void writeDescriptor(OpContext& ctx, uint64_t phase, const Expect& e, uint64_t c
 // After the first phase of an op: every peer must be running the same collective with matching
 // arguments. `countOf(p)` is the element count this rank expects rank p to have announced.
 template <class CountOf>
-void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf countOf) {
+void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf countOf, uint64_t layout) {
   for (int p = 0; p < ctx.size; ++p) {
     if (p == ctx.rank) continue;
     const shm::OpDescriptor& d = ctx.domain->descriptor(p, phase);
@@ -55,6 +67,17 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
                d.dtype < kNumDataTypes ? dataTypeName(static_cast<DataType>(d.dtype)) : "?",
                d.redop < kNumReduceOps ? reduceOpName(static_cast<ReduceOp>(d.redop)) : "?", d.root,
                static_cast<unsigned long long>(d.count));
+  }
+  for (int p = 0; p < ctx.size; ++p) {
+    if (p == ctx.rank || ctx.domain->descriptor(p, phase).layout == layout) continue;
+    std::string mine;
+    for (int q = 0; q < ctx.size && q < 16; ++q) mine += (q ? ", " : "") + std::to_string(countOf(q));
+    throwError(ErrorCode::kInvalidUsage,
+               "collectives do not match across ranks: at %s #%llu this rank takes the ranks' parts to have [%s%s] "
+               "elements, rank %d takes them to have other sizes (uneven reduce_scatter blocks, all_gather outputs "
+               "or gather lists must have the same sizes on every rank)",
+               opKindName(e.kind), static_cast<unsigned long long>(ctx.seq), mine.c_str(),
+               ctx.size > 16 ? ", ..." : "", p);
   }
   // Debug checks: the callers' full descriptions must agree too (shapes, API), where both sides
   // have them on.
@@ -78,10 +101,11 @@ template <class CountOf, class Stage>
 uint64_t step(OpContext& ctx, bool first, const Expect& e, uint64_t myCount, CountOf countOf, Stage stage) {
   const uint64_t k = ctx.domain->nextPhase();
   stage(ctx.domain->slot(ctx.rank, k));
-  if (first) writeDescriptor(ctx, k, e, myCount);
+  const uint64_t layout = first ? layoutOf(ctx.size, countOf) : 0;
+  if (first) writeDescriptor(ctx, k, e, myCount, layout);
   ctx.domain->publish(k);
   ctx.domain->waitAll(k, ctx.wait);
-  if (first) checkDescriptors(ctx, k, e, countOf);
+  if (first) checkDescriptors(ctx, k, e, countOf, layout);
   return k;
 }
 

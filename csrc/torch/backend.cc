@@ -181,16 +181,18 @@ bool overlaps(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // A list of per-rank input blocks (reduce_scatter, scatter): each checked against the output
-// (dtype, element count), made contiguous, and copied if it overlaps the output, which the op
-// writes while the blocks are still being read.
+// (dtype, element count: every block's, or with `uneven` only this rank's own), made contiguous,
+// and copied if it overlaps the output, which the op writes while the blocks are still being read.
 std::vector<at::Tensor> stageBlocks(const std::vector<at::Tensor>& blocks, const at::Tensor& out, int rank,
-                                    const char* op) {
+                                    const char* op, bool uneven = false) {
   std::vector<at::Tensor> srcs;
   for (const at::Tensor& b : blocks) {
     checkMovedTensor(b, rank, op);
     checkSameType(out, b, rank, op);
-    TORCH_CHECK_VALUE(b.numel() == out.numel(), "smddp rank ", rank, ": ", op, ": every input must have the output's ",
-                      out.numel(), " elements, got one with ", b.numel());
+    const bool own = static_cast<int>(srcs.size()) == rank;
+    TORCH_CHECK_VALUE(b.numel() == out.numel() || (uneven && !own), "smddp rank ", rank, ": ", op,
+                      uneven ? ": this rank's own input block must have the output's " : ": every input must have "
+                      "the output's ", out.numel(), " elements, got one with ", b.numel());
     at::Tensor c = stageIn(b);
     srcs.push_back(overlaps(c, out) ? c.clone() : c);
   }
@@ -770,11 +772,16 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter(std::vector<at::Tens
       return reduce_scatter(o, i, opts);
     });
   }
-  std::vector<at::Tensor> srcs = stageBlocks(ins, out, rank_, "reduce_scatter");
+  // Blocks may differ in size (block p is rank p's output; reduce_scatter_v), as NCCL allows.
+  std::vector<at::Tensor> srcs = stageBlocks(ins, out, rank_, "reduce_scatter", /*uneven=*/true);
+  std::vector<size_t> counts;
+  for (const at::Tensor& t : srcs) counts.push_back(static_cast<size_t>(t.numel()));
+  if (std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; })) counts.clear();
   Staged s = stageOut(out);
   return enqueue(c10d::OpType::REDUCE_SCATTER, "smddp:reduce_scatter", outputs, ins, resolveTimeout(opts.timeout), opts.asyncOp,
-                 [s, srcs, dtype, red](algo::Communicator& c, std::chrono::milliseconds to) {
-                   algo::ReduceScatterOptions o{dtype, red, {}, s.work.data_ptr(), static_cast<size_t>(s.work.numel()), {}};
+                 [s, srcs, dtype, red, counts](algo::Communicator& c, std::chrono::milliseconds to) {
+                   algo::ReduceScatterOptions o{dtype, red, {}, s.work.data_ptr(), static_cast<size_t>(s.work.numel()),
+                                                counts};
                    for (const at::Tensor& t : srcs) o.inputs.push_back(t.data_ptr());
                    c.reduceScatter(o, to);
                    finishStaged(s);

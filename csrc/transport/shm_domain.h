@@ -33,6 +33,11 @@ struct alignas(64) OpDescriptor {
   uint32_t redop;
   int32_t root;
   uint64_t count;  // elements this rank contributes or expects
+  // A digest of the element count this rank takes every rank's part to have. Each rank checks
+  // the count its peers announce for themselves; this catches the rest: with uneven
+  // reduce-scatter blocks, a rank that is wrong about another's block stages a block of the
+  // wrong size for it, which that rank alone would read, misaligned, without noticing.
+  uint64_t layout;
   // Debug checks (SMDDP_DEBUG_CHECKS): a hash of the caller's full description of the op (API,
   // shapes) and the description itself, for the message; 0 when the checks are off.
   uint64_t fingerprint;
