@@ -64,7 +64,6 @@ std::optional<DataType> toDataType(at::ScalarType t) {
   }
 }
 
-// Checks a tensor can be handed to the core and returns its element type.
 // What every op needs of a tensor: defined, dense, on the CPU or a CUDA device.
 void checkPlacement(const at::Tensor& t, int rank, const char* op) {
   TORCH_CHECK_VALUE(t.defined(), "smddp rank ", rank, ": ", op, ": got an undefined tensor");
@@ -584,7 +583,8 @@ struct ListGather {
 
 ListGather prepareListGather(const std::vector<at::Tensor>& outs, const at::Tensor& in, int rank, int size,
                              const char* op) {
-  ListGather g{{}, {}, stageIn(in), checkMovedTensor(in, rank, op)};
+  const DataType dtype = checkMovedTensor(in, rank, op);
+  ListGather g{{}, {}, stageIn(in), dtype};
   TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == size, "smddp rank ", rank, ": ", op, ": the output list has ",
                     outs.size(), " tensors but the group has ", size, " ranks");
   for (const at::Tensor& o : outs) {
