@@ -135,16 +135,27 @@ def test_reduce_scatter_list_uneven(pools, world):
 
 def reduce_scatter_sizes_disagree(rank, world):
     """Uneven blocks (rank p's has 4 + p elements), but rank 0 takes rank 1's to be one element
-    shorter: an error on every rank (never a result reduced from misaligned blocks)."""
+    shorter: never a result reduced from misaligned blocks. On one host every rank raises in the
+    call. Across hosts a block's owner checks the size of each part it receives, so rank 1 raises;
+    a rank whose own block every peer sized right may finish with a right result, and then its
+    next op raises rank 1's reason."""
     rep = Report(rank)
     sizes = [4 + p for p in range(world)]
     if rank == 0:
         sizes[1] -= 1
+    out = torch.empty(sizes[rank])
     try:
-        dist.reduce_scatter(torch.empty(sizes[rank]), [torch.ones(n) for n in sizes])
-        rep.expect(False, f"rank {rank}: block sizes that disagree across ranks were not detected")
+        dist.reduce_scatter(out, [torch.ones(n) for n in sizes])
     except Exception as e:  # noqa: BLE001
         rep.expect("collectives do not match across ranks" in str(e), f"rank {rank}: unexpected error: {e}")
+        return rep.to_dict()
+    rep.expect(rank != 1, "rank 1 got parts of the wrong size for its block and did not notice")
+    rep.expect(torch.equal(out, torch.full_like(out, world)), f"rank {rank}: finished with a wrong result {out}")
+    try:
+        dist.barrier()
+        rep.expect(False, f"rank {rank}: the op after the mismatch went through")
+    except Exception as e:  # noqa: BLE001
+        rep.expect("collectives do not match across ranks" in str(e), f"rank {rank}: unexpected error next: {e}")
     return rep.to_dict()
 
 
