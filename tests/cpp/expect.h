@@ -3,7 +3,11 @@
 #pragma once
 
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
 #include <string>
+#include <vector>
 
 namespace smddp::test {
 
@@ -23,6 +27,20 @@ inline void expect(bool ok, const std::string& what) {
 inline int report() {
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
+}
+
+using DirTest = std::function<void(const std::string& dir)>;
+
+// Runs each test with a directory of its own (for its FileStore), made under /tmp from `name`
+// and removed afterwards; false if one could not be made.
+inline bool runInOwnDirs(const std::string& name, const std::vector<DirTest>& tests) {
+  for (const DirTest& test : tests) {
+    std::string dir = "/tmp/" + name + ".XXXXXX";
+    if (!mkdtemp(dir.data())) return false;
+    test(dir);
+    std::filesystem::remove_all(dir);
+  }
+  return true;
 }
 
 }  // namespace smddp::test

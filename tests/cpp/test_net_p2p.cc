@@ -9,8 +9,6 @@
 // it under ThreadSanitizer when clang can. Prints "N passed, N failed".
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -122,7 +120,7 @@ void testFarewell(const std::string& dir) {
 }  // namespace
 
 int main() {
-  const std::vector<void (*)(const std::string&)> tests = {
+  const std::vector<test::DirTest> tests = {
       [](const std::string& dir) { testManyMessagesManyWaiters(dir, 1); },
       [](const std::string& dir) { testManyMessagesManyWaiters(dir, 2); },
       [](const std::string& dir) {
@@ -136,11 +134,6 @@ int main() {
       },
       testFarewell,
   };
-  for (auto test : tests) {
-    char dir[] = "/tmp/smddp_net_p2p_tests.XXXXXX";  // each test's own store
-    if (!mkdtemp(dir)) return 1;
-    test(dir);
-    std::filesystem::remove_all(dir);
-  }
+  if (!test::runInOwnDirs("smddp_net_p2p_tests", tests)) return 1;
   return test::report();
 }

@@ -8,8 +8,6 @@
 // Prints "N passed, N failed".
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -86,7 +84,7 @@ void waitReleased(const std::string& dir, const char* what, std::chrono::millise
 }  // namespace
 
 int main() {
-  const std::vector<void (*)(const std::string&)> tests = {
+  const std::vector<test::DirTest> tests = {
       testManyMessagesManyWaiters,
       [](const std::string& dir) {
         waitReleased(dir, "deadline", std::chrono::milliseconds(300), [](engine::P2pEngine&) {}, true);
@@ -101,11 +99,6 @@ int main() {
             true);
       },
   };
-  for (auto test : tests) {
-    char dir[] = "/tmp/smddp_p2p_tests.XXXXXX";  // each test's own store
-    if (!mkdtemp(dir)) return 1;
-    test(dir);
-    std::filesystem::remove_all(dir);
-  }
+  if (!test::runInOwnDirs("smddp_p2p_tests", tests)) return 1;
   return test::report();
 }

@@ -41,21 +41,16 @@
 #include "transport/netif.h"
 #include "transport/sockets.h"
 #include "transport/tcp_mesh.h"
+#include "expect.h"
 #include "transport/topology.h"
 #include "two_hosts.h"
 
 using namespace smddp;
 using Clock = std::chrono::steady_clock;
+using test::expect;
 using test::twoHosts;
 
 namespace {
-
-int passed = 0, failed = 0;
-
-void expect(bool ok, const std::string& what) {
-  (ok ? passed : failed)++;
-  if (!ok) printf("FAIL %s\n", what.c_str());
-}
 
 // `n` (1 or 2) "interfaces" on loopback: 127.0.0.1, then 127.0.0.2.
 std::vector<net::LocalAddress> loopbackInterfaces(size_t n) {
@@ -746,13 +741,11 @@ int main() {
   setenv("SMDDP_NET_SOCKETS_PER_PEER", "3", 1);
   testCongestionControl();
   testAddresses();
-  for (auto test : {testStrangersRefusedThenExchange, testConnectLater, testStripedSizeMismatch, testDialToSilentPeer,
-                    testStalledExchangeReport, testFarewell, testTwoInterfaces, testUnevenInterfaces}) {
-    char dir[] = "/tmp/smddp_net_tests.XXXXXX";  // each test's own store
-    if (!mkdtemp(dir)) return 1;
-    test(dir);
-    std::filesystem::remove_all(dir);
+  if (!test::runInOwnDirs("smddp_net_tests",
+                          {testStrangersRefusedThenExchange, testConnectLater, testStripedSizeMismatch,
+                           testDialToSilentPeer, testStalledExchangeReport, testFarewell, testTwoInterfaces,
+                           testUnevenInterfaces})) {
+    return 1;
   }
-  printf("%d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  return test::report();
 }
