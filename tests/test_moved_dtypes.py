@@ -3,13 +3,11 @@ both forms, send/recv) take dtypes smddp does not compute in: float8 (FSDP2 all-
 weights in their own dtype when every parameter of a module is float8), uint16/32/64, complex32
 and complex64. Each arrives bit for bit, NaN patterns included. (Reductions of such dtypes are
 refused at the call: tests/test_misc.py's errors test.)"""
-import zlib
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from _util import IS_SMDDP, Report
+from _util import IS_SMDDP, Report, _gen
 
 MOVED_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64, torch.complex32,
                 torch.complex64]
@@ -18,8 +16,7 @@ MOVED_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint
 def _bits(what, rank, n, dtype):
     """n elements of `dtype` with arbitrary bit patterns, the same on every rank that asks."""
     size = torch.empty(0, dtype=dtype).element_size()
-    g = torch.Generator().manual_seed(zlib.crc32(f"{what}|{rank}|{dtype}".encode()))
-    return torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=g).view(dtype)
+    return torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=_gen(f"{what}|{rank}|{dtype}")).view(dtype)
 
 
 def _same_bits(got, want):
