@@ -20,11 +20,22 @@ def _bits(what, rank, n, dtype):
 
 
 def _same_bits(got, want):
-    return got.shape == want.shape and torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8))
+    return got.shape == want.shape and torch.equal(got.cpu().contiguous().view(torch.uint8), want.view(torch.uint8))
 
 
-def moved_dtypes_task(rank, world, n):
+def moved_dtypes_task(rank, world, n, device="cpu"):
+    """Also run by tests/cuda_worker.py on CUDA tensors (device="cuda:N")."""
     rep = Report(rank)
+
+    def bits(what, r, count, dtype):
+        return _bits(what, r, count, dtype).to(device)
+
+    def empty(count, dtype):
+        return torch.empty(count, dtype=dtype, device=device)
+
+    def on_host(parts):  # concatenated on the host: not every CUDA kernel takes these dtypes
+        return torch.cat([p.cpu() for p in parts])
+
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     for dtype in MOVED_DTYPES:
         name = str(dtype).replace("torch.", "")
@@ -32,42 +43,42 @@ def moved_dtypes_task(rank, world, n):
         def check(op, got, want):
             rep.expect(_same_bits(got, want), f"rank {rank}: {op} of {name}, {n} elements: bits differ")
 
-        mine = _bits("in", rank, n, dtype)
+        mine = bits("in", rank, n, dtype)
         with rep.cell(f"broadcast {name}"):
-            t = mine.clone() if rank == 0 else _bits("junk", rank, n, dtype)
+            t = mine.clone() if rank == 0 else bits("junk", rank, n, dtype)
             dist.broadcast(t, src=0)
             check("broadcast", t, _bits("in", 0, n, dtype))
         everyone = torch.cat([_bits("in", r, n, dtype) for r in range(world)])
         with rep.cell(f"all_gather_into_tensor {name}"):
-            out = torch.empty(world * n, dtype=dtype)
+            out = empty(world * n, dtype)
             dist.all_gather_into_tensor(out, mine)
             check("all_gather_into_tensor", out, everyone)
         with rep.cell(f"all_gather {name}"):
-            outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
+            outs = [empty(n, dtype) for _ in range(world)]
             dist.all_gather(outs, mine)
-            check("all_gather", torch.cat(outs), everyone)
+            check("all_gather", on_host(outs), everyone)
         with rep.cell(f"gather {name}"):
             root = world - 1
-            outs = [torch.empty(n, dtype=dtype) for _ in range(world)] if rank == root else None
+            outs = [empty(n, dtype) for _ in range(world)] if rank == root else None
             dist.gather(mine, outs, dst=root)
             if rank == root:
-                check("gather", torch.cat(outs), everyone)
+                check("gather", on_host(outs), everyone)
         with rep.cell(f"scatter {name}"):
-            out = torch.empty(n, dtype=dtype)
-            dist.scatter(out, [_bits("scatter", r, n, dtype) for r in range(world)] if rank == 0 else None, src=0)
+            out = empty(n, dtype)
+            dist.scatter(out, [bits("scatter", r, n, dtype) for r in range(world)] if rank == 0 else None, src=0)
             check("scatter", out, _bits("scatter", rank, n, dtype))
         per = max(1, n // world)
         with rep.cell(f"all_to_all_single {name}"):
-            out = torch.empty(per * world, dtype=dtype)
-            dist.all_to_all_single(out, torch.cat([_bits(f"a2a{r}", rank, per, dtype) for r in range(world)]))
+            out = empty(per * world, dtype)
+            dist.all_to_all_single(out, torch.cat([_bits(f"a2a{r}", rank, per, dtype) for r in range(world)]).to(device))
             check("all_to_all_single", out, torch.cat([_bits(f"a2a{rank}", r, per, dtype) for r in range(world)]))
         with rep.cell(f"all_to_all {name}"):
-            outs = [torch.empty(per, dtype=dtype) for _ in range(world)]
-            dist.all_to_all(outs, [_bits(f"a2l{r}", rank, per, dtype) for r in range(world)])
-            check("all_to_all", torch.cat(outs), torch.cat([_bits(f"a2l{rank}", r, per, dtype) for r in range(world)]))
+            outs = [empty(per, dtype) for _ in range(world)]
+            dist.all_to_all(outs, [bits(f"a2l{r}", rank, per, dtype) for r in range(world)])
+            check("all_to_all", on_host(outs), torch.cat([_bits(f"a2l{rank}", r, per, dtype) for r in range(world)]))
         if world > 1:
             with rep.cell(f"send/recv {name}"):
-                got = torch.empty(n, dtype=dtype)
+                got = empty(n, dtype)
                 for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, nxt), dist.P2POp(dist.irecv, got, prv)]):
                     w.wait()
                 check("send/recv", got, _bits("in", prv, n, dtype))

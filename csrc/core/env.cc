@@ -96,7 +96,8 @@ constexpr Param kParams[] = {
      "Page-locked host memory per process group for CUDA tensors (allocated at the first CUDA op). "
      "Collectives go through it in rounds (SMDDP_CUDA_ROUND_BYTES, at most half of it), so it bounds "
      "pinned memory whatever the message size; all_gather/gather/scatter/all_to_all with tensor "
-     "lists must fit in one half."},
+     "lists go in one round, and one larger than a half takes pinned memory of its own from torch's "
+     "caching host allocator."},
     {"SMDDP_CUDA_ROUND_BYTES", "4194304",
      "Large CUDA collectives go through staging in rounds of at most this many bytes (and at most "
      "half of SMDDP_CUDA_STAGING_BYTES): smaller rounds let the device copies of one round overlap "

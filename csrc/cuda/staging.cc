@@ -33,7 +33,7 @@ StagingPipeline::~StagingPipeline() {
 
 Ticket StagingPipeline::enqueue(const std::vector<Round>& rounds, Stream stream) {
   for (const Round& r : rounds) {
-    if (r.stagingBytes > half_) {
+    if (r.host == nullptr && r.stagingBytes > half_) {
       throw std::length_error("smddp: a staging round of " + std::to_string(r.stagingBytes) +
                               " bytes does not fit the half of SMDDP_CUDA_STAGING_BYTES (" + std::to_string(half_) +
                               " bytes)");
@@ -41,7 +41,7 @@ Ticket StagingPipeline::enqueue(const std::vector<Round>& rounds, Stream stream)
   }
   std::lock_guard<std::mutex> lock(enqueueMutex_);
   Ticket t{nextRound_, rounds.size()};
-  auto base = [&](size_t i) { return stagingOf(t, i); };
+  auto base = [&](size_t i) { return stagingOf(t, rounds, i); };
   auto stageIn = [&](size_t i) {
     for (const Copy& c : rounds[i].toHost) ops_.toHost(base(i), c, stream);
     ops_.signal(flags_.device(kReady), t.first + i, stream);
@@ -57,9 +57,8 @@ Ticket StagingPipeline::enqueue(const std::vector<Round>& rounds, Stream stream)
   return t;
 }
 
-uint8_t* StagingPipeline::awaitRound(const Ticket& t, size_t i, std::chrono::steady_clock::time_point deadline) {
+void StagingPipeline::awaitRound(const Ticket& t, size_t i, std::chrono::steady_clock::time_point deadline) {
   awaitFlag(flags_.host(kReady), t.first + i, deadline, aborted_, "copy the op's data to pinned staging", "round");
-  return stagingOf(t, i);
 }
 
 void StagingPipeline::awaitCopiedBack(const Ticket& t, std::chrono::steady_clock::time_point deadline) {

@@ -34,6 +34,10 @@ struct Round {
   // Which part of the op the round covers (elements), for the host work.
   size_t offset = 0;
   size_t count = 0;
+  // Pinned memory of the op's own for a round that must be staged whole and exceeds a half
+  // (list forms of all_gather, gather, scatter, all_to_all); null = the pipeline's half. The
+  // round still takes its turn in the numbering, so the flags order it like any other.
+  uint8_t* host = nullptr;
 };
 
 // The rounds of one op, as enqueued: global round numbers first .. first + rounds - 1.
@@ -54,16 +58,18 @@ class StagingPipeline {
 
   // Caller's thread, in issue order: enqueues the device side of `rounds` on `stream`, ending
   // with a signal that the op's results are back on the device. Throws std::length_error if a
-  // round does not fit a half.
+  // round without memory of its own does not fit a half.
   Ticket enqueue(const std::vector<Round>& rounds, Stream stream);
   // Where the next op's first round will be staged, while the caller keeps enqueues serialised.
   uint8_t* nextStaging() const { return buffer_ + (nextRound_ % 2) * half_; }
-  // Where round i of `t` is staged (known at enqueue time).
-  uint8_t* stagingOf(const Ticket& t, size_t i) const { return buffer_ + ((t.first + i) % 2) * half_; }
+  // Where round i of `t` (enqueued as `rounds`) is staged: its own memory, or its half.
+  uint8_t* stagingOf(const Ticket& t, const std::vector<Round>& rounds, size_t i) const {
+    return rounds[i].host ? rounds[i].host : buffer_ + ((t.first + i) % 2) * half_;
+  }
 
   // Host side, on the thread that runs the ops in issue order. Waits until round i of `t` is in
-  // staging and returns its half; throws smddp::Error (kTimeout) at `deadline`, (kAborted) after abort().
-  uint8_t* awaitRound(const Ticket& t, size_t i, std::chrono::steady_clock::time_point deadline);
+  // staging; throws smddp::Error (kTimeout) at `deadline`, (kAborted) after abort().
+  void awaitRound(const Ticket& t, size_t i, std::chrono::steady_clock::time_point deadline);
   // Round i's results are in staging: the device may copy them back.
   void finishRound(const Ticket& t, size_t i);
   // Waits until the device has copied all of `t`'s results back (same errors as awaitRound).

@@ -181,12 +181,16 @@ class SmddpBackend : public c10d::Backend {
                    std::chrono::milliseconds timeout, bool gather, std::vector<ColumnPart> parts);
   // Ops with tensor lists: one round holding every tensor; `cpuTwin` runs the CPU form of the
   // op on host mirrors (in staging) of `reads` and `writes`, and its enqueue is diverted here.
+  // A round larger than half the staging gets pinned memory of its own (torch's caching host
+  // allocator), held until its results are back: refusing it would fail only the ranks that
+  // stage more (a gather's root), and leave their peers in an op they never join.
   using CpuTwin = std::function<Work(const Tensors& hostReads, const Tensors& hostWrites)>;
   Work cudaWhole(const char* op, const Tensors& reads, const Tensors& writes, const CpuTwin& cpuTwin);
   // The staged op: launches its rounds on the staging stream and queues the host side.
   Work enqueueCuda(c10d::OpType opType, const char* title, Tensors outputs, Tensors inputs,
                    std::chrono::milliseconds timeout, const std::vector<cuda::Round>& rounds,
-                   const std::function<std::vector<CudaStep>(const CudaPath::Launch&)>& makeSteps);
+                   const std::function<std::vector<CudaStep>(const CudaPath::Launch&)>& makeSteps,
+                   const at::Tensor& ownStaging = {});
   CudaPath& cudaPathFor(const Tensors& tensors, const char* op);
   // send: staged like a collective; its host side copies the data out of staging and hands the
   // message to the engine, so the Work is done once the tensor may be reused (a failure later is

@@ -19,6 +19,7 @@ inline uint8_t* bytePtr(const at::Tensor& t) { return static_cast<uint8_t*>(t.da
 struct WholeOp {
   std::vector<cuda::Round> rounds;
   std::vector<at::Tensor> outputs, inputs;  // the device tensors
+  at::Tensor ownStaging;                    // pinned, when the round is larger than a half
   bool used = false;
 };
 thread_local WholeOp* tlsWholeOp = nullptr;
@@ -77,7 +78,7 @@ void SmddpBackend::recordCudaFailure(std::exception_ptr error) {
 c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
     c10d::OpType opType, const char* title, Tensors outputs, Tensors inputs, std::chrono::milliseconds timeout,
     const std::vector<cuda::Round>& rounds,
-    const std::function<std::vector<CudaStep>(const CudaPath::Launch&)>& makeSteps) {
+    const std::function<std::vector<CudaStep>(const CudaPath::Launch&)>& makeSteps, const at::Tensor& ownStaging) {
   std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
   throwIfCudaFailed(title);
   std::shared_ptr<CudaPath> path = cuda_;
@@ -86,6 +87,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
   // allocator cannot hand their memory to someone else while the staging stream still uses it.
   Tensors keep = outputs;
   keep.insert(keep.end(), inputs.begin(), inputs.end());
+  if (ownStaging.defined()) keep.push_back(ownStaging);
   auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, outputs, std::optional<Tensors>(inputs), spin_);
   const CudaPath::Launch launch = path->launch(rounds);
   work->setCuda(path->events(), path->device(), launch.doneEvent);
@@ -207,20 +209,25 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaWhole(const char* op, const Ten
   whole.inputs = reads;
   whole.outputs = writes;
   cuda::Round round;
-  uint8_t* base = path.nextStaging();
   auto place = [&](const at::Tensor& t, std::vector<cuda::Copy>& copies) {
     const size_t bytes = t.nbytes();
     copies.push_back(cuda::Copy{bytePtr(t), bytes, round.stagingBytes, bytes, bytes, 1});
-    at::Tensor host = at::from_blob(base + round.stagingBytes, t.sizes(), t.options().device(at::kCPU));
     round.stagingBytes += cuda::alignStaging(bytes);
-    return host;
+  };
+  for (const at::Tensor& t : reads) place(t, round.toHost);
+  for (const at::Tensor& t : writes) place(t, round.toDevice);
+  uint8_t* base = path.nextStaging();
+  if (round.stagingBytes > path.roundCapacity()) {
+    whole.ownStaging = at::empty({static_cast<int64_t>(round.stagingBytes)},
+                                 at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    base = round.host = bytePtr(whole.ownStaging);
+  }
+  auto mirror = [&](const at::Tensor& t, const cuda::Copy& c) {
+    return at::from_blob(base + c.hostOffset, t.sizes(), t.options().device(at::kCPU));
   };
   Tensors hostReads, hostWrites;
-  for (const at::Tensor& t : reads) hostReads.push_back(place(t, round.toHost));
-  for (const at::Tensor& t : writes) hostWrites.push_back(place(t, round.toDevice));
-  TORCH_CHECK_VALUE(round.stagingBytes <= path.roundCapacity(), "smddp rank ", rank_, ": ", op, " of CUDA tensors needs ",
-                    round.stagingBytes, " bytes of pinned staging at once, more than half of SMDDP_CUDA_STAGING_BYTES (",
-                    path.roundCapacity(), " bytes); raise SMDDP_CUDA_STAGING_BYTES");
+  for (size_t i = 0; i < reads.size(); ++i) hostReads.push_back(mirror(reads[i], round.toHost[i]));
+  for (size_t i = 0; i < writes.size(); ++i) hostWrites.push_back(mirror(writes[i], round.toDevice[i]));
   whole.rounds.push_back(std::move(round));
   tlsWholeOp = &whole;
   struct Reset {
@@ -238,7 +245,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::divertToCuda(c10d::OpType opType, c
   tlsWholeOp = nullptr;  // the twin's body is the one op
   whole->used = true;
   return enqueueCuda(opType, title, whole->outputs, whole->inputs, timeout, whole->rounds,
-                     [&body](const CudaPath::Launch&) { return std::vector<CudaStep>{body}; });
+                     [&body](const CudaPath::Launch&) { return std::vector<CudaStep>{body}; }, whole->ownStaging);
 }
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int peer, int tag) {

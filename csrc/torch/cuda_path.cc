@@ -155,7 +155,7 @@ CudaPath::Launch CudaPath::launch(const std::vector<cuda::Round>& rounds) {
   try {
     followCaller(stream_);
     l.ticket = pipeline_->enqueue(rounds, stream_);
-    for (size_t i = 0; i < rounds.size(); ++i) l.bases.push_back(pipeline_->stagingOf(l.ticket, i));
+    for (size_t i = 0; i < rounds.size(); ++i) l.bases.push_back(pipeline_->stagingOf(l.ticket, rounds, i));
     l.doneEvent = events_->take();
     ops_->recordEvent(l.doneEvent, stream_);
   } catch (const std::length_error& e) {
