@@ -43,7 +43,8 @@ SHM_P2P_SOURCES = ["csrc/engine/p2p_engine.cc", "csrc/transport/shm_domain.cc", 
 TSAN_BUILDS = {
     "shm": ["tests/cpp/test_p2p_engine.cc", *SHM_P2P_SOURCES, *CORE_SOURCES],
     "tcp": ["tests/cpp/test_net_p2p.cc", "csrc/engine/net_p2p.cc", *SHM_P2P_SOURCES, "csrc/transport/sockets.cc",
-            "csrc/transport/wire.cc", "csrc/transport/netif.cc", "csrc/transport/topology.cc", *CORE_SOURCES],
+            "csrc/transport/wire.cc", "csrc/core/types.cc", "csrc/transport/netif.cc", "csrc/transport/topology.cc",
+            *CORE_SOURCES],
 }
 
 

@@ -41,7 +41,7 @@ def test_wire_parser_fuzzed(tmp_path):
     build = subprocess.run(
         [clang, "-std=c++20", "-O1", "-g", "-fsanitize=fuzzer,address,undefined", "-fno-sanitize-recover=all",
          f"-I{ROOT / 'csrc'}", str(ROOT / "tests/fuzz/fuzz_wire.cc"), str(ROOT / "csrc/transport/wire.cc"),
-         str(ROOT / "csrc/core/error.cc"), "-o", str(exe)],
+         str(ROOT / "csrc/core/error.cc"), str(ROOT / "csrc/core/types.cc"), "-o", str(exe)],
         capture_output=True, text=True, timeout=300)
     if build.returncode != 0 and "fuzzer" in build.stderr and "cannot find" in build.stderr:
         pytest.skip(f"clang++ has no libFuzzer runtime: {build.stderr[-300:]}")

@@ -436,6 +436,58 @@ def test_alltoall_one_hop(pools, topo):
     check(pools, topo, alltoall_one_hop_task)
 
 
+def _collective(kind, rank, world, n=1000):
+    """One collective of `kind` whose messages across hosts have the same sizes as the others'."""
+    if kind == "all_reduce":
+        dist.all_reduce(torch.ones(n))
+    elif kind == "reduce":
+        dist.reduce(torch.ones(n), dst=world - 1)
+    elif kind == "all_gather":
+        dist.all_gather_into_tensor(torch.empty(n * world), torch.ones(n))
+    elif kind == "gather":
+        dist.gather(torch.ones(n), [torch.empty(n) for _ in range(world)] if rank == world - 1 else None,
+                    dst=world - 1)
+    elif kind == "reduce_scatter":
+        dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * world))
+    elif kind == "broadcast":
+        dist.broadcast(torch.ones(n), src=0)
+    else:
+        raise AssertionError(kind)
+
+
+def different_collectives_task(rank, world, odd, mine, theirs):
+    """Rank `odd` runs `theirs` where the others run `mine`, then all run an all_reduce. Across
+    hosts these pairs run the same sub-steps with messages of the same sizes, which used to match:
+    every rank returned, with wrong results. Now every rank raises at once, naming both ops."""
+    rep = Report(rank)
+    t0 = time.monotonic()
+    try:
+        _collective(theirs if rank == odd else mine, rank, world)
+        dist.all_reduce(torch.ones(1))
+        rep.fail(f"rank {rank}: {mine} on some ranks and {theirs} on rank {odd} did not raise")
+        return rep.to_dict()
+    except Exception as e:  # noqa: BLE001
+        text = str(e)
+    secs = time.monotonic() - t0
+    names = {"all_reduce": "allreduce", "all_gather": "allgather"}
+    rep.expect("collectives do not match across ranks" in text and names.get(mine, mine) in text
+               and names.get(theirs, theirs) in text, f"rank {rank}: the error does not name both ops: {text}")
+    rep.expect(secs < 20, f"rank {rank}: took {secs:.1f} s to fail (a timeout, not the mismatch?)")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("topo, odd, mine, theirs", [
+    ("001", 2, "all_reduce", "reduce"), ("001", 0, "all_gather", "gather"), ("0011", 3, "all_reduce", "reduce"),
+    ("0011", 3, "all_gather", "gather"), ("012", 1, "all_gather", "all_reduce"),
+    ("012", 1, "reduce_scatter", "all_gather"), ("001", 2, "gather", "reduce_scatter"),
+])
+def test_different_collectives_are_an_error(pools, topo, odd, mine, theirs):
+    try:
+        check(pools, topo, different_collectives_task, odd, mine, theirs, timeout=120)
+    finally:
+        pools.discard(len(topo), topo, NET_ENV)  # the group refuses further ops after a failed collective
+
+
 @pytest.mark.parametrize("counts_first", [False, True], ids=["default", "debug_checks"])
 @pytest.mark.parametrize("topo, receiver, sender",
                          [("0011", 0, 2), ("001", 2, 1), ("0101", 1, 2), ("0011", 0, 1), ("000111", 1, 5)])

@@ -37,6 +37,7 @@ void writeDescriptor(OpContext& ctx, uint64_t phase, const Expect& e, uint64_t c
   d.redop = static_cast<uint32_t>(e.redop);
   d.root = e.root;
   d.count = count;
+  d.signature = ctx.signature;
   d.layout = layout;
   d.fingerprint = ctx.fingerprint;
   if (ctx.fingerprint != 0 && ctx.text != nullptr) {
@@ -53,6 +54,14 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
   for (int p = 0; p < ctx.size; ++p) {
     if (p == ctx.rank) continue;
     const shm::OpDescriptor& d = ctx.domain->descriptor(p, phase);
+    const int who = ctx.domain->groupRank(p);  // p counts this host's ranks
+    if (d.seq == ctx.seq && d.signature != ctx.signature) {
+      throwError(ErrorCode::kInvalidUsage,
+                 "collectives do not match across ranks: this rank runs %s but rank %d runs %s. Every rank must "
+                 "issue the same collectives in the same order with matching sizes and dtypes",
+                 OpSignature::unpack(ctx.signature).describe(ctx.seq).c_str(), who,
+                 OpSignature::unpack(d.signature).describe(d.seq).c_str());
+    }
     if (d.seq == ctx.seq && d.kind == static_cast<uint32_t>(e.kind) && d.dtype == static_cast<uint32_t>(e.dtype) &&
         d.redop == static_cast<uint32_t>(e.redop) && d.root == e.root && d.count == countOf(p)) {
       continue;
@@ -62,7 +71,7 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
                "elements from rank %d) but rank %d runs %s #%llu (%s, %s, root %d, %llu elements). Every rank must "
                "issue the same collectives in the same order with matching sizes and dtypes",
                opKindName(e.kind), static_cast<unsigned long long>(ctx.seq), dataTypeName(e.dtype),
-               reduceOpName(e.redop), e.root, static_cast<unsigned long long>(countOf(p)), p, p,
+               reduceOpName(e.redop), e.root, static_cast<unsigned long long>(countOf(p)), who, who,
                opKindName(static_cast<OpKind>(d.kind)), static_cast<unsigned long long>(d.seq),
                d.dtype < kNumDataTypes ? dataTypeName(static_cast<DataType>(d.dtype)) : "?",
                d.redop < kNumReduceOps ? reduceOpName(static_cast<ReduceOp>(d.redop)) : "?", d.root,
@@ -77,7 +86,7 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
                "elements, rank %d takes them to have other sizes (uneven reduce_scatter blocks, all_gather outputs "
                "or gather lists must have the same sizes on every rank)",
                opKindName(e.kind), static_cast<unsigned long long>(ctx.seq), mine.c_str(),
-               ctx.size > 16 ? ", ..." : "", p);
+               ctx.size > 16 ? ", ..." : "", ctx.domain->groupRank(p));
   }
   // Debug checks: the callers' full descriptions must agree too (shapes, API), where both sides
   // have them on.
@@ -91,7 +100,7 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
                "collectives do not match across ranks (SMDDP_DEBUG_CHECKS): at %s #%llu this rank runs %s but "
                "rank %d runs %s",
                opKindName(e.kind), static_cast<unsigned long long>(ctx.seq), ctx.text ? ctx.text->c_str() : "?",
-               p, theirs.c_str());
+               ctx.domain->groupRank(p), theirs.c_str());
   }
 }
 
@@ -165,21 +174,6 @@ void allreducePipelined(OpContext& ctx, const AllreduceOptions& o, const Expect&
 }
 
 }  // namespace
-
-const char* opKindName(OpKind kind) {
-  switch (kind) {
-    case OpKind::kAllreduce: return "allreduce";
-    case OpKind::kReduce: return "reduce";
-    case OpKind::kBroadcast: return "broadcast";
-    case OpKind::kAllgather: return "allgather";
-    case OpKind::kReduceScatter: return "reduce_scatter";
-    case OpKind::kBarrier: return "barrier";
-    case OpKind::kGather: return "gather";
-    case OpKind::kScatter: return "scatter";
-    case OpKind::kAlltoall: return "alltoall";
-  }
-  return "?";
-}
 
 void allreduce(OpContext& ctx, const AllreduceOptions& o) {
   if (o.count == 0) return;

@@ -27,25 +27,13 @@
 
 namespace smddp::algo {
 
-enum class OpKind : uint32_t {
-  kAllreduce = 1,
-  kReduce,
-  kBroadcast,
-  kAllgather,
-  kReduceScatter,
-  kBarrier,
-  kGather,
-  kScatter,
-  kAlltoall,
-};
-const char* opKindName(OpKind kind);
-
 // Per-op state shared by the algorithms.
 struct OpContext {
   shm::Domain* domain = nullptr;  // null when the group has one rank
   int rank = 0;
   int size = 1;
   uint64_t seq = 0;  // the op's sequence number in its group (same on every rank)
+  uint64_t signature = 0;  // OpSignature::packed() of the collective the caller runs (0: none)
   shm::WaitContext wait;
   uint64_t fingerprint = 0;        // debug checks: hash of `text`, 0 when off
   const std::string* text = nullptr;

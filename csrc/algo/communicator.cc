@@ -139,8 +139,8 @@ void Communicator::agreeOnNetSettings(Store& store) {
 }
 
 template <class Flat, class Hier>
-void Communicator::runEither(OpKind kind, std::chrono::milliseconds timeout, Flat flat, Hier hierarchical) {
-  run(kind, timeout, [&](OpContext& ctx) {
+void Communicator::runEither(const OpSignature& op, std::chrono::milliseconds timeout, Flat flat, Hier hierarchical) {
+  run(op, timeout, [&](OpContext& ctx) {
     if (!mesh_) return flat(ctx);
     HierContext h = hier(ctx);
     hierarchical(h);
@@ -185,7 +185,8 @@ void Communicator::describeNextOps(std::string text) {
 }
 
 template <class Fn>
-void Communicator::run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn) {
+void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout, Fn&& fn) {
+  const OpKind kind = op.kind;
   const uint64_t seq = ++seq_;
   if (aborted_.load()) {
     throwError(ErrorCode::kAborted, "%s #%llu: the process group has been shut down or aborted", opKindName(kind),
@@ -202,6 +203,7 @@ void Communicator::run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn) 
   ctx.rank = domain_ ? domain_->rank() : rank_;  // host-local when the group spans hosts
   ctx.size = domain_ ? domain_->size() : size_;
   ctx.seq = seq;
+  ctx.signature = op.packed();
   ctx.wait.deadline = std::chrono::steady_clock::now() + timeout;
   ctx.wait.abort = &aborted_;
   ctx.oneShotMaxBytes = oneShotMaxBytes_;
@@ -241,19 +243,21 @@ void Communicator::failOp(OpKind kind, uint64_t seq, ErrorCode code, const char*
 }
 
 void Communicator::allreduce(const AllreduceOptions& opts, std::chrono::milliseconds timeout) {
-  runEither(opts.root >= 0 ? OpKind::kReduce : OpKind::kAllreduce, timeout,
-            [&](OpContext& ctx) { algo::allreduce(ctx, opts); },
+  const OpSignature op{opts.root >= 0 ? OpKind::kReduce : OpKind::kAllreduce, opts.dtype, opts.reduction.op,
+                       opts.root};
+  runEither(op, timeout, [&](OpContext& ctx) { algo::allreduce(ctx, opts); },
             [&](HierContext& hc) { hierAllreduce(hc, opts); });
 }
 
 void Communicator::broadcast(const BroadcastOptions& opts, std::chrono::milliseconds timeout) {
-  runEither(OpKind::kBroadcast, timeout,
+  runEither({OpKind::kBroadcast, opts.dtype, ReduceOp::kSum, opts.root}, timeout,
             [&](OpContext& ctx) { algo::broadcast(ctx, opts); },
             [&](HierContext& hc) { hierBroadcast(hc, opts); });
 }
 
 void Communicator::allgather(const AllgatherOptions& opts, std::chrono::milliseconds timeout) {
-  run(opts.root >= 0 ? OpKind::kGather : OpKind::kAllgather, timeout, [&](OpContext& ctx) {
+  const OpSignature op{opts.root >= 0 ? OpKind::kGather : OpKind::kAllgather, opts.dtype, ReduceOp::kSum, opts.root};
+  run(op, timeout, [&](OpContext& ctx) {
     if (!mesh_) {
       algo::allgather(ctx, opts);
       return;
@@ -278,7 +282,7 @@ void Communicator::allgather(const AllgatherOptions& opts, std::chrono::millisec
 }
 
 void Communicator::scatter(const ScatterOptions& opts, std::chrono::milliseconds timeout) {
-  run(OpKind::kScatter, timeout, [&](OpContext& ctx) {
+  run({OpKind::kScatter, opts.dtype, ReduceOp::kSum, opts.root}, timeout, [&](OpContext& ctx) {
     if (!mesh_) {
       algo::scatter(ctx, opts);
       return;
@@ -297,7 +301,7 @@ void Communicator::scatter(const ScatterOptions& opts, std::chrono::milliseconds
 }
 
 void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::milliseconds timeout) {
-  runEither(OpKind::kAlltoall, timeout,
+  runEither({OpKind::kAlltoall, opts.dtype}, timeout,
             [&](OpContext& ctx) { algo::alltoall(ctx, opts); },
             [&](HierContext& hc) {
               // Only all_to_all needs every rank of the other hosts connected: groups that never
@@ -312,13 +316,13 @@ void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::millisecon
 }
 
 void Communicator::reduceScatter(const ReduceScatterOptions& opts, std::chrono::milliseconds timeout) {
-  runEither(OpKind::kReduceScatter, timeout,
+  runEither({OpKind::kReduceScatter, opts.dtype, opts.reduction.op}, timeout,
             [&](OpContext& ctx) { algo::reduceScatter(ctx, opts); },
             [&](HierContext& hc) { hierReduceScatter(hc, opts); });
 }
 
 void Communicator::barrier(std::chrono::milliseconds timeout) {
-  runEither(OpKind::kBarrier, timeout,
+  runEither({OpKind::kBarrier}, timeout,
             [&](OpContext& ctx) { algo::barrier(ctx); },
             [&](HierContext& hc) { hierBarrier(hc); });
 }

@@ -73,12 +73,12 @@ class Communicator {
 
  private:
   template <class Fn>
-  void run(OpKind kind, std::chrono::milliseconds timeout, Fn&& fn);
+  void run(const OpSignature& op, std::chrono::milliseconds timeout, Fn&& fn);
   // Marks the group broken by op `seq`, tells the peers (shm flag, closed connections) and throws.
   [[noreturn]] void failOp(OpKind kind, uint64_t seq, ErrorCode code, const char* what);
   // run() with the one-host algorithm, or the multi-host one when the group spans hosts.
   template <class Flat, class Hier>
-  void runEither(OpKind kind, std::chrono::milliseconds timeout, Flat flat, Hier hierarchical);
+  void runEither(const OpSignature& op, std::chrono::milliseconds timeout, Flat flat, Hier hierarchical);
   HierContext hier(const OpContext& ctx);
   // The set-up after the topology: shared memory, and across hosts settings and the mesh.
   void setUp(std::chrono::milliseconds timeout);

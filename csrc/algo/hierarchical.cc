@@ -93,7 +93,7 @@ void netAllreduceRing(HierContext& ctx, const std::vector<int>& ranks, int me, i
   const int H = static_cast<int>(ranks.size());
   const size_t es = elementSize(dt), align = alignElems(dt);
   uint32_t step = static_cast<uint32_t>(segment) << 16;
-  auto tag = [&] { return net::makeTag(ctx.local.seq, step++); };
+  auto tag = [&] { return ctx.tag(step++); };
   // A piece needs one part of scratch.
   const size_t piece = std::max(align * H, ctx.bufferBytes / es * H / (align * H) * (align * H));
   const int next = ranks[(me + 1) % H], prev = ranks[(me + H - 1) % H];
@@ -165,7 +165,7 @@ void netAllreduceMesh(HierContext& ctx, const std::vector<int>& ranks, int me, i
     reduce(dt, red, mine, srcs.data(), H, parts.size(me));
     slots.markReduced(k);
   };
-  ctx.mesh->exchange(net::makeTag(ctx.local.seq, static_cast<uint32_t>(segment)), sends, recvs, ctx.local.wait,
+  ctx.mesh->exchange(ctx.tag(static_cast<uint32_t>(segment)), sends, recvs, ctx.local.wait,
                      ctx.schedule(), received);
 }
 
@@ -184,7 +184,7 @@ void netAllreduceOneShot(HierContext& ctx, const std::vector<int>& ranks, int me
     sends.push_back({ranks[(me + i) % H], buf, nb});
     recvs.push_back({ranks[(me + i) % H], theirs + (i - 1) * nb, nb});
   }
-  ctx.mesh->exchange(net::makeTag(ctx.local.seq, static_cast<uint32_t>(segment)), sends, recvs, ctx.local.wait,
+  ctx.mesh->exchange(ctx.tag(static_cast<uint32_t>(segment)), sends, recvs, ctx.local.wait,
                      ctx.schedule());
   std::vector<const void*> srcs(H);
   for (int j = 0; j < H; ++j) srcs[j] = j == me ? buf : theirs + ((j - me + H) % H - 1) * nb;
@@ -201,7 +201,7 @@ void exchangeAlltoallCounts(HierContext& ctx, const AlltoallOptions& o, const st
     sends.push_back({remote[i], &told[i], sizeof(uint64_t)});
     recvs.push_back({remote[i], &heard[i], sizeof(uint64_t)});
   }
-  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule());
+  ctx.mesh->exchange(ctx.tag(0), sends, recvs, ctx.local.wait, ctx.schedule());
   for (size_t i = 0; i < remote.size(); ++i) {
     const int src = remote[i];
     if (heard[i] != o.outCounts[src]) throwSplitMismatch(src, heard[i], ctx.topo->rank, o.outCounts[src]);
@@ -340,7 +340,7 @@ void hierAllgather(HierContext& ctx, const AllgatherOptions& o) {
   for (int g = 0; g < t.size; ++g) {
     if (t.hostOf[g] != h && partnerOn(t, g, h) == me) recvs.push_back({g, o.outputs[g], o.counts[g] * es});
   }
-  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule());
+  ctx.mesh->exchange(ctx.tag(0), sends, recvs, ctx.local.wait, ctx.schedule());
 
   // Then rounds inside the host: in round k each local rank shares its k-th block (its own first,
   // then those it received, by rank).
@@ -443,7 +443,7 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
     reduce(o.dtype, o.reduction, bytes(o.output) + at * es, srcs.data(), H, pieceSpan(cnt(me), at, piece));
     slots.markReduced(p);
   };
-  ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule(), received);
+  ctx.mesh->exchange(ctx.tag(0), sends, recvs, ctx.local.wait, ctx.schedule(), received);
 }
 
 namespace {
@@ -453,7 +453,7 @@ namespace {
 // arrive, to the other hosts' first ranks. The root's link carries the message once instead of
 // once per host, every other link about as much, for one more network latency.
 // `relays`: the first rank of every host but the root's; relay i carries segment i.
-void netBroadcastRelayed(HierContext& ctx, const BroadcastOptions& o, const std::vector<int>& relays, uint64_t tag) {
+void netBroadcastRelayed(HierContext& ctx, const BroadcastOptions& o, const std::vector<int>& relays, net::Tag tag) {
   const Topology& t = *ctx.topo;
   const size_t es = elementSize(o.dtype);
   const int R = static_cast<int>(relays.size());
@@ -494,7 +494,7 @@ void hierBroadcast(HierContext& ctx, const BroadcastOptions& o) {
   const Topology& t = *ctx.topo;
   const size_t bytesTotal = o.count * elementSize(o.dtype);
   const int h = t.host(), rootHost = t.hostOf[o.root];
-  const uint64_t tag = net::makeTag(ctx.local.seq, 0);
+  const net::Tag tag = ctx.tag(0);
   std::vector<int> firsts;  // the first rank of every other host than the root's
   for (int k = 0; k < t.hosts(); ++k) {
     if (k != rootHost) firsts.push_back(t.members[k][0]);
@@ -534,10 +534,10 @@ void hierAlltoall(HierContext& ctx, const AlltoallOptions& o, const std::vector<
     recvs.push_back({g, o.outputs[g], o.outCounts[g] * es});
   }
   try {
-    ctx.mesh->exchange(net::makeTag(ctx.local.seq, 1), sends, recvs, ctx.local.wait, ctx.schedule());
+    ctx.mesh->exchange(ctx.tag(1), sends, recvs, ctx.local.wait, ctx.schedule());
   } catch (const net::wire::HeaderMismatch& m) {
     // Same op and step but another size: the sender's split for this rank is not what it expects.
-    if (m.sent().tag != m.expected().tag || m.sent().bytes % es != 0) throw;
+    if (m.sent().tag != m.expected().tag || m.sent().op != m.expected().op || m.sent().bytes % es != 0) throw;
     throwSplitMismatch(m.peer(), m.sent().bytes / es, ctx.topo->rank, m.expected().bytes / es);
   }
   // Blocks between ranks of this host last: a rank that found a wrong size above holds its
@@ -556,7 +556,7 @@ void hierBarrier(HierContext& ctx) {
       sends.push_back({t.members[k][0], nullptr, 0});
       recvs.push_back({t.members[k][0], nullptr, 0});
     }
-    ctx.mesh->exchange(net::makeTag(ctx.local.seq, 0), sends, recvs, ctx.local.wait, ctx.schedule());
+    ctx.mesh->exchange(ctx.tag(0), sends, recvs, ctx.local.wait, ctx.schedule());
   }
   barrier(ctx.local);
 }

@@ -50,6 +50,8 @@ struct HierContext {
   size_t bufferBytes = 16u << 20;           // at most this much of `scratch` per piece (reductions)
   size_t oneShotBytes = 0;                  // SMDDP_NET_ONESHOT_BYTES
   net::Schedule schedule() const { return algo == NetAlgo::kNaive ? net::Schedule::kNaive : net::Schedule::kMesh; }
+  // The tag of the op's network step `step`: its sequence number and the caller's collective.
+  net::Tag tag(uint32_t step) const { return {net::makeTag(local.seq, step), local.signature}; }
   uint8_t* scratchBytes(size_t n);
 };
 

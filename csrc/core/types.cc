@@ -75,4 +75,42 @@ const char* unsupportedReason(DataType dtype, ReduceOp op) {
   }
 }
 
+const char* opKindName(OpKind kind) {
+  switch (kind) {
+    case OpKind::kAllreduce: return "allreduce";
+    case OpKind::kReduce: return "reduce";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kAllgather: return "allgather";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kBarrier: return "barrier";
+    case OpKind::kGather: return "gather";
+    case OpKind::kScatter: return "scatter";
+    case OpKind::kAlltoall: return "alltoall";
+  }
+  return "?";
+}
+
+uint64_t OpSignature::packed() const {
+  return static_cast<uint64_t>(kind) | static_cast<uint64_t>(dtype) << 8 | static_cast<uint64_t>(redop) << 16 |
+         static_cast<uint64_t>(static_cast<uint32_t>(root + 1)) << 32;
+}
+
+OpSignature OpSignature::unpack(uint64_t packed) {
+  OpSignature s;
+  s.kind = static_cast<OpKind>(packed & 0xff);
+  s.dtype = static_cast<DataType>((packed >> 8) & 0xff);
+  s.redop = static_cast<ReduceOp>((packed >> 16) & 0xff);
+  s.root = static_cast<int>(static_cast<int64_t>(packed >> 32) - 1);  // a header's bits may be anything
+  return s;
+}
+
+std::string OpSignature::describe(uint64_t seq) const {
+  const bool reduces = kind == OpKind::kAllreduce || kind == OpKind::kReduce || kind == OpKind::kReduceScatter;
+  std::string out = std::string(opKindName(kind)) + " #" + std::to_string(seq) + " (" +
+                    (static_cast<int>(dtype) < kNumDataTypes ? dataTypeName(dtype) : "?");
+  if (reduces) out += std::string(", ") + (static_cast<int>(redop) < kNumReduceOps ? reduceOpName(redop) : "?");
+  if (root >= 0) out += ", root " + std::to_string(root);
+  return out + ")";
+}
+
 }  // namespace smddp

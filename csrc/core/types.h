@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace smddp {
 
@@ -44,6 +45,35 @@ bool isFloatingPoint(DataType dtype);
 // integer SUM/PRODUCT wrap around; integer AVG truncates toward zero; bitwise ops only on
 // integers and bool; AVG and PREMUL_SUM not on bool; PREMUL_SUM only on floating point.
 const char* unsupportedReason(DataType dtype, ReduceOp op);
+
+enum class OpKind : uint32_t {
+  kAllreduce = 1,
+  kReduce,
+  kBroadcast,
+  kAllgather,
+  kReduceScatter,
+  kBarrier,
+  kGather,
+  kScatter,
+  kAlltoall,
+};
+const char* opKindName(OpKind kind);
+
+// The collective a rank runs, as the caller asked for it: every rank must run the same one at
+// the same sequence number. Packed into one word, it goes into the shared-memory descriptors
+// and every inter-host message header, so ranks running different collectives whose messages
+// happen to have the same sizes (all_reduce and reduce, all_gather and gather) fail instead of
+// combining each other's data: across hosts these run the same sub-steps, which match.
+struct OpSignature {
+  OpKind kind = OpKind::kBarrier;
+  DataType dtype = DataType::kUInt8;
+  ReduceOp redop = ReduceOp::kSum;  // kSum for ops that reduce nothing
+  int root = -1;                    // -1 for ops without one
+
+  uint64_t packed() const;  // never 0 (0: no signature, e.g. point-to-point)
+  static OpSignature unpack(uint64_t packed);
+  std::string describe(uint64_t seq) const;  // "reduce #7 (float32, max, root 3)"
+};
 
 // A reduction as the kernels see it: the operator plus the scalars its finalisation needs.
 struct Reduction {

@@ -12,11 +12,12 @@
 // them alike (wire::stripeOf).
 //
 // Messages between a pair match in order; each lane that carries a part of a message starts it
-// with a 16-byte header (tag, the whole message's bytes) that the receiver checks against its
-// recv: a mismatch is an error, never a truncation. A message is read only once a recv for it is
-// posted, so TCP's flow control holds back a sender that runs ahead (while a recv from any source
-// waits, the next header on lane 0 of every idle pair is read, so that the recv can be matched;
-// a rank that may be its sender is dialled if it waits to be called).
+// with a 24-byte header (tag, the whole message's bytes, an op word of 0) that the receiver
+// checks against its recv: a mismatch is an error, never a truncation. A message is read only
+// once a recv for it is posted, so TCP's flow control holds back a sender that runs ahead
+// (while a recv from any source waits, the next header on lane 0 of every idle pair is read, so
+// that the recv can be matched; a rank that may be its sender is dialled if it waits to be
+// called).
 //
 // A rank that gives up on a peer for a reason of its own (a timeout, a mismatched message, its
 // group shut down) ends each of that pair's connections that is between two messages with a

@@ -33,6 +33,10 @@ struct alignas(64) OpDescriptor {
   uint32_t redop;
   int32_t root;
   uint64_t count;  // elements this rank contributes or expects
+  // The caller's collective (OpSignature::packed()): kind, dtype, etc. above describe the step
+  // the algorithm runs, which is the same for some different collectives (across hosts a gather
+  // runs the all-gather's steps).
+  uint64_t signature;
   // A digest of the element count this rank takes every rank's part to have. Each rank checks
   // the count its peers announce for themselves; this catches the rest: with uneven
   // reduce-scatter blocks, a rank that is wrong about another's block stages a block of the

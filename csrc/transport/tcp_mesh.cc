@@ -429,7 +429,7 @@ std::string TcpMesh::stallReport(const std::vector<Conn*>& active) const {
   return report;
 }
 
-void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::vector<Recv>& recvs,
+void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vector<Recv>& recvs,
                        const shm::WaitContext& wait, Schedule schedule,
                        const std::function<void(size_t)>& onReceived) {
   std::vector<Conn*> active;
@@ -496,7 +496,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
     size_t total = 0;
     while (p.sending() && !p.sendHeld() && budget > 0) {
       const Conn::SendPart& s = p.sends[p.sendIdx];
-      if (p.sendOff == 0) p.sendHdr = wire::MsgHeader{tag, s.msg->bytes};
+      if (p.sendOff == 0) p.sendHdr = wire::MsgHeader{tag.id, s.msg->bytes, tag.op};
       iovec iov[2];
       const int n = wire::nextIov(iov, p.sendHdr, p.sendOff, s.data, s.bytes, budget);
       msghdr mh{};
@@ -601,7 +601,7 @@ void TcpMesh::exchange(uint64_t tag, const std::vector<Send>& sends, const std::
       if (Clock::now() >= wait.deadline) {
         throwError(ErrorCode::kTimeout, "timed out in an inter-host exchange (step %llu): %s; they may have hung, "
                    "be doing other work, or be issuing a different sequence of collectives",
-                   static_cast<unsigned long long>(tag & ((1u << kTagStepBits) - 1)), stallReport(active).c_str());
+                   static_cast<unsigned long long>(tag.id & ((1u << kTagStepBits) - 1)), stallReport(active).c_str());
       }
     }
     // poll() asks only about the sockets last found full or empty. After a pass that moved

@@ -8,7 +8,7 @@
 // and the ranks it links, so a stray or stale client is refused, never mistaken for a peer.
 //
 // Data: exchange() moves a set of sends and receives to completion. Each message carries a
-// 16-byte header (tag, bytes) and lands straight in its destination buffer; a header that does
+// 24-byte header (tag, bytes, op) and lands straight in its destination buffer; a header that does
 // not match what the receiver expects is an error naming both sides (mismatched collectives).
 // With SMDDP_NET_SOCKETS_PER_PEER > 1, or several interfaces, two ranks hold several connections
 // ("lanes": at least one per interface) and large messages are striped over them
@@ -67,12 +67,12 @@ class TcpMesh {
   const std::vector<LocalAddress>& addresses() const { return addrs_; }
 
   // Messages to one peer leave in list order and arrive in list order. `tag` identifies the op
-  // and step; both sides must use the same. `onReceived(i)`, when given, runs on this thread as
+  // and step, and the collective; both sides must use the same. `onReceived(i)`, when given, runs on this thread as
   // soon as recvs[i] has fully arrived; it may open the `ready` gates of later messages, which is
   // how one exchange carries data computed from what it received (a streamed reduction).
   // Throws kRemoteError when a peer closes its connection, kTimeout at the deadline, kAborted
   // when the wait context is aborted.
-  void exchange(uint64_t tag, const std::vector<Send>& sends, const std::vector<Recv>& recvs,
+  void exchange(Tag tag, const std::vector<Send>& sends, const std::vector<Recv>& recvs,
                 const shm::WaitContext& wait, Schedule schedule,
                 const std::function<void(size_t)>& onReceived = {});
 

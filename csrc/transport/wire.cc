@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/types.h"
 
 namespace smddp::net::wire {
 namespace {
@@ -19,16 +20,24 @@ bool equalConstantTime(const char* a, const char* b, size_t n) {
 unsigned long long seqOf(uint64_t tag) { return tag >> kTagStepBits; }
 unsigned long long stepOf(uint64_t tag) { return tag & ((1u << kTagStepBits) - 1); }
 
+std::string mismatchText(int peer, const MsgHeader& sent, const MsgHeader& expected) {
+  if (sent.op != expected.op && sent.op != 0 && expected.op != 0) {
+    return formatString("collectives do not match across ranks: rank %d runs %s but this rank runs %s. Every rank must "
+                        "issue the same collectives in the same order with matching sizes and dtypes",
+                        peer, OpSignature::unpack(sent.op).describe(seqOf(sent.tag)).c_str(),
+                        OpSignature::unpack(expected.op).describe(seqOf(expected.tag)).c_str());
+  }
+  return formatString("collectives do not match across ranks: rank %d sent %llu bytes for op/step %llu/%llu but "
+                      "this rank expected %llu bytes for op/step %llu/%llu from it. Every rank must issue the same "
+                      "collectives in the same order with matching sizes and dtypes",
+                      peer, static_cast<unsigned long long>(sent.bytes), seqOf(sent.tag), stepOf(sent.tag),
+                      static_cast<unsigned long long>(expected.bytes), seqOf(expected.tag), stepOf(expected.tag));
+}
+
 }  // namespace
 
 HeaderMismatch::HeaderMismatch(int peer, const MsgHeader& sent, const MsgHeader& expected)
-    : Error(ErrorCode::kInvalidUsage,
-            formatString("collectives do not match across ranks: rank %d sent %llu bytes for op/step %llu/%llu but "
-                         "this rank expected %llu bytes for op/step %llu/%llu from it. Every rank must issue the same "
-                         "collectives in the same order with matching sizes and dtypes",
-                         peer, static_cast<unsigned long long>(sent.bytes), seqOf(sent.tag), stepOf(sent.tag),
-                         static_cast<unsigned long long>(expected.bytes), seqOf(expected.tag),
-                         stepOf(expected.tag))),
+    : Error(ErrorCode::kInvalidUsage, mismatchText(peer, sent, expected)),
       peer_(peer),
       sent_(sent),
       expected_(expected) {}
@@ -66,7 +75,7 @@ Stripe stripeOf(size_t bytes, int lanes, int lane, size_t ordinal) {
 std::string farewellFrame(std::string_view why) {
   if (why.empty()) why = "no reason given";
   const size_t n = std::min(why.size(), kMaxFarewellBytes);
-  const MsgHeader hdr{kFarewellTag, n};
+  const MsgHeader hdr{kFarewellTag, n, 0};
   std::string frame(reinterpret_cast<const char*>(&hdr), kHeaderBytes);
   frame.append(why.substr(0, n));
   return frame;
@@ -80,7 +89,7 @@ std::optional<std::string> farewellIn(const char* data, size_t n) {
   return std::string(data + kHeaderBytes, hdr.bytes);
 }
 
-void RecvCursor::start(std::vector<LanePart> expected, uint64_t tag, int peerRank) {
+void RecvCursor::start(std::vector<LanePart> expected, Tag tag, int peerRank) {
   clear();
   expected_ = std::move(expected);
   tag_ = tag;
@@ -131,7 +140,9 @@ const Recv* RecvCursor::advance(size_t k) {
       farewellDone_ = hdr_.bytes == 0;
       return nullptr;
     }
-    if (hdr_.tag != tag_ || hdr_.bytes != r.bytes) throw HeaderMismatch(peer_, hdr_, {tag_, r.bytes});
+    if (hdr_.tag != tag_.id || hdr_.op != tag_.op || hdr_.bytes != r.bytes) {
+      throw HeaderMismatch(peer_, hdr_, {tag_.id, r.bytes, tag_.op});
+    }
   }
   if (off_ >= kHeaderBytes && off_ == kHeaderBytes + part.bytes) {
     ++idx_;

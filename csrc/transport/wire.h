@@ -2,8 +2,8 @@
 // that it can be fuzzed (tests/fuzz/fuzz_wire.cc) and unit-tested without a network.
 //
 // A connection opens with a Hello (magic, the group's secret, the two ranks it links and which of
-// their connections it is), answered by one 'K' byte. After that each message is a 16-byte
-// header (tag, the message's bytes) and this connection's stripe of the payload (all of it when
+// their connections it is), answered by one 'K' byte. After that each message is a 24-byte
+// header (tag, the message's bytes, the collective's signature) and this connection's stripe of the payload (all of it when
 // two ranks have one connection), which lands straight in the receiver's destination buffer.
 // A rank that gives up the group ends each connection that is between messages with a farewell
 // (a header tagged kFarewellTag and the reason as text), so that its peers report why it left.
@@ -29,6 +29,16 @@ constexpr int kTagStepBits = 24;
 inline uint64_t makeTag(uint64_t seq, uint32_t step) {
   return (seq << kTagStepBits) | (step & ((1u << kTagStepBits) - 1));
 }
+
+// What every message of an exchange carries besides its size: `id` (makeTag) and `op`, the
+// collective's OpSignature::packed() (0 where there is none), so that ranks running different
+// collectives at one sequence number fail at their first message instead of taking each other's
+// data. A bare id converts, with op 0.
+struct Tag {
+  Tag(uint64_t id, uint64_t op = 0) : id(id), op(op) {}  // NOLINT(google-explicit-constructor)
+  uint64_t id;
+  uint64_t op;
+};
 
 // `ready`, when set, holds the message back until *ready is true, and with it every later
 // message of the same exchange to (or from) that peer: a send whose data is still being
@@ -82,6 +92,7 @@ Stripe stripeOf(size_t bytes, int lanes, int lane, size_t ordinal = 0);
 struct MsgHeader {
   uint64_t tag;
   uint64_t bytes;
+  uint64_t op;  // Tag::op (0 for point-to-point and farewells)
 };
 constexpr size_t kHeaderBytes = sizeof(MsgHeader);
 
@@ -138,7 +149,7 @@ struct LanePart {
 // in order, filled by whatever bytes arrive, in pieces of any size.
 class RecvCursor {
  public:
-  void start(std::vector<LanePart> expected, uint64_t tag, int peerRank);
+  void start(std::vector<LanePart> expected, Tag tag, int peerRank);
   void clear();
   bool done() const { return idx_ >= expected_.size(); }
   // The next message may not be read yet (its Recv::ready is false).
@@ -162,7 +173,7 @@ class RecvCursor {
 
  private:
   std::vector<LanePart> expected_;
-  uint64_t tag_ = 0;
+  Tag tag_{0};
   int peer_ = -1;
   size_t idx_ = 0, off_ = 0;  // off_ counts the header first
   MsgHeader hdr_{};

@@ -38,6 +38,7 @@
 #include "core/env.h"
 #include "core/error.h"
 #include "core/file_store.h"
+#include "core/types.h"
 #include "transport/netif.h"
 #include "transport/sockets.h"
 #include "transport/tcp_mesh.h"
@@ -297,6 +298,34 @@ void testStrangersRefusedThenExchange(const std::string& dir) {
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   expect(gone.find("rank 0") != std::string::npos && secs < 5,
          "closed peer reported in " + std::to_string(secs) + " s: " + gone);
+}
+
+// Same op number, step and size, but another collective (across hosts a reduce's messages can
+// look just like an all-reduce's): the header's op word tells them apart, naming both.
+void testCollectiveMismatch(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  auto meshes = meshPair(store);
+  std::vector<uint8_t> out(64, 1), in(64, 0);
+  const uint64_t reduce = OpSignature{OpKind::kReduce, DataType::kFloat32, ReduceOp::kMax, 2}.packed();
+  const uint64_t allreduce = OpSignature{OpKind::kAllreduce, DataType::kFloat32, ReduceOp::kMax}.packed();
+  std::thread a([&] {
+    try {
+      meshes[0]->exchange({net::makeTag(9, 1), reduce}, {{1, out.data(), 64}}, {}, waitFor(std::chrono::seconds(5)),
+                          net::Schedule::kMesh);
+    } catch (const std::exception&) {
+    }
+  });
+  std::string mismatch;
+  try {
+    meshes[1]->exchange({net::makeTag(9, 1), allreduce}, {}, {{0, in.data(), 64}}, waitFor(std::chrono::seconds(5)),
+                        net::Schedule::kMesh);
+  } catch (const Error& e) {
+    mismatch = e.what();
+  }
+  a.join();
+  expect(mismatch.find("rank 0 runs reduce #9 (float32, max, root 2) but this rank runs allreduce #9 (float32, "
+                       "max)") != std::string::npos,
+         "another collective with the same sizes is an error naming both: " + mismatch);
 }
 
 // Rank 0 sends a striped message (over all lanes) where rank 1 expects a smaller one that
@@ -743,8 +772,8 @@ int main() {
   testAddresses();
   if (!test::runInOwnDirs("smddp_net_tests",
                           {testStrangersRefusedThenExchange, testConnectLater, testStripedSizeMismatch,
-                           testDialToSilentPeer, testStalledExchangeReport, testFarewell, testTwoInterfaces,
-                           testUnevenInterfaces})) {
+                           testCollectiveMismatch, testDialToSilentPeer, testStalledExchangeReport, testFarewell,
+                           testTwoInterfaces, testUnevenInterfaces})) {
     return 1;
   }
   return test::report();

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/types.h"
 #include "transport/wire.h"
 
 using namespace smddp;
@@ -53,7 +54,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<wire::LanePart> expected;
   for (const Recv& r : recvs) expected.push_back({&r, static_cast<char*>(r.data), r.bytes});
   wire::RecvCursor cursor;
-  cursor.start(expected, makeTag(7, 3), 0);
+  // A collective's op word too: a header with another one is described from its arbitrary bits.
+  cursor.start(expected, {makeTag(7, 3), OpSignature{OpKind::kAllreduce, DataType::kFloat32}.packed()}, 0);
   const uint8_t* p = data + kPreamble;
   size_t left = size - kPreamble;
   uint32_t seed = data[5];
