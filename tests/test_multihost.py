@@ -440,6 +440,8 @@ def _collective(kind, rank, world, n=1000):
     """One collective of `kind` whose messages across hosts have the same sizes as the others'."""
     if kind == "all_reduce":
         dist.all_reduce(torch.ones(n))
+    elif kind == "all_reduce_max":
+        dist.all_reduce(torch.ones(n), op=dist.ReduceOp.MAX)
     elif kind == "reduce":
         dist.reduce(torch.ones(n), dst=world - 1)
     elif kind == "all_gather":
@@ -469,7 +471,7 @@ def different_collectives_task(rank, world, odd, mine, theirs):
     except Exception as e:  # noqa: BLE001
         text = str(e)
     secs = time.monotonic() - t0
-    names = {"all_reduce": "allreduce", "all_gather": "allgather"}
+    names = {"all_reduce": "allreduce", "all_reduce_max": "allreduce #1 (float32, max)", "all_gather": "allgather"}
     rep.expect("collectives do not match across ranks" in text and names.get(mine, mine) in text
                and names.get(theirs, theirs) in text, f"rank {rank}: the error does not name both ops: {text}")
     rep.expect(secs < 20, f"rank {rank}: took {secs:.1f} s to fail (a timeout, not the mismatch?)")
@@ -480,6 +482,7 @@ def different_collectives_task(rank, world, odd, mine, theirs):
     ("001", 2, "all_reduce", "reduce"), ("001", 0, "all_gather", "gather"), ("0011", 3, "all_reduce", "reduce"),
     ("0011", 3, "all_gather", "gather"), ("012", 1, "all_gather", "all_reduce"),
     ("012", 1, "reduce_scatter", "all_gather"), ("001", 2, "gather", "reduce_scatter"),
+    ("001", 0, "all_reduce", "all_reduce_max"),
 ])
 def test_different_collectives_are_an_error(pools, topo, odd, mine, theirs):
     try:
