@@ -104,7 +104,8 @@ def test_cuda_send_recv(world, hosts, flags):
 @pytest.mark.parametrize("world, hosts", [(2, None), (3, "001")], ids=["2-ranks", "across-hosts"])
 def test_cuda_moved_dtypes(world, hosts):
     # float8 / uint16-64 / complex CUDA tensors through every op that only moves data
-    # (test_moved_dtypes.py's task), 1 MiB of staging so the larger size takes many rounds.
+    # (test_moved_dtypes.py's task). 1 MiB of staging: at the larger size the flat ops take many
+    # rounds and the list forms (one round each) pinned memory of their own.
     _run_ranks("moved", world, {"SMDDP_CUDA_STAGING_BYTES": str(1 << 20)}, hosts=hosts)
 
 

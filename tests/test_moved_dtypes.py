@@ -70,7 +70,8 @@ def moved_dtypes_task(rank, world, n, device="cpu"):
         per = max(1, n // world)
         with rep.cell(f"all_to_all_single {name}"):
             out = empty(per * world, dtype)
-            dist.all_to_all_single(out, torch.cat([_bits(f"a2a{r}", rank, per, dtype) for r in range(world)]).to(device))
+            sent = torch.cat([_bits(f"a2a{r}", rank, per, dtype) for r in range(world)])
+            dist.all_to_all_single(out, sent.to(device))
             check("all_to_all_single", out, torch.cat([_bits(f"a2a{rank}", r, per, dtype) for r in range(world)]))
         with rep.cell(f"all_to_all {name}"):
             outs = [empty(per, dtype) for _ in range(world)]

@@ -8,8 +8,9 @@
 // and the ranks it links, so a stray or stale client is refused, never mistaken for a peer.
 //
 // Data: exchange() moves a set of sends and receives to completion. Each message carries a
-// 24-byte header (tag, bytes, op) and lands straight in its destination buffer; a header that does
-// not match what the receiver expects is an error naming both sides (mismatched collectives).
+// 24-byte header (tag, bytes, op) and lands straight in its destination buffer; a header that
+// does not match what the receiver expects is an error naming both sides (mismatched
+// collectives).
 // With SMDDP_NET_SOCKETS_PER_PEER > 1, or several interfaces, two ranks hold several connections
 // ("lanes": at least one per interface) and large messages are striped over them
 // (wire::stripeOf), each lane paced by its own window. Lane k joins the two ranks' k-th
@@ -66,10 +67,11 @@ class TcpMesh {
 
   const std::vector<LocalAddress>& addresses() const { return addrs_; }
 
-  // Messages to one peer leave in list order and arrive in list order. `tag` identifies the op
-  // and step, and the collective; both sides must use the same. `onReceived(i)`, when given, runs on this thread as
-  // soon as recvs[i] has fully arrived; it may open the `ready` gates of later messages, which is
-  // how one exchange carries data computed from what it received (a streamed reduction).
+  // Messages to one peer leave in list order and arrive in list order. `tag` identifies the op,
+  // its step and the collective; both sides must use the same. `onReceived(i)`, when given, runs
+  // on this thread as soon as recvs[i] has fully arrived; it may open the `ready` gates of later
+  // messages, which is how one exchange carries data computed from what it received (a streamed
+  // reduction).
   // Throws kRemoteError when a peer closes its connection, kTimeout at the deadline, kAborted
   // when the wait context is aborted.
   void exchange(Tag tag, const std::vector<Send>& sends, const std::vector<Recv>& recvs,
