@@ -1,7 +1,7 @@
 // smddp_perf: an nccl-tests style benchmark of smddp's core, without torch or Python.
 //
 //   smddp_perf -np 4 --collective all_reduce -b 8 -e 128M -f 2 [-o sum|prod|min|max|avg|all]
-//              [-d float|double|half|bfloat16|int32|int8|uint8|int64|all] [-r root] [-n iters]
+//              [-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|all] [-r root] [-n iters]
 //              [-w warmup] [-m agg] [-c 0/1] [-a 0..3] [-J file.json] [-T target_ms]
 //
 // Invoked as all_reduce_perf, all_gather_perf, reduce_scatter_perf or broadcast_perf (a link to
@@ -68,7 +68,8 @@ struct TypeName {
 constexpr TypeName kTypes[] = {{"float", DataType::kFloat32}, {"double", DataType::kFloat64},
                                {"half", DataType::kFloat16},  {"bfloat16", DataType::kBFloat16},
                                {"int32", DataType::kInt32},   {"int8", DataType::kInt8},
-                               {"uint8", DataType::kUInt8},   {"int64", DataType::kInt64}};
+                               {"uint8", DataType::kUInt8},   {"int64", DataType::kInt64},
+                               {"uint32", DataType::kUInt32}, {"uint64", DataType::kUInt64}};
 struct OpName {
   const char* name;
   ReduceOp op;
@@ -97,8 +98,8 @@ const char* opName(ReduceOp op) {
   fprintf(stderr,
           "usage: smddp_perf [-np ranks] [--collective all_reduce|all_gather|reduce_scatter|broadcast] [-b minbytes] "
           "[-e maxbytes] [-f factor | -i stepbytes] [-n iters (0 = auto, see -T)] [-w warmup] [-m agg] [-c 0/1] "
-          "[-o sum|prod|min|max|avg|all] [-d float|double|half|bfloat16|int32|int8|uint8|int64|all] [-r root] "
-          "[-a 0..3] [-J json] [-T target_ms]\n");
+          "[-o sum|prod|min|max|avg|all] [-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|all] "
+          "[-r root] [-a 0..3] [-J json] [-T target_ms]\n");
   exit(2);
 }
 
@@ -240,6 +241,8 @@ void storeValue(DataType dt, void* base, size_t i, double v) {
     case DataType::kInt8: static_cast<int8_t*>(base)[i] = static_cast<int8_t>(v); break;
     case DataType::kUInt8: static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(v); break;
     case DataType::kInt64: static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v); break;
+    case DataType::kUInt32: static_cast<uint32_t*>(base)[i] = static_cast<uint32_t>(v); break;
+    case DataType::kUInt64: static_cast<uint64_t*>(base)[i] = static_cast<uint64_t>(v); break;
     default: break;
   }
 }
@@ -258,6 +261,8 @@ double load(DataType dt, const void* base, size_t i) {
     case DataType::kInt8: return static_cast<const int8_t*>(base)[i];
     case DataType::kUInt8: return static_cast<const uint8_t*>(base)[i];
     case DataType::kInt64: return static_cast<double>(static_cast<const int64_t*>(base)[i]);
+    case DataType::kUInt32: return static_cast<const uint32_t*>(base)[i];
+    case DataType::kUInt64: return static_cast<double>(static_cast<const uint64_t*>(base)[i]);
     default: return NAN;
   }
 }

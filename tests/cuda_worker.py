@@ -289,14 +289,17 @@ def point_to_point(rank, world, dev):
     check(bool((t == want).all()), f"collectives around send/recv: got {t[0].item()} want {want}")
 
 
-def moved_dtypes(rank, world, dev):
-    """float8, uint16/32/64 and complex tensors through the ops that only move data."""
+def other_dtypes(rank, world, dev):
+    """float8, uint16/32/64 and complex tensors through the ops that only move data; reductions of
+    uint16/32/64."""
     from test_moved_dtypes import moved_dtypes_task
-    for n in [1001, 300_001]:
-        rep = moved_dtypes_task(rank, world, n, device=dev)
-        check(rep["checked"] > 0, f"moved dtypes n={n}: nothing was checked")
-        for msg in rep["failures"]:
-            check(False, f"moved dtypes n={n}: {msg}")
+    from test_unsigned import unsigned_task
+    for task, what in [(moved_dtypes_task, "moved dtypes"), (unsigned_task, "unsigned reductions")]:
+        for n in [1001, 300_001]:
+            rep = task(rank, world, n, device=dev)
+            check(rep["checked"] > 0, f"{what} n={n}: nothing was checked")
+            for msg in rep["failures"]:
+                check(False, f"{what} n={n}: {msg}")
 
 
 def refusals(rank, world, dev):
@@ -342,8 +345,8 @@ def main():
         collectives(a.rank, a.world, dev, [(3 << 20) // 2 + 77])
     elif a.case == "p2p":
         point_to_point(a.rank, a.world, dev)
-    elif a.case == "moved":
-        moved_dtypes(a.rank, a.world, dev)
+    elif a.case == "dtypes":
+        other_dtypes(a.rank, a.world, dev)
     elif a.case == "semantics":
         stream_semantics(a.rank, a.world, dev)
         ddp(a.rank, a.world, dev)

@@ -102,11 +102,12 @@ def test_cuda_send_recv(world, hosts, flags):
 
 @needs_gpu
 @pytest.mark.parametrize("world, hosts", [(2, None), (3, "001")], ids=["2-ranks", "across-hosts"])
-def test_cuda_moved_dtypes(world, hosts):
+def test_cuda_other_dtypes(world, hosts):
     # float8 / uint16-64 / complex CUDA tensors through every op that only moves data
-    # (test_moved_dtypes.py's task). 1 MiB of staging: at the larger size the flat ops take many
-    # rounds and the list forms (one round each) pinned memory of their own.
-    _run_ranks("moved", world, {"SMDDP_CUDA_STAGING_BYTES": str(1 << 20)}, hosts=hosts)
+    # (test_moved_dtypes.py's task), and uint16-64 reductions (test_unsigned.py's). 1 MiB of
+    # staging: at the larger size the flat ops take many rounds and the list forms (one round
+    # each) pinned memory of their own.
+    _run_ranks("dtypes", world, {"SMDDP_CUDA_STAGING_BYTES": str(1 << 20)}, hosts=hosts)
 
 
 @needs_gpu

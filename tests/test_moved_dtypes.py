@@ -1,8 +1,9 @@
 """Ops that only move data (broadcast, all_gather in both forms, gather, scatter, all_to_all in
 both forms, send/recv) take dtypes smddp does not compute in: float8 (FSDP2 all-gathers float8
-weights in their own dtype when every parameter of a module is float8), uint16/32/64, complex32
-and complex64. Each arrives bit for bit, NaN patterns included. (Reductions of such dtypes are
-refused at the call: tests/test_misc.py's errors test.)"""
+weights in their own dtype when every parameter of a module is float8), complex32 and complex64;
+and uint16/32/64, which gloo does not move. Each arrives bit for bit, NaN patterns included.
+(Reductions of float8 and complex are refused at the call: tests/test_misc.py's errors test;
+those of the unsigned types are in tests/test_unsigned.py.)"""
 import pytest
 import torch
 import torch.distributed as dist

@@ -29,6 +29,7 @@ from test_moved_dtypes import moved_dtypes_task
 from test_p2p import (SIZES as P2P_SIZES, any_source_and_batch, any_source_by_tag, any_source_outstanding,
                       any_source_then_named, exchange_send_first, ping_pong, tag_mismatch, waits_from_threads)
 from test_reduce_scatter import reduce_scatter_list, reduce_scatter_sizes_disagree, reduce_scatter_tensor_forms
+from test_unsigned import unsigned_task
 
 pytestmark = pytest.mark.skipif(not IS_SMDDP, reason="SMDDP_HOST_ID only splits smddp groups")
 
@@ -390,6 +391,11 @@ def test_reduce_scatter_sizes_disagree_is_an_error(pools, topo):
         check(pools, topo, reduce_scatter_sizes_disagree, timeout=120)
     finally:
         pools.discard(len(topo), topo, NET_ENV)  # the group refuses further ops after a failed collective
+
+
+@pytest.mark.parametrize("topo, n", [("0011", 300_001), ("012", 1001)])
+def test_unsigned_reductions(pools, topo, n):
+    check(pools, topo, unsigned_task, n)
 
 
 @pytest.mark.parametrize("topo", ["0011", "012"])

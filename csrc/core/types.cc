@@ -6,13 +6,16 @@ size_t elementSize(DataType dtype) {
   switch (dtype) {
     case DataType::kFloat64:
     case DataType::kInt64:
+    case DataType::kUInt64:
       return 8;
     case DataType::kFloat32:
     case DataType::kInt32:
+    case DataType::kUInt32:
       return 4;
     case DataType::kFloat16:
     case DataType::kBFloat16:
     case DataType::kInt16:
+    case DataType::kUInt16:
       return 2;
     case DataType::kInt8:
     case DataType::kUInt8:
@@ -34,6 +37,9 @@ const char* dataTypeName(DataType dtype) {
     case DataType::kInt32: return "int32";
     case DataType::kInt64: return "int64";
     case DataType::kBool: return "bool";
+    case DataType::kUInt16: return "uint16";
+    case DataType::kUInt32: return "uint32";
+    case DataType::kUInt64: return "uint64";
   }
   return "?";
 }

@@ -18,8 +18,11 @@ enum class DataType : uint8_t {
   kInt32,
   kInt64,
   kBool,
+  kUInt16,
+  kUInt32,
+  kUInt64,
 };
-constexpr int kNumDataTypes = 10;
+constexpr int kNumDataTypes = 13;
 
 enum class ReduceOp : uint8_t {
   kSum,

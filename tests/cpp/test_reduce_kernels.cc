@@ -44,6 +44,9 @@ int64_t loadAsInt(DataType dt, const uint8_t* p, size_t i) {
     case DataType::kInt16: return reinterpret_cast<const int16_t*>(p)[i];
     case DataType::kInt32: return reinterpret_cast<const int32_t*>(p)[i];
     case DataType::kInt64: return reinterpret_cast<const int64_t*>(p)[i];
+    case DataType::kUInt16: return reinterpret_cast<const uint16_t*>(p)[i];
+    case DataType::kUInt32: return reinterpret_cast<const uint32_t*>(p)[i];
+    case DataType::kUInt64: return static_cast<int64_t>(reinterpret_cast<const uint64_t*>(p)[i]);  // the bits
     default: return 0;
   }
 }
@@ -54,8 +57,15 @@ int64_t wrap(DataType dt, int64_t v) {
     case DataType::kUInt8: return static_cast<uint8_t>(v);
     case DataType::kInt16: return static_cast<int16_t>(v);
     case DataType::kInt32: return static_cast<int32_t>(v);
+    case DataType::kUInt16: return static_cast<uint16_t>(v);
+    case DataType::kUInt32: return static_cast<uint32_t>(v);
     default: return v;
   }
+}
+
+// Comparison of two loadAsInt values: uint64's hold its bits, compared unsigned.
+bool lessThan(DataType dt, int64_t a, int64_t b) {
+  return dt == DataType::kUInt64 ? static_cast<uint64_t>(a) < static_cast<uint64_t>(b) : a < b;
 }
 
 void fill(DataType dt, uint8_t* p, size_t n, std::mt19937& rng, ReduceOp op) {
@@ -80,6 +90,10 @@ void fill(DataType dt, uint8_t* p, size_t n, std::mt19937& rng, ReduceOp op) {
       case DataType::kInt32: reinterpret_cast<int32_t*>(p)[i] = any(rng) * 20000000; break;
       case DataType::kInt64: reinterpret_cast<int64_t*>(p)[i] = static_cast<int64_t>(any(rng)) << 56; break;
       case DataType::kBool: reinterpret_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(bit(rng)); break;
+      // Unsigned: values near the top of the range too (sums wrap, and uint64 has its high bit set).
+      case DataType::kUInt16: reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(any(rng) * 300); break;
+      case DataType::kUInt32: reinterpret_cast<uint32_t*>(p)[i] = static_cast<uint32_t>(any(rng) * 20000000); break;
+      case DataType::kUInt64: reinterpret_cast<uint64_t*>(p)[i] = static_cast<uint64_t>(any(rng)) << 56; break;
     }
   }
 }
@@ -129,15 +143,18 @@ bool checkOne(Isa isa, DataType dt, ReduceOp op, int nsrc, size_t count, std::mt
           case ReduceOp::kSum:
           case ReduceOp::kAvg: acc = isBool ? (acc | v) : wrap(dt, static_cast<int64_t>(static_cast<uint64_t>(acc) + static_cast<uint64_t>(v))); break;
           case ReduceOp::kProduct: acc = isBool ? (acc & v) : wrap(dt, static_cast<int64_t>(static_cast<uint64_t>(acc) * static_cast<uint64_t>(v))); break;
-          case ReduceOp::kMin: acc = std::min(acc, v); break;
-          case ReduceOp::kMax: acc = std::max(acc, v); break;
+          case ReduceOp::kMin: acc = lessThan(dt, v, acc) ? v : acc; break;
+          case ReduceOp::kMax: acc = lessThan(dt, acc, v) ? v : acc; break;
           case ReduceOp::kBand: acc &= v; break;
           case ReduceOp::kBor: acc |= v; break;
           case ReduceOp::kBxor: acc = wrap(dt, acc ^ v); break;
           default: break;
         }
       }
-      if (op == ReduceOp::kAvg) acc = acc / nsrc;  // truncates toward zero
+      if (op == ReduceOp::kAvg) {  // truncates toward zero; uint64's sum is unsigned
+        acc = dt == DataType::kUInt64 ? static_cast<int64_t>(static_cast<uint64_t>(acc) / static_cast<uint64_t>(nsrc))
+                                      : acc / nsrc;
+      }
       want = static_cast<double>(acc);
       got = static_cast<double>(loadAsInt(dt, out.data(), i));
       ok = loadAsInt(dt, out.data(), i) == acc;
