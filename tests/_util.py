@@ -140,6 +140,18 @@ def _gen(seed_key):
     return g
 
 
+def random_bits(what, rank, n, dtype):
+    """n elements of `dtype` with arbitrary bit patterns (NaNs, values past 2**63), the same on
+    every rank that asks: inputs of the dtypes torch cannot generate or compute in."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=_gen(f"{what}|{rank}|{dtype}")).view(dtype)
+
+
+def same_bits(got, want):
+    """`got` (any device) holds exactly `want`'s bits."""
+    return got.shape == want.shape and torch.equal(got.cpu().contiguous().view(torch.uint8), want.view(torch.uint8))
+
+
 def gen(key, rank, n, dtype, opname=None):
     """Deterministic 1-D input of rank `rank` for a cell. `opname` picks a value
     domain in which the reference is exact (None = arbitrary data for copies)."""

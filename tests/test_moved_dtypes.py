@@ -8,20 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _util import IS_SMDDP, Report, _gen
+from _util import IS_SMDDP, Report, random_bits, same_bits
 
 MOVED_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64, torch.complex32,
                 torch.complex64]
-
-
-def _bits(what, rank, n, dtype):
-    """n elements of `dtype` with arbitrary bit patterns, the same on every rank that asks."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    return torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=_gen(f"{what}|{rank}|{dtype}")).view(dtype)
-
-
-def _same_bits(got, want):
-    return got.shape == want.shape and torch.equal(got.cpu().contiguous().view(torch.uint8), want.view(torch.uint8))
 
 
 def moved_dtypes_task(rank, world, n, device="cpu"):
@@ -29,7 +19,7 @@ def moved_dtypes_task(rank, world, n, device="cpu"):
     rep = Report(rank)
 
     def bits(what, r, count, dtype):
-        return _bits(what, r, count, dtype).to(device)
+        return random_bits(what, r, count, dtype).to(device)
 
     def empty(count, dtype):
         return torch.empty(count, dtype=dtype, device=device)
@@ -42,14 +32,14 @@ def moved_dtypes_task(rank, world, n, device="cpu"):
         name = str(dtype).replace("torch.", "")
 
         def check(op, got, want):
-            rep.expect(_same_bits(got, want), f"rank {rank}: {op} of {name}, {n} elements: bits differ")
+            rep.expect(same_bits(got, want), f"rank {rank}: {op} of {name}, {n} elements: bits differ")
 
         mine = bits("in", rank, n, dtype)
         with rep.cell(f"broadcast {name}"):
             t = mine.clone() if rank == 0 else bits("junk", rank, n, dtype)
             dist.broadcast(t, src=0)
-            check("broadcast", t, _bits("in", 0, n, dtype))
-        everyone = torch.cat([_bits("in", r, n, dtype) for r in range(world)])
+            check("broadcast", t, random_bits("in", 0, n, dtype))
+        everyone = torch.cat([random_bits("in", r, n, dtype) for r in range(world)])
         with rep.cell(f"all_gather_into_tensor {name}"):
             out = empty(world * n, dtype)
             dist.all_gather_into_tensor(out, mine)
@@ -67,23 +57,24 @@ def moved_dtypes_task(rank, world, n, device="cpu"):
         with rep.cell(f"scatter {name}"):
             out = empty(n, dtype)
             dist.scatter(out, [bits("scatter", r, n, dtype) for r in range(world)] if rank == 0 else None, src=0)
-            check("scatter", out, _bits("scatter", rank, n, dtype))
+            check("scatter", out, random_bits("scatter", rank, n, dtype))
         per = max(1, n // world)
         with rep.cell(f"all_to_all_single {name}"):
             out = empty(per * world, dtype)
-            sent = torch.cat([_bits(f"a2a{r}", rank, per, dtype) for r in range(world)])
+            sent = torch.cat([random_bits(f"a2a{r}", rank, per, dtype) for r in range(world)])
             dist.all_to_all_single(out, sent.to(device))
-            check("all_to_all_single", out, torch.cat([_bits(f"a2a{rank}", r, per, dtype) for r in range(world)]))
+            check("all_to_all_single", out, torch.cat([random_bits(f"a2a{rank}", r, per, dtype) for r in range(world)]))
         with rep.cell(f"all_to_all {name}"):
             outs = [empty(per, dtype) for _ in range(world)]
             dist.all_to_all(outs, [bits(f"a2l{r}", rank, per, dtype) for r in range(world)])
-            check("all_to_all", on_host(outs), torch.cat([_bits(f"a2l{rank}", r, per, dtype) for r in range(world)]))
+            want = torch.cat([random_bits(f"a2l{rank}", r, per, dtype) for r in range(world)])
+            check("all_to_all", on_host(outs), want)
         if world > 1:
             with rep.cell(f"send/recv {name}"):
                 got = empty(n, dtype)
                 for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, nxt), dist.P2POp(dist.irecv, got, prv)]):
                     w.wait()
-                check("send/recv", got, _bits("in", prv, n, dtype))
+                check("send/recv", got, random_bits("in", prv, n, dtype))
     return rep.to_dict()
 
 

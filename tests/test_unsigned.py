@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _util import IS_SMDDP, Report, _gen, make_op
+from _util import IS_SMDDP, Report, make_op, random_bits, same_bits
 
 UNSIGNED = [torch.uint16, torch.uint32, torch.uint64]
 OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
@@ -18,12 +18,6 @@ NP_OPS = {"SUM": np.add, "AVG": np.add, "PRODUCT": np.multiply, "MIN": np.minimu
           "BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}
 
 pytestmark = pytest.mark.skipif(not IS_SMDDP, reason="gloo reduces no unsigned type wider than uint8")
-
-
-def _bits(what, rank, n, dtype):
-    """n elements of `dtype` with arbitrary bit patterns, the same on every rank that asks."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    return torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=_gen(f"{what}|{rank}|{dtype}")).view(dtype)
 
 
 def _reference(inputs, op, world):
@@ -34,10 +28,6 @@ def _reference(inputs, op, world):
     return torch.from_numpy(np.ascontiguousarray(out))
 
 
-def _same(got, want):
-    return got.shape == want.shape and torch.equal(got.cpu().contiguous().view(torch.uint8), want.view(torch.uint8))
-
-
 def unsigned_task(rank, world, n, device="cpu"):
     """Also run by tests/cuda_worker.py on CUDA tensors (device="cuda:N")."""
     rep = Report(rank)
@@ -45,24 +35,24 @@ def unsigned_task(rank, world, n, device="cpu"):
         name = str(dtype).replace("torch.", "")
         for op in OPS:
             label = f"{name} {op} n={n}"
-            ins = [_bits(f"ar{op}", r, n, dtype) for r in range(world)]
+            ins = [random_bits(f"ar{op}", r, n, dtype) for r in range(world)]
             want = _reference(ins, op, world)
             with rep.cell(f"all_reduce {label}"):
                 t = ins[rank].to(device, copy=True)
                 dist.all_reduce(t, op=make_op(op, dtype))
-                rep.expect(_same(t, want), f"rank {rank}: all_reduce {label}: got {t[:3].tolist()} want "
+                rep.expect(same_bits(t, want), f"rank {rank}: all_reduce {label}: got {t[:3].tolist()} want "
                                            f"{want[:3].tolist()}")
             with rep.cell(f"reduce {label}"):
                 t = ins[rank].to(device, copy=True)
                 dist.reduce(t, dst=world - 1, op=make_op(op, dtype))
                 good = want if rank == world - 1 else ins[rank]
-                rep.expect(_same(t, good), f"rank {rank}: reduce {label} (root {world - 1}): got {t[:3].tolist()}")
+                rep.expect(same_bits(t, good), f"rank {rank}: reduce {label} (root {world - 1}): got {t[:3].tolist()}")
             with rep.cell(f"reduce_scatter_tensor {label}"):
-                blocks = [_bits(f"rs{op}", r, n * world, dtype) for r in range(world)]
+                blocks = [random_bits(f"rs{op}", r, n * world, dtype) for r in range(world)]
                 out = torch.zeros(n, dtype=dtype, device=device)
                 dist.reduce_scatter_tensor(out, blocks[rank].to(device, copy=True), op=make_op(op, dtype))
                 mine = _reference([b[rank * n:(rank + 1) * n] for b in blocks], op, world)
-                rep.expect(_same(out, mine), f"rank {rank}: reduce_scatter_tensor {label}: got {out[:3].tolist()}")
+                rep.expect(same_bits(out, mine), f"rank {rank}: reduce_scatter_tensor {label}: got {out[:3].tolist()}")
         with rep.cell(f"PREMUL_SUM {name} refused"):
             rep.expect_refusal(f"PREMUL_SUM on {name}",
                                lambda: dist.all_reduce(torch.zeros(3, dtype=dtype, device=device),
