@@ -39,7 +39,8 @@ def test_p2p_engine_binary(single_copy):
 
 CORE_SOURCES = ["csrc/core/file_store.cc", "csrc/core/error.cc", "csrc/core/spin.cc", "csrc/core/env.cc",
                 "csrc/core/log.cc", "csrc/core/random.cc"]
-SHM_P2P_SOURCES = ["csrc/engine/p2p_engine.cc", "csrc/transport/shm_domain.cc", "csrc/transport/shm_segment.cc"]
+SHM_P2P_SOURCES = ["csrc/engine/p2p_engine.cc", "csrc/engine/p2p_matching.cc", "csrc/transport/shm_domain.cc",
+                   "csrc/transport/shm_segment.cc"]
 TSAN_BUILDS = {
     "shm": ["tests/cpp/test_p2p_engine.cc", *SHM_P2P_SOURCES, *CORE_SOURCES],
     "tcp": ["tests/cpp/test_net_p2p.cc", "csrc/engine/net_p2p.cc", *SHM_P2P_SOURCES, "csrc/transport/sockets.cc",

@@ -27,7 +27,8 @@ from test_gather_scatter_alltoall import alltoall_cases, gather_scatter_all_root
 from test_misc import barrier_task, shm_task
 from test_moved_dtypes import moved_dtypes_task
 from test_p2p import (SIZES as P2P_SIZES, any_source_and_batch, any_source_by_tag, any_source_outstanding,
-                      any_source_then_named, exchange_send_first, ping_pong, tag_mismatch, waits_from_threads)
+                      any_source_then_named, exchange_send_first, ping_pong, size_mismatch, tag_never_sent,
+                      tags_out_of_order, waits_from_threads)
 from test_reduce_scatter import reduce_scatter_list, reduce_scatter_sizes_disagree, reduce_scatter_tensor_forms
 from test_unsigned import unsigned_task
 
@@ -151,7 +152,7 @@ def run_in_own_pool(rank_env, fn, *args, world=2):
 def farewell_task(rank, world, case, a=0, b=2):
     """Rank `a` gives up on rank `b` (on another host) for a reason of its own; `b` must then fail
     with that reason, at once (well inside the subgroup's 2 s timeout), not with a bare "closed".
-    timeout: a's recv from b times out; mismatch: b's message has another tag than a's recv;
+    timeout: a's recv from b times out; mismatch: b's message has another size than a's recv;
     shutdown: a destroys the subgroup; send: after a's timeout, b only sends (a send that finds
     the connection closed reads the farewell that came before the close)."""
     rep = Report(rank)
@@ -169,7 +170,7 @@ def farewell_task(rank, world, case, a=0, b=2):
                 if case in ("timeout", "send"):
                     dist.recv(torch.empty(4), b, group=group)
                 elif case == "mismatch":
-                    dist.recv(torch.empty(4), b, tag=6, group=group)
+                    dist.recv(torch.empty(8), b, tag=5, group=group)
                 rep.expect(case == "shutdown", f"rank {a}'s recv completed")
             except Exception as e:  # noqa: BLE001
                 rep.expect(case != "shutdown", f"unexpected error: {e}")
@@ -179,7 +180,7 @@ def farewell_task(rank, world, case, a=0, b=2):
         dist.send(torch.ones(4), a, tag=5, group=group)
     dist.barrier()
     want = {"timeout": f"recv from rank {b} (tag 0, 16 bytes) timed out", "send": "timed out: no matching send",
-            "mismatch": "has tag 5 and 16 bytes", "shutdown": "its process group was shut down or aborted"}[case]
+            "mismatch": "with that tag has 16 bytes", "shutdown": "its process group was shut down or aborted"}[case]
     if rank == b:
         with rep.cell(f"{case}: rank {b} hears why"):
             t0 = time.monotonic()
@@ -301,18 +302,18 @@ def test_striped_over_several_sockets(pools, topo):
     check(pools, topo, any_source_and_batch, env=env)
     check(pools, topo, any_source_outstanding, 300_000, env=env)
     check(pools, topo, any_source_then_named, 1, 300_000, env=env)
+    check(pools, topo, tags_out_of_order, 300_000, True, env=env)
     # every rank has sent to every other (exchange_send_first): three lanes to each of 2 peers
     check(pools, topo, connections_task, 2 * 3, "p2p_connections", env=env)
 
 
-@pytest.mark.parametrize("sent, expected, recv_tag", [(4, 4, 6), (300_000, 300_000, 6), (300_000, 200_000, 5),
-                                                      (4, 300_000, 5), (300_000, 4, 5)])
-def test_striped_send_recv_mismatch_is_an_error(pools, sent, expected, recv_tag):
-    """Three sockets per pair: a recv whose tag or size differs from the next message fails
-    whichever of the message's lanes shows it first, message striped or not."""
+@pytest.mark.parametrize("sent, expected", [(4, 8), (300_000, 200_000), (4, 300_000), (300_000, 4)])
+def test_striped_send_recv_size_mismatch_is_an_error(pools, sent, expected):
+    """Three sockets per pair: a recv whose size differs from its message's is an error, message
+    striped or not."""
     env = (("SMDDP_NET_SOCKETS_PER_PEER", "3"),)
     try:
-        check(pools, "0011", tag_mismatch, 2, 0, sent, expected, recv_tag, env=env)
+        check(pools, "0011", size_mismatch, 2, 0, sent, expected, env=env)
     finally:
         pools.discard(4, "0011", env)  # the stream between the two is broken on purpose
 
@@ -510,7 +511,7 @@ def test_alltoall_split_mismatch_is_an_error(pools, topo, receiver, sender, coun
 def test_send_recv(pools, topo):
     """Point-to-point between ranks of one host (shared memory) and of different hosts (TCP) in
     one group: rings, an exchange where everyone sends first, receives from any source (host-mates
-    and other hosts race for them), batch_isend_irecv."""
+    and other hosts race for them), batch_isend_irecv, messages taken by tag out of the order sent."""
     check(pools, topo, ping_pong, ALL, P2P_SIZES[:3])
     check(pools, topo, ping_pong, ["float32"], P2P_SIZES[3:])
     check(pools, topo, exchange_send_first, 200_000)
@@ -519,6 +520,8 @@ def test_send_recv(pools, topo):
     check(pools, topo, any_source_then_named, 300_000, 1)
     check(pools, topo, any_source_then_named, 1, 300_000)
     check(pools, topo, any_source_by_tag)
+    check(pools, topo, tags_out_of_order, 1, False)
+    check(pools, topo, tags_out_of_order, 300_000, True)
 
 
 @pytest.mark.parametrize("topo", ["0011", "012"])
@@ -530,11 +533,16 @@ def test_send_recv_waits_from_several_threads(pools, topo):
 
 
 @pytest.mark.parametrize("topo, sender, receiver", [("0011", 2, 0), ("0011", 1, 0)])
-def test_send_recv_tag_mismatch_is_an_error(pools, topo, sender, receiver):
+def test_send_recv_size_mismatch_is_an_error(pools, topo, sender, receiver):
     try:
-        check(pools, topo, tag_mismatch, sender, receiver)
+        check(pools, topo, size_mismatch, sender, receiver)
     finally:
         pools.discard(len(topo), topo, NET_ENV)  # the stream between the two is broken on purpose
+
+
+@pytest.mark.parametrize("sender", [1, 2], ids=["host-mate", "other-host"])
+def test_send_recv_tag_never_sent_times_out_naming_what_came(pools, sender):
+    check(pools, "0011", tag_never_sent, sender)
 
 
 @pytest.mark.parametrize("case", ["timeout", "mismatch", "shutdown", "send"])

@@ -1,7 +1,8 @@
 """send / recv / isend / irecv / recv from any source / batch_isend_irecv, every dtype, sizes from
 empty to many mailbox chunks (large ones also read straight from the sender's memory), an exchange
 in which both ranks send first (must not deadlock), many outstanding ops waited on from several
-threads at once, and a tag mismatch (an error, never a silent mix-up)."""
+threads at once, messages taken by tag out of the order sent, and a size mismatch (an error, never
+a silent truncation)."""
 
 import time
 from datetime import timedelta
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _util import DTYPES, Report, dname, gen, ptrace_allowed
+from _util import DTYPES, IS_SMDDP, Report, dname, gen, ptrace_allowed
 
 SIZES = [0, 1, 1001, 300_000]  # 300k float32 = 1.2 MB: many 64 KiB mailbox chunks
 
@@ -225,19 +226,80 @@ def waits_from_threads(rank, world, rounds):
     return rep.to_dict()
 
 
-def tag_mismatch(rank, world, sender=1, receiver=0, sent=4, expected=4, recv_tag=6):
-    """`sender` sends `sent` float32 with tag 5; `receiver` expects `expected` with `recv_tag`."""
+def tags_out_of_order(rank, world, n, blocking):
+    """Every other rank sends rank 0 three messages with tags 1, 2, 3 (sizes n, 1, n), then two with
+    tag 4 and one with tag 5, then tags 6 and 7 (isend, waited on at the end). Rank 0 receives tags
+    3, 2, 1, then 5 and the two tag-4 ones (in the order sent), then posts a named recv for tag 7
+    and, once it has that, takes tag 6 with a recv from any source. As in MPI and gloo, receives
+    match by sender and tag, not by arrival, else this deadlocks (and fails by the 30 s wait
+    limit). smddp reads a message that arrives while a receive waits for another tag aside, so its
+    send completes at once: with `blocking`, the senders use send (gloo would deadlock: its send
+    waits for the receive of its tag)."""
+    rep = Report(rank)
+    sizes = {1: n, 2: 1, 3: n, 4: 1, 5: n, 6: n, 7: 1}
+
+    def message(tag, src, k=0):  # the k-th message with `tag` from `src`
+        return gen(f"ooo|{tag}|{k}", src, sizes[tag], torch.float32)
+
+    if rank != 0:
+        sends = [(dist.send if blocking else dist.isend)(message(tag, rank, k), 0, tag=tag)
+                 for tag, k in [(1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (5, 0), (6, 0), (7, 0)]]
+        for w in sends if not blocking else []:
+            w.wait()
+        return rep.to_dict()
+    for src in range(1, world):
+        for tag, k in [(3, 0), (2, 0), (1, 0), (5, 0), (4, 0), (4, 1)]:
+            got = torch.empty(sizes[tag])
+            dist.recv(got, src, tag=tag)
+            rep.expect(torch.equal(got, message(tag, src, k)), f"message {k} with tag {tag} from rank {src} is wrong")
+    sevens = {src: torch.empty(1) for src in range(1, world)}
+    for w in [dist.irecv(t, src, tag=7) for src, t in sevens.items()]:
+        w.wait()
+    for src, got in sevens.items():
+        rep.expect(torch.equal(got, message(7, src)), f"tag 7 from rank {src} is wrong")
+    senders = []
+    for _ in range(1, world):
+        got = torch.empty(n)
+        src = dist.recv(got, tag=6)
+        senders.append(src)
+        rep.expect(torch.equal(got, message(6, src)), f"tag 6 from rank {src} (any-source recv) is wrong")
+    rep.expect(sorted(senders) == list(range(1, world)), f"any-source recvs of tag 6 named senders {senders}")
+    return rep.to_dict()
+
+
+def size_mismatch(rank, world, sender=1, receiver=0, sent=4, expected=8):
+    """`sender` sends `sent` float32 with tag 5; `receiver` expects `expected` with tag 5."""
     rep = Report(rank)
     if rank == sender:
         dist.send(torch.ones(sent), receiver, tag=5)
     elif rank == receiver:
         try:
-            dist.recv(torch.empty(expected), sender, tag=recv_tag)
-            rep.expect(False, "a recv with another tag or size than the send was accepted")
+            dist.recv(torch.empty(expected), sender, tag=5)
+            rep.expect(False, "a recv of another size than the send was accepted")
+        except ValueError as e:
+            rep.expect(f"(tag 5, {expected * 4} bytes): the message from rank {sender} with that tag has {sent * 4} "
+                       "bytes" in str(e), f"unexpected error: {e}")
+    return rep.to_dict()
+
+
+def tag_never_sent(rank, world, sender=1):
+    """`sender` sends tag 5; rank 0 waits for tag 6 on a group with a 2 s timeout: it times out, and
+    says which message it has from the sender that no recv took (the usual mistake: a tag mixed up)."""
+    rep = Report(rank)
+    group = dist.new_group([0, sender], timeout=timedelta(seconds=2))
+    if rank == sender:
+        dist.send(torch.ones(4), 0, tag=5, group=group)
+    elif rank == 0:
+        try:
+            dist.recv(torch.empty(4), sender, tag=6, group=group)
+            rep.expect(False, "a recv for a tag never sent completed")
         except Exception as e:  # noqa: BLE001
+            # the sender is rank 1 of the group: messages name ranks of the group
             text = str(e)
-            rep.expect(f"(tag {recv_tag}, {expected * 4} bytes)" in text and f"has tag 5 and {sent * 4} bytes" in text,
-                       f"unexpected error: {e}")
+            rep.expect("recv from rank 1 (tag 6, 16 bytes) timed out" in text and
+                       "messages from rank 1 that no recv has taken: tag 5 (16 bytes)" in text, f"unexpected error: {e}")
+    dist.barrier()
+    dist.destroy_process_group(group)
     return rep.to_dict()
 
 
@@ -288,8 +350,22 @@ def test_waits_from_several_threads(pools, world):
     pools.check(world, waits_from_threads, 3, timeout=240)
 
 
-def test_tag_mismatch_is_an_error(pools):
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("n", [1, 300_000])
+@pytest.mark.parametrize("blocking", [False, True], ids=["isend", "send"])
+def test_tags_out_of_order(pools, world, n, blocking):
+    if blocking and not IS_SMDDP:
+        pytest.skip("gloo's blocking send waits for the receive of its tag: this order deadlocks there")
+    pools.check(world, tags_out_of_order, n, blocking, timeout=240)
+
+
+def test_size_mismatch_is_an_error(pools):
     try:
-        pools.check(2, tag_mismatch, timeout=120)
+        pools.check(2, size_mismatch, timeout=120)
     finally:
         pools.discard(2)  # the stream between ranks 0 and 1 is broken on purpose
+
+
+def test_tag_never_sent_times_out_naming_what_came(pools):
+    if IS_SMDDP:  # gloo's timeout does not say what came instead
+        pools.check(2, tag_never_sent, timeout=120)

@@ -57,12 +57,6 @@ int pollSet(std::vector<pollfd>& fds, int ms) {
 uint64_t wireTag(int tag) { return static_cast<uint32_t>(tag); }
 int64_t userTag(uint64_t wire) { return static_cast<int32_t>(static_cast<uint32_t>(wire)); }
 
-std::string describe(const P2pOp& op) {
-  return std::string(op.isSend ? "send to" : "recv from") +
-         (op.peer >= 0 ? " rank " + std::to_string(op.peer) : std::string(" any rank")) + " (tag " +
-         std::to_string(op.tag) + ", " + std::to_string(op.bytes) + " bytes)";
-}
-
 }  // namespace
 
 // One connection of a pair, and its progress through the message at the front of each queue.
@@ -87,6 +81,7 @@ struct NetP2p::Peer {
   bool broken = false;
   std::string why;  // when broken
   std::deque<P2pOp> sends, recvs;  // in issue order
+  UnexpectedQueue unexpected;
 
   bool idle() const { return !broken && lanes[0].state == Lane::State::kIdle; }  // not dialled yet
   bool ready() const {
@@ -107,7 +102,9 @@ struct NetP2p::Peer {
         if (!ready()) return 0;
         const int n = static_cast<int>(lanes.size());
         const bool out = !sends.empty() && partLeft(sends.front(), lane, l.sendOff, n);
-        const bool in = !recvs.empty() ? partLeft(recvs.front(), lane, l.recvHdrGot + l.recvOff, n)
+        // Lane 0's header picks the receive before the other lanes read their parts.
+        const bool in = !recvs.empty() ? (lane == 0 || lanes[0].recvChecked) &&
+                                             partLeft(recvs.front(), lane, l.recvHdrGot + l.recvOff, n)
                                        : peeking && lane == 0 && l.recvHdrGot < kHeaderBytes;
         return static_cast<short>((out ? POLLOUT : 0) | (in ? POLLIN : 0));
       }
@@ -272,6 +269,7 @@ void NetP2p::failPeer(Peer& p, ErrorCode code, const std::string& why, const std
   }
   p.broken = true;
   p.why = why;
+  p.unexpected.clear();
   failQueued(p, code, why);
 }
 
@@ -422,11 +420,11 @@ bool NetP2p::progressSends(Peer& p) {
           if (wouldBlock(errno)) break;
           const int err = errno;
           if (const std::optional<std::string> why = farewellOn(l)) {
-            peerGaveUp(p, describe(op), *why);
+            peerGaveUp(p, describeOp(op, op.peer), *why);
             return true;
           }
           failPeer(p, ErrorCode::kRemoteError,
-                   describe(op) + ": the connection to rank " + std::to_string(p.rank) + " on " +
+                   describeOp(op, op.peer) + ": the connection to rank " + std::to_string(p.rank) + " on " +
                        topo_.describeHost(topo_.hostOf[p.rank]) + " failed (" + errnoString(err) +
                        "): that rank exited, crashed or aborted");
           return true;
@@ -453,36 +451,59 @@ ssize_t NetP2p::recvSome(Peer& p, Lane& l, void* at, size_t want, const P2pOp* o
   if (k > 0) return k;
   if (k < 0 && wouldBlock(errno)) return 0;
   failPeer(p, ErrorCode::kRemoteError,
-           (op ? describe(*op) : std::string("recv from any rank")) + ": the connection to rank " +
+           (op ? describeOp(*op, op->peer) : std::string("recv from any rank")) + ": the connection to rank " +
                std::to_string(p.rank) + " on " + topo_.describeHost(topo_.hostOf[p.rank]) +
                (k == 0 ? " was closed" : " failed (" + errnoString(errno) + ")") +
                ": that rank exited, crashed, aborted or gave up on an earlier message");
   return -1;
 }
 
+bool NetP2p::serve(Peer& p) {
+  if (p.unexpected.empty()) return false;
+  std::string sizeError;
+  const bool served = serveUnexpected(
+      p.recvs, anyRecvs_, p.unexpected, p.rank, p.rank,
+      [this](P2pOp op, std::exception_ptr error, int source) { complete(std::move(op), std::move(error), source); },
+      &sizeError);
+  if (!sizeError.empty()) {
+    const std::string why = "an earlier point-to-point error with rank " + std::to_string(p.rank) + ": " + sizeError;
+    failPeer(p, ErrorCode::kAborted, why, sizeError);
+  }
+  return served;
+}
+
 bool NetP2p::progressRecvs(Peer& p) {
-  bool moved = false;
+  bool moved = serve(p);
   while (p.ready() && !p.recvs.empty()) {
     P2pOp& op = p.recvs.front();
     bool left = false;
-    bool passed = false;  // a receive from any source took the message and is first now
-    for (size_t lane = 0; lane < p.lanes.size() && !passed; ++lane) {
+    bool routed = false;  // another receive took the front: start over with it
+    for (size_t lane = 0; lane < p.lanes.size() && !routed; ++lane) {
+      if (lane > 0 && !p.lanes[0].recvChecked) {  // lane 0's header picks the receive first
+        left = true;
+        break;
+      }
       Lane& l = p.lanes[lane];
       const auto stripe = net::wire::stripeOf(op.bytes, lanes_, static_cast<int>(lane));
       for (;;) {
         // Lane 0's header may have come in while receives from any source looked for theirs.
         if (l.recvHdrGot == kHeaderBytes && !l.recvChecked) {
           if (const std::optional<std::string> why = farewellOn(l)) {
-            peerGaveUp(p, describe(op), *why);
+            peerGaveUp(p, describeOp(op, op.peer), *why);
             return true;
           }
           const int64_t tag = userTag(l.recvHdr.tag);
-          if (tag != op.tag && passToAnySource(anyRecvs_, p.recvs, p.rank, static_cast<int>(tag))) {
-            passed = true;
+          // Lane 0 starts every message: its header picks the receive (p2p_matching.h).
+          if (lane == 0 && !op.into && (tag != op.tag || !p.unexpected.empty()) &&
+              routeMessage(p.recvs, anyRecvs_, p.unexpected, p.rank, static_cast<int>(tag), l.recvHdr.bytes)) {
+            routed = true;
             break;
           }
           if (tag != op.tag || l.recvHdr.bytes != op.bytes) {
-            const std::string msg = outOfStepMessage(p.rank, op.tag, op.bytes, tag, l.recvHdr.bytes);
+            const std::string msg =
+                tag != op.tag ? formatString("recv from rank %d: lane %zu's next message has tag %lld, lane 0's %d",
+                                             p.rank, lane, static_cast<long long>(tag), op.tag)
+                              : sizeMismatchMessage(p.rank, op.tag, op.bytes, l.recvHdr.bytes);
             P2pOp failed = std::move(op);
             p.recvs.pop_front();
             complete(std::move(failed), errorOf(ErrorCode::kInvalidUsage, msg), p.rank);
@@ -506,8 +527,8 @@ bool NetP2p::progressRecvs(Peer& p) {
       }
       left |= Peer::partLeft(op, lane, l.recvHdrGot + l.recvOff, lanes_);
     }
-    moved |= passed;
-    if (passed) continue;
+    moved |= routed;
+    if (routed) continue;
     if (left) break;
     // Only the lanes that carried the message start over: another lane may already hold part of
     // the next one, read for a named receive that let this message pass to an any-source one.
@@ -519,15 +540,20 @@ bool NetP2p::progressRecvs(Peer& p) {
     }
     P2pOp finished = std::move(op);
     p.recvs.pop_front();
-    complete(std::move(finished), nullptr, p.rank);
+    if (finished.into == nullptr) {
+      complete(std::move(finished), nullptr, p.rank);
+    } else {
+      finished.into->whole = true;
+      serve(p);
+    }
   }
   return moved;
 }
 
-// Hands the next message of each connected peer (other hosts only) that has no named receive
-// waiting to the oldest receive from any source with its tag, as the shared-memory engine does
-// for host-mates. Reading a header with no receive posted is what lets a message be matched; its
-// payload still waits for the receive.
+// A peer's next message when no named receive from it waits: to the oldest receive from any
+// source with its tag, or read aside while any-source receives wait for other tags (other hosts
+// only; the shared-memory engine does the same for host-mates). Reading a header with no receive
+// posted is what lets a message be matched; its payload still waits for a receive.
 bool NetP2p::matchAnySource() {
   bool moved = false;
   while (!anyRecvs_.empty() && anyRecvs_.front().takenElsewhere()) {
@@ -550,7 +576,8 @@ bool NetP2p::matchAnySource() {
       peerGaveUp(*p, "recv from any rank", *why);
       continue;
     }
-    moved |= passToAnySource(anyRecvs_, p->recvs, p->rank, static_cast<int>(userTag(l.recvHdr.tag)));
+    moved |= routeMessage(p->recvs, anyRecvs_, p->unexpected, p->rank, static_cast<int>(userTag(l.recvHdr.tag)),
+                          l.recvHdr.bytes);
   }
   return moved;
 }
@@ -661,19 +688,29 @@ void NetP2p::checkDeadlines() {
   for (auto& p : peers_) {
     if (!p) continue;
     for (auto* q : {&p->sends, &p->recvs}) {
-      if (q->empty() || now < q->front().deadline) continue;
-      const P2pOp& op = q->front();
+      // Receives are taken out of order by tag: any of them may be the one past its deadline.
+      const auto late = std::find_if(q->begin(), q->end(), [&](const P2pOp& op) { return now >= op.deadline; });
+      if (late == q->end()) continue;
       // Part of a message may have moved: the stream to this peer can no longer be trusted.
-      const std::string why = describe(op) + " timed out: no matching " + (op.isSend ? "recv" : "send") +
-                              " was posted" + (p->ready() ? "" : " (the connection to that rank was never completed)");
-      failPeer(*p, ErrorCode::kTimeout, why, why);
+      const std::string why =
+          describeOp(*late, p->rank) + " timed out: no matching " + (late->isSend ? "recv" : "send") + " was posted" +
+          (p->ready() ? "" : " (the connection to that rank was never completed)") +
+          (late->isSend ? "" : unexpectedSummary(p->unexpected, p->rank));
+      P2pOp op = std::move(*late);
+      q->erase(late);
+      complete(std::move(op), errorOf(ErrorCode::kTimeout, why), p->rank);
+      failPeer(*p, ErrorCode::kTimeout,
+               "an earlier point-to-point failure with rank " + std::to_string(p->rank) + ": " + why, why);
       break;
     }
   }
   if (!anyRecvs_.empty() && now >= anyRecvs_.front().deadline) {
     P2pOp op = std::move(anyRecvs_.front());
     anyRecvs_.pop_front();
-    const std::string why = describe(op) + " timed out: no matching send was posted";
+    std::string why = describeOp(op, -1) + " timed out: no matching send was posted";
+    for (const auto& p : peers_) {
+      if (p) why += unexpectedSummary(p->unexpected, p->rank);
+    }
     complete(std::move(op), errorOf(ErrorCode::kTimeout, why), -1);
   }
 }

@@ -11,13 +11,14 @@
 // connections ("lanes", SMDDP_NET_SOCKETS_PER_PEER) as the mesh: large messages are striped over
 // them alike (wire::stripeOf).
 //
-// Messages between a pair match in order; each lane that carries a part of a message starts it
-// with a 24-byte header (tag, the whole message's bytes, an op word of 0) that the receiver
-// checks against its recv: a mismatch is an error, never a truncation. A message is read only
-// once a recv for it is posted, so TCP's flow control holds back a sender that runs ahead
-// (while a recv from any source waits, the next header on lane 0 of every idle pair is read, so
-// that the recv can be matched; a rank that may be its sender is dialled if it waits to be
-// called).
+// Messages meet their receives by sender and tag (p2p_matching.h, as the shared-memory engine
+// does); each lane that carries a part of a message starts it with a 24-byte header (tag, the
+// whole message's bytes, an op word of 0), lane 0's picks the receive, and a size that differs
+// from the receive's is an error, never a truncation. A message is read only once a receive
+// waits (for it, or for another tag: then it is read aside), so TCP's flow control holds back a
+// sender that runs ahead (while a recv from any source waits, the next header on lane 0 of every
+// idle pair is read, so that the recv can be matched; a rank that may be its sender is dialled if
+// it waits to be called).
 //
 // A rank that gives up on a peer for a reason of its own (a timeout, a mismatched message, its
 // group shut down) ends each of that pair's connections that is between two messages with a
@@ -108,6 +109,7 @@ class NetP2p : public P2pDriver {
   void introduce(Incoming& in);
   bool progressSends(Peer& p);
   bool progressRecvs(Peer& p);
+  bool serve(Peer& p);  // waiting receives that an unexpected message of p's fits
   ssize_t recvSome(Peer& p, Lane& l, void* at, size_t want, const P2pOp* op);
   bool matchAnySource();
   void failQueued(Peer& p, ErrorCode code, const std::string& why);  // the ops waiting on p

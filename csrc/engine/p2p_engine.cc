@@ -36,30 +36,6 @@ std::exception_ptr errorOf(ErrorCode code, const std::string& msg) {
 
 }  // namespace
 
-std::string outOfStepMessage(int peer, int tag, size_t bytes, int64_t sentTag, uint64_t sentBytes) {
-  return formatString(
-      "recv from rank %d (tag %d, %zu bytes): the next message from rank %d has tag %lld and %llu bytes; smddp "
-      "matches point-to-point messages in order per pair of ranks, so sends and recvs must pair up in the same "
-      "order with the same tags and sizes",
-      peer, tag, bytes, peer, static_cast<long long>(sentTag), static_cast<unsigned long long>(sentBytes));
-}
-
-bool passToAnySource(std::deque<P2pOp>& anyRecvs, std::deque<P2pOp>& recvs, int peer, int tag) {
-  for (size_t k = 0; k < anyRecvs.size();) {
-    if (anyRecvs[k].tag != tag && !anyRecvs[k].takenElsewhere()) {
-      ++k;
-      continue;
-    }
-    P2pOp op = std::move(anyRecvs[k]);
-    anyRecvs.erase(anyRecvs.begin() + static_cast<std::ptrdiff_t>(k));
-    if (op.tag != tag || !op.claim()) continue;  // the other engine's now: drop this copy
-    op.peer = peer;
-    recvs.push_front(std::move(op));
-    return true;
-  }
-  return false;
-}
-
 size_t P2pEngine::singleCopyBytesFor(const CpuShare& machine) {
   const int64_t v = env::p2pSingleCopyBytes();
   if (v == 0) return SIZE_MAX;
@@ -82,6 +58,7 @@ P2pEngine::P2pEngine(shm::Domain* domain, std::chrono::microseconds spin, size_t
       name_(std::move(name)),
       sends_(size_),
       recvs_(size_),
+      unexpected_(size_),
       sendNext_(size_, 0),
       recvNext_(size_, 0),
       broken_(size_) {
@@ -231,10 +208,9 @@ bool P2pEngine::progressRecv(P2pOp& op, int s) {
     const uint8_t* chunk = domain_->outbox(s, rank_, i);
     ChunkHeader h;
     std::memcpy(&h, chunk, sizeof(h));
-    if (!op.started && (h.tag != op.tag || h.messageBytes != op.bytes)) {
-      if (h.tag != op.tag && passToAnySource(anyRecvs_, recvs_[s], s, h.tag)) return true;  // op is second now
-      throw Error(ErrorCode::kInvalidUsage, outOfStepMessage(domain_->groupRank(s), op.tag, op.bytes, h.tag,
-                                                             h.messageBytes));
+    if (!op.started && h.messageBytes != op.bytes) {  // routeNext matched the tags
+      throw Error(ErrorCode::kInvalidUsage, sizeMismatchMessage(domain_->groupRank(s), op.tag, op.bytes,
+                                                                h.messageBytes));
     }
     if (h.senderAddress != 0) {
       const int err = domain_->readFromPeer(s, op.buffer, h.senderAddress, op.bytes);
@@ -259,20 +235,47 @@ bool P2pEngine::progressRecv(P2pOp& op, int s) {
   return moved;
 }
 
-// Hands the next message of each peer that has no named receive waiting to the oldest receive
-// from any source with its tag (a named receive that does not want a message lets it pass in
-// progressRecv). The receive moves to the front of that peer's queue, so per-pair order holds.
+bool P2pEngine::routeNext(int s) {
+  if (!broken_[s].empty() || (!recvs_[s].empty() && (recvs_[s].front().started || recvs_[s].front().into))) {
+    return false;  // the front takes the next message already
+  }
+  const uint64_t i = recvNext_[s];
+  if (domain_->sentTo(s, rank_).load(std::memory_order_acquire) <= i) return false;
+  ChunkHeader h;
+  std::memcpy(&h, domain_->outbox(s, rank_, i), sizeof(h));
+  if (!recvs_[s].empty() && recvs_[s].front().tag == h.tag && unexpected_[s].empty()) return false;
+  return routeMessage(recvs_[s], anyRecvs_, unexpected_[s], s, h.tag, h.messageBytes);
+}
+
+bool P2pEngine::serve(int s) {
+  if (unexpected_[s].empty()) return false;
+  std::string sizeError;
+  const bool served = serveUnexpected(
+      recvs_[s], anyRecvs_, unexpected_[s], s, domain_->groupRank(s),
+      [this](P2pOp op, std::exception_ptr error, int source) { complete(std::move(op), std::move(error), source); },
+      &sizeError);
+  if (!sizeError.empty()) {
+    breakPair(s,
+              "an earlier point-to-point error with rank " + std::to_string(domain_->groupRank(s)) + ": " + sizeError);
+  }
+  return served;
+}
+
+void P2pEngine::breakPair(int peer, const std::string& why) {
+  broken_[peer] = why;
+  fail(recvs_[peer], why);
+  fail(sends_[peer], why);
+  unexpected_[peer].clear();
+}
+
+// A peer's next message when no named receive from it waits: to the oldest receive from any
+// source with its tag, or read aside while any-source receives wait for other tags.
 bool P2pEngine::matchAnySource() {
   while (!anyRecvs_.empty() && anyRecvs_.front().takenElsewhere()) anyRecvs_.pop_front();
   bool moved = false;
   for (int k = 1; k < size_ && !anyRecvs_.empty(); ++k) {
     const int s = (rank_ + k) % size_;
-    if (!recvs_[s].empty() || !broken_[s].empty()) continue;
-    const uint64_t i = recvNext_[s];
-    if (domain_->sentTo(s, rank_).load(std::memory_order_acquire) <= i) continue;
-    ChunkHeader h;
-    std::memcpy(&h, domain_->outbox(s, rank_, i), sizeof(h));
-    moved |= passToAnySource(anyRecvs_, recvs_[s], s, h.tag);
+    if (recvs_[s].empty()) moved |= routeNext(s);
   }
   return moved;
 }
@@ -307,26 +310,30 @@ bool P2pEngine::progress() {
       sends_[p].pop_front();
       moved = true;
     }
+    moved |= serve(p);
     while (!recvs_[p].empty()) {
+      moved |= routeNext(p);
       P2pOp& op = recvs_[p].front();
       try {
         if (!progressRecv(op, p)) break;
       } catch (const Error& e) {
         // The stream from p is out of step with what this rank expects: fail everything on it.
-        broken_[p] = std::string("an earlier point-to-point error with rank ") + std::to_string(domain_->groupRank(p)) +
-                     ": " + e.what();
         complete(std::move(op), std::make_exception_ptr(e), p);
         recvs_[p].pop_front();
-        fail(recvs_[p], broken_[p]);
-        fail(sends_[p], broken_[p]);
+        breakPair(p, std::string("an earlier point-to-point error with rank ") +
+                         std::to_string(domain_->groupRank(p)) + ": " + e.what());
         moved = true;
         break;
       }
       moved = true;
-      if (&op != &recvs_[p].front()) continue;  // a receive from any source took the message: it is first now
       if (op.offset < op.bytes) break;
-      complete(std::move(op), nullptr, p);
+      Unexpected* into = op.into;
+      if (into == nullptr) complete(std::move(op), nullptr, p);
       recvs_[p].pop_front();
+      if (into != nullptr) {
+        into->whole = true;
+        serve(p);
+      }
     }
   }
   return moved;
@@ -334,25 +341,28 @@ bool P2pEngine::progress() {
 
 void P2pEngine::checkDeadlinesAndPeers() {
   const auto now = std::chrono::steady_clock::now();
+  // Fails the first op of `q` past its deadline (each of `q` may be: receives are taken out of
+  // order by tag), or the first if `peer` has exited.
   auto expire = [&](std::deque<P2pOp>& q, int peer) {
     if (q.empty()) return;
-    P2pOp& op = q.front();
     const bool dead = peer >= 0 && !domain_->peerAlive(peer);
-    if (!dead && now < op.deadline) return;
+    const auto late = [&](const P2pOp& op) { return now >= op.deadline; };
+    const auto it = dead ? q.begin() : std::find_if(q.begin(), q.end(), late);
+    if (it == q.end()) return;
+    P2pOp op = std::move(*it);
+    q.erase(it);
     const std::string who = peer >= 0 ? std::to_string(domain_->groupRank(peer)) : "";
-    const std::string what = std::string(op.isSend ? "send to" : "recv from") +
-                             (peer >= 0 ? " rank " + who : std::string(" any rank")) + " (tag " +
-                             std::to_string(op.tag) + ", " + std::to_string(op.bytes) + " bytes)";
-    const std::string why = dead ? what + ": rank " + who + " exited"
-                                 : what + " timed out: no matching " + (op.isSend ? "recv" : "send") + " was posted";
-    complete(std::move(op), errorOf(dead ? ErrorCode::kRemoteError : ErrorCode::kTimeout, why), peer);
-    q.pop_front();
-    // Part of a message may have moved: the stream can no longer be trusted.
-    if (peer >= 0) {
-      broken_[peer] = "an earlier point-to-point failure with rank " + who + ": " + why;
-      fail(sends_[peer], broken_[peer]);
-      fail(recvs_[peer], broken_[peer]);
+    const std::string what = describeOp(op, peer >= 0 ? domain_->groupRank(peer) : -1);
+    std::string why = dead ? what + ": rank " + who + " exited"
+                           : what + " timed out: no matching " + (op.isSend ? "recv" : "send") + " was posted";
+    if (!dead && !op.isSend) {
+      for (int s = 0; s < size_; ++s) {
+        if (s == peer || peer < 0) why += unexpectedSummary(unexpected_[s], domain_->groupRank(s));
+      }
     }
+    complete(std::move(op), errorOf(dead ? ErrorCode::kRemoteError : ErrorCode::kTimeout, why), peer);
+    // Part of a message may have moved: the stream can no longer be trusted.
+    if (peer >= 0) breakPair(peer, "an earlier point-to-point failure with rank " + who + ": " + why);
   };
   for (int p = 0; p < size_; ++p) {
     expire(sends_[p], p);

@@ -1,8 +1,9 @@
 // Point-to-point send/recv over the shared-memory mailboxes, on a thread of its own so that a
 // send waiting for its receiver never blocks the group's collectives, and an exchange (both
 // ranks send, then both receive) cannot deadlock: every pending op progresses as far as it can
-// on each pass. Messages between a pair of ranks are matched in order, and a receive checks the
-// sender's tag and size: a mismatch is an error, never a silent truncation.
+// on each pass. Messages meet their receives by sender and tag as in MPI and gloo
+// (p2p_matching.h), and a receive checks the size of the message it takes: a mismatch is an
+// error, never a silent truncation.
 //
 // The thread is there for what nobody waits on. A caller moves what it can at once (submit()
 // makes a pass on its own thread when no other is under way), and a caller blocked in a wait
@@ -25,55 +26,10 @@
 #include <vector>
 
 #include "core/spin.h"
+#include "engine/p2p_matching.h"
 #include "transport/shm_domain.h"
 
 namespace smddp::engine {
-
-struct P2pOp {
-  bool isSend = false;
-  int peer = -1;  // -1: receive from any source
-  int tag = 0;
-  uint8_t* buffer = nullptr;
-  size_t bytes = 0;
-  std::chrono::steady_clock::time_point deadline;
-  // Called once on the p2p thread: the error (or null) and the rank the message came from.
-  std::function<void(std::exception_ptr, int)> done;
-  // A receive from any source in a group that spans hosts is posted to both engines (host-mates
-  // through shared memory, other hosts through TCP); whichever first matches a message, times the
-  // receive out or fails it takes this flag, and the other engine drops its copy unfinished.
-  std::shared_ptr<std::atomic<bool>> sharedAnySource;
-
-  size_t offset = 0;
-  bool started = false;  // first chunk sent / matched
-  uint64_t readUntil = 0;  // shared-memory send handed over by address: done once the peer consumed this many chunks
-
-  // True if this engine may finish the op: always, except for a shared receive the other engine
-  // already took. After it, this engine owns the op outright.
-  bool claim() {
-    if (!sharedAnySource) return true;
-    const bool won = !sharedAnySource->exchange(true);
-    sharedAnySource.reset();
-    return won;
-  }
-  // The other engine has taken this shared receive: drop it without calling done.
-  bool takenElsewhere() const { return sharedAnySource && sharedAnySource->load(); }
-  void finish(std::exception_ptr error, int source) {
-    if (claim()) done(std::move(error), source);
-  }
-};
-
-// Why a receive cannot take the next message from `peer` (both engines word it alike): that
-// message has another tag or size than the receive expects.
-std::string outOfStepMessage(int peer, int tag, size_t bytes, int64_t sentTag, uint64_t sentBytes);
-
-// The next message from `peer` has tag `tag` and no named receive wants it (none waits, or the
-// one waiting expects another tag): the oldest receive from any source with that tag that no
-// other engine took, if any, takes it, put first in `recvs` (`peer`'s queue), and this returns
-// true. A message thus matches as in MPI and gloo: a named receive does not turn an any-source
-// one's message into an error, and an any-source receive does not wait behind older ones that
-// want another tag. Both engines call it when they match any-source receives and where they would
-// report a named receive's mismatch.
-bool passToAnySource(std::deque<P2pOp>& anyRecvs, std::deque<P2pOp>& recvs, int peer, int tag);
 
 // What a blocking wait on a point-to-point op runs (SmddpWork::wait): the passes of the engine
 // that moves the op, on the waiting thread, until `done()` holds, the engine is aborted or shut
@@ -129,7 +85,13 @@ class P2pEngine : public P2pDriver {
   bool progress();  // one pass over every pending op; true if anything moved
   bool progressSend(P2pOp& op);
   bool progressRecv(P2pOp& op, int src);
+  // Puts first in recvs_[src] the receive that takes src's next message, if it has come and the
+  // front receive has not started (p2p_matching.h's routeMessage); true if the front changed.
+  bool routeNext(int src);
+  bool serve(int src);  // waiting receives that an unexpected message of src's fits
   bool matchAnySource();
+  // The stream from `peer` is out of step or gone: fails everything queued with it, now and later.
+  void breakPair(int peer, const std::string& why);
   void complete(P2pOp op, std::exception_ptr error, int source);  // done() after the pass
   // Runs `done`'s callbacks; rings the doorbell if another thread drives (its op may be among them).
   void finish(std::vector<Completion>& done);
@@ -161,6 +123,7 @@ class P2pEngine : public P2pDriver {
   std::vector<std::deque<P2pOp>> sends_;  // per destination, in issue order
   std::vector<std::deque<P2pOp>> recvs_;  // per source, in issue order
   std::deque<P2pOp> anyRecvs_;
+  std::vector<UnexpectedQueue> unexpected_;  // per source
   std::vector<uint64_t> sendNext_;  // next chunk index of the stream to each peer
   std::vector<uint64_t> recvNext_;  // next chunk index of the stream from each peer
   std::vector<std::string> broken_;  // per peer: why the stream can no longer be trusted

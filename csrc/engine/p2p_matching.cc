@@ -1,0 +1,144 @@
+#include "engine/p2p_matching.h"
+
+#include <algorithm>
+#include <new>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace smddp::engine {
+namespace {
+
+bool hasTag(const UnexpectedQueue& q, int tag) {
+  return std::any_of(q.begin(), q.end(), [&](const auto& m) { return m->tag == tag; });
+}
+
+// The oldest unexpected message with `tag`, if it is whole (a younger one must not overtake it).
+UnexpectedQueue::iterator wholeWithTag(UnexpectedQueue& q, int tag) {
+  const auto it = std::find_if(q.begin(), q.end(), [&](const auto& m) { return m->tag == tag; });
+  return it != q.end() && (*it)->whole ? it : q.end();
+}
+
+// Moves the oldest receive of `anyRecvs` with `tag` that the other engine has not taken to the
+// front of `recvs`, for `peer`; drops those the other engine took on the way.
+bool passToAnySource(std::deque<P2pOp>& anyRecvs, std::deque<P2pOp>& recvs, int peer, int tag) {
+  for (size_t k = 0; k < anyRecvs.size();) {
+    if (anyRecvs[k].tag != tag && !anyRecvs[k].takenElsewhere()) {
+      ++k;
+      continue;
+    }
+    P2pOp op = std::move(anyRecvs[k]);
+    anyRecvs.erase(anyRecvs.begin() + static_cast<std::ptrdiff_t>(k));
+    if (op.tag != tag || !op.claim()) continue;  // the other engine's now: drop this copy
+    op.peer = peer;
+    recvs.push_front(std::move(op));
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::string describeOp(const P2pOp& op, int peerRank) {
+  const std::string what = " (tag " + std::to_string(op.tag) + ", " + std::to_string(op.bytes) + " bytes)";
+  if (op.into) return "a message from rank " + std::to_string(peerRank) + what + " that no recv has taken yet";
+  return std::string(op.isSend ? "send to" : "recv from") +
+         (op.peer >= 0 ? " rank " + std::to_string(peerRank) : std::string(" any rank")) + what;
+}
+
+std::string sizeMismatchMessage(int peer, int tag, size_t bytes, uint64_t sentBytes) {
+  return formatString("recv from rank %d (tag %d, %zu bytes): the message from rank %d with that tag has %llu bytes; "
+                      "a recv must take a message of exactly its size",
+                      peer, tag, bytes, peer, static_cast<unsigned long long>(sentBytes));
+}
+
+std::string unexpectedSummary(const UnexpectedQueue& q, int peerRank) {
+  if (q.empty()) return "";
+  std::string s = "; messages from rank " + std::to_string(peerRank) + " that no recv has taken:";
+  for (const auto& m : q) {
+    s += (m.get() == q.front().get() ? " tag " : ", tag ") + std::to_string(m->tag) + " (" +
+         std::to_string(m->data.size()) + " bytes)";
+  }
+  return s;
+}
+
+bool routeMessage(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, UnexpectedQueue& unexpected, int peer,
+                  int tag, uint64_t bytes) {
+  if (!hasTag(unexpected, tag)) {
+    const auto named = std::find_if(recvs.begin(), recvs.end(), [&](const P2pOp& op) { return op.tag == tag; });
+    if (named != recvs.end()) {
+      if (named == recvs.begin()) return false;
+      P2pOp op = std::move(*named);
+      recvs.erase(named);
+      recvs.push_front(std::move(op));
+      return true;
+    }
+    if (passToAnySource(anyRecvs, recvs, peer, tag)) return true;
+  }
+  const auto waits = [](const P2pOp& op) { return !op.takenElsewhere(); };
+  const bool anyWaits = !recvs.empty() || std::any_of(anyRecvs.begin(), anyRecvs.end(), waits);
+  if (!anyWaits) return false;
+  auto m = std::make_unique<Unexpected>();
+  m->tag = tag;
+  try {
+    m->data.resize(bytes);
+  } catch (const std::bad_alloc&) {
+    // The message then waits with its sender: the receives waiting for other tags time out.
+    SMDDP_WARN(kNet, "point-to-point: no memory for a %llu-byte message (tag %d) that arrived while receives wait "
+               "for other tags", static_cast<unsigned long long>(bytes), tag);
+    return false;
+  }
+  P2pOp own;
+  own.peer = peer;
+  own.tag = tag;
+  own.buffer = m->data.data();
+  own.bytes = bytes;
+  own.deadline = std::chrono::steady_clock::time_point::max();
+  own.into = m.get();
+  unexpected.push_back(std::move(m));
+  recvs.push_front(std::move(own));
+  return true;
+}
+
+bool serveUnexpected(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, UnexpectedQueue& unexpected, int peer,
+                     int peerRank, const std::function<void(P2pOp, std::exception_ptr, int)>& complete,
+                     std::string* sizeError) {
+  bool served = false;
+  // Takes `m` into `op` (which leaves its queue), or fails `op` if the sizes differ.
+  auto take = [&](P2pOp op, UnexpectedQueue::iterator m) {
+    std::exception_ptr error;
+    if ((*m)->data.size() != op.bytes) {
+      *sizeError = sizeMismatchMessage(peerRank, op.tag, op.bytes, (*m)->data.size());
+      error = std::make_exception_ptr(Error(ErrorCode::kInvalidUsage, *sizeError));
+    } else if (op.bytes > 0) {
+      std::copy((*m)->data.begin(), (*m)->data.end(), op.buffer);
+    }
+    unexpected.erase(m);
+    op.peer = peer;
+    complete(std::move(op), std::move(error), peer);
+    served = true;
+  };
+  for (auto it = recvs.begin(); it != recvs.end() && sizeError->empty();) {
+    const auto m = it->started || it->into ? unexpected.end() : wholeWithTag(unexpected, it->tag);
+    if (m == unexpected.end()) {
+      ++it;
+      continue;
+    }
+    P2pOp op = std::move(*it);
+    it = recvs.erase(it);
+    take(std::move(op), m);
+  }
+  for (auto it = anyRecvs.begin(); it != anyRecvs.end() && sizeError->empty() && !unexpected.empty();) {
+    const auto m = wholeWithTag(unexpected, it->tag);
+    if (m == unexpected.end() && !it->takenElsewhere()) {
+      ++it;
+      continue;
+    }
+    P2pOp op = std::move(*it);
+    it = anyRecvs.erase(it);
+    if (m != unexpected.end() && op.claim()) take(std::move(op), m);  // else the other engine's: drop this copy
+  }
+  return served;
+}
+
+}  // namespace smddp::engine

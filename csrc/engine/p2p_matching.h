@@ -1,0 +1,102 @@
+// How point-to-point messages meet their receives, shared by the shared-memory engine (host-mates)
+// and the TCP one (other hosts), so that both match alike, as MPI and gloo do: a message goes to
+// the oldest waiting receive from its sender with its tag, else to the oldest receive from any
+// source with its tag; messages of one sender and tag are taken in the order sent, while messages
+// with different tags may be taken in any order.
+//
+// Each engine reads a pair's messages in the order sent (one stream per pair). A message that no
+// waiting receive wants while receives for other tags wait (MPI's "unexpected" message) is read
+// into memory of its own, so that the stream moves on to the message they want, and kept until a
+// receive for its tag comes. With no receive waiting at all a message stays with its sender
+// (its mailbox, or the socket, which holds the sender back): a sender that runs ahead of its
+// receiver costs no memory.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace smddp::engine {
+
+// A message read before any receive wanted it.
+struct Unexpected {
+  int tag = 0;
+  std::vector<uint8_t> data;
+  bool whole = false;  // every byte has arrived
+};
+using UnexpectedQueue = std::deque<std::unique_ptr<Unexpected>>;  // one per sender, in arrival order
+
+struct P2pOp {
+  bool isSend = false;
+  int peer = -1;  // -1: receive from any source
+  int tag = 0;
+  uint8_t* buffer = nullptr;
+  size_t bytes = 0;
+  std::chrono::steady_clock::time_point deadline;
+  // Called once on the p2p thread: the error (or null) and the rank the message came from.
+  std::function<void(std::exception_ptr, int)> done;
+  // A receive from any source in a group that spans hosts is posted to both engines (host-mates
+  // through shared memory, other hosts through TCP); whichever first matches a message, times the
+  // receive out or fails it takes this flag, and the other engine drops its copy unfinished.
+  std::shared_ptr<std::atomic<bool>> sharedAnySource;
+  // Set on the engine's own receive of an unexpected message (stashOp): it reads into `into`'s
+  // memory, has no deadline and nobody waits on it.
+  Unexpected* into = nullptr;
+
+  size_t offset = 0;
+  bool started = false;  // first chunk sent / matched
+  uint64_t readUntil = 0;  // shared-memory send handed over by address: done once the peer consumed this many chunks
+
+  // True if this engine may finish the op: always, except for a shared receive the other engine
+  // already took. After it, this engine owns the op outright.
+  bool claim() {
+    if (!sharedAnySource) return true;
+    const bool won = !sharedAnySource->exchange(true);
+    sharedAnySource.reset();
+    return won;
+  }
+  // The other engine has taken this shared receive: drop it without calling done.
+  bool takenElsewhere() const { return sharedAnySource && sharedAnySource->load(); }
+  void finish(std::exception_ptr error, int source) {
+    if (claim() && done) done(std::move(error), source);
+  }
+};
+
+// "send to rank 3 (tag 0, 16 bytes)", "recv from any rank (...)", or for the engine's own receive
+// "a message from rank 3 (...) that no recv has taken yet"; `peerRank`: op.peer as a group rank.
+std::string describeOp(const P2pOp& op, int peerRank);
+
+// Why a receive cannot take the message from `peer` with its tag: that message has another size.
+std::string sizeMismatchMessage(int peer, int tag, size_t bytes, uint64_t sentBytes);
+
+// "; messages from rank 3 that no recv has taken: tag 5 (16 bytes), ...", or "" if none: what a
+// receive that timed out adds, since a tag mixed up is the usual cause.
+std::string unexpectedSummary(const UnexpectedQueue& q, int peerRank);
+
+// The next message from `peer` (its queue of named receives `recvs`) has `tag` and `bytes`, and the
+// front of `recvs`, if any, has not started; puts first in `recvs` the receive that takes it: the
+// oldest named one with its tag, else the oldest receive from any source with its tag (moved from
+// `anyRecvs`, op.peer set), else, if any receive waits for another tag, the engine's own receive
+// into a new entry of `unexpected`. A message whose tag an older unexpected one has goes behind it,
+// into `unexpected`, so that one sender's messages of one tag are taken in order. Returns whether
+// the front of `recvs` changed: false if it takes the message already, or if no receive waits at
+// all (the message then waits with its sender).
+bool routeMessage(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, UnexpectedQueue& unexpected, int peer,
+                  int tag, uint64_t bytes);
+
+// Gives each receive of `recvs` (named, from `peer`) that has not started, then each of
+// `anyRecvs`, the oldest unexpected message of `peer` with its tag, once that one is whole:
+// `complete(op, error, peer)` gets each receive so served. A message whose size differs from its
+// receive's fails the receive and stops there: `sizeError` then says why, and the caller treats
+// the pair as out of step. Returns whether any receive was served.
+bool serveUnexpected(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, UnexpectedQueue& unexpected, int peer,
+                     int peerRank, const std::function<void(P2pOp, std::exception_ptr, int)>& complete,
+                     std::string* sizeError);
+
+}  // namespace smddp::engine
