@@ -143,7 +143,7 @@ def _run_op(d, seed, i, rank, group):
 
 def _run_p2p(d, i, ins, gr, group):
     """Point-to-point ops, tagged with the op's index so that a message meant for another op
-    fails loudly (a tag mismatch) instead of landing in the wrong tensor."""
+    cannot land in the wrong tensor (it waits for the recv of its tag, and the check fails)."""
     gw = len(d.members)
     if d.kind == "sendrecv":  # every member sends to the next and receives from the previous at once
         got = torch.empty_like(ins[gr])

@@ -235,16 +235,18 @@ bool P2pEngine::progressRecv(P2pOp& op, int s) {
   return moved;
 }
 
-bool P2pEngine::routeNext(int s) {
-  if (!broken_[s].empty() || (!recvs_[s].empty() && (recvs_[s].front().started || recvs_[s].front().into))) {
-    return false;  // the front takes the next message already
-  }
+bool P2pEngine::routeNext(int s, bool& changed) {
+  changed = false;
+  if (!broken_[s].empty()) return false;
+  std::deque<P2pOp>& q = recvs_[s];
+  if (!q.empty() && (q.front().started || q.front().into)) return true;  // it is reading that message
   const uint64_t i = recvNext_[s];
   if (domain_->sentTo(s, rank_).load(std::memory_order_acquire) <= i) return false;
   ChunkHeader h;
   std::memcpy(&h, domain_->outbox(s, rank_, i), sizeof(h));
-  if (!recvs_[s].empty() && recvs_[s].front().tag == h.tag && unexpected_[s].empty()) return false;
-  return routeMessage(recvs_[s], anyRecvs_, unexpected_[s], s, h.tag, h.messageBytes);
+  if (!q.empty() && q.front().tag == h.tag && unexpected_[s].empty()) return true;
+  changed = routeMessage(q, anyRecvs_, unexpected_[s], s, h.tag, h.messageBytes);
+  return !q.empty();
 }
 
 bool P2pEngine::serve(int s) {
@@ -275,7 +277,9 @@ bool P2pEngine::matchAnySource() {
   bool moved = false;
   for (int k = 1; k < size_ && !anyRecvs_.empty(); ++k) {
     const int s = (rank_ + k) % size_;
-    if (recvs_[s].empty()) moved |= routeNext(s);
+    bool changed = false;
+    if (recvs_[s].empty()) routeNext(s, changed);
+    moved |= changed;
   }
   return moved;
 }
@@ -312,7 +316,12 @@ bool P2pEngine::progress() {
     }
     moved |= serve(p);
     while (!recvs_[p].empty()) {
-      moved |= routeNext(p);
+      // Only a receive that routeNext put first for a message that has come reads it: checked
+      // here, the tags could be those of a message that arrived since.
+      bool changed = false;
+      const bool ready = routeNext(p, changed);
+      moved |= changed;
+      if (!ready) break;
       P2pOp& op = recvs_[p].front();
       try {
         if (!progressRecv(op, p)) break;

@@ -85,9 +85,10 @@ class P2pEngine : public P2pDriver {
   bool progress();  // one pass over every pending op; true if anything moved
   bool progressSend(P2pOp& op);
   bool progressRecv(P2pOp& op, int src);
-  // Puts first in recvs_[src] the receive that takes src's next message, if it has come and the
-  // front receive has not started (p2p_matching.h's routeMessage); true if the front changed.
-  bool routeNext(int src);
+  // Whether the front of recvs_[src] may read src's next chunk: it is reading that message
+  // already, or the next message has come and the receive that takes it is first now
+  // (p2p_matching.h's routeMessage; `changed`: another receive was put first).
+  bool routeNext(int src, bool& changed);
   bool serve(int src);  // waiting receives that an unexpected message of src's fits
   bool matchAnySource();
   // The stream from `peer` is out of step or gone: fails everything queued with it, now and later.

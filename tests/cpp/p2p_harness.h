@@ -102,10 +102,15 @@ inline void manyMessagesManyWaiters(const std::string& label, const std::vector<
   r1.join();
   shutdown();
   int failedOps = 0, wrong = 0;
+  std::string firstError;
   for (int r = 0; r < 2; ++r) {
     for (int m = 0; m < kMessages; ++m) {
       const Slot& in = *slots[r][1][m];
       failedOps += slots[r][0][m]->errors.load() + in.errors.load();
+      for (const Slot* s : {static_cast<const Slot*>(slots[r][0][m].get()), &in}) {
+        // The error that broke the pair, rather than one that reports it as an earlier error.
+        if (s->errors.load() > 0 && (firstError.empty() || firstError.rfind("an earlier", 0) == 0)) firstError = s->why;
+      }
       for (size_t i = 0; i < in.data.size(); ++i) {
         if (in.data[i] != pattern(1 - r, m, i)) {
           ++wrong;
@@ -115,7 +120,8 @@ inline void manyMessagesManyWaiters(const std::string& label, const std::vector<
     }
   }
   expect(stuck == 0, label + "every wait returned with its op done (" + std::to_string(stuck) + " did not)");
-  expect(failedOps == 0, label + "no op failed (" + std::to_string(failedOps) + " did)");
+  expect(failedOps == 0, label + "no op failed (" + std::to_string(failedOps) + " did" +
+                             (firstError.empty() ? "" : ", e.g. " + firstError) + ")");
   expect(wrong == 0, label + "every message arrived whole at its receive (" + std::to_string(wrong) + " wrong)");
 }
 
