@@ -458,6 +458,8 @@ def _collective(kind, rank, world, n=1000):
                     dst=world - 1)
     elif kind == "reduce_scatter":
         dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * world))
+    elif kind == "broadcast":
+        dist.broadcast(torch.ones(n), src=world - 1)
     else:
         raise AssertionError(kind)
 
@@ -465,7 +467,10 @@ def _collective(kind, rank, world, n=1000):
 def different_collectives_task(rank, world, odd, mine, theirs):
     """Rank `odd` runs `theirs` where the others run `mine`, then all run an all_reduce. Across
     hosts these pairs run the same sub-steps with messages of the same sizes, which used to match:
-    every rank returned, with wrong results. Now every rank raises at once, naming both ops."""
+    every rank returned, with wrong results. Now every rank raises at once, naming both ops. A
+    broadcast against a gather rooted on another host sends nothing the other side reads (each
+    waits for a peer that never sends to it), which used to end at the group's timeout: the stalled
+    ranks find each other's op in the store (SMDDP_DESYNC_CHECK_MS, 5 s)."""
     rep = Report(rank)
     t0 = time.monotonic()
     try:
@@ -487,7 +492,8 @@ def different_collectives_task(rank, world, odd, mine, theirs):
     ("001", 2, "all_reduce", "reduce"), ("001", 0, "all_gather", "gather"), ("0011", 3, "all_reduce", "reduce"),
     ("0011", 3, "all_gather", "gather"), ("012", 1, "all_gather", "all_reduce"),
     ("012", 1, "reduce_scatter", "all_gather"), ("001", 2, "gather", "reduce_scatter"),
-    ("001", 0, "all_reduce", "all_reduce_max"),
+    ("001", 0, "all_reduce", "all_reduce_max"), ("0011", 1, "broadcast", "gather"), ("0011", 3, "broadcast", "gather"),
+    ("0011", 0, "gather", "broadcast"),
 ])
 def test_different_collectives_are_an_error(pools, topo, odd, mine, theirs):
     try:

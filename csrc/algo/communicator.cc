@@ -4,9 +4,11 @@
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <sstream>
 #include <system_error>
 
+#include "algo/desync_probe.h"
 #include "core/slices.h"
 #include "core/env.h"
 #include "core/error.h"
@@ -62,8 +64,10 @@ auto tellingPeers(BootstrapStore& store, int rank, Fn&& fn) -> decltype(fn()) {
 }
 
 Topology discoverAfterShmCheck(Store& store, int rank, int size) {
-  if (size > 1) shm::Domain::checkCapacity(rank, static_cast<size_t>(env::shmSlotBytes()));
-  return size > 1 ? Topology::discover(store, rank, size) : Topology::singleHost(rank, size);
+  if (size == 1) return Topology::singleHost(rank, size);
+  shm::Domain::checkCapacity(rank, static_cast<size_t>(env::shmSlotBytes()));
+  DesyncProbe::announce(store, rank);  // before the topology's keys: see DesyncProbe::announce
+  return Topology::discover(store, rank, size);
 }
 
 std::string hostPrefix(const Topology& t) { return "smddp/host" + std::to_string(t.host()) + "/"; }
@@ -206,6 +210,11 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
   ctx.signature = op.packed();
   ctx.wait.deadline = std::chrono::steady_clock::now() + timeout;
   ctx.wait.abort = &aborted_;
+  std::optional<DesyncProbe> probe;
+  if (mesh_ && env::desyncCheckMs() > 0) {
+    probe.emplace(store_, rank_, seq, ctx.signature, std::chrono::milliseconds(env::desyncCheckMs()));
+    ctx.wait.stall = &*probe;
+  }
   ctx.oneShotMaxBytes = oneShotMaxBytes_;
   ctx.copyStepBytes = copyStepBytes_;
   ctx.fingerprint = opFingerprint_;

@@ -119,6 +119,12 @@ constexpr Param kParams[] = {
      "dtype, reduce op, root or size is always caught), and all_to_all across hosts exchanges the split "
      "sizes before any data (one more round trip), so a mismatch fails every rank in the same call. "
      "TORCH_DISTRIBUTED_DEBUG=DETAIL turns it on too."},
+    {"SMDDP_DESYNC_CHECK_MS", "5000",
+     "A collective of a group that spans hosts that has waited this long without progress posts "
+     "where it is (op number and collective) in the group's store and reads where the ranks it waits "
+     "for are: one at the same op number running another collective (a broadcast against a gather, "
+     "say, which no message between them shows) fails every rank then, naming both, instead of at "
+     "the group's timeout. Checked again at this interval while the wait lasts; 0 turns it off."},
     {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, NET, ENV or ALL; ^ inverts."},
 };
 
@@ -175,6 +181,7 @@ SMDDP_INT_PARAM(yieldMicros, "SMDDP_YIELD_US")
 SMDDP_STRING_PARAM(debugLevel, "SMDDP_DEBUG")
 SMDDP_STRING_PARAM(debugSubsys, "SMDDP_DEBUG_SUBSYS")
 SMDDP_INT_PARAM(debugChecks, "SMDDP_DEBUG_CHECKS")
+SMDDP_INT_PARAM(desyncCheckMs, "SMDDP_DESYNC_CHECK_MS")
 SMDDP_STRING_PARAM(hostId, "SMDDP_HOST_ID")
 SMDDP_STRING_PARAM(socketIfname, "SMDDP_SOCKET_IFNAME")
 SMDDP_STRING_PARAM(socketFamily, "SMDDP_SOCKET_FAMILY")

@@ -40,6 +40,9 @@ const std::string& debugLevel();
 const std::string& debugSubsys();
 // 1: compare a fingerprint of each op's full description across ranks.
 int64_t debugChecks();
+// Milliseconds a multi-host collective waits without progress before it compares where it and
+// the ranks it waits for are (algo/desync_probe.h); 0 = never.
+int64_t desyncCheckMs();
 // Microseconds a waiting rank keeps yielding its core before sleeping, when ranks outnumber cores.
 int64_t yieldMicros();
 // Splits one machine into several "hosts" (tests); empty = no split.

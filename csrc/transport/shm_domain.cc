@@ -320,6 +320,7 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
       sched_yield();
     } while (std::chrono::steady_clock::now() < end);
   }
+  const auto since = std::chrono::steady_clock::now();
   while (true) {
     c->sleepers.fetch_add(1, std::memory_order_seq_cst);
     uint64_t seen = flag.load(std::memory_order_seq_cst);
@@ -344,6 +345,7 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
                  c->pid);
     }
     if (std::chrono::steady_clock::now() >= ctx.deadline) return false;
+    if (ctx.stall != nullptr) ctx.stall->stalled(since, [&] { return std::vector<int>{groupRank(peer)}; });
   }
 }
 

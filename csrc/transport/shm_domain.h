@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -48,9 +49,21 @@ struct alignas(64) OpDescriptor {
   char text[kOpTextBytes];
 };
 
+// What a wait that has made no progress for a while tells (algo/desync_probe.h): it may throw,
+// when a rank waited for is known to run another collective. It limits its own rate.
+class StallProbe {
+ public:
+  virtual ~StallProbe() = default;
+  // `since`: when the wait last moved; `waitedFor()`: the group ranks it needs to move on (asked
+  // only when the probe looks).
+  virtual void stalled(std::chrono::steady_clock::time_point since,
+                       const std::function<std::vector<int>()>& waitedFor) = 0;
+};
+
 struct WaitContext {
   std::chrono::steady_clock::time_point deadline;
   const std::atomic<bool>* abort = nullptr;  // set by shutdown/abort: waits end with kAborted
+  StallProbe* stall = nullptr;               // groups that span hosts only
 };
 
 class Domain {

@@ -560,6 +560,17 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
 
   const size_t maxWindow = std::max<size_t>(chunkBytes_, 16u << 20);
   std::vector<pollfd> pfds;
+  auto lastMoved = Clock::now();
+  // The ranks this exchange still needs: those it waits to hear from or that do not take its data.
+  auto waitedFor = [&] {
+    std::vector<int> ranks;
+    for (const Conn* p : active) {
+      if ((p->receiving() && !p->rx.held()) || (p->sending() && !p->sendHeld())) ranks.push_back(p->rank);
+    }
+    std::sort(ranks.begin(), ranks.end());
+    ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+    return ranks;
+  };
   for (;;) {
     bool moved = false, windowBlocked = false, pending = false;
     for (Conn* p : active) {
@@ -603,6 +614,9 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
                    "be doing other work, or be issuing a different sequence of collectives",
                    static_cast<unsigned long long>(tag.id & ((1u << kTagStepBits) - 1)), stallReport(active).c_str());
       }
+      if (wait.stall) wait.stall->stalled(lastMoved, waitedFor);
+    } else if (wait.stall) {
+      lastMoved = Clock::now();
     }
     // poll() asks only about the sockets last found full or empty. After a pass that moved
     // bytes it does not wait, only refreshes them (one call instead of one per socket, and a

@@ -2,8 +2,9 @@
 // a FileStore): strangers that connect to a rank's port during set-up are refused and the mesh
 // still forms; data crosses intact in both directions; a send can wait for data computed from an
 // earlier receive of the same exchange; a header for another op is an error that names both
-// sides; messages striped over several connections per pair arrive intact and are reported once,
-// and a size mismatch is caught on the first stripe; a peer that goes away is reported promptly;
+// sides, and so is another collective that no message shows (DesyncProbe); messages striped
+// over several connections per pair arrive intact and are reported once, and a size mismatch is
+// caught on the first stripe; a peer that goes away is reported promptly;
 // a later connection round adds the missing connections of a group (a rank with none to add
 // taking part); a dial to a peer that never answers ends at the deadline or an abort; an exchange
 // that times out says what it still waits for from each peer; a peer that gives up says why
@@ -35,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "algo/desync_probe.h"
 #include "core/env.h"
 #include "core/error.h"
 #include "core/file_store.h"
@@ -326,6 +328,59 @@ void testCollectiveMismatch(const std::string& dir) {
   expect(mismatch.find("rank 0 runs reduce #9 (float32, max, root 2) but this rank runs allreduce #9 (float32, "
                        "max)") != std::string::npos,
          "another collective with the same sizes is an error naming both: " + mismatch);
+}
+
+// Both ranks wait to receive from the other and neither sends: no message can show that they run
+// different collectives. With a DesyncProbe each finds the other's op in the store and fails
+// naming both, long before the deadline; with the same collective (or at another op number) they
+// time out, as nothing proves a mismatch.
+void testStallProbe(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  for (int r = 0; r < 2; ++r) algo::DesyncProbe::announce(store, r);
+  auto meshes = meshPair(store);
+  const uint64_t broadcast = OpSignature{OpKind::kBroadcast, DataType::kFloat32, ReduceOp::kSum, 3}.packed();
+  const uint64_t gather = OpSignature{OpKind::kGather, DataType::kFloat32, ReduceOp::kSum, 3}.packed();
+  struct Case {
+    uint64_t seq[2], op[2];
+    bool mismatch;
+  };
+  for (const Case& c : {Case{{4, 4}, {broadcast, gather}, true}, Case{{5, 5}, {gather, gather}, false},
+                        Case{{6, 7}, {broadcast, gather}, false}}) {
+    std::string error[2];
+    ErrorCode code[2] = {ErrorCode::kAborted, ErrorCode::kAborted};  // neither: the exchange returned
+    double secs[2] = {0, 0};
+    auto rank = [&](int r) {
+      std::vector<uint8_t> in(64);
+      algo::DesyncProbe probe(store, r, c.seq[r], c.op[r], std::chrono::milliseconds(200));
+      shm::WaitContext wait = waitFor(std::chrono::milliseconds(c.mismatch ? 10000 : 1500));
+      wait.stall = &probe;
+      const auto t0 = Clock::now();
+      try {
+        meshes[r]->exchange({net::makeTag(c.seq[r], 0), c.op[r]}, {}, {{1 - r, in.data(), in.size()}}, wait,
+                            net::Schedule::kMesh);
+      } catch (const Error& e) {
+        error[r] = e.what();
+        code[r] = e.code();
+      }
+      secs[r] = std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+    std::thread other(rank, 1);
+    rank(0);
+    other.join();
+    for (int r = 0; r < 2; ++r) {
+      const std::string label = "rank " + std::to_string(r) + " at #" + std::to_string(c.seq[r]) + ": ";
+      if (c.mismatch) {
+        const std::string theirs = r == 0 ? "gather #4" : "broadcast #4";
+        expect(code[r] == ErrorCode::kInvalidUsage &&
+                   error[r].find("collectives do not match across ranks: rank " + std::to_string(1 - r) + " runs " +
+                                 theirs) != std::string::npos && secs[r] < 5,
+               label + "a stalled exchange finds the peer's other collective in the store: " + error[r] + " (" +
+                   std::to_string(secs[r]) + " s)");
+      } else {
+        expect(code[r] == ErrorCode::kTimeout, label + "nothing proves a mismatch, so it times out: " + error[r]);
+      }
+    }
+  }
 }
 
 // Rank 0 sends a striped message (over all lanes) where rank 1 expects a smaller one that
@@ -772,8 +827,8 @@ int main() {
   testAddresses();
   if (!test::runInOwnDirs("smddp_net_tests",
                           {testStrangersRefusedThenExchange, testConnectLater, testStripedSizeMismatch,
-                           testCollectiveMismatch, testDialToSilentPeer, testStalledExchangeReport, testFarewell,
-                           testTwoInterfaces, testUnevenInterfaces})) {
+                           testCollectiveMismatch, testStallProbe, testDialToSilentPeer, testStalledExchangeReport,
+                           testFarewell, testTwoInterfaces, testUnevenInterfaces})) {
     return 1;
   }
   return test::report();

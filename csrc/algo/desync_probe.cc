@@ -1,0 +1,66 @@
+#include "algo/desync_probe.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "core/types.h"
+
+namespace smddp::algo {
+namespace {
+
+std::string keyOf(int rank) { return "smddp/desync/at/" + std::to_string(rank); }
+
+std::string position(uint64_t seq, uint64_t signature) {
+  return std::to_string(seq) + " " + std::to_string(signature);
+}
+
+}  // namespace
+
+void DesyncProbe::announce(Store& store, int rank) { store.set(keyOf(rank), position(0, 0)); }
+
+DesyncProbe::DesyncProbe(Store& store, int rank, uint64_t seq, uint64_t signature, std::chrono::milliseconds interval)
+    : store_(store), rank_(rank), seq_(seq), signature_(signature), interval_(interval) {}
+
+void DesyncProbe::stalled(std::chrono::steady_clock::time_point since,
+                          const std::function<std::vector<int>()>& waitedFor) {
+  const auto now = std::chrono::steady_clock::now();
+  if (off_ || now - since < interval_ || now - lastLook_ < interval_) return;
+  lastLook_ = now;
+  const std::vector<int> peers = waitedFor();
+  // At most kReadsPerLook peers per look, the next ones at the next look: a store serves every
+  // stalled rank of a large group.
+  constexpr size_t kReadsPerLook = 8;
+  const size_t reads = std::min(peers.size(), kReadsPerLook);
+  unsigned long long seq = 0, signature = 0;
+  int peer = -1;
+  try {
+    store_.set(keyOf(rank_), position(seq_, signature_));
+    for (size_t i = 0; i < reads && peer < 0; ++i) {
+      const int p = peers[(nextRead_ + i) % peers.size()];
+      if (std::sscanf(store_.get(keyOf(p)).c_str(), "%llu %llu", &seq, &signature) == 2 && seq == seq_ &&
+          signature != signature_) {
+        peer = p;
+      }
+    }
+  } catch (const Error& e) {
+    // The wait goes on as without the probe: its own deadline and peers decide how it ends.
+    SMDDP_INFO(kColl, "rank %d: desync check off for op #%llu: %s", rank_, static_cast<unsigned long long>(seq_),
+               e.what());
+    off_ = true;
+    return;
+  }
+  nextRead_ += reads;
+  if (peer >= 0) {
+    throwError(ErrorCode::kInvalidUsage,
+               "collectives do not match across ranks: rank %d runs %s but this rank runs %s (found after %lld ms "
+               "without progress, in the group's store). Every rank must issue the same collectives in the same order "
+               "with matching sizes and dtypes",
+               peer, OpSignature::unpack(signature).describe(seq).c_str(),
+               OpSignature::unpack(signature_).describe(seq_).c_str(),
+               static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count()));
+  }
+}
+
+}  // namespace smddp::algo

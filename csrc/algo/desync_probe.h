@@ -1,0 +1,52 @@
+// Catches ranks of a multi-host group that run different collectives where no message between
+// them can show it. Every inter-host message names its sender's collective, so most mismatches
+// fail at the first message; but where each side waits for a peer that never sends to it (a
+// broadcast on some ranks and a gather on others, rooted on another host) nothing arrives, and
+// the group would only fail at its timeout (30 minutes by default) with "they may have hung, or
+// be issuing a different sequence of collectives".
+//
+// A wait that has made no progress for SMDDP_DESYNC_CHECK_MS posts in the group's store where
+// this rank is (the op's number and collective) and reads where the ranks it waits for are: one
+// at the same op number with another collective is a mismatch beyond doubt, and the op fails
+// naming both; the rank then gives up the group, so the others fail at once too. A rank at
+// another op number proves nothing (data may still be on its way), and is left to the timeout.
+// Nothing of this runs while collectives make progress; a stalled one costs a store write and a
+// read per rank it waits for (at most 8 per look), once per interval. A store that fails turns the
+// probe off for the op: the wait then ends as it would without it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/store.h"
+#include "transport/shm_domain.h"
+
+namespace smddp::algo {
+
+class DesyncProbe : public shm::StallProbe {
+ public:
+  // Sets `rank`'s position to "no op yet": call before the group's first exchange through the
+  // store (the topology's), so that every rank that has been through it finds the key of every
+  // other, and a read never waits.
+  static void announce(Store& store, int rank);
+
+  // For op `seq` running the collective `signature` (OpSignature::packed()).
+  DesyncProbe(Store& store, int rank, uint64_t seq, uint64_t signature, std::chrono::milliseconds interval);
+  void stalled(std::chrono::steady_clock::time_point since,
+               const std::function<std::vector<int>()>& waitedFor) override;
+
+ private:
+  Store& store_;
+  int rank_;
+  uint64_t seq_;
+  uint64_t signature_;
+  std::chrono::milliseconds interval_;
+  std::chrono::steady_clock::time_point lastLook_{};
+  size_t nextRead_ = 0;  // where the next look starts in the ranks waited for
+  bool off_ = false;     // the store failed: no more looks in this op
+};
+
+}  // namespace smddp::algo
