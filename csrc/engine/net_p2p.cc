@@ -493,17 +493,23 @@ bool NetP2p::progressRecvs(Peer& p) {
             return true;
           }
           const int64_t tag = userTag(l.recvHdr.tag);
-          // Lane 0 starts every message: its header picks the receive (p2p_matching.h).
-          if (lane == 0 && !op.into && (tag != op.tag || !p.unexpected.empty()) &&
+          // Lane 0 starts every message: its header picks the receive (p2p_matching.h), another
+          // one than `op` whenever this holds.
+          const bool route = lane == 0 && !op.into && (tag != op.tag || hasUnexpected(p.unexpected, tag));
+          if (route &&
               routeMessage(p.recvs, anyRecvs_, p.unexpected, p.rank, static_cast<int>(tag), l.recvHdr.bytes)) {
             routed = true;
             break;
           }
-          if (tag != op.tag || l.recvHdr.bytes != op.bytes) {
+          if (route || tag != op.tag || l.recvHdr.bytes != op.bytes) {
             const std::string msg =
-                tag != op.tag ? formatString("recv from rank %d: lane %zu's next message has tag %lld, lane 0's %d",
-                                             p.rank, lane, static_cast<long long>(tag), op.tag)
-                              : sizeMismatchMessage(p.rank, op.tag, op.bytes, l.recvHdr.bytes);
+                route ? formatString("recv from rank %d: no memory to set aside its next message (tag %lld, %llu "
+                                     "bytes), which arrived while receives wait for other tags",
+                                     p.rank, static_cast<long long>(tag),
+                                     static_cast<unsigned long long>(l.recvHdr.bytes))
+                : tag != op.tag ? formatString("recv from rank %d: lane %zu's next message has tag %lld, lane 0's %d",
+                                               p.rank, lane, static_cast<long long>(tag), op.tag)
+                                : sizeMismatchMessage(p.rank, op.tag, op.bytes, l.recvHdr.bytes);
             P2pOp failed = std::move(op);
             p.recvs.pop_front();
             complete(std::move(failed), errorOf(ErrorCode::kInvalidUsage, msg), p.rank);

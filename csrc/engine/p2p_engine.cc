@@ -244,9 +244,9 @@ bool P2pEngine::routeNext(int s, bool& changed) {
   if (domain_->sentTo(s, rank_).load(std::memory_order_acquire) <= i) return false;
   ChunkHeader h;
   std::memcpy(&h, domain_->outbox(s, rank_, i), sizeof(h));
-  if (!q.empty() && q.front().tag == h.tag && unexpected_[s].empty()) return true;
+  if (!q.empty() && q.front().tag == h.tag && !hasUnexpected(unexpected_[s], h.tag)) return true;
   changed = routeMessage(q, anyRecvs_, unexpected_[s], s, h.tag, h.messageBytes);
-  return !q.empty();
+  return changed;
 }
 
 bool P2pEngine::serve(int s) {

@@ -9,10 +9,6 @@
 namespace smddp::engine {
 namespace {
 
-bool hasTag(const UnexpectedQueue& q, int tag) {
-  return std::any_of(q.begin(), q.end(), [&](const auto& m) { return m->tag == tag; });
-}
-
 // The oldest unexpected message with `tag`, if it is whole (a younger one must not overtake it).
 UnexpectedQueue::iterator wholeWithTag(UnexpectedQueue& q, int tag) {
   const auto it = std::find_if(q.begin(), q.end(), [&](const auto& m) { return m->tag == tag; });
@@ -39,6 +35,10 @@ bool passToAnySource(std::deque<P2pOp>& anyRecvs, std::deque<P2pOp>& recvs, int 
 
 }  // namespace
 
+bool hasUnexpected(const UnexpectedQueue& q, int tag) {
+  return std::any_of(q.begin(), q.end(), [&](const auto& m) { return m->tag == tag; });
+}
+
 std::string describeOp(const P2pOp& op, int peerRank) {
   const std::string what = " (tag " + std::to_string(op.tag) + ", " + std::to_string(op.bytes) + " bytes)";
   if (op.into) return "a message from rank " + std::to_string(peerRank) + what + " that no recv has taken yet";
@@ -64,10 +64,10 @@ std::string unexpectedSummary(const UnexpectedQueue& q, int peerRank) {
 
 bool routeMessage(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, UnexpectedQueue& unexpected, int peer,
                   int tag, uint64_t bytes) {
-  if (!hasTag(unexpected, tag)) {
+  if (!hasUnexpected(unexpected, tag)) {
     const auto named = std::find_if(recvs.begin(), recvs.end(), [&](const P2pOp& op) { return op.tag == tag; });
     if (named != recvs.end()) {
-      if (named == recvs.begin()) return false;
+      if (named == recvs.begin()) return true;
       P2pOp op = std::move(*named);
       recvs.erase(named);
       recvs.push_front(std::move(op));

@@ -45,7 +45,7 @@ struct P2pOp {
   // through shared memory, other hosts through TCP); whichever first matches a message, times the
   // receive out or fails it takes this flag, and the other engine drops its copy unfinished.
   std::shared_ptr<std::atomic<bool>> sharedAnySource;
-  // Set on the engine's own receive of an unexpected message (stashOp): it reads into `into`'s
+  // Set on the engine's own receive of an unexpected message (routeMessage): it reads into `into`'s
   // memory, has no deadline and nobody waits on it.
   Unexpected* into = nullptr;
 
@@ -85,10 +85,13 @@ std::string unexpectedSummary(const UnexpectedQueue& q, int peerRank);
 // `anyRecvs`, op.peer set), else, if any receive waits for another tag, the engine's own receive
 // into a new entry of `unexpected`. A message whose tag an older unexpected one has goes behind it,
 // into `unexpected`, so that one sender's messages of one tag are taken in order. Returns whether
-// the front of `recvs` changed: false if it takes the message already, or if no receive waits at
-// all (the message then waits with its sender).
+// the front of `recvs` takes the message now; false if no receive waits at all, or no memory can
+// hold the message aside (it then waits with its sender).
 bool routeMessage(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, UnexpectedQueue& unexpected, int peer,
                   int tag, uint64_t bytes);
+
+// Whether `q` holds a message with `tag` (a message with that tag that comes now goes behind it).
+bool hasUnexpected(const UnexpectedQueue& q, int tag);
 
 // Gives each receive of `recvs` (named, from `peer`) that has not started, then each of
 // `anyRecvs`, the oldest unexpected message of `peer` with its tag, once that one is whole:
