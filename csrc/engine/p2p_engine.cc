@@ -235,8 +235,7 @@ bool P2pEngine::progressRecv(P2pOp& op, int s) {
   return moved;
 }
 
-bool P2pEngine::routeNext(int s, bool& changed) {
-  changed = false;
+bool P2pEngine::routeNext(int s) {
   if (!broken_[s].empty()) return false;
   std::deque<P2pOp>& q = recvs_[s];
   if (!q.empty() && (q.front().started || q.front().into)) return true;  // it is reading that message
@@ -245,8 +244,7 @@ bool P2pEngine::routeNext(int s, bool& changed) {
   ChunkHeader h;
   std::memcpy(&h, domain_->outbox(s, rank_, i), sizeof(h));
   if (!q.empty() && q.front().tag == h.tag && !hasUnexpected(unexpected_[s], h.tag)) return true;
-  changed = routeMessage(q, anyRecvs_, unexpected_[s], s, h.tag, h.messageBytes);
-  return changed;
+  return routeMessage(q, anyRecvs_, unexpected_[s], s, h.tag, h.messageBytes);
 }
 
 bool P2pEngine::serve(int s) {
@@ -277,9 +275,7 @@ bool P2pEngine::matchAnySource() {
   bool moved = false;
   for (int k = 1; k < size_ && !anyRecvs_.empty(); ++k) {
     const int s = (rank_ + k) % size_;
-    bool changed = false;
-    if (recvs_[s].empty()) routeNext(s, changed);
-    moved |= changed;
+    if (recvs_[s].empty()) moved |= routeNext(s);
   }
   return moved;
 }
@@ -318,10 +314,7 @@ bool P2pEngine::progress() {
     while (!recvs_[p].empty()) {
       // Only a receive that routeNext put first for a message that has come reads it: checked
       // here, the tags could be those of a message that arrived since.
-      bool changed = false;
-      const bool ready = routeNext(p, changed);
-      moved |= changed;
-      if (!ready) break;
+      if (!routeNext(p)) break;
       P2pOp& op = recvs_[p].front();
       try {
         if (!progressRecv(op, p)) break;
@@ -364,10 +357,9 @@ void P2pEngine::checkDeadlinesAndPeers() {
     const std::string what = describeOp(op, peer >= 0 ? domain_->groupRank(peer) : -1);
     std::string why = dead ? what + ": rank " + who + " exited"
                            : what + " timed out: no matching " + (op.isSend ? "recv" : "send") + " was posted";
-    if (!dead && !op.isSend) {
-      for (int s = 0; s < size_; ++s) {
-        if (s == peer || peer < 0) why += unexpectedSummary(unexpected_[s], domain_->groupRank(s));
-      }
+    if (!dead && !op.isSend && peer >= 0) why += unexpectedSummary(unexpected_[peer], domain_->groupRank(peer));
+    for (int s = 0; !dead && peer < 0 && s < size_; ++s) {  // a receive from any source: every sender's
+      why += unexpectedSummary(unexpected_[s], domain_->groupRank(s));
     }
     complete(std::move(op), errorOf(dead ? ErrorCode::kRemoteError : ErrorCode::kTimeout, why), peer);
     // Part of a message may have moved: the stream can no longer be trusted.

@@ -87,8 +87,8 @@ class P2pEngine : public P2pDriver {
   bool progressRecv(P2pOp& op, int src);
   // Whether the front of recvs_[src] may read src's next chunk: it is reading that message
   // already, or the next message has come and the receive that takes it is first now
-  // (p2p_matching.h's routeMessage; `changed`: another receive was put first).
-  bool routeNext(int src, bool& changed);
+  // (p2p_matching.h's routeMessage).
+  bool routeNext(int src);
   bool serve(int src);  // waiting receives that an unexpected message of src's fits
   bool matchAnySource();
   // The stream from `peer` is out of step or gone: fails everything queued with it, now and later.
