@@ -45,6 +45,18 @@ def timed(fn, target_s):
     return (time.perf_counter() - t0) / n
 
 
+def alternating_medians(backends, repeat, target_s, call):
+    """backend -> the median over `repeat` rounds (the backends alternating which goes first) of
+    the slowest rank's mean seconds per call(backend)."""
+    times = {b: [] for b in backends}
+    for r in range(repeat):
+        for b in backends if r % 2 == 0 else backends[::-1]:
+            s = torch.tensor([timed(lambda: call(b), target_s)])
+            dist.all_reduce(s, op=dist.ReduceOp.MAX)  # on the world (smddp)
+            times[b].append(s.item())
+    return {b: statistics.median(v) for b, v in times.items()}
+
+
 def worker(rank, args, store_path, results):
     import smddp  # noqa: F401  registers the backend
 
@@ -69,15 +81,9 @@ def worker(rank, args, store_path, results):
             if not torch.equal(t, torch.full_like(t, want)):
                 raise RuntimeError(f"rank {rank}: {b} subgroup allreduce of {size} B is wrong")
             t.fill_(float(rank + 1))
-        times = {b: [] for b in BACKENDS}
-        for r in range(args.repeat):
-            order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
-            for b in order:
-                z = torch.zeros(numel)
-                s = torch.tensor([timed(lambda: dist.all_reduce(z, group=mine[b]), args.target_s)])
-                dist.all_reduce(s, op=dist.ReduceOp.MAX)
-                times[b].append(s.item())
-        rows.append((size, {b: statistics.median(v) for b, v in times.items()}))
+        z = torch.zeros(numel)
+        rows.append((size, alternating_medians(BACKENDS, args.repeat, args.target_s,
+                                               lambda b: dist.all_reduce(z, group=mine[b]))))
     if rank == 0:
         results.put(rows)
     dist.destroy_process_group()

@@ -30,6 +30,7 @@ from test_p2p import (SIZES as P2P_SIZES, any_source_and_batch, any_source_by_ta
                       any_source_then_named, exchange_send_first, ping_pong, size_mismatch, tag_never_sent,
                       tags_out_of_order, waits_from_threads)
 from test_reduce_scatter import reduce_scatter_list, reduce_scatter_sizes_disagree, reduce_scatter_tensor_forms
+from test_sparse import ddp_sparse_embedding, sparse_disagree, sparse_matrix
 from test_unsigned import unsigned_task
 
 pytestmark = pytest.mark.skipif(not IS_SMDDP, reason="SMDDP_HOST_ID only splits smddp groups")
@@ -572,6 +573,17 @@ def test_recv_any_source_times_out(pools, topo):
 def test_ddp_and_fsdp2(pools, topo):
     check(pools, topo, ddp_task, "plain")
     check(pools, topo, fsdp2_task, "default")
+
+
+@pytest.mark.parametrize("topo", TOPOS)
+def test_sparse_allreduce(pools, topo):
+    check(pools, topo, sparse_matrix)
+
+
+@pytest.mark.parametrize("topo", ["001"])
+def test_sparse_disagree_and_ddp(pools, topo):
+    check(pools, topo, sparse_disagree, "size")
+    check(pools, topo, ddp_sparse_embedding)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

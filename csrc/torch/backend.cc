@@ -479,6 +479,10 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::AllreduceOptions& opts) {
   const at::Tensor& t = single(tensors, rank_, "allreduce");
+  if (t.defined() && t.layout() == at::kSparse) {
+    return enqueue(c10d::OpType::ALLREDUCE, "smddp:all_reduce", tensors, tensors, resolveTimeout(opts.timeout),
+                   opts.asyncOp, sparseAllreduce(t, opts.reduceOp, rank_, size_, sparseScratch_));
+  }
   const DataType dtype = checkTensor(t, rank_, "allreduce");
   const Reduction red = toReduction(opts.reduceOp, dtype, size_, rank_, "allreduce");
   if (isCudaOp(tensors, "allreduce")) {

@@ -21,6 +21,7 @@
 #include "engine/p2p_engine.h"
 #include "engine/progress_thread.h"
 #include "torch/cuda_path.h"
+#include "torch/sparse_allreduce.h"
 
 namespace smddp::torchext {
 
@@ -233,6 +234,8 @@ class SmddpBackend : public c10d::Backend {
   // Ranks of this host; null when it is the only one. Shared with the Works that drive it.
   std::shared_ptr<engine::P2pEngine> p2p_;
   std::shared_ptr<engine::NetP2p> netP2p_;  // ranks of other hosts; null in a one-host group
+  // Reused by the sparse all-reduces (held by their bodies, which may outlive the group).
+  std::shared_ptr<SparseScratch> sparseScratch_ = std::make_shared<SparseScratch>();
   std::once_flag shutdownOnce_;
   // The last split's child, handed out again when torch asks for the next device type.
   std::mutex splitMutex_;
