@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _util import Report, digest
+from _util import IS_SMDDP, Report, digest
 
 STEPS = 3
 DIN, DH, DOUT = 8, 16, 6  # DOUT=6 is uneven over 4 ranks (FSDP2 / DTensor padding)
@@ -193,6 +193,126 @@ def test_ddp_no_sync(pools, world):
 @pytest.mark.parametrize("world", [2])
 def test_ddp_small_buckets(pools, world):
     pools.check(world, ddp_task, "buckets")
+
+
+# DDP communication hooks. PowerSGD's callbacks (run as an all_reduce completes) issue the next
+# all_reduce and wait for it; queued behind the op whose completion runs them, it never ran.
+HOOKS = ["fp16", "powersgd", "fp16_powersgd", "post_localsgd"]
+
+
+def _register_hook(ddp, kind, group, world):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+
+    def power_sgd_state(rank):
+        return powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
+                                           start_powerSGD_iter=2, min_compression_rate=0.5, random_seed=7)
+    if kind == "fp16":
+        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    elif kind == "powersgd":
+        ddp.register_comm_hook(power_sgd_state(2), powerSGD_hook.powerSGD_hook)
+    elif kind == "fp16_powersgd":
+        ddp.register_comm_hook(power_sgd_state(1), default_hooks.fp16_compress_wrapper(powerSGD_hook.powerSGD_hook))
+    elif kind == "post_localsgd":
+        # local steps average over subgroups of 2 (the whole group from step 2 on); every rank
+        # creates every subgroup, for both backends, in the same order
+        subgroup, _ = dist.new_subgroups(group_size=2 if world % 2 == 0 else world,
+                                         backend=None if group is None else "gloo")
+        ddp.register_comm_hook(post_localSGD_hook.PostLocalSGDState(process_group=group, subgroup=subgroup,
+                                                                    start_localSGD_iter=2),
+                               post_localSGD_hook.post_localSGD_hook)
+
+
+_GLOO_GROUP = []
+
+
+def _gloo_group():
+    """One gloo group over the world per process, never destroyed: a gloo group whose last
+    reference goes on one of its own worker threads (a PowerSGD state's, in a future callback)
+    joins that thread from itself and terminates the process."""
+    if not _GLOO_GROUP:
+        _GLOO_GROUP.append(dist.new_group(backend="gloo"))
+    return _GLOO_GROUP[0]
+
+
+def ddp_comm_hook_task(rank, world, kind, steps=5):
+    """DDP with a communication hook on this backend against the same run on gloo (a group of the
+    same ranks): PowerSGD's low-rank steps and fp16 compression have no one-process reference.
+    The default bucket size keeps the model in one bucket, where gloo's order of ops is fixed."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rep = Report(rank)
+    gloo = _gloo_group()
+    base = _mlp(torch.float32, dout=8)
+    batches = _batches(world, torch.float32, steps=steps, key=3, dout=8)
+    params = {}
+    for name, group in (("backend", None), ("gloo", gloo)):
+        with rep.cell(f"DDP hook {kind} on {name}"):
+            model = DDP(copy.deepcopy(base), process_group=group)
+            _register_hook(model, kind, group, world)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in batches:
+                opt.zero_grad()
+                _loss(model, _local(x, rank), _local(y, rank)).backward()
+                opt.step()
+            params[name] = [p.detach() for p in model.parameters()]
+    # fp16 sums: smddp adds in float32 and rounds once, gloo rounds at every addition
+    tol = dict(rtol=1e-3, atol=1e-4) if "fp16" in kind else dict(rtol=1e-5, atol=1e-6)
+    for i, (p, q) in enumerate(zip(params.get("backend", []), params.get("gloo", []))):
+        _close(rep, f"DDP hook {kind}: parameter {i} against gloo", p, q, **tol)
+    rep.expect(len(params) == 2, f"DDP hook {kind}: a run failed")
+    return rep.to_dict()
+
+
+def ddp_nested_wait_hook_task(rank, world):
+    """A hook in PowerSGD's pattern, with an exact result: the bucket's all_reduce, then in its
+    callback a second all_reduce that the callback waits for, over many small buckets (the
+    autograd thread issues the next bucket's op while callbacks run). Gradients must match the
+    one-process reference, and every callback's own all_reduce must have summed all ranks."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rep = Report(rank)
+    counts = []
+
+    def hook(state, bucket):
+        buffer = bucket.buffer().div_(world)
+
+        def then(fut):
+            ones = torch.ones(3)
+            counts.append(dist.all_reduce(ones, async_op=True).get_future().wait()[0][0].item())
+            dist.all_reduce(torch.zeros(1))  # a blocking one too
+            return fut.value()[0]
+        return dist.all_reduce(buffer, async_op=True).get_future().then(then)
+
+    ref = _mlp()
+    model = DDP(copy.deepcopy(ref), bucket_cap_mb=0.0005)
+    model.register_comm_hook(None, hook)
+    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    for step, (x, y) in enumerate(_batches(world, key=4)):
+        with rep.cell(f"DDP nested-wait hook step {step}"):
+            opt.zero_grad()
+            _loss(model, _local(x, rank), _local(y, rank)).backward()
+            ref_opt.zero_grad()
+            _loss(ref, x, y).backward()
+            for (n, p), q in zip(model.module.named_parameters(), ref.parameters()):
+                _close(rep, f"DDP nested-wait hook step {step}: grad of {n}", p.grad, q.grad, **TOL64)
+            opt.step()
+            ref_opt.step()
+    rep.expect(len(counts) >= 2 * STEPS and set(counts) == {float(world)},
+               f"the callbacks' own all_reduces gave {counts}, expected {world} each (several buckets per step)")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("kind", HOOKS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_comm_hook(pools, world, kind):
+    pools.check(world, ddp_comm_hook_task, kind)
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="gloo hangs on it (torch 2.13): callbacks on its two worker threads wait "
+                    "for ops that need those threads")
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_hook_waits_in_callback(pools, world):
+    pools.check(world, ddp_nested_wait_hook_task)
 
 
 # ---------------------------------------------------------------------------

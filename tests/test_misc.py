@@ -143,6 +143,43 @@ def test_async(pools, world):
     pools.check(world, async_task)
 
 
+def callbacks_issue_ops_task(rank, world):
+    """A future's callback, run as its op completes, issues collectives and waits for them (DDP's
+    PowerSGD hook does), while this thread issues another op: every op completes with the right
+    sum, which it would not if ranks ran them in different orders."""
+    rep = Report(rank)
+    for round_ in range(3):
+        with rep.cell(f"callbacks issuing ops, round {round_}"):
+            seen = {}
+
+            def then(fut):
+                x = torch.full((2,), 10.0 * (rank + 1))
+                seen["async"] = dist.all_reduce(x, async_op=True).get_future().wait()[0].clone()
+                y = torch.ones(3, dtype=torch.int64)
+                dist.all_reduce(y)
+                seen["blocking"] = y
+                return fut.value()[0]
+
+            a = torch.full((4,), float(rank + 1))
+            fut = dist.all_reduce(a, async_op=True).get_future().then(then)
+            c = torch.full((5,), 2.0)
+            work_c = dist.all_reduce(c, async_op=True)
+            fut.wait()
+            work_c.wait()
+            total = world * (world + 1) / 2
+            rep.expect(torch.equal(a, torch.full((4,), total)), f"first op gave {a.tolist()}")
+            rep.expect(torch.equal(seen["async"], torch.full((2,), 10 * total)),
+                       f"the callback's async op gave {seen['async'].tolist()}")
+            rep.expect(seen["blocking"].tolist() == [world] * 3, f"the callback's blocking op gave {seen['blocking']}")
+            rep.expect(torch.equal(c, torch.full((5,), 2.0 * world)), f"the op issued meanwhile gave {c.tolist()}")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_callbacks_issue_ops(pools, world):
+    pools.check(world, callbacks_issue_ops_task)
+
+
 def wait_limit_task(rank, world):
     """Work.wait(timeout) that runs out: an error naming the rank, the op and the limit, and the op
     stays pending; the next wait() returns it complete and right (an all_reduce whose last rank

@@ -7,6 +7,10 @@
 #include "core/spin.h"
 
 namespace smddp::engine {
+namespace {
+// The progress thread whose task the calling thread is running, if any.
+thread_local const ProgressThread* tlsRunning = nullptr;
+}  // namespace
 
 ProgressThread::ProgressThread(std::string name, std::chrono::microseconds linger)
     : name_(std::move(name)), linger_(linger) {
@@ -15,7 +19,20 @@ ProgressThread::ProgressThread(std::string name, std::chrono::microseconds linge
 
 ProgressThread::~ProgressThread() { stop(); }
 
+bool ProgressThread::reentrant() const { return tlsRunning == this; }
+
+void ProgressThread::runAsOwn(const Task& task) {
+  const ProgressThread* outer = tlsRunning;
+  tlsRunning = this;
+  task();
+  tlsRunning = outer;
+}
+
 void ProgressThread::enqueue(Task task) {
+  if (reentrant()) {
+    task();
+    return;
+  }
   bool wake;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -28,12 +45,16 @@ void ProgressThread::enqueue(Task task) {
 }
 
 bool ProgressThread::tryRunInline(const Task& task) {
+  if (reentrant()) {
+    task();
+    return true;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_ || busy_ || !queue_.empty()) return false;
     busy_ = true;
   }
-  task();
+  runAsOwn(task);
   bool wake;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -69,7 +90,7 @@ void ProgressThread::loop() {
       queued_.store(queue_.size(), std::memory_order_release);
       busy_ = true;
     }
-    task();
+    runAsOwn(task);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       busy_ = false;

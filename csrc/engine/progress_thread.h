@@ -24,15 +24,24 @@ class ProgressThread {
   ~ProgressThread();  // runs what is queued, then joins
 
   // Tasks must not throw: each one reports its own outcome (the torch layer completes a Work).
+  // A task issued by a running task of this thread (a future's callback, run as an op completes,
+  // that issues an op and waits for it: DDP's PowerSGD hook does) runs at once, nested, on the
+  // same thread: queued, it would wait for the task that waits for it. It also takes the same
+  // place on every rank this way, right after the op whose completion issued it, wherever the
+  // caller's thread has got to meanwhile.
   void enqueue(Task task);
-  // Runs `task` on the calling thread if nothing is queued or running, which preserves issue
-  // order and saves two thread hand-offs for blocking ops. Returns false (task not run) otherwise.
+  // Runs `task` on the calling thread if nothing is queued or running (or nested, as above),
+  // which preserves issue order and saves two thread hand-offs for blocking ops. Returns false
+  // (task not run) otherwise.
   bool tryRunInline(const Task& task);
   // Stops after the queued tasks have run. Idempotent.
   void stop();
 
  private:
   void loop();
+  // Runs `task` as this thread's, marking the calling thread as running one (for nested issues).
+  void runAsOwn(const Task& task);
+  bool reentrant() const;
 
   std::string name_;
   std::mutex mutex_;
