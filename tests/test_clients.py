@@ -195,7 +195,7 @@ def test_ddp_small_buckets(pools, world):
     pools.check(world, ddp_task, "buckets")
 
 
-# DDP communication hooks. PowerSGD's callbacks (run as an all_reduce completes) issue the next
+# DDP communication hooks (registered by _register_hook for the kinds in HOOKS). PowerSGD's callbacks (run as an all_reduce completes) issue the next
 # all_reduce and wait for it; queued behind the op whose completion runs them, it never ran.
 HOOKS = ["fp16", "powersgd", "fp16_powersgd", "post_localsgd"]
 
@@ -204,8 +204,12 @@ def _register_hook(ddp, kind, group, world):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
     def power_sgd_state(rank):
+        # epsilon: fp16 orthogonalization divides by column norms that round to zero
         return powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
-                                           start_powerSGD_iter=2, min_compression_rate=0.5, random_seed=7)
+                                           start_powerSGD_iter=2, min_compression_rate=0.5, random_seed=7,
+                                           orthogonalization_epsilon=1e-4)
+    if kind not in HOOKS:
+        return
     if kind == "fp16":
         ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
     elif kind == "powersgd":
@@ -234,32 +238,68 @@ def _gloo_group():
     return _GLOO_GROUP[0]
 
 
-def ddp_comm_hook_task(rank, world, kind, steps=5):
-    """DDP with a communication hook on this backend against the same run on gloo (a group of the
-    same ranks): PowerSGD's low-rank steps and fp16 compression have no one-process reference.
-    The default bucket size keeps the model in one bucket, where gloo's order of ops is fixed."""
+# DDP features whose reference is the same training on gloo: besides the hooks, unused
+# parameters (an extra all_reduce of the used-parameter map), a static graph, uneven inputs
+# under Join (ranks that ran out shadow the others' all_reduces) and ZeroRedundancyOptimizer
+# (its parameter broadcasts); BatchNorm's buffers are broadcast from rank 0 at every forward.
+DDP_FEATURES = HOOKS + ["find_unused", "static_graph", "join_uneven", "zero"]
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.a, self.norm = nn.Linear(DIN, DH), nn.BatchNorm1d(DH)
+        self.b, self.side = nn.Linear(DH, 8), nn.Linear(DH, 8)
+
+    def forward(self, x, use_side=True):
+        h = torch.tanh(self.norm(self.a(x)))
+        return self.b(h) + self.side(h) if use_side else self.b(h)
+
+
+def _train_ddp(rank, kind, group, base, batches, world):
+    import contextlib
+
+    from torch.distributed.algorithms.join import Join
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    kw = {"find_unused_parameters": kind == "find_unused", "static_graph": kind == "static_graph"}
+    model = DDP(copy.deepcopy(base), process_group=group, **kw)
+    _register_hook(model, kind, group, world)
+    if kind == "zero":
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, process_group=group, lr=0.1)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mine = batches[:len(batches) - rank % 2] if kind == "join_uneven" else batches
+    with Join([model]) if kind == "join_uneven" else contextlib.nullcontext():
+        for step, (x, y) in enumerate(mine):
+            opt.zero_grad()
+            out = model(_local(x, rank), use_side=step % 2 == 0 or kind != "find_unused")
+            nn.functional.mse_loss(out, _local(y, rank)).backward()
+            opt.step()
+    return [t.detach() for t in list(model.parameters()) + list(model.buffers())]
+
+
+def ddp_against_gloo_task(rank, world, kind, steps=5):
+    """DDP with `kind` on this backend against the same run on gloo (a group of the same ranks):
+    PowerSGD's low-rank steps, fp16 compression and uneven inputs have no one-process reference.
+    The default bucket size keeps the model in one bucket, where gloo's order of ops is fixed."""
     rep = Report(rank)
-    gloo = _gloo_group()
-    base = _mlp(torch.float32, dout=8)
+    base = _Branchy()
     batches = _batches(world, torch.float32, steps=steps, key=3, dout=8)
-    params = {}
-    for name, group in (("backend", None), ("gloo", gloo)):
-        with rep.cell(f"DDP hook {kind} on {name}"):
-            model = DDP(copy.deepcopy(base), process_group=group)
-            _register_hook(model, kind, group, world)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            for x, y in batches:
-                opt.zero_grad()
-                _loss(model, _local(x, rank), _local(y, rank)).backward()
-                opt.step()
-            params[name] = [p.detach() for p in model.parameters()]
+    tensors = {}
+    for name, group in (("backend", None), ("gloo", _gloo_group())):
+        with rep.cell(f"DDP {kind} on {name}"):
+            tensors[name] = _train_ddp(rank, kind, group, base, batches, world)
     # fp16 sums: smddp adds in float32 and rounds once, gloo rounds at every addition
     tol = dict(rtol=1e-3, atol=1e-4) if "fp16" in kind else dict(rtol=1e-5, atol=1e-6)
-    for i, (p, q) in enumerate(zip(params.get("backend", []), params.get("gloo", []))):
-        _close(rep, f"DDP hook {kind}: parameter {i} against gloo", p, q, **tol)
-    rep.expect(len(params) == 2, f"DDP hook {kind}: a run failed")
+    nparams = len(list(base.parameters()))
+    for i, (p, q) in enumerate(zip(tensors.get("backend", []), tensors.get("gloo", []))):
+        # buffers: each rank's running statistics since rank 0's were broadcast at the last forward
+        _close(rep, f"DDP {kind}: {'parameter' if i < nparams else 'buffer'} {i} against gloo", p.float(), q.float(),
+               **tol, cross_rank=i < nparams)
+    rep.expect(len(tensors) == 2, f"DDP {kind}: a run failed")
     return rep.to_dict()
 
 
@@ -302,10 +342,10 @@ def ddp_nested_wait_hook_task(rank, world):
     return rep.to_dict()
 
 
-@pytest.mark.parametrize("kind", HOOKS)
+@pytest.mark.parametrize("kind", DDP_FEATURES)
 @pytest.mark.parametrize("world", [2, 3])
-def test_ddp_comm_hook(pools, world, kind):
-    pools.check(world, ddp_comm_hook_task, kind)
+def test_ddp_against_gloo(pools, world, kind):
+    pools.check(world, ddp_against_gloo_task, kind)
 
 
 @pytest.mark.skipif(not IS_SMDDP, reason="gloo hangs on it (torch 2.13): callbacks on its two worker threads wait "
