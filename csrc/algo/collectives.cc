@@ -6,6 +6,7 @@
 #include "core/slices.h"
 #include "core/copy.h"
 #include "core/error.h"
+#include "core/hash.h"
 #include "core/reduce.h"
 
 namespace smddp::algo {
@@ -21,10 +22,10 @@ struct Expect {
 // FNV-1a over the element count this rank expects of each rank (OpDescriptor::layout).
 template <class CountOf>
 uint64_t layoutOf(int size, CountOf countOf) {
-  uint64_t h = 1469598103934665603ull;
+  uint64_t h = kFnv1aBasis;
   for (int p = 0; p < size; ++p) {
     const uint64_t c = countOf(p);
-    for (int b = 0; b < 8; ++b) h = (h ^ ((c >> (8 * b)) & 0xff)) * 1099511628211ull;
+    h = fnv1a(h, &c, sizeof c);
   }
   return h;
 }

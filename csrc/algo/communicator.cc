@@ -12,6 +12,7 @@
 #include "core/slices.h"
 #include "core/env.h"
 #include "core/error.h"
+#include "core/hash.h"
 #include "core/log.h"
 #include "core/spin.h"
 
@@ -183,8 +184,7 @@ void Communicator::stopHelpers() {
 
 void Communicator::describeNextOps(std::string text) {
   opText_ = std::move(text);
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (unsigned char c : opText_) h = (h ^ c) * 1099511628211ull;
+  const uint64_t h = fnv1a(kFnv1aBasis, opText_.data(), opText_.size());
   opFingerprint_ = opText_.empty() ? 0 : (h == 0 ? 1 : h);
 }
 
