@@ -35,7 +35,7 @@ The deepspeed / transformers cases skip when the package is not importable
 (pip install -r requirements-examples.txt). The first DeepSpeed run on a machine
 JIT-compiles DeepSpeed's CPU shm op (~35 s, cached in ~/.cache/torch_extensions).
 
-Runtime: two torchrun launches per case (17 cases against gloo, 7 against the single-process
+Runtime: two torchrun launches per case (18 cases against gloo, 7 against the single-process
 reference), ~4.5 s of fixed cost each on 2 cores, the 4-rank ones ~11 s. Skip them with
 -k "not test_example".
 """
@@ -60,6 +60,7 @@ RUN_TIMEOUT = 300  # one torchrun launch (the first DeepSpeed one compiles its o
 # id: (script, nproc, extra args, needs module, tolerance (None = bitwise))
 CASES = {
     "ddp": ("ddp.py", 2, [], None, None),
+    "ddp-sparse-embedding": ("ddp_sparse_embedding.py", 2, [], None, None),
     "fsdp2": ("fsdp2.py", 2, [], None, None),
     "fsdp2-bf16": ("fsdp2.py", 2, ["--bf16"], None, None),
     "fsdp2-hsdp": ("fsdp2.py", 4, ["--hsdp"], None, None),
