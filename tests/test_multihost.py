@@ -28,7 +28,7 @@ from test_misc import barrier_task, shm_task
 from test_moved_dtypes import moved_dtypes_task
 from test_p2p import (SIZES as P2P_SIZES, any_source_and_batch, any_source_by_tag, any_source_outstanding,
                       any_source_then_named, exchange_send_first, ping_pong, size_mismatch, tag_never_sent,
-                      tags_out_of_order, waits_from_threads)
+                      tags_out_of_order, unexpected_limit, waits_from_threads)
 from test_reduce_scatter import reduce_scatter_list, reduce_scatter_sizes_disagree, reduce_scatter_tensor_forms
 from test_sparse import ddp_sparse_embedding, sparse_disagree, sparse_matrix
 from test_unsigned import unsigned_task
@@ -550,6 +550,16 @@ def test_send_recv_size_mismatch_is_an_error(pools, topo, sender, receiver):
 @pytest.mark.parametrize("sender", [1, 2], ids=["host-mate", "other-host"])
 def test_send_recv_tag_never_sent_times_out_naming_what_came(pools, sender):
     check(pools, "0011", tag_never_sent, sender)
+
+
+@pytest.mark.parametrize("limit", ["2048", "512"], ids=["fits", "past-the-limit"])
+@pytest.mark.parametrize("sender", [1, 2], ids=["host-mate", "other-host"])
+def test_send_recv_unexpected_messages_limit(pools, sender, limit):
+    env = NET_ENV + (("SMDDP_P2P_UNEXPECTED_BYTES", limit),)
+    try:
+        check(pools, "0011", unexpected_limit, sender, limit == "2048", env=env)
+    finally:
+        pools.discard(4, "0011", env)
 
 
 @pytest.mark.parametrize("case", ["timeout", "mismatch", "shutdown", "send"])

@@ -303,6 +303,48 @@ def tag_never_sent(rank, world, sender=1):
     return rep.to_dict()
 
 
+def unexpected_limit(rank, world, sender, fits):
+    """`sender` isends tag 5 (1 KiB) then tag 6 (16 bytes); rank 0 receives tag 6 first, on a group
+    with a 2 s timeout. Run with SMDDP_P2P_UNEXPECTED_BYTES set: when 1 KiB `fits`, tag 5 is read
+    aside and both arrive; when it does not, tag 5 stays with its sender (in its mailbox or socket
+    buffer, where such a small send may already count as done), so the recv of tag 6 behind it
+    times out."""
+    rep = Report(rank)
+    group = dist.new_group([0, sender], timeout=timedelta(seconds=2))
+    five, six = torch.arange(256, dtype=torch.float32), torch.full((4,), 6.0)
+    if rank == sender:
+        works = [dist.isend(five, 0, tag=5, group=group), dist.isend(six, 0, tag=6, group=group)]
+        for tag, w in zip((5, 6), works):
+            try:
+                w.wait()
+            except Exception as e:  # noqa: BLE001
+                rep.expect(not fits and "timed out" in str(e), f"send of tag {tag}: unexpected error: {e}")
+    elif rank == 0:
+        got6, got5 = torch.empty(4), torch.empty(256)
+        try:
+            dist.recv(got6, sender, tag=6, group=group)
+            rep.expect(fits, "the recv of tag 6 completed though tag 5, ahead of it, was not read aside")
+            dist.recv(got5, sender, tag=5, group=group)
+            rep.expect(torch.equal(got6, six) and torch.equal(got5, five), "messages read aside arrived wrong")
+        except Exception as e:  # noqa: BLE001
+            want = ["recv from rank 1 (tag 6, 16 bytes) timed out: rank 1's next message (tag 5, 1024 bytes) waits "
+                    "with its sender ahead of it", "past SMDDP_P2P_UNEXPECTED_BYTES (512)"]
+            rep.expect(not fits and all(w in str(e) for w in want), f"unexpected error: {e}")
+    dist.barrier()
+    dist.destroy_process_group(group)
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="SMDDP_P2P_UNEXPECTED_BYTES is smddp's")
+@pytest.mark.parametrize("limit", ["2048", "512"], ids=["fits", "past-the-limit"])
+def test_unexpected_messages_limit(pools, limit):
+    try:
+        pools.check(2, unexpected_limit, 1, limit == "2048", env=(("SMDDP_P2P_UNEXPECTED_BYTES", limit),),
+                    timeout=120)
+    finally:
+        pools.discard(2, None, (("SMDDP_P2P_UNEXPECTED_BYTES", limit),))
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_send_recv_ring(pools, world):
     pools.check(world, ping_pong, [dname(d) for d in DTYPES], SIZES[:3], timeout=240)

@@ -45,6 +45,13 @@ constexpr Param kParams[] = {
      "twice through the shared-memory mailboxes (where sender and receiver copy at the same time). "
      "Used only where the receiver checked at set-up that it may read its peers' memory. -1 = 256 KiB "
      "when the machine's ranks outnumber its cores, else never; 0 = never."},
+    {"SMDDP_P2P_UNEXPECTED_BYTES", "1073741824",
+     "Bytes of point-to-point messages from one sender that a rank reads aside while its receives "
+     "wait for other tags (MPI's unexpected messages; each is kept for the recv of its tag). A "
+     "message that would pass it stays with its sender, as every message does while no receive "
+     "waits, and that sender's messages for other tags wait behind it: a recv for one of them then "
+     "times out unless the program receives the held message first (a warning names it). 0 = never "
+     "read aside."},
     {"SMDDP_STREAM_MIN_BYTES", "-1",
      "Allgather and broadcast write their output with non-temporal (streaming) stores, which skip "
      "the cache and the read-for-ownership of every line, when the outputs of the ranks on the host "
@@ -175,6 +182,7 @@ SMDDP_INT_PARAM(shmCopyStepBytes, "SMDDP_SHM_COPY_STEP_BYTES")
 SMDDP_INT_PARAM(allreduceOneShotMaxBytes, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES")
 SMDDP_INT_PARAM(streamMinBytes, "SMDDP_STREAM_MIN_BYTES")
 SMDDP_INT_PARAM(p2pSingleCopyBytes, "SMDDP_P2P_SINGLE_COPY_BYTES")
+SMDDP_INT_PARAM(p2pUnexpectedBytes, "SMDDP_P2P_UNEXPECTED_BYTES")
 SMDDP_INT_PARAM(cpuThreads, "SMDDP_CPU_THREADS")
 SMDDP_INT_PARAM(spinMicros, "SMDDP_SPIN_US")
 SMDDP_INT_PARAM(yieldMicros, "SMDDP_YIELD_US")

@@ -30,6 +30,8 @@ int64_t allreduceOneShotMaxBytes();
 // Allgather/broadcast stream their output when the host's outputs add up to this; -1 = the LLC.
 int64_t streamMinBytes();
 int64_t p2pSingleCopyBytes();
+// Most bytes of one sender's point-to-point messages held aside for receives not yet posted.
+int64_t p2pUnexpectedBytes();
 // Threads per rank for large copies and reductions (1: the op's own thread only; -1: choose).
 int64_t cpuThreads();
 // Microseconds a waiting thread polls a peer's flag before it sleeps; -1 = choose from the core count.

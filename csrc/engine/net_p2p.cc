@@ -102,8 +102,11 @@ struct NetP2p::Peer {
         if (!ready()) return 0;
         const int n = static_cast<int>(lanes.size());
         const bool out = !sends.empty() && partLeft(sends.front(), lane, l.sendOff, n);
-        // Lane 0's header picks the receive before the other lanes read their parts.
-        const bool in = !recvs.empty() ? (lane == 0 || lanes[0].recvChecked) &&
+        // Lane 0's header picks the receive before the other lanes read their parts. A header
+        // read but not taken (its message held back: p2p_matching.h) waits for a receive to be
+        // posted, which rings the bell; its message's bytes in the socket must not wake poll().
+        const bool headerWaits = l.recvHdrGot == kHeaderBytes && !l.recvChecked;
+        const bool in = !recvs.empty() ? (lane == 0 ? !headerWaits : lanes[0].recvChecked) &&
                                              partLeft(recvs.front(), lane, l.recvHdrGot + l.recvOff, n)
                                        : peeking && lane == 0 && l.recvHdrGot < kHeaderBytes;
         return static_cast<short>((out ? POLLOUT : 0) | (in ? POLLIN : 0));
@@ -496,20 +499,18 @@ bool NetP2p::progressRecvs(Peer& p) {
           // Lane 0 starts every message: its header picks the receive (p2p_matching.h), another
           // one than `op` whenever this holds.
           const bool route = lane == 0 && !op.into && (tag != op.tag || hasUnexpected(p.unexpected, tag));
-          if (route &&
-              routeMessage(p.recvs, anyRecvs_, p.unexpected, p.rank, static_cast<int>(tag), l.recvHdr.bytes)) {
-            routed = true;
+          if (route) {
+            // Taken by another receive, or held back: it waits in the socket, and `op` behind it.
+            routed = routeMessage(p.recvs, anyRecvs_, p.unexpected, p.rank, p.rank, static_cast<int>(tag),
+                                  l.recvHdr.bytes);
+            left = !routed;
             break;
           }
-          if (route || tag != op.tag || l.recvHdr.bytes != op.bytes) {
+          if (tag != op.tag || l.recvHdr.bytes != op.bytes) {
             const std::string msg =
-                route ? formatString("recv from rank %d: no memory to set aside its next message (tag %lld, %llu "
-                                     "bytes), which arrived while receives wait for other tags",
-                                     p.rank, static_cast<long long>(tag),
-                                     static_cast<unsigned long long>(l.recvHdr.bytes))
-                : tag != op.tag ? formatString("recv from rank %d: lane %zu's next message has tag %lld, lane 0's %d",
-                                               p.rank, lane, static_cast<long long>(tag), op.tag)
-                                : sizeMismatchMessage(p.rank, op.tag, op.bytes, l.recvHdr.bytes);
+                tag != op.tag ? formatString("recv from rank %d: lane %zu's next message has tag %lld, lane 0's %d",
+                                             p.rank, lane, static_cast<long long>(tag), op.tag)
+                              : sizeMismatchMessage(p.rank, op.tag, op.bytes, l.recvHdr.bytes);
             P2pOp failed = std::move(op);
             p.recvs.pop_front();
             complete(std::move(failed), errorOf(ErrorCode::kInvalidUsage, msg), p.rank);
@@ -518,6 +519,7 @@ bool NetP2p::progressRecvs(Peer& p) {
             return true;
           }
           l.recvChecked = true;
+          p.unexpected.heldBack.reset();  // taken by `op`
         }
         if (!Peer::partLeft(op, lane, l.recvHdrGot + l.recvOff, lanes_)) break;
         const bool inHeader = l.recvHdrGot < kHeaderBytes;
@@ -582,7 +584,7 @@ bool NetP2p::matchAnySource() {
       peerGaveUp(*p, "recv from any rank", *why);
       continue;
     }
-    moved |= routeMessage(p->recvs, anyRecvs_, p->unexpected, p->rank, static_cast<int>(userTag(l.recvHdr.tag)),
+    moved |= routeMessage(p->recvs, anyRecvs_, p->unexpected, p->rank, p->rank, static_cast<int>(userTag(l.recvHdr.tag)),
                           l.recvHdr.bytes);
   }
   return moved;
@@ -699,9 +701,9 @@ void NetP2p::checkDeadlines() {
       if (late == q->end()) continue;
       // Part of a message may have moved: the stream to this peer can no longer be trusted.
       const std::string why =
-          describeOp(*late, p->rank) + " timed out: no matching " + (late->isSend ? "recv" : "send") + " was posted" +
-          (p->ready() ? "" : " (the connection to that rank was never completed)") +
-          (late->isSend ? "" : unexpectedSummary(p->unexpected, p->rank));
+          describeOp(*late, p->rank) + " timed out: " +
+          (late->isSend ? "no matching recv was posted" : recvTimeoutReason(p->unexpected, p->rank)) +
+          (p->ready() ? "" : " (the connection to that rank was never completed)");
       P2pOp op = std::move(*late);
       q->erase(late);
       complete(std::move(op), errorOf(ErrorCode::kTimeout, why), p->rank);

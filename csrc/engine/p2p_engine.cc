@@ -243,8 +243,11 @@ bool P2pEngine::routeNext(int s) {
   if (domain_->sentTo(s, rank_).load(std::memory_order_acquire) <= i) return false;
   ChunkHeader h;
   std::memcpy(&h, domain_->outbox(s, rank_, i), sizeof(h));
-  if (!q.empty() && q.front().tag == h.tag && !hasUnexpected(unexpected_[s], h.tag)) return true;
-  return routeMessage(q, anyRecvs_, unexpected_[s], s, h.tag, h.messageBytes);
+  if (!q.empty() && q.front().tag == h.tag && !hasUnexpected(unexpected_[s], h.tag)) {
+    unexpected_[s].heldBack.reset();
+    return true;
+  }
+  return routeMessage(q, anyRecvs_, unexpected_[s], s, domain_->groupRank(s), h.tag, h.messageBytes);
 }
 
 bool P2pEngine::serve(int s) {
@@ -355,9 +358,11 @@ void P2pEngine::checkDeadlinesAndPeers() {
     q.erase(it);
     const std::string who = peer >= 0 ? std::to_string(domain_->groupRank(peer)) : "";
     const std::string what = describeOp(op, peer >= 0 ? domain_->groupRank(peer) : -1);
-    std::string why = dead ? what + ": rank " + who + " exited"
-                           : what + " timed out: no matching " + (op.isSend ? "recv" : "send") + " was posted";
-    if (!dead && !op.isSend && peer >= 0) why += unexpectedSummary(unexpected_[peer], domain_->groupRank(peer));
+    std::string why = what + (dead ? ": rank " + who + " exited" : " timed out: ");
+    if (!dead && op.isSend) why += "no matching recv was posted";
+    if (!dead && !op.isSend) {
+      why += peer >= 0 ? recvTimeoutReason(unexpected_[peer], domain_->groupRank(peer)) : "no matching send was posted";
+    }
     for (int s = 0; !dead && peer < 0 && s < size_; ++s) {  // a receive from any source: every sender's
       why += unexpectedSummary(unexpected_[s], domain_->groupRank(s));
     }

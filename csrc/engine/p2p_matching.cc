@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <new>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -62,8 +63,20 @@ std::string unexpectedSummary(const UnexpectedQueue& q, int peerRank) {
   return s;
 }
 
+std::string recvTimeoutReason(const UnexpectedQueue& q, int peerRank) {
+  const std::string who = "rank " + std::to_string(peerRank);
+  const std::string reason =
+      q.heldBack ? formatString("%s's next message (tag %d, %llu bytes) waits with its sender ahead of it: no recv "
+                                "takes it, and %s",
+                                who.c_str(), q.heldBack->tag, static_cast<unsigned long long>(q.heldBack->bytes),
+                                q.heldBack->why.c_str())
+                 : "no matching send was posted";
+  return reason + unexpectedSummary(q, peerRank);
+}
+
 bool routeMessage(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, UnexpectedQueue& unexpected, int peer,
-                  int tag, uint64_t bytes) {
+                  int peerRank, int tag, uint64_t bytes) {
+  unexpected.heldBack.reset();  // routed anew: set again below if it still cannot be set aside
   if (!hasUnexpected(unexpected, tag)) {
     const auto named = std::find_if(recvs.begin(), recvs.end(), [&](const P2pOp& op) { return op.tag == tag; });
     if (named != recvs.end()) {
@@ -78,15 +91,33 @@ bool routeMessage(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, Unexpec
   const auto waits = [](const P2pOp& op) { return !op.takenElsewhere(); };
   const bool anyWaits = !recvs.empty() || std::any_of(anyRecvs.begin(), anyRecvs.end(), waits);
   if (!anyWaits) return false;
+  // A message that cannot be held aside waits with its sender; the receives waiting for other
+  // tags from that sender wait behind it (and time out unless the program takes it first).
+  auto holdBack = [&](const std::string& why) {
+    unexpected.heldBack = HeldBack{tag, bytes, why};
+    if (!unexpected.warnedHeld) {
+      unexpected.warnedHeld = true;
+      SMDDP_WARN(kNet, "point-to-point: a %llu-byte message from rank %d (tag %d) arrived while receives wait for "
+                 "other tags, but %s: it waits with its sender until a recv takes it, and receives from that rank "
+                 "wait behind it (warned once per sender)",
+                 static_cast<unsigned long long>(bytes), peerRank, tag, why.c_str());
+    }
+    return false;
+  };
+  uint64_t held = 0;
+  for (const auto& m : unexpected) held += m->data.size();
+  const auto limit = static_cast<uint64_t>(std::max<int64_t>(env::p2pUnexpectedBytes(), 0));
+  if (held + bytes > limit) {
+    return holdBack(formatString("setting it aside would take the messages held aside from that rank (%llu bytes) "
+                                 "past SMDDP_P2P_UNEXPECTED_BYTES (%llu)",
+                                 static_cast<unsigned long long>(held), static_cast<unsigned long long>(limit)));
+  }
   auto m = std::make_unique<Unexpected>();
   m->tag = tag;
   try {
     m->data.resize(bytes);
   } catch (const std::bad_alloc&) {
-    // The message then waits with its sender: the receives waiting for other tags time out.
-    SMDDP_WARN(kNet, "point-to-point: no memory for a %llu-byte message (tag %d) that arrived while receives wait "
-               "for other tags", static_cast<unsigned long long>(bytes), tag);
-    return false;
+    return holdBack("there is no memory to set it aside");
   }
   P2pOp own;
   own.peer = peer;

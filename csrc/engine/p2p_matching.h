@@ -7,9 +7,9 @@
 // Each engine reads a pair's messages in the order sent (one stream per pair). A message that no
 // waiting receive wants while receives for other tags wait (MPI's "unexpected" message) is read
 // into memory of its own, so that the stream moves on to the message they want, and kept until a
-// receive for its tag comes. With no receive waiting at all a message stays with its sender
-// (its mailbox, or the socket, which holds the sender back): a sender that runs ahead of its
-// receiver costs no memory.
+// receive for its tag comes, up to SMDDP_P2P_UNEXPECTED_BYTES per sender. With no receive waiting
+// at all, or past that bound, a message stays with its sender (its mailbox, or the socket, which
+// holds the sender back): a sender that runs ahead of its receiver costs no memory.
 #pragma once
 
 #include <atomic>
@@ -19,6 +19,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,7 +31,18 @@ struct Unexpected {
   std::vector<uint8_t> data;
   bool whole = false;  // every byte has arrived
 };
-using UnexpectedQueue = std::deque<std::unique_ptr<Unexpected>>;  // one per sender, in arrival order
+// The sender's next message, which could not be read aside and waits with its sender.
+struct HeldBack {
+  int tag = 0;
+  uint64_t bytes = 0;
+  std::string why;
+};
+
+// One per sender, in arrival order.
+struct UnexpectedQueue : std::deque<std::unique_ptr<Unexpected>> {
+  std::optional<HeldBack> heldBack;  // set by routeMessage, cleared once that message is taken
+  bool warnedHeld = false;           // warned once per sender
+};
 
 struct P2pOp {
   bool isSend = false;
@@ -85,10 +97,15 @@ std::string unexpectedSummary(const UnexpectedQueue& q, int peerRank);
 // `anyRecvs`, op.peer set), else, if any receive waits for another tag, the engine's own receive
 // into a new entry of `unexpected`. A message whose tag an older unexpected one has goes behind it,
 // into `unexpected`, so that one sender's messages of one tag are taken in order. Returns whether
-// the front of `recvs` takes the message now; false if no receive waits at all, or no memory can
-// hold the message aside (it then waits with its sender).
+// the front of `recvs` takes the message now; false if no receive waits at all, or the message
+// cannot be held aside (it would take what `unexpected` holds past SMDDP_P2P_UNEXPECTED_BYTES, or
+// there is no memory): it then waits with its sender. `peerRank`: `peer` as a group rank.
 bool routeMessage(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, UnexpectedQueue& unexpected, int peer,
-                  int tag, uint64_t bytes);
+                  int peerRank, int tag, uint64_t bytes);
+
+// Why a receive from `peerRank` timed out: no matching send was posted, or the sender's next
+// message waits with its sender ahead of it (q.heldBack); then unexpectedSummary(q, peerRank).
+std::string recvTimeoutReason(const UnexpectedQueue& q, int peerRank);
 
 // Whether `q` holds a message with `tag` (a message with that tag that comes now goes behind it).
 bool hasUnexpected(const UnexpectedQueue& q, int tag);
