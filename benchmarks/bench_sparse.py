@@ -18,15 +18,12 @@ mean time per call."""
 import argparse
 import os
 import sys
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_subgroups import alternating_medians  # noqa: E402
+from bench_subgroups import alternating_medians, run_ranks  # noqa: E402
 from bench_vs_gloo import parse_size  # noqa: E402
 
 BACKENDS = ("smddp", "gloo")
@@ -42,13 +39,8 @@ def gradient(rank, rows, lookups, width, seed=0):
     return torch.sparse_coo_tensor(index.unsqueeze(0), values, (rows, width))
 
 
-def worker(rank, args, store_path, results):
-    import smddp  # noqa: F401  registers the backend
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+def worker(rank, args):
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, args.world)
-    dist.init_process_group("smddp", store=store, rank=rank, world_size=args.world)
     groups = {"smddp": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     rows = []
     for lookups in args.lookups:
@@ -65,9 +57,7 @@ def worker(rank, args, store_path, results):
             times = alternating_medians(BACKENDS, args.repeat, args.target_s,
                                         lambda b: dist.all_reduce(grad.clone(), group=groups[b]))
             rows.append((lookups, width, out["smddp"]._nnz(), times))
-    if rank == 0:
-        results.put(rows)
-    dist.destroy_process_group()
+    return rows
 
 
 def main():
@@ -86,11 +76,7 @@ def main():
     print(f"# $ python benchmarks/bench_sparse.py {' '.join(sys.argv[1:])}")
     print(f"{'lookups':>8} {'width':>6} {'rows out':>9} {'MB in/rank':>10} {'smddp us':>10} {'gloo us':>10} "
           f"{'gloo/smddp':>11}")
-    results = mp.get_context("spawn").SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(args, os.path.join(tmp, "store"), results), nprocs=args.world,
-                           start_method="spawn")
-    for lookups, width, nnz, t in results.get():
+    for lookups, width, nnz, t in run_ranks(worker, args):
         mb = lookups * (width * 4 + 8) / 1e6
         print(f"{lookups:>8} {width:>6} {nnz:>9} {mb:>10.2f} {t['smddp'] * 1e6:>10.1f} {t['gloo'] * 1e6:>10.1f} "
               f"{t['gloo'] / t['smddp']:>10.2f}x")

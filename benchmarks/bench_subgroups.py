@@ -57,12 +57,28 @@ def alternating_medians(backends, repeat, target_s, call):
     return {b: statistics.median(v) for b, v in times.items()}
 
 
-def worker(rank, args, store_path, results):
+def _rank_main(rank, work, args, store_path, results):
     import smddp  # noqa: F401  registers the backend
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = dist.FileStore(store_path, args.world)
-    dist.init_process_group("smddp", store=store, rank=rank, world_size=args.world)
+    dist.init_process_group("smddp", store=dist.FileStore(store_path, args.world), rank=rank, world_size=args.world)
+    rows = work(rank, args)
+    if rank == 0:
+        results.put(rows)
+    dist.destroy_process_group()
+
+
+def run_ranks(work, args):
+    """Spawns args.world ranks, each joining an smddp world group (through a file store) and
+    running work(rank, args); returns what rank 0's work returned."""
+    results = mp.get_context("spawn").SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank_main, args=(work, args, os.path.join(tmp, "store"), results), nprocs=args.world,
+                           start_method="spawn")
+    return results.get()
+
+
+def worker(rank, args):
     k = args.group_size
     mine = {}
     for b in BACKENDS:
@@ -84,9 +100,7 @@ def worker(rank, args, store_path, results):
         z = torch.zeros(numel)
         rows.append((size, alternating_medians(BACKENDS, args.repeat, args.target_s,
                                                lambda b: dist.all_reduce(z, group=mine[b]))))
-    if rank == 0:
-        results.put(rows)
-    dist.destroy_process_group()
+    return rows
 
 
 def main():
@@ -104,11 +118,7 @@ def main():
           f"running allreduce at once, float32 sum; {len(os.sched_getaffinity(0))} CPUs; median of {args.repeat}")
     print(f"# $ python benchmarks/bench_subgroups.py {' '.join(sys.argv[1:])}")
     print(f"{'size':>10} {'smddp us':>10} {'gloo us':>10} {'gloo/smddp':>11}")
-    results = mp.get_context("spawn").SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(args, os.path.join(tmp, "store"), results), nprocs=args.world,
-                           start_method="spawn")
-    for size, t in results.get():
+    for size, t in run_ranks(worker, args):
         print(f"{size:>10} {t['smddp'] * 1e6:>10.1f} {t['gloo'] * 1e6:>10.1f} {t['gloo'] / t['smddp']:>10.2f}x")
 
 
