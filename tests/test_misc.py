@@ -438,6 +438,31 @@ def errors_task(rank, world):
         if rep.expect_refusal(label, lambda: dist.all_gather(outs, torch.ones(3)),
                               need=(("smddp", "all_gather", "allgather"),)):
             rep.group_still_works(label + " (after the error)", world, rank)
+    # an output whose elements share memory (expand()): refused before anything is sent (torch
+    # itself would refuse the copy back, but only after the op had run)
+    for name, call in (
+        ("all_reduce", lambda: dist.all_reduce(torch.ones(1).expand(4))),
+        ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.zeros(1).expand(2 * world),
+                                                                       torch.ones(2))),
+        ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(torch.zeros(1).expand(3),
+                                                                     torch.ones(3 * world))),
+    ):
+        label = f"{name} into an expand()ed output world={world}"
+        if not IS_SMDDP:
+            rep.skip(label, "gloo writes such a tensor, each shared element several times")
+            continue
+        with rep.cell(label):
+            if rep.expect_refusal(label, call, need=("share memory", (name, name.replace("_", "")))):
+                rep.group_still_works(label + " (after the error)", world, rank)
+    # broadcast only reads the root's tensor, so an expand()ed view may be the source
+    label = f"broadcast from an expand()ed view on the root world={world}"
+    if not IS_SMDDP:
+        rep.skip(label, "gloo sends the memory of an expand()ed view, not its elements (a wrong result)")
+        return rep.to_dict()
+    with rep.cell(label):
+        t = torch.full((1,), 7.0).expand(5) if rank == 0 else torch.zeros(5)
+        dist.broadcast(t, 0)
+        rep.check(label, t, torch.full((5,), 7.0))
     return rep.to_dict()
 
 

@@ -1,6 +1,7 @@
 #include "torch/backend.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/ivalue.h>
 #include <unistd.h>
 
@@ -160,15 +161,27 @@ struct Staged {
   bool copyBack = false;
 };
 
-Staged stageInOut(const at::Tensor& t) {  // read and written (allreduce, broadcast)
+// A tensor the op writes must not have elements that share memory (an expand()ed view): ranks'
+// results for those elements could differ, and torch refuses to write such a tensor too, but only
+// after the op has run; refuse it before anything is sent.
+void checkWritable(const at::Tensor& t, int rank, const char* op) {
+  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, "smddp rank ", rank, ": ", op,
+                    ": the output tensor has elements that share memory (a view made by expand() or as_strided()); "
+                    "pass a tensor of its own, e.g. .clone()");
+}
+
+Staged stageInOut(const at::Tensor& t, int rank, const char* op) {  // read and written (allreduce, reduce's root)
   if (t.is_contiguous()) return {t, t, false};
+  checkWritable(t, rank, op);
   return {t, t.contiguous(), true};
 }
-Staged stageOut(const at::Tensor& t) {  // only written
+Staged stageOut(const at::Tensor& t, int rank, const char* op) {  // only written
   if (t.is_contiguous()) return {t, t, false};
+  checkWritable(t, rank, op);
   return {t, at::empty(t.sizes(), t.options()), true};
 }
 at::Tensor stageIn(const at::Tensor& t) { return t.contiguous(); }
+Staged stageReadOnly(const at::Tensor& t) { return {t, stageIn(t), false}; }
 
 void finishStaged(const Staged& s) {
   if (s.copyBack) s.user.copy_(s.work);
@@ -491,7 +504,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce(std::vector<at::Tensor>& 
                         c.allreduce({dtype, red, n, p, p, -1}, to);
                       }}});
   }
-  Staged s = stageInOut(t);
+  Staged s = stageInOut(t, rank_, "allreduce");
   return enqueue(c10d::OpType::ALLREDUCE, "smddp:all_reduce", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, dtype, red](algo::Communicator& c, std::chrono::milliseconds to) {
                    void* p = s.work.data_ptr();
@@ -519,7 +532,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
     return cudaFlat(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors,
                     resolveTimeout(opts.timeout), std::move(parts));
   }
-  for (const at::Tensor& t : tensors) staged.push_back(stageInOut(t));
+  for (const at::Tensor& t : tensors) staged.push_back(stageInOut(t, rank_, "allreduce_coalesced"));
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors, tensors,
                  resolveTimeout(opts.timeout), opts.asyncOp,
                  [staged, kinds](algo::Communicator& c, std::chrono::milliseconds to) {
@@ -548,7 +561,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce(std::vector<at::Tensor>& ten
                         c.allreduce({dtype, red, n, p, p, root}, to);
                       }}});
   }
-  Staged s = stageInOut(t);
+  Staged s = rank_ == root ? stageInOut(t, rank_, "reduce") : stageReadOnly(t);
   return enqueue(c10d::OpType::REDUCE, "smddp:reduce", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, dtype, red, root](algo::Communicator& c, std::chrono::milliseconds to) {
                    void* p = s.work.data_ptr();
@@ -571,7 +584,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::broadcast(std::vector<at::Tensor>& 
                         c.broadcast({dtype, n, p, root}, to);
                       }}});
   }
-  Staged s = stageInOut(t);
+  Staged s = rank_ == root ? stageReadOnly(t) : stageOut(t, rank_, "broadcast");
   return enqueue(c10d::OpType::BROADCAST, "smddp:broadcast", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, dtype, root](algo::Communicator& c, std::chrono::milliseconds to) {
                    c.broadcast({dtype, static_cast<size_t>(s.work.numel()), s.work.data_ptr(), root}, to);
@@ -597,7 +610,7 @@ ListGather prepareListGather(const std::vector<at::Tensor>& outs, const at::Tens
   for (const at::Tensor& o : outs) {
     checkMovedTensor(o, rank, op);
     checkSameType(o, in, rank, op);
-    g.staged.push_back(stageOut(o));
+    g.staged.push_back(stageOut(o, rank, op));
     g.counts.push_back(static_cast<size_t>(o.numel()));
   }
   TORCH_CHECK_VALUE(g.counts[rank] == static_cast<size_t>(in.numel()), "smddp rank ", rank, ": ", op, ": output ",
@@ -700,7 +713,7 @@ DataType checkFlatGather(const at::Tensor& output, const at::Tensor& input, int 
 }
 
 FlatGather prepareFlatGather(const at::Tensor& output, const at::Tensor& input, int rank, int size, const char* op) {
-  FlatGather g{stageOut(output), stageIn(input), checkFlatGather(output, input, rank, size, op)};
+  FlatGather g{stageOut(output, rank, op), stageIn(input), checkFlatGather(output, input, rank, size, op)};
   // The input may be this rank's own slice of the output (FSDP2); any other overlap would be
   // overwritten while still being read, so go through a copy.
   if (overlaps(g.in, g.out.work) &&
@@ -784,7 +797,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter(std::vector<at::Tens
   std::vector<size_t> counts;
   for (const at::Tensor& t : srcs) counts.push_back(static_cast<size_t>(t.numel()));
   if (std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; })) counts.clear();
-  Staged s = stageOut(out);
+  Staged s = stageOut(out, rank_, "reduce_scatter");
   return enqueue(c10d::OpType::REDUCE_SCATTER, "smddp:reduce_scatter", outputs, ins, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, srcs, dtype, red, counts](algo::Communicator& c, std::chrono::milliseconds to) {
                    algo::ReduceScatterOptions o{dtype, red, {}, s.work.data_ptr(), static_cast<size_t>(s.work.numel()),
@@ -818,7 +831,7 @@ std::pair<DataType, Reduction> checkFlatScatter(const at::Tensor& output, const 
 FlatScatter prepareFlatScatter(const at::Tensor& output, const at::Tensor& input, const c10d::ReduceOp& op, int rank,
                                int size, const char* name) {
   const auto [dtype, red] = checkFlatScatter(output, input, op, rank, size, name);
-  FlatScatter f{stageOut(output), stageIn(input), dtype, red};
+  FlatScatter f{stageOut(output, rank, name), stageIn(input), dtype, red};
   // The output may be exactly one block of the input (DeepSpeed ZeRO-3 passes a view of it):
   // each block is staged before the matching part of the output is written. Any other overlap
   // goes through a copy.
@@ -915,7 +928,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
       checkSameType(o, in, rank_, "gather");
       TORCH_CHECK_VALUE(o.numel() == in.numel(), "smddp rank ", rank_, ": gather: every output must have the input's ",
                         in.numel(), " elements, got one with ", o.numel());
-      staged.push_back(stageOut(o));
+      staged.push_back(stageOut(o, rank_, "gather"));
     }
   } else {
     TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "smddp rank ", rank_,
@@ -963,7 +976,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& ou
     TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "smddp rank ", rank_,
                       ": scatter: only the root (rank ", root, ") takes an input list");
   }
-  Staged s = stageOut(out);
+  Staged s = stageOut(out, rank_, "scatter");
   std::vector<at::Tensor> ins = srcs;
   return enqueue(c10d::OpType::SCATTER, "smddp:scatter", outputs, ins, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, srcs, dtype, root](algo::Communicator& c, std::chrono::milliseconds to) {
@@ -1016,7 +1029,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall_base(at::Tensor& output, a
   checkSameType(output, input, rank_, "all_to_all_single");
   const std::vector<size_t> inCounts = blockCounts(input, inputSplitSizes, rank_, size_, "input");
   const std::vector<size_t> outCounts = blockCounts(output, outputSplitSizes, rank_, size_, "output");
-  Staged out = stageOut(output);
+  Staged out = stageOut(output, rank_, "all_to_all_single");
   at::Tensor in = stageIn(input);
   if (overlaps(in, out.work)) in = in.clone();
   const size_t es = in.element_size();
@@ -1058,7 +1071,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& o
     checkMovedTensor(outputs[p], rank_, "all_to_all");
     checkSameType(outputs[p], inputs[0], rank_, "all_to_all");
     checkSameType(inputs[p], inputs[0], rank_, "all_to_all");
-    outs.push_back(stageOut(outputs[p]));
+    outs.push_back(stageOut(outputs[p], rank_, "all_to_all"));
     ins.push_back(stageIn(inputs[p]));
     inCounts.push_back(static_cast<size_t>(inputs[p].numel()));
     outCounts.push_back(static_cast<size_t>(outputs[p].numel()));
@@ -1097,7 +1110,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
                     ": peer ", peer, " is not another rank of this group of size ", size_);
   TORCH_CHECK_VALUE(size_ > 1, "smddp rank ", rank_, ": ", op, ": a group of one rank has no peer");
   if (isCudaOp(tensors, op)) return isSend ? cudaSend(t, peer, tag) : cudaRecv(t, peer, tag);
-  Staged s = isSend ? Staged{t, stageIn(t), false} : stageOut(t);
+  Staged s = isSend ? stageReadOnly(t) : stageOut(t, rank_, op);
   auto work = c10::make_intrusive<SmddpWork>(rank_, isSend ? c10d::OpType::SEND : c10d::OpType::RECV,
                                              isSend ? "smddp:send" : "smddp:recv", tensors,
                                              std::optional<std::vector<at::Tensor>>(tensors), spin_);
