@@ -342,7 +342,8 @@ std::string timeStr(double us) {
 }
 
 int rankMain(const Args& a, int rank, Store& store) {
-  BootstrapStore bootstrap(store);
+  PrefixStore groupStore(store, freshNamespace(store, rank, a.ranks, std::chrono::minutes(5)));  // as the backend
+  BootstrapStore bootstrap(groupStore);
   algo::Communicator comm(bootstrap, rank, a.ranks, std::chrono::minutes(5));
   store.set("smddp_perf/pid/" + std::to_string(rank), std::to_string(getpid()));
   const int W = a.ranks;

@@ -32,26 +32,33 @@ print("rank", rank, "ok")
 """
 
 
+def _run_ranks(argvs, envs, timeout):
+    """Runs one process per rank (argv and environment each) to the end; their outputs."""
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for argv, env in zip(argvs, envs)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return procs, outs
+
+
 def _run(method, module):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
-    procs = []
+    envs = []
     for r in range(WORLD):
         e = dict(env)
         if method == "env://":
             port = _run.port
             e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(WORLD),
                      LOCAL_RANK=str(r))
-        code = CHILD.format(module=module, world=WORLD)
-        procs.append(subprocess.Popen([sys.executable, "-c", code, method, str(r)], env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=180)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        envs.append(e)
+    code = CHILD.format(module=module, world=WORLD)
+    procs, outs = _run_ranks([[sys.executable, "-c", code, method, str(r)] for r in range(WORLD)], envs, 180)
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} ({method}) exited {p.returncode}:\n{outs[r][-3000:]}"
         assert f"rank {r} ok" in outs[r]
@@ -73,3 +80,88 @@ def test_sagemaker_alias_import():
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     _run(f"tcp://127.0.0.1:{free_port()}", "smddp.torch_smddp")
+
+
+# A store that outlives the processes, as torchrun's (shared with its rendezvous since torch 2.5,
+# and not cleared between restarts): the keys a group set itself up with are still there when the
+# restarted ranks build the group again under the same names. Ranks that arrive late would then
+# read the earlier incarnation's records (its shared-memory names, its ports) as their peers'.
+REINCARNATION_CHILD = r"""
+import datetime, os, sys, time, torch, torch.distributed as dist
+import smddp
+rank, world, port, round_, host = (int(a) for a in sys.argv[1:6])
+if host >= 0:
+    os.environ["SMDDP_HOST_ID"] = str(rank % 2)
+if round_ == 1 and rank != 0:
+    time.sleep(1.5)  # rank 0 reads the set-up keys before this rank has written them again
+store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
+dist.init_process_group("smddp", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+t = torch.full((1000,), float(rank + 1))
+dist.all_reduce(t)
+assert torch.equal(t, torch.full((1000,), float(sum(range(1, world + 1))))), t
+if round_ == 0 and rank == world - 1:
+    os._exit(0)  # as a crashed rank: no destroy, nothing said to the others
+dist.barrier()
+dist.destroy_process_group()
+print("rank", rank, "round", round_, "ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("hosts", ["one host", "two hosts"])
+def test_store_reused_by_a_later_incarnation(hosts):
+    """The ranks of a restarted job build their group over the store of the crashed one (what
+    torchrun --max-restarts does by default): the set-up must not take any of the old keys for
+    the new ranks' (gloo and NCCL fail here: pytorch/pytorch#135712, #167288)."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    import datetime
+
+    import torch.distributed as dist
+
+    world = 3
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
+    host = 0 if hosts == "two hosts" else -1
+    for round_ in (0, 1):
+        procs, outs = _run_ranks([[sys.executable, "-c", REINCARNATION_CHILD, str(r), str(world), str(port),
+                                   str(round_), str(host)] for r in range(world)], [env] * world, 120)
+        if round_ == 0:
+            continue  # the crash: the others fail their barrier, whatever they say
+        for r, p in enumerate(procs):
+            assert p.returncode == 0 and f"rank {r} round 1 ok" in outs[r], \
+                f"rank {r} of the restarted job exited {p.returncode}:\n{outs[r][-3000:]}"
+    del store
+
+
+TORCHRUN_RESTART_CHILD = r"""
+import os, torch, torch.distributed as dist
+import smddp
+dist.init_process_group("smddp")
+rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+t = torch.full((1000,), float(rank + 1))
+dist.all_reduce(t)
+if attempt == 0 and rank == 1:
+    os._exit(3)  # torchrun restarts every worker
+dist.all_reduce(t)
+world = dist.get_world_size()
+assert torch.equal(t, torch.full((1000,), float(world * sum(range(1, world + 1))))), t
+dist.destroy_process_group()
+print(f"attempt {attempt} rank {rank} ok", flush=True)
+"""
+
+
+def test_torchrun_restart(tmp_path):
+    """torchrun --max-restarts: the restarted workers set the group up again over the store of the
+    failed attempt (which torchrun keeps) and train on."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    script = tmp_path / "restart.py"
+    script.write_text(TORCHRUN_RESTART_CHILD)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
+    out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "3", "--max-restarts", "1", str(script)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180).stdout
+    for r in range(3):
+        assert f"attempt 1 rank {r} ok" in out, out[-4000:]

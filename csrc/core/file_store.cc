@@ -51,4 +51,6 @@ std::string FileStore::get(const std::string& key) {
   }
 }
 
+bool FileStore::check(const std::string& key) { return access(pathOf(key).c_str(), F_OK) == 0; }
+
 }  // namespace smddp

@@ -14,6 +14,7 @@ class FileStore : public Store {
   FileStore(std::string dir, std::chrono::milliseconds timeout);
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key) override;
+  bool check(const std::string& key) override;
 
  private:
   std::string pathOf(const std::string& key) const;

@@ -1,6 +1,10 @@
 #include "core/store.h"
 
+#include <algorithm>
+#include <thread>
+
 #include "core/error.h"
+#include "core/random.h"
 
 namespace smddp {
 namespace {
@@ -35,6 +39,49 @@ void BootstrapStore::publishFailure(const std::vector<std::string>& keys, int ra
     }
   } catch (...) {  // the store is gone too: peers will hear of that from it
   }
+}
+
+std::string freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout) {
+  auto ticketKey = [](int r) { return "smddp/ticket/" + std::to_string(r); };
+  auto answerKey = [](const std::string& ticket) { return "smddp/answer/" + ticket; };
+  auto confirmKey = [](const std::string& ns, int r) { return "smddp/confirm/" + ns + "/" + std::to_string(r); };
+  if (rank != 0) {
+    const std::string ticket = randomHex(8);
+    store.set(ticketKey(rank), ticket);
+    const std::string ns = store.get(answerKey(ticket));
+    store.set(confirmKey(ns, rank), "1");
+    return ns + "/";
+  }
+  const std::string ns = randomHex(8);
+  std::vector<std::string> answered(size);  // the ticket each rank was last answered for
+  std::vector<int> pending;
+  for (int r = 1; r < size; ++r) pending.push_back(r);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::milliseconds(1);
+  while (!pending.empty()) {
+    for (int r : pending) {
+      std::string ticket = store.get(ticketKey(r));  // blocks until rank r has come at least once
+      if (ticket != answered[r]) {
+        store.set(answerKey(ticket), ns);
+        answered[r] = ticket;
+      }
+    }
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                 [&](int r) { return store.check(confirmKey(ns, r)); }),
+                  pending.end());
+    if (pending.empty()) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::string ranks;
+      for (int r : pending) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      throwError(ErrorCode::kTimeout,
+                 "rank(s) %s did not join the group's set-up within %lld ms (the ticket the store holds for them "
+                 "may be left from an earlier run over the same store, by ranks since gone)",
+                 ranks.c_str(), static_cast<long long>(timeout.count()));
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(20));
+  }
+  return ns + "/";
 }
 
 }  // namespace smddp

@@ -2,6 +2,7 @@
 // benchmark binary and C++ tests can use any other implementation.
 #pragma once
 
+#include <chrono>
 #include <set>
 #include <string>
 #include <vector>
@@ -14,6 +15,8 @@ class Store {
   virtual void set(const std::string& key, const std::string& value) = 0;
   // Blocks until `key` is set (or the store's own timeout expires, which throws).
   virtual std::string get(const std::string& key) = 0;
+  // Whether `key` is set now; never blocks.
+  virtual bool check(const std::string& key) = 0;
 };
 
 // A setting every rank must share: rank 0 publishes `mine` under `key` and every rank returns
@@ -31,11 +34,24 @@ class PrefixStore : public Store {
   PrefixStore(Store& inner, std::string prefix) : inner_(inner), prefix_(std::move(prefix)) {}
   void set(const std::string& key, const std::string& value) override { inner_.set(prefix_ + key, value); }
   std::string get(const std::string& key) override { return inner_.get(prefix_ + key); }
+  bool check(const std::string& key) override { return inner_.check(prefix_ + key); }
 
  private:
   Store& inner_;
   std::string prefix_;
 };
+
+// A store may outlive the ranks that set a group up over it: torchrun (torch >= 2.5) hands the
+// workers it restarts the store of the attempt that failed, every key of that attempt still in
+// it under the same names. A rank that read one would take a dead rank's records (shared-memory
+// names, ports) for its peer's. So a group's set-up first agrees on a namespace of its own,
+// random, and keeps every other key under it; returns that prefix ("<16 hex digits>/").
+//
+// Rank 0 draws the namespace. Every other rank draws a ticket, publishes it under its rank and
+// waits for the key named after the ticket, which only a rank 0 that read this ticket can have
+// written. Rank 0 cannot tell a fresh ticket from a dead rank's, so it answers what it reads,
+// re-reads the tickets of the ranks that have not confirmed, and answers again when one changes.
+std::string freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout);
 
 // The store as a group's set-up uses it. A rank whose set-up fails publishes its error under the
 // keys its peers may still wait for (publishFailure), and get() turns such a value into that
@@ -48,6 +64,7 @@ class BootstrapStore : public Store {
   void set(const std::string& key, const std::string& value) override;
   // Throws kRemoteError with a failed peer's error where one stands in for the value.
   std::string get(const std::string& key) override;
+  bool check(const std::string& key) override { return inner_.check(key); }
   // Publishes "rank `rank` could not set up the process group: `why`" under each of `keys` this
   // rank has not set itself. Never throws: the store may be what failed.
   void publishFailure(const std::vector<std::string>& keys, int rank, const std::string& why) noexcept;

@@ -24,7 +24,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Requests: 'S' u32 keyLen key u32 valueLen value (no reply) | 'G' u32 keyLen key (reply: u32
-// valueLen value, sent once the key exists). Lengths little-endian, as on every host we run on.
+// valueLen value, sent once the key exists) | 'C' u32 keyLen key (reply at once: one byte, '1'
+// if the key exists, else '0'). Lengths little-endian, as on every host we run on.
 std::string frame(char op, const std::string& key, const std::string* value) {
   std::string out(1, op);
   auto put = [&](const std::string& s) {
@@ -151,7 +152,7 @@ class TcpStore::Server {
       if (c.in.empty()) return;
       const char op = c.in[0];
       std::string key, value;
-      if (op != 'S' && op != 'G') {  // not our protocol: drop the client
+      if (op != 'S' && op != 'G' && op != 'C') {  // not our protocol: drop the client
         closeClient(c);
         return;
       }
@@ -160,6 +161,12 @@ class TcpStore::Server {
       if (op == 'S') {
         data_[key] = value;
         answerWaiting(key);
+      } else if (op == 'C') {
+        const char reply = data_.count(key) ? '1' : '0';
+        if (send(c.fd, &reply, 1, MSG_NOSIGNAL) != 1) {  // one byte to a client blocked reading it
+          closeClient(c);
+          return;
+        }
       } else {
         waiting_.emplace_back(c.fd, key);
         answerWaiting(key);
@@ -285,6 +292,13 @@ std::string TcpStore::get(const std::string& key) {
   std::string v(n, '\0');
   if (n) recvAll(v.data(), n, deadline, key);
   return v;
+}
+
+bool TcpStore::check(const std::string& key) {
+  sendAll(frame('C', key, nullptr));
+  char reply = 0;
+  recvAll(&reply, 1, Clock::now() + timeout_, key);
+  return reply == '1';
 }
 
 }  // namespace smddp

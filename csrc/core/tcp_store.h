@@ -24,6 +24,7 @@ class TcpStore : public Store {
   ~TcpStore() override;
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key) override;
+  bool check(const std::string& key) override;
 
  private:
   class Server;

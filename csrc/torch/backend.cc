@@ -232,6 +232,11 @@ class C10dStore : public Store {
     });
     return value;
   }
+  bool check(const std::string& key) override {
+    bool found = false;
+    guarded("checking", key, [&] { found = store_->check({key}); });
+    return found;
+  }
 
  private:
   template <class Fn>
@@ -322,8 +327,9 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   const char* torchDebug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
   debugChecks_ = env::debugChecks() != 0 || (torchDebug != nullptr && std::string(torchDebug) == "DETAIL");
   store_ = std::make_unique<C10dStore>(store);
-  bootstrap_ = std::make_unique<BootstrapStore>(*store_);
   try {
+    groupStore_ = std::make_unique<PrefixStore>(*store_, freshNamespace(*store_, rank, size, timeout));
+    bootstrap_ = std::make_unique<BootstrapStore>(*groupStore_);
     comm_ = std::make_unique<algo::Communicator>(*bootstrap_, rank, size, timeout);
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, rank));

@@ -228,7 +228,8 @@ class SmddpBackend : public c10d::Backend {
   std::chrono::microseconds spin_;
   std::atomic<uint64_t> issued_{0};
   std::unique_ptr<Store> store_;  // the group's c10d store, kept for the communicator (see there)
-  std::unique_ptr<BootstrapStore> bootstrap_;  // store_ as the set-up uses it
+  std::unique_ptr<Store> groupStore_;  // store_'s namespace for this group alone (freshNamespace)
+  std::unique_ptr<BootstrapStore> bootstrap_;  // groupStore_ as the set-up uses it
   std::unique_ptr<algo::Communicator> comm_;
   std::unique_ptr<engine::ProgressThread> progress_;
   // Ranks of this host; null when it is the only one. Shared with the Works that drive it.
