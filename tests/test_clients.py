@@ -342,6 +342,44 @@ def ddp_nested_wait_hook_task(rank, world):
     return rep.to_dict()
 
 
+def ddp_zero_overlap_task(rank, world, hook_name):
+    """ZeroRedundancyOptimizer(overlap_with_ddp=True): each rank steps its shard of the
+    parameters in the callback of a bucket's all_reduce and broadcasts it to the others from
+    there, over several buckets. The reference is plain DDP with SGD on gloo (which torch does not
+    let overlap), stepping from the third iteration: the first two only let DDP settle its buckets."""
+    from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rep = Report(rank)
+    base = _mlp()
+    batches = _batches(world, steps=6, key=5)
+    model = DDP(copy.deepcopy(base), bucket_cap_mb=0.0005)
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    model.register_comm_hook(None, getattr(ddp_zero_hook, hook_name)(allreduce_hook, model, zero))
+    ref = DDP(copy.deepcopy(base), process_group=_gloo_group(), bucket_cap_mb=0.0005)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(batches):
+        with rep.cell(f"ZeRO overlap ({hook_name}) step {step}"):
+            _loss(model, _local(x, rank), _local(y, rank)).backward()
+            model.zero_grad()
+            _loss(ref, _local(x, rank), _local(y, rank)).backward()
+            if step >= 2:
+                ref_opt.step()
+            ref_opt.zero_grad()
+    for (n, p), q in zip(model.module.named_parameters(), ref.module.parameters()):
+        _close(rep, f"ZeRO overlap ({hook_name}): {n} against DDP + SGD on gloo", p.detach(), q.detach(), **TOL64)
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="torch refuses overlap_with_ddp on gloo ('may meet hangs')")
+@pytest.mark.parametrize("hook_name", ["hook_with_zero_step", "hook_with_zero_step_interleaved"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_zero_overlap(pools, world, hook_name):
+    pools.check(world, ddp_zero_overlap_task, hook_name)
+
+
 @pytest.mark.parametrize("kind", DDP_FEATURES)
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_against_gloo(pools, world, kind):
