@@ -126,6 +126,11 @@ constexpr Param kParams[] = {
      "dtype, reduce op, root or size is always caught), and all_to_all across hosts exchanges the split "
      "sizes before any data (one more round trip), so a mismatch fails every rank in the same call. "
      "TORCH_DISTRIBUTED_DEBUG=DETAIL turns it on too."},
+    {"SMDDP_FR_DUMP_FILE", "",
+     "A path prefix: when set, an op that fails writes this process's flight recorder (its groups' "
+     "latest ops, TORCH_FR_BUFFER_SIZE of them, in the layout of torch's flight recorder) to "
+     "<prefix><global rank>; python -m smddp.fr_trace <directory> compares the ranks' dumps. "
+     "smddp.dump_flight_recorder() gives the same dump at any time."},
     {"SMDDP_DESYNC_CHECK_MS", "5000",
      "A collective of a group that spans hosts that has waited this long without progress posts "
      "where it is (op number and collective) in the group's store and reads where the ranks it waits "
@@ -191,6 +196,7 @@ SMDDP_STRING_PARAM(debugSubsys, "SMDDP_DEBUG_SUBSYS")
 SMDDP_INT_PARAM(debugChecks, "SMDDP_DEBUG_CHECKS")
 SMDDP_INT_PARAM(desyncCheckMs, "SMDDP_DESYNC_CHECK_MS")
 SMDDP_STRING_PARAM(hostId, "SMDDP_HOST_ID")
+SMDDP_STRING_PARAM(frDumpFile, "SMDDP_FR_DUMP_FILE")
 SMDDP_STRING_PARAM(socketIfname, "SMDDP_SOCKET_IFNAME")
 SMDDP_STRING_PARAM(socketFamily, "SMDDP_SOCKET_FAMILY")
 SMDDP_STRING_PARAM(netAlgo, "SMDDP_NET_ALGO")

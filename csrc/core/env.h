@@ -49,6 +49,8 @@ int64_t desyncCheckMs();
 int64_t yieldMicros();
 // Splits one machine into several "hosts" (tests); empty = no split.
 const std::string& hostId();
+// SMDDP_FR_DUMP_FILE: where a failed op dumps the flight recorder (empty: nowhere).
+const std::string& frDumpFile();
 // Interfaces for the TCP mesh (NCCL_SOCKET_IFNAME syntax); empty = route to MASTER_ADDR.
 const std::string& socketIfname();
 // Address family of the inter-host connections ("", "AF_INET" or "AF_INET6").

@@ -15,6 +15,7 @@
 #include "core/log.h"
 #include "core/spin.h"
 #include "core/types.h"
+#include "torch/flight_recorder.h"
 
 namespace smddp::torchext {
 
@@ -309,8 +310,12 @@ void SmddpWork::synchronize() {
   if (events_) torchext::blockCurrentStream(events_->ops(), device_, doneEvent_, rank_);
 }
 
+void SmddpWork::traceStarted() { FlightRecorder::get().started(traceId_); }
+
 void SmddpWork::complete(std::exception_ptr error) {
+  FlightRecorder::get().finished(traceId_, !error);
   if (error) {
+    FlightRecorder::get().dumpOnError(pgId_, rank_);
     future_->setError(error);
     finish(error);
   } else {
@@ -322,8 +327,12 @@ void SmddpWork::complete(std::exception_ptr error) {
 // ---- Backend --------------------------------------------------------------------------------
 
 SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                           std::chrono::milliseconds timeout)
-    : c10d::Backend(rank, size), timeoutMs_(timeout.count()) {
+                           std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks)
+    : c10d::Backend(rank, size), timeoutMs_(timeout.count()), globalRanks_(std::move(globalRanks)) {
+  if (globalRanks_.empty()) {
+    for (int r = 0; r < size; ++r) globalRanks_.push_back(r);
+  }
+  pgId_ = FlightRecorder::get().addGroup(globalRanks_);
   const char* torchDebug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
   debugChecks_ = env::debugChecks() != 0 || (torchDebug != nullptr && std::string(torchDebug) == "DETAIL");
   store_ = std::make_unique<C10dStore>(store);
@@ -416,8 +425,10 @@ c10::intrusive_ptr<c10d::Backend> SmddpBackend::split(const c10::intrusive_ptr<c
     if (auto child = lastSplit_.lock()) return child;
   }
   const auto timeout = opts ? opts->timeout : std::chrono::milliseconds(timeoutMs_.load());
+  std::vector<int64_t> childGlobalRanks;
+  for (int r : ranks) childGlobalRanks.push_back(globalRanks_.at(r));
   auto child = c10::make_intrusive<SmddpBackend>(store, static_cast<int>(it - ranks.begin()),
-                                                 static_cast<int>(ranks.size()), timeout);
+                                                 static_cast<int>(ranks.size()), timeout, childGlobalRanks);
   lastSplitStore_ = store.get();
   lastSplitRanks_ = ranks;
   lastSplit_ = c10::weak_intrusive_ptr<c10d::Backend>(c10::intrusive_ptr<c10d::Backend>(child));
@@ -462,6 +473,14 @@ std::chrono::milliseconds SmddpBackend::resolveTimeout(std::chrono::milliseconds
   return requested == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : requested;
 }
 
+c10::intrusive_ptr<SmddpWork> SmddpBackend::newWork(c10d::OpType opType, const char* title, const Tensors& outputs,
+                                                     const Tensors& inputs, std::chrono::milliseconds timeout) {
+  auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, outputs, std::optional<Tensors>(inputs), spin_);
+  const bool p2p = opType == c10d::OpType::SEND || opType == c10d::OpType::RECV || opType == c10d::OpType::RECVANYSOURCE;
+  work->setTrace(pgId_, FlightRecorder::get().record(pgId_, *this, p2p, title, inputs, outputs, timeout));
+  return work;
+}
+
 c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const char* title,
                                                      std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
                                                      std::chrono::milliseconds timeout, bool async, Body body) {
@@ -469,12 +488,12 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
   throwIfCudaFailed(title);
   issued_.fetch_add(1);
   body = describedBody(opType, title, outputs, inputs, std::move(body));
-  auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, std::move(outputs),
-                                             std::optional<std::vector<at::Tensor>>(std::move(inputs)), spin_);
+  auto work = newWork(opType, title, outputs, inputs, timeout);
   algo::Communicator* comm = comm_.get();
   const int rank = rank_;
   auto task = [work, comm, rank, timeout, body = std::move(body)]() {
     std::exception_ptr error;
+    work->traceStarted();
     try {
       body(*comm, timeout);
     } catch (const Error& e) {
@@ -1117,9 +1136,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
   TORCH_CHECK_VALUE(size_ > 1, "smddp rank ", rank_, ": ", op, ": a group of one rank has no peer");
   if (isCudaOp(tensors, op)) return isSend ? cudaSend(t, peer, tag) : cudaRecv(t, peer, tag);
   Staged s = isSend ? stageReadOnly(t) : stageOut(t, rank_, op);
-  auto work = c10::make_intrusive<SmddpWork>(rank_, isSend ? c10d::OpType::SEND : c10d::OpType::RECV,
-                                             isSend ? "smddp:send" : "smddp:recv", tensors,
-                                             std::optional<std::vector<at::Tensor>>(tensors), spin_);
+  auto work = newWork(isSend ? c10d::OpType::SEND : c10d::OpType::RECV, isSend ? "smddp:send" : "smddp:recv", tensors,
+                      tensors, std::chrono::milliseconds(timeoutMs_.load()));
+  work->traceStarted();  // posted: from here on it moves as soon as its peer is there
   engine::P2pOp o = p2pOp(isSend, peer, tag, s.work);
   const int rank = rank_;
   o.done = [work, s, rank, peer](std::exception_ptr error, int source) {
@@ -1215,8 +1234,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::recvAnysource(std::vector<at::Tenso
 }
 
 c10::intrusive_ptr<c10d::Backend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                std::chrono::milliseconds timeout) {
-  return c10::make_intrusive<SmddpBackend>(store, rank, size, timeout);
+                                                std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks) {
+  return c10::make_intrusive<SmddpBackend>(store, rank, size, timeout, std::move(globalRanks));
 }
 
 }  // namespace smddp::torchext

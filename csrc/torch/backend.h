@@ -54,6 +54,13 @@ class SmddpWork : public c10d::Work {
   // Called once, on the progress (or p2p) thread.
   void complete(std::exception_ptr error);
 
+  // The op's entry in the flight recorder (FlightRecorder::record), updated as it runs.
+  void setTrace(int pgId, int64_t traceId) {
+    pgId_ = pgId;
+    traceId_ = traceId;
+  }
+  void traceStarted();
+
   // For recv from any source: the rank the message came from.
   int sourceRank() const override { return sourceRank_.load(); }
   void setSourceRank(int rank) { sourceRank_.store(rank); }
@@ -68,12 +75,17 @@ class SmddpWork : public c10d::Work {
   c10::Device device_{c10::kCPU};
   void* doneEvent_ = nullptr;
   std::shared_ptr<engine::P2pDriver> p2pDriver_;
+  int pgId_ = 0;
+  int64_t traceId_ = -1;
 };
 
 class SmddpBackend : public c10d::Backend {
  public:
   // Collective over the group: checks the ranks share a host and maps the shared memory.
-  SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout);
+  // `globalRanks`: the world rank of each of the group's ranks (empty: the group is the world),
+  // for the flight recorder's dumps.
+  SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
+               std::vector<int64_t> globalRanks = {});
   ~SmddpBackend() override;
 
   const std::string getBackendName() const override { return "smddp"; }
@@ -206,6 +218,9 @@ class SmddpBackend : public c10d::Backend {
   // Inside cudaWhole's CPU twin: queues `body` as the staged op's host side; null otherwise.
   Work divertToCuda(c10d::OpType opType, const char* title, std::chrono::milliseconds timeout, const Body& body);
 
+  // Every op's Work: recorded in the flight recorder (as scheduled) as it is created.
+  c10::intrusive_ptr<SmddpWork> newWork(c10d::OpType opType, const char* title, const Tensors& outputs,
+                                        const Tensors& inputs, std::chrono::milliseconds timeout);
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType opType, const char* title, std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> inputs, std::chrono::milliseconds timeout,
                                          bool async, Body body);
@@ -227,6 +242,8 @@ class SmddpBackend : public c10d::Backend {
   bool debugChecks_ = false;
   std::chrono::microseconds spin_;
   std::atomic<uint64_t> issued_{0};
+  std::vector<int64_t> globalRanks_;  // see the constructor
+  int pgId_ = 0;                      // this group in the flight recorder
   std::unique_ptr<Store> store_;  // the group's c10d store, kept for the communicator (see there)
   std::unique_ptr<Store> groupStore_;  // store_'s namespace for this group alone (freshNamespace)
   std::unique_ptr<BootstrapStore> bootstrap_;  // groupStore_ as the set-up uses it
@@ -260,6 +277,6 @@ std::exception_ptr toTorchError(const Error& e, int rank);
 std::exception_ptr asTorchError(std::exception_ptr error, int rank);
 
 c10::intrusive_ptr<c10d::Backend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                std::chrono::milliseconds timeout);
+                                                std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks);
 
 }  // namespace smddp::torchext

@@ -88,7 +88,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
   Tensors keep = outputs;
   keep.insert(keep.end(), inputs.begin(), inputs.end());
   if (ownStaging.defined()) keep.push_back(ownStaging);
-  auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, outputs, std::optional<Tensors>(inputs), spin_);
+  auto work = newWork(opType, title, outputs, inputs, timeout);
   const CudaPath::Launch launch = path->launch(rounds);
   work->setCuda(path->events(), path->device(), launch.doneEvent);
   std::vector<CudaStep> steps = makeSteps(launch);
@@ -98,6 +98,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
   auto task = [this, work, comm, path, launch, steps = std::move(steps), keep = std::move(keep), timeout,
                rank]() mutable {
     std::exception_ptr error;
+    work->traceStarted();
     try {
       path->runHost(launch, steps, *comm, timeout);
     } catch (const Error& e) {
@@ -300,8 +301,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
   const std::shared_ptr<CudaPath> path = cuda_;
   const size_t bytes = t.nbytes();
   at::Tensor message = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  auto work = c10::make_intrusive<SmddpWork>(rank_, c10d::OpType::RECV, "smddp:recv", Tensors{t},
-                                             std::optional<Tensors>(Tensors{t}), spin_);
+  auto work = newWork(c10d::OpType::RECV, "smddp:recv", Tensors{t}, Tensors{t}, std::chrono::milliseconds(timeoutMs_.load()));
+  work->traceStarted();
   const CudaPath::Receive r = path->launchReceive(bytePtr(t), bytePtr(message), bytes);
   work->setCuda(path->events(), path->device(), r.doneEvent);
   engine::P2pOp o = p2pOp(false, peer, tag, message);

@@ -6,6 +6,7 @@
 #include "core/env.h"
 #include "core/reduce.h"
 #include "torch/backend.h"
+#include "torch/flight_recorder.h"
 
 namespace py = pybind11;
 
@@ -26,11 +27,12 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-         const std::chrono::duration<float>& timeout) {
+         const std::chrono::duration<float>& timeout, std::vector<int64_t> globalRanks) {
         return smddp::torchext::createBackend(store, rank, size,
-                                              std::chrono::duration_cast<std::chrono::milliseconds>(timeout));
+                                              std::chrono::duration_cast<std::chrono::milliseconds>(timeout),
+                                              std::move(globalRanks));
       },
-      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("global_ranks"),
       // Bootstrap blocks on the store: let other Python threads run meanwhile.
       py::call_guard<py::gil_scoped_release>());
 
@@ -38,6 +40,7 @@ PYBIND11_MODULE(_C, m) {
   // of the extension does, and it crashes when the compiler's C++ headers do not match the
   // libstdc++ loaded at run time (seen with a second gcc in /opt on a GPU image).
   m.def("_format_selftest", [] { return c10::str("rank ", 7, ": ", 1.5, " ", int64_t{-3}); });
+  m.def("_dump_flight_recorder", [] { return py::bytes(smddp::torchext::FlightRecorder::get().dump()); });
   m.def("_torch_version", [] { return std::string(SMDDP_TORCH_VERSION); });
   m.def("_reduce_isa", [] { return std::string(smddp::isaName(smddp::activeIsa())); });
   m.def("_env_params", [] {

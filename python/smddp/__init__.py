@@ -15,12 +15,19 @@ from ._build_info import VERSION as __version__  # noqa: E402
 BACKEND_NAME = "smddp"
 
 
+def _create_backend(dist_options, backend_options):
+    # torch's extended creator API: the only one that says which world ranks the group holds
+    # (for the flight recorder's dumps); an empty list means the world.
+    return _C._create_backend(dist_options.store, dist_options.group_rank, dist_options.group_size,
+                              dist_options.timeout, list(dist_options.global_ranks_in_group))
+
+
 def _register():
     # Registering twice raises in torch; a re-import (e.g. importlib.reload) must not.
     if getattr(dist.Backend, BACKEND_NAME.upper(), None) == BACKEND_NAME:
         return
     # devices must be a list: a plain string would be iterated character by character.
-    dist.Backend.register_backend(BACKEND_NAME, _C._create_backend, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"])
 
 
 _register()
@@ -36,4 +43,20 @@ def reduce_isa():
     return _C._reduce_isa()
 
 
-__all__ = ["BACKEND_NAME", "env_params", "reduce_isa", "__version__"]
+def dump_flight_recorder(path=None):
+    """The latest ops of this process's smddp groups (TORCH_FR_BUFFER_SIZE of them, default
+    2000), pickled in the layout of torch's flight recorder (what
+    torch._C._distributed_c10d._dump_fr_trace() gives for NCCL and gloo): each op's group, its
+    sequence number, sizes, dtypes and state (scheduled, started, completed; retired but not
+    completed = failed). Written to `path` too when given. Dumps of every rank, named
+    <prefix><global rank> in one directory, are what ``torchfrtrace <dir> --prefix <prefix>``
+    compares to find the rank and collective where a job diverged or hung; SMDDP_FR_DUMP_FILE
+    writes them when an op fails."""
+    data = _C._dump_flight_recorder()
+    if path is not None:
+        with open(path, "wb") as f:
+            f.write(data)
+    return data
+
+
+__all__ = ["BACKEND_NAME", "dump_flight_recorder", "env_params", "reduce_isa", "__version__"]

@@ -1,0 +1,233 @@
+#include "torch/flight_recorder.h"
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <thread>
+
+#include "core/env.h"
+#include "core/log.h"
+
+namespace smddp::torchext {
+namespace {
+
+// The dump layout this follows: torch 2.13's flight recorder writes version "2.10".
+constexpr char kDumpVersion[] = "2.10";
+
+int64_t nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+size_t capacityFromEnv() {
+  for (const char* name : {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}) {  // torch's order
+    if (const char* v = std::getenv(name)) {
+      const long long n = std::atoll(v);
+      return n > 0 ? static_cast<size_t>(n) : 0;
+    }
+  }
+  return 2000;
+}
+
+const std::string& threadLabel() {
+  thread_local const std::string label = std::to_string(std::hash<std::thread::id>()(std::this_thread::get_id()));
+  return label;
+}
+
+void setShapes(const std::vector<at::Tensor>& tensors, std::vector<std::vector<int64_t>>& sizes,
+               std::vector<at::ScalarType>& types) {
+  sizes.resize(tensors.size());  // the slot's vectors keep their memory from entry to entry
+  types.clear();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    sizes[i].assign(tensors[i].sizes().begin(), tensors[i].sizes().end());
+    types.push_back(tensors[i].scalar_type());
+  }
+}
+
+c10::IValue sizesOf(const std::vector<std::vector<int64_t>>& all) {
+  c10::impl::GenericList out(c10::ListType::create(c10::ListType::ofInts()));
+  for (const auto& sizes : all) out.push_back(c10::List<int64_t>(sizes));
+  return out;
+}
+
+c10::IValue typesOf(const std::vector<at::ScalarType>& all) {
+  c10::List<std::string> out;
+  for (at::ScalarType t : all) out.push_back(c10::toString(t));
+  return out;
+}
+
+c10::IValue optionalNs(const std::optional<int64_t>& t) { return t ? c10::IValue(*t) : c10::IValue(); }
+
+// A dict with string keys, as torch's dump has throughout.
+c10::impl::GenericDict newDict() { return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()); }
+
+std::string ranksText(const std::vector<int64_t>& ranks) {
+  std::string s = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s + "]";
+}
+
+}  // namespace
+
+FlightRecorder& FlightRecorder::get() {
+  static FlightRecorder* instance = new FlightRecorder();  // outlives every group, as torch's does
+  return *instance;
+}
+
+FlightRecorder::FlightRecorder() : capacity_(capacityFromEnv()) { entries_.resize(capacity_); }
+
+int FlightRecorder::addGroup(std::vector<int64_t> globalRanks) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  groups_.push_back(Group{});
+  groups_.back().globalRanks = std::move(globalRanks);
+  return static_cast<int>(groups_.size()) - 1;
+}
+
+int64_t FlightRecorder::record(int pgId, const c10d::Backend& backend, bool p2p, const char* profilingName,
+                               const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                               std::chrono::milliseconds timeout) {
+  if (!enabled()) return -1;
+  std::lock_guard<std::mutex> lock(mutex_);
+  Group& g = groups_[pgId];
+  if (g.name.empty()) {  // torch names a group after creating its backend
+    g.name = backend.getGroupUid();
+    g.desc = backend.getGroupDesc();
+  }
+  const int64_t id = nextId_++;
+  Entry& e = entries_[static_cast<size_t>(id) % capacity_];
+  e.id = id;
+  e.pgId = pgId;
+  e.p2p = p2p;
+  (p2p ? g.p2ps : g.collectives) += 1;
+  e.collectiveSeq = p2p ? 0 : g.collectives;  // torch's numbering: 0 for none, from 1
+  e.p2pSeq = p2p ? g.p2ps : 0;
+  e.opId = g.collectives + g.p2ps;
+  e.name = profilingName;
+  e.state = State::kScheduled;
+  e.retired = false;
+  e.created = nowNs();
+  e.timeoutMs = timeout.count();
+  e.startedAt.reset();
+  e.completedAt.reset();
+  setShapes(inputs, e.inSizes, e.inTypes);
+  setShapes(outputs, e.outSizes, e.outTypes);
+  e.thread = threadLabel();
+  return id;
+}
+
+FlightRecorder::Entry* FlightRecorder::find(int64_t id) {
+  if (id < 0 || capacity_ == 0) return nullptr;
+  Entry& e = entries_[static_cast<size_t>(id) % capacity_];
+  return e.id == id ? &e : nullptr;
+}
+
+void FlightRecorder::started(int64_t id) {
+  if (id < 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  Entry* e = find(id);
+  if (!e || e->state != State::kScheduled) return;
+  e->state = State::kStarted;
+  e->startedAt = nowNs();
+  if (!e->p2p) groups_[e->pgId].lastStarted = std::max(groups_[e->pgId].lastStarted, e->collectiveSeq);
+}
+
+void FlightRecorder::finished(int64_t id, bool ok) {
+  if (id < 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  Entry* e = find(id);
+  if (!e) return;
+  e->retired = true;
+  if (!ok) return;
+  if (!e->startedAt) e->startedAt = nowNs();
+  e->state = State::kCompleted;
+  e->completedAt = nowNs();
+  if (!e->p2p) {
+    Group& g = groups_[e->pgId];
+    g.lastStarted = std::max(g.lastStarted, e->collectiveSeq);
+    g.lastCompleted = std::max(g.lastCompleted, e->collectiveSeq);
+  }
+}
+
+std::string FlightRecorder::dump() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  c10::impl::GenericDict out = newDict();
+  out.insert("version", kDumpVersion);
+  out.insert("comm_lib_version", "smddp");
+  c10::impl::GenericDict config = newDict(), status = newDict();
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& g = groups_[i];
+    c10::impl::GenericDict c = newDict();
+    c.insert("name", g.name);
+    c.insert("desc", g.desc);
+    c.insert("ranks", ranksText(g.globalRanks));
+    config.insert(g.name, c);
+    c10::impl::GenericDict st = newDict();
+    st.insert("last_enqueued_collective", g.collectives);
+    st.insert("last_started_collective", g.lastStarted);
+    st.insert("last_completed_collective", g.lastCompleted);
+    status.insert(std::to_string(i), st);
+  }
+  out.insert("pg_config", config);
+  out.insert("pg_status", status);
+  c10::impl::GenericList entries(c10::AnyType::get());
+  const int64_t first = nextId_ > static_cast<int64_t>(capacity_) ? nextId_ - static_cast<int64_t>(capacity_) : 0;
+  for (int64_t id = first; id < nextId_; ++id) {
+    const Entry& e = entries_[static_cast<size_t>(id) % capacity_];
+    const Group& g = groups_[e.pgId];
+    c10::impl::GenericDict d = newDict();
+    d.insert("frames", c10::impl::GenericList(c10::AnyType::get()));  // no Python stacks are captured
+    d.insert("record_id", e.id);
+    d.insert("pg_id", static_cast<int64_t>(e.pgId));
+    d.insert("process_group", c10::ivalue::Tuple::create(g.name, g.desc));
+    d.insert("thread_name", "smddp");
+    d.insert("thread_id", e.thread);
+    d.insert("collective_seq_id", e.collectiveSeq);
+    d.insert("p2p_seq_id", e.p2pSeq);
+    d.insert("op_id", e.opId);
+    d.insert("profiling_name", std::string(e.name));
+    d.insert("time_created_ns", e.created);
+    d.insert("input_sizes", sizesOf(e.inSizes));
+    d.insert("input_dtypes", typesOf(e.inTypes));
+    d.insert("output_sizes", sizesOf(e.outSizes));
+    d.insert("output_dtypes", typesOf(e.outTypes));
+    d.insert("state", e.state == State::kCompleted ? "completed" : e.state == State::kStarted ? "started" : "scheduled");
+    d.insert("time_discovered_started_ns", optionalNs(e.startedAt));
+    d.insert("time_discovered_completed_ns", optionalNs(e.completedAt));
+    d.insert("retired", e.retired);
+    d.insert("timeout_ms", e.timeoutMs);
+    d.insert("is_p2p", e.p2p);
+    entries.push_back(d);
+  }
+  out.insert("entries", entries);
+  const std::vector<char> bytes = torch::jit::pickle(out, nullptr);  // plain pickle: no tensors in it
+  return std::string(bytes.begin(), bytes.end());
+}
+
+void FlightRecorder::dumpOnError(int pgId, int rank) noexcept {
+  const std::string& prefix = env::frDumpFile();
+  if (prefix.empty() || !enabled()) return;
+  try {
+    int64_t global = rank;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const Group& g = groups_[pgId];
+      if (rank < static_cast<int>(g.globalRanks.size())) global = g.globalRanks[rank];
+    }
+    const std::string path = prefix + std::to_string(global);
+    const std::string bytes = dump();
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    if (f) {
+      SMDDP_WARN(kColl, "rank %d: an op failed: flight recorder dumped to %s", rank, path.c_str());
+    } else {
+      SMDDP_WARN(kColl, "rank %d: cannot write the flight recorder to %s", rank, path.c_str());
+    }
+  } catch (const std::exception& e) {
+    SMDDP_WARN(kColl, "rank %d: the flight recorder dump failed: %s", rank, e.what());
+  }
+}
+
+}  // namespace smddp::torchext

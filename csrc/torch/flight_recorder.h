@@ -1,0 +1,84 @@
+// What this process's smddp groups did last: a ring of the latest ops (what, on which group, its
+// sequence number, sizes, and whether it was scheduled, started or completed), dumped in the
+// layout of torch's flight recorder (the pickle torch._C._distributed_c10d._dump_fr_trace()
+// returns for NCCL and gloo); smddp.fr_trace lines the ranks' dumps up: which rank stopped at
+// which collective, which one ran another. torch's own recorder cannot be fed from an extension
+// (its recording functions are not exported), and its analyzer (torchfrtrace) accepts only the
+// libraries it lists, hence both.
+//
+// Size: TORCH_FR_BUFFER_SIZE entries, torch's setting (default 2000; 0 turns recording off).
+// SMDDP_FR_DUMP_FILE: a path prefix; when set, a failed op writes the dump to <prefix><global
+// rank>, as NCCL's watchdog does on a timeout.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace smddp::torchext {
+
+class FlightRecorder {
+ public:
+  static FlightRecorder& get();
+
+  bool enabled() const { return capacity_ > 0; }
+
+  // A new group; `globalRanks` maps its ranks to the world's (empty: they are the same).
+  // Returns its id in the dumps (pg_id).
+  int addGroup(std::vector<int64_t> globalRanks);
+
+  // An op issued on group `pgId` (whose torch name and description `backend` knows by then).
+  // Returns the entry's id, or -1 when recording is off.
+  int64_t record(int pgId, const c10d::Backend& backend, bool p2p, const char* profilingName,
+                 const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                 std::chrono::milliseconds timeout);
+  void started(int64_t id);
+  // Completed, or failed (then only retired, as torch marks an op that timed out).
+  void finished(int64_t id, bool ok);
+
+  // The pickled dump (torch's layout, version 2.10).
+  std::string dump();
+  // With SMDDP_FR_DUMP_FILE set: writes the dump for the global rank that group `pgId`'s rank
+  // `rank` is; never throws (it runs as an op fails).
+  void dumpOnError(int pgId, int rank) noexcept;
+
+ private:
+  enum class State : uint8_t { kScheduled, kStarted, kCompleted };
+  struct Group {
+    std::string name, desc;
+    std::vector<int64_t> globalRanks;
+    int64_t collectives = 0, p2ps = 0;  // ops issued so far
+    int64_t lastStarted = -1, lastCompleted = -1;  // collective sequence numbers
+  };
+  struct Entry {
+    int64_t id = -1;
+    int pgId = 0;
+    int64_t collectiveSeq = 0, p2pSeq = 0, opId = 0;
+    const char* name = "";
+    bool p2p = false;
+    State state = State::kScheduled;
+    bool retired = false;
+    int64_t created = 0, timeoutMs = 0;
+    std::optional<int64_t> startedAt, completedAt;
+    std::vector<std::vector<int64_t>> inSizes, outSizes;
+    std::vector<at::ScalarType> inTypes, outTypes;
+    std::string thread;
+  };
+
+  FlightRecorder();
+  Entry* find(int64_t id);  // under mutex_; null once overwritten
+
+  size_t capacity_ = 0;
+  std::mutex mutex_;
+  std::vector<Entry> entries_;  // a ring: entry id lives at id % capacity_
+  int64_t nextId_ = 0;
+  std::vector<Group> groups_;
+};
+
+}  // namespace smddp::torchext

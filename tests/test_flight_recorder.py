@@ -1,0 +1,113 @@
+"""The flight recorder: what each rank's groups did last (smddp.dump_flight_recorder, and the dump
+SMDDP_FR_DUMP_FILE writes when an op fails), and smddp.fr_trace, which lines the ranks' dumps up
+to say where a job diverged or hung."""
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _pool import TESTS_DIR, free_port
+from _util import IS_SMDDP, Report
+
+pytestmark = pytest.mark.skipif(not IS_SMDDP, reason="smddp's own recorder")
+
+
+def _entries(dump, group_name):
+    return [e for e in dump["entries"] if e["process_group"][0] == group_name]
+
+
+def contents_task(rank, world):
+    """A fresh group's collectives and point-to-point ops, as the dump lists them."""
+    import smddp
+    from torch.distributed.distributed_c10d import _get_process_group_name
+
+    rep = Report(rank)
+    group = dist.new_group(list(range(world)))
+    name = _get_process_group_name(group)
+    t = torch.ones(6, dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    out = torch.empty(world * 4, dtype=torch.int32)
+    dist.all_gather_into_tensor(out, torch.ones(4, dtype=torch.int32), group=group)
+    peer = (rank + 1) % world
+    ops = [dist.P2POp(dist.isend, torch.ones(3), peer, group), dist.P2POp(dist.irecv, torch.empty(3), (rank - 1) % world, group)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    pending = dist.all_reduce(torch.ones(2), group=group, async_op=True)
+    pending.wait()
+    dump = pickle.loads(smddp.dump_flight_recorder())
+    rep.expect(dump["version"] == "2.10", f"version {dump['version']}")
+    cfg = dump["pg_config"].get(name)
+    rep.expect(cfg is not None and cfg["ranks"] == str(list(range(world))), f"pg_config of {name}: {cfg}")
+    got = [(e["profiling_name"], e["collective_seq_id"], e["p2p_seq_id"], e["is_p2p"], e["state"], e["retired"],
+            e["input_sizes"], e["input_dtypes"]) for e in _entries(dump, name)]
+    want = [("smddp:all_reduce", 1, 0, False, "completed", True, [[6]], ["Double"]),
+            ("smddp:all_gather_into_tensor", 2, 0, False, "completed", True, [[4]], ["Int"]),
+            ("smddp:send", 0, 1, True, "completed", True, [[3]], ["Float"]),
+            ("smddp:recv", 0, 2, True, "completed", True, [[3]], ["Float"]),
+            ("smddp:all_reduce", 3, 0, False, "completed", True, [[2]], ["Float"])]
+    rep.expect(got == want, f"entries of group {name}:\n{got}\nexpected\n{want}")
+    status = [s for s in dump["pg_status"].values() if s["last_enqueued_collective"] == 3]
+    rep.expect(any(s["last_completed_collective"] == 3 for s in status), f"pg_status {dump['pg_status']}")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dump_contents(pools, world):
+    pools.check(world, contents_task)
+
+
+CHILD = r"""
+import datetime, sys, time, torch, torch.distributed as dist
+import smddp
+rank, world, url, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=3))
+sub = dist.new_group([0, 1])
+t = torch.ones(100)
+dist.all_reduce(t)
+if rank < 2:
+    dist.all_reduce(t, group=sub)
+try:
+    if mode == "other_op" and rank == 2:
+        dist.all_gather_into_tensor(torch.empty(300), t)   # the others run an all_reduce
+    elif mode == "stalled" and rank == 2:
+        time.sleep(5)                                      # never comes to the next collective
+        smddp.dump_flight_recorder(sys.argv[5] + str(rank))
+        sys.exit(0)
+    else:
+        dist.all_reduce(t)
+    dist.barrier()
+except Exception as e:
+    print("failed:", type(e).__name__, flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["other_op", "stalled"])
+def test_dumps_on_failure_name_the_divergence(tmp_path, mode):
+    """3 ranks; at their second collective rank 2 runs another op (found by smddp at once), or
+    stalls until the others time out. With SMDDP_FR_DUMP_FILE every failing rank writes its dump
+    (the stalled rank dumps by hand); smddp.fr_trace must point at collective #2 and rank 2."""
+    prefix = str(tmp_path / "trace_")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR, SMDDP_FR_DUMP_FILE=prefix)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), "3", url, mode, prefix], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for r in range(3):
+        assert os.path.exists(prefix + str(r)), f"rank {r} wrote no dump:\n{outs[r][-2000:]}"
+    report = subprocess.run([sys.executable, "-m", "smddp.fr_trace", str(tmp_path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60).stdout
+    default = report.split("group 1 ")[0]
+    assert "collective #2: the ranks differ" in default, report
+    if mode == "other_op":
+        assert "rank(s) [2]: ran smddp:all_gather_into_tensor" in default, report
+        assert "rank(s) [0, 1]: ran smddp:all_reduce" in default, report
+    else:
+        assert "rank(s) [2]: never issued it" in default, report
+        assert "rank 2: last completed #1" in default, report
+    assert "rank 0: last completed #1; then #2: smddp:all_reduce" in default, report
+    assert "group 1 (undefined), ranks [0, 1]" in report and "collectives #1-#1: the same" in report, report
