@@ -31,11 +31,11 @@ still referenced, e.g. by FSDP). Its losses are all printed by then, so they are
 used (with a note in the captured output). The smddp run must exit 0 (smddp
 joins its threads in shutdown(), which destroy_process_group() calls).
 
-The deepspeed / transformers cases skip when the package is not importable
+The deepspeed / transformers / accelerate cases skip when the package is not importable
 (pip install -r requirements-examples.txt). The first DeepSpeed run on a machine
 JIT-compiles DeepSpeed's CPU shm op (~35 s, cached in ~/.cache/torch_extensions).
 
-Runtime: two torchrun launches per case (18 cases against gloo, 7 against the single-process
+Runtime: two torchrun launches per case (19 cases against gloo, 7 against the single-process
 reference), ~4.5 s of fixed cost each on 2 cores, the 4-rank ones ~11 s. Skip them with
 -k "not test_example".
 """
@@ -72,6 +72,7 @@ CASES = {
     "deepspeed-zero2": ("deepspeed_zero.py", 2, ["--stage", "2"], "deepspeed", None),
     "deepspeed-zero3": ("deepspeed_zero.py", 2, ["--stage", "3"], "deepspeed", None),
     "hf_causal_lm": ("hf_causal_lm.py", 2, [], "transformers", None),
+    "hf_trainer": ("hf_trainer.py", 2, [], "accelerate", None),  # and transformers
     "smp-default": ("smp_llama.py", 2, [], None, None),
     "smp-hybrid2-zero2": ("smp_llama.py", 4, ["--config", '{"hybrid_shard_degree": 2}', "--zero2"], None, None),
     "smp-delayed-init-ckpt": ("smp_llama.py", 4, ["--config", '{"hybrid_shard_degree": 2}', "--delayed-init",
