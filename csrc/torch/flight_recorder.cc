@@ -159,6 +159,7 @@ std::string FlightRecorder::dump() {
   c10::impl::GenericDict config = newDict(), status = newDict();
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& g = groups_[i];
+    if (g.name.empty()) continue;  // no op recorded yet (its name is read at the first)
     c10::impl::GenericDict c = newDict();
     c.insert("name", g.name);
     c.insert("desc", g.desc);
