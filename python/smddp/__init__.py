@@ -49,9 +49,9 @@ def dump_flight_recorder(path=None):
     torch._C._distributed_c10d._dump_fr_trace() gives for NCCL and gloo): each op's group, its
     sequence number, sizes, dtypes and state (scheduled, started, completed; retired but not
     completed = failed). Written to `path` too when given. Dumps of every rank, named
-    <prefix><global rank> in one directory, are what ``torchfrtrace <dir> --prefix <prefix>``
-    compares to find the rank and collective where a job diverged or hung; SMDDP_FR_DUMP_FILE
-    writes them when an op fails."""
+    <prefix><global rank> in one directory, are what ``python -m smddp.fr_trace <dir>`` compares
+    to find the rank and collective where a job diverged or hung; SMDDP_FR_DUMP_FILE writes them
+    when an op fails."""
     data = _C._dump_flight_recorder()
     if path is not None:
         with open(path, "wb") as f:
