@@ -1,6 +1,8 @@
 """What the example scripts share: the small MLP, each rank's synthetic batch, and the loss report
 that tests/test_examples.py parses (``step <i> loss <repr(float)>`` on rank 0)."""
 import argparse
+import importlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -15,6 +17,16 @@ def parser(doc):
     p.add_argument("--backend", default="smddp", help="smddp or gloo (default smddp)")
     p.add_argument("--steps", type=int, default=3)
     return p
+
+
+def require(*modules):
+    """Imports the optional packages an example needs (returns the first), or exits saying how to
+    install them."""
+    try:
+        loaded = [importlib.import_module(m) for m in modules]
+    except ImportError as e:
+        sys.exit(f"this example needs {' and '.join(modules)} (pip install -r requirements-examples.txt): {e}")
+    return loaded[0]
 
 
 def init(backend):

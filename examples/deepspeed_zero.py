@@ -14,7 +14,6 @@ Every rank builds the same model (same seed), trains on its own synthetic batch
 one line per step: ``step <i> loss <repr(float)>``.
 """
 import os
-import sys
 import warnings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
@@ -23,17 +22,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _common import BATCH, make_batch, make_model, parser, report  # noqa: E402  (examples/ is on sys.path)
+from _common import BATCH, make_batch, make_model, parser, report, require  # noqa: E402  (examples/ is on sys.path)
 
 
 def main():
     p = parser(__doc__)
     p.add_argument("--stage", type=int, default=2, choices=[1, 2, 3], help="ZeRO stage")
     args = p.parse_args()
-    try:
-        import deepspeed
-    except ImportError as e:
-        sys.exit(f"this example needs deepspeed (pip install -r requirements-examples.txt): {e}")
+    deepspeed = require("deepspeed")
     if args.backend == "smddp":
         import smddp  # noqa: F401  registers the "smddp" backend
     # DeepSpeed 0.19 calls the names torch 2.13 deprecated (all_gather_into_tensor, ...)

@@ -11,7 +11,6 @@ synthetic batch (seeded by its rank); rank 0 prints the loss averaged over the
 ranks, one line per step: ``step <i> loss <repr(float)>``.
 """
 import os
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
 
@@ -20,7 +19,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from _common import init, parser, report  # noqa: E402  (examples/ is on sys.path)
+from _common import init, parser, report, require  # noqa: E402  (examples/ is on sys.path)
 
 VOCAB, SEQ, BATCH = 256, 32, 4
 
@@ -44,10 +43,7 @@ def make_batch(rank):
 def main():
     p = parser(__doc__)
     args = p.parse_args()
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
-        sys.exit(f"this example needs transformers (pip install -r requirements-examples.txt): {e}")
+    require("transformers")
     init(args.backend)
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))

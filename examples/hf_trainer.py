@@ -11,7 +11,6 @@ the logged loss across the ranks. A tiny Llama built from its config (nothing do
 on random token ids; rank 0 prints each step's logged loss: ``step <i> loss <repr(float)>``.
 """
 import os
-import sys
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
@@ -19,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _common import init, parser  # noqa: E402  (examples/ is on sys.path)
+from _common import init, parser, require  # noqa: E402  (examples/ is on sys.path)
 
 VOCAB, SEQ, SAMPLES = 128, 16, 64
 
@@ -27,10 +26,8 @@ VOCAB, SEQ, SAMPLES = 128, 16, 64
 def main():
     p = parser(__doc__)
     args = p.parse_args()
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
-    except ImportError as e:
-        sys.exit(f"this example needs transformers and accelerate (pip install -r requirements-examples.txt): {e}")
+    require("transformers", "accelerate")
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
     init(args.backend)  # before TrainingArguments: the Trainer uses the group it finds
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

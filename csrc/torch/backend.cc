@@ -473,11 +473,13 @@ std::chrono::milliseconds SmddpBackend::resolveTimeout(std::chrono::milliseconds
   return requested == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : requested;
 }
 
-c10::intrusive_ptr<SmddpWork> SmddpBackend::newWork(c10d::OpType opType, const char* title, const Tensors& outputs,
-                                                     const Tensors& inputs, std::chrono::milliseconds timeout) {
-  auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, outputs, std::optional<Tensors>(inputs), spin_);
+c10::intrusive_ptr<SmddpWork> SmddpBackend::newWork(c10d::OpType opType, const char* title, Tensors outputs,
+                                                     Tensors inputs, std::chrono::milliseconds timeout) {
   const bool p2p = opType == c10d::OpType::SEND || opType == c10d::OpType::RECV || opType == c10d::OpType::RECVANYSOURCE;
-  work->setTrace(pgId_, FlightRecorder::get().record(pgId_, *this, p2p, title, inputs, outputs, timeout));
+  const int64_t traceId = FlightRecorder::get().record(pgId_, *this, p2p, title, inputs, outputs, timeout);
+  auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, std::move(outputs),
+                                             std::optional<Tensors>(std::move(inputs)), spin_);
+  work->setTrace(pgId_, traceId);
   return work;
 }
 
@@ -488,7 +490,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
   throwIfCudaFailed(title);
   issued_.fetch_add(1);
   body = describedBody(opType, title, outputs, inputs, std::move(body));
-  auto work = newWork(opType, title, outputs, inputs, timeout);
+  auto work = newWork(opType, title, std::move(outputs), std::move(inputs), timeout);
   algo::Communicator* comm = comm_.get();
   const int rank = rank_;
   auto task = [work, comm, rank, timeout, body = std::move(body)]() {

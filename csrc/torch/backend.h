@@ -219,8 +219,8 @@ class SmddpBackend : public c10d::Backend {
   Work divertToCuda(c10d::OpType opType, const char* title, std::chrono::milliseconds timeout, const Body& body);
 
   // Every op's Work: recorded in the flight recorder (as scheduled) as it is created.
-  c10::intrusive_ptr<SmddpWork> newWork(c10d::OpType opType, const char* title, const Tensors& outputs,
-                                        const Tensors& inputs, std::chrono::milliseconds timeout);
+  c10::intrusive_ptr<SmddpWork> newWork(c10d::OpType opType, const char* title, Tensors outputs, Tensors inputs,
+                                        std::chrono::milliseconds timeout);
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType opType, const char* title, std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> inputs, std::chrono::milliseconds timeout,
                                          bool async, Body body);

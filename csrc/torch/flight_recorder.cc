@@ -32,9 +32,9 @@ size_t capacityFromEnv() {
   return 2000;
 }
 
-const std::string& threadLabel() {
-  thread_local const std::string label = std::to_string(std::hash<std::thread::id>()(std::this_thread::get_id()));
-  return label;
+size_t threadHash() {
+  thread_local const size_t hash = std::hash<std::thread::id>()(std::this_thread::get_id());
+  return hash;
 }
 
 void setShapes(const std::vector<at::Tensor>& tensors, std::vector<std::vector<int64_t>>& sizes,
@@ -114,7 +114,7 @@ int64_t FlightRecorder::record(int pgId, const c10d::Backend& backend, bool p2p,
   e.completedAt.reset();
   setShapes(inputs, e.inSizes, e.inTypes);
   setShapes(outputs, e.outSizes, e.outTypes);
-  e.thread = threadLabel();
+  e.thread = threadHash();  // formatted at dump time: no string per op
   return id;
 }
 
@@ -184,7 +184,7 @@ std::string FlightRecorder::dump() {
     d.insert("pg_id", static_cast<int64_t>(e.pgId));
     d.insert("process_group", c10::ivalue::Tuple::create(g.name, g.desc));
     d.insert("thread_name", "smddp");
-    d.insert("thread_id", e.thread);
+    d.insert("thread_id", std::to_string(e.thread));
     d.insert("collective_seq_id", e.collectiveSeq);
     d.insert("p2p_seq_id", e.p2pSeq);
     d.insert("op_id", e.opId);

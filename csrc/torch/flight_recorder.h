@@ -68,7 +68,7 @@ class FlightRecorder {
     std::optional<int64_t> startedAt, completedAt;
     std::vector<std::vector<int64_t>> inSizes, outSizes;
     std::vector<at::ScalarType> inTypes, outTypes;
-    std::string thread;
+    size_t thread = 0;  // std::hash of the issuing thread's id
   };
 
   FlightRecorder();
