@@ -9,6 +9,8 @@ SMP v2's JSON (see the README):
     torchrun --nproc-per-node 4 examples/smp_llama.py --model hf-llama \
         --config '{"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}'     # TP 2 x shard 2
     torchrun --nproc-per-node 1 examples/smp_llama.py --model hf-llama --emulate-ranks 2   # its reference
+    torchrun --nproc-per-node 2 examples/smp_llama.py --model hf-mixtral \
+        --config '{"expert_parallel_degree": 2}'       # expert parallelism of a mixture of experts
     torchrun --nproc-per-node 4 examples/smp_llama.py --config '{"hybrid_shard_degree": 2}' \
         --activation-offloading --save-resume /tmp/smp_ckpt    # offloading; checkpoint halfway, resume
 
@@ -16,8 +18,11 @@ Model: 2 blocks of RMSNorm -> causal multi-head attention -> RMSNorm -> SwiGLU M
 width 64, 4 heads, sequences of 32 tokens, 4 sequences per data-parallel rank and step, AdamW.
 --model tiny (default) is this file's own implementation; --model hf-llama is transformers'
 LlamaForCausalLM of the same shape (needs transformers), which tensor parallelism requires
-(smddp.smp.transform splits Hugging Face models). The ranks of a tensor-parallel group train on
-the same batch, so --emulate-ranks is the number of data-parallel ranks (world / TP degree).
+(smddp.smp.transform splits Hugging Face models); --model hf-mixtral is transformers'
+MixtralForCausalLM of that shape with 4 experts per layer, each token taking 2, which expert
+parallelism requires. The ranks of a tensor-parallel group train on the same batch, so
+--emulate-ranks is the number of data-parallel ranks (world / TP degree); the ranks of an
+expert-parallel group train on their own batches.
 """
 import argparse
 import json
@@ -103,7 +108,20 @@ def hf_llama(cfg=None):
         rms_norm_eps=1e-6, tie_word_embeddings=False, attention_dropout=0.0))
 
 
-MODELS = {"tiny": TinyLlama, "hf-llama": hf_llama}
+def hf_mixtral(cfg=None, experts=4):
+    """transformers' MixtralForCausalLM with TinyLlama's shape: `experts` experts per layer (each
+    half TinyLlama's MLP width), 2 per token."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = cfg or LlamaConfig()
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.dim, intermediate_size=2 * cfg.dim, num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads, max_position_embeddings=cfg.seq,
+        num_local_experts=experts, num_experts_per_tok=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        attention_dropout=0.0))
+
+
+MODELS = {"tiny": TinyLlama, "hf-llama": hf_llama, "hf-mixtral": hf_mixtral}
 
 
 def batch(rank, step, cfg=None):
@@ -129,7 +147,7 @@ def parallel_model(args, tsm, state, seed):
             model = build()
     else:
         model = build()
-    model = tsm.transform(model)  # tensor parallelism over the TP ranks (unchanged at degree 1)
+    model = tsm.transform(model)  # tensor or expert parallelism (unchanged at degree 1)
     if args.activation_checkpointing:
         tsm.apply_activation_checkpointing(model)
     if args.activation_offloading:
@@ -155,7 +173,8 @@ def main():
                    help="halfway through, save a sharded checkpoint to DIR, build a fresh model and optimizer "
                         "(other initial weights), load the checkpoint into them and go on")
     p.add_argument("--model", choices=list(MODELS), default="tiny",
-                   help="tiny: this file's model; hf-llama: transformers' LlamaForCausalLM (needed for TP)")
+                   help="tiny: this file's model; hf-llama: transformers' LlamaForCausalLM (needed for TP); "
+                        "hf-mixtral: transformers' MixtralForCausalLM (needed for expert parallelism)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--emulate-ranks", type=int, default=0,
                    help="single-process reference: one process trains on the batches of this many ranks at once")
@@ -169,6 +188,8 @@ def main():
     if state.tp_size > 1 and args.model != "hf-llama":
         raise SystemExit("tensor_parallel_degree > 1: smddp.smp.transform splits Hugging Face models; "
                          "add --model hf-llama")
+    if state.ep_size > 1 and args.model != "hf-mixtral":
+        raise SystemExit("expert_parallel_degree > 1 needs a mixture-of-experts model: add --model hf-mixtral")
     if args.delayed_init and args.model != "tiny":
         # materialize() restores parameters and persistent buffers; transformers' rotary embedding
         # keeps its frequencies in a non-persistent buffer, which would be left uninitialised.
@@ -176,7 +197,7 @@ def main():
     if state.rank == 0:
         print(f"smp: world {state.world_size}, tensor_parallel_degree {state.tp_size} x "
               f"hybrid_shard_degree {state.hybrid_shard_degree} x replicate {state.replicate_degree}, "
-              f"model {args.model}, config {json.dumps(vars(state.config))}", flush=True)
+              f"expert_parallel_degree {state.ep_size}, model {args.model}, config {json.dumps(vars(state.config))}", flush=True)
     if args.activation_offloading and (args.activation_checkpointing or not state.config.sm_activation_offloading):
         raise SystemExit("--activation-offloading offloads the blocks that are not checkpointed, and needs the "
                          "config's sm_activation_offloading (true by default)")

@@ -35,7 +35,7 @@ The deepspeed / transformers / accelerate cases skip when the package is not imp
 (pip install -r requirements-examples.txt). The first DeepSpeed run on a machine
 JIT-compiles DeepSpeed's CPU shm op (~35 s, cached in ~/.cache/torch_extensions).
 
-Runtime: two torchrun launches per case (19 cases against gloo, 7 against the single-process
+Runtime: two torchrun launches per case (20 cases against gloo, 7 against the single-process
 reference), ~4.5 s of fixed cost each on 2 cores, the 4-rank ones ~11 s. Skip them with
 -k "not test_example".
 """
@@ -82,6 +82,8 @@ CASES = {
     "smp-tp2-hybrid2": ("smp_llama.py", 4, ["--model", "hf-llama", "--config",
                                             '{"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}'],
                         "transformers", None),
+    "smp-ep2": ("smp_llama.py", 2, ["--model", "hf-mixtral", "--config", '{"expert_parallel_degree": 2}'],
+                "transformers", None),
 }
 
 # Not anchored at the line's end: a rank's stderr (gloo's exit race below) can land on the same
@@ -175,6 +177,7 @@ def test_example(case):
 
 
 HF = ["--model", "hf-llama"]
+MOE = ["--model", "hf-mixtral"]
 
 
 # id: (ranks, extra args, data-parallel ranks (what the single process emulates), model args)
@@ -188,6 +191,7 @@ SINGLE_PROCESS_CASES = {
                                "--save-resume", "{tmp}"], 2, HF),
     "hybrid2-offload-resume": (4, ["--config", '{"hybrid_shard_degree": 2}', "--activation-offloading",
                                    "--save-resume", "{tmp}"], 4, []),
+    "ep2-resume": (2, ["--config", '{"expert_parallel_degree": 2}', "--save-resume", "{tmp}"], 2, MOE),
 }
 
 
@@ -203,7 +207,7 @@ def test_smp_example_matches_single_process(case, tmp_path):
         pytest.skip("smddp-specific")
     nproc, extra, dp, model = SINGLE_PROCESS_CASES[case]
     extra = [str(tmp_path / "ckpt") if a == "{tmp}" else a for a in extra]
-    if model == HF and importlib.util.find_spec("transformers") is None:
+    if model in (HF, MOE) and importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is not installed (pip install -r requirements-examples.txt)")
     got = _run("smp_llama.py", nproc, extra + model, "smddp")
     want = _run("smp_llama.py", 1, ["--emulate-ranks", str(dp)] + model, "smddp")

@@ -107,10 +107,18 @@ def tp_task(rank, world, family, tp, hsd, sequence_parallel):
 
     if hsd:
         tsm.apply_hybrid_sharding(model)
+    mine = slice(st.dp_rank * PER_DP_RANK, (st.dp_rank + 1) * PER_DP_RANK)
+    train_against_reference(rep, tag, model, ref, _batches(family, st.dp_size, seq, model.config.vocab_size), mine)
+    return rep.to_dict()
+
+
+def train_against_reference(rep, tag, model, ref, batches, mine):
+    """AdamW steps of the parallel `model` on rows `mine` of each global batch and of the plain
+    `ref` on the whole batch: logits, mean loss, gradients (full tensors) and parameters equal."""
+    world = dist.get_world_size()
     opt, ref_opt = _adamw(model.parameters()), _adamw(ref.parameters())
     refp = dict(ref.named_parameters())
-    dp, mine = st.dp_size, slice(st.dp_rank * PER_DP_RANK, (st.dp_rank + 1) * PER_DP_RANK)
-    for step, tokens in enumerate(_batches(family, dp, seq, model.config.vocab_size)):
+    for step, tokens in enumerate(batches):
         with rep.cell(f"{tag} step {step}"):
             logits, loss = _logits_and_loss(model, tokens[mine])
             want_logits, want_loss = _logits_and_loss(ref, tokens)
@@ -128,7 +136,6 @@ def tp_task(rank, world, family, tp, hsd, sequence_parallel):
             ref_opt.step()
     for n, p in model.named_parameters():
         _close(rep, f"{tag}: final {n}", _full(p).detach(), refp[n].detach(), **TOL64)
-    return rep.to_dict()
 
 
 FAMILIES = ["llama", "mistral", "gpt_neox", "gptj", "gpt2"]
@@ -221,23 +228,14 @@ def checkpoint_task(rank, world, path, family, tp, hsd):
     _logits_and_loss(model, tokens[st.dp_rank * PER_DP_RANK:(st.dp_rank + 1) * PER_DP_RANK])[1].backward()
     opt.step()  # optimizer state to save
     tsm.save_checkpoint(path, model, opt)
-    saved = {n: _full(p).detach() for n, p in model.named_parameters()}
-    saved_state = {n: {k: _full(v) for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
-
-    def check(where, other, other_opt):
-        for n, p in other.named_parameters():
-            _close(rep, f"{tag}: {n} loaded {where}", _full(p).detach(), saved[n], rtol=0, atol=0)
-            rep.expect(set(other_opt.state[p]) == set(saved_state[n]),
-                       f"{tag}: AdamW state of {n} loaded {where}: {sorted(other_opt.state[p])}")
-            for k, v in other_opt.state[p].items():
-                _close(rep, f"{tag}: AdamW {k} of {n} loaded {where}", _full(v), saved_state[n][k], rtol=0, atol=0)
+    saved = snapshot(model, opt)
 
     tsm.init({"tensor_parallel_degree": 1, "hybrid_shard_degree": 1})
     torch.manual_seed(99)  # other values, to be overwritten
     plain = _build(family)[0]
     plain_opt = _adamw(plain.parameters())
     tsm.load_checkpoint(path, plain, plain_opt)
-    check("unsplit", plain, plain_opt)
+    expect_loaded(rep, f"{tag}, loaded unsplit", saved, plain, plain_opt)
 
     tsm.init({"tensor_parallel_degree": tp, "hybrid_shard_degree": hsd, "random_seed": 99})
     other = tsm.transform(_build(family)[0])
@@ -245,8 +243,24 @@ def checkpoint_task(rank, world, path, family, tp, hsd):
         tsm.apply_hybrid_sharding(other)
     other_opt = _adamw(other.parameters())
     tsm.load_checkpoint(path, other, other_opt)
-    check("split", other, other_opt)
+    expect_loaded(rep, f"{tag}, loaded split", saved, other, other_opt)
     return rep.to_dict()
+
+
+def snapshot(model, opt):
+    """Full copies of the parameters and the optimizer state, by parameter name."""
+    return ({n: _full(p).detach() for n, p in model.named_parameters()},
+            {n: {k: _full(v) for k, v in opt.state[p].items()} for n, p in model.named_parameters()})
+
+
+def expect_loaded(rep, label, saved, model, opt):
+    """`model` and `opt` hold exactly the `saved` snapshot."""
+    params, state = saved
+    for n, p in model.named_parameters():
+        _close(rep, f"{label}: {n}", _full(p).detach(), params[n], rtol=0, atol=0)
+        rep.expect(set(opt.state[p]) == set(state[n]), f"{label}: AdamW state of {n}: {sorted(opt.state[p])}")
+        for k, v in opt.state[p].items():
+            _close(rep, f"{label}: AdamW {k} of {n}", _full(v), state[n][k], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

@@ -14,12 +14,17 @@
     model = tsm.transform(LlamaForCausalLM(config))   # tensor parallelism (DTensor) over mesh["tp"],
     model = tsm.apply_hybrid_sharding(model)          #   then FSDP2 over the data-parallel ranks (2-D)
 
+    tsm.init({"expert_parallel_degree": 2, "random_seed": 0})
+    model = tsm.transform(MixtralForCausalLM(config))  # experts split over ep_mesh["ep"], tokens exchanged
+    model = tsm.apply_hybrid_sharding(model)           #   all-to-all; experts sharded over ep_mesh["edp"]
+
 Config keys keep SMP v2's names, meanings and defaults (see CONFIG_KEYS). Implemented: init,
 state, hybrid sharding (FSDP2, plus the mesh FSDP1 HYBRID_SHARD takes), tensor parallelism of
 Hugging Face causal LMs (transform(): Llama, Mistral, GPT-NeoX, GPT-J, GPT-2; see
-tensor_parallel.py), activation checkpointing, activation offloading with prefetch, delayed
-initialisation, sharded checkpoints (reloadable under another hybrid_shard_degree). Expert and
-context parallelism are not: their config keys are validated and stored, and a degree > 1 raises
+tensor_parallel.py), expert parallelism of Hugging Face mixture-of-experts models (transform();
+see expert_parallel.py), activation checkpointing, activation offloading with prefetch, delayed
+initialisation, sharded checkpoints (reloadable under another hybrid_shard_degree). Context
+parallelism is not: its config key is validated and stored, and a degree > 1 raises
 NotImplementedError naming the key.
 """
 
@@ -42,8 +47,10 @@ CONFIG_KEYS = {
     "tensor_parallel_degree": (1, "ranks a layer is split over by tensor parallelism (transform(): Hugging Face "
                                   "Llama, Mistral, GPT-NeoX, GPT-J, GPT-2 causal LMs); the ranks of a TP group "
                                   "see the same batch"),
-    "expert_parallel_degree": (1, "ranks the experts of a mixture-of-experts layer are spread over (not yet); not "
-                                  "combinable with tensor parallelism"),
+    "expert_parallel_degree": (1, "ranks the experts of each mixture-of-experts layer are spread over "
+                                  "(transform(): transformers' fused experts modules, e.g. Mixtral, Qwen-MoE); "
+                                  "the ranks of an EP group train on their own batches; not combinable with "
+                                  "tensor parallelism"),
     "context_parallel_degree": (1, "ranks the sequence is split over (not yet); at most hybrid_shard_degree"),
     "random_seed": (None, "base seed: torch.manual_seed(random_seed) on every rank at init, so a model built "
                           "afterwards is the same on every rank (transform() requires that within a TP group)"),
@@ -121,10 +128,9 @@ def validate(config, world_size):
                          f"hybrid_shard_degree={effective_hsd}")
     if cfg.activation_loading_horizon < 1:
         raise ValueError(f"smddp.smp config: activation_loading_horizon={cfg.activation_loading_horizon} must be >= 1")
-    for key in ("expert_parallel_degree", "context_parallel_degree"):
-        if getattr(cfg, key) > 1:
-            raise NotImplementedError(f"smddp.smp: {key} > 1 is not supported yet (expert and context "
-                                      "parallelism are not implemented)")
+    if cfg.context_parallel_degree > 1:
+        raise NotImplementedError("smddp.smp: context_parallel_degree > 1 is not supported yet (context "
+                                  "parallelism is not implemented)")
     return cfg
 
 
@@ -147,6 +153,10 @@ class State:
     shard_group: object = None     # process group of the ranks sharing one parameter's shards
     replicate_group: object = None
     tp_group: object = None
+    ep_size: int = 1               # expert_parallel_degree: ranks one MoE layer's experts are split over
+    ep_rank: int = 0
+    ep_mesh: object = None         # DeviceMesh ("edp", "ep"): an EP group is "ep" (consecutive ranks)
+    ep_group: object = None
 
 
 state = State()
@@ -184,12 +194,26 @@ def init(config=None, backend="smddp"):
     state.shard_group = mesh["shard"].get_group()
     state.replicate_group = mesh["replicate"].get_group()
     state.tp_group = mesh["tp"].get_group()
+    ep = cfg.expert_parallel_degree
+    state.ep_size, state.ep_rank, state.ep_mesh, state.ep_group = ep, 0, None, None
+    if ep > 1:
+        state.ep_mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("edp", "ep"))
+        state.ep_rank = state.ep_mesh["ep"].get_local_rank()
+        state.ep_group = state.ep_mesh["ep"].get_group()
     return state
 
 
 def transform(model, sequence_parallel=True):
-    """Tensor parallelism of a Hugging Face causal LM over state.mesh["tp"]: see
-    smddp.smp.tensor_parallel.transform."""
+    """With expert_parallel_degree > 1: expert parallelism of a Hugging Face mixture-of-experts
+    model (see smddp.smp.expert_parallel.transform); otherwise tensor parallelism of a Hugging
+    Face causal LM over state.mesh["tp"] (see smddp.smp.tensor_parallel.transform; the model is
+    returned unchanged at degree 1)."""
+    if not state.initialized:
+        raise RuntimeError("smddp.smp: call smddp.smp.init() before transform()")
+    if state.ep_size > 1:
+        from .expert_parallel import transform as _expert_parallel
+
+        return _expert_parallel(model)
     from .tensor_parallel import transform as _transform
 
     return _transform(model, sequence_parallel=sequence_parallel)
@@ -208,7 +232,11 @@ def apply_hybrid_sharding(model, blocks=None, zero2=False, mp_policy=None, **ful
     """FSDP2 `fully_shard` on each block (default: see _blocks) and on the root, over
     state.dp_mesh: parameters sharded within groups of hybrid_shard_degree ranks and replicated
     across groups. zero2=True keeps parameters gathered after forward (reshard_after_forward=False,
-    SMP's _HYBRID_SHARD_ZERO2). mp_policy: an FSDP2 MixedPrecisionPolicy, passed through."""
+    SMP's _HYBRID_SHARD_ZERO2). mp_policy: an FSDP2 MixedPrecisionPolicy, passed through.
+
+    After expert parallelism (transform() with expert_parallel_degree > 1) each experts module is
+    sharded first, over state.ep_mesh["edp"] (the ranks holding the same experts), which averages
+    its gradients over those ranks (see expert_parallel.py for why that gives the global mean)."""
     from torch.distributed.fsdp import fully_shard
 
     if not state.initialized:
@@ -216,6 +244,14 @@ def apply_hybrid_sharding(model, blocks=None, zero2=False, mp_policy=None, **ful
     kw = dict(fully_shard_kwargs, mesh=state.dp_mesh, reshard_after_forward=not zero2)
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
+    if state.ep_size > 1:
+        from .expert_parallel import experts_modules
+
+        for _, experts in experts_modules(model):
+            if not hasattr(experts.gate_up_proj, "to_local"):
+                raise RuntimeError("smddp.smp: with expert_parallel_degree > 1, call transform(model) before "
+                                   "apply_hybrid_sharding()")
+            fully_shard(experts, **dict(kw, mesh=state.ep_mesh["edp"]))
     for block in blocks if blocks is not None else _blocks(model):
         fully_shard(block, **kw)
     fully_shard(model, **kw)

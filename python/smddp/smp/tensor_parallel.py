@@ -111,23 +111,24 @@ def _module(model, path):
                                   "where its family's tensor-parallel plan expects one") from None
 
 
-def _check_identical_over_tp(model, tp_group):
-    """Every rank distributes from its own copy (norms) or from TP rank 0's (the split weights):
-    only identical copies give one consistent model. A per-parameter sum is cheap to compare."""
+def check_identical(model, group, what="a tensor-parallel group"):
+    """Every rank distributes from its own copy (norms) or from rank 0's of `group` (the split
+    weights): only identical copies give one consistent model. A per-parameter sum is cheap to
+    compare."""
     params = [p for p in model.parameters() if not p.is_meta]
     if not params:
         return
     with torch.no_grad():
         sums = torch.stack([p.detach().double().sum() for p in params])
     lo, hi = sums.clone(), sums.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=tp_group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=tp_group)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     names = [n for n, p in model.named_parameters() if not p.is_meta]
     same = (lo == hi) | (lo.isnan() & hi.isnan())
     differ = [names[i] for i in torch.nonzero(~same).reshape(-1).tolist()]
     if differ:
         raise RuntimeError(
-            "smddp.smp.transform: the ranks of a tensor-parallel group hold different weights (e.g. "
+            f"smddp.smp.transform: the ranks of {what} hold different weights (e.g. "
             f"{', '.join(differ[:3])}); build the model after seeding every rank alike (config random_seed)")
 
 
@@ -363,7 +364,7 @@ def transform(model, sequence_parallel=True):
                            "transform() once, before apply_hybrid_sharding()")
     mesh = state.mesh["tp"]
     plan = _plan(model, family, sequence_parallel)
-    _check_identical_over_tp(model, state.tp_group)
+    check_identical(model, state.tp_group)
     tied = _tied_groups(model)
     _localise_attention(model, family, tp)
     parallelize_module(model, mesh, plan)
