@@ -11,6 +11,8 @@ SMP v2's JSON (see the README):
     torchrun --nproc-per-node 1 examples/smp_llama.py --model hf-llama --emulate-ranks 2   # its reference
     torchrun --nproc-per-node 2 examples/smp_llama.py --model hf-mixtral \
         --config '{"expert_parallel_degree": 2}'       # expert parallelism of a mixture of experts
+    torchrun --nproc-per-node 2 examples/smp_llama.py --model hf-llama \
+        --config '{"context_parallel_degree": 2}'      # context parallelism: each rank half of each sequence
     torchrun --nproc-per-node 4 examples/smp_llama.py --config '{"hybrid_shard_degree": 2}' \
         --activation-offloading --save-resume /tmp/smp_ckpt    # offloading; checkpoint halfway, resume
 
@@ -20,9 +22,10 @@ width 64, 4 heads, sequences of 32 tokens, 4 sequences per data-parallel rank an
 LlamaForCausalLM of the same shape (needs transformers), which tensor parallelism requires
 (smddp.smp.transform splits Hugging Face models); --model hf-mixtral is transformers'
 MixtralForCausalLM of that shape with 4 experts per layer, each token taking 2, which expert
-parallelism requires. The ranks of a tensor-parallel group train on the same batch, so
---emulate-ranks is the number of data-parallel ranks (world / TP degree); the ranks of an
-expert-parallel group train on their own batches.
+parallelism requires. The ranks of a tensor- or context-parallel group train on the same batch,
+so --emulate-ranks is the number of data-parallel ranks (world / TP or CP degree); the ranks of
+an expert-parallel group train on their own batches. Under context parallelism the model returns
+the logits of the rank's part of each sequence, and the loss is taken over that part.
 """
 import argparse
 import json
@@ -185,9 +188,9 @@ def main():
     state = tsm.init(args.config, backend=args.backend)
     if args.emulate_ranks and state.world_size != 1:
         raise SystemExit("--emulate-ranks is the single-process reference: run it with one process")
-    if state.tp_size > 1 and args.model != "hf-llama":
-        raise SystemExit("tensor_parallel_degree > 1: smddp.smp.transform splits Hugging Face models; "
-                         "add --model hf-llama")
+    if (state.tp_size > 1 or state.cp_size > 1) and args.model != "hf-llama":
+        raise SystemExit("tensor_parallel_degree or context_parallel_degree > 1: smddp.smp.transform splits "
+                         "Hugging Face models; add --model hf-llama")
     if state.ep_size > 1 and args.model != "hf-mixtral":
         raise SystemExit("expert_parallel_degree > 1 needs a mixture-of-experts model: add --model hf-mixtral")
     if args.delayed_init and args.model != "tiny":
@@ -197,7 +200,7 @@ def main():
     if state.rank == 0:
         print(f"smp: world {state.world_size}, tensor_parallel_degree {state.tp_size} x "
               f"hybrid_shard_degree {state.hybrid_shard_degree} x replicate {state.replicate_degree}, "
-              f"expert_parallel_degree {state.ep_size}, model {args.model}, config {json.dumps(vars(state.config))}", flush=True)
+              f"expert_parallel_degree {state.ep_size}, context_parallel_degree {state.cp_size}, model {args.model}, config {json.dumps(vars(state.config))}", flush=True)
     if args.activation_offloading and (args.activation_checkpointing or not state.config.sm_activation_offloading):
         raise SystemExit("--activation-offloading offloads the blocks that are not checkpointed, and needs the "
                          "config's sm_activation_offloading (true by default)")
@@ -210,7 +213,10 @@ def main():
         if args.emulate_ranks:  # every rank's tokens in one batch: the same mean loss and gradients
             x, y = (torch.cat(t) for t in zip(*(batch(r, step) for r in range(args.emulate_ranks))))
         else:
-            x, y = batch(state.dp_rank, step)  # the ranks of a TP group share their batch
+            x, y = batch(state.dp_rank, step)  # the ranks of a TP or CP group share their batch
+            if state.cp_size > 1:  # the logits are those of this rank's part of the sequence
+                part = y.shape[1] // state.cp_size
+                y = y[:, state.cp_rank * part:(state.cp_rank + 1) * part]
         out = model(x)
         logits = out if isinstance(out, torch.Tensor) else out.logits
         loss = F.cross_entropy(logits.reshape(-1, LlamaConfig.vocab), y.reshape(-1))

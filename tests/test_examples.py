@@ -35,7 +35,7 @@ The deepspeed / transformers / accelerate cases skip when the package is not imp
 (pip install -r requirements-examples.txt). The first DeepSpeed run on a machine
 JIT-compiles DeepSpeed's CPU shm op (~35 s, cached in ~/.cache/torch_extensions).
 
-Runtime: two torchrun launches per case (20 cases against gloo, 7 against the single-process
+Runtime: two torchrun launches per case (21 cases against gloo, 8 against the single-process
 reference), ~4.5 s of fixed cost each on 2 cores, the 4-rank ones ~11 s. Skip them with
 -k "not test_example".
 """
@@ -83,6 +83,8 @@ CASES = {
                                             '{"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}'],
                         "transformers", None),
     "smp-ep2": ("smp_llama.py", 2, ["--model", "hf-mixtral", "--config", '{"expert_parallel_degree": 2}'],
+                "transformers", None),
+    "smp-cp2": ("smp_llama.py", 2, ["--model", "hf-llama", "--config", '{"context_parallel_degree": 2}'],
                 "transformers", None),
 }
 
@@ -192,6 +194,7 @@ SINGLE_PROCESS_CASES = {
     "hybrid2-offload-resume": (4, ["--config", '{"hybrid_shard_degree": 2}', "--activation-offloading",
                                    "--save-resume", "{tmp}"], 4, []),
     "ep2-resume": (2, ["--config", '{"expert_parallel_degree": 2}', "--save-resume", "{tmp}"], 2, MOE),
+    "cp2-hybrid2": (4, ["--config", '{"context_parallel_degree": 2, "hybrid_shard_degree": 2}'], 2, HF),
 }
 
 
@@ -199,7 +202,7 @@ SINGLE_PROCESS_CASES = {
 @pytest.mark.parametrize("case", list(SINGLE_PROCESS_CASES))
 def test_smp_example_matches_single_process(case, tmp_path):
     """The SMP-style example on N ranks (smddp) against one process training on the batches of
-    all its data-parallel ranks at once (the ranks of a tensor-parallel group share a batch): the
+    all its data-parallel ranks at once (the ranks of a tensor- or context-parallel group share a batch): the
     same mean loss at every step, up to float32 summation order. With --save-resume the N-rank
     run saves a sharded checkpoint halfway and goes on from a fresh model loaded from it, while
     the reference trains straight through."""

@@ -63,16 +63,19 @@ def test_config_sources(tmp_path, monkeypatch):
     assert {k: getattr(defaults, k) for k in tsm.CONFIG_KEYS} == {k: v[0] for k, v in tsm.CONFIG_KEYS.items()}
 
 
-def test_context_parallelism_not_built_yet_says_so():
-    with pytest.raises(NotImplementedError, match="context_parallel_degree > 1 is not supported yet"):
-        tsm.validate({"context_parallel_degree": 2}, 4)
+@pytest.mark.parametrize("other", ["tensor_parallel_degree", "expert_parallel_degree"])
+def test_context_parallelism_with_other_parallelism_not_built_yet_says_so(other):
+    with pytest.raises(NotImplementedError, match="together with tensor or expert parallelism is not supported yet"):
+        tsm.validate({"context_parallel_degree": 2, other: 2}, 4)
 
 
-def test_tensor_and_expert_parallel_degrees_accepted():
+def test_tensor_expert_and_context_parallel_degrees_accepted():
     cfg = tsm.validate({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, 4)
     assert (cfg.tensor_parallel_degree, cfg.hybrid_shard_degree) == (2, 2)
     cfg = tsm.validate({"expert_parallel_degree": 4, "hybrid_shard_degree": 2}, 4)
     assert (cfg.expert_parallel_degree, cfg.hybrid_shard_degree) == (4, 2)
+    cfg = tsm.validate({"context_parallel_degree": 2, "hybrid_shard_degree": 2}, 4)
+    assert (cfg.context_parallel_degree, cfg.hybrid_shard_degree) == (2, 2)
 
 
 def hybrid_task(rank, world, degree, zero2):

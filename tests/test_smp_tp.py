@@ -112,19 +112,24 @@ def tp_task(rank, world, family, tp, hsd, sequence_parallel):
     return rep.to_dict()
 
 
-def train_against_reference(rep, tag, model, ref, batches, mine):
+def train_against_reference(rep, tag, model, ref, batches, mine, run=_logits_and_loss, ref_run=None, part=None):
     """AdamW steps of the parallel `model` on rows `mine` of each global batch and of the plain
-    `ref` on the whole batch: logits, mean loss, gradients (full tensors) and parameters equal."""
+    `ref` on the whole batch: logits, mean loss, gradients (full tensors) and parameters equal.
+    run(model, tokens) -> (logits, loss) runs the model (ref_run the reference, default the
+    same); part(logits) picks this rank's positions of the reference's logits for its rows
+    (default: all)."""
     world = dist.get_world_size()
     opt, ref_opt = _adamw(model.parameters()), _adamw(ref.parameters())
     refp = dict(ref.named_parameters())
     for step, tokens in enumerate(batches):
         with rep.cell(f"{tag} step {step}"):
-            logits, loss = _logits_and_loss(model, tokens[mine])
-            want_logits, want_loss = _logits_and_loss(ref, tokens)
-            _close(rep, f"{tag} step {step}: logits", logits, want_logits[mine], cross_rank=False, **TOL64)
+            logits, loss = run(model, tokens[mine])
+            want_logits, want_loss = (ref_run or run)(ref, tokens)
+            want_logits = want_logits[mine] if part is None else part(want_logits[mine])
+            _close(rep, f"{tag} step {step}: logits", logits, want_logits, cross_rank=False, **TOL64)
             mean = loss.detach().clone()
-            dist.all_reduce(mean)  # the TP ranks of a group hold the same loss: world / tp copies each
+            dist.all_reduce(mean)  # the TP ranks of a group hold the same loss: world / tp copies each;
+            # the CP ranks of a group hold parts whose mean is the loss
             _close(rep, f"{tag} step {step}: loss", mean / world, want_loss.detach(), **TOL64)
             opt.zero_grad()
             loss.backward()

@@ -18,14 +18,17 @@
     model = tsm.transform(MixtralForCausalLM(config))  # experts split over ep_mesh["ep"], tokens exchanged
     model = tsm.apply_hybrid_sharding(model)           #   all-to-all; experts sharded over ep_mesh["edp"]
 
+    tsm.init({"context_parallel_degree": 2, "random_seed": 0})
+    model = tsm.transform(LlamaForCausalLM(config))    # each rank runs its part of every sequence,
+    out = model(input_ids, labels=input_ids)           #   attention all-gathers keys and values
+
 Config keys keep SMP v2's names, meanings and defaults (see CONFIG_KEYS). Implemented: init,
 state, hybrid sharding (FSDP2, plus the mesh FSDP1 HYBRID_SHARD takes), tensor parallelism of
 Hugging Face causal LMs (transform(): Llama, Mistral, GPT-NeoX, GPT-J, GPT-2; see
 tensor_parallel.py), expert parallelism of Hugging Face mixture-of-experts models (transform();
-see expert_parallel.py), activation checkpointing, activation offloading with prefetch, delayed
-initialisation, sharded checkpoints (reloadable under another hybrid_shard_degree). Context
-parallelism is not: its config key is validated and stored, and a degree > 1 raises
-NotImplementedError naming the key.
+see expert_parallel.py), context parallelism of Hugging Face causal LMs (transform(); see
+context_parallel.py), activation checkpointing, activation offloading with prefetch, delayed
+initialisation, sharded checkpoints (reloadable under another hybrid_shard_degree).
 """
 
 import json
@@ -51,7 +54,10 @@ CONFIG_KEYS = {
                                   "(transform(): transformers' fused experts modules, e.g. Mixtral, Qwen-MoE); "
                                   "the ranks of an EP group train on their own batches; not combinable with "
                                   "tensor parallelism"),
-    "context_parallel_degree": (1, "ranks the sequence is split over (not yet); at most hybrid_shard_degree"),
+    "context_parallel_degree": (1, "ranks each sequence is split over (transform(): Hugging Face Llama, Mistral, "
+                                   "GPT-NeoX causal LMs; attention all-gathers keys and values); the ranks of a CP "
+                                   "group see the same batch; at most hybrid_shard_degree; not combinable with "
+                                   "tensor or expert parallelism yet"),
     "random_seed": (None, "base seed: torch.manual_seed(random_seed) on every rank at init, so a model built "
                           "afterwards is the same on every rank (transform() requires that within a TP group)"),
     "sm_activation_offloading": (True, "offload blocks' saved activations to host memory with prefetch "
@@ -128,9 +134,9 @@ def validate(config, world_size):
                          f"hybrid_shard_degree={effective_hsd}")
     if cfg.activation_loading_horizon < 1:
         raise ValueError(f"smddp.smp config: activation_loading_horizon={cfg.activation_loading_horizon} must be >= 1")
-    if cfg.context_parallel_degree > 1:
-        raise NotImplementedError("smddp.smp: context_parallel_degree > 1 is not supported yet (context "
-                                  "parallelism is not implemented)")
+    if cfg.context_parallel_degree > 1 and (tp > 1 or cfg.expert_parallel_degree > 1):
+        raise NotImplementedError("smddp.smp: context_parallel_degree > 1 together with tensor or expert "
+                                  "parallelism is not supported yet")
     return cfg
 
 
@@ -146,8 +152,8 @@ class State:
     replicate_degree: int = 1
     tp_size: int = 1
     tp_rank: int = 0
-    dp_size: int = 1               # data-parallel ranks (world / tp_size): each sees its own batch
-    dp_rank: int = 0               # this rank's data-parallel index; the ranks of a TP group share it
+    dp_size: int = 1               # distinct batches (world / tp_size / cp_size)
+    dp_rank: int = 0               # this rank's batch; the ranks of a TP or CP group share it
     mesh: object = None            # DeviceMesh ("replicate", "shard", "tp")
     dp_mesh: object = None         # its ("replicate", "shard") 2-D sub-mesh: what FSDP2 / FSDP1 HYBRID_SHARD take
     shard_group: object = None     # process group of the ranks sharing one parameter's shards
@@ -157,6 +163,9 @@ class State:
     ep_rank: int = 0
     ep_mesh: object = None         # DeviceMesh ("edp", "ep"): an EP group is "ep" (consecutive ranks)
     ep_group: object = None
+    cp_size: int = 1               # context_parallel_degree: ranks one sequence is split over
+    cp_rank: int = 0               # which part of the sequence this rank runs
+    cp_group: object = None
 
 
 state = State()
@@ -187,8 +196,9 @@ def init(config=None, backend="smddp"):
     state.local_rank = int(os.environ.get("LOCAL_RANK", rank))
     state.hybrid_shard_degree, state.replicate_degree = hsd, rep
     state.tp_size, state.tp_rank = tp, mesh["tp"].get_local_rank()
-    state.dp_size = rep * hsd
-    state.dp_rank = mesh["replicate"].get_local_rank() * hsd + mesh["shard"].get_local_rank()
+    cp = cfg.context_parallel_degree
+    state.dp_size = rep * hsd // cp
+    state.dp_rank = (mesh["replicate"].get_local_rank() * hsd + mesh["shard"].get_local_rank()) // cp
     state.mesh = mesh
     state.dp_mesh = mesh["replicate", "shard"]
     state.shard_group = mesh["shard"].get_group()
@@ -200,16 +210,25 @@ def init(config=None, backend="smddp"):
         state.ep_mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("edp", "ep"))
         state.ep_rank = state.ep_mesh["ep"].get_local_rank()
         state.ep_group = state.ep_mesh["ep"].get_group()
+    state.cp_size, state.cp_rank, state.cp_group = cp, 0, None
+    if cp > 1:
+        cp_mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("batch", "cp"))
+        state.cp_rank, state.cp_group = cp_mesh["cp"].get_local_rank(), cp_mesh["cp"].get_group()
     return state
 
 
 def transform(model, sequence_parallel=True):
     """With expert_parallel_degree > 1: expert parallelism of a Hugging Face mixture-of-experts
-    model (see smddp.smp.expert_parallel.transform); otherwise tensor parallelism of a Hugging
-    Face causal LM over state.mesh["tp"] (see smddp.smp.tensor_parallel.transform; the model is
-    returned unchanged at degree 1)."""
+    model (see smddp.smp.expert_parallel.transform); with context_parallel_degree > 1: context
+    parallelism of a Hugging Face causal LM (see smddp.smp.context_parallel.transform); otherwise
+    tensor parallelism of a Hugging Face causal LM over state.mesh["tp"] (see
+    smddp.smp.tensor_parallel.transform; the model is returned unchanged at degree 1)."""
     if not state.initialized:
         raise RuntimeError("smddp.smp: call smddp.smp.init() before transform()")
+    if state.cp_size > 1:
+        from .context_parallel import transform as _context_parallel
+
+        return _context_parallel(model)
     if state.ep_size > 1:
         from .expert_parallel import transform as _expert_parallel
 

@@ -1,0 +1,138 @@
+"""Context parallelism for Hugging Face causal LMs: smddp.smp.transform(model) with
+context_parallel_degree > 1.
+
+    tsm.init({"context_parallel_degree": 2, "random_seed": 0})
+    model = LlamaForCausalLM(config)        # the same full weights on every rank (same seed)
+    model = tsm.transform(model)            # every layer runs on 1/degree of the sequence
+    model = tsm.apply_hybrid_sharding(model)
+    out = model(input_ids, labels=labels)   # the full sequences, the same on the ranks of a CP group
+
+The ranks of a context-parallel (CP) group (consecutive ranks) get the same batch and split its
+sequences: rank i of the group runs every layer on tokens i*S/degree .. (i+1)*S/degree - 1 (the
+embedding, norms, MLP and LM head on those tokens only; positions stay global, so rotary
+embeddings are unchanged). Attention needs every earlier token's keys and values: each layer
+all-gathers them over the group (SMP's cp_comm_type "all_gather"; autograd reduce-scatters their
+gradients) and attends with the causal mask of the global positions. The model returns the
+logits of the rank's tokens and, given labels, the loss over them (labels shifted over the whole
+sequence first, so the tokens at chunk boundaries keep their targets).
+
+Loss and gradients: a CP rank's loss is the sum over its own tokens divided by 1/degree of the
+batch's labelled tokens, so the mean over the CP group is exactly the batch's mean loss (what the
+unsplit model returns), and data parallelism (FSDP2 over all ranks, CP ranks included) averaging
+the ranks' gradients gives exactly its gradient.
+"""
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION = "smddp_context_parallel"
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "GPTNeoXForCausalLM")
+
+
+class _GatherSequence(torch.autograd.Function):
+    """x [batch, heads, local tokens, dim] of every rank of `group`, concatenated over the tokens;
+    the backward pass reduce-scatters the gradient (each rank's keys and values serve every
+    rank's queries). One all_gather_into_tensor / reduce_scatter_tensor each way."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        ctx.group = group
+        world, (batch, heads, local, dim) = dist.get_world_size(group), x.shape
+        parts = x.new_empty((world * batch, heads, local, dim))  # the layout every backend takes
+        dist.all_gather_into_tensor(parts, x.contiguous(), group=group)
+        return parts.view(world, batch, heads, local, dim).permute(1, 2, 0, 3, 4).reshape(batch, heads, -1, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        world = dist.get_world_size(ctx.group)
+        batch, heads, length, dim = grad.shape
+        parts = grad.reshape(batch, heads, world, length // world, dim).permute(2, 0, 1, 3, 4).contiguous()
+        mine = grad.new_empty(parts.shape[1:])
+        dist.reduce_scatter_tensor(mine, parts.view(world * batch, heads, length // world, dim), group=ctx.group)
+        return mine, None
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
+    """transformers' attention interface, on this rank's queries and the CP group's keys and
+    values: query [batch, heads, local tokens, dim], key / value [batch, kv heads, local tokens, dim]."""
+    from . import state
+
+    group, rank = state.cp_group, state.cp_rank
+    keys, values = _GatherSequence.apply(key, group), _GatherSequence.apply(value, group)
+    if keys.shape[1] != query.shape[1]:  # grouped-query attention
+        repeat = query.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
+    local = query.shape[2]
+    q_pos = torch.arange(rank * local, (rank + 1) * local, device=query.device)[:, None]
+    k_pos = torch.arange(keys.shape[2], device=query.device)[None, :]
+    mask = k_pos <= q_pos  # True: attend
+    if sliding_window is not None:
+        mask &= q_pos - k_pos < sliding_window
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, _attention)
+    # The mask is made from the global positions in _attention: none to build beforehand.
+    AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)
+
+
+def _split_forward(forward, degree, rank):
+    def split(input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
+        if input_ids is None:
+            raise NotImplementedError("smddp.smp: with context parallelism the model takes input_ids (the full "
+                                      "sequences), not inputs_embeds")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise NotImplementedError("smddp.smp: context parallelism does not support padding (an attention_mask "
+                                      "with zeros); pack or trim the sequences")
+        if kwargs.get("past_key_values") is not None or kwargs.pop("use_cache", None):
+            raise NotImplementedError("smddp.smp: context parallelism is for training: no key/value cache")
+        length = input_ids.shape[1]
+        if length % degree:
+            raise ValueError(f"smddp.smp: sequences of {length} tokens do not split over "
+                             f"context_parallel_degree={degree}; pad them to a multiple of it")
+        mine = slice(rank * length // degree, (rank + 1) * length // degree)
+        if position_ids is None:
+            position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
+        out = forward(input_ids=input_ids[:, mine], position_ids=position_ids[:, mine], use_cache=False, **kwargs)
+        if labels is not None:
+            # Each token's target is the next token of the whole sequence, the last one's none (as
+            # transformers' own loss). The sum over this rank's tokens is divided by 1/degree of
+            # the batch's labelled tokens, so that the CP group's mean is the batch's mean loss.
+            targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+            share = max(int((targets != -100).sum()), 1) / degree
+            logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
+            out.loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, mine].reshape(-1),
+                                       ignore_index=-100, reduction="sum") / share
+        return out
+
+    return split
+
+
+def transform(model):
+    """Context parallelism of `model` over state.cp_group (see the module docstring), in place;
+    returns the model. Call after init() and before apply_hybrid_sharding().
+    NotImplementedError for a model outside SUPPORTED (and their subclasses), RuntimeError when
+    called twice."""
+    from . import state
+
+    names = {cls.__name__ for cls in type(model).__mro__}
+    if not names & set(SUPPORTED):
+        raise NotImplementedError(f"smddp.smp.transform: context parallelism does not support "
+                                  f"{type(model).__name__}; supported: {', '.join(SUPPORTED)} (Hugging Face "
+                                  "transformers causal LMs) and their subclasses")
+    if getattr(model.config, "_attn_implementation", None) == ATTENTION:
+        raise RuntimeError("smddp.smp.transform: the model is already context-parallel; call transform() once")
+    _register()
+    model.set_attn_implementation(ATTENTION)
+    # An instance attribute: nn.Module.__call__ (and FSDP2's hooks around it) still run first.
+    model.forward = _split_forward(model.forward, state.cp_size, state.cp_rank)
+    return model

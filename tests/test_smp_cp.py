@@ -1,0 +1,112 @@
+"""smddp.smp.transform with context_parallel_degree > 1: context parallelism of tiny random-config
+Hugging Face causal LMs (Llama with grouped-query attention, Mistral with and without a sliding
+window shorter than the sequence, GPT-NeoX), alone and under hybrid sharding, trained for a few
+AdamW steps against the same model unsplit in one process: each rank's logits (its part of the
+sequence), the loss (transformers' own, from labels), gradients and parameters equal within
+float64 tolerance. Plus every refusal (unsupported model, transforming twice, padding, a length
+that does not split, inputs_embeds, a key/value cache).
+
+Every rank builds the model from the config's random_seed, keeps an unsplit copy as the
+reference and trains that on the global batch; the ranks of a CP group get the same sequences
+and each runs its part."""
+import copy
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _util import Report
+from test_smp_tp import _build, _refused, train_against_reference
+
+import smddp.smp as tsm
+
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("transformers is not installed (pip install -r requirements-examples.txt)", allow_module_level=True)
+
+STEPS = 3
+PER_DP_RANK = 2  # sequences per batch (each CP group shares one)
+SEQ = 16
+
+
+def _batches(family, dp, vocab):
+    g = torch.Generator().manual_seed(sum(map(ord, family)) + 1)
+    return [torch.randint(0, vocab, (dp * PER_DP_RANK, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _run(model, tokens):
+    """Logits and the model's loss with the inputs as labels (predicting each next token)."""
+    out = model(tokens, labels=tokens)
+    return out.logits, out.loss
+
+
+def _reference(model, tokens):
+    """The same loss computed from the unsplit model's logits in float64 (transformers' own loss
+    casts logits to float32)."""
+    logits = model(tokens).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    return logits, loss
+
+
+def cp_task(rank, world, family, cp, hsd, overrides):
+    from smddp.smp.context_parallel import ATTENTION
+
+    rep = Report(rank)
+    tag = f"{family}{overrides or ''} cp={cp} hybrid_shard_degree={hsd} world={world}"
+    st = tsm.init({"context_parallel_degree": cp, "hybrid_shard_degree": hsd, "random_seed": 17})
+    rep.expect((st.cp_size, st.cp_rank, st.dp_size, st.dp_rank) == (cp, rank % cp, world // cp, rank // cp),
+               f"{tag}: state {st}")
+    model = _build(family, **(overrides or {}))[0]
+    ref = copy.deepcopy(model)
+    tsm.transform(model)
+    rep.expect(model.config._attn_implementation == ATTENTION, f"{tag}: attention is {model.config._attn_implementation}")
+    tsm.apply_hybrid_sharding(model)  # FSDP2 averages the gradients over every rank, CP ranks included
+    rows = slice(st.dp_rank * PER_DP_RANK, (st.dp_rank + 1) * PER_DP_RANK)
+    part = SEQ // cp
+    train_against_reference(rep, tag, model, ref, _batches(family, st.dp_size, model.config.vocab_size), rows,
+                            run=_run, ref_run=_reference, part=lambda logits: logits[:, st.cp_rank * part:(st.cp_rank + 1) * part])
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("family, overrides", [("llama", None), ("mistral", None), ("gpt_neox", None),
+                                               ("mistral", {"sliding_window": 5})])
+def test_cp2_matches_single_process(pools, family, overrides):
+    pools.check(2, cp_task, family, 2, 0, overrides, timeout=300)
+
+
+@pytest.mark.parametrize("family, cp, hsd, hosts", [
+    ("llama", 2, 0, None),     # 2 CP groups, each its own batch; sharded over all 4 ranks
+    ("llama", 4, 0, None),     # 4 tokens per rank
+    ("mistral", 2, 2, None),   # shard 2 x replicate 2: a CP group is a shard group
+    ("gpt_neox", 2, 0, "0011"),  # emulated hosts, a CP group on each
+    ("llama", 4, 4, "0101"),   # every CP group spans both hosts: keys and values cross the TCP mesh
+])
+@pytest.mark.parametrize("world", [4])
+def test_cp_on_4_ranks_matches_single_process(pools, world, family, cp, hsd, hosts):
+    pools.check(world, cp_task, family, cp, hsd, None, hosts=hosts, timeout=300)
+
+
+def refusals_task(rank, world):
+    rep = Report(rank)
+    tsm.init({"context_parallel_degree": 2, "random_seed": 3})
+    _refused(rep, "unsupported model", lambda: tsm.transform(_build("gpt2")[0]), NotImplementedError,
+             "context parallelism does not support GPT2LMHeadModel; supported: LlamaForCausalLM, "
+             "MistralForCausalLM, GPTNeoXForCausalLM")
+    model = tsm.transform(_build("llama")[0])
+    _refused(rep, "transform twice", lambda: tsm.transform(model), RuntimeError, "already context-parallel")
+    tokens = torch.randint(0, 64, (2, SEQ))
+    padding = torch.ones_like(tokens)
+    padding[0, :3] = 0
+    _refused(rep, "padding", lambda: model(tokens, attention_mask=padding), NotImplementedError,
+             "does not support padding")
+    _refused(rep, "odd length", lambda: model(tokens[:, :-1]), ValueError,
+             f"sequences of {SEQ - 1} tokens do not split over context_parallel_degree=2")
+    _refused(rep, "inputs_embeds", lambda: model(inputs_embeds=torch.zeros(2, SEQ, 64, dtype=torch.float64)),
+             NotImplementedError, "takes input_ids")
+    _refused(rep, "cache", lambda: model(tokens, use_cache=True), NotImplementedError, "no key/value cache")
+    rep.expect(model(tokens, use_cache=False).logits.shape[1] == SEQ // 2, "use_cache=False: not this rank's half")
+    return rep.to_dict()
+
+
+def test_refusals(pools):
+    pools.check(2, refusals_task, timeout=300)
