@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Training benchmark: a Llama-style causal LM trained with FSDP2, HSDP or DDP on CPU, gloo and smddp in one run
-(and its mixture-of-experts twin with expert parallelism).
+(and with context parallelism, and its mixture-of-experts twin with expert parallelism).
 
 The model is examples/smp_llama.py's (RMSNorm, causal multi-head attention, SwiGLU MLP) at a larger
 size, random init from a fixed seed, on synthetic tokens (no downloads). FSDP2 `fully_shard` per
@@ -8,12 +8,15 @@ block and at the root; HSDP the same on a 2-D device mesh (sharded over --shard-
 consecutive ranks, replicated across those groups); or DDP (default buckets); or "ep": transformers'
 MixtralForCausalLM of the same shape (--experts per layer, 2 per token; needs transformers) under
 smddp.smp expert parallelism (--ep-degree consecutive ranks share a layer's experts, tokens exchanged
-all-to-all) and FSDP2 (smddp.smp.apply_hybrid_sharding); AdamW. For each world size the backends run one
+all-to-all) and FSDP2 (smddp.smp.apply_hybrid_sharding); or "cp": transformers' LlamaForCausalLM of
+the same shape under smddp.smp context parallelism (--cp-degree consecutive ranks share each batch,
+each runs its part of every sequence; attention all-gathers keys and values) and FSDP2; AdamW.
+For each world size the backends run one
 after the other, in alternating rounds, and the best round of each counts (noise on a shared VM
 only ever slows a run).
 
 Per backend and world: step time, tokens/s, and the share of the step that communication adds.
-FSDP2, HSDP and EP: time the training thread spends inside torch.distributed's collective calls plus time
+FSDP2, HSDP, EP and CP: time the training thread spends inside torch.distributed's collective calls plus time
 blocked in `Work.wait()` (what is not hidden behind compute), measured by wrapping those entry
 points. DDP's reducer calls the process group from C++, out of reach of such wrappers, so for DDP
 it is 1 - (step time under `no_sync()`, no gradient allreduce) / (step time).
@@ -51,7 +54,7 @@ def worker(args) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     sys.path.insert(0, str(ROOT / "examples"))
-    from smp_llama import LlamaConfig, TinyLlama, batch, hf_mixtral
+    from smp_llama import LlamaConfig, TinyLlama, batch, hf_llama, hf_mixtral
 
     if args.backend == "smddp":
         import smddp  # noqa: F401
@@ -64,12 +67,16 @@ def worker(args) -> None:
     cfg = LlamaConfig(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq,
                       per_rank=args.per_rank)
     torch.manual_seed(0)
-    model = hf_mixtral(cfg, experts=args.experts) if args.parallel == "ep" else TinyLlama(cfg)
+    build = {"ep": lambda: hf_mixtral(cfg, experts=args.experts), "cp": lambda: hf_llama(cfg)}
+    model = build.get(args.parallel, lambda: TinyLlama(cfg))()
     params = sum(p.numel() for p in model.parameters())
-    if args.parallel == "ep":
+    cp = args.cp_degree if args.parallel == "cp" else 1
+    if args.parallel in ("ep", "cp"):
         import smddp.smp as tsm
 
-        tsm.init({"expert_parallel_degree": args.ep_degree})  # on the group started above
+        key, degree = ("expert_parallel_degree", args.ep_degree) if args.parallel == "ep" else \
+            ("context_parallel_degree", cp)
+        tsm.init({key: degree})  # on the group started above
         tsm.apply_hybrid_sharding(tsm.transform(model))
     elif args.parallel == "ddp":
         model = DDP(model)
@@ -117,7 +124,10 @@ def worker(args) -> None:
             setattr(dist, name, timed(getattr(dist, name)))
 
     def step(i):
-        x, y = batch(rank, i, cfg)
+        x, y = batch(rank // cp, i, cfg)  # the ranks of a CP group share a batch
+        if cp > 1:  # and each gets the logits of its part of the sequences
+            part = y.shape[1] // cp
+            y = y[:, rank % cp * part:(rank % cp + 1) * part]
         out = model(x)
         logits = out if isinstance(out, torch.Tensor) else out.logits
         loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1))
@@ -154,7 +164,8 @@ def worker(args) -> None:
         share = sum(float(g[1] / g[0]) for g in gathered) / world
         print("RESULT " + json.dumps({"backend": args.backend, "parallel": args.parallel, "world": world,
                                       "params": params,
-                                      "step_ms": step_s * 1e3, "tokens_per_s": world * cfg.per_rank * cfg.seq / step_s,
+                                      "step_ms": step_s * 1e3,
+                                      "tokens_per_s": world // cp * cfg.per_rank * cfg.seq / step_s,
                                       "comm_share": share, "final_loss": final_loss}), flush=True)
     dist.destroy_process_group()
     # Leave without running destructors: gloo's can deadlock (~ProcessGroupGloo, reached from DDP's
@@ -191,11 +202,13 @@ def main() -> None:
     p.add_argument("--backends", default="gloo,smddp", help="the first is the baseline of the ratios")
     p.add_argument("--parallel", default="fsdp2",
                    help="comma list of fsdp2, hsdp (FSDP2 hybrid: shard over --shard-degree consecutive ranks, "
-                        "replicate across those groups), ddp, ep (a mixture-of-experts twin with expert parallelism)")
+                        "replicate across those groups), ddp, ep (a mixture-of-experts twin with expert parallelism), "
+                        "cp (context parallelism)")
     p.add_argument("--shard-degree", type=int, default=0,
                    help="hsdp's shard group size (default: --per-host with --hosts, else 2)")
     p.add_argument("--ep-degree", type=int, default=2, help="ep: ranks a layer's experts are split over")
     p.add_argument("--experts", type=int, default=4, help="ep: experts per layer (2 per token)")
+    p.add_argument("--cp-degree", type=int, default=2, help="cp: ranks each sequence is split over")
     p.add_argument("--hosts", type=int, default=0, help="run on an emulated cluster of this many hosts (root)")
     p.add_argument("--per-host", type=int, default=1, help="ranks per emulated host")
     p.add_argument("--rate", default="1gbit", help="emulated hosts' link rate (tc units), or 'none'")
@@ -220,16 +233,18 @@ def main() -> None:
         worker(args)
         return
     parallels = args.parallel.split(",")
-    if not set(parallels) <= {"fsdp2", "hsdp", "ddp", "ep"}:
-        p.error(f"--parallel {args.parallel!r}: expected a comma list of fsdp2, hsdp, ddp, ep")
+    if not set(parallels) <= {"fsdp2", "hsdp", "ddp", "ep", "cp"}:
+        p.error(f"--parallel {args.parallel!r}: expected a comma list of fsdp2, hsdp, ddp, ep, cp")
     args.shard_degree = args.shard_degree or (args.per_host if args.hosts else 2)
     args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}"
                         for k in ("steps", "warmup", "shard_degree", "vocab", "dim", "heads", "layers", "seq", "per_rank",
-                                  "ep_degree", "experts")]
+                                  "ep_degree", "experts", "cp_degree")]
     backends = args.backends.split(",")
     hsdp = f" (HSDP: shards of {args.shard_degree} consecutive ranks)" if "hsdp" in parallels else ""
     if "ep" in parallels:
         hsdp += f" (EP: Mixtral twin, {args.experts} experts per layer, 2 per token, over {args.ep_degree} ranks)"
+    if "cp" in parallels:
+        hsdp += f" (CP: transformers' Llama, each sequence over {args.cp_degree} ranks)"
     print(f"# {', '.join(x.upper() for x in parallels)}{hsdp} on CPU: Llama-style LM, vocab {args.vocab}, width {args.dim}, "
           f"{args.heads} heads, {args.layers} blocks, sequences of {args.seq} tokens, {args.per_rank} per rank and "
           f"step, AdamW, fp32; {args.warmup} warm-up + {args.steps} timed steps, best of {args.rounds} "
@@ -251,6 +266,8 @@ def main() -> None:
             print(f"# emulated cluster: {args.hosts} hosts x {args.per_host} rank(s){nics}, links {rate or 'unshaped'} "
                   f"(tc htb, both directions), {f'one-way delay {args.delay}' if args.delay else 'no added delay'}, "
                   f"measured TCP round trip {rtt:.2f} ms", flush=True)
+        if "cp" in parallels and any(w % args.cp_degree or args.seq % args.cp_degree for w in worlds):
+            sys.exit(f"bench_training: cp needs world sizes ({worlds}) and --seq divisible by the CP degree")
         if "ep" in parallels and any(w % args.ep_degree for w in worlds):
             sys.exit(f"bench_training: ep needs world sizes ({worlds}) divisible by the EP degree {args.ep_degree}")
         if "hsdp" in parallels and any(w % args.shard_degree for w in worlds):
@@ -270,7 +287,7 @@ def main() -> None:
                 results += [best[b] for b in backends]
     sizes = ", ".join(sorted({f"{r['parallel']} {r['params'] / 1e6:.1f} M" for r in results}))
     print(f"# model: {sizes} parameters; "
-          "comm share: FSDP2, HSDP, EP = time in collective calls and wait() / step, "
+          "comm share: FSDP2, HSDP, EP, CP = time in collective calls and wait() / step, "
           "DDP = 1 - step without gradient sync (no_sync) / step")
     print(f"{'parallel':>8}  {'world':>5}  {'backend':>8}  {'step ms':>8}  {'tokens/s':>9}  {'comm share':>10}  "
           f"{'speed-up':>8}  {'final loss':>10}")

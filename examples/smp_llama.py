@@ -200,7 +200,8 @@ def main():
     if state.rank == 0:
         print(f"smp: world {state.world_size}, tensor_parallel_degree {state.tp_size} x "
               f"hybrid_shard_degree {state.hybrid_shard_degree} x replicate {state.replicate_degree}, "
-              f"expert_parallel_degree {state.ep_size}, context_parallel_degree {state.cp_size}, model {args.model}, config {json.dumps(vars(state.config))}", flush=True)
+              f"expert_parallel_degree {state.ep_size}, context_parallel_degree {state.cp_size}, "
+              f"model {args.model}, config {json.dumps(vars(state.config))}", flush=True)
     if args.activation_offloading and (args.activation_checkpointing or not state.config.sm_activation_offloading):
         raise SystemExit("--activation-offloading offloads the blocks that are not checkpointed, and needs the "
                          "config's sm_activation_offloading (true by default)")

@@ -14,6 +14,30 @@ from collections import defaultdict
 
 import torch
 
+def thread_names():
+    """Names of this process's threads (one that exits while they are listed is left out)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # gone while listed
+            pass
+    return names
+
+
+def backend_threads_left(grace_s=2.0):
+    """How many smddp threads this process still has, after up to `grace_s` for joined ones to
+    leave the list (the kernel wakes the joiner before it removes the task); one that stays is
+    a leak."""
+    grace = time.monotonic() + grace_s
+    while True:
+        left = sum(n.startswith("smddp") for n in thread_names())
+        if left == 0 or time.monotonic() > grace:
+            return left
+        time.sleep(0.01)
+
+
 BACKEND = os.environ.get("SMDDP_TEST_BACKEND", "smddp")
 IS_SMDDP = BACKEND == "smddp"
 

@@ -58,22 +58,8 @@ except Exception as e:
         time.sleep(10)  # keeps its group: its peer must hear of the failure from the op itself
     # What a survivor leaves behind once it has given up on the group.
     dist.destroy_process_group()
-    # A joined thread can still be listed for a moment (the kernel wakes the joiner before it
-    # removes the task), so allow a short grace period; one that stays is a leak.
-    grace = time.monotonic() + 2
-    while True:
-        names = []
-        for d in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{d}/comm") as f:
-                    names.append(f.read().strip())
-            except OSError:  # gone while listed
-                pass
-        left = sum(n.startswith("smddp") for n in names)
-        if left == 0 or time.monotonic() > grace:
-            break
-        time.sleep(0.01)
-    print("backend threads left:", left, flush=True)
+    from _util import backend_threads_left
+    print("backend threads left:", backend_threads_left(), flush=True)
     sys.exit(3)
 """
 
@@ -298,11 +284,8 @@ except Exception as e:
     print(f"raised after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
 if ender.is_alive():
     ender.join()  # the group is torn down once end_group() returns
-names = []
-for d in os.listdir("/proc/self/task"):
-    with open(f"/proc/self/task/{d}/comm") as f:
-        names.append(f.read().strip())
-print("backend threads left:", sum(n.startswith("smddp") for n in names), flush=True)
+from _util import backend_threads_left  # the ender's thread may vanish while threads are listed
+print("backend threads left:", backend_threads_left(), flush=True)
 """
 
 

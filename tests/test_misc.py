@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _util import IS_SMDDP, Report, backend_skip, dname, gen_all, reduce_ref
+from _util import IS_SMDDP, Report, backend_skip, dname, gen_all, reduce_ref, thread_names
 
 WORLDS = [1, 2, 3, 4]
 
@@ -327,14 +327,7 @@ def _threads():
     """Names of this process's threads, after collecting garbage (earlier tasks' unreachable
     groups release their threads when collected, which must not count for or against this one)."""
     gc.collect()
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:
-            pass
-    return sorted(names)
+    return sorted(thread_names())
 
 
 def shm_task(rank, world):

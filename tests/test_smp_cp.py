@@ -59,12 +59,13 @@ def cp_task(rank, world, family, cp, hsd, overrides):
     model = _build(family, **(overrides or {}))[0]
     ref = copy.deepcopy(model)
     tsm.transform(model)
-    rep.expect(model.config._attn_implementation == ATTENTION, f"{tag}: attention is {model.config._attn_implementation}")
+    attention = model.config._attn_implementation
+    rep.expect(attention == ATTENTION, f"{tag}: attention is {attention}")
     tsm.apply_hybrid_sharding(model)  # FSDP2 averages the gradients over every rank, CP ranks included
     rows = slice(st.dp_rank * PER_DP_RANK, (st.dp_rank + 1) * PER_DP_RANK)
-    part = SEQ // cp
+    mine = slice(st.cp_rank * SEQ // cp, (st.cp_rank + 1) * SEQ // cp)
     train_against_reference(rep, tag, model, ref, _batches(family, st.dp_size, model.config.vocab_size), rows,
-                            run=_run, ref_run=_reference, part=lambda logits: logits[:, st.cp_rank * part:(st.cp_rank + 1) * part])
+                            run=_run, ref_run=_reference, part=lambda logits: logits[:, mine])
     return rep.to_dict()
 
 

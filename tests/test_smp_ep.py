@@ -1,11 +1,12 @@
 """smddp.smp.transform with expert_parallel_degree > 1: expert parallelism of tiny random-config
 Hugging Face mixture-of-experts models (Mixtral; Qwen2-MoE, whose MoE layers add a shared expert;
-Qwen3-MoE with a dense layer among the MoE ones; OLMoE at top 3 of 6) under hybrid sharding, trained for a few AdamW steps against the same model unparallelised in one
-process: logits, loss, gradients (full tensors gathered from the DTensors) and parameters equal
-within float64 tolerance. Plus every refusal (expert count not divisible by the degree, a model
-without experts, experts laid out otherwise, ranks holding different weights, transforming twice, sharding before
-transforming) and a checkpoint of an expert-parallel model with its AdamW state that loads bit
-for bit into the plain model and under another degree.
+Qwen3-MoE with a dense layer among the MoE ones; OLMoE at top 3 of 6) under hybrid sharding,
+trained for a few AdamW steps against the same model unparallelised in one process: logits,
+loss, gradients (full tensors gathered from the DTensors) and parameters equal within float64
+tolerance. Plus every refusal (expert count not divisible by the degree, a model without
+experts, experts laid out otherwise, ranks holding different weights, transforming twice,
+sharding before transforming) and a checkpoint of an expert-parallel model with its AdamW state
+that loads bit for bit into the plain model and under another degree.
 
 Every rank builds the model from the config's random_seed, keeps an untransformed copy as the
 reference and trains that on the global batch (every rank's own sequences: the ranks of an EP

@@ -59,7 +59,7 @@ CONFIG_KEYS = {
                                    "group see the same batch; at most hybrid_shard_degree; not combinable with "
                                    "tensor or expert parallelism yet"),
     "random_seed": (None, "base seed: torch.manual_seed(random_seed) on every rank at init, so a model built "
-                          "afterwards is the same on every rank (transform() requires that within a TP group)"),
+                          "afterwards is the same on every rank (transform() requires that within a TP or EP group)"),
     "sm_activation_offloading": (True, "offload blocks' saved activations to host memory with prefetch "
                                        "(apply_activation_offloading; training scripts read the flag)"),
     "activation_loading_horizon": (2, "how many offloaded layers' activations may be resident at once (>= 1)"),

@@ -102,10 +102,8 @@ def _expert_parallel_forward(module, group, degree, hidden_states, top_k_index, 
     # degree), which gives the mean over the world, as for every other parameter. (FSDP2's own
     # gradient divide factor would do the same, but divides twice on a one-rank mesh in float64
     # and float16, torch 2.13.)
-    gate_up, down = module.gate_up_proj, module.down_proj
-    if hasattr(gate_up, "to_local"):
-        gate_up, down = gate_up.to_local(), down.to_local()
-    gate_up, down = _ScaleGrad.apply(gate_up, 1.0 / degree), _ScaleGrad.apply(down, 1.0 / degree)
+    gate_up = _ScaleGrad.apply(module.gate_up_proj.to_local(), 1.0 / degree)
+    down = _ScaleGrad.apply(module.down_proj.to_local(), 1.0 / degree)
     parts = rows[by_expert].split(incoming.sum(0).tolist())
     done = torch.cat([F.linear(module._apply_gate(F.linear(x, gate_up[e])), down[e]) for e, x in enumerate(parts)])
     results = _exchange(done[torch.argsort(by_expert)], send, recv, group)  # back in arrival order
