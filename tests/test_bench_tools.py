@@ -37,15 +37,18 @@ def test_compare_report_from_jsonl(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_training_benchmark_runs_both_backends(tmp_path):
+@pytest.mark.parametrize("parallel", ["fsdp2", "ep", "cp"])
+def test_training_benchmark_runs_both_backends(tmp_path, parallel):
+    if parallel != "fsdp2" and importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (pip install -r requirements-examples.txt)")
     out = tmp_path / "train.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--worlds", "2", "--rounds",
                         "1", "--steps", "2", "--warmup", "1", "--vocab", "128", "--dim", "32", "--heads", "2",
-                        "--layers", "2", "--seq", "16", "--json", str(out)],
+                        "--layers", "2", "--seq", "16", "--parallel", parallel, "--json", str(out)],
                        capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert [r["backend"] for r in res] == ["gloo", "smddp"]
+    assert [(r["backend"], r["parallel"]) for r in res] == [("gloo", parallel), ("smddp", parallel)]
     assert res[0]["final_loss"] == res[1]["final_loss"], res
     assert all(r["step_ms"] > 0 and 0 < r["comm_share"] < 1 for r in res), res
 
