@@ -43,18 +43,22 @@ if mode == "p2p_idle":  # rank 0 blocks in a recv whose sender never comes
     op = lambda: dist.recv(t, 1)
 if mode == "oom":  # rank 1 cannot allocate what a non-root rank of a reduce across hosts needs
     big = torch.ones(16 << 20)
-    if rank == 1:
-        import resource
-        vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
     op = lambda: dist.reduce(big, 0)
+if mode == "oom_sparse":  # rank 1 cannot hold rank 0's 4 Mi nonzeros (48 MiB) once the counts are known
+    n = (1 << 22) if rank == 0 else 8
+    big = torch.sparse_coo_tensor(torch.arange(n)[None], torch.ones(n), (1 << 22,))
+    op = lambda: dist.all_reduce(big)
+if mode.startswith("oom") and rank == 1:  # 16 MiB more address space than it holds now
+    import resource
+    vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
 t0 = time.monotonic()
 try:
     while True:
         op()
 except Exception as e:
     print(f"ERROR after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
-    if mode == "oom" and rank == 1:
+    if mode.startswith("oom") and rank == 1:
         time.sleep(10)  # keeps its group: its peer must hear of the failure from the op itself
     # What a survivor leaves behind once it has given up on the group.
     dist.destroy_process_group()
@@ -219,6 +223,29 @@ def test_out_of_memory_inside_an_op_fails_the_group(hosts):
     if hosts == "01":
         assert re.search(r"rank 1 on .* gave up the group \(this rank was \w+\): reduce #\d+: out of memory",
                          outs[0]), outs[0][-2000:]
+    assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", [None, "01"])
+def test_out_of_memory_inside_a_sparse_all_reduce_fails_the_group(hosts):
+    """A sparse all_reduce is two all-gathers (counts, then nonzeros). Rank 1 runs out of memory
+    between them, staging rank 0's many nonzeros: it raises naming the op and the cause, and rank
+    0, already in the second all-gather, hears of it at once instead of at the 60 s timeout."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(2, "oom_sparse", 60, hosts=hosts)
+    _wait_ready(procs)
+    outs = _finish(procs, 40)
+    for r, out in enumerate(outs):
+        assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{out[-2000:]}"
+        assert "backend threads left: 0" in out, out[-2000:]
+        assert re.search(r"all_reduce of sparse tensors: staging every rank's nonzeros \(\d+ bytes\) failed: "
+                         r".*can't allocate memory", out), f"rank {r}:\n{out[-2000:]}"
+        m = re.search(r"ERROR after ([0-9.]+)s", out)
+        assert m and (r == 1 or float(m.group(1)) < 5), f"rank {r}:\n{out[-2000:]}"
+    assert "ERROR after" in outs[1] and "smddp rank 1: all_reduce of sparse tensors" in outs[1], outs[1][-2000:]
+    assert "DistBackendError" in outs[0] and "rank 1" in outs[0], outs[0][-2000:]
     assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
 
 

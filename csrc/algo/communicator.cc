@@ -242,13 +242,17 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
 void Communicator::failOp(OpKind kind, uint64_t seq, ErrorCode code, const char* what) {
   char prefix[96];
   snprintf(prefix, sizeof(prefix), "%s #%llu: ", opKindName(kind), static_cast<unsigned long long>(seq));
-  brokenBy_ = std::string(prefix) + what;
+  abandon(std::string(prefix) + what);
+  throw Error(code, brokenBy_);
+}
+
+void Communicator::abandon(std::string what) {
+  brokenBy_ = std::move(what);
   SMDDP_WARN(kColl, "rank %d: %s", rank_, brokenBy_.c_str());
   // Tell the peers that may be waiting for this rank, rather than leave them to time out:
   // ranks of this host see the flag, ranks of other hosts a farewell and their connections close.
   if (domain_) domain_->markFailed("rank " + std::to_string(rank_) + ": " + brokenBy_);
   if (mesh_) mesh_->closeAll(brokenBy_);
-  throw Error(code, brokenBy_);
 }
 
 void Communicator::allreduce(const AllreduceOptions& opts, std::chrono::milliseconds timeout) {

@@ -63,6 +63,11 @@ class Communicator {
 
   // Makes every current and future wait fail promptly with kAborted. Thread-safe.
   void abort();
+  // For an op built of several collectives that fails on this rank between two of them (its
+  // peers may already wait in the next): marks the group broken as a failed collective does
+  // and tells the peers `what`, so they fail at once instead of at the timeout. Same thread as
+  // the collectives.
+  void abandon(std::string what);
   // Joins the SMDDP_CPU_THREADS helpers (after abort(): a later op fails before it needs them).
   void stopHelpers();
 

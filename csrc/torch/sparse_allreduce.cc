@@ -6,7 +6,9 @@
 
 #include <array>
 #include <limits>
+#include <new>
 #include <sstream>
+#include <string>
 #include <vector>
 
 #include "core/types.h"
@@ -101,9 +103,19 @@ Union unionOf(const std::vector<at::Tensor>& parts, at::IntArrayRef sparseSizes,
   return {indices, inverse};
 }
 
+// An exception's text without torch's backtrace.
+std::string messageOf(const std::exception& e) {
+  if (const auto* torchError = dynamic_cast<const c10::Error*>(&e)) return torchError->what_without_backtrace();
+  if (dynamic_cast<const std::bad_alloc*>(&e)) return "out of memory (std::bad_alloc)";
+  return e.what();
+}
+
 // At least `bytes` of `slot`'s memory (a uint8 tensor grown as needed).
 uint8_t* reserve(at::Tensor& slot, int64_t bytes) {
-  if (!slot.defined() || slot.numel() < bytes) slot = at::empty({bytes}, at::kByte);
+  if (!slot.defined() || slot.numel() < bytes) {
+    slot = at::Tensor();  // the old memory goes first: the peak is the new size, not both
+    slot = at::empty({bytes}, at::kByte);
+  }
   return slot.data_ptr<uint8_t>();
 }
 
@@ -143,16 +155,27 @@ void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides,
     counts[p] = static_cast<size_t>((records[p].nnz * entryBytes + 7) / 8 * 8);
     offsets[p + 1] = offsets[p] + static_cast<int64_t>(counts[p]);
   }
-  uint8_t* packed = reserve(scratch.packed, static_cast<int64_t>(counts[rank]));
-  uint8_t* gathered = reserve(scratch.gathered, offsets[size]);
   auto indicesAt = [&](uint8_t* at, int64_t n) { return at::from_blob(at, {n, sparseDim}, at::kLong); };
   auto valuesAt = [&](uint8_t* at, int64_t n) {
     std::vector<int64_t> shape{n};
     shape.insert(shape.end(), rowShape.begin(), rowShape.end());
     return at::from_blob(at, shape, values.options());
   };
-  indicesAt(packed, nnz).copy_(in._indices().t());
-  valuesAt(packed + nnz * indexBytes, nnz).copy_(values);
+  uint8_t* packed = nullptr;
+  uint8_t* gathered = nullptr;
+  try {
+    packed = reserve(scratch.packed, static_cast<int64_t>(counts[rank]));
+    gathered = reserve(scratch.gathered, offsets[size]);
+    indicesAt(packed, nnz).copy_(in._indices().t());
+    valuesAt(packed + nnz * indexBytes, nnz).copy_(values);
+  } catch (const std::exception& e) {
+    // Every rank holds the counts now and goes on to the second all-gather, where it would wait
+    // for this rank until the timeout: tell them why this rank will not come.
+    const std::string why = "all_reduce of sparse tensors: staging every rank's nonzeros (" +
+                            std::to_string(offsets[size]) + " bytes) failed: " + messageOf(e);
+    if (size > 1) c.abandon(why);
+    TORCH_CHECK(false, "smddp rank ", rank, ": ", why);
+  }
   {
     algo::AllgatherOptions o{DataType::kUInt8, packed, {}, counts};
     for (int p = 0; p < size; ++p) o.outputs.push_back(gathered + offsets[p]);
