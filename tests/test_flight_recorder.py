@@ -78,8 +78,10 @@ try:
         time.sleep(5)                                      # never comes to the next collective
         smddp.dump_flight_recorder(sys.argv[5] + str(rank))
         sys.exit(0)
-    else:
-        dist.all_reduce(t)
+    else:  # four more behind it, which fail with it: one dump for them all
+        works = [dist.all_reduce(t, async_op=True) for _ in range(5)]
+        for w in works:
+            w.wait()
     dist.barrier()
 except Exception as e:
     print("failed:", type(e).__name__, flush=True)
@@ -90,7 +92,8 @@ except Exception as e:
 def test_dumps_on_failure_name_the_divergence(tmp_path, mode):
     """3 ranks; at their second collective rank 2 runs another op (found by smddp at once), or
     stalls until the others time out. With SMDDP_FR_DUMP_FILE every failing rank writes its dump
-    (the stalled rank dumps by hand); smddp.fr_trace must point at collective #2 and rank 2."""
+    (the stalled rank dumps by hand), ranks 0 and 1 once for the four all_reduces queued behind
+    the failing one, which fail with it; smddp.fr_trace must point at collective #2 and rank 2."""
     prefix = str(tmp_path / "trace_")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR, SMDDP_FR_DUMP_FILE=prefix)
     url = f"tcp://127.0.0.1:{free_port()}"
@@ -99,6 +102,8 @@ def test_dumps_on_failure_name_the_divergence(tmp_path, mode):
     outs = [p.communicate(timeout=120)[0] for p in procs]
     for r in range(3):
         assert os.path.exists(prefix + str(r)), f"rank {r} wrote no dump:\n{outs[r][-2000:]}"
+        if r < 2:  # five ops failed, one after the other: the first one dumps
+            assert outs[r].count("flight recorder dumped to") == 1, outs[r][-3000:]
     report = subprocess.run([sys.executable, "-m", "smddp.fr_trace", str(tmp_path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60).stdout
     default = report.split("group 1 ")[0]

@@ -141,6 +141,7 @@ void FlightRecorder::finished(int64_t id, bool ok) {
   if (!e) return;
   e->retired = true;
   if (!ok) return;
+  groups_[e->pgId].dumped = false;
   if (!e->startedAt) e->startedAt = nowNs();
   e->state = State::kCompleted;
   e->completedAt = nowNs();
@@ -214,7 +215,9 @@ void FlightRecorder::dumpOnError(int pgId, int rank) noexcept {
     int64_t global = rank;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      const Group& g = groups_[pgId];
+      Group& g = groups_[pgId];
+      if (g.dumped) return;
+      g.dumped = true;
       if (rank < static_cast<int>(g.globalRanks.size())) global = g.globalRanks[rank];
     }
     const std::string path = prefix + std::to_string(global);

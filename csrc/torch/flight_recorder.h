@@ -45,7 +45,8 @@ class FlightRecorder {
   // The pickled dump (torch's layout, version 2.10).
   std::string dump();
   // With SMDDP_FR_DUMP_FILE set: writes the dump for the global rank that group `pgId`'s rank
-  // `rank` is; never throws (it runs as an op fails).
+  // `rank` is, unless the group failed before without completing an op since (one dump per
+  // cascade of failures); never throws (it runs as an op fails).
   void dumpOnError(int pgId, int rank) noexcept;
 
  private:
@@ -55,6 +56,9 @@ class FlightRecorder {
     std::vector<int64_t> globalRanks;
     int64_t collectives = 0, p2ps = 0;  // ops issued so far
     int64_t lastStarted = -1, lastCompleted = -1;  // collective sequence numbers
+    // Dumped for a failure since the group's last completed op: the ops queued behind a failure
+    // fail with it, and the first dump already shows where the ranks stood.
+    bool dumped = false;
   };
   struct Entry {
     int64_t id = -1;
