@@ -23,7 +23,11 @@ dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world,
 t = torch.ones(1 << 16)
 dist.all_reduce(t)
 print("ready", flush=True)
-if mode in ("idle", "p2p_idle") and rank == 1:
+if mode == "stalled_then_idle":  # ranks 0 and 1 wait over a second for rank 2 in one allreduce
+    if rank == 2:
+        time.sleep(2.5)
+    dist.all_reduce(t)
+if mode in ("idle", "p2p_idle", "stalled_then_idle") and rank == 1:
     time.sleep(3600)   # never joins the next collective, never sends
 if mode == "store_gone" and rank == 0:
     dist.destroy_process_group()
@@ -31,6 +35,11 @@ if mode == "store_gone" and rank == 0:
 if mode.startswith("between") or mode == "store_gone":
     time.sleep(2)      # the test kills a rank now, while no collective is running
 op = lambda: dist.all_reduce(t)
+if mode == "crossed" and rank < 2:  # ranks 0 and 1 run the world's op and their pair's in opposite orders
+    pair = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=float(sys.argv[5])))
+    op = (lambda: dist.all_reduce(t)) if rank == 0 else (lambda: dist.all_reduce(t, group=pair))
+elif mode == "crossed":
+    dist.new_group([0, 1], timeout=datetime.timedelta(seconds=float(sys.argv[5])))
 if mode in ("between_alltoall", "store_gone"):  # the group's first all_to_all, which connects more ranks
     blocks = torch.ones(world * 1024)
     op = lambda: dist.all_to_all_single(torch.empty_like(blocks), blocks)
@@ -59,7 +68,9 @@ try:
 except Exception as e:
     print(f"ERROR after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
     if mode.startswith("oom") and rank == 1:
-        time.sleep(10)  # keeps its group: its peer must hear of the failure from the op itself
+        time.sleep(10)
+    if mode == "crossed":
+        time.sleep(3)  # every rank ends by its own timeout, not by a peer's exit  # keeps its group: its peer must hear of the failure from the op itself
     # What a survivor leaves behind once it has given up on the group.
     dist.destroy_process_group()
     from _util import backend_threads_left
@@ -68,10 +79,10 @@ except Exception as e:
 """
 
 
-def _job(world, mode, timeout_s, hosts=None, url=None):
+def _job(world, mode, timeout_s, hosts=None, url=None, **env_vars):
     """hosts: e.g. "0011" gives rank r SMDDP_HOST_ID=hosts[r] (emulated hosts, TCP between them).
-    url: the init method, by default a TCP store that rank 0 hosts."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
+    url: the init method, by default a TCP store that rank 0 hosts. env_vars: more environment."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR, **env_vars)
     url = url or f"tcp://127.0.0.1:{free_port()}"
     return [subprocess.Popen([sys.executable, "-u", "-c", CHILD, str(r), str(world), url, mode, str(timeout_s)],
                              env=dict(env, SMDDP_HOST_ID=hosts[r]) if hosts else env,
@@ -247,6 +258,57 @@ def test_out_of_memory_inside_a_sparse_all_reduce_fails_the_group(hosts):
     assert "ERROR after" in outs[1] and "smddp rank 1: all_reduce of sparse tensors" in outs[1], outs[1][-2000:]
     assert "DistBackendError" in outs[0] and "rank 1" in outs[0], outs[0][-2000:]
     assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
+
+
+@pytest.mark.timeout(120)
+def test_timeout_says_where_the_waited_for_ranks_stand():
+    """Emulated hosts 0, 0, 1; rank 1 never joins the next allreduce. Past SMDDP_DESYNC_CHECK_MS a
+    stalled rank posts its op in the store; at the timeout each rank says where the ranks it
+    waited for stand, which shows the chain: rank 2 waited for host 0's data and rank 0 waits in
+    the same allreduce; rank 0 waited for rank 1, which waits in no collective of the group."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(3, "idle", 6, hosts="001", SMDDP_DESYNC_CHECK_MS="1000")
+    _wait_ready(procs)
+    outs = _finish([procs[0], procs[2]], 40)
+    procs[1].kill()
+    procs[1].communicate()
+    for out in outs:
+        assert "DistBackendError" in out and "where the ranks it waited for stand" in out, out[-2000:]
+    assert "rank 1 has not waited in any collective of this group (busy elsewhere" in outs[0], outs[0][-2000:]
+    assert re.search(r"rank 0 waits in allreduce #\d+ \(float32, sum\)", outs[1]), outs[1][-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_timeout_tells_a_past_wait_from_a_current_one():
+    """Rank 1 waited in allreduce #2 (for rank 2, late), then never joins #3: at #3's timeout its
+    post is older than two probe intervals, so rank 0 says where it last waited and that it is not
+    waiting in a collective of the group now."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(3, "stalled_then_idle", 6, SMDDP_DESYNC_CHECK_MS="1000")
+    _wait_ready(procs)
+    outs = _finish([procs[0], procs[2]], 40)
+    procs[1].kill()
+    procs[1].communicate()
+    assert re.search(r"rank 1 last waited in allreduce #2 \(float32, sum\) \d+ s ago and is not waiting in a "
+                     r"collective of this group now \(busy elsewhere", outs[0]), outs[0][-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_timeout_of_crossed_groups_names_ranks_busy_elsewhere():
+    """The classic cross-group deadlock, on one host: rank 0 runs the world's allreduce, rank 1
+    its pair's (ranks 0 and 1) first. Each times out saying the rank it waits for waits in no
+    collective of the group: the hint that it is in another group's op."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(3, "crossed", 6, SMDDP_DESYNC_CHECK_MS="1000")
+    _wait_ready(procs)
+    outs = _finish(procs, 40)
+    for r, other in ((0, 1), (1, 0), (2, 1)):
+        assert "DistBackendError" in outs[r], outs[r][-2000:]
+        assert f"rank {other} has not waited in any collective of this group (busy elsewhere: computing, " \
+               "another group's op" in outs[r], f"rank {r}:\n{outs[r][-2000:]}"
 
 
 @pytest.mark.timeout(120)

@@ -211,7 +211,7 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
   ctx.wait.deadline = std::chrono::steady_clock::now() + timeout;
   ctx.wait.abort = &aborted_;
   std::optional<DesyncProbe> probe;
-  if (mesh_ && env::desyncCheckMs() > 0) {
+  if (size_ > 1 && env::desyncCheckMs() > 0) {
     probe.emplace(store_, rank_, seq, ctx.signature, std::chrono::milliseconds(env::desyncCheckMs()));
     ctx.wait.stall = &*probe;
   }
@@ -231,6 +231,7 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
     if (domain_) domain_->commitSlots();
     fn(ctx);
   } catch (const Error& e) {
+    if (e.code() == ErrorCode::kTimeout && probe) failOp(kind, seq, e.code(), (e.what() + probe->report()).c_str());
     failOp(kind, seq, e.code(), e.what());
   } catch (const std::bad_alloc&) {
     failOp(kind, seq, ErrorCode::kSystemError, "out of memory (std::bad_alloc)");

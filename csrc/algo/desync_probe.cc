@@ -1,6 +1,7 @@
 #include "algo/desync_probe.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 
 #include "core/error.h"
@@ -12,8 +13,16 @@ namespace {
 
 std::string keyOf(int rank) { return "smddp/desync/at/" + std::to_string(rank); }
 
+// Wall-clock milliseconds: a post's age is read on another host (clocks kept in step by NTP are
+// close enough for ages counted in probe intervals, seconds).
+long long wallMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// "<op number> <collective> <posted at, wall ms>"; op number 0: no op yet.
 std::string position(uint64_t seq, uint64_t signature) {
-  return std::to_string(seq) + " " + std::to_string(signature);
+  return std::to_string(seq) + " " + std::to_string(signature) + " " + std::to_string(wallMs());
 }
 
 }  // namespace
@@ -29,6 +38,7 @@ void DesyncProbe::stalled(std::chrono::steady_clock::time_point since,
   if (off_ || now - since < interval_ || now - lastLook_ < interval_) return;
   lastLook_ = now;
   const std::vector<int> peers = waitedFor();
+  waited_ = peers;
   // At most kReadsPerLook peers per look, the next ones at the next look: a store serves every
   // stalled rank of a large group.
   constexpr size_t kReadsPerLook = 8;
@@ -61,6 +71,39 @@ void DesyncProbe::stalled(std::chrono::steady_clock::time_point since,
                OpSignature::unpack(signature_).describe(seq_).c_str(),
                static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count()));
   }
+}
+
+std::string DesyncProbe::report() {
+  if (off_ || waited_.empty()) return {};
+  // A rank still stalled re-posts every interval; allow two and some slack for a busy store.
+  const long long fresh = 2 * interval_.count() + 1000;
+  std::string out = "; where the ranks it waited for stand (their latest posts in the group's store): ";
+  constexpr size_t kMaxReported = 8;
+  try {
+    for (size_t i = 0; i < waited_.size() && i < kMaxReported; ++i) {
+      const int p = waited_[i];
+      unsigned long long seq = 0, signature = 0;
+      long long postedMs = 0;
+      const int fields = std::sscanf(store_.get(keyOf(p)).c_str(), "%llu %llu %lld", &seq, &signature, &postedMs);
+      const long long age = wallMs() - postedMs;
+      out += (i ? "; rank " : "rank ") + std::to_string(p);
+      if (fields < 3 || seq == 0) {
+        out += " has not waited in any collective of this group";
+      } else if (age > fresh) {
+        out += " last waited in " + OpSignature::unpack(signature).describe(seq) + " " + std::to_string(age / 1000) +
+               " s ago and is not waiting in a collective of this group now";
+      } else {
+        out += " waits in " + OpSignature::unpack(signature).describe(seq);
+        if (seq != seq_) out += " (this rank is at #" + std::to_string(seq_) + ")";
+        continue;
+      }
+      out += " (busy elsewhere: computing, another group's op, or blocked outside smddp)";
+    }
+  } catch (const Error&) {
+    return {};
+  }
+  if (waited_.size() > kMaxReported) out += "; and " + std::to_string(waited_.size() - kMaxReported) + " more";
+  return out;
 }
 
 }  // namespace smddp::algo

@@ -1,5 +1,7 @@
-// Catches ranks of a multi-host group that run different collectives where no message between
-// them can show it. Every inter-host message names its sender's collective, so most mismatches
+// Runs in every group of more than one rank; across hosts it catches ranks that run different
+// collectives where no message between them can show it (on one host the ops' descriptors in
+// shared memory show it at the first step). Every inter-host message names its sender's
+// collective, so most mismatches
 // fail at the first message; but where each side waits for a peer that never sends to it (a
 // broadcast on some ranks and a gather on others, rooted on another host) nothing arrives, and
 // the group would only fail at its timeout (30 minutes by default) with "they may have hung, or
@@ -13,6 +15,11 @@
 // Nothing of this runs while collectives make progress; a stalled one costs a store write and a
 // read per rank it waits for (at most 8 per look), once per interval. A store that fails turns the
 // probe off for the op: the wait then ends as it would without it.
+//
+// When the op times out, report() says where those ranks stand by their latest posts: waiting in
+// which collective (a rank stalled in a collective re-posts every interval), or not waiting in
+// any collective of this group (busy elsewhere: computing, another group, a hang outside smddp),
+// which the timeout alone cannot tell apart.
 #pragma once
 
 #include <chrono>
@@ -37,6 +44,9 @@ class DesyncProbe : public shm::StallProbe {
   DesyncProbe(Store& store, int rank, uint64_t seq, uint64_t signature, std::chrono::milliseconds interval);
   void stalled(std::chrono::steady_clock::time_point since,
                const std::function<std::vector<int>()>& waitedFor) override;
+  // After a timeout: "; where the ranks it waited for stand: ..." for up to 8 of the ranks of the
+  // last look, read from the store now; empty when the probe never looked or the store fails.
+  std::string report();
 
  private:
   Store& store_;
@@ -46,6 +56,7 @@ class DesyncProbe : public shm::StallProbe {
   std::chrono::milliseconds interval_;
   std::chrono::steady_clock::time_point lastLook_{};
   size_t nextRead_ = 0;  // where the next look starts in the ranks waited for
+  std::vector<int> waited_;  // the ranks waited for at the last look
   bool off_ = false;     // the store failed: no more looks in this op
 };
 
