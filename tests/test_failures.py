@@ -1,5 +1,6 @@
 """Failure behaviour in fresh jobs: a rank killed with SIGKILL during a collective, a rank that
-never joins a collective (timeout), the job's store lost, a rank out of memory inside an op.
+never joins a collective (timeout, and what it says of the ranks it waited for), the job's store
+lost, a rank out of memory inside an op.
 Survivors must raise promptly, naming the op, its sequence number and the rank at fault (or the
 cause), and every process must exit."""
 import os
@@ -68,9 +69,9 @@ try:
 except Exception as e:
     print(f"ERROR after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
     if mode.startswith("oom") and rank == 1:
-        time.sleep(10)
+        time.sleep(10)  # keeps its group: its peer must hear of the failure from the op itself
     if mode == "crossed":
-        time.sleep(3)  # every rank ends by its own timeout, not by a peer's exit  # keeps its group: its peer must hear of the failure from the op itself
+        time.sleep(3)  # every rank ends by its own timeout, not by a peer's exit
     # What a survivor leaves behind once it has given up on the group.
     dist.destroy_process_group()
     from _util import backend_threads_left

@@ -1,11 +1,10 @@
-// Runs in every group of more than one rank; across hosts it catches ranks that run different
+// Runs in every group of more than one rank. Across hosts it catches ranks that run different
 // collectives where no message between them can show it (on one host the ops' descriptors in
-// shared memory show it at the first step). Every inter-host message names its sender's
-// collective, so most mismatches
-// fail at the first message; but where each side waits for a peer that never sends to it (a
-// broadcast on some ranks and a gather on others, rooted on another host) nothing arrives, and
-// the group would only fail at its timeout (30 minutes by default) with "they may have hung, or
-// be issuing a different sequence of collectives".
+// shared memory show a mismatch at the first step). Every inter-host message names its sender's
+// collective, so most mismatches fail at the first message; but where each side waits for a peer
+// that never sends to it (a broadcast on some ranks and a gather on others, rooted on another
+// host) nothing arrives, and the group would only fail at its timeout (30 minutes by default)
+// with "they may have hung, or be issuing a different sequence of collectives".
 //
 // A wait that has made no progress for SMDDP_DESYNC_CHECK_MS posts in the group's store where
 // this rank is (the op's number and collective) and reads where the ranks it waits for are: one
