@@ -19,8 +19,9 @@ CHILD = r"""
 import datetime, os, sys, time, torch, torch.distributed as dist
 import smddp
 rank, world, url, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+timeout_s = float(sys.argv[5]) + (3 if mode == "idle_chain" and rank == 0 else 0)  # rank 0 times out last
 dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world,
-                        timeout=datetime.timedelta(seconds=float(sys.argv[5])))
+                        timeout=datetime.timedelta(seconds=timeout_s))
 t = torch.ones(1 << 16)
 dist.all_reduce(t)
 print("ready", flush=True)
@@ -28,7 +29,7 @@ if mode == "stalled_then_idle":  # ranks 0 and 1 wait over a second for rank 2 i
     if rank == 2:
         time.sleep(2.5)
     dist.all_reduce(t)
-if mode in ("idle", "p2p_idle", "stalled_then_idle") and rank == 1:
+if mode in ("idle", "idle_chain", "p2p_idle", "stalled_then_idle") and rank == 1:
     time.sleep(3600)   # never joins the next collective, never sends
 if mode == "store_gone" and rank == 0:
     dist.destroy_process_group()
@@ -266,10 +267,12 @@ def test_timeout_says_where_the_waited_for_ranks_stand():
     """Emulated hosts 0, 0, 1; rank 1 never joins the next allreduce. Past SMDDP_DESYNC_CHECK_MS a
     stalled rank posts its op in the store; at the timeout each rank says where the ranks it
     waited for stand, which shows the chain: rank 2 waited for host 0's data and rank 0 waits in
-    the same allreduce; rank 0 waited for rank 1, which waits in no collective of the group."""
+    the same allreduce; rank 0 waited for rank 1, which waits in no collective of the group.
+    Rank 0's timeout is 3 s longer, so that rank 2 times out on its own rather than hear rank 0's
+    reason first."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
-    procs = _job(3, "idle", 6, hosts="001", SMDDP_DESYNC_CHECK_MS="1000")
+    procs = _job(3, "idle_chain", 6, hosts="001", SMDDP_DESYNC_CHECK_MS="1000")
     _wait_ready(procs)
     outs = _finish([procs[0], procs[2]], 40)
     procs[1].kill()
