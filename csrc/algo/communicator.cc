@@ -231,8 +231,9 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
     if (domain_) domain_->commitSlots();
     fn(ctx);
   } catch (const Error& e) {
-    if (e.code() == ErrorCode::kTimeout && probe) failOp(kind, seq, e.code(), (e.what() + probe->report()).c_str());
-    failOp(kind, seq, e.code(), e.what());
+    std::string what = e.what();
+    if (e.code() == ErrorCode::kTimeout && probe) what += probe->report();
+    failOp(kind, seq, e.code(), what.c_str());
   } catch (const std::bad_alloc&) {
     failOp(kind, seq, ErrorCode::kSystemError, "out of memory (std::bad_alloc)");
   } catch (const std::exception& e) {  // peers must hear of any failure, not only smddp's own

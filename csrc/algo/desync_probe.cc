@@ -37,8 +37,8 @@ void DesyncProbe::stalled(std::chrono::steady_clock::time_point since,
   const auto now = std::chrono::steady_clock::now();
   if (off_ || now - since < interval_ || now - lastLook_ < interval_) return;
   lastLook_ = now;
-  const std::vector<int> peers = waitedFor();
-  waited_ = peers;
+  waited_ = waitedFor();
+  const std::vector<int>& peers = waited_;
   // At most kReadsPerLook peers per look, the next ones at the next look: a store serves every
   // stalled rank of a large group.
   constexpr size_t kReadsPerLook = 8;
@@ -87,16 +87,15 @@ std::string DesyncProbe::report() {
       const int fields = std::sscanf(store_.get(keyOf(p)).c_str(), "%llu %llu %lld", &seq, &signature, &postedMs);
       const long long age = wallMs() - postedMs;
       out += (i ? "; rank " : "rank ") + std::to_string(p);
-      if (fields < 3 || seq == 0) {
-        out += " has not waited in any collective of this group";
-      } else if (age > fresh) {
-        out += " last waited in " + OpSignature::unpack(signature).describe(seq) + " " + std::to_string(age / 1000) +
-               " s ago and is not waiting in a collective of this group now";
-      } else {
+      if (fields == 3 && seq != 0 && age <= fresh) {
         out += " waits in " + OpSignature::unpack(signature).describe(seq);
         if (seq != seq_) out += " (this rank is at #" + std::to_string(seq_) + ")";
         continue;
       }
+      out += fields < 3 || seq == 0 ? std::string(" has not waited in any collective of this group")
+                                    : " last waited in " + OpSignature::unpack(signature).describe(seq) + " " +
+                                          std::to_string(age / 1000) +
+                                          " s ago and is not waiting in a collective of this group now";
       out += " (busy elsewhere: computing, another group's op, or blocked outside smddp)";
     }
   } catch (const Error&) {

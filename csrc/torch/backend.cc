@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <sstream>
 
 #include "core/env.h"
@@ -30,6 +31,12 @@ std::exception_ptr toTorchError(const Error& e, int rank) {
     case ErrorCode::kNotSupported: return std::make_exception_ptr(c10::NotImplementedError(loc, msg));
     default: return std::make_exception_ptr(c10::DistBackendError(loc, msg));
   }
+}
+
+std::string messageOf(const std::exception& e) {
+  if (const auto* c10Error = dynamic_cast<const c10::Error*>(&e)) return c10Error->what_without_backtrace();
+  if (dynamic_cast<const std::bad_alloc*>(&e)) return "out of memory (std::bad_alloc)";
+  return e.what();
 }
 
 std::exception_ptr asTorchError(std::exception_ptr error, int rank) {

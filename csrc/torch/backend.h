@@ -273,6 +273,8 @@ class SmddpBackend : public c10d::Backend {
 
 // smddp::Error -> the c10 error type Python maps to the right exception class.
 std::exception_ptr toTorchError(const Error& e, int rank);
+// An exception's text for a message: a c10::Error's without the C++ backtrace its what() carries.
+std::string messageOf(const std::exception& e);
 // The same for an error caught anywhere: smddp::Errors converted, null and others as they are.
 std::exception_ptr asTorchError(std::exception_ptr error, int rank);
 

@@ -57,9 +57,8 @@ void SmddpBackend::eagerConnectSingleDevice(at::Device device) {
   try {
     cuda_ = std::make_shared<CudaPath>(rank_, device);
   } catch (const std::exception& e) {
-    const auto* c10Error = dynamic_cast<const c10::Error*>(&e);  // its what() carries a C++ backtrace
     SMDDP_WARN(kInit, "rank %d: setting up CUDA staging on %s at init failed (the first CUDA op will retry): %s",
-               rank_, device.str().c_str(), c10Error ? c10Error->what_without_backtrace() : e.what());
+               rank_, device.str().c_str(), messageOf(e).c_str());
   }
 }
 
