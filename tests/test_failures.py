@@ -59,6 +59,10 @@ if mode == "oom_sparse":  # rank 1 cannot hold rank 0's 4 Mi nonzeros (48 MiB) o
     n = (1 << 22) if rank == 0 else 8
     big = torch.sparse_coo_tensor(torch.arange(n)[None], torch.ones(n), (1 << 22,))
     op = lambda: dist.all_reduce(big)
+if mode == "oom_sparse_coalesce":  # rank 1 cannot coalesce its own 4 Mi nonzeros, before the first all-gather
+    n = (1 << 22) if rank == 1 else 8
+    big = torch.sparse_coo_tensor(torch.arange(n)[None] % 1000, torch.ones(n), (1 << 22,))
+    op = lambda: dist.all_reduce(big)
 if mode.startswith("oom") and rank == 1:  # 16 MiB more address space than it holds now
     import resource
     vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
@@ -241,20 +245,24 @@ def test_out_of_memory_inside_an_op_fails_the_group(hosts):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("hosts", [None, "01"])
-def test_out_of_memory_inside_a_sparse_all_reduce_fails_the_group(hosts):
+@pytest.mark.parametrize("mode", ["oom_sparse", "oom_sparse_coalesce"])
+def test_out_of_memory_inside_a_sparse_all_reduce_fails_the_group(hosts, mode):
     """A sparse all_reduce is two all-gathers (counts, then nonzeros). Rank 1 runs out of memory
-    between them, staging rank 0's many nonzeros: it raises naming the op and the cause, and rank
-    0, already in the second all-gather, hears of it at once instead of at the 60 s timeout."""
+    between them, staging rank 0's many nonzeros, or before the first, coalescing its own: it
+    raises naming the op and the cause, and rank 0, already in the next all-gather, hears of it at
+    once instead of at the 60 s timeout."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
-    procs = _job(2, "oom_sparse", 60, hosts=hosts)
+    step = (r"staging every rank's nonzeros \(\d+ bytes\)" if mode == "oom_sparse"
+            else r"coalescing this rank's tensor")
+    procs = _job(2, mode, 60, hosts=hosts)
     _wait_ready(procs)
     outs = _finish(procs, 40)
     for r, out in enumerate(outs):
         assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{out[-2000:]}"
         assert "backend threads left: 0" in out, out[-2000:]
-        assert re.search(r"all_reduce of sparse tensors: staging every rank's nonzeros \(\d+ bytes\) failed: "
-                         r".*can't allocate memory", out), f"rank {r}:\n{out[-2000:]}"
+        assert re.search(r"all_reduce of sparse tensors: " + step + r" failed: .*can't allocate memory", out), \
+            f"rank {r}:\n{out[-2000:]}"
         m = re.search(r"ERROR after ([0-9.]+)s", out)
         assert m and (r == 1 or float(m.group(1)) < 5), f"rank {r}:\n{out[-2000:]}"
     assert "ERROR after" in outs[1] and "smddp rank 1: all_reduce of sparse tensors" in outs[1], outs[1][-2000:]

@@ -6,12 +6,12 @@
 
 #include <array>
 #include <limits>
-#include <new>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "core/types.h"
+#include "torch/backend.h"
 
 namespace smddp::torchext {
 namespace {
@@ -103,11 +103,18 @@ Union unionOf(const std::vector<at::Tensor>& parts, at::IntArrayRef sparseSizes,
   return {indices, inverse};
 }
 
-// An exception's text without torch's backtrace.
-std::string messageOf(const std::exception& e) {
-  if (const auto* torchError = dynamic_cast<const c10::Error*>(&e)) return torchError->what_without_backtrace();
-  if (dynamic_cast<const std::bad_alloc*>(&e)) return "out of memory (std::bad_alloc)";
-  return e.what();
+// Runs `fn`, this rank's own work inside the op (before or between its all-gathers). On failure
+// the other ranks, which wait in the next all-gather, are told why this rank will not come
+// (else they would wait out the timeout), and the error names the rank and the step.
+template <class Fn>
+auto locally(algo::Communicator& c, int rank, int size, const std::string& step, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    const std::string why = "all_reduce of sparse tensors: " + step + " failed: " + messageOf(e);
+    if (size > 1) c.abandon(why);
+    C10_THROW_ERROR(Error, "smddp rank " + std::to_string(rank) + ": " + why);
+  }
 }
 
 // At least `bytes` of `slot`'s memory (a uint8 tensor grown as needed).
@@ -122,7 +129,7 @@ uint8_t* reserve(at::Tensor& slot, int64_t bytes) {
 void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides, int rank, int size,
          SparseScratch& scratch, algo::Communicator& c, std::chrono::milliseconds timeout) {
   at::NoGradGuard noGrad;
-  const at::Tensor in = t.coalesce();
+  const at::Tensor in = locally(c, rank, size, "coalescing this rank's tensor", [&] { return t.coalesce(); });
   const int64_t nnz = in._nnz();
   const int64_t sparseDim = in.sparse_dim();
   const at::Tensor values = in._values();
@@ -163,19 +170,12 @@ void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides,
   };
   uint8_t* packed = nullptr;
   uint8_t* gathered = nullptr;
-  try {
+  locally(c, rank, size, "staging every rank's nonzeros (" + std::to_string(offsets[size]) + " bytes)", [&] {
     packed = reserve(scratch.packed, static_cast<int64_t>(counts[rank]));
     gathered = reserve(scratch.gathered, offsets[size]);
     indicesAt(packed, nnz).copy_(in._indices().t());
     valuesAt(packed + nnz * indexBytes, nnz).copy_(values);
-  } catch (const std::exception& e) {
-    // Every rank holds the counts now and goes on to the second all-gather, where it would wait
-    // for this rank until the timeout: tell them why this rank will not come.
-    const std::string why = "all_reduce of sparse tensors: staging every rank's nonzeros (" +
-                            std::to_string(offsets[size]) + " bytes) failed: " + messageOf(e);
-    if (size > 1) c.abandon(why);
-    TORCH_CHECK(false, "smddp rank ", rank, ": ", why);
-  }
+  });
   {
     algo::AllgatherOptions o{DataType::kUInt8, packed, {}, counts};
     for (int p = 0; p < size; ++p) o.outputs.push_back(gathered + offsets[p]);
