@@ -195,6 +195,8 @@ SINGLE_PROCESS_CASES = {
                                    "--save-resume", "{tmp}"], 4, []),
     "ep2-resume": (2, ["--config", '{"expert_parallel_degree": 2}', "--save-resume", "{tmp}"], 2, MOE),
     "cp2-hybrid2": (4, ["--config", '{"context_parallel_degree": 2, "hybrid_shard_degree": 2}'], 2, HF),
+    "cp2-tp2-resume": (4, ["--config", '{"context_parallel_degree": 2, "tensor_parallel_degree": 2}',
+                           "--save-resume", "{tmp}"], 1, HF),
 }
 
 

@@ -26,6 +26,8 @@ import smddp.smp as tsm
     ({"tensor_parallel_degree": 2, "expert_parallel_degree": 2}, 4, "cannot both be > 1"),
     ({"expert_parallel_degree": 3}, 4, "expert_parallel_degree=3 must be >= 1 and divide the world size 4"),
     ({"context_parallel_degree": 4, "hybrid_shard_degree": 2}, 4, "context_parallel_degree=4 must be <= hybrid_shard_degree=2"),
+    ({"context_parallel_degree": 4, "tensor_parallel_degree": 2}, 12,
+     "context_parallel_degree=4 must divide the data-parallel size 6 (world 12 / tensor_parallel_degree 2)"),
     ({"activation_loading_horizon": 0}, 4, "activation_loading_horizon=0 must be >= 1"),
     ({"sm_activation_offloading": 1}, 4, "sm_activation_offloading must be bool"),
     ({"random_seed": "7"}, 4, "random_seed must be an integer"),
@@ -63,10 +65,9 @@ def test_config_sources(tmp_path, monkeypatch):
     assert {k: getattr(defaults, k) for k in tsm.CONFIG_KEYS} == {k: v[0] for k, v in tsm.CONFIG_KEYS.items()}
 
 
-@pytest.mark.parametrize("other", ["tensor_parallel_degree", "expert_parallel_degree"])
-def test_context_parallelism_with_other_parallelism_not_built_yet_says_so(other):
-    with pytest.raises(NotImplementedError, match="together with tensor or expert parallelism is not supported yet"):
-        tsm.validate({"context_parallel_degree": 2, other: 2}, 4)
+def test_context_parallelism_with_expert_parallelism_not_built_yet_says_so():
+    with pytest.raises(NotImplementedError, match="together with expert parallelism is not supported yet"):
+        tsm.validate({"context_parallel_degree": 2, "expert_parallel_degree": 2}, 4)
 
 
 def test_tensor_expert_and_context_parallel_degrees_accepted():
@@ -76,6 +77,8 @@ def test_tensor_expert_and_context_parallel_degrees_accepted():
     assert (cfg.expert_parallel_degree, cfg.hybrid_shard_degree) == (4, 2)
     cfg = tsm.validate({"context_parallel_degree": 2, "hybrid_shard_degree": 2}, 4)
     assert (cfg.context_parallel_degree, cfg.hybrid_shard_degree) == (2, 2)
+    cfg = tsm.validate({"context_parallel_degree": 2, "tensor_parallel_degree": 2}, 8)
+    assert (cfg.context_parallel_degree, cfg.tensor_parallel_degree) == (2, 2)
 
 
 def hybrid_task(rank, world, degree, zero2):

@@ -14,6 +14,7 @@ import importlib.util
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from _util import Report
@@ -48,19 +49,28 @@ def _reference(model, tokens):
     return logits, loss
 
 
-def cp_task(rank, world, family, cp, hsd, overrides):
+def cp_task(rank, world, family, cp, hsd, overrides, tp=1, sequence_parallel=True):
+    from torch.distributed.tensor import DTensor
+
     from smddp.smp.context_parallel import ATTENTION
 
     rep = Report(rank)
-    tag = f"{family}{overrides or ''} cp={cp} hybrid_shard_degree={hsd} world={world}"
-    st = tsm.init({"context_parallel_degree": cp, "hybrid_shard_degree": hsd, "random_seed": 17})
-    rep.expect((st.cp_size, st.cp_rank, st.dp_size, st.dp_rank) == (cp, rank % cp, world // cp, rank // cp),
-               f"{tag}: state {st}")
+    tag = f"{family}{overrides or ''} cp={cp} tp={tp} sp={sequence_parallel} hybrid_shard_degree={hsd} world={world}"
+    st = tsm.init({"context_parallel_degree": cp, "tensor_parallel_degree": tp, "hybrid_shard_degree": hsd,
+                   "random_seed": 17})
+    # Rank = (batch, cp, tp) in row-major order: a CP group holds one TP part of consecutive TP groups.
+    rep.expect((st.cp_size, st.cp_rank, st.tp_rank, st.dp_size, st.dp_rank) ==
+               (cp, rank // tp % cp, rank % tp, world // (cp * tp), rank // (cp * tp)), f"{tag}: state {st}")
+    cp_ranks = dist.get_process_group_ranks(st.cp_group)
+    rep.expect(cp_ranks == [rank - st.cp_rank * tp + i * tp for i in range(cp)], f"{tag}: CP group {cp_ranks}")
     model = _build(family, **(overrides or {}))[0]
     ref = copy.deepcopy(model)
-    tsm.transform(model)
+    tsm.transform(model, sequence_parallel=sequence_parallel)
     attention = model.config._attn_implementation
     rep.expect(attention == ATTENTION, f"{tag}: attention is {attention}")
+    embed = model.get_input_embeddings().weight
+    split = isinstance(embed, DTensor) and embed.to_local().numel() < embed.numel()
+    rep.expect(split == (tp > 1), f"{tag}: the token embedding is {'' if split else 'not '}split over TP ranks")
     tsm.apply_hybrid_sharding(model)  # FSDP2 averages the gradients over every rank, CP ranks included
     rows = slice(st.dp_rank * PER_DP_RANK, (st.dp_rank + 1) * PER_DP_RANK)
     mine = slice(st.cp_rank * SEQ // cp, (st.cp_rank + 1) * SEQ // cp)
@@ -85,6 +95,15 @@ def test_cp2_matches_single_process(pools, family, overrides):
 @pytest.mark.parametrize("world", [4])
 def test_cp_on_4_ranks_matches_single_process(pools, world, family, cp, hsd, hosts):
     pools.check(world, cp_task, family, cp, hsd, None, hosts=hosts, timeout=300)
+
+
+@pytest.mark.parametrize("family, overrides, sp, hsd, hosts", [
+    ("llama", None, True, 0, None),                       # grouped-query attention: 2 kv heads, 1 per TP rank
+    ("mistral", {"sliding_window": 5}, False, 0, None),   # activations replicated over TP between blocks
+    ("gpt_neox", None, True, 2, "0011"),                  # TP inside a host, CP across: keys over the TCP mesh
+])
+def test_cp_with_tp_matches_single_process(pools, family, overrides, sp, hsd, hosts):
+    pools.check(4, cp_task, family, 2, hsd, overrides, 2, sp, hosts=hosts, timeout=300)
 
 
 def refusals_task(rank, world):

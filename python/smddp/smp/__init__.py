@@ -26,8 +26,8 @@ Config keys keep SMP v2's names, meanings and defaults (see CONFIG_KEYS). Implem
 state, hybrid sharding (FSDP2, plus the mesh FSDP1 HYBRID_SHARD takes), tensor parallelism of
 Hugging Face causal LMs (transform(): Llama, Mistral, GPT-NeoX, GPT-J, GPT-2; see
 tensor_parallel.py), expert parallelism of Hugging Face mixture-of-experts models (transform();
-see expert_parallel.py), context parallelism of Hugging Face causal LMs (transform(); see
-context_parallel.py), activation checkpointing, activation offloading with prefetch, delayed
+see expert_parallel.py), context parallelism of Hugging Face causal LMs (transform(), alone or
+with tensor parallelism; see context_parallel.py), activation checkpointing, activation offloading with prefetch, delayed
 initialisation, sharded checkpoints (reloadable under another hybrid_shard_degree).
 """
 
@@ -56,8 +56,8 @@ CONFIG_KEYS = {
                                   "tensor parallelism"),
     "context_parallel_degree": (1, "ranks each sequence is split over (transform(): Hugging Face Llama, Mistral, "
                                    "GPT-NeoX causal LMs; attention all-gathers keys and values); the ranks of a CP "
-                                   "group see the same batch; at most hybrid_shard_degree; not combinable with "
-                                   "tensor or expert parallelism yet"),
+                                   "group see the same batch; at most hybrid_shard_degree; combinable "
+                                   "with tensor parallelism, not with expert parallelism yet"),
     "random_seed": (None, "base seed: torch.manual_seed(random_seed) on every rank at init, so a model built "
                           "afterwards is the same on every rank (transform() requires that within a TP or EP group)"),
     "sm_activation_offloading": (True, "offload blocks' saved activations to host memory with prefetch "
@@ -129,14 +129,18 @@ def validate(config, world_size):
     if cfg.expert_parallel_degree > 1 and tp > 1:
         raise ValueError("smddp.smp config: expert_parallel_degree and tensor_parallel_degree cannot both be > 1")
     effective_hsd = hsd or world_size // tp
-    if cfg.context_parallel_degree > effective_hsd:
-        raise ValueError(f"smddp.smp config: context_parallel_degree={cfg.context_parallel_degree} must be <= "
+    cp = cfg.context_parallel_degree
+    if cp > effective_hsd:
+        raise ValueError(f"smddp.smp config: context_parallel_degree={cp} must be <= "
                          f"hybrid_shard_degree={effective_hsd}")
+    if (world_size // tp) % cp:
+        raise ValueError(f"smddp.smp config: context_parallel_degree={cp} must divide the data-parallel size "
+                         f"{world_size // tp} (world {world_size} / tensor_parallel_degree {tp})")
     if cfg.activation_loading_horizon < 1:
         raise ValueError(f"smddp.smp config: activation_loading_horizon={cfg.activation_loading_horizon} must be >= 1")
-    if cfg.context_parallel_degree > 1 and (tp > 1 or cfg.expert_parallel_degree > 1):
-        raise NotImplementedError("smddp.smp: context_parallel_degree > 1 together with tensor or expert "
-                                  "parallelism is not supported yet")
+    if cp > 1 and cfg.expert_parallel_degree > 1:
+        raise NotImplementedError("smddp.smp: context_parallel_degree > 1 together with expert parallelism is not "
+                                  "supported yet")
     return cfg
 
 
@@ -212,30 +216,36 @@ def init(config=None, backend="smddp"):
         state.ep_group = state.ep_mesh["ep"].get_group()
     state.cp_size, state.cp_rank, state.cp_group = cp, 0, None
     if cp > 1:
-        cp_mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("batch", "cp"))
+        # A CP group: the ranks of consecutive TP groups that hold the same TP part (with tp = 1,
+        # consecutive ranks), so that every rank of a CP group holds the same heads.
+        shape, names = ((world // (cp * tp), cp, tp), ("batch", "cp", "tp")) if tp > 1 else \
+            ((world // cp, cp), ("batch", "cp"))
+        cp_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         state.cp_rank, state.cp_group = cp_mesh["cp"].get_local_rank(), cp_mesh["cp"].get_group()
     return state
 
 
 def transform(model, sequence_parallel=True):
     """With expert_parallel_degree > 1: expert parallelism of a Hugging Face mixture-of-experts
-    model (see smddp.smp.expert_parallel.transform); with context_parallel_degree > 1: context
-    parallelism of a Hugging Face causal LM (see smddp.smp.context_parallel.transform); otherwise
-    tensor parallelism of a Hugging Face causal LM over state.mesh["tp"] (see
-    smddp.smp.tensor_parallel.transform; the model is returned unchanged at degree 1)."""
+    model (see smddp.smp.expert_parallel.transform). Otherwise tensor parallelism of a Hugging
+    Face causal LM over state.mesh["tp"] (see smddp.smp.tensor_parallel.transform; nothing at
+    degree 1), then, with context_parallel_degree > 1, context parallelism (see
+    smddp.smp.context_parallel.transform): each rank runs its TP group's heads on its part of
+    the sequence."""
     if not state.initialized:
         raise RuntimeError("smddp.smp: call smddp.smp.init() before transform()")
-    if state.cp_size > 1:
-        from .context_parallel import transform as _context_parallel
-
-        return _context_parallel(model)
     if state.ep_size > 1:
         from .expert_parallel import transform as _expert_parallel
 
         return _expert_parallel(model)
-    from .tensor_parallel import transform as _transform
+    from .tensor_parallel import transform as _tensor_parallel
 
-    return _transform(model, sequence_parallel=sequence_parallel)
+    if state.cp_size > 1:
+        from .context_parallel import check_supported, transform as _context_parallel
+
+        check_supported(model)  # before TP changes the model
+        return _context_parallel(_tensor_parallel(model, sequence_parallel=sequence_parallel))
+    return _tensor_parallel(model, sequence_parallel=sequence_parallel)
 
 
 def _blocks(model):

@@ -16,6 +16,12 @@ gradients) and attends with the causal mask of the global positions. The model r
 logits of the rank's tokens and, given labels, the loss over them (labels shifted over the whole
 sequence first, so the tokens at chunk boundaries keep their targets).
 
+With tensor parallelism (tensor_parallel_degree > 1; smp.transform applies it first) a CP group
+is made of ranks that hold the same heads (the same TP rank in consecutive TP groups): the
+attention projections give each rank its TP group's heads for its tokens, and the keys and
+values of those heads are gathered over the CP group as above. Sequence parallelism then splits
+the rank's part of the sequence further over its TP group between the blocks.
+
 Loss and gradients: a CP rank's loss is the sum over its own tokens divided by 1/degree of the
 batch's labelled tokens, so the mean over the CP group is exactly the batch's mean loss (what the
 unsplit model returns), and data parallelism (FSDP2 over all ranks, CP ranks included) averaging
@@ -117,18 +123,23 @@ def _split_forward(forward, degree, rank):
     return split
 
 
-def transform(model):
-    """Context parallelism of `model` over state.cp_group (see the module docstring), in place;
-    returns the model. Call after init() and before apply_hybrid_sharding().
-    NotImplementedError for a model outside SUPPORTED (and their subclasses), RuntimeError when
-    called twice."""
-    from . import state
-
+def check_supported(model):
+    """NotImplementedError for a model outside SUPPORTED (and their subclasses)."""
     names = {cls.__name__ for cls in type(model).__mro__}
     if not names & set(SUPPORTED):
         raise NotImplementedError(f"smddp.smp.transform: context parallelism does not support "
                                   f"{type(model).__name__}; supported: {', '.join(SUPPORTED)} (Hugging Face "
                                   "transformers causal LMs) and their subclasses")
+
+
+def transform(model):
+    """Context parallelism of `model` over state.cp_group (see the module docstring), in place;
+    returns the model. Call after init() and before apply_hybrid_sharding(); under tensor
+    parallelism, after its transform. NotImplementedError for a model outside SUPPORTED (and
+    their subclasses), RuntimeError when called twice."""
+    from . import state
+
+    check_supported(model)
     if getattr(model.config, "_attn_implementation", None) == ATTENTION:
         raise RuntimeError("smddp.smp.transform: the model is already context-parallel; call transform() once")
     _register()
