@@ -13,6 +13,8 @@ SMP v2's JSON (see the README):
         --config '{"expert_parallel_degree": 2}'       # expert parallelism of a mixture of experts
     torchrun --nproc-per-node 2 examples/smp_llama.py --model hf-llama \
         --config '{"context_parallel_degree": 2}'      # context parallelism: each rank half of each sequence
+    torchrun --nproc-per-node 4 examples/smp_llama.py --model hf-mixtral \
+        --config '{"context_parallel_degree": 2, "expert_parallel_degree": 2}'   # CP 2 x EP 2
     torchrun --nproc-per-node 4 examples/smp_llama.py --config '{"hybrid_shard_degree": 2}' \
         --activation-offloading --save-resume /tmp/smp_ckpt    # offloading; checkpoint halfway, resume
 
@@ -23,8 +25,8 @@ LlamaForCausalLM of the same shape (needs transformers), which tensor parallelis
 (smddp.smp.transform splits Hugging Face models); --model hf-mixtral is transformers'
 MixtralForCausalLM of that shape with 4 experts per layer, each token taking 2, which expert
 parallelism requires. The ranks of a tensor- or context-parallel group train on the same batch,
-so --emulate-ranks is the number of data-parallel ranks (world / TP or CP degree); the ranks of
-an expert-parallel group train on their own batches. Under context parallelism the model returns
+so --emulate-ranks is the number of data-parallel ranks (world / (TP x CP degree)); the ranks of
+an expert-parallel group train on their own batches (outside context parallelism). Under context parallelism the model returns
 the logits of the rank's part of each sequence, and the loss is taken over that part.
 """
 import argparse
@@ -188,9 +190,12 @@ def main():
     state = tsm.init(args.config, backend=args.backend)
     if args.emulate_ranks and state.world_size != 1:
         raise SystemExit("--emulate-ranks is the single-process reference: run it with one process")
-    if (state.tp_size > 1 or state.cp_size > 1) and args.model != "hf-llama":
-        raise SystemExit("tensor_parallel_degree or context_parallel_degree > 1: smddp.smp.transform splits "
-                         "Hugging Face models; add --model hf-llama")
+    if state.tp_size > 1 and args.model != "hf-llama":
+        raise SystemExit("tensor_parallel_degree > 1: smddp.smp.transform splits Hugging Face models; add "
+                         "--model hf-llama")
+    if state.cp_size > 1 and args.model == "tiny":
+        raise SystemExit("context_parallel_degree > 1: smddp.smp.transform splits Hugging Face models; add "
+                         "--model hf-llama or hf-mixtral")
     if state.ep_size > 1 and args.model != "hf-mixtral":
         raise SystemExit("expert_parallel_degree > 1 needs a mixture-of-experts model: add --model hf-mixtral")
     if args.delayed_init and args.model != "tiny":

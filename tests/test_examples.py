@@ -197,6 +197,7 @@ SINGLE_PROCESS_CASES = {
     "cp2-hybrid2": (4, ["--config", '{"context_parallel_degree": 2, "hybrid_shard_degree": 2}'], 2, HF),
     "cp2-tp2-resume": (4, ["--config", '{"context_parallel_degree": 2, "tensor_parallel_degree": 2}',
                            "--save-resume", "{tmp}"], 1, HF),
+    "cp2-ep2": (4, ["--config", '{"context_parallel_degree": 2, "expert_parallel_degree": 2}'], 2, MOE),
 }
 
 

@@ -65,11 +65,6 @@ def test_config_sources(tmp_path, monkeypatch):
     assert {k: getattr(defaults, k) for k in tsm.CONFIG_KEYS} == {k: v[0] for k, v in tsm.CONFIG_KEYS.items()}
 
 
-def test_context_parallelism_with_expert_parallelism_not_built_yet_says_so():
-    with pytest.raises(NotImplementedError, match="together with expert parallelism is not supported yet"):
-        tsm.validate({"context_parallel_degree": 2, "expert_parallel_degree": 2}, 4)
-
-
 def test_tensor_expert_and_context_parallel_degrees_accepted():
     cfg = tsm.validate({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, 4)
     assert (cfg.tensor_parallel_degree, cfg.hybrid_shard_degree) == (2, 2)
@@ -79,6 +74,8 @@ def test_tensor_expert_and_context_parallel_degrees_accepted():
     assert (cfg.context_parallel_degree, cfg.hybrid_shard_degree) == (2, 2)
     cfg = tsm.validate({"context_parallel_degree": 2, "tensor_parallel_degree": 2}, 8)
     assert (cfg.context_parallel_degree, cfg.tensor_parallel_degree) == (2, 2)
+    cfg = tsm.validate({"context_parallel_degree": 2, "expert_parallel_degree": 4}, 4)
+    assert (cfg.context_parallel_degree, cfg.expert_parallel_degree) == (2, 4)
 
 
 def hybrid_task(rank, world, degree, zero2):

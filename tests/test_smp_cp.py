@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from _util import Report
+from test_clients import _close
 from test_smp_tp import _build, _refused, train_against_reference
 
 import smddp.smp as tsm
@@ -43,27 +44,42 @@ def _run(model, tokens):
 
 def _reference(model, tokens):
     """The same loss computed from the unsplit model's logits in float64 (transformers' own loss
-    casts logits to float32)."""
-    logits = model(tokens).logits
+    casts logits to float32), plus a mixture-of-experts model's weighted balance loss."""
+    out = model(tokens)
+    logits = out.logits
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    if getattr(out, "aux_loss", None) is not None:
+        loss = loss + model.router_aux_loss_coef * out.aux_loss
     return logits, loss
 
 
-def cp_task(rank, world, family, cp, hsd, overrides, tp=1, sequence_parallel=True):
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def _model(family, overrides):
+    if family in MOE:
+        from test_smp_ep import _build as _build_moe
+
+        return _build_moe(family, **(overrides or {}))
+    return _build(family, **(overrides or {}))[0]
+
+
+def cp_task(rank, world, family, cp, hsd, overrides, tp=1, sequence_parallel=True, ep=1):
     from torch.distributed.tensor import DTensor
 
     from smddp.smp.context_parallel import ATTENTION
 
     rep = Report(rank)
-    tag = f"{family}{overrides or ''} cp={cp} tp={tp} sp={sequence_parallel} hybrid_shard_degree={hsd} world={world}"
-    st = tsm.init({"context_parallel_degree": cp, "tensor_parallel_degree": tp, "hybrid_shard_degree": hsd,
-                   "random_seed": 17})
+    tag = (f"{family}{overrides or ''} cp={cp} tp={tp} sp={sequence_parallel} ep={ep} hybrid_shard_degree={hsd} "
+           f"world={world}")
+    st = tsm.init({"context_parallel_degree": cp, "tensor_parallel_degree": tp, "expert_parallel_degree": ep,
+                   "hybrid_shard_degree": hsd, "random_seed": 17})
     # Rank = (batch, cp, tp) in row-major order: a CP group holds one TP part of consecutive TP groups.
     rep.expect((st.cp_size, st.cp_rank, st.tp_rank, st.dp_size, st.dp_rank) ==
                (cp, rank // tp % cp, rank % tp, world // (cp * tp), rank // (cp * tp)), f"{tag}: state {st}")
     cp_ranks = dist.get_process_group_ranks(st.cp_group)
     rep.expect(cp_ranks == [rank - st.cp_rank * tp + i * tp for i in range(cp)], f"{tag}: CP group {cp_ranks}")
-    model = _build(family, **(overrides or {}))[0]
+    model = _model(family, overrides)
     ref = copy.deepcopy(model)
     tsm.transform(model, sequence_parallel=sequence_parallel)
     attention = model.config._attn_implementation
@@ -71,11 +87,32 @@ def cp_task(rank, world, family, cp, hsd, overrides, tp=1, sequence_parallel=Tru
     embed = model.get_input_embeddings().weight
     split = isinstance(embed, DTensor) and embed.to_local().numel() < embed.numel()
     rep.expect(split == (tp > 1), f"{tag}: the token embedding is {'' if split else 'not '}split over TP ranks")
+    experts = [m.gate_up_proj for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    rep.expect(all(hasattr(w, "to_local") == (ep > 1) for w in experts),
+               f"{tag}: the experts are {'not ' if ep > 1 else ''}split over EP ranks")
     tsm.apply_hybrid_sharding(model)  # FSDP2 averages the gradients over every rank, CP ranks included
     rows = slice(st.dp_rank * PER_DP_RANK, (st.dp_rank + 1) * PER_DP_RANK)
     mine = slice(st.cp_rank * SEQ // cp, (st.cp_rank + 1) * SEQ // cp)
-    train_against_reference(rep, tag, model, ref, _batches(family, st.dp_size, model.config.vocab_size), rows,
-                            run=_run, ref_run=_reference, part=lambda logits: logits[:, mine])
+    batches = _batches(family, st.dp_size, model.config.vocab_size)
+    aux, ref_aux = [], []
+
+    def run(m, tokens):
+        out = m(tokens, labels=tokens)
+        aux.append(out.get("aux_loss"))
+        return out.logits, out.loss
+
+    def ref_run(m, tokens):
+        ref_aux.append(m(tokens).get("aux_loss"))
+        return _reference(m, tokens)
+
+    train_against_reference(rep, tag, model, ref, batches, rows, run=run, ref_run=ref_run,
+                            part=lambda logits: logits[:, mine])
+    # The routers' balance loss: over the CP group's tokens, which are the reference's batch when
+    # there is one data-parallel group (its float32 sums in another order: float32 tolerance).
+    for step, (got, want) in enumerate(zip(aux, ref_aux)):
+        rep.expect((got is None) == (want is None), f"{tag} step {step}: balance loss {got} against {want}")
+        if got is not None and st.dp_size == 1:
+            _close(rep, f"{tag} step {step}: balance loss", got.detach(), want.detach(), rtol=1e-6, atol=0)
     return rep.to_dict()
 
 
@@ -104,6 +141,20 @@ def test_cp_on_4_ranks_matches_single_process(pools, world, family, cp, hsd, hos
 ])
 def test_cp_with_tp_matches_single_process(pools, family, overrides, sp, hsd, hosts):
     pools.check(4, cp_task, family, 2, hsd, overrides, 2, sp, hosts=hosts, timeout=300)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_cp2_moe_with_balance_loss_matches_single_process(pools, family):
+    pools.check(2, cp_task, family, 2, 0, {"output_router_logits": True}, timeout=300)
+
+
+@pytest.mark.parametrize("family, cp, ep, overrides, hosts", [
+    ("mixtral", 4, 2, {"output_router_logits": True}, None),  # one batch: the balance loss over all 4 ranks
+    ("qwen2_moe", 2, 2, None, None),                          # an EP group is a CP group
+    ("mixtral", 2, 4, None, "0101"),                          # both groups span the emulated hosts
+])
+def test_cp_with_ep_matches_single_process(pools, family, cp, ep, overrides, hosts):
+    pools.check(4, cp_task, family, cp, 0, overrides, 1, True, ep, hosts=hosts, timeout=300)
 
 
 def refusals_task(rank, world):

@@ -55,9 +55,10 @@ CONFIG_KEYS = {
                                   "the ranks of an EP group train on their own batches; not combinable with "
                                   "tensor parallelism"),
     "context_parallel_degree": (1, "ranks each sequence is split over (transform(): Hugging Face Llama, Mistral, "
-                                   "GPT-NeoX causal LMs; attention all-gathers keys and values); the ranks of a CP "
-                                   "group see the same batch; at most hybrid_shard_degree; combinable "
-                                   "with tensor parallelism, not with expert parallelism yet"),
+                                   "GPT-NeoX causal LMs and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, "
+                                   "OLMoE; attention all-gathers keys and values); the ranks of a CP group see the "
+                                   "same batch; at most hybrid_shard_degree; combinable with tensor or expert "
+                                   "parallelism"),
     "random_seed": (None, "base seed: torch.manual_seed(random_seed) on every rank at init, so a model built "
                           "afterwards is the same on every rank (transform() requires that within a TP or EP group)"),
     "sm_activation_offloading": (True, "offload blocks' saved activations to host memory with prefetch "
@@ -138,9 +139,6 @@ def validate(config, world_size):
                          f"{world_size // tp} (world {world_size} / tensor_parallel_degree {tp})")
     if cfg.activation_loading_horizon < 1:
         raise ValueError(f"smddp.smp config: activation_loading_horizon={cfg.activation_loading_horizon} must be >= 1")
-    if cp > 1 and cfg.expert_parallel_degree > 1:
-        raise NotImplementedError("smddp.smp: context_parallel_degree > 1 together with expert parallelism is not "
-                                  "supported yet")
     return cfg
 
 
@@ -227,25 +225,22 @@ def init(config=None, backend="smddp"):
 
 def transform(model, sequence_parallel=True):
     """With expert_parallel_degree > 1: expert parallelism of a Hugging Face mixture-of-experts
-    model (see smddp.smp.expert_parallel.transform). Otherwise tensor parallelism of a Hugging
+    model (see smddp.smp.expert_parallel.transform); otherwise tensor parallelism of a Hugging
     Face causal LM over state.mesh["tp"] (see smddp.smp.tensor_parallel.transform; nothing at
-    degree 1), then, with context_parallel_degree > 1, context parallelism (see
-    smddp.smp.context_parallel.transform): each rank runs its TP group's heads on its part of
-    the sequence."""
+    degree 1). Then, with context_parallel_degree > 1, context parallelism (see
+    smddp.smp.context_parallel.transform): each rank runs its part of every sequence (under
+    tensor parallelism, with its TP group's heads)."""
     if not state.initialized:
         raise RuntimeError("smddp.smp: call smddp.smp.init() before transform()")
-    if state.ep_size > 1:
-        from .expert_parallel import transform as _expert_parallel
-
-        return _expert_parallel(model)
+    from .expert_parallel import transform as _expert_parallel
     from .tensor_parallel import transform as _tensor_parallel
 
     if state.cp_size > 1:
         from .context_parallel import check_supported, transform as _context_parallel
 
-        check_supported(model)  # before TP changes the model
-        return _context_parallel(_tensor_parallel(model, sequence_parallel=sequence_parallel))
-    return _tensor_parallel(model, sequence_parallel=sequence_parallel)
+        check_supported(model)  # before the model changes
+    model = _expert_parallel(model) if state.ep_size > 1 else _tensor_parallel(model, sequence_parallel)
+    return _context_parallel(model) if state.cp_size > 1 else model
 
 
 def _blocks(model):

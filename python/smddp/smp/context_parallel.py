@@ -22,6 +22,11 @@ attention projections give each rank its TP group's heads for its tokens, and th
 values of those heads are gathered over the CP group as above. Sequence parallelism then splits
 the rank's part of the sequence further over its TP group between the blocks.
 
+With expert parallelism (expert_parallel_degree > 1; smp.transform applies it first) nothing
+more is needed: the routers run on each rank's own tokens and the experts' all-to-all does not
+care which sequence a token belongs to. Mixture-of-experts models' load-balancing loss
+(output_router_logits) is computed over the CP group's tokens (see _balance_loss).
+
 Loss and gradients: a CP rank's loss is the sum over its own tokens divided by 1/degree of the
 batch's labelled tokens, so the mean over the CP group is exactly the batch's mean loss (what the
 unsplit model returns), and data parallelism (FSDP2 over all ranks, CP ranks included) averaging
@@ -32,7 +37,9 @@ import torch
 import torch.nn.functional as F
 
 ATTENTION = "smddp_context_parallel"
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "GPTNeoXForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "GPTNeoXForCausalLM",
+             # mixture-of-experts models (alone or with expert parallelism)
+             "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -91,7 +98,39 @@ def _register():
     AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)
 
 
-def _split_forward(forward, degree, rank):
+def _balance_loss(model, router_logits, group, degree):
+    """The routers' load-balancing loss (Switch Transformer's, as transformers'
+    load_balancing_loss_func computes it without padding) over the tokens of the whole CP group:
+    E * sum_e f_e * P_e, with f_e the share of (token, choice) pairs routed to expert e and P_e
+    its mean routing probability, both over every layer's rows of every rank of the group. Each
+    rank holds as many rows, so the group's sums divided by degree x this rank's rows are the
+    means. The value is the same on every rank; each rank's gradient flows into its own routing
+    probabilities only, scaled by `degree`: data parallelism averaging over the group's ranks
+    then gives exactly the unsplit loss's gradient (as the cross-entropy share does)."""
+    import torch.distributed as dist
+
+    experts, top_k = model.num_experts, model.num_experts_per_tok
+    device = router_logits[0].device
+    counts = torch.zeros(experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(experts, dtype=torch.float32, device=device)
+    rows = 0
+    for logits in router_logits:
+        weights = F.softmax(logits, dim=-1)
+        chosen = torch.topk(weights, top_k, dim=-1).indices
+        counts = counts + torch.histc(chosen.reshape(-1).float(), bins=experts, min=0, max=experts)
+        probs = probs + weights.float().sum(dim=0)
+        rows += weights.shape[0]
+    group_probs = probs.detach().clone()
+    dist.all_reduce(counts, group=group)
+    dist.all_reduce(group_probs, group=group)
+    probs = degree * probs + (group_probs - degree * probs).detach()  # value: the group's sums
+    total = rows * degree
+    return torch.sum((counts / total) * (probs / total).unsqueeze(0)) * experts
+
+
+def _split_forward(model, degree, rank):
+    forward = model.forward
+
     def split(input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
         if input_ids is None:
             raise NotImplementedError("smddp.smp: with context parallelism the model takes input_ids (the full "
@@ -109,6 +148,14 @@ def _split_forward(forward, degree, rank):
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
         out = forward(input_ids=input_ids[:, mine], position_ids=position_ids[:, mine], use_cache=False, **kwargs)
+        routed = kwargs.get("output_router_logits")
+        if routed is None:
+            routed = getattr(model.config, "output_router_logits", False)
+        if routed and getattr(out, "router_logits", None):
+            # The model computed its routers' balance loss over this rank's tokens only.
+            from . import state
+
+            out.aux_loss = _balance_loss(model, out.router_logits, state.cp_group, degree)
         if labels is not None:
             # Each token's target is the next token of the whole sequence, the last one's none (as
             # transformers' own loss). The sum over this rank's tokens is divided by 1/degree of
@@ -118,6 +165,8 @@ def _split_forward(forward, degree, rank):
             logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
             out.loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, mine].reshape(-1),
                                        ignore_index=-100, reduction="sum") / share
+            if routed and getattr(out, "router_logits", None):
+                out.loss = out.loss + model.router_aux_loss_coef * out.aux_loss
         return out
 
     return split
@@ -145,5 +194,5 @@ def transform(model):
     _register()
     model.set_attn_implementation(ATTENTION)
     # An instance attribute: nn.Module.__call__ (and FSDP2's hooks around it) still run first.
-    model.forward = _split_forward(model.forward, state.cp_size, state.cp_rank)
+    model.forward = _split_forward(model, state.cp_size, state.cp_rank)
     return model
