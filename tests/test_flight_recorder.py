@@ -43,12 +43,12 @@ def contents_task(rank, world):
     cfg = dump["pg_config"].get(name)
     rep.expect(cfg is not None and cfg["ranks"] == str(list(range(world))), f"pg_config of {name}: {cfg}")
     got = [(e["profiling_name"], e["collective_seq_id"], e["p2p_seq_id"], e["is_p2p"], e["state"], e["retired"],
-            e["input_sizes"], e["input_dtypes"]) for e in _entries(dump, name)]
-    want = [("smddp:all_reduce", 1, 0, False, "completed", True, [[6]], ["Double"]),
-            ("smddp:all_gather_into_tensor", 2, 0, False, "completed", True, [[4]], ["Int"]),
-            ("smddp:send", 0, 1, True, "completed", True, [[3]], ["Float"]),
-            ("smddp:recv", 0, 2, True, "completed", True, [[3]], ["Float"]),
-            ("smddp:all_reduce", 3, 0, False, "completed", True, [[2]], ["Float"])]
+            e["input_sizes"], e["input_dtypes"], e.get("p2p_tag")) for e in _entries(dump, name)]
+    want = [("smddp:all_reduce", 1, 0, False, "completed", True, [[6]], ["Double"], None),
+            ("smddp:all_gather_into_tensor", 2, 0, False, "completed", True, [[4]], ["Int"], None),
+            (f"smddp:send {rank}->{peer}", 0, 1, True, "completed", True, [[3]], ["Float"], 0),
+            (f"smddp:recv {rank}<-{(rank - 1) % world}", 0, 2, True, "completed", True, [[3]], ["Float"], 0),
+            ("smddp:all_reduce", 3, 0, False, "completed", True, [[2]], ["Float"], None)]
     rep.expect(got == want, f"entries of group {name}:\n{got}\nexpected\n{want}")
     status = [s for s in dump["pg_status"].values() if s["last_enqueued_collective"] == 3]
     rep.expect(any(s["last_completed_collective"] == 3 for s in status), f"pg_status {dump['pg_status']}")
@@ -74,7 +74,11 @@ if rank < 2:
 try:
     if mode == "other_op" and rank == 2:
         dist.all_gather_into_tensor(torch.empty(300), t)   # the others run an all_reduce
-    elif mode == "stalled" and rank == 2:
+    elif mode == "p2p_deadlock" and rank < 2:
+        dist.recv(t, src=1 - rank)                         # both receive first: neither sends
+    elif mode == "p2p_tags" and rank < 2:                  # rank 1 waits for a tag rank 0 never sends
+        dist.send(t, dst=1, tag=1) if rank == 0 else dist.recv(t, src=0, tag=2)
+    elif mode in ("stalled", "p2p_deadlock", "p2p_tags") and rank == 2:
         time.sleep(5)                                      # never comes to the next collective
         smddp.dump_flight_recorder(sys.argv[5] + str(rank))
         sys.exit(0)
@@ -116,3 +120,35 @@ def test_dumps_on_failure_name_the_divergence(tmp_path, mode):
         assert "rank 2: last completed #1" in default, report
     assert "rank 0: last completed #1; then #2: smddp:all_reduce" in default, report
     assert "group 1 (undefined), ranks [0, 1]" in report and "collectives #1-#1: the same" in report, report
+
+
+@pytest.mark.parametrize("mode", ["p2p_deadlock", "p2p_tags"])
+def test_dumps_on_failure_pair_point_to_point(tmp_path, mode):
+    """3 ranks; after two collectives ranks 0 and 1 both recv from the other (a deadlock), or rank
+    0 sends with tag 1 where rank 1 receives tag 2, until their recv times out (rank 2 stalls and
+    dumps by hand). smddp.fr_trace must pair the sends with the receives and name what is
+    unpaired: the cycle of waits, or the send and the recv that have no counterpart."""
+    prefix = str(tmp_path / "trace_")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR, SMDDP_FR_DUMP_FILE=prefix)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), "3", url, mode, prefix], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for r in range(3):
+        assert os.path.exists(prefix + str(r)), f"rank {r} wrote no dump:\n{outs[r][-2000:]}"
+    report = subprocess.run([sys.executable, "-m", "smddp.fr_trace", str(tmp_path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60).stdout
+    default = report.split("group 1 ")[0]
+    if mode == "p2p_deadlock":
+        assert "point-to-point deadlock: rank 0 -> rank 1 -> rank 0" in default, report
+        for r in (0, 1):
+            assert (f"rank {r}: point-to-point pending: recv from rank {1 - r} (tag 0, [[100]] ['Float'], "
+                    "started, failed)") in default, report
+    else:
+        assert ("rank 1 posted 1 recv(s) from rank 0 with tag 2, rank 0 issued 0 send(s) to it: recv #1 has no "
+                "sender") in default, report
+        assert ("rank 0 issued 1 send(s) to rank 1 with tag 1, rank 1 posted 0 recv(s) from it: send #1 has no "
+                "receiver") in default, report
+        assert "rank 1: point-to-point pending: recv from rank 0 (tag 2" in default, report
+        assert "deadlock" not in report, report
+    assert "point-to-point" not in report.split("group 1 ")[1], report  # the pair's group ran no p2p

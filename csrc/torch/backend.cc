@@ -481,9 +481,10 @@ std::chrono::milliseconds SmddpBackend::resolveTimeout(std::chrono::milliseconds
 }
 
 c10::intrusive_ptr<SmddpWork> SmddpBackend::newWork(c10d::OpType opType, const char* title, Tensors outputs,
-                                                     Tensors inputs, std::chrono::milliseconds timeout) {
+                                                     Tensors inputs, std::chrono::milliseconds timeout,
+                                                     P2pPeer peer) {
   const bool p2p = opType == c10d::OpType::SEND || opType == c10d::OpType::RECV || opType == c10d::OpType::RECVANYSOURCE;
-  const int64_t traceId = FlightRecorder::get().record(pgId_, *this, p2p, title, inputs, outputs, timeout);
+  const int64_t traceId = FlightRecorder::get().record(pgId_, *this, p2p, title, inputs, outputs, timeout, peer);
   auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, std::move(outputs),
                                              std::optional<Tensors>(std::move(inputs)), spin_);
   work->setTrace(pgId_, traceId);
@@ -1146,7 +1147,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
   if (isCudaOp(tensors, op)) return isSend ? cudaSend(t, peer, tag) : cudaRecv(t, peer, tag);
   Staged s = isSend ? stageReadOnly(t) : stageOut(t, rank_, op);
   auto work = newWork(isSend ? c10d::OpType::SEND : c10d::OpType::RECV, isSend ? "smddp:send" : "smddp:recv", tensors,
-                      tensors, std::chrono::milliseconds(timeoutMs_.load()));
+                      tensors, std::chrono::milliseconds(timeoutMs_.load()), {peer, tag});
   work->traceStarted();  // posted: from here on it moves as soon as its peer is there
   engine::P2pOp o = p2pOp(isSend, peer, tag, s.work);
   const int rank = rank_;

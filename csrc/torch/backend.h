@@ -21,6 +21,7 @@
 #include "engine/p2p_engine.h"
 #include "engine/progress_thread.h"
 #include "torch/cuda_path.h"
+#include "torch/flight_recorder.h"
 #include "torch/sparse_allreduce.h"
 
 namespace smddp::torchext {
@@ -203,7 +204,7 @@ class SmddpBackend : public c10d::Backend {
   Work enqueueCuda(c10d::OpType opType, const char* title, Tensors outputs, Tensors inputs,
                    std::chrono::milliseconds timeout, const std::vector<cuda::Round>& rounds,
                    const std::function<std::vector<CudaStep>(const CudaPath::Launch&)>& makeSteps,
-                   const at::Tensor& ownStaging = {});
+                   const at::Tensor& ownStaging = {}, P2pPeer peer = {});
   CudaPath& cudaPathFor(const Tensors& tensors, const char* op);
   // send: staged like a collective; its host side copies the data out of staging and hands the
   // message to the engine, so the Work is done once the tensor may be reused (a failure later is
@@ -218,9 +219,10 @@ class SmddpBackend : public c10d::Backend {
   // Inside cudaWhole's CPU twin: queues `body` as the staged op's host side; null otherwise.
   Work divertToCuda(c10d::OpType opType, const char* title, std::chrono::milliseconds timeout, const Body& body);
 
-  // Every op's Work: recorded in the flight recorder (as scheduled) as it is created.
+  // Every op's Work: recorded in the flight recorder (as scheduled) as it is created; `peer`
+  // for a send or recv.
   c10::intrusive_ptr<SmddpWork> newWork(c10d::OpType opType, const char* title, Tensors outputs, Tensors inputs,
-                                        std::chrono::milliseconds timeout);
+                                        std::chrono::milliseconds timeout, P2pPeer peer = {});
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType opType, const char* title, std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> inputs, std::chrono::milliseconds timeout,
                                          bool async, Body body);

@@ -77,7 +77,8 @@ void SmddpBackend::recordCudaFailure(std::exception_ptr error) {
 c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
     c10d::OpType opType, const char* title, Tensors outputs, Tensors inputs, std::chrono::milliseconds timeout,
     const std::vector<cuda::Round>& rounds,
-    const std::function<std::vector<CudaStep>(const CudaPath::Launch&)>& makeSteps, const at::Tensor& ownStaging) {
+    const std::function<std::vector<CudaStep>(const CudaPath::Launch&)>& makeSteps, const at::Tensor& ownStaging,
+    P2pPeer peer) {
   std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
   throwIfCudaFailed(title);
   std::shared_ptr<CudaPath> path = cuda_;
@@ -87,7 +88,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
   Tensors keep = outputs;
   keep.insert(keep.end(), inputs.begin(), inputs.end());
   if (ownStaging.defined()) keep.push_back(ownStaging);
-  auto work = newWork(opType, title, outputs, inputs, timeout);
+  auto work = newWork(opType, title, outputs, inputs, timeout, peer);
   const CudaPath::Launch launch = path->launch(rounds);
   work->setCuda(path->events(), path->device(), launch.doneEvent);
   std::vector<CudaStep> steps = makeSteps(launch);
@@ -290,7 +291,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int p
                          });
                        }
                        return steps;
-                     });
+                     },
+                     at::Tensor(), {peer, tag});
 }
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int peer, int tag) {
@@ -300,7 +302,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
   const std::shared_ptr<CudaPath> path = cuda_;
   const size_t bytes = t.nbytes();
   at::Tensor message = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  auto work = newWork(c10d::OpType::RECV, "smddp:recv", Tensors{t}, Tensors{t}, std::chrono::milliseconds(timeoutMs_.load()));
+  auto work = newWork(c10d::OpType::RECV, "smddp:recv", Tensors{t}, Tensors{t}, std::chrono::milliseconds(timeoutMs_.load()),
+                      {peer, tag});
   work->traceStarted();
   const CudaPath::Receive r = path->launchReceive(bytePtr(t), bytePtr(message), bytes);
   work->setCuda(path->events(), path->device(), r.doneEvent);

@@ -88,7 +88,7 @@ int FlightRecorder::addGroup(std::vector<int64_t> globalRanks) {
 
 int64_t FlightRecorder::record(int pgId, const c10d::Backend& backend, bool p2p, const char* profilingName,
                                const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
-                               std::chrono::milliseconds timeout) {
+                               std::chrono::milliseconds timeout, P2pPeer peer) {
   if (!enabled()) return -1;
   std::lock_guard<std::mutex> lock(mutex_);
   Group& g = groups_[pgId];
@@ -101,6 +101,8 @@ int64_t FlightRecorder::record(int pgId, const c10d::Backend& backend, bool p2p,
   e.id = id;
   e.pgId = pgId;
   e.p2p = p2p;
+  e.rank = backend.getRank();
+  e.peer = peer;
   (p2p ? g.p2ps : g.collectives) += 1;
   e.collectiveSeq = p2p ? 0 : g.collectives;  // torch's numbering: 0 for none, from 1
   e.p2pSeq = p2p ? g.p2ps : 0;
@@ -174,6 +176,15 @@ std::string FlightRecorder::dump() {
   }
   out.insert("pg_config", config);
   out.insert("pg_status", status);
+  // NCCL's names for point-to-point ops, "send 0->1" / "recv 1<-0", with group ranks: what an
+  // analyzer needs to pair a rank's pending receive with its sender's sends.
+  auto profilingName = [](const Entry& e) {
+    std::string name = e.name;
+    if (!e.p2p) return name;
+    const bool send = name.size() >= 4 && name.compare(name.size() - 4, 4, "send") == 0;
+    return name + " " + std::to_string(e.rank) + (send ? "->" : "<-") +
+           (e.peer.rank >= 0 ? std::to_string(e.peer.rank) : std::string("any"));
+  };
   c10::impl::GenericList entries(c10::AnyType::get());
   const int64_t first = nextId_ > static_cast<int64_t>(capacity_) ? nextId_ - static_cast<int64_t>(capacity_) : 0;
   for (int64_t id = first; id < nextId_; ++id) {
@@ -189,7 +200,7 @@ std::string FlightRecorder::dump() {
     d.insert("collective_seq_id", e.collectiveSeq);
     d.insert("p2p_seq_id", e.p2pSeq);
     d.insert("op_id", e.opId);
-    d.insert("profiling_name", std::string(e.name));
+    d.insert("profiling_name", profilingName(e));
     d.insert("time_created_ns", e.created);
     d.insert("input_sizes", sizesOf(e.inSizes));
     d.insert("input_dtypes", typesOf(e.inTypes));
@@ -201,6 +212,7 @@ std::string FlightRecorder::dump() {
     d.insert("retired", e.retired);
     d.insert("timeout_ms", e.timeoutMs);
     d.insert("is_p2p", e.p2p);
+    if (e.p2p) d.insert("p2p_tag", static_cast<int64_t>(e.peer.tag));  // not in torch's layout
     entries.push_back(d);
   }
   out.insert("entries", entries);

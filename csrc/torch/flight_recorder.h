@@ -23,6 +23,13 @@
 
 namespace smddp::torchext {
 
+// A point-to-point op's other side, as the flight recorder names it: its group rank (-1: a recv
+// from any source) and tag.
+struct P2pPeer {
+  int rank = -1;
+  int tag = 0;
+};
+
 class FlightRecorder {
  public:
   static FlightRecorder& get();
@@ -33,11 +40,11 @@ class FlightRecorder {
   // Returns its id in the dumps (pg_id).
   int addGroup(std::vector<int64_t> globalRanks);
 
-  // An op issued on group `pgId` (whose torch name and description `backend` knows by then).
-  // Returns the entry's id, or -1 when recording is off.
+  // An op issued on group `pgId` (whose torch name and description `backend` knows by then);
+  // `peer` for a send or recv. Returns the entry's id, or -1 when recording is off.
   int64_t record(int pgId, const c10d::Backend& backend, bool p2p, const char* profilingName,
                  const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
-                 std::chrono::milliseconds timeout);
+                 std::chrono::milliseconds timeout, P2pPeer peer = {});
   void started(int64_t id);
   // Completed, or failed (then only retired, as torch marks an op that timed out).
   void finished(int64_t id, bool ok);
@@ -66,6 +73,8 @@ class FlightRecorder {
     int64_t collectiveSeq = 0, p2pSeq = 0, opId = 0;
     const char* name = "";
     bool p2p = false;
+    int rank = 0;  // this rank in the group
+    P2pPeer peer;  // p2p only
     State state = State::kScheduled;
     bool retired = false;
     int64_t created = 0, timeoutMs = 0;

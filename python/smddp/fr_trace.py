@@ -6,7 +6,9 @@ reads the dumps ``smddp.dump_flight_recorder()`` or SMDDP_FR_DUMP_FILE wrote, on
 named <PREFIX><global rank> (PREFIX defaults to the common part of the file names), and prints,
 per process group, the first collective the ranks disagree on (another op, other sizes or dtypes,
 or not issued at all), and where each rank stands: its last collective completed and the one it
-was in. The dumps follow torch's flight recorder layout; torch's own analyzer (torchfrtrace)
+was in. For point-to-point ops it pairs each rank's sends with its peers' receives (per pair of
+ranks and tag), names the ones left without a counterpart, and the ranks that wait on one
+another in a cycle (a deadlock: say two pipeline stages that both receive before they send). The dumps follow torch's flight recorder layout; torch's own analyzer (torchfrtrace)
 accepts only the libraries it lists (nccl, gloo, ...) and NCCL's op names, hence this one.
 """
 import argparse
@@ -41,10 +43,86 @@ def _op(entry):
 
 
 def _describe(entry):
+    return f"{entry['profiling_name']} in {entry['input_sizes']} {entry['input_dtypes']} ({_state(entry)})"
+
+
+_P2P_NAME = re.compile(r"^(?P<lib>\S+):(?P<kind>send|recv) (?P<me>\d+)(?:->|<-)(?P<peer>\d+|any)$")
+
+
+def _p2p_ops(entries, ranks):
+    """[(entry, kind, peer's global rank or None, tag)] of a rank's point-to-point entries in a
+    group of global `ranks`, oldest first (the names hold group ranks)."""
+    ops = []
+    for e in sorted(entries, key=lambda e: e["p2p_seq_id"]):
+        m = _P2P_NAME.match(e["profiling_name"])
+        if m:
+            peer = None if m["peer"] == "any" else ranks[int(m["peer"])]
+            ops.append((e, m["kind"], peer, e.get("p2p_tag", 0)))
+    return ops
+
+
+def _p2p_text(kind, peer, tag, entry):
+    other = "any source" if peer is None else f"rank {peer}"
+    return (f"{kind} {'to' if kind == 'send' else 'from'} {other} (tag {tag}, {entry['input_sizes']} "
+            f"{entry['input_dtypes']}, {_state(entry)})")
+
+
+def _state(entry):
     state = entry["state"]
-    if state != "completed" and entry["retired"]:
-        state += ", failed"
-    return f"{entry['profiling_name']} in {entry['input_sizes']} {entry['input_dtypes']} ({state})"
+    return state + ", failed" if state != "completed" and entry["retired"] else state
+
+
+def _analyze_p2p(p2p, open_collective):
+    """Lines on a group's point-to-point ops. p2p: {group rank: _p2p_ops}; open_collective: {group
+    rank: text of the collective it was in, or None}."""
+    lines = []
+    complete = {r for r, ops in p2p.items() if not ops or ops[0][0]["p2p_seq_id"] == 1}  # the ring kept them all
+    dropped = sorted(set(p2p) - complete)
+    if dropped:
+        lines.append(f"  point-to-point: the rings of rank(s) {dropped} dropped their oldest ops; their ops are "
+                     "not paired")
+    counts = {}  # (sender, receiver, tag) -> [sends, receives named after the sender]
+    for r in complete:
+        for _, kind, peer, tag in p2p[r]:
+            if peer is not None and peer in complete:
+                key = (r, peer, tag) if kind == "send" else (peer, r, tag)
+                counts.setdefault(key, [0, 0])[kind == "recv"] += 1
+    any_source = {}  # (receiver, tag) -> receives from any source
+    for r in complete:
+        for _, kind, peer, tag in p2p[r]:
+            if kind == "recv" and peer is None:
+                any_source[(r, tag)] = any_source.get((r, tag), 0) + 1
+    # (rank, kind, peer, tag) of the ops not completed: only those wait (a send read aside by its
+    # receiver completed without a recv)
+    pending = {(r, kind, peer, tag) for r in complete for e, kind, peer, tag in p2p[r] if e["state"] != "completed"}
+    waits_on = {}  # rank -> a peer it waits for, in an op that peer has not issued
+    for (src, dst, tag), (sends, recvs) in sorted(counts.items()):
+        if sends < recvs:
+            lines.append(f"  point-to-point: rank {dst} posted {recvs} recv(s) from rank {src} with tag {tag}, "
+                         f"rank {src} issued {sends} send(s) to it: recv #{sends + 1} has no sender")
+            if (dst, "recv", src, tag) in pending:
+                waits_on.setdefault(dst, src)
+        elif sends > recvs + any_source.get((dst, tag), 0):
+            lines.append(f"  point-to-point: rank {src} issued {sends} send(s) to rank {dst} with tag {tag}, "
+                         f"rank {dst} posted {recvs} recv(s) from it: send #{recvs + 1} has no receiver")
+            if (src, "send", dst, tag) in pending:
+                waits_on.setdefault(src, dst)
+    for r in sorted(waits_on):  # a cycle through r: each rank waits for the next
+        chain, at = [r], waits_on[r]
+        while at in waits_on and at not in chain:
+            chain.append(at)
+            at = waits_on[at]
+        if at == r and r == min(chain):
+            loop = " -> ".join(f"rank {x}" for x in chain + [r])
+            lines.append(f"  point-to-point deadlock: {loop}: each waits for an op the next has not issued "
+                         "(e.g. both receive before they send)")
+    for r in sorted(p2p):
+        pending = [_p2p_text(kind, peer, tag, e) for e, kind, peer, tag in p2p[r] if e["state"] != "completed"]
+        if pending:
+            more = f", and {len(pending) - 3} more" if len(pending) > 3 else ""
+            where = f"; in collective {open_collective[r]}" if open_collective.get(r) else ""
+            lines.append(f"  rank {r}: point-to-point pending: {'; '.join(pending[:3])}{more}{where}")
+    return lines
 
 
 def analyze(dumps):
@@ -59,11 +137,12 @@ def analyze(dumps):
         missing = [r for r in ranks if r not in dumps]
         if missing:
             lines.append(f"  no dump from rank(s) {missing}")
-        ops = {}  # rank -> {collective number: entry}
+        ops, p2p = {}, {}  # rank -> {collective number: entry}; rank -> _p2p_ops
         for r in ranks:
             if r in dumps:
-                ops[r] = {e["collective_seq_id"]: e for e in dumps[r]["entries"]
-                          if e["process_group"][0] == name and not e["is_p2p"]}
+                mine = [e for e in dumps[r]["entries"] if e["process_group"][0] == name]
+                ops[r] = {e["collective_seq_id"]: e for e in mine if not e["is_p2p"]}
+                p2p[r] = _p2p_ops([e for e in mine if e["is_p2p"]], ranks)
         if not ops:
             continue
         # the ring may have dropped a rank's oldest entries: compare from where every dump starts
@@ -81,15 +160,21 @@ def analyze(dumps):
                     lines.append(f"    rank(s) {rs}: {what}")
                 diverged = True
                 break
-        if not diverged:
+        if last < first:
+            lines.append("  no collectives")
+        elif not diverged:
             lines.append(f"  collectives #{first}-#{last}: the same on every rank with a dump")
+        open_collective = {}
         for r, o in ops.items():
             done = [s for s, e in o.items() if e["state"] == "completed"]
             open_ = [s for s, e in o.items() if e["state"] != "completed"]
             where = f"last completed #{max(done)}" if done else "none completed"
             if open_:
-                where += f"; then #{min(open_)}: {_describe(o[min(open_)])}"
+                open_collective[r] = f"#{min(open_)}: {_describe(o[min(open_)])}"
+                where += f"; then {open_collective[r]}"
             lines.append(f"  rank {r}: {where}")
+        if any(p2p.values()):
+            lines += _analyze_p2p(p2p, open_collective)
     return lines
 
 
