@@ -92,12 +92,9 @@ except Exception as e:
 """
 
 
-@pytest.mark.parametrize("mode", ["other_op", "stalled"])
-def test_dumps_on_failure_name_the_divergence(tmp_path, mode):
-    """3 ranks; at their second collective rank 2 runs another op (found by smddp at once), or
-    stalls until the others time out. With SMDDP_FR_DUMP_FILE every failing rank writes its dump
-    (the stalled rank dumps by hand), ranks 0 and 1 once for the four all_reduces queued behind
-    the failing one, which fail with it; smddp.fr_trace must point at collective #2 and rank 2."""
+def _run_and_trace(tmp_path, mode):
+    """Runs CHILD on 3 ranks in `mode` with SMDDP_FR_DUMP_FILE; every rank must leave a dump.
+    Returns the ranks' outputs and smddp.fr_trace's report on the dumps."""
     prefix = str(tmp_path / "trace_")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR, SMDDP_FR_DUMP_FILE=prefix)
     url = f"tcp://127.0.0.1:{free_port()}"
@@ -106,10 +103,20 @@ def test_dumps_on_failure_name_the_divergence(tmp_path, mode):
     outs = [p.communicate(timeout=120)[0] for p in procs]
     for r in range(3):
         assert os.path.exists(prefix + str(r)), f"rank {r} wrote no dump:\n{outs[r][-2000:]}"
-        if r < 2:  # five ops failed, one after the other: the first one dumps
-            assert outs[r].count("flight recorder dumped to") == 1, outs[r][-3000:]
     report = subprocess.run([sys.executable, "-m", "smddp.fr_trace", str(tmp_path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60).stdout
+    return outs, report
+
+
+@pytest.mark.parametrize("mode", ["other_op", "stalled"])
+def test_dumps_on_failure_name_the_divergence(tmp_path, mode):
+    """3 ranks; at their second collective rank 2 runs another op (found by smddp at once), or
+    stalls until the others time out. With SMDDP_FR_DUMP_FILE every failing rank writes its dump
+    (the stalled rank dumps by hand), ranks 0 and 1 once for the four all_reduces queued behind
+    the failing one, which fail with it; smddp.fr_trace must point at collective #2 and rank 2."""
+    outs, report = _run_and_trace(tmp_path, mode)
+    for r in range(2):  # five ops failed, one after the other: the first one dumps
+        assert outs[r].count("flight recorder dumped to") == 1, outs[r][-3000:]
     default = report.split("group 1 ")[0]
     assert "collective #2: the ranks differ" in default, report
     if mode == "other_op":
@@ -128,16 +135,7 @@ def test_dumps_on_failure_pair_point_to_point(tmp_path, mode):
     0 sends with tag 1 where rank 1 receives tag 2, until their recv times out (rank 2 stalls and
     dumps by hand). smddp.fr_trace must pair the sends with the receives and name what is
     unpaired: the cycle of waits, or the send and the recv that have no counterpart."""
-    prefix = str(tmp_path / "trace_")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR, SMDDP_FR_DUMP_FILE=prefix)
-    url = f"tcp://127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), "3", url, mode, prefix], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(3)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    for r in range(3):
-        assert os.path.exists(prefix + str(r)), f"rank {r} wrote no dump:\n{outs[r][-2000:]}"
-    report = subprocess.run([sys.executable, "-m", "smddp.fr_trace", str(tmp_path)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60).stdout
+    report = _run_and_trace(tmp_path, mode)[1]
     default = report.split("group 1 ")[0]
     if mode == "p2p_deadlock":
         assert "point-to-point deadlock: rank 0 -> rank 1 -> rank 0" in default, report
