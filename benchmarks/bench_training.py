@@ -10,7 +10,8 @@ MixtralForCausalLM of the same shape (--experts per layer, 2 per token; needs tr
 smddp.smp expert parallelism (--ep-degree consecutive ranks share a layer's experts, tokens exchanged
 all-to-all) and FSDP2 (smddp.smp.apply_hybrid_sharding); or "cp": transformers' LlamaForCausalLM of
 the same shape under smddp.smp context parallelism (--cp-degree consecutive ranks share each batch,
-each runs its part of every sequence; attention all-gathers keys and values) and FSDP2; AdamW.
+each runs its part of every sequence; keys and values go round the ring, SMP's cp_comm_type "p2p",
+or with "cp-allgather" are all-gathered) and FSDP2; AdamW.
 For each world size the backends run one
 after the other, in alternating rounds, and the best round of each counts (noise on a shared VM
 only ever slows a run).
@@ -67,17 +68,19 @@ def worker(args) -> None:
     cfg = LlamaConfig(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq,
                       per_rank=args.per_rank)
     torch.manual_seed(0)
-    build = {"ep": lambda: hf_mixtral(cfg, experts=args.experts), "cp": lambda: hf_llama(cfg)}
+    build = {"ep": lambda: hf_mixtral(cfg, experts=args.experts), "cp": lambda: hf_llama(cfg),
+             "cp-allgather": lambda: hf_llama(cfg)}
     model = build.get(args.parallel, lambda: TinyLlama(cfg))()
     params = sum(p.numel() for p in model.parameters())
-    cp = args.cp_degree if args.parallel == "cp" else 1
-    if args.parallel in ("ep", "cp"):
+    cp = args.cp_degree if args.parallel.startswith("cp") else 1
+    if args.parallel in ("ep", "cp", "cp-allgather"):
         import smddp.smp as tsm
 
         key, degree = ("expert_parallel_degree", args.ep_degree) if args.parallel == "ep" else \
             ("context_parallel_degree", cp)
         tsm.init({key: degree})  # on the group started above
-        tsm.apply_hybrid_sharding(tsm.transform(model))
+        comm = "all_gather" if args.parallel == "cp-allgather" else "p2p"
+        tsm.apply_hybrid_sharding(tsm.transform(model, cp_comm_type=comm))
     elif args.parallel == "ddp":
         model = DDP(model)
     else:
@@ -203,7 +206,7 @@ def main() -> None:
     p.add_argument("--parallel", default="fsdp2",
                    help="comma list of fsdp2, hsdp (FSDP2 hybrid: shard over --shard-degree consecutive ranks, "
                         "replicate across those groups), ddp, ep (a mixture-of-experts twin with expert parallelism), "
-                        "cp (context parallelism)")
+                        "cp (context parallelism, keys and values round the ring), cp-allgather (all-gathered)")
     p.add_argument("--shard-degree", type=int, default=0,
                    help="hsdp's shard group size (default: --per-host with --hosts, else 2)")
     p.add_argument("--ep-degree", type=int, default=2, help="ep: ranks a layer's experts are split over")
@@ -233,8 +236,8 @@ def main() -> None:
         worker(args)
         return
     parallels = args.parallel.split(",")
-    if not set(parallels) <= {"fsdp2", "hsdp", "ddp", "ep", "cp"}:
-        p.error(f"--parallel {args.parallel!r}: expected a comma list of fsdp2, hsdp, ddp, ep, cp")
+    if not set(parallels) <= {"fsdp2", "hsdp", "ddp", "ep", "cp", "cp-allgather"}:
+        p.error(f"--parallel {args.parallel!r}: expected a comma list of fsdp2, hsdp, ddp, ep, cp, cp-allgather")
     args.shard_degree = args.shard_degree or (args.per_host if args.hosts else 2)
     args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}"
                         for k in ("steps", "warmup", "shard_degree", "vocab", "dim", "heads", "layers", "seq", "per_rank",
@@ -243,7 +246,7 @@ def main() -> None:
     hsdp = f" (HSDP: shards of {args.shard_degree} consecutive ranks)" if "hsdp" in parallels else ""
     if "ep" in parallels:
         hsdp += f" (EP: Mixtral twin, {args.experts} experts per layer, 2 per token, over {args.ep_degree} ranks)"
-    if "cp" in parallels:
+    if {"cp", "cp-allgather"} & set(parallels):
         hsdp += f" (CP: transformers' Llama, each sequence over {args.cp_degree} ranks)"
     print(f"# {', '.join(x.upper() for x in parallels)}{hsdp} on CPU: Llama-style LM, vocab {args.vocab}, width {args.dim}, "
           f"{args.heads} heads, {args.layers} blocks, sequences of {args.seq} tokens, {args.per_rank} per rank and "
@@ -266,7 +269,8 @@ def main() -> None:
             print(f"# emulated cluster: {args.hosts} hosts x {args.per_host} rank(s){nics}, links {rate or 'unshaped'} "
                   f"(tc htb, both directions), {f'one-way delay {args.delay}' if args.delay else 'no added delay'}, "
                   f"measured TCP round trip {rtt:.2f} ms", flush=True)
-        if "cp" in parallels and any(w % args.cp_degree or args.seq % args.cp_degree for w in worlds):
+        if {"cp", "cp-allgather"} & set(parallels) and any(w % args.cp_degree or args.seq % args.cp_degree
+                                                            for w in worlds):
             sys.exit(f"bench_training: cp needs world sizes ({worlds}) and --seq divisible by the CP degree")
         if "ep" in parallels and any(w % args.ep_degree for w in worlds):
             sys.exit(f"bench_training: ep needs world sizes ({worlds}) divisible by the EP degree {args.ep_degree}")

@@ -64,14 +64,19 @@ def _model(family, overrides):
     return _build(family, **(overrides or {}))[0]
 
 
-def cp_task(rank, world, family, cp, hsd, overrides, tp=1, sequence_parallel=True, ep=1):
+def cp_task(rank, world, family, cp, hsd, overrides, opts=None):
+    """opts: tp, sp (sequence parallelism), ep, comm (cp_comm_type, default "p2p"), from_rank0
+    (only rank 0 builds the right weights; transform(load_state_dict_from_rank0=True))."""
     from torch.distributed.tensor import DTensor
 
-    from smddp.smp.context_parallel import ATTENTION
+    from smddp.smp.context_parallel import COMM_TYPES
 
+    opts = opts or {}
+    tp, sequence_parallel, ep = opts.get("tp", 1), opts.get("sp", True), opts.get("ep", 1)
+    comm, from_rank0 = opts.get("comm", "p2p"), opts.get("from_rank0", False)
     rep = Report(rank)
-    tag = (f"{family}{overrides or ''} cp={cp} tp={tp} sp={sequence_parallel} ep={ep} hybrid_shard_degree={hsd} "
-           f"world={world}")
+    tag = (f"{family}{overrides or ''} cp={cp} {comm} tp={tp} sp={sequence_parallel} ep={ep} "
+           f"hybrid_shard_degree={hsd} world={world}{' from rank 0' if from_rank0 else ''}")
     st = tsm.init({"context_parallel_degree": cp, "tensor_parallel_degree": tp, "expert_parallel_degree": ep,
                    "hybrid_shard_degree": hsd, "random_seed": 17})
     # Rank = (batch, cp, tp) in row-major order: a CP group holds one TP part of consecutive TP groups.
@@ -81,9 +86,14 @@ def cp_task(rank, world, family, cp, hsd, overrides, tp=1, sequence_parallel=Tru
     rep.expect(cp_ranks == [rank - st.cp_rank * tp + i * tp for i in range(cp)], f"{tag}: CP group {cp_ranks}")
     model = _model(family, overrides)
     ref = copy.deepcopy(model)
-    tsm.transform(model, sequence_parallel=sequence_parallel)
+    if from_rank0 and rank:
+        with torch.no_grad():  # weights of its own: only rank 0 holds the reference's
+            for p in model.parameters():
+                p.normal_()
+    kw = dict(sequence_parallel=sequence_parallel, cp_comm_type=comm)
+    tsm.transform(model, load_state_dict_from_rank0=from_rank0, **kw)
     attention = model.config._attn_implementation
-    rep.expect(attention == ATTENTION, f"{tag}: attention is {attention}")
+    rep.expect(attention == COMM_TYPES[comm], f"{tag}: attention is {attention}")
     embed = model.get_input_embeddings().weight
     split = isinstance(embed, DTensor) and embed.to_local().numel() < embed.numel()
     rep.expect(split == (tp > 1), f"{tag}: the token embedding is {'' if split else 'not '}split over TP ranks")
@@ -116,36 +126,42 @@ def cp_task(rank, world, family, cp, hsd, overrides, tp=1, sequence_parallel=Tru
     return rep.to_dict()
 
 
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
 @pytest.mark.parametrize("family, overrides", [("llama", None), ("mistral", None), ("gpt_neox", None),
                                                ("mistral", {"sliding_window": 5})])
-def test_cp2_matches_single_process(pools, family, overrides):
-    pools.check(2, cp_task, family, 2, 0, overrides, timeout=300)
+def test_cp2_matches_single_process(pools, family, overrides, comm):
+    pools.check(2, cp_task, family, 2, 0, overrides, {"comm": comm}, timeout=300)
 
 
-@pytest.mark.parametrize("family, cp, hsd, hosts", [
-    ("llama", 2, 0, None),     # 2 CP groups, each its own batch; sharded over all 4 ranks
-    ("llama", 4, 0, None),     # 4 tokens per rank
-    ("mistral", 2, 2, None),   # shard 2 x replicate 2: a CP group is a shard group
-    ("gpt_neox", 2, 0, "0011"),  # emulated hosts, a CP group on each
-    ("llama", 4, 4, "0101"),   # every CP group spans both hosts: keys and values cross the TCP mesh
+@pytest.mark.parametrize("family, overrides, cp, hsd, hosts, opts", [
+    ("llama", None, 2, 0, None, {}),     # 2 CP groups, each its own batch; sharded over all 4 ranks
+    ("llama", None, 4, 0, None, {}),     # 4 tokens per rank
+    ("llama", None, 4, 0, None, {"comm": "all_gather"}),
+    ("mistral", {"sliding_window": 5}, 4, 0, None, {}),  # the ring skips the parts wholly outside the window
+    ("mistral", None, 2, 2, None, {}),   # shard 2 x replicate 2: a CP group is a shard group
+    ("gpt_neox", None, 2, 0, "0011", {"comm": "all_gather"}),  # emulated hosts, a CP group on each
+    ("llama", None, 4, 4, "0101", {}),   # every CP group spans both hosts: keys and values cross the TCP mesh
+    ("llama", None, 4, 4, "0101", {"comm": "all_gather"}),
+    ("llama", None, 2, 0, None, {"from_rank0": True}),  # ranks 1-3 hold other weights until transform
 ])
-@pytest.mark.parametrize("world", [4])
-def test_cp_on_4_ranks_matches_single_process(pools, world, family, cp, hsd, hosts):
-    pools.check(world, cp_task, family, cp, hsd, None, hosts=hosts, timeout=300)
+def test_cp_on_4_ranks_matches_single_process(pools, family, overrides, cp, hsd, hosts, opts):
+    pools.check(4, cp_task, family, cp, hsd, overrides, opts, hosts=hosts, timeout=300)
 
 
-@pytest.mark.parametrize("family, overrides, sp, hsd, hosts", [
-    ("llama", None, True, 0, None),                       # grouped-query attention: 2 kv heads, 1 per TP rank
-    ("mistral", {"sliding_window": 5}, False, 0, None),   # activations replicated over TP between blocks
-    ("gpt_neox", None, True, 2, "0011"),                  # TP inside a host, CP across: keys over the TCP mesh
+@pytest.mark.parametrize("family, overrides, hsd, hosts, opts", [
+    ("llama", None, 0, None, {}),       # grouped-query attention: 2 kv heads, 1 per TP rank
+    ("llama", None, 0, None, {"comm": "all_gather"}),
+    ("mistral", {"sliding_window": 5}, 0, None, {"sp": False}),  # activations replicated over TP between blocks
+    ("gpt_neox", None, 2, "0011", {}),  # TP inside a host, CP across: keys over the TCP mesh
+    ("llama", None, 0, None, {"from_rank0": True}),
 ])
-def test_cp_with_tp_matches_single_process(pools, family, overrides, sp, hsd, hosts):
-    pools.check(4, cp_task, family, 2, hsd, overrides, 2, sp, hosts=hosts, timeout=300)
+def test_cp_with_tp_matches_single_process(pools, family, overrides, hsd, hosts, opts):
+    pools.check(4, cp_task, family, 2, hsd, overrides, dict(opts, tp=2), hosts=hosts, timeout=300)
 
 
 @pytest.mark.parametrize("family", MOE)
 def test_cp2_moe_with_balance_loss_matches_single_process(pools, family):
-    pools.check(2, cp_task, family, 2, 0, {"output_router_logits": True}, timeout=300)
+    pools.check(2, cp_task, family, 2, 0, {"output_router_logits": True}, None, timeout=300)
 
 
 @pytest.mark.parametrize("family, cp, ep, overrides, hosts", [
@@ -154,7 +170,7 @@ def test_cp2_moe_with_balance_loss_matches_single_process(pools, family):
     ("mixtral", 2, 4, None, "0101"),                          # both groups span the emulated hosts
 ])
 def test_cp_with_ep_matches_single_process(pools, family, cp, ep, overrides, hosts):
-    pools.check(4, cp_task, family, cp, 0, overrides, 1, True, ep, hosts=hosts, timeout=300)
+    pools.check(4, cp_task, family, cp, 0, overrides, {"ep": ep}, hosts=hosts, timeout=300)
 
 
 def refusals_task(rank, world):
@@ -163,6 +179,20 @@ def refusals_task(rank, world):
     _refused(rep, "unsupported model", lambda: tsm.transform(_build("gpt2")[0]), NotImplementedError,
              "context parallelism does not support GPT2LMHeadModel; supported: LlamaForCausalLM, "
              "MistralForCausalLM, GPTNeoXForCausalLM")
+    _refused(rep, "unknown cp_comm_type", lambda: tsm.transform(_build("llama")[0], cp_comm_type="ring"), ValueError,
+             "cp_comm_type='ring': expected one of p2p, all_gather")
+    _refused(rep, "MoEConfig", lambda: tsm.transform(_build("llama")[0], config=object()), NotImplementedError,
+             "config (SMP's MoEConfig) is not supported")
+    with torch.device("meta"):
+        meta = _build("llama")[0]
+    _refused(rep, "rank 0's weights into a meta model", lambda: tsm.transform(meta, load_state_dict_from_rank0=True),
+             ValueError, "load_state_dict_from_rank0=True needs the model's parameters allocated on every rank")
+    dropping = _build("llama", attention_dropout=0.1)[0]
+    tsm.transform(dropping)
+    _refused(rep, "attention dropout in the ring", lambda: dropping(torch.randint(0, 64, (2, SEQ))),
+             NotImplementedError, "attention dropout with cp_comm_type='p2p' is not supported")
+    cast = tsm.transform(_build("llama")[0], dtype=torch.float32, device="cpu")
+    rep.expect({p.dtype for p in cast.parameters()} == {torch.float32}, "dtype=float32: parameters not cast")
     model = tsm.transform(_build("llama")[0])
     _refused(rep, "transform twice", lambda: tsm.transform(model), RuntimeError, "already context-parallel")
     tokens = torch.randint(0, 64, (2, SEQ))

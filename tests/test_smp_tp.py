@@ -139,8 +139,11 @@ def train_against_reference(rep, tag, model, ref, batches, mine, run=_logits_and
                 _close(rep, f"{tag} step {step}: grad of {n}", _full(p.grad), refp[n].grad, **TOL64)
             opt.step()
             ref_opt.step()
+    # AdamW divides each update by the root of the squared gradients' average: where a gradient
+    # is nearly 0 (summed from terms that cancel), a difference in its last bits moves the
+    # parameter by more than the gradients' own tolerance allows; 1e-10 is lr x 1e-8.
     for n, p in model.named_parameters():
-        _close(rep, f"{tag}: final {n}", _full(p).detach(), refp[n].detach(), **TOL64)
+        _close(rep, f"{tag}: final {n}", _full(p).detach(), refp[n].detach(), rtol=1e-9, atol=1e-10)
 
 
 FAMILIES = ["llama", "mistral", "gpt_neox", "gptj", "gpt2"]

@@ -56,8 +56,9 @@ CONFIG_KEYS = {
                                   "tensor parallelism"),
     "context_parallel_degree": (1, "ranks each sequence is split over (transform(): Hugging Face Llama, Mistral, "
                                    "GPT-NeoX causal LMs and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, "
-                                   "OLMoE; attention all-gathers keys and values); the ranks of a CP group see the "
-                                   "same batch; at most hybrid_shard_degree; combinable with tensor or expert "
+                                   "OLMoE; keys and values go round the group's ring, or are all-gathered with "
+                                   "transform(cp_comm_type='all_gather')); the ranks of a CP group see the same "
+                                   "batch; at most hybrid_shard_degree; combinable with tensor or expert "
                                    "parallelism"),
     "random_seed": (None, "base seed: torch.manual_seed(random_seed) on every rank at init, so a model built "
                           "afterwards is the same on every rank (transform() requires that within a TP or EP group)"),
@@ -223,24 +224,61 @@ def init(config=None, backend="smddp"):
     return state
 
 
-def transform(model, sequence_parallel=True):
-    """With expert_parallel_degree > 1: expert parallelism of a Hugging Face mixture-of-experts
-    model (see smddp.smp.expert_parallel.transform); otherwise tensor parallelism of a Hugging
-    Face causal LM over state.mesh["tp"] (see smddp.smp.tensor_parallel.transform; nothing at
-    degree 1). Then, with context_parallel_degree > 1, context parallelism (see
-    smddp.smp.context_parallel.transform): each rank runs its part of every sequence (under
-    tensor parallelism, with its TP group's heads)."""
+def transform(model, device=None, dtype=None, config=None, load_state_dict_from_rank0=False, cp_comm_type="p2p",
+              sequence_parallel=True):
+    """SMP v2's transform, with its parameters. With expert_parallel_degree > 1: expert
+    parallelism of a Hugging Face mixture-of-experts model (see smddp.smp.expert_parallel);
+    otherwise tensor parallelism of a Hugging Face causal LM over state.mesh["tp"] (see
+    smddp.smp.tensor_parallel; nothing at degree 1). Then, with context_parallel_degree > 1,
+    context parallelism (see smddp.smp.context_parallel): each rank runs its part of every
+    sequence (under tensor parallelism, with its TP group's heads), keys and values passed round
+    the group's ring (cp_comm_type "p2p") or all-gathered ("all_gather").
+
+    load_state_dict_from_rank0=True: every rank takes the world's rank 0's parameters and
+    buffers first (a broadcast each), so only rank 0 needs the real weights (say, loaded from a
+    checkpoint); a model on the meta device is refused (delayed initialisation loads rank 0's
+    weights in materialize() instead). device / dtype: the transformed model is moved / cast
+    to them. config (SMP's MoEConfig for its own MoE layers) is not supported: expert
+    parallelism keeps the model's router. sequence_parallel: see smddp.smp.tensor_parallel."""
     if not state.initialized:
         raise RuntimeError("smddp.smp: call smddp.smp.init() before transform()")
     from .expert_parallel import transform as _expert_parallel
     from .tensor_parallel import transform as _tensor_parallel
 
+    if config is not None:
+        raise NotImplementedError("smddp.smp.transform: config (SMP's MoEConfig) is not supported; expert "
+                                  "parallelism takes expert_parallel_degree from init() and keeps the model's own "
+                                  "router and its load-balancing settings")
     if state.cp_size > 1:
-        from .context_parallel import check_supported, transform as _context_parallel
+        from .context_parallel import check_comm_type, check_supported, transform as _context_parallel
 
         check_supported(model)  # before the model changes
+        check_comm_type(cp_comm_type)
+    if load_state_dict_from_rank0:
+        _take_rank0_state(model)
     model = _expert_parallel(model) if state.ep_size > 1 else _tensor_parallel(model, sequence_parallel)
-    return _context_parallel(model) if state.cp_size > 1 else model
+    if state.cp_size > 1:
+        model = _context_parallel(model, cp_comm_type)
+    if device is not None or dtype is not None:
+        model = model.to(device=device, dtype=dtype)
+    return model
+
+
+def _take_rank0_state(model):
+    """Every parameter and buffer of `model` replaced, in place, by the world's rank 0's."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    on_meta = torch.tensor([int(any(t.is_meta for t in tensors))])
+    dist.all_reduce(on_meta, op=dist.ReduceOp.MAX)  # every rank refuses alike, or none does
+    if on_meta.item():
+        raise ValueError("smddp.smp.transform: load_state_dict_from_rank0=True needs the model's parameters "
+                         "allocated on every rank (some are on the meta device); for delayed initialisation call "
+                         "materialize(model, rank0_state_dict=...) after apply_hybrid_sharding() instead")
+    with torch.no_grad():
+        for t in tensors:
+            whole = t.data if t.is_contiguous() else t.data.contiguous()
+            dist.broadcast(whole, src=0)
+            if whole is not t.data:
+                t.data.copy_(whole)
 
 
 def _blocks(model):

@@ -10,8 +10,10 @@ context_parallel_degree > 1.
 The ranks of a context-parallel (CP) group (consecutive ranks) get the same batch and split its
 sequences: rank i of the group runs every layer on tokens i*S/degree .. (i+1)*S/degree - 1 (the
 embedding, norms, MLP and LM head on those tokens only; positions stay global, so rotary
-embeddings are unchanged). Attention needs every earlier token's keys and values: each layer
-all-gathers them over the group (SMP's cp_comm_type "all_gather"; autograd reduce-scatters their
+embeddings are unchanged). Attention needs every earlier token's keys and values. With SMP's
+cp_comm_type "p2p" (the default) they go round the group's ring, part by part, each rank
+attending to the parts its queries may see while the next one arrives (ring_attention.py); with
+"all_gather" each layer all-gathers them over the group (autograd reduce-scatters their
 gradients) and attends with the causal mask of the global positions. The model returns the
 logits of the rank's tokens and, given labels, the loss over them (labels shifted over the whole
 sequence first, so the tokens at chunk boundaries keep their targets).
@@ -36,7 +38,9 @@ the ranks' gradients gives exactly its gradient.
 import torch
 import torch.nn.functional as F
 
-ATTENTION = "smddp_context_parallel"
+ATTENTION = "smddp_context_parallel"          # cp_comm_type "all_gather"
+ATTENTION_RING = "smddp_context_parallel_ring"  # cp_comm_type "p2p"
+COMM_TYPES = {"p2p": ATTENTION_RING, "all_gather": ATTENTION}
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "GPTNeoXForCausalLM",
              # mixture-of-experts models (alone or with expert parallelism)
              "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
@@ -89,13 +93,30 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     return out.transpose(1, 2).contiguous(), None
 
 
+def _ring_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                    **kwargs):
+    """transformers' attention interface for cp_comm_type "p2p": this rank's queries, keys and
+    values, the others' keys and values passed round the CP group's ring."""
+    from . import state
+    from .ring_attention import RingAttention
+
+    if dropout:
+        raise NotImplementedError("smddp.smp: attention dropout with cp_comm_type='p2p' is not supported; use "
+                                  "cp_comm_type='all_gather' or an attention_dropout of 0")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = RingAttention.apply(query, key, value, state.cp_group, scale, sliding_window)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _register():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION, _attention)
-    # The mask is made from the global positions in _attention: none to build beforehand.
-    AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)
+    AttentionInterface.register(ATTENTION_RING, _ring_attention)
+    for name in COMM_TYPES.values():
+        # The mask is made from the global positions in the attention: none to build beforehand.
+        AttentionMaskInterface.register(name, lambda *args, **kwargs: None)
 
 
 def _balance_loss(model, router_logits, group, degree):
@@ -181,18 +202,25 @@ def check_supported(model):
                                   "transformers causal LMs) and their subclasses")
 
 
-def transform(model):
+def check_comm_type(comm_type):
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"smddp.smp.transform: cp_comm_type={comm_type!r}: expected one of {', '.join(COMM_TYPES)}")
+
+
+def transform(model, comm_type="p2p"):
     """Context parallelism of `model` over state.cp_group (see the module docstring), in place;
-    returns the model. Call after init() and before apply_hybrid_sharding(); under tensor
-    parallelism, after its transform. NotImplementedError for a model outside SUPPORTED (and
-    their subclasses), RuntimeError when called twice."""
+    returns the model. comm_type: SMP's cp_comm_type, "p2p" (ring) or "all_gather". Call after
+    init() and before apply_hybrid_sharding(); under tensor parallelism, after its transform.
+    NotImplementedError for a model outside SUPPORTED (and their subclasses), ValueError for
+    another comm_type, RuntimeError when called twice."""
     from . import state
 
     check_supported(model)
-    if getattr(model.config, "_attn_implementation", None) == ATTENTION:
+    check_comm_type(comm_type)
+    if getattr(model.config, "_attn_implementation", None) in COMM_TYPES.values():
         raise RuntimeError("smddp.smp.transform: the model is already context-parallel; call transform() once")
     _register()
-    model.set_attn_implementation(ATTENTION)
+    model.set_attn_implementation(COMM_TYPES[comm_type])
     # An instance attribute: nn.Module.__call__ (and FSDP2's hooks around it) still run first.
     model.forward = _split_forward(model, state.cp_size, state.cp_rank)
     return model

@@ -1,0 +1,170 @@
+"""Ring attention: causal attention of a context-parallel group's sequence parts without
+gathering every key and value (SMP's cp_comm_type "p2p").
+
+Rank r of a group of n holds queries, keys and values of tokens r*L .. (r+1)*L - 1 of each
+sequence. Its keys and values travel round the ring (r sends to r+1 and receives from r-1), so
+at step s rank r holds those of part (r - s) mod n; it attends its queries to the parts the
+causal mask (and a sliding window) lets them see, and skips the others: a part after the
+queries' own, or wholly outside the window, costs no arithmetic. The next part is already on
+its way while a rank computes (send and receive posted before the step's arithmetic).
+
+Partial results combine exactly: each step gives the block's output normalised over the block
+and its log-sum-exp per query, and two of those merge into the output over both blocks (the
+running softmax of blockwise attention). Backward goes round the ring again with the saved
+log-sum-exp: each part's keys and values travel with the gradient accumulated for them, which
+ends up with the part's owner after a last step. Arithmetic runs in float32 at least (float64
+stays float64); memory holds one part of keys and values at a time, not the whole sequence.
+"""
+
+import torch
+import torch.distributed as dist
+
+_KV_TAG, _GRAD_TAG = 1, 2  # a part's keys and values, and their gradient, in separate streams
+
+
+def _visible(q_part, k_part, length, window):
+    """Whether any query of part q_part may attend a key of part k_part: not a later part, and
+    (with a sliding window) not one whose nearest key is window or more tokens back."""
+    if k_part > q_part:
+        return False
+    return window is None or (q_part - k_part - 1) * length + 1 < window
+
+
+def _mask(q_part, k_part, length, window, device):
+    q = q_part * length + torch.arange(length, device=device)[:, None]
+    k = k_part * length + torch.arange(length, device=device)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= q - k < window
+    return allowed
+
+
+def _scores(q, k, mask, scale):
+    return torch.matmul(q, k.transpose(-1, -2)).mul_(scale).masked_fill_(~mask, float("-inf"))
+
+
+def _fused(q, q_part, k_part, length, window):
+    """How torch's fused CPU attention kernel (flash attention, which also returns the log-sum-exp)
+    can take the block: (is_causal, additive mask or None), or None where it cannot: off the CPU,
+    or where some query sees no key of the part (a sliding window), whose row the kernel would
+    not leave at exactly zero weight."""
+    if q.device.type != "cpu" or (window is not None and (q_part - k_part) * length >= window):
+        return None
+    if window is None:
+        return q_part == k_part, None
+    allowed = _mask(q_part, k_part, length, window, q.device)
+    return False, torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _block_forward(q, k, v, q_part, k_part, length, window, scale):
+    """This rank's queries against one part's keys and values: (output normalised over the part,
+    log-sum-exp per query, -inf where a query sees none of its keys)."""
+    fused = _fused(q, q_part, k_part, length, window)
+    if fused is not None:
+        causal, mask = fused
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
+        return out, lse.to(q.dtype)
+    s = _scores(q, k, _mask(q_part, k_part, length, window, q.device), scale)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - _finite(lse).unsqueeze(-1)), v), lse
+
+
+def _block_backward(g, q, k, v, out, lse, delta, q_part, k_part, length, window, scale):
+    """Gradients (dq, dk, dv) of one part's contribution, from the whole output `out`, its
+    log-sum-exp and delta = rowsum(g * out): the part's slice of the softmax is exp(scores - lse)."""
+    fused = _fused(q, q_part, k_part, length, window)
+    if fused is not None:
+        causal, mask = fused
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    p = torch.exp(_scores(q, k, _mask(q_part, k_part, length, window, q.device), scale) - lse.unsqueeze(-1))
+    ds = p * (torch.matmul(g, v.transpose(-1, -2)) - delta)
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, torch.matmul(p.transpose(-1, -2), g)
+
+
+def _finite(lse):
+    """lse with -inf (a query that saw no key yet) as 0, for subtracting it safely: exp(-inf - 0)
+    is the 0 wanted there."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+class _Shift:
+    """Sends `t` to the next rank of the ring and receives its equal from the previous one."""
+
+    def __init__(self, t, group, tag):
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        self.received = torch.empty_like(t)
+        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, (r + 1) % n), group, tag),
+               dist.P2POp(dist.irecv, self.received, dist.get_global_rank(group, (r - 1) % n), group, tag)]
+        self.works = dist.batch_isend_irecv(ops)
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        return self.received
+
+
+class RingAttention(torch.autograd.Function):
+    """query [batch, heads, L, dim], key / value [batch, kv heads, L, dim] of this rank's part;
+    returns the attention output [batch, heads, L, dim] over every part up to this rank's."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, group, scale, window):
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        acc = torch.promote_types(query.dtype, torch.float32)
+        batch, heads, length, _ = query.shape
+        repeat = heads // key.shape[1]  # grouped-query attention: each kv head serves `repeat` heads
+        q = query.to(acc)
+        out = q.new_zeros(batch, heads, length, value.shape[-1])
+        lse = q.new_full((batch, heads, length), float("-inf"))
+        kv = torch.stack((key, value)).contiguous()
+        for step in range(n):
+            part = (r - step) % n
+            shift = _Shift(kv, group, _KV_TAG) if step < n - 1 else None
+            if _visible(r, part, length, window):
+                k = kv[0].to(acc).repeat_interleave(repeat, dim=1)
+                v = kv[1].to(acc).repeat_interleave(repeat, dim=1)
+                block, block_lse = _block_forward(q, k, v, r, part, length, window, scale)
+                merged = torch.logaddexp(lse, block_lse)
+                base = _finite(merged).unsqueeze(-1)
+                out = out * torch.exp(lse.unsqueeze(-1) - base) + block * torch.exp(block_lse.unsqueeze(-1) - base)
+                lse = merged
+            if shift is not None:
+                kv = shift.wait()
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.group, ctx.scale, ctx.window = group, scale, window
+        return out.to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, out, lse = ctx.saved_tensors
+        group, scale, window = ctx.group, ctx.scale, ctx.window
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        acc = out.dtype
+        batch, heads, length, _ = query.shape
+        kv_heads = key.shape[1]
+        repeat = heads // kv_heads
+        q, g = query.to(acc), grad.to(acc)
+        out = out.contiguous()
+        delta = (g * out).sum(dim=-1, keepdim=True)  # softmax's backward term, per query
+        dq = torch.zeros_like(q)
+        kv = torch.stack((key, value)).contiguous()
+        dkv = torch.zeros((2,) + tuple(key.shape), dtype=acc, device=key.device)  # travels with kv
+        for step in range(n):
+            part = (r - step) % n
+            shift = _Shift(kv, group, _KV_TAG) if step < n - 1 else None
+            if _visible(r, part, length, window):
+                k = kv[0].to(acc).repeat_interleave(repeat, dim=1)
+                v = kv[1].to(acc).repeat_interleave(repeat, dim=1)
+                dq_part, dk, dv = _block_backward(g, q, k, v, out, lse, delta, r, part, length, window, scale)
+                dq += dq_part
+                dkv[0] += dk.view(batch, kv_heads, repeat, length, -1).sum(dim=2)
+                dkv[1] += dv.view(batch, kv_heads, repeat, length, -1).sum(dim=2)
+            # On to the next rank with the part; after the last step one more shift brings each
+            # part's gradient home (rank r then holds part r + 1's, which rank r + 1 owns).
+            if n > 1:
+                dkv = _Shift(dkv, group, _GRAD_TAG).wait()
+            if shift is not None:
+                kv = shift.wait()
+        return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None
