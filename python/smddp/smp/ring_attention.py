@@ -105,33 +105,43 @@ class _Shift:
         return self.received
 
 
+def _ring(kv, group, length, window, acc, repeat):
+    """Round the ring from this rank's part: per step, (part, its keys, its values), the latter
+    expanded to the query heads in dtype `acc`, or (part, None, None) where this rank's queries
+    see none of it. The next part is on its way while the caller works on one."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    for step in range(n):
+        part = (r - step) % n
+        shift = _Shift(kv, group, _KV_TAG) if step < n - 1 else None
+        if _visible(r, part, length, window):
+            yield part, kv[0].to(acc).repeat_interleave(repeat, dim=1), kv[1].to(acc).repeat_interleave(repeat, dim=1)
+        else:
+            yield part, None, None
+        if shift is not None:
+            kv = shift.wait()
+
+
 class RingAttention(torch.autograd.Function):
     """query [batch, heads, L, dim], key / value [batch, kv heads, L, dim] of this rank's part;
     returns the attention output [batch, heads, L, dim] over every part up to this rank's."""
 
     @staticmethod
     def forward(ctx, query, key, value, group, scale, window):
-        n, r = dist.get_world_size(group), dist.get_rank(group)
+        r = dist.get_rank(group)
         acc = torch.promote_types(query.dtype, torch.float32)
         batch, heads, length, _ = query.shape
         repeat = heads // key.shape[1]  # grouped-query attention: each kv head serves `repeat` heads
         q = query.to(acc)
         out = q.new_zeros(batch, heads, length, value.shape[-1])
         lse = q.new_full((batch, heads, length), float("-inf"))
-        kv = torch.stack((key, value)).contiguous()
-        for step in range(n):
-            part = (r - step) % n
-            shift = _Shift(kv, group, _KV_TAG) if step < n - 1 else None
-            if _visible(r, part, length, window):
-                k = kv[0].to(acc).repeat_interleave(repeat, dim=1)
-                v = kv[1].to(acc).repeat_interleave(repeat, dim=1)
-                block, block_lse = _block_forward(q, k, v, r, part, length, window, scale)
-                merged = torch.logaddexp(lse, block_lse)
-                base = _finite(merged).unsqueeze(-1)
-                out = out * torch.exp(lse.unsqueeze(-1) - base) + block * torch.exp(block_lse.unsqueeze(-1) - base)
-                lse = merged
-            if shift is not None:
-                kv = shift.wait()
+        for part, k, v in _ring(torch.stack((key, value)).contiguous(), group, length, window, acc, repeat):
+            if k is None:
+                continue
+            block, block_lse = _block_forward(q, k, v, r, part, length, window, scale)
+            merged = torch.logaddexp(lse, block_lse)
+            base = _finite(merged).unsqueeze(-1)
+            out = out * torch.exp(lse.unsqueeze(-1) - base) + block * torch.exp(block_lse.unsqueeze(-1) - base)
+            lse = merged
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.group, ctx.scale, ctx.window = group, scale, window
         return out.to(query.dtype)
@@ -149,14 +159,9 @@ class RingAttention(torch.autograd.Function):
         out = out.contiguous()
         delta = (g * out).sum(dim=-1, keepdim=True)  # softmax's backward term, per query
         dq = torch.zeros_like(q)
-        kv = torch.stack((key, value)).contiguous()
-        dkv = torch.zeros((2,) + tuple(key.shape), dtype=acc, device=key.device)  # travels with kv
-        for step in range(n):
-            part = (r - step) % n
-            shift = _Shift(kv, group, _KV_TAG) if step < n - 1 else None
-            if _visible(r, part, length, window):
-                k = kv[0].to(acc).repeat_interleave(repeat, dim=1)
-                v = kv[1].to(acc).repeat_interleave(repeat, dim=1)
+        dkv = torch.zeros((2,) + tuple(key.shape), dtype=acc, device=key.device)  # travels with the part
+        for part, k, v in _ring(torch.stack((key, value)).contiguous(), group, length, window, acc, repeat):
+            if k is not None:
                 dq_part, dk, dv = _block_backward(g, q, k, v, out, lse, delta, r, part, length, window, scale)
                 dq += dq_part
                 dkv[0] += dk.view(batch, kv_heads, repeat, length, -1).sum(dim=2)
@@ -165,6 +170,4 @@ class RingAttention(torch.autograd.Function):
             # part's gradient home (rank r then holds part r + 1's, which rank r + 1 owns).
             if n > 1:
                 dkv = _Shift(dkv, group, _GRAD_TAG).wait()
-            if shift is not None:
-                kv = shift.wait()
         return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None
