@@ -1,10 +1,14 @@
 """smddp.smp.transform with context_parallel_degree > 1: context parallelism of tiny random-config
 Hugging Face causal LMs (Llama with grouped-query attention, Mistral with and without a sliding
-window shorter than the sequence, GPT-NeoX), alone and under hybrid sharding, trained for a few
-AdamW steps against the same model unsplit in one process: each rank's logits (its part of the
+window shorter than the sequence, GPT-NeoX; Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE with their
+routers' balance loss), with the ring (cp_comm_type "p2p") and the all-gather, alone, under
+hybrid sharding, with tensor parallelism and with expert parallelism, trained for a few AdamW
+steps against the same model unsplit in one process: each rank's logits (its part of the
 sequence), the loss (transformers' own, from labels), gradients and parameters equal within
-float64 tolerance. Plus every refusal (unsupported model, transforming twice, padding, a length
-that does not split, inputs_embeds, a key/value cache).
+float64 tolerance. Plus rank 0's weights taken by ranks that hold others
+(load_state_dict_from_rank0), and every refusal (unsupported model, transforming twice, padding,
+a length that does not split, inputs_embeds, a key/value cache, an unknown cp_comm_type,
+attention dropout in the ring, SMP's MoEConfig, rank 0's weights into a meta model).
 
 Every rank builds the model from the config's random_seed, keeps an unsplit copy as the
 reference and trains that on the global batch; the ranks of a CP group get the same sequences
@@ -90,8 +94,7 @@ def cp_task(rank, world, family, cp, hsd, overrides, opts=None):
         with torch.no_grad():  # weights of its own: only rank 0 holds the reference's
             for p in model.parameters():
                 p.normal_()
-    kw = dict(sequence_parallel=sequence_parallel, cp_comm_type=comm)
-    tsm.transform(model, load_state_dict_from_rank0=from_rank0, **kw)
+    tsm.transform(model, load_state_dict_from_rank0=from_rank0, cp_comm_type=comm, sequence_parallel=sequence_parallel)
     attention = model.config._attn_implementation
     rep.expect(attention == COMM_TYPES[comm], f"{tag}: attention is {attention}")
     embed = model.get_input_embeddings().weight

@@ -8,8 +8,9 @@ per process group, the first collective the ranks disagree on (another op, other
 or not issued at all), and where each rank stands: its last collective completed and the one it
 was in. For point-to-point ops it pairs each rank's sends with its peers' receives (per pair of
 ranks and tag), names the ones left without a counterpart, and the ranks that wait on one
-another in a cycle (a deadlock: say two pipeline stages that both receive before they send). The dumps follow torch's flight recorder layout; torch's own analyzer (torchfrtrace)
-accepts only the libraries it lists (nccl, gloo, ...) and NCCL's op names, hence this one.
+another in a cycle (a deadlock: say two pipeline stages that both receive before they send).
+The dumps follow torch's flight recorder layout; torch's own analyzer (torchfrtrace) accepts
+only the libraries it lists (nccl, gloo, ...) and NCCL's op names, hence this one.
 """
 import argparse
 import os
@@ -73,8 +74,8 @@ def _state(entry):
 
 
 def _analyze_p2p(p2p, open_collective):
-    """Lines on a group's point-to-point ops. p2p: {group rank: _p2p_ops}; open_collective: {group
-    rank: text of the collective it was in, or None}."""
+    """Lines on a group's point-to-point ops. p2p: {global rank: _p2p_ops}; open_collective:
+    {global rank: the collective it was in}, for the ranks that were in one."""
     lines = []
     complete = {r for r, ops in p2p.items() if not ops or ops[0][0]["p2p_seq_id"] == 1}  # the ring kept them all
     dropped = sorted(set(p2p) - complete)
@@ -117,11 +118,11 @@ def _analyze_p2p(p2p, open_collective):
             lines.append(f"  point-to-point deadlock: {loop}: each waits for an op the next has not issued "
                          "(e.g. both receive before they send)")
     for r in sorted(p2p):
-        pending = [_p2p_text(kind, peer, tag, e) for e, kind, peer, tag in p2p[r] if e["state"] != "completed"]
-        if pending:
-            more = f", and {len(pending) - 3} more" if len(pending) > 3 else ""
-            where = f"; in collective {open_collective[r]}" if open_collective.get(r) else ""
-            lines.append(f"  rank {r}: point-to-point pending: {'; '.join(pending[:3])}{more}{where}")
+        texts = [_p2p_text(kind, peer, tag, e) for e, kind, peer, tag in p2p[r] if e["state"] != "completed"]
+        if texts:
+            more = f", and {len(texts) - 3} more" if len(texts) > 3 else ""
+            where = f"; in collective {open_collective[r]}" if r in open_collective else ""
+            lines.append(f"  rank {r}: point-to-point pending: {'; '.join(texts[:3])}{more}{where}")
     return lines
 
 

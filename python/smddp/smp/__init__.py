@@ -27,8 +27,9 @@ state, hybrid sharding (FSDP2, plus the mesh FSDP1 HYBRID_SHARD takes), tensor p
 Hugging Face causal LMs (transform(): Llama, Mistral, GPT-NeoX, GPT-J, GPT-2; see
 tensor_parallel.py), expert parallelism of Hugging Face mixture-of-experts models (transform();
 see expert_parallel.py), context parallelism of Hugging Face causal LMs (transform(), alone or
-with tensor parallelism; see context_parallel.py), activation checkpointing, activation offloading with prefetch, delayed
-initialisation, sharded checkpoints (reloadable under another hybrid_shard_degree).
+with tensor or expert parallelism; see context_parallel.py), activation checkpointing,
+activation offloading with prefetch, delayed initialisation, sharded checkpoints (reloadable
+under another hybrid_shard_degree).
 """
 
 import json

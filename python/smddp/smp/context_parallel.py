@@ -21,7 +21,7 @@ sequence first, so the tokens at chunk boundaries keep their targets).
 With tensor parallelism (tensor_parallel_degree > 1; smp.transform applies it first) a CP group
 is made of ranks that hold the same heads (the same TP rank in consecutive TP groups): the
 attention projections give each rank its TP group's heads for its tokens, and the keys and
-values of those heads are gathered over the CP group as above. Sequence parallelism then splits
+values of those heads travel over the CP group as above. Sequence parallelism then splits
 the rank's part of the sequence further over its TP group between the blocks.
 
 With expert parallelism (expert_parallel_degree > 1; smp.transform applies it first) nothing

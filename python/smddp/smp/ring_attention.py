@@ -13,7 +13,9 @@ and its log-sum-exp per query, and two of those merge into the output over both 
 running softmax of blockwise attention). Backward goes round the ring again with the saved
 log-sum-exp: each part's keys and values travel with the gradient accumulated for them, which
 ends up with the part's owner after a last step. Arithmetic runs in float32 at least (float64
-stays float64); memory holds one part of keys and values at a time, not the whole sequence.
+stays float64); on the CPU a block runs in torch's fused flash-attention kernel, which returns
+the log-sum-exp too, unless some of its queries see none of its keys. A rank holds the keys and
+values of one part at a time (and the next one arriving), not the whole sequence.
 """
 
 import torch
