@@ -161,15 +161,21 @@ class RingAttention(torch.autograd.Function):
         out = out.contiguous()
         delta = (g * out).sum(dim=-1, keepdim=True)  # softmax's backward term, per query
         dq = torch.zeros_like(q)
-        dkv = torch.zeros((2,) + tuple(key.shape), dtype=acc, device=key.device)  # travels with the part
+        # The gradient of the part held travels with it: it arrives from the previous rank while
+        # this one computes the part's block, and leaves for the next rank once added to.
+        dkv, arriving = torch.zeros((2,) + tuple(key.shape), dtype=acc, device=key.device), None
         for part, k, v in _ring(torch.stack((key, value)).contiguous(), group, length, window, acc, repeat):
             if k is not None:
                 dq_part, dk, dv = _block_backward(g, q, k, v, out, lse, delta, r, part, length, window, scale)
                 dq += dq_part
+            if arriving is not None:
+                dkv = arriving.wait()
+            if k is not None:
                 dkv[0] += dk.view(batch, kv_heads, repeat, length, -1).sum(dim=2)
                 dkv[1] += dv.view(batch, kv_heads, repeat, length, -1).sum(dim=2)
-            # On to the next rank with the part; after the last step one more shift brings each
-            # part's gradient home (rank r then holds part r + 1's, which rank r + 1 owns).
-            if n > 1:
-                dkv = _Shift(dkv, group, _GRAD_TAG).wait()
+            arriving = _Shift(dkv, group, _GRAD_TAG) if n > 1 else None
+        # One more step brings each part's gradient home (after the last step rank r held part
+        # r + 1's, which rank r + 1 owns).
+        if arriving is not None:
+            dkv = arriving.wait()
         return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None
