@@ -83,16 +83,14 @@ def _analyze_p2p(p2p, open_collective):
         lines.append(f"  point-to-point: the rings of rank(s) {dropped} dropped their oldest ops; their ops are "
                      "not paired")
     counts = {}  # (sender, receiver, tag) -> [sends, receives named after the sender]
-    for r in complete:
-        for _, kind, peer, tag in p2p[r]:
-            if peer is not None and peer in complete:
-                key = (r, peer, tag) if kind == "send" else (peer, r, tag)
-                counts.setdefault(key, [0, 0])[kind == "recv"] += 1
     any_source = {}  # (receiver, tag) -> receives from any source
     for r in complete:
         for _, kind, peer, tag in p2p[r]:
-            if kind == "recv" and peer is None:
+            if peer is None:
                 any_source[(r, tag)] = any_source.get((r, tag), 0) + 1
+            elif peer in complete:
+                key = (r, peer, tag) if kind == "send" else (peer, r, tag)
+                counts.setdefault(key, [0, 0])[kind == "recv"] += 1
     # (rank, kind, peer, tag) of the ops not completed: only those wait (a send read aside by its
     # receiver completed without a recv)
     pending = {(r, kind, peer, tag) for r in complete for e, kind, peer, tag in p2p[r] if e["state"] != "completed"}

@@ -172,7 +172,8 @@ def _split_forward(model, degree, rank):
         routed = kwargs.get("output_router_logits")
         if routed is None:
             routed = getattr(model.config, "output_router_logits", False)
-        if routed and getattr(out, "router_logits", None):
+        balance = routed and getattr(out, "router_logits", None)
+        if balance:
             # The model computed its routers' balance loss over this rank's tokens only.
             from . import state
 
@@ -186,7 +187,7 @@ def _split_forward(model, degree, rank):
             logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
             out.loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, mine].reshape(-1),
                                        ignore_index=-100, reduction="sum") / share
-            if routed and getattr(out, "router_logits", None):
+            if balance:
                 out.loss = out.loss + model.router_aux_loss_coef * out.aux_loss
         return out
 

@@ -112,11 +112,16 @@ def _ring(kv, group, length, window, acc, repeat):
     expanded to the query heads in dtype `acc`, or (part, None, None) where this rank's queries
     see none of it. The next part is on its way while the caller works on one."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
+
+    def heads(t):  # no copy where every query head has its own kv head (and the dtype is acc's)
+        t = t.to(acc)
+        return t.repeat_interleave(repeat, dim=1) if repeat > 1 else t
+
     for step in range(n):
         part = (r - step) % n
         shift = _Shift(kv, group, _KV_TAG) if step < n - 1 else None
         if _visible(r, part, length, window):
-            yield part, kv[0].to(acc).repeat_interleave(repeat, dim=1), kv[1].to(acc).repeat_interleave(repeat, dim=1)
+            yield part, heads(kv[0]), heads(kv[1])
         else:
             yield part, None, None
         if shift is not None:
@@ -136,7 +141,8 @@ class RingAttention(torch.autograd.Function):
         q = query.to(acc)
         out = q.new_zeros(batch, heads, length, value.shape[-1])
         lse = q.new_full((batch, heads, length), float("-inf"))
-        for part, k, v in _ring(torch.stack((key, value)).contiguous(), group, length, window, acc, repeat):
+        kv = torch.stack((key, value))  # one message per step; kept for backward's own round
+        for part, k, v in _ring(kv, group, length, window, acc, repeat):
             if k is None:
                 continue
             block, block_lse = _block_forward(q, k, v, r, part, length, window, scale)
@@ -144,27 +150,26 @@ class RingAttention(torch.autograd.Function):
             base = _finite(merged).unsqueeze(-1)
             out = out * torch.exp(lse.unsqueeze(-1) - base) + block * torch.exp(block_lse.unsqueeze(-1) - base)
             lse = merged
-        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.save_for_backward(query, kv, out, lse)
         ctx.group, ctx.scale, ctx.window = group, scale, window
         return out.to(query.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        query, key, value, out, lse = ctx.saved_tensors
+        query, kv, out, lse = ctx.saved_tensors
         group, scale, window = ctx.group, ctx.scale, ctx.window
         n, r = dist.get_world_size(group), dist.get_rank(group)
         acc = out.dtype
         batch, heads, length, _ = query.shape
-        kv_heads = key.shape[1]
+        kv_heads = kv.shape[2]
         repeat = heads // kv_heads
         q, g = query.to(acc), grad.to(acc)
-        out = out.contiguous()
         delta = (g * out).sum(dim=-1, keepdim=True)  # softmax's backward term, per query
         dq = torch.zeros_like(q)
         # The gradient of the part held travels with it: it arrives from the previous rank while
         # this one computes the part's block, and leaves for the next rank once added to.
-        dkv, arriving = torch.zeros((2,) + tuple(key.shape), dtype=acc, device=key.device), None
-        for part, k, v in _ring(torch.stack((key, value)).contiguous(), group, length, window, acc, repeat):
+        dkv, arriving = torch.zeros(kv.shape, dtype=acc, device=kv.device), None
+        for part, k, v in _ring(kv, group, length, window, acc, repeat):
             if k is not None:
                 dq_part, dk, dv = _block_backward(g, q, k, v, out, lse, delta, r, part, length, window, scale)
                 dq += dq_part
@@ -178,4 +183,4 @@ class RingAttention(torch.autograd.Function):
         # r + 1's, which rank r + 1 owns).
         if arriving is not None:
             dkv = arriving.wait()
-        return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None
+        return dq.to(query.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None
