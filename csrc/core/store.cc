@@ -41,6 +41,19 @@ void BootstrapStore::publishFailure(const std::vector<std::string>& keys, int ra
   }
 }
 
+namespace {
+// The store's own timeout on a key some rank never wrote, said as what it means here.
+template <class Fn>
+std::string awaitRank(Fn&& get, const char* fmt, int rank) {
+  try {
+    return get();
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kTimeout) throw;
+    throwError(ErrorCode::kTimeout, "%s (%s)", formatString(fmt, rank).c_str(), e.what());
+  }
+}
+}  // namespace
+
 std::string freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout) {
   auto ticketKey = [](int r) { return "smddp/ticket/" + std::to_string(r); };
   auto answerKey = [](const std::string& ticket) { return "smddp/answer/" + ticket; };
@@ -48,7 +61,10 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
   if (rank != 0) {
     const std::string ticket = randomHex(8);
     store.set(ticketKey(rank), ticket);
-    const std::string ns = store.get(answerKey(ticket));
+    const std::string ns = awaitRank([&] { return store.get(answerKey(ticket)); },
+                                     "rank %d of the group never answered this rank's arrival: it did not reach the "
+                                     "group's set-up within the timeout",
+                                     0);
     store.set(confirmKey(ns, rank), "1");
     return ns + "/";
   }
@@ -60,7 +76,9 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
   auto pause = std::chrono::milliseconds(1);
   while (!pending.empty()) {
     for (int r : pending) {
-      std::string ticket = store.get(ticketKey(r));  // blocks until rank r has come at least once
+      // Blocks until rank r has come at least once.
+      std::string ticket = awaitRank([&] { return store.get(ticketKey(r)); },
+                                     "rank %d did not reach the group's set-up within the timeout", r);
       if (ticket != answered[r]) {
         store.set(answerKey(ticket), ns);
         answered[r] = ticket;

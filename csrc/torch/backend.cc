@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <unistd.h>
 
 #include <algorithm>
@@ -342,6 +343,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   pgId_ = FlightRecorder::get().addGroup(globalRanks_);
   const char* torchDebug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
   debugChecks_ = env::debugChecks() != 0 || (torchDebug != nullptr && std::string(torchDebug) == "DETAIL");
+  c10dStore_ = store;
   store_ = std::make_unique<C10dStore>(store);
   try {
     groupStore_ = std::make_unique<PrefixStore>(*store_, freshNamespace(*store_, rank, size, timeout));
@@ -440,6 +442,58 @@ c10::intrusive_ptr<c10d::Backend> SmddpBackend::split(const c10::intrusive_ptr<c
   lastSplitRanks_ = ranks;
   lastSplit_ = c10::weak_intrusive_ptr<c10d::Backend>(c10::intrusive_ptr<c10d::Backend>(child));
   return child;
+}
+
+c10::intrusive_ptr<c10d::Backend> SmddpBackend::shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+                                                      const c10::intrusive_ptr<Options>& optsOverride) {
+  // torch.distributed.shrink_group checks the same; a direct call on the backend may not have.
+  const auto refuse = [&](const std::string& why) {
+    TORCH_CHECK_VALUE(false, "smddp rank ", rank_, ": shrink: ", why);
+  };
+  std::vector<bool> excluded(size_, false);
+  for (int64_t r : ranksToExclude) {
+    if (r < 0 || r >= size_) refuse(c10::str("rank ", r, " to exclude is not in this group of ", size_, " ranks"));
+    if (excluded[r]) refuse(c10::str("rank ", r, " is listed twice"));
+    if (r == rank_) refuse("this rank is among the ranks to exclude: only the remaining ranks call shrink");
+    excluded[r] = true;
+  }
+  if (ranksToExclude.empty()) refuse("no rank to exclude");
+  if (shrinkFlags & ~1) refuse(c10::str("unknown shrink_flags ", shrinkFlags, " (SHRINK_DEFAULT 0, SHRINK_ABORT 1)"));
+  if (shrinkFlags & 1) abort();
+
+  std::vector<int64_t> childGlobalRanks;
+  int childRank = 0;
+  std::string prefix = "smddp-shrink" + std::to_string(shrinks_++) + "-excluding";
+  for (int r = 0; r < size_; ++r) {
+    if (excluded[r]) {
+      prefix += "-" + std::to_string(r);
+      continue;
+    }
+    if (r < rank_) ++childRank;
+    childGlobalRanks.push_back(globalRanks_[r]);
+  }
+  const auto timeout = optsOverride ? optsOverride->timeout : std::chrono::milliseconds(timeoutMs_.load());
+  SMDDP_INFO(kInit, "rank %d/%d: shrinking to %zu ranks (%s), this rank becomes %d", rank_, size_,
+             childGlobalRanks.size(), prefix.c_str(), childRank);
+  try {
+    return c10::make_intrusive<SmddpBackend>(c10::make_intrusive<c10d::PrefixStore>(prefix + "/", c10dStore_),
+                                             childRank, static_cast<int>(childGlobalRanks.size()), timeout,
+                                             childGlobalRanks);
+  } catch (const c10::DistBackendError& e) {
+    // The set-up's error names ranks of the new group; the caller knows this group's.
+    std::string why = e.what_without_backtrace();
+    const std::string named = "smddp rank " + std::to_string(childRank) + ": ";
+    if (why.rfind(named, 0) == 0) why.erase(0, named.size());
+    std::string remaining;
+    for (int r = 0, k = 0; r < size_; ++r) {
+      if (!excluded[r]) remaining += c10::str(k ? ", " : "", r, " (now ", k, ")"), ++k;
+    }
+    C10_THROW_ERROR(DistBackendError,
+                    c10::str("smddp rank ", rank_, ": shrink: the group of ranks ", remaining,
+                             " did not form: ", why,
+                             ". Every remaining rank must call shrink with the same ranks to exclude: ranks "
+                             "that exclude others wait for each other in vain"));
+  }
 }
 
 SmddpBackend::Body SmddpBackend::describedBody(c10d::OpType opType, const char* title, const Tensors& outputs,

@@ -107,6 +107,16 @@ class SmddpBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<Options>& opts) override;
 
+  // dist.shrink_group: a new group of this group's ranks less `ranksToExclude`, renumbered in
+  // order, bootstrapped through this group's store under a key prefix that names the excluded
+  // ranks (survivors that disagree on them never meet: each side times out naming the ranks it
+  // waited for, instead of forming a group whose ranks disagree on its members). The excluded
+  // ranks take no part: they may be dead. `shrinkFlags` SHRINK_ABORT (1) aborts this group first,
+  // failing its pending ops; without it this group is left as it is (torch destroys it next).
+  bool supportsShrinking() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+                                           const c10::intrusive_ptr<Options>& optsOverride) override;
+
   // init_process_group(device_id=cuda:N): sets up the CUDA staging now rather than inside the
   // first CUDA op (where it may wait for the device). A failure here is logged and left for that
   // op to raise, so a group bound to a GPU but used with CPU tensors still works.
@@ -246,7 +256,9 @@ class SmddpBackend : public c10d::Backend {
   std::atomic<uint64_t> issued_{0};
   std::vector<int64_t> globalRanks_;  // see the constructor
   int pgId_ = 0;                      // this group in the flight recorder
-  std::unique_ptr<Store> store_;  // the group's c10d store, kept for the communicator (see there)
+  c10::intrusive_ptr<c10d::Store> c10dStore_;  // the store the group was created with (for shrink)
+  int shrinks_ = 0;                              // shrink() calls so far: each child's key prefix
+  std::unique_ptr<Store> store_;  // c10dStore_ as the core sees it, kept for the communicator (see there)
   std::unique_ptr<Store> groupStore_;  // store_'s namespace for this group alone (freshNamespace)
   std::unique_ptr<BootstrapStore> bootstrap_;  // groupStore_ as the set-up uses it
   std::unique_ptr<algo::Communicator> comm_;

@@ -1,0 +1,27 @@
+"""Group helpers that torch's own APIs leave incomplete for a backend serving two device types."""
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def shrink_group(ranks_to_exclude, group=None, shrink_flags=0, pg_options=None):
+    """``torch.distributed.shrink_group`` for smddp groups: the group less `ranks_to_exclude`
+    (ranks of `group`, default the world), renumbered in order; it replaces `group`, which is
+    destroyed (and, if it was the world, so is every other group). Only the remaining ranks call
+    it; the excluded ones may be dead. ``shrink_flags=torch.distributed.distributed_c10d.SHRINK_ABORT``
+    first aborts `group`, failing its pending ops, as after a peer's failure.
+
+    torch registers the new group's backend for one device type only (the group's bound device,
+    else the CPU) and under gloo's or NCCL's label (``pg.name()``); this registers it for CPU and
+    CUDA tensors under smddp's, as ``init_process_group`` does."""
+    backend_name = dist.get_backend(group)
+    if backend_name != "smddp":
+        raise ValueError(f"smddp.shrink_group: the group's backend is {backend_name!r}, not smddp "
+                         f"(torch.distributed.shrink_group shrinks other backends' groups)")
+    pg = dist.shrink_group(ranks_to_exclude, group=group, shrink_flags=shrink_flags, pg_options=pg_options)
+    device = getattr(pg, "bound_device_id", None) or torch.device("cpu")
+    backend = pg._get_backend(device)
+    for device_type in ("cpu", "cuda"):
+        pg._register_backend(torch.device(device_type), ProcessGroup.BackendType.CUSTOM, backend)
+    pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    return pg
