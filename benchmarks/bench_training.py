@@ -11,7 +11,8 @@ smddp.smp expert parallelism (--ep-degree consecutive ranks share a layer's expe
 all-to-all) and FSDP2 (smddp.smp.apply_hybrid_sharding); or "cp": transformers' LlamaForCausalLM of
 the same shape under smddp.smp context parallelism (--cp-degree consecutive ranks share each batch,
 each runs its part of every sequence; keys and values go round the ring, SMP's cp_comm_type "p2p",
-or with "cp-allgather" are all-gathered) and FSDP2; AdamW.
+with "cp-balanced" round the ring with each rank an early and a late chunk of every sequence
+(context_parallel_load_balance), or with "cp-allgather" are all-gathered) and FSDP2; AdamW.
 For each world size the backends run one
 after the other, in alternating rounds, and the best round of each counts (noise on a shared VM
 only ever slows a run).
@@ -45,6 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))  # netcluster
+CP_MODES = ("cp", "cp-balanced", "cp-allgather")
 
 
 def worker(args) -> None:
@@ -69,16 +71,17 @@ def worker(args) -> None:
                       per_rank=args.per_rank)
     torch.manual_seed(0)
     build = {"ep": lambda: hf_mixtral(cfg, experts=args.experts), "cp": lambda: hf_llama(cfg),
-             "cp-allgather": lambda: hf_llama(cfg)}
+             "cp-allgather": lambda: hf_llama(cfg), "cp-balanced": lambda: hf_llama(cfg)}
     model = build.get(args.parallel, lambda: TinyLlama(cfg))()
     params = sum(p.numel() for p in model.parameters())
     cp = args.cp_degree if args.parallel.startswith("cp") else 1
-    if args.parallel in ("ep", "cp", "cp-allgather"):
+    if args.parallel in ("ep",) + CP_MODES:
         import smddp.smp as tsm
 
         key, degree = ("expert_parallel_degree", args.ep_degree) if args.parallel == "ep" else \
             ("context_parallel_degree", cp)
-        tsm.init({key: degree})  # on the group started above
+        # On the group started above.
+        tsm.init({key: degree, **({"context_parallel_load_balance": True} if args.parallel == "cp-balanced" else {})})
         comm = "all_gather" if args.parallel == "cp-allgather" else "p2p"
         tsm.apply_hybrid_sharding(tsm.transform(model, cp_comm_type=comm))
     elif args.parallel == "ddp":
@@ -128,9 +131,8 @@ def worker(args) -> None:
 
     def step(i):
         x, y = batch(rank // cp, i, cfg)  # the ranks of a CP group share a batch
-        if cp > 1:  # and each gets the logits of its part of the sequences
-            part = y.shape[1] // cp
-            y = y[:, rank % cp * part:(rank % cp + 1) * part]
+        if cp > 1:  # and each gets the logits of its tokens
+            y = tsm.context_parallel_shard(y)
         out = model(x)
         logits = out if isinstance(out, torch.Tensor) else out.logits
         loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1))
@@ -158,9 +160,10 @@ def worker(args) -> None:
         local = time.perf_counter() - t0
         comm[0] = max(0.0, elapsed - local)
         dist.barrier()
-    # Every rank's figures; rank 0 reports the slowest rank's step time and the mean comm share.
-    stats = torch.tensor([elapsed, comm[0]], dtype=torch.float64)
-    gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+    # Every rank's figures; rank 0 reports the slowest rank's step time, the mean comm share and
+    # the mean final loss (with CP a rank's loss covers its own tokens, which the layout picks).
+    stats = torch.tensor([elapsed, comm[0], final_loss], dtype=torch.float64)
+    gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(gathered, stats)
     if rank == 0:
         step_s = max(float(g[0]) for g in gathered) / args.steps
@@ -169,7 +172,8 @@ def worker(args) -> None:
                                       "params": params,
                                       "step_ms": step_s * 1e3,
                                       "tokens_per_s": world // cp * cfg.per_rank * cfg.seq / step_s,
-                                      "comm_share": share, "final_loss": final_loss}), flush=True)
+                                      "comm_share": share,
+                                      "final_loss": sum(float(g[2]) for g in gathered) / world}), flush=True)
     dist.destroy_process_group()
     # Leave without running destructors: gloo's can deadlock (~ProcessGroupGloo, reached from DDP's
     # reducer with the GIL held, joins a worker thread that waits for the GIL to free a tensor) or
@@ -206,7 +210,8 @@ def main() -> None:
     p.add_argument("--parallel", default="fsdp2",
                    help="comma list of fsdp2, hsdp (FSDP2 hybrid: shard over --shard-degree consecutive ranks, "
                         "replicate across those groups), ddp, ep (a mixture-of-experts twin with expert parallelism), "
-                        "cp (context parallelism, keys and values round the ring), cp-allgather (all-gathered)")
+                        "cp (context parallelism, keys and values round the ring), cp-balanced (the ring, each "
+                        "rank an early and a late chunk: context_parallel_load_balance), cp-allgather (all-gathered)")
     p.add_argument("--shard-degree", type=int, default=0,
                    help="hsdp's shard group size (default: --per-host with --hosts, else 2)")
     p.add_argument("--ep-degree", type=int, default=2, help="ep: ranks a layer's experts are split over")
@@ -236,8 +241,8 @@ def main() -> None:
         worker(args)
         return
     parallels = args.parallel.split(",")
-    if not set(parallels) <= {"fsdp2", "hsdp", "ddp", "ep", "cp", "cp-allgather"}:
-        p.error(f"--parallel {args.parallel!r}: expected a comma list of fsdp2, hsdp, ddp, ep, cp, cp-allgather")
+    if not set(parallels) <= {"fsdp2", "hsdp", "ddp", "ep", *CP_MODES}:
+        p.error(f"--parallel {args.parallel!r}: expected a comma list of fsdp2, hsdp, ddp, ep, {', '.join(CP_MODES)}")
     args.shard_degree = args.shard_degree or (args.per_host if args.hosts else 2)
     args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}"
                         for k in ("steps", "warmup", "shard_degree", "vocab", "dim", "heads", "layers", "seq", "per_rank",
@@ -246,7 +251,7 @@ def main() -> None:
     hsdp = f" (HSDP: shards of {args.shard_degree} consecutive ranks)" if "hsdp" in parallels else ""
     if "ep" in parallels:
         hsdp += f" (EP: Mixtral twin, {args.experts} experts per layer, 2 per token, over {args.ep_degree} ranks)"
-    if {"cp", "cp-allgather"} & set(parallels):
+    if set(CP_MODES) & set(parallels):
         hsdp += f" (CP: transformers' Llama, each sequence over {args.cp_degree} ranks)"
     print(f"# {', '.join(x.upper() for x in parallels)}{hsdp} on CPU: Llama-style LM, vocab {args.vocab}, width {args.dim}, "
           f"{args.heads} heads, {args.layers} blocks, sequences of {args.seq} tokens, {args.per_rank} per rank and "
@@ -269,9 +274,9 @@ def main() -> None:
             print(f"# emulated cluster: {args.hosts} hosts x {args.per_host} rank(s){nics}, links {rate or 'unshaped'} "
                   f"(tc htb, both directions), {f'one-way delay {args.delay}' if args.delay else 'no added delay'}, "
                   f"measured TCP round trip {rtt:.2f} ms", flush=True)
-        if {"cp", "cp-allgather"} & set(parallels) and any(w % args.cp_degree or args.seq % args.cp_degree
-                                                            for w in worlds):
-            sys.exit(f"bench_training: cp needs world sizes ({worlds}) and --seq divisible by the CP degree")
+        if set(CP_MODES) & set(parallels) and any(w % args.cp_degree or args.seq % (2 * args.cp_degree)
+                                                  for w in worlds):
+            sys.exit(f"bench_training: cp needs world sizes ({worlds}) divisible by the CP degree and --seq by twice it")
         if "ep" in parallels and any(w % args.ep_degree for w in worlds):
             sys.exit(f"bench_training: ep needs world sizes ({worlds}) divisible by the EP degree {args.ep_degree}")
         if "hsdp" in parallels and any(w % args.shard_degree for w in worlds):
@@ -292,7 +297,7 @@ def main() -> None:
     sizes = ", ".join(sorted({f"{r['parallel']} {r['params'] / 1e6:.1f} M" for r in results}))
     print(f"# model: {sizes} parameters; "
           "comm share: FSDP2, HSDP, EP, CP = time in collective calls and wait() / step, "
-          "DDP = 1 - step without gradient sync (no_sync) / step")
+          "DDP = 1 - step without gradient sync (no_sync) / step; final loss: the mean of the ranks' last losses")
     print(f"{'parallel':>8}  {'world':>5}  {'backend':>8}  {'step ms':>8}  {'tokens/s':>9}  {'comm share':>10}  "
           f"{'speed-up':>8}  {'final loss':>10}")
     for r in results:

@@ -220,9 +220,7 @@ def main():
             x, y = (torch.cat(t) for t in zip(*(batch(r, step) for r in range(args.emulate_ranks))))
         else:
             x, y = batch(state.dp_rank, step)  # the ranks of a TP or CP group share their batch
-            if state.cp_size > 1:  # the logits are those of this rank's part of the sequence
-                part = y.shape[1] // state.cp_size
-                y = y[:, state.cp_rank * part:(state.cp_rank + 1) * part]
+            y = tsm.context_parallel_shard(y)  # the logits are those of this rank's tokens (all at CP 1)
         out = model(x)
         logits = out if isinstance(out, torch.Tensor) else out.logits
         loss = F.cross_entropy(logits.reshape(-1, LlamaConfig.vocab), y.reshape(-1))

@@ -198,6 +198,8 @@ SINGLE_PROCESS_CASES = {
     "cp2-tp2-resume": (4, ["--config", '{"context_parallel_degree": 2, "tensor_parallel_degree": 2}',
                            "--save-resume", "{tmp}"], 1, HF),
     "cp2-ep2": (4, ["--config", '{"context_parallel_degree": 2, "expert_parallel_degree": 2}'], 2, MOE),
+    # The script slices its targets with context_parallel_shard: each rank's two chunks.
+    "cp2-balanced": (2, ["--config", '{"context_parallel_degree": 2, "context_parallel_load_balance": true}'], 1, HF),
 }
 
 

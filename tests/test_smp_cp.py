@@ -2,7 +2,8 @@
 Hugging Face causal LMs (Llama with grouped-query attention, Mistral with and without a sliding
 window shorter than the sequence, GPT-NeoX; Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE with their
 routers' balance loss), with the ring (cp_comm_type "p2p") and the all-gather, alone, under
-hybrid sharding, with tensor parallelism and with expert parallelism, trained for a few AdamW
+hybrid sharding, with tensor parallelism and with expert parallelism, contiguous or load-balanced
+(context_parallel_load_balance), trained for a few AdamW
 steps against the same model unsplit in one process: each rank's logits (its part of the
 sequence), the loss (transformers' own, from labels), gradients and parameters equal within
 float64 tolerance. Plus rank 0's weights taken by ranks that hold others
@@ -70,19 +71,21 @@ def _model(family, overrides):
 
 def cp_task(rank, world, family, cp, hsd, overrides, opts=None):
     """opts: tp, sp (sequence parallelism), ep, comm (cp_comm_type, default "p2p"), from_rank0
-    (only rank 0 builds the right weights; transform(load_state_dict_from_rank0=True))."""
+    (only rank 0 builds the right weights; transform(load_state_dict_from_rank0=True)), balance
+    (context_parallel_load_balance: each rank runs chunks i and 2 x cp - 1 - i)."""
     from torch.distributed.tensor import DTensor
 
     from smddp.smp.context_parallel import COMM_TYPES
 
     opts = opts or {}
     tp, sequence_parallel, ep = opts.get("tp", 1), opts.get("sp", True), opts.get("ep", 1)
-    comm, from_rank0 = opts.get("comm", "p2p"), opts.get("from_rank0", False)
+    comm, from_rank0, balance = opts.get("comm", "p2p"), opts.get("from_rank0", False), opts.get("balance", False)
     rep = Report(rank)
     tag = (f"{family}{overrides or ''} cp={cp} {comm} tp={tp} sp={sequence_parallel} ep={ep} "
-           f"hybrid_shard_degree={hsd} world={world}{' from rank 0' if from_rank0 else ''}")
+           f"hybrid_shard_degree={hsd} world={world}{' from rank 0' if from_rank0 else ''}"
+           f"{' load-balanced' if balance else ''}")
     st = tsm.init({"context_parallel_degree": cp, "tensor_parallel_degree": tp, "expert_parallel_degree": ep,
-                   "hybrid_shard_degree": hsd, "random_seed": 17})
+                   "hybrid_shard_degree": hsd, "random_seed": 17, "context_parallel_load_balance": balance})
     # Rank = (batch, cp, tp) in row-major order: a CP group holds one TP part of consecutive TP groups.
     rep.expect((st.cp_size, st.cp_rank, st.tp_rank, st.dp_size, st.dp_rank) ==
                (cp, rank // tp % cp, rank % tp, world // (cp * tp), rank // (cp * tp)), f"{tag}: state {st}")
@@ -105,7 +108,14 @@ def cp_task(rank, world, family, cp, hsd, overrides, opts=None):
                f"{tag}: the experts are {'not ' if ep > 1 else ''}split over EP ranks")
     tsm.apply_hybrid_sharding(model)  # FSDP2 averages the gradients over every rank, CP ranks included
     rows = slice(st.dp_rank * PER_DP_RANK, (st.dp_rank + 1) * PER_DP_RANK)
-    mine = slice(st.cp_rank * SEQ // cp, (st.cp_rank + 1) * SEQ // cp)
+    if balance:  # chunks i and 2 cp - 1 - i of 2 cp
+        size = SEQ // (2 * cp)
+        mine = [*range(st.cp_rank * size, (st.cp_rank + 1) * size),
+                *range((2 * cp - 1 - st.cp_rank) * size, (2 * cp - st.cp_rank) * size)]
+    else:
+        mine = list(range(st.cp_rank * SEQ // cp, (st.cp_rank + 1) * SEQ // cp))
+    shard = tsm.context_parallel_shard(torch.arange(SEQ)[None]).flatten().tolist()
+    rep.expect(shard == mine, f"{tag}: context_parallel_shard gives tokens {shard}, expected {mine}")
     batches = _batches(family, st.dp_size, model.config.vocab_size)
     aux, ref_aux = [], []
 
@@ -176,6 +186,30 @@ def test_cp_with_ep_matches_single_process(pools, family, cp, ep, overrides, hos
     pools.check(4, cp_task, family, cp, 0, overrides, {"ep": ep}, hosts=hosts, timeout=300)
 
 
+@pytest.mark.parametrize("family, overrides, opts", [
+    ("llama", None, {}),
+    ("llama", None, {"comm": "all_gather"}),
+    ("mistral", {"sliding_window": 5}, {}),  # chunks of 4 tokens: the window spans two
+    ("gpt_neox", None, {}),
+    ("mixtral", {"output_router_logits": True}, {}),
+])
+def test_cp2_load_balanced_matches_single_process(pools, family, overrides, opts):
+    """context_parallel_load_balance: rank 0 runs chunks 0 and 3 of 4, rank 1 chunks 1 and 2."""
+    pools.check(2, cp_task, family, 2, 0, overrides, dict(opts, balance=True), timeout=300)
+
+
+@pytest.mark.parametrize("family, overrides, cp, hosts, opts", [
+    ("llama", None, 4, None, {}),        # chunks of 2 tokens: rank 3 runs chunks 3 and 4
+    ("llama", None, 4, None, {"comm": "all_gather"}),
+    ("mistral", {"sliding_window": 5}, 4, None, {}),  # the window spans three chunks; the rest is skipped
+    ("llama", None, 2, None, {"tp": 2}),
+    ("mixtral", {"output_router_logits": True}, 4, None, {"ep": 2}),
+    ("llama", None, 4, "0101", {}),      # the ring crosses the TCP mesh
+])
+def test_cp_load_balanced_on_4_ranks_matches_single_process(pools, family, overrides, cp, hosts, opts):
+    pools.check(4, cp_task, family, cp, 0, overrides, dict(opts, balance=True), hosts=hosts, timeout=300)
+
+
 def refusals_task(rank, world):
     rep = Report(rank)
     tsm.init({"context_parallel_degree": 2, "random_seed": 3})
@@ -209,6 +243,13 @@ def refusals_task(rank, world):
              NotImplementedError, "takes input_ids")
     _refused(rep, "cache", lambda: model(tokens, use_cache=True), NotImplementedError, "no key/value cache")
     rep.expect(model(tokens, use_cache=False).logits.shape[1] == SEQ // 2, "use_cache=False: not this rank's half")
+    tsm.init({"context_parallel_degree": 2, "random_seed": 3, "context_parallel_load_balance": True})
+    balanced = tsm.transform(_build("llama")[0])
+    for what, call in (("model", lambda: balanced(tokens[:, :SEQ - 2])),
+                       ("context_parallel_shard", lambda: tsm.context_parallel_shard(tokens[:, :SEQ - 2]))):
+        _refused(rep, f"load-balanced {what}, length not a multiple of 4", call, ValueError,
+                 f"sequences of {SEQ - 2} tokens do not split over context_parallel_degree=2 in 2 x degree chunks "
+                 "(context_parallel_load_balance); pad them to a multiple of 4")
     return rep.to_dict()
 
 

@@ -42,7 +42,7 @@ import torch.nn as nn
 
 __all__ = ["CONFIG_KEYS", "SMPConfig", "init", "state", "apply_hybrid_sharding", "validate", "materialize",
            "save_checkpoint", "load_checkpoint", "apply_activation_checkpointing", "apply_activation_offloading",
-           "ActivationOffloader", "transform"]
+           "ActivationOffloader", "transform", "context_parallel_shard"]
 
 # key -> (default, meaning); the README's table is this dict.
 CONFIG_KEYS = {
@@ -61,6 +61,11 @@ CONFIG_KEYS = {
                                    "transform(cp_comm_type='all_gather')); the ranks of a CP group see the same "
                                    "batch; at most hybrid_shard_degree; combinable with tensor or expert "
                                    "parallelism"),
+    "context_parallel_load_balance": (False, "with context_parallel_degree > 1, each rank runs two chunks of a "
+                                             "sequence (chunks i and 2 x degree - 1 - i), one early and one late, "
+                                             "instead of its contiguous part, so that every rank does as much "
+                                             "causal attention; the logits come in that order: slice your own "
+                                             "targets with context_parallel_shard()"),
     "random_seed": (None, "base seed: torch.manual_seed(random_seed) on every rank at init, so a model built "
                           "afterwards is the same on every rank (transform() requires that within a TP or EP group)"),
     "sm_activation_offloading": (True, "offload blocks' saved activations to host memory with prefetch "
@@ -77,6 +82,7 @@ class SMPConfig:
     tensor_parallel_degree: int = 1
     expert_parallel_degree: int = 1
     context_parallel_degree: int = 1
+    context_parallel_load_balance: bool = False
     random_seed: int | None = None
     sm_activation_offloading: bool = True
     activation_loading_horizon: int = 2
@@ -263,6 +269,22 @@ def transform(model, device=None, dtype=None, config=None, load_state_dict_from_
     if device is not None or dtype is not None:
         model = model.to(device=device, dtype=dtype)
     return model
+
+
+def context_parallel_shard(tensor, dim=1):
+    """This rank's tokens of `tensor` ([batch, sequence, ...] by default; `dim` is the sequence
+    dimension), in the order a context-parallel model returns its logits: its contiguous part of
+    the sequence, or with context_parallel_load_balance its two chunks. For scripts that compute
+    their own loss from the full targets. `tensor` itself at context_parallel_degree 1."""
+    if not state.initialized:
+        raise RuntimeError("smddp.smp: call smddp.smp.init() before context_parallel_shard()")
+    if state.cp_size == 1:
+        return tensor
+    from .context_parallel import local_tokens
+
+    tokens = local_tokens(tensor.shape[dim], state.cp_size, state.cp_rank,
+                          state.config.context_parallel_load_balance)
+    return tensor.index_select(dim, tokens.to(tensor.device))
 
 
 def _take_rank0_state(model):

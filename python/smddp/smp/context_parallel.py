@@ -38,6 +38,8 @@ the ranks' gradients gives exactly its gradient.
 import torch
 import torch.nn.functional as F
 
+from .ring_attention import positions
+
 ATTENTION = "smddp_context_parallel"          # cp_comm_type "all_gather"
 ATTENTION_RING = "smddp_context_parallel_ring"  # cp_comm_type "p2p"
 COMM_TYPES = {"p2p": ATTENTION_RING, "all_gather": ATTENTION}
@@ -78,14 +80,15 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     values: query [batch, heads, local tokens, dim], key / value [batch, kv heads, local tokens, dim]."""
     from . import state
 
-    group, rank = state.cp_group, state.cp_rank
+    group, rank, degree, balanced = state.cp_group, state.cp_rank, state.cp_size, _balanced()
     keys, values = _GatherSequence.apply(key, group), _GatherSequence.apply(value, group)
     if keys.shape[1] != query.shape[1]:  # grouped-query attention
         repeat = query.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
     local = query.shape[2]
-    q_pos = torch.arange(rank * local, (rank + 1) * local, device=query.device)[:, None]
-    k_pos = torch.arange(keys.shape[2], device=query.device)[None, :]
+    q_pos = positions(rank, degree, local, balanced, query.device)[:, None]
+    # The gathered keys: every rank's tokens in rank order.
+    k_pos = torch.cat([positions(r, degree, local, balanced, query.device) for r in range(degree)])[None, :]
     mask = k_pos <= q_pos  # True: attend
     if sliding_window is not None:
         mask &= q_pos - k_pos < sliding_window
@@ -104,8 +107,26 @@ def _ring_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         raise NotImplementedError("smddp.smp: attention dropout with cp_comm_type='p2p' is not supported; use "
                                   "cp_comm_type='all_gather' or an attention_dropout of 0")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = RingAttention.apply(query, key, value, state.cp_group, scale, sliding_window)
+    out = RingAttention.apply(query, key, value, state.cp_group, scale, sliding_window, _balanced())
     return out.transpose(1, 2).contiguous(), None
+
+
+def _balanced():
+    from . import state
+
+    return state.config.context_parallel_load_balance
+
+
+def local_tokens(length, degree, rank, balanced):
+    """The positions of a sequence of `length` tokens that CP rank `rank` of `degree` runs, in the
+    order its logits come: its contiguous part, or with load balancing two chunks of length /
+    (2 degree) (see ring_attention.chunks). ValueError where the length does not split so."""
+    pieces = 2 * degree if balanced else degree
+    if length % pieces:
+        raise ValueError(f"smddp.smp: sequences of {length} tokens do not split over context_parallel_degree={degree}"
+                         f"{' in 2 x degree chunks (context_parallel_load_balance)' if balanced else ''}; pad them "
+                         f"to a multiple of {pieces}")
+    return positions(rank, degree, length // degree, balanced)
 
 
 def _register():
@@ -162,10 +183,7 @@ def _split_forward(model, degree, rank):
         if kwargs.get("past_key_values") is not None or kwargs.pop("use_cache", None):
             raise NotImplementedError("smddp.smp: context parallelism is for training: no key/value cache")
         length = input_ids.shape[1]
-        if length % degree:
-            raise ValueError(f"smddp.smp: sequences of {length} tokens do not split over "
-                             f"context_parallel_degree={degree}; pad them to a multiple of it")
-        mine = slice(rank * length // degree, (rank + 1) * length // degree)
+        mine = local_tokens(length, degree, rank, _balanced()).to(input_ids.device)
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
         out = forward(input_ids=input_ids[:, mine], position_ids=position_ids[:, mine], use_cache=False, **kwargs)
