@@ -52,6 +52,10 @@ if mode == "p2p":  # ranks 0 and 2 (other hosts with hosts="0011") stream messag
     op = (lambda: dist.recv(t, 2)) if rank == 0 else (lambda: dist.send(t, 0))
 if mode == "p2p_idle":  # rank 0 blocks in a recv whose sender never comes
     op = lambda: dist.recv(t, 1)
+if mode == "p2p_deadlock":  # ranks 0 and 1 each receive from the other before sending
+    op = lambda: dist.recv(t, 1 - rank)
+if mode == "p2p_vs_collective":  # rank 0 receives from rank 1, which waits in an all_reduce
+    op = (lambda: dist.recv(t, 1)) if rank == 0 else (lambda: dist.all_reduce(t))
 if mode == "oom":  # rank 1 cannot allocate what a non-root rank of a reduce across hosts needs
     big = torch.ones(16 << 20)
     op = lambda: dist.reduce(big, 0)
@@ -75,7 +79,7 @@ except Exception as e:
     print(f"ERROR after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
     if mode.startswith("oom") and rank == 1:
         time.sleep(10)  # keeps its group: its peer must hear of the failure from the op itself
-    if mode == "crossed":
+    if mode in ("crossed", "p2p_deadlock", "p2p_vs_collective"):
         time.sleep(3)  # every rank ends by its own timeout, not by a peer's exit
     # What a survivor leaves behind once it has given up on the group.
     dist.destroy_process_group()
@@ -287,7 +291,8 @@ def test_timeout_says_where_the_waited_for_ranks_stand():
     procs[1].communicate()
     for out in outs:
         assert "DistBackendError" in out and "where the ranks it waited for stand" in out, out[-2000:]
-    assert "rank 1 has not waited in any collective of this group (busy elsewhere" in outs[0], outs[0][-2000:]
+    assert "rank 1 has not waited in any collective of this group, nor in a point-to-point op (busy elsewhere" \
+        in outs[0], outs[0][-2000:]
     assert re.search(r"rank 0 waits in allreduce #\d+ \(float32, sum\)", outs[1]), outs[1][-2000:]
 
 
@@ -304,7 +309,8 @@ def test_timeout_tells_a_past_wait_from_a_current_one():
     procs[1].kill()
     procs[1].communicate()
     assert re.search(r"rank 1 last waited in allreduce #2 \(float32, sum\) \d+ s ago and is not waiting in a "
-                     r"collective of this group now \(busy elsewhere", outs[0]), outs[0][-2000:]
+                     r"collective of this group now, nor in a point-to-point op \(busy elsewhere", outs[0]), \
+        outs[0][-2000:]
 
 
 @pytest.mark.timeout(120)
@@ -319,8 +325,8 @@ def test_timeout_of_crossed_groups_names_ranks_busy_elsewhere():
     outs = _finish(procs, 40)
     for r, other in ((0, 1), (1, 0), (2, 1)):
         assert "DistBackendError" in outs[r], outs[r][-2000:]
-        assert f"rank {other} has not waited in any collective of this group (busy elsewhere: computing, " \
-               "another group's op" in outs[r], f"rank {r}:\n{outs[r][-2000:]}"
+        assert f"rank {other} has not waited in any collective of this group, nor in a point-to-point op (busy " \
+               "elsewhere: computing, another group's op" in outs[r], f"rank {r}:\n{outs[r][-2000:]}"
 
 
 @pytest.mark.timeout(120)
@@ -456,5 +462,34 @@ def test_recv_without_sender_times_out(hosts):
     procs[1].communicate()
     assert procs[0].returncode == 3, f"rank 0: exit {procs[0].returncode}\n{out[-2000:]}"
     assert "recv from rank 1" in out and "timed out: no matching send was posted" in out, out[-2000:]
+    assert "where rank 1 stands (its latest posts in the group's store): rank 1 has not waited in any collective " \
+           "of this group, nor in a point-to-point op (busy elsewhere" in out, out[-2000:]
     assert "backend threads left: 0" in out, out[-2000:]
     assert elapsed < 10, f"a timeout of 3 s took {elapsed:.1f}s to surface"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", ["01", None], ids=["across-hosts", "one-host"])
+def test_p2p_timeouts_say_where_the_peer_waits(hosts):
+    """Two point-to-point hangs, each side named by the other from what stalled ops post in the
+    group's store (SMDDP_DESYNC_CHECK_MS=1000, timeout 6 s): ranks 0 and 1 each receive from the
+    other first (a pipeline deadlock); rank 0 receives from rank 1, which waits in an all_reduce."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(2, "p2p_deadlock", 6, hosts=hosts, SMDDP_DESYNC_CHECK_MS="1000")
+    _wait_ready(procs)
+    outs = _finish(procs, 30)
+    for r in (0, 1):
+        peer = 1 - r
+        assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{outs[r][-2000:]}"
+        assert f"recv from rank {peer} (tag 0, 262144 bytes) timed out" in outs[r], outs[r][-2000:]
+        assert f"where rank {peer} stands (its latest posts in the group's store): rank {peer} waits in recv from " \
+               f"rank {r} (tag 0, 262144 bytes) (point-to-point)" in outs[r], outs[r][-2000:]
+    procs = _job(2, "p2p_vs_collective", 6, hosts=hosts, SMDDP_DESYNC_CHECK_MS="1000")
+    _wait_ready(procs)
+    outs = _finish(procs, 30)
+    assert procs[0].returncode == 3 and procs[1].returncode == 3, "\n".join(outs)
+    assert "recv from rank 1 (tag 0, 262144 bytes) timed out" in outs[0], outs[0][-2000:]
+    assert "rank 1 waits in allreduce #2 (float32, sum)" in outs[0], outs[0][-2000:]
+    assert "allreduce #2" in outs[1] and "rank 0 waits in recv from rank 1 (tag 0, 262144 bytes) " \
+           "(point-to-point)" in outs[1], outs[1][-2000:]

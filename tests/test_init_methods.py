@@ -82,6 +82,40 @@ def test_sagemaker_alias_import():
     _run(f"tcp://127.0.0.1:{free_port()}", "smddp.torch_smddp")
 
 
+MISSING_CHILD = r"""
+import datetime, sys, time, torch.distributed as dist
+import smddp
+rank, world, url = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+t0 = time.monotonic()
+try:
+    dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=4))
+    print("joined", flush=True)
+except Exception as e:
+    print(f"failed after {time.monotonic() - t0:.1f}s: {type(e).__name__}: {e}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("missing", [2, 0])
+def test_a_rank_that_never_comes_is_named_by_every_rank(missing, tmp_path):
+    """World 4 over a file store, one rank never started (a node that failed to launch, a wrong
+    world size): every started rank fails at the timeout naming it, rather than a store key
+    (before, only rank 0 knew whom it waited for; a tcp:// store's own start-up wait reports it
+    before smddp runs)."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    ranks = [r for r in range(4) if r != missing]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argvs = [[sys.executable, "-c", MISSING_CHILD, str(r), "4", f"file://{tmp_path}/store"] for r in ranks]
+    procs, outs = _run_ranks(argvs, [env] * len(ranks), 60)
+    for r, out in zip(ranks, outs):
+        assert "failed after" in out and "DistBackendError" in out, f"rank {r}:\n{out[-3000:]}"
+        named = "rank 0 never answered this rank's arrival" if missing == 0 else \
+            f"rank(s) {missing} did not reach the group's set-up"
+        assert named in out, f"rank {r}:\n{out[-3000:]}"
+        assert 3 < float(out.split("failed after ")[1].split("s:")[0]) < 20, out
+
+
 # A store that outlives the processes, as torchrun's (shared with its rendezvous since torch 2.5,
 # and not cleared between restarts): the keys a group set itself up with are still there when the
 # restarted ranks build the group again under the same names. Ranks that arrive late would then

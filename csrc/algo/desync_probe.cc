@@ -12,6 +12,7 @@ namespace smddp::algo {
 namespace {
 
 std::string keyOf(int rank) { return "smddp/desync/at/" + std::to_string(rank); }
+std::string p2pKeyOf(int rank) { return "smddp/desync/p2p/" + std::to_string(rank); }
 
 // Wall-clock milliseconds: a post's age is read on another host (clocks kept in step by NTP are
 // close enough for ages counted in probe intervals, seconds).
@@ -25,7 +26,53 @@ std::string position(uint64_t seq, uint64_t signature) {
   return std::to_string(seq) + " " + std::to_string(signature) + " " + std::to_string(wallMs());
 }
 
+// A post is fresh while its rank may still be waiting there: a stalled rank re-posts every
+// interval; allow two and some slack for a busy store.
+bool fresh(long long postedMs, std::chrono::milliseconds interval) {
+  return wallMs() - postedMs <= 2 * interval.count() + 1000;
+}
+
+// "rank 1 waits in allreduce #2 (float32, sum)", "... in recv from rank 0 (tag 3, 16 bytes)", or
+// "... has not waited in any op of this group (busy elsewhere: ...)", from its latest posts;
+// `mySeq`: this rank's op number, 0 outside a collective. Throws what the store throws.
+std::string describeRank(Store& store, int p, uint64_t mySeq, std::chrono::milliseconds interval) {
+  unsigned long long seq = 0, signature = 0;
+  long long postedMs = 0;
+  const int fields = std::sscanf(store.get(keyOf(p)).c_str(), "%llu %llu %lld", &seq, &signature, &postedMs);
+  std::string out = "rank " + std::to_string(p);
+  if (fields == 3 && seq != 0 && fresh(postedMs, interval)) {
+    out += " waits in " + OpSignature::unpack(signature).describe(seq);
+    if (mySeq != 0 && seq != mySeq) out += " (this rank is at #" + std::to_string(mySeq) + ")";
+    return out;
+  }
+  if (store.check(p2pKeyOf(p))) {
+    const std::string post = store.get(p2pKeyOf(p));
+    const size_t space = post.find(' ');
+    if (space != std::string::npos && fresh(std::atoll(post.c_str()), interval)) {
+      return out + " waits in " + post.substr(space + 1) + " (point-to-point)";
+    }
+  }
+  out += fields < 3 || seq == 0 ? std::string(" has not waited in any collective of this group")
+                                : " last waited in " + OpSignature::unpack(signature).describe(seq) + " " +
+                                      std::to_string((wallMs() - postedMs) / 1000) +
+                                      " s ago and is not waiting in a collective of this group now";
+  return out + ", nor in a point-to-point op (busy elsewhere: computing, another group's op, or blocked outside smddp)";
+}
+
 }  // namespace
+
+void DesyncProbe::postP2p(Store& store, int rank, const std::string& what) {
+  store.set(p2pKeyOf(rank), std::to_string(wallMs()) + " " + what);
+}
+
+std::string DesyncProbe::whereIs(Store& store, int peer, std::chrono::milliseconds interval) {
+  try {
+    return "; where rank " + std::to_string(peer) + " stands (its latest posts in the group's store): " +
+           describeRank(store, peer, 0, interval);
+  } catch (const Error&) {
+    return {};
+  }
+}
 
 void DesyncProbe::announce(Store& store, int rank) { store.set(keyOf(rank), position(0, 0)); }
 
@@ -75,28 +122,11 @@ void DesyncProbe::stalled(std::chrono::steady_clock::time_point since,
 
 std::string DesyncProbe::report() {
   if (off_ || waited_.empty()) return {};
-  // A rank still stalled re-posts every interval; allow two and some slack for a busy store.
-  const long long fresh = 2 * interval_.count() + 1000;
   std::string out = "; where the ranks it waited for stand (their latest posts in the group's store): ";
   constexpr size_t kMaxReported = 8;
   try {
     for (size_t i = 0; i < waited_.size() && i < kMaxReported; ++i) {
-      const int p = waited_[i];
-      unsigned long long seq = 0, signature = 0;
-      long long postedMs = 0;
-      const int fields = std::sscanf(store_.get(keyOf(p)).c_str(), "%llu %llu %lld", &seq, &signature, &postedMs);
-      const long long age = wallMs() - postedMs;
-      out += (i ? "; rank " : "rank ") + std::to_string(p);
-      if (fields == 3 && seq != 0 && age <= fresh) {
-        out += " waits in " + OpSignature::unpack(signature).describe(seq);
-        if (seq != seq_) out += " (this rank is at #" + std::to_string(seq_) + ")";
-        continue;
-      }
-      out += fields < 3 || seq == 0 ? std::string(" has not waited in any collective of this group")
-                                    : " last waited in " + OpSignature::unpack(signature).describe(seq) + " " +
-                                          std::to_string(age / 1000) +
-                                          " s ago and is not waiting in a collective of this group now";
-      out += " (busy elsewhere: computing, another group's op, or blocked outside smddp)";
+      out += (i ? "; " : "") + describeRank(store_, waited_[i], seq_, interval_);
     }
   } catch (const Error&) {
     return {};

@@ -16,9 +16,10 @@
 // probe off for the op: the wait then ends as it would without it.
 //
 // When the op times out, report() says where those ranks stand by their latest posts: waiting in
-// which collective (a rank stalled in a collective re-posts every interval), or not waiting in
-// any collective of this group (busy elsewhere: computing, another group, a hang outside smddp),
-// which the timeout alone cannot tell apart.
+// which collective (a rank stalled in a collective re-posts every interval) or point-to-point op
+// (its p2p engines post theirs alike), or in none of this group's (busy elsewhere: computing,
+// another group, a hang outside smddp), which the timeout alone cannot tell apart. A
+// point-to-point op that times out says the same of its peer (whereIs).
 #pragma once
 
 #include <chrono>
@@ -46,6 +47,14 @@ class DesyncProbe : public shm::StallProbe {
   // After a timeout: "; where the ranks it waited for stand: ..." for up to 8 of the ranks of the
   // last look, read from the store now; empty when the probe never looked or the store fails.
   std::string report();
+
+  // Point-to-point: `rank` waits in `what` ("recv from rank 0 (tag 3, 16 bytes)"), posted by its
+  // p2p engines while an op has waited an interval or more (engine::StallBoard).
+  static void postP2p(Store& store, int rank, const std::string& what);
+  // For a point-to-point op that timed out: "; where rank 1 stands (...): rank 1 waits in recv
+  // from rank 0 (tag 3, 16 bytes)", a collective, or in none of the group's ops; "" when the
+  // store cannot say. `interval`: how often a stalled rank re-posts (what counts as fresh).
+  static std::string whereIs(Store& store, int peer, std::chrono::milliseconds interval);
 
  private:
   Store& store_;

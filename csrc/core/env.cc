@@ -136,7 +136,9 @@ constexpr Param kParams[] = {
      "where it is (op number and collective) in the group's store and reads where the ranks it waits "
      "for are: one at the same op number running another collective (a broadcast against a gather, "
      "say, which no message between them shows) fails every rank then, naming both, instead of at "
-     "the group's timeout. Checked again at this interval while the wait lasts; 0 turns it off."},
+     "the group's timeout. Checked again at this interval while the wait lasts. A send or recv that "
+     "has waited this long posts where it waits likewise, for its peers' timeout messages; 0 turns "
+     "both off."},
     {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, NET, ENV or ALL; ^ inverts."},
 };
 

@@ -42,17 +42,18 @@ void BootstrapStore::publishFailure(const std::vector<std::string>& keys, int ra
 }
 
 namespace {
-// The store's own timeout on a key some rank never wrote, said as what it means here.
-template <class Fn>
-std::string awaitRank(Fn&& get, const char* fmt, int rank) {
+bool isTimeout(const Error& e) { return e.code() == ErrorCode::kTimeout; }
+// In the group's namespace: the ranks rank 0 has not heard from yet, as a list ("" once all came).
+constexpr char kNotArrivedKey[] = "smddp/not-arrived";
+}  // namespace
+
+std::string ranksNotArrived(Store& groupStore) {
   try {
-    return get();
-  } catch (const Error& e) {
-    if (e.code() != ErrorCode::kTimeout) throw;
-    throwError(ErrorCode::kTimeout, "%s (%s)", formatString(fmt, rank).c_str(), e.what());
+    return groupStore.check(kNotArrivedKey) ? groupStore.get(kNotArrivedKey) : "";
+  } catch (const Error&) {  // the store is gone: nothing to add
+    return "";
   }
 }
-}  // namespace
 
 std::string freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout) {
   auto ticketKey = [](int r) { return "smddp/ticket/" + std::to_string(r); };
@@ -61,10 +62,16 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
   if (rank != 0) {
     const std::string ticket = randomHex(8);
     store.set(ticketKey(rank), ticket);
-    const std::string ns = awaitRank([&] { return store.get(answerKey(ticket)); },
-                                     "rank %d of the group never answered this rank's arrival: it did not reach the "
-                                     "group's set-up within the timeout",
-                                     0);
+    std::string ns;
+    try {
+      ns = store.get(answerKey(ticket));
+    } catch (const Error& e) {
+      if (!isTimeout(e)) throw;
+      throwError(ErrorCode::kTimeout,
+                 "rank 0 never answered this rank's arrival: it did not reach the group's set-up within the timeout "
+                 "(%s)",
+                 e.what());
+    }
     store.set(confirmKey(ns, rank), "1");
     return ns + "/";
   }
@@ -72,29 +79,45 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
   std::vector<std::string> answered(size);  // the ticket each rank was last answered for
   std::vector<int> pending;
   for (int r = 1; r < size; ++r) pending.push_back(r);
+  auto rankList = [](const std::vector<int>& ranks) {
+    std::string out;
+    for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+    return out;
+  };
+  std::string waiting;  // the ranks not come yet, as last published under waitingKey
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::milliseconds(1);
-  while (!pending.empty()) {
+  while (true) {
+    // Polled, not waited for in rank order: every rank that has come is answered, whoever is late.
+    std::vector<int> absent;
     for (int r : pending) {
-      // Blocks until rank r has come at least once.
-      std::string ticket = awaitRank([&] { return store.get(ticketKey(r)); },
-                                     "rank %d did not reach the group's set-up within the timeout", r);
+      if (!store.check(ticketKey(r))) {
+        absent.push_back(r);
+        continue;
+      }
+      const std::string ticket = store.get(ticketKey(r));
       if (ticket != answered[r]) {
         store.set(answerKey(ticket), ns);
         answered[r] = ticket;
       }
+    }
+    if (rankList(absent) != waiting) {
+      waiting = rankList(absent);
+      store.set(ns + "/" + kNotArrivedKey, waiting);
     }
     pending.erase(std::remove_if(pending.begin(), pending.end(),
                                  [&](int r) { return store.check(confirmKey(ns, r)); }),
                   pending.end());
     if (pending.empty()) break;
     if (std::chrono::steady_clock::now() > deadline) {
-      std::string ranks;
-      for (int r : pending) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      if (!absent.empty()) {
+        throwError(ErrorCode::kTimeout, "rank(s) %s did not reach the group's set-up within %lld ms",
+                   waiting.c_str(), static_cast<long long>(timeout.count()));
+      }
       throwError(ErrorCode::kTimeout,
                  "rank(s) %s did not join the group's set-up within %lld ms (the ticket the store holds for them "
                  "may be left from an earlier run over the same store, by ranks since gone)",
-                 ranks.c_str(), static_cast<long long>(timeout.count()));
+                 rankList(pending).c_str(), static_cast<long long>(timeout.count()));
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(20));

@@ -51,7 +51,14 @@ class PrefixStore : public Store {
 // waits for the key named after the ticket, which only a rank 0 that read this ticket can have
 // written. Rank 0 cannot tell a fresh ticket from a dead rank's, so it answers what it reads,
 // re-reads the tickets of the ranks that have not confirmed, and answers again when one changes.
+// Rank 0 polls the tickets, so every rank that has come is answered whoever is late, and
+// publishes the ranks it has not heard from in the new namespace (ranksNotArrived).
 std::string freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout);
+
+// The ranks rank 0 had not heard from at its latest look ("2, 5"), read from a group's namespace
+// (freshNamespace's prefix); "" when it heard from all or the store cannot say. A rank whose
+// set-up times out on a later key names them: they are why the key never came.
+std::string ranksNotArrived(Store& groupStore);
 
 // The store as a group's set-up uses it. A rank whose set-up fails publishes its error under the
 // keys its peers may still wait for (publishFailure), and get() turns such a value into that

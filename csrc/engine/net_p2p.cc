@@ -703,7 +703,7 @@ void NetP2p::checkDeadlines() {
       const std::string why =
           describeOp(*late, p->rank) + " timed out: " +
           (late->isSend ? "no matching recv was posted" : recvTimeoutReason(p->unexpected, p->rank)) +
-          (p->ready() ? "" : " (the connection to that rank was never completed)");
+          (p->ready() ? "" : " (the connection to that rank was never completed)") + board_.where(p->rank);
       P2pOp op = std::move(*late);
       q->erase(late);
       complete(std::move(op), errorOf(ErrorCode::kTimeout, why), p->rank);
@@ -721,6 +721,21 @@ void NetP2p::checkDeadlines() {
     }
     complete(std::move(op), errorOf(ErrorCode::kTimeout, why), -1);
   }
+  // The oldest op still waiting, for the peers' timeout messages.
+  const P2pOp* oldest = anyRecvs_.empty() ? nullptr : &anyRecvs_.front();
+  int oldestPeer = -1;
+  for (const auto& p : peers_) {
+    if (!p) continue;
+    for (const auto* q : {&p->sends, &p->recvs}) {
+      for (const P2pOp& op : *q) {
+        if (op.into == nullptr && (oldest == nullptr || op.posted < oldest->posted)) {
+          oldest = &op;
+          oldestPeer = p->rank;
+        }
+      }
+    }
+  }
+  board_.watch(oldest, oldestPeer, now);
 }
 
 bool NetP2p::anyPending() const {

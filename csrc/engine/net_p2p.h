@@ -73,6 +73,8 @@ class NetP2p : public P2pDriver {
   // driveUntil() returns at once (a Work may still hold the engine).
   void shutdown();
   int connections() const { return connections_.load(); }  // open lanes, all peers
+  // Before the first op: where stalled ops are posted and peers looked up (StallBoard).
+  void setStallBoard(StallBoard board) { board_ = std::move(board); }
 
  private:
   struct Lane;
@@ -147,6 +149,7 @@ class NetP2p : public P2pDriver {
   // Touched by the thread, and by submit() on the caller's thread when the thread is not making a
   // pass; the thread's poll() runs without the lock.
   std::mutex stateMutex_;
+  StallBoard board_;  // under stateMutex_
   // Counts changes to the set of sockets (dialled, closed, accepted, introduced) and passes over
   // poll() results: a poll whose set was built at an older count has stale results, ignored.
   uint64_t fdGeneration_ = 0;

@@ -366,6 +366,7 @@ void P2pEngine::checkDeadlinesAndPeers() {
     for (int s = 0; !dead && peer < 0 && s < size_; ++s) {  // a receive from any source: every sender's
       why += unexpectedSummary(unexpected_[s], domain_->groupRank(s));
     }
+    if (!dead && peer >= 0) why += board_.where(domain_->groupRank(peer));
     complete(std::move(op), errorOf(dead ? ErrorCode::kRemoteError : ErrorCode::kTimeout, why), peer);
     // Part of a message may have moved: the stream can no longer be trusted.
     if (peer >= 0) breakPair(peer, "an earlier point-to-point failure with rank " + who + ": " + why);
@@ -375,6 +376,23 @@ void P2pEngine::checkDeadlinesAndPeers() {
     expire(recvs_[p], p);
   }
   expire(anyRecvs_, -1);
+  // The oldest op still waiting, for the peers' timeout messages.
+  const P2pOp* oldest = nullptr;
+  int oldestPeer = -1;
+  auto consider = [&](const std::deque<P2pOp>& q, int peer) {
+    for (const P2pOp& op : q) {
+      if (op.into == nullptr && (oldest == nullptr || op.posted < oldest->posted)) {
+        oldest = &op;
+        oldestPeer = peer >= 0 ? domain_->groupRank(peer) : -1;
+      }
+    }
+  };
+  for (int p = 0; p < size_; ++p) {
+    consider(sends_[p], p);
+    consider(recvs_[p], p);
+  }
+  consider(anyRecvs_, -1);
+  board_.watch(oldest, oldestPeer, now);
 }
 
 P2pEngine::Pass P2pEngine::pass(bool tryOnly) {

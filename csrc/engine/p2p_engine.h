@@ -62,6 +62,8 @@ class P2pEngine : public P2pDriver {
   // abort(), then joins the thread and waits for every driveUntil() to return; afterwards the
   // engine touches its domain no more (a Work may still hold it and call driveUntil).
   void shutdown();
+  // Before the first op: where stalled ops are posted and peers looked up (StallBoard).
+  void setStallBoard(StallBoard board) { board_ = std::move(board); }
 
  private:
   struct Completion {
@@ -125,6 +127,7 @@ class P2pEngine : public P2pDriver {
   std::vector<std::deque<P2pOp>> recvs_;  // per source, in issue order
   std::deque<P2pOp> anyRecvs_;
   std::vector<UnexpectedQueue> unexpected_;  // per source
+  StallBoard board_;                         // under progressMutex_
   std::vector<uint64_t> sendNext_;  // next chunk index of the stream to each peer
   std::vector<uint64_t> recvNext_;  // next chunk index of the stream from each peer
   std::vector<std::string> broken_;  // per peer: why the stream can no longer be trusted

@@ -47,6 +47,13 @@ std::string describeOp(const P2pOp& op, int peerRank) {
          (op.peer >= 0 ? " rank " + std::to_string(peerRank) : std::string(" any rank")) + what;
 }
 
+void StallBoard::watch(const P2pOp* oldest, int peerRank, std::chrono::steady_clock::time_point now) {
+  if (!post || interval.count() <= 0 || oldest == nullptr) return;
+  if (now - oldest->posted < interval || now - lastPost_ < interval) return;
+  lastPost_ = now;
+  post(describeOp(*oldest, peerRank));
+}
+
 std::string sizeMismatchMessage(int peer, int tag, size_t bytes, uint64_t sentBytes) {
   return formatString("recv from rank %d (tag %d, %zu bytes): the message from rank %d with that tag has %llu bytes; "
                       "a recv must take a message of exactly its size",

@@ -51,6 +51,7 @@ struct P2pOp {
   uint8_t* buffer = nullptr;
   size_t bytes = 0;
   std::chrono::steady_clock::time_point deadline;
+  std::chrono::steady_clock::time_point posted;  // when the caller issued it
   // Called once on the p2p thread: the error (or null) and the rank the message came from.
   std::function<void(std::exception_ptr, int)> done;
   // A receive from any source in a group that spans hosts is posted to both engines (host-mates
@@ -109,6 +110,24 @@ std::string recvTimeoutReason(const UnexpectedQueue& q, int peerRank);
 
 // Whether `q` holds a message with `tag` (a message with that tag that comes now goes behind it).
 bool hasUnexpected(const UnexpectedQueue& q, int tag);
+
+// Where point-to-point waits stand, in both directions: an engine posts its oldest op once that has
+// waited `interval` (and again every interval while it waits), for the timeout messages of the
+// peers it waits for; and an op of its own that times out says where its peer stands. The backend
+// keeps both in the group's store (algo::DesyncProbe); without hooks, or at interval 0, nothing.
+struct StallBoard {
+  std::chrono::milliseconds interval{0};
+  std::function<void(const std::string& waitsIn)> post;
+  std::function<std::string(int peerRank)> whereIs;  // "; where rank 1 stands ...", or ""
+
+  // On each deadline check, with the engine's oldest pending op (null: none) and its peer as a
+  // group rank. Store errors are the hooks' own to swallow: a wait never fails for a post.
+  void watch(const P2pOp* oldest, int peerRank, std::chrono::steady_clock::time_point now);
+  std::string where(int peerRank) const { return whereIs && peerRank >= 0 ? whereIs(peerRank) : ""; }
+
+ private:
+  std::chrono::steady_clock::time_point lastPost_{};
+};
 
 // Gives each receive of `recvs` (named, from `peer`) that has not started, then each of
 // `anyRecvs`, the oldest unexpected message of `peer` with its tag, once that one is whole:

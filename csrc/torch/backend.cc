@@ -12,6 +12,7 @@
 #include <new>
 #include <sstream>
 
+#include "algo/desync_probe.h"
 #include "core/env.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -255,6 +256,8 @@ class C10dStore : public Store {
     } catch (const c10::DistStoreError& e) {  // the store's own timeout
       failed(ErrorCode::kTimeout, what, key, e, "");
     } catch (const std::exception& e) {
+      // FileStore's timeout is a plain c10::Error.
+      if (std::strncmp(e.what(), "Timeout waiting for key", 23) == 0) failed(ErrorCode::kTimeout, what, key, e, "");
       failed(ErrorCode::kRemoteError, what, key, e,
              ": the process that hosts it (rank 0's, for init_method tcp:// or env://) may have exited");
     }
@@ -350,7 +353,13 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     bootstrap_ = std::make_unique<BootstrapStore>(*groupStore_);
     comm_ = std::make_unique<algo::Communicator>(*bootstrap_, rank, size, timeout);
   } catch (const Error& e) {
-    std::rethrow_exception(toTorchError(e, rank));
+    const std::string late = groupStore_ && e.code() == ErrorCode::kTimeout ? ranksNotArrived(*groupStore_) : "";
+    if (late.empty()) std::rethrow_exception(toTorchError(e, rank));
+    std::rethrow_exception(toTorchError(
+        Error(ErrorCode::kTimeout, formatString("rank(s) %s did not reach the group's set-up within the timeout "
+                                                "(rank 0 waits for them; %s)",
+                                                late.c_str(), e.what())),
+        rank));
   }
   spin_ = lingerBudget(comm_->machineShare());
   progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank), spin_);
@@ -367,6 +376,24 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
       bootstrap_->publishFailure(engine::NetP2p::keysOwedBy(rank), rank, e.what());
       std::rethrow_exception(toTorchError(e, rank));
     }
+  }
+  const std::chrono::milliseconds stallInterval(env::desyncCheckMs());
+  if (size > 1 && stallInterval.count() > 0) {
+    // The group's store itself (thread-safe), not bootstrap_, whose record of its keys is not.
+    engine::StallBoard board;
+    board.interval = stallInterval;
+    board.post = [store = groupStore_.get(), rank](const std::string& what) {
+      try {
+        algo::DesyncProbe::postP2p(*store, rank, what);
+      } catch (const Error& e) {  // the wait goes on without it
+        SMDDP_INFO(kColl, "rank %d: could not post where point-to-point waits: %s", rank, e.what());
+      }
+    };
+    board.whereIs = [store = groupStore_.get(), stallInterval](int peer) {
+      return algo::DesyncProbe::whereIs(*store, peer, stallInterval);
+    };
+    if (p2p_) p2p_->setStallBoard(board);
+    if (netP2p_) netP2p_->setStallBoard(board);
   }
   SMDDP_INFO(kInit, "rank %d/%d: process group ready", rank, size);
 }
@@ -485,8 +512,11 @@ c10::intrusive_ptr<c10d::Backend> SmddpBackend::shrink(const std::vector<int64_t
     const std::string named = "smddp rank " + std::to_string(childRank) + ": ";
     if (why.rfind(named, 0) == 0) why.erase(0, named.size());
     std::string remaining;
+    constexpr int kNamed = 16;  // a large group's list would bury the cause
     for (int r = 0, k = 0; r < size_; ++r) {
-      if (!excluded[r]) remaining += c10::str(k ? ", " : "", r, " (now ", k, ")"), ++k;
+      if (excluded[r]) continue;
+      if (k < kNamed) remaining += c10::str(k ? ", " : "", r, " (now ", k, ")");
+      if (++k == kNamed + 1) remaining += ", ...";
     }
     C10_THROW_ERROR(DistBackendError,
                     c10::str("smddp rank ", rank_, ": shrink: the group of ranks ", remaining,
@@ -1245,7 +1275,8 @@ engine::P2pOp SmddpBackend::p2pOp(bool isSend, int peer, int tag, const at::Tens
   o.tag = tag;
   o.buffer = static_cast<uint8_t*>(buffer.data_ptr());
   o.bytes = buffer.nbytes();
-  o.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs_.load());
+  o.posted = std::chrono::steady_clock::now();
+  o.deadline = o.posted + std::chrono::milliseconds(timeoutMs_.load());
   return o;
 }
 
