@@ -84,7 +84,7 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
     for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
     return out;
   };
-  std::string waiting;  // the ranks not come yet, as last published under waitingKey
+  std::string waiting;  // the ranks not come yet, as last published under kNotArrivedKey
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::milliseconds(1);
   while (true) {
@@ -120,7 +120,10 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
                  rankList(pending).c_str(), static_cast<long long>(timeout.count()));
     }
     std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(20));
+    // Each look reads every pending rank's keys: a large group's looks come less often, so that
+    // the store (which every other rank is using too) is not swamped while ranks trickle in.
+    const auto cap = std::chrono::milliseconds(std::clamp<int64_t>(static_cast<int64_t>(pending.size()) / 4, 20, 250));
+    pause = std::min(pause * 2, cap);
   }
   return ns + "/";
 }

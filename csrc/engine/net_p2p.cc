@@ -722,6 +722,7 @@ void NetP2p::checkDeadlines() {
     complete(std::move(op), errorOf(ErrorCode::kTimeout, why), -1);
   }
   // The oldest op still waiting, for the peers' timeout messages.
+  if (!board_.due(now)) return;
   const P2pOp* oldest = anyRecvs_.empty() ? nullptr : &anyRecvs_.front();
   int oldestPeer = -1;
   for (const auto& p : peers_) {

@@ -377,6 +377,7 @@ void P2pEngine::checkDeadlinesAndPeers() {
   }
   expire(anyRecvs_, -1);
   // The oldest op still waiting, for the peers' timeout messages.
+  if (!board_.due(now)) return;
   const P2pOp* oldest = nullptr;
   int oldestPeer = -1;
   auto consider = [&](const std::deque<P2pOp>& q, int peer) {

@@ -47,6 +47,12 @@ std::string describeOp(const P2pOp& op, int peerRank) {
          (op.peer >= 0 ? " rank " + std::to_string(peerRank) : std::string(" any rank")) + what;
 }
 
+bool StallBoard::due(std::chrono::steady_clock::time_point now) {
+  if (!post || interval.count() <= 0 || now - lastLook_ < interval / 4) return false;
+  lastLook_ = now;
+  return true;
+}
+
 void StallBoard::watch(const P2pOp* oldest, int peerRank, std::chrono::steady_clock::time_point now) {
   if (!post || interval.count() <= 0 || oldest == nullptr) return;
   if (now - oldest->posted < interval || now - lastPost_ < interval) return;

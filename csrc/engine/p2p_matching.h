@@ -120,12 +120,17 @@ struct StallBoard {
   std::function<void(const std::string& waitsIn)> post;
   std::function<std::string(int peerRank)> whereIs;  // "; where rank 1 stands ...", or ""
 
-  // On each deadline check, with the engine's oldest pending op (null: none) and its peer as a
-  // group rank. Store errors are the hooks' own to swallow: a wait never fails for a post.
+  // Whether a deadline check should look for its oldest op now: a quarter interval after the
+  // last look, so an engine busy with many ops does not scan them on every pass.
+  bool due(std::chrono::steady_clock::time_point now);
+  // With the engine's oldest pending op (null: none) and its peer as a group rank: posts it once
+  // it has waited `interval`, and again each interval. Store errors are the hooks' own to
+  // swallow: a wait never fails for a post.
   void watch(const P2pOp* oldest, int peerRank, std::chrono::steady_clock::time_point now);
   std::string where(int peerRank) const { return whereIs && peerRank >= 0 ? whereIs(peerRank) : ""; }
 
  private:
+  std::chrono::steady_clock::time_point lastLook_{};
   std::chrono::steady_clock::time_point lastPost_{};
 };
 
