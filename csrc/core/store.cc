@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <thread>
+#include <utility>
 
 #include "core/error.h"
 #include "core/random.h"
@@ -101,8 +102,8 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
         answered[r] = ticket;
       }
     }
-    if (rankList(absent) != waiting) {
-      waiting = rankList(absent);
+    if (std::string now = rankList(absent); now != waiting) {
+      waiting = std::move(now);
       store.set(ns + "/" + kNotArrivedKey, waiting);
     }
     pending.erase(std::remove_if(pending.begin(), pending.end(),
