@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _jobs  # noqa: E402
 import _pool  # noqa: E402
 import _util  # noqa: E402
 
@@ -115,8 +116,16 @@ def pools():
     _POOLS.close_all()
 
 
+@pytest.fixture(autouse=True)
+def _no_leftover_jobs():
+    """A test that failed before finishing its fresh job (tests/_jobs.py) leaves no rank running."""
+    yield
+    _jobs.kill_leftover_jobs()
+
+
 def pytest_unconfigure(config):
     # belt and braces: never leave ranks behind (e.g. after Ctrl-C)
+    _jobs.kill_leftover_jobs()
     if _POOLS is not None:
         for p in list(_POOLS.live.values()):
             p.kill()

@@ -6,13 +6,11 @@ cause), and every process must exit."""
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from _pool import TESTS_DIR, free_port
+from _jobs import Job
 from _util import IS_SMDDP
 
 CHILD = r"""
@@ -90,31 +88,7 @@ except Exception as e:
 
 
 def _job(world, mode, timeout_s, hosts=None, url=None, **env_vars):
-    """hosts: e.g. "0011" gives rank r SMDDP_HOST_ID=hosts[r] (emulated hosts, TCP between them).
-    url: the init method, by default a TCP store that rank 0 hosts. env_vars: more environment."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR, **env_vars)
-    url = url or f"tcp://127.0.0.1:{free_port()}"
-    return [subprocess.Popen([sys.executable, "-u", "-c", CHILD, str(r), str(world), url, mode, str(timeout_s)],
-                             env=dict(env, SMDDP_HOST_ID=hosts[r]) if hosts else env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for r in range(world)]
-
-
-def _wait_ready(procs):
-    for p in procs:
-        line = p.stdout.readline()
-        assert "ready" in line, line
-
-
-def _finish(procs, limit):
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=limit)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            outs.append(p.communicate()[0] + "\n<killed: did not exit in time>")
-    return outs
+    return Job(CHILD, world, [mode, timeout_s], hosts=hosts, url=url, **env_vars)
 
 
 def _kill_and_check(procs, victim, limit, wait_before_kill=0.0, op="allreduce"):
@@ -124,7 +98,7 @@ def _kill_and_check(procs, victim, limit, wait_before_kill=0.0, op="allreduce"):
     time.sleep(wait_before_kill)
     procs[victim].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
-    outs = _finish(procs, 30)
+    outs = procs.finish(30)
     elapsed = time.monotonic() - t0
     survivors = {r: outs[r] for r in range(len(procs)) if r != victim}
     for r, out in survivors.items():
@@ -143,7 +117,7 @@ def test_peer_killed_during_collectives(victim):
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(3, "loop", 60)
-    _wait_ready(procs)
+    procs.wait_ready()
     # 0.5 s: the survivors are deep in their allreduce loop. 10 s is far below the 60 s op
     # timeout: the dead pid is noticed on the next sleep tick.
     outs = _kill_and_check(procs, victim, 10, wait_before_kill=0.5)
@@ -159,7 +133,7 @@ def test_peer_killed_across_hosts():
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(4, "loop", 60, hosts="0011")
-    _wait_ready(procs)
+    procs.wait_ready()
     outs = _kill_and_check(procs, 2, 10, wait_before_kill=0.5)
     assert any("rank 2" in out for out in outs.values()), "\n".join(outs.values())
 
@@ -172,7 +146,7 @@ def test_peer_killed_between_collectives(hosts):
         pytest.skip("smddp-specific")
     world = 4 if hosts else 3
     procs = _job(world, "between", 60, hosts=hosts)
-    _wait_ready(procs)
+    procs.wait_ready()
     outs = _kill_and_check(procs, 1, 12)  # 12 s: 2 s of it the ranks sleep before the collective
     assert any("rank 1" in out for out in outs.values()), "\n".join(outs.values())
 
@@ -189,7 +163,7 @@ def test_peer_killed_before_first_alltoall_across_hosts(victim, tmp_path):
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(6, "between_alltoall", 60, hosts="000111", url=f"file://{tmp_path}/store")
-    _wait_ready(procs)
+    procs.wait_ready()
     outs = _kill_and_check(procs, victim, 12, op="alltoall")
     assert any(f"rank {victim}" in out for out in outs.values()), "\n".join(outs.values())
     if victim == 5:
@@ -205,8 +179,8 @@ def test_store_lost_during_first_alltoall_across_hosts():
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(6, "store_gone", 60, hosts="000111")
-    _wait_ready(procs)
-    outs = _finish(procs, 40)
+    procs.wait_ready()
+    outs = procs.finish(40)
     assert procs[0].returncode == 0, outs[0][-2000:]
     for r in range(1, 6):
         assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{outs[r][-2000:]}"
@@ -231,8 +205,8 @@ def test_out_of_memory_inside_an_op_fails_the_group(hosts):
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(len(hosts), "oom", 60, hosts=hosts)
-    _wait_ready(procs)
-    outs = _finish(procs, 40)
+    procs.wait_ready()
+    outs = procs.finish(40)
     for r, out in enumerate(outs):
         assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{out[-2000:]}"
         assert "DistBackendError" in out and "reduce #" in out, out[-2000:]
@@ -260,8 +234,8 @@ def test_out_of_memory_inside_a_sparse_all_reduce_fails_the_group(hosts, mode):
     step = (r"staging every rank's nonzeros \(\d+ bytes\)" if mode == "oom_sparse"
             else r"coalescing this rank's tensor")
     procs = _job(2, mode, 60, hosts=hosts)
-    _wait_ready(procs)
-    outs = _finish(procs, 40)
+    procs.wait_ready()
+    outs = procs.finish(40)
     for r, out in enumerate(outs):
         assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{out[-2000:]}"
         assert "backend threads left: 0" in out, out[-2000:]
@@ -285,10 +259,9 @@ def test_timeout_says_where_the_waited_for_ranks_stand():
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(3, "idle_chain", 6, hosts="001", SMDDP_DESYNC_CHECK_MS="1000")
-    _wait_ready(procs)
-    outs = _finish([procs[0], procs[2]], 40)
-    procs[1].kill()
-    procs[1].communicate()
+    procs.wait_ready()
+    outs = procs.finish(40, ranks=[0, 2])
+    procs.kill(1)
     for out in outs:
         assert "DistBackendError" in out and "where the ranks it waited for stand" in out, out[-2000:]
     assert "rank 1 has not waited in any collective of this group, nor in a point-to-point op (busy elsewhere" \
@@ -304,10 +277,9 @@ def test_timeout_tells_a_past_wait_from_a_current_one():
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(3, "stalled_then_idle", 6, SMDDP_DESYNC_CHECK_MS="1000")
-    _wait_ready(procs)
-    outs = _finish([procs[0], procs[2]], 40)
-    procs[1].kill()
-    procs[1].communicate()
+    procs.wait_ready()
+    outs = procs.finish(40, ranks=[0, 2])
+    procs.kill(1)
     assert re.search(r"rank 1 last waited in allreduce #2 \(float32, sum\) \d+ s ago and is not waiting in a "
                      r"collective of this group now, nor in a point-to-point op \(busy elsewhere", outs[0]), \
         outs[0][-2000:]
@@ -321,8 +293,8 @@ def test_timeout_of_crossed_groups_names_ranks_busy_elsewhere():
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(3, "crossed", 6, SMDDP_DESYNC_CHECK_MS="1000")
-    _wait_ready(procs)
-    outs = _finish(procs, 40)
+    procs.wait_ready()
+    outs = procs.finish(40)
     for r, other in ((0, 1), (1, 0), (2, 1)):
         assert "DistBackendError" in outs[r], outs[r][-2000:]
         assert f"rank {other} has not waited in any collective of this group, nor in a point-to-point op (busy " \
@@ -338,12 +310,11 @@ def test_missing_rank_times_out_with_names(hosts):
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(3, "idle", 3, hosts=hosts)
-    _wait_ready(procs)
+    procs.wait_ready()
     t0 = time.monotonic()
-    outs = _finish([procs[0], procs[2]], 30)
+    outs = procs.finish(30, ranks=[0, 2])
     elapsed = time.monotonic() - t0
-    procs[1].kill()
-    procs[1].communicate()
+    procs.kill(1)
     for out in outs:
         assert "ERROR" in out and "allreduce #" in out, out[-2000:]
     if hosts:
@@ -407,15 +378,10 @@ def test_pending_op_released_by_destroy_abort_shutdown(how, op, hosts):
     shared-memory engine or polling the sockets itself (across hosts)."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
-    url = f"tcp://127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-u", "-c", PENDING, str(r), "2", url, how, op],
-                              env=dict(env, SMDDP_HOST_ID=hosts[r]) if hosts else env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    _wait_ready(procs)
-    out = _finish([procs[0]], 30)[0]
-    procs[1].kill()
-    procs[1].communicate()
+    procs = Job(PENDING, 2, [how, op], hosts=hosts)
+    procs.wait_ready()
+    out = procs.finish(30, ranks=[0])[0]
+    procs.kill(1)
     m = re.search(r"raised after ([0-9.]+)s: (\w+): (.*)", out)
     assert m, out[-3000:]
     assert float(m.group(1)) < 5 and "shut down or aborted" in m.group(3), out[-3000:]
@@ -432,11 +398,11 @@ def test_peer_killed_during_send_recv(hosts):
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(4, "p2p", 60, hosts=hosts)
-    _wait_ready(procs)
+    procs.wait_ready()
     time.sleep(0.5)
     procs[2].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
-    outs = _finish(procs, 30)
+    outs = procs.finish(30)
     elapsed = time.monotonic() - t0
     assert procs[0].returncode == 3, f"rank 0: exit {procs[0].returncode}\n{outs[0][-2000:]}"
     assert "DistBackendError" in outs[0] and "recv from rank 2" in outs[0], outs[0][-2000:]
@@ -454,12 +420,11 @@ def test_recv_without_sender_times_out(hosts):
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(2, "p2p_idle", 3, hosts=hosts)
-    _wait_ready(procs)
+    procs.wait_ready()
     t0 = time.monotonic()
-    out = _finish([procs[0]], 30)[0]
+    out = procs.finish(30, ranks=[0])[0]
     elapsed = time.monotonic() - t0
-    procs[1].kill()
-    procs[1].communicate()
+    procs.kill(1)
     assert procs[0].returncode == 3, f"rank 0: exit {procs[0].returncode}\n{out[-2000:]}"
     assert "recv from rank 1" in out and "timed out: no matching send was posted" in out, out[-2000:]
     assert "where rank 1 stands (its latest posts in the group's store): rank 1 has not waited in any collective " \
@@ -477,8 +442,8 @@ def test_p2p_timeouts_say_where_the_peer_waits(hosts):
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(2, "p2p_deadlock", 6, hosts=hosts, SMDDP_DESYNC_CHECK_MS="1000")
-    _wait_ready(procs)
-    outs = _finish(procs, 30)
+    procs.wait_ready()
+    outs = procs.finish(30)
     for r in (0, 1):
         peer = 1 - r
         assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{outs[r][-2000:]}"
@@ -486,8 +451,8 @@ def test_p2p_timeouts_say_where_the_peer_waits(hosts):
         assert f"where rank {peer} stands (its latest posts in the group's store): rank {peer} waits in recv from " \
                f"rank {r} (tag 0, 262144 bytes) (point-to-point)" in outs[r], outs[r][-2000:]
     procs = _job(2, "p2p_vs_collective", 6, hosts=hosts, SMDDP_DESYNC_CHECK_MS="1000")
-    _wait_ready(procs)
-    outs = _finish(procs, 30)
+    procs.wait_ready()
+    outs = procs.finish(30)
     assert procs[0].returncode == 3 and procs[1].returncode == 3, "\n".join(outs)
     assert "recv from rank 1 (tag 0, 262144 bytes) timed out" in outs[0], outs[0][-2000:]
     assert "rank 1 waits in allreduce #2 (float32, sum)" in outs[0], outs[0][-2000:]

@@ -8,14 +8,11 @@ on the new group against values computed from the old ranks, and leave no thread
 segment behind."""
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
-from _pool import TESTS_DIR, free_port
+from _jobs import Job
 from _util import IS_SMDDP
 
 CHILD = r"""
@@ -153,40 +150,8 @@ if mode == "disagree":  # ranks 0, 1 exclude the last rank; the others exclude r
 def _job(world, mode, api="torch", victim=-1, hosts=None, store="tcp", timeout_s=60, tmp_path=None):
     """hosts: e.g. "0011" gives rank r SMDDP_HOST_ID=hosts[r]. store: "tcp" (served by rank 0's
     process) or "file" (outlives any rank)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
-    url = f"tcp://127.0.0.1:{free_port()}" if store == "tcp" else f"file://{tmp_path}/store"
-    procs = [subprocess.Popen([sys.executable, "-u", "-c", CHILD, str(r), str(world), url, mode, api, str(victim),
-                               str(timeout_s)],
-                              env=dict(env, SMDDP_HOST_ID=hosts[r]) if hosts else env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    # One thread per rank reads its output as it comes (a readline() on the pipe followed by
-    # communicate() loses whatever the pipe's buffer had read ahead).
-    lines = [[] for _ in procs]
-    for p, got in zip(procs, lines):
-        p.reader = threading.Thread(target=lambda p=p, got=got: [got.append(line) for line in p.stdout], daemon=True)
-        p.reader.start()
-    return procs, lines
-
-
-def _wait_ready(lines, limit=60):
-    deadline = time.monotonic() + limit
-    while not all(any("ready" in line for line in got) for got in lines):
-        assert time.monotonic() < deadline, "ranks not ready:\n" + "\n".join("".join(got) for got in lines)
-        time.sleep(0.05)
-
-
-def _finish(procs, lines, limit=60):
-    """Each rank's whole output, once every rank has exited (or been killed after `limit` s)."""
-    deadline = time.monotonic() + limit
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        p.reader.join(timeout=10)
-    return ["".join(got) + ("" if p.returncode != -signal.SIGKILL else "\n<killed>") for p, got in zip(procs, lines)]
+    return Job(CHILD, world, [mode, api, victim, timeout_s], hosts=hosts,
+               url=None if store == "tcp" else f"file://{tmp_path}/store")
 
 
 def _survived(procs, outs, ranks, checks=1):
@@ -211,11 +176,11 @@ def _smddp_only():
     (1, "0101", "tcp", "smddp"),    # interleaved hosts: host 1 keeps one rank
 ])
 def test_shrink_after_a_rank_dies(victim, hosts, store, api, tmp_path):
-    procs, lines = _job(4, "killed", api, victim, hosts, store, tmp_path=tmp_path)
-    _wait_ready(lines)
+    procs = _job(4, "killed", api, victim, hosts, store, tmp_path=tmp_path)
+    procs.wait_ready()
     time.sleep(0.5)  # the others are deep in their all_reduce loop
     procs[victim].send_signal(signal.SIGKILL)
-    outs = _finish(procs, lines)
+    outs = procs.finish()
     survivors = [r for r in range(4) if r != victim]
     for r in survivors:
         assert f"rank {victim}" in outs[r] or "gave up the group" in outs[r], outs[r][-3000:]
@@ -226,11 +191,11 @@ def test_shrink_after_a_rank_dies(victim, hosts, store, api, tmp_path):
 def test_shrink_when_the_store_went_with_the_dead_rank():
     """Rank 0 serves the job's TCP store and dies: the survivors' shrink cannot bootstrap, and
     says that the store failed (it does not hang)."""
-    procs, lines = _job(3, "killed", "torch", 0, None, "tcp")
-    _wait_ready(lines)
+    procs = _job(3, "killed", "torch", 0, None, "tcp")
+    procs.wait_ready()
     time.sleep(0.5)
     procs[0].send_signal(signal.SIGKILL)
-    outs = _finish(procs, lines)
+    outs = procs.finish()
     for r in (1, 2):
         assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{outs[r][-3000:]}"
         assert "shrink failed: DistBackendError" in outs[r] and "store" in outs[r], outs[r][-3000:]
@@ -244,8 +209,8 @@ def test_shrink_a_healthy_group_twice(hosts):
     """Rank 3 leaves; the other three shrink it away, then rank 1 leaves the shrunk group and the
     last two shrink again (a shrunk group shrinks like any other). Bad arguments on the backend
     itself are refused, naming the rank, and leave the group whole."""
-    procs, lines = _job(4, "left", "smddp", 3, hosts)
-    outs = _finish(procs, lines)
+    procs = _job(4, "left", "smddp", 3, hosts)
+    outs = procs.finish()
     _survived(procs, outs, [1], checks=1)
     _survived(procs, outs, [0, 2], checks=2)
     assert outs[0].count("refused: ") == 4, outs[0][-3000:]
@@ -254,8 +219,8 @@ def test_shrink_a_healthy_group_twice(hosts):
 
 @pytest.mark.timeout(120)
 def test_shrink_a_subgroup_leaves_the_world_whole():
-    procs, lines = _job(4, "subgroup", "smddp")
-    outs = _finish(procs, lines)
+    procs = _job(4, "subgroup", "smddp")
+    outs = procs.finish()
     _survived(procs, outs, [1, 3])
     for r in range(4):
         assert procs[r].returncode == 0 and "world whole" in outs[r], outs[r][-3000:]
@@ -267,8 +232,8 @@ def test_shrink_abort_fails_the_pending_op(hosts):
     """Rank 1 is alive but late. The others' all_reduce is pending when they shrink with
     SHRINK_ABORT: it fails as aborted, the new group works, and the late rank's op fails
     (its peers gave the old group up) instead of hanging."""
-    procs, lines = _job(4, "pending", "torch", 1, hosts)
-    outs = _finish(procs, lines)
+    procs = _job(4, "pending", "torch", 1, hosts)
+    outs = procs.finish()
     _survived(procs, outs, [0, 2, 3])
     for r in (0, 2, 3):
         assert "pending op failed: DistBackendError" in outs[r] and "aborted" in outs[r], outs[r][-3000:]
@@ -280,8 +245,8 @@ def test_shrink_survivors_that_disagree_time_out():
     """Ranks 0 and 1 exclude rank 3, ranks 2 and 3 exclude rank 0: neither set forms a group
     (each waits for a rank the other set has), and every rank raises at the group's timeout
     rather than joining a group whose ranks disagree on its members."""
-    procs, lines = _job(4, "disagree", "torch", timeout_s=4)
-    outs = _finish(procs, lines)
+    procs = _job(4, "disagree", "torch", timeout_s=4)
+    outs = procs.finish()
     for r in range(4):
         assert procs[r].returncode == 0, outs[r][-3000:]
         assert "shrink failed after" in outs[r] and "DistBackendError" in outs[r], outs[r][-3000:]
