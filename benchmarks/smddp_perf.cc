@@ -2,7 +2,7 @@
 //
 //   smddp_perf -np 4 --collective all_reduce -b 8 -e 128M -f 2 [-o sum|prod|min|max|avg|all]
 //              [-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|all] [-r root] [-n iters]
-//              [-w warmup] [-m agg] [-c 0/1] [-a 0..3] [-J file.json] [-T target_ms]
+//              [-w warmup] [-m agg] [-c 0/1] [-a 0..3] [-J file.json] [-T target_ms] [--timeout seconds]
 //
 // Invoked as all_reduce_perf, all_gather_perf, reduce_scatter_perf or broadcast_perf (a link to
 // this binary), the name picks the collective, as with nccl-tests. -np forks that many ranks on
@@ -15,6 +15,7 @@
 // nccl-tests' bus factors, #wrong from a real check of the result) and footer. -a combines the
 // ranks' times like nccl-tests: 0 = rank 0's, 1 = average (default), 2 = min, 3 = max.
 // SMDDP_TESTS_MIN_BW (GB/s, like NCCL_TESTS_MIN_BW): exit 4 when the average bus bandwidth is lower.
+// --timeout bounds the set-up (a rank that never starts is named by every other) and each op.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -54,6 +56,7 @@ struct Args {
   std::vector<DataType> dtypes{DataType::kFloat32};
   std::vector<ReduceOp> ops{ReduceOp::kSum};
   std::string json;
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // set-up, and each op
   // torchrun-style launch (no -np): this process's rank and the store's address.
   int launchRank = -1;
   std::string masterAddr = "127.0.0.1";
@@ -99,7 +102,7 @@ const char* opName(ReduceOp op) {
           "usage: smddp_perf [-np ranks] [--collective all_reduce|all_gather|reduce_scatter|broadcast] [-b minbytes] "
           "[-e maxbytes] [-f factor | -i stepbytes] [-n iters (0 = auto, see -T)] [-w warmup] [-m agg] [-c 0/1] "
           "[-o sum|prod|min|max|avg|all] [-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|all] "
-          "[-r root] [-a 0..3] [-J json] [-T target_ms]\n");
+          "[-r root] [-a 0..3] [-J json] [-T target_ms] [--timeout seconds (set-up and each op; default 300)]\n");
   exit(2);
 }
 
@@ -149,6 +152,7 @@ Args parseArgs(int argc, char** argv) {
     else if (f == "-r" || f == "--root") a.root = atoi(need(i));
     else if (f == "-J" || f == "--output_file") a.json = need(i);
     else if (f == "-T") a.targetMs = atof(need(i));
+    else if (f == "--timeout") a.timeout = std::chrono::milliseconds(static_cast<int64_t>(atof(need(i)) * 1000));
     else if (f == "-t" || f == "-g") {
       if (atoi(need(i)) != 1) usage("one thread and one device per rank (use -np for more ranks)");
     } else if (f == "-d" || f == "--datatype") {
@@ -294,7 +298,7 @@ struct Case {
 };
 
 void runOp(algo::Communicator& c, const Args& a, const Case& k, void* in, void* out, const Shape& s, int W) {
-  const auto to = std::chrono::milliseconds(60000);
+  const auto to = a.timeout;
   const size_t es = elementSize(k.dt);
   const Reduction red{k.op, 1.0, W};
   if (a.coll == "all_reduce") {
@@ -328,9 +332,9 @@ size_t countWrong(const Args& a, const Case& k, const void* out, const Shape& s,
 
 // Combines one double per rank (a time or a count) the way -a asks, through the collective under
 // test (as float32 hi/lo pairs, so no precision is lost to float32).
-double combine(algo::Communicator& c, double v, int W, ReduceOp op) {
+double combine(algo::Communicator& c, const Args& a, double v, int W, ReduceOp op) {
   float pair[2] = {static_cast<float>(v), static_cast<float>(v - static_cast<float>(v))};
-  c.allreduce({DataType::kFloat32, Reduction{op, 1.0, W}, 2, pair, pair, -1}, std::chrono::milliseconds(60000));
+  c.allreduce({DataType::kFloat32, Reduction{op, 1.0, W}, 2, pair, pair, -1}, a.timeout);
   return static_cast<double>(pair[0]) + pair[1];
 }
 
@@ -342,9 +346,12 @@ std::string timeStr(double us) {
 }
 
 int rankMain(const Args& a, int rank, Store& store) {
-  PrefixStore groupStore(store, freshNamespace(store, rank, a.ranks, std::chrono::minutes(5)));  // as the backend
+  // Set up as the backend sets a group up.
+  PrefixStore groupStore(store, freshNamespace(store, rank, a.ranks, a.timeout));
   BootstrapStore bootstrap(groupStore);
-  algo::Communicator comm(bootstrap, rank, a.ranks, std::chrono::minutes(5));
+  const std::unique_ptr<algo::Communicator> owned = settingUp(
+      groupStore, [&] { return std::make_unique<algo::Communicator>(bootstrap, rank, a.ranks, a.timeout); });
+  algo::Communicator& comm = *owned;
   store.set("smddp_perf/pid/" + std::to_string(rank), std::to_string(getpid()));
   const int W = a.ranks;
   FILE* json = nullptr;
@@ -406,21 +413,21 @@ int rankMain(const Args& a, int rank, Store& store) {
         for (int i = 0; i < a.warmup; ++i) runOp(comm, a, k, src, dst, s, W);
         int iters = a.iters;
         if (a.autoIters) {  // rank 0's estimate, agreed through a broadcast
-          comm.barrier(std::chrono::milliseconds(60000));
+          comm.barrier(a.timeout);
           auto t0 = Clock::now();
           runOp(comm, a, k, src, dst, s, W);
           float est = std::chrono::duration<float, std::milli>(Clock::now() - t0).count();
-          comm.broadcast({DataType::kFloat32, 1, &est, 0}, std::chrono::milliseconds(60000));
+          comm.broadcast({DataType::kFloat32, 1, &est, 0}, a.timeout);
           iters = static_cast<int>(std::clamp(a.targetMs / std::max(est, 1e-3f), 5.0, 20000.0));
         }
-        comm.barrier(std::chrono::milliseconds(60000));
+        comm.barrier(a.timeout);
         auto t0 = Clock::now();
         for (int i = 0; i < iters * a.agg; ++i) runOp(comm, a, k, src, dst, s, W);
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / (iters * a.agg);
-        const double combined = a.avgMode == 0 ? us : combine(comm, us, W, timeOp[a.avgMode]);
+        const double combined = a.avgMode == 0 ? us : combine(comm, a, us, W, timeOp[a.avgMode]);
         times[inPlace] = a.avgMode == 1 ? combined / W : combined;
-        if (a.avgMode == 0) comm.broadcast({DataType::kFloat64, 1, &times[inPlace], 0}, std::chrono::milliseconds(60000));
-        wrongs[inPlace] = std::lround(combine(comm, static_cast<double>(wrong), W, ReduceOp::kSum));
+        if (a.avgMode == 0) comm.broadcast({DataType::kFloat64, 1, &times[inPlace], 0}, a.timeout);
+        wrongs[inPlace] = std::lround(combine(comm, a, static_cast<double>(wrong), W, ReduceOp::kSum));
       }
       if (rank == 0) {
         printf("%12zu  %12zu  %8s  %6s  %6d", sizeCol, s.countCol, typeName(k.dt),
@@ -470,7 +477,7 @@ int main(int argc, char** argv) {
   const Args a = parseArgs(argc, argv);
   if (a.launchRank >= 0) {  // one rank of a torchrun-style job
     try {
-      TcpStore store(a.masterAddr, a.masterPort, a.launchRank == 0, std::chrono::minutes(5));
+      TcpStore store(a.masterAddr, a.masterPort, a.launchRank == 0, a.timeout);
       const int rc = rankMain(a, a.launchRank, store);
       fflush(stdout);
       return rc;
@@ -489,7 +496,7 @@ int main(int argc, char** argv) {
     if (pid == 0) {
       int rc = 1;
       try {
-        FileStore store(dir, std::chrono::milliseconds(60000));
+        FileStore store(dir, a.timeout);
         rc = rankMain(a, r, store);
       } catch (const std::exception& e) {
         fprintf(stderr, "smddp_perf rank %d: %s\n", r, e.what());

@@ -23,6 +23,22 @@ def run(args, env=None, timeout=240):
                           env=dict(os.environ, **(env or {})))
 
 
+def run_ranks(args, world, hosts, master="127.0.0.1", timeout=240):
+    """Starts one process per character of `hosts` (its SMDDP_HOST_ID) as ranks 0, 1, ... of a
+    torchrun-style job of `world` ranks; returns the processes and their (stdout, stderr)."""
+    port = free_port()
+    procs = [subprocess.Popen([str(a) for a in args],
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR=master,
+                                       MASTER_PORT=str(port), SMDDP_HOST_ID=host),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r, host in enumerate(hosts)]
+    try:
+        return procs, [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 def rows(out):
     return [line.split() for line in out.splitlines() if line.strip() and not line.startswith("#")]
 
@@ -68,18 +84,8 @@ def test_torchrun_style_launch(hosts, master):
     (which takes the address that routes to MASTER_ADDR) run over IPv6."""
     if ":" in master and not ipv6_available():
         pytest.skip("this machine cannot bind ::1 (IPv6 disabled)")
-    port = free_port()
-    procs = [subprocess.Popen([str(BIN / "all_gather_perf"), "-b", "8", "-e", "64K", "-f", "16", "-n", "2", "-w", "1"],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="4", MASTER_ADDR=master,
-                                       MASTER_PORT=str(port), SMDDP_HOST_ID=hosts[r]),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
-    outs = []
-    try:
-        outs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs, outs = run_ranks([BIN / "all_gather_perf", "-b", "8", "-e", "64K", "-f", "16", "-n", "2", "-w", "1"],
+                            4, hosts, master)
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {r}: exit {p.returncode}\n{out[-2000:]}\n{err[-2000:]}"
         if r:
@@ -91,6 +97,17 @@ def test_torchrun_style_launch(hosts, master):
         assert len(row) == 13 and row[8] == "0" and row[12] == "0", row
     assert out.count("smddp shm + tcp" if hosts == "0011" else "smddp shared memory") == 4, out
     assert "# Out of bounds values : 0 OK" in out
+
+
+@pytest.mark.parametrize("hosts", ["000", "001"], ids=["one_host", "across_hosts"])
+def test_a_rank_that_never_starts_is_named(hosts):
+    """Ranks 0 and 1 of a world of 3 start; rank 2 never does. With --timeout 3 both fail in
+    seconds, and both name rank 2: rank 0 waited for its arrival; rank 1, answered by rank 0,
+    waited for a key of rank 2's in the set-up and reads from the store whom rank 0 still lacks."""
+    procs, outs = run_ranks([BIN / "smddp_perf", "-b", "8", "-e", "8", "--timeout", "3"], 3, hosts[:2], timeout=60)
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 1, f"rank {r}: exit {p.returncode}\n{out[-2000:]}\n{err[-2000:]}"
+        assert f"smddp_perf rank {r}: rank(s) 2 did not reach the group's set-up within " in err, err[-2000:]
 
 
 def test_under_torchrun():

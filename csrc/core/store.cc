@@ -48,12 +48,17 @@ bool isTimeout(const Error& e) { return e.code() == ErrorCode::kTimeout; }
 constexpr char kNotArrivedKey[] = "smddp/not-arrived";
 }  // namespace
 
-std::string ranksNotArrived(Store& groupStore) {
+std::optional<Error> namingLateRanks(Store& groupStore, const Error& e) {
+  if (!isTimeout(e)) return std::nullopt;
+  std::string late;
   try {
-    return groupStore.check(kNotArrivedKey) ? groupStore.get(kNotArrivedKey) : "";
+    if (groupStore.check(kNotArrivedKey)) late = groupStore.get(kNotArrivedKey);
   } catch (const Error&) {  // the store is gone: nothing to add
-    return "";
   }
+  if (late.empty()) return std::nullopt;
+  return Error(ErrorCode::kTimeout, formatString("rank(s) %s did not reach the group's set-up within the timeout "
+                                                 "(rank 0 waits for them; %s)",
+                                                 late.c_str(), e.what()));
 }
 
 std::string freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout) {

@@ -3,9 +3,12 @@
 #pragma once
 
 #include <chrono>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
+
+#include "core/error.h"
 
 namespace smddp {
 
@@ -52,13 +55,26 @@ class PrefixStore : public Store {
 // written. Rank 0 cannot tell a fresh ticket from a dead rank's, so it answers what it reads,
 // re-reads the tickets of the ranks that have not confirmed, and answers again when one changes.
 // Rank 0 polls the tickets, so every rank that has come is answered whoever is late, and
-// publishes the ranks it has not heard from in the new namespace (ranksNotArrived).
+// publishes the ranks it has not heard from in the new namespace (namingLateRanks).
 std::string freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout);
 
-// The ranks rank 0 had not heard from at its latest look ("2, 5"), read from a group's namespace
-// (freshNamespace's prefix); "" when it heard from all or the store cannot say. A rank whose
-// set-up times out on a later key names them: they are why the key never came.
-std::string ranksNotArrived(Store& groupStore);
+// `e` reworded to name the ranks rank 0 had not heard from at its latest look, read from a
+// group's namespace (freshNamespace's prefix): they are why the key a rank's set-up waited for
+// never came ("rank(s) 2 did not reach the group's set-up within the timeout (rank 0 waits for
+// them; <e>)"). nullopt when `e` is no timeout, or rank 0 heard from all, or the store cannot say.
+std::optional<Error> namingLateRanks(Store& groupStore, const Error& e);
+
+// Runs `setUp`, a group's set-up over `groupStore`; a timeout it raises names the late ranks
+// (namingLateRanks).
+template <class Fn>
+auto settingUp(Store& groupStore, Fn&& setUp) -> decltype(setUp()) {
+  try {
+    return setUp();
+  } catch (const Error& e) {
+    if (std::optional<Error> named = namingLateRanks(groupStore, e)) throw *named;
+    throw;
+  }
+}
 
 // The store as a group's set-up uses it. A rank whose set-up fails publishes its error under the
 // keys its peers may still wait for (publishFailure), and get() turns such a value into that

@@ -351,15 +351,9 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   try {
     groupStore_ = std::make_unique<PrefixStore>(*store_, freshNamespace(*store_, rank, size, timeout));
     bootstrap_ = std::make_unique<BootstrapStore>(*groupStore_);
-    comm_ = std::make_unique<algo::Communicator>(*bootstrap_, rank, size, timeout);
+    comm_ = settingUp(*groupStore_, [&] { return std::make_unique<algo::Communicator>(*bootstrap_, rank, size, timeout); });
   } catch (const Error& e) {
-    const std::string late = groupStore_ && e.code() == ErrorCode::kTimeout ? ranksNotArrived(*groupStore_) : "";
-    if (late.empty()) std::rethrow_exception(toTorchError(e, rank));
-    std::rethrow_exception(toTorchError(
-        Error(ErrorCode::kTimeout, formatString("rank(s) %s did not reach the group's set-up within the timeout "
-                                                "(rank 0 waits for them; %s)",
-                                                late.c_str(), e.what())),
-        rank));
+    std::rethrow_exception(toTorchError(e, rank));
   }
   spin_ = lingerBudget(comm_->machineShare());
   progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank), spin_);
