@@ -291,10 +291,12 @@ def point_to_point(rank, world, dev):
 
 def other_dtypes(rank, world, dev):
     """float8, uint16/32/64 and complex tensors through the ops that only move data; reductions of
-    uint16/32/64."""
+    uint16/32/64 and of float8_e4m3fn / float8_e5m2."""
+    from test_float8 import collectives_task
     from test_moved_dtypes import moved_dtypes_task
     from test_unsigned import unsigned_task
-    for task, what in [(moved_dtypes_task, "moved dtypes"), (unsigned_task, "unsigned reductions")]:
+    for task, what in [(moved_dtypes_task, "moved dtypes"), (unsigned_task, "unsigned reductions"),
+                       (collectives_task, "float8 reductions")]:
         for n in [1001, 300_001]:
             rep = task(rank, world, n, device=dev)
             check(rep["checked"] > 0, f"{what} n={n}: nothing was checked")

@@ -387,7 +387,7 @@ def test_dev_shm_clean(pools, world):
 def errors_task(rank, world):
     rep = Report(rank)
     # dtypes that smddp moves (tests/test_moved_dtypes.py) but does not reduce
-    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    for dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu):
         label = f"all_reduce SUM dtype={dname(dtype)} world={world} (unsupported dtype)"
         why = backend_skip("all_reduce", dtype)
         if why:

@@ -1,16 +1,19 @@
 """Ops that only move data (broadcast, all_gather in both forms, gather, scatter, all_to_all in
-both forms, send/recv) take dtypes smddp does not compute in: float8 (FSDP2 all-gathers float8
-weights in their own dtype when every parameter of a module is float8), complex32 and complex64;
-and uint16/32/64, which gloo does not move. Each arrives bit for bit, NaN patterns included.
-(Reductions of float8 and complex are refused at the call: tests/test_misc.py's errors test;
-those of the unsigned types are in tests/test_unsigned.py.)"""
+both forms, send/recv) take dtypes smddp does not compute in, and those it reduces but gloo does
+not move: float8 of every kind (FSDP2 all-gathers float8 weights in their own dtype when every
+parameter of a module is float8; e4m3fn and e5m2 are also reduced, the fnuz kinds and e8m0fnu
+are carried as bytes), complex32 and complex64, uint16/32/64. Each arrives bit for bit, NaN
+patterns included. (Reductions of the other float8 kinds are refused at the call:
+tests/test_misc.py's errors test; complex ones torch does as pairs of reals; those of e4m3fn and
+e5m2 are in tests/test_float8.py, of the unsigned types in tests/test_unsigned.py.)"""
 import pytest
 import torch
 import torch.distributed as dist
 
 from _util import IS_SMDDP, Report, random_bits, same_bits
 
-MOVED_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64, torch.complex32,
+MOVED_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+                torch.float8_e8m0fnu, torch.uint16, torch.uint32, torch.uint64, torch.complex32,
                 torch.complex64]
 
 

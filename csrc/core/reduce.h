@@ -16,7 +16,8 @@ bool isaSupported(Isa isa);
 
 // dst[i] = finalize(srcs[0][i] op srcs[1][i] op ... op srcs[n-1][i]) for i < count.
 // Sources are combined in the order given, so ranks that reduce the same inputs in the same
-// order get bit-identical results. 16-bit floats accumulate in float32 and round once.
+// order get bit-identical results. 16- and 8-bit floats accumulate in float32 and round once,
+// to nearest even as torch converts (float8_e4m3fn, which has no infinity, saturates at +-448).
 // dst may be one of the sources, but must not partially overlap any.
 // Preconditions (checked by callers): n >= 1 and unsupportedReason(dtype, r.op) == nullptr.
 void reduce(DataType dtype, const Reduction& r, void* dst, const void* const* srcs, int n, size_t count);

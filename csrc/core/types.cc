@@ -20,6 +20,8 @@ size_t elementSize(DataType dtype) {
     case DataType::kInt8:
     case DataType::kUInt8:
     case DataType::kBool:
+    case DataType::kFloat8E4M3:
+    case DataType::kFloat8E5M2:
       return 1;
   }
   return 0;
@@ -40,6 +42,8 @@ const char* dataTypeName(DataType dtype) {
     case DataType::kUInt16: return "uint16";
     case DataType::kUInt32: return "uint32";
     case DataType::kUInt64: return "uint64";
+    case DataType::kFloat8E4M3: return "float8_e4m3fn";
+    case DataType::kFloat8E5M2: return "float8_e5m2";
   }
   return "?";
 }
@@ -61,7 +65,7 @@ const char* reduceOpName(ReduceOp op) {
 
 bool isFloatingPoint(DataType dtype) {
   return dtype == DataType::kFloat32 || dtype == DataType::kFloat64 || dtype == DataType::kFloat16 ||
-         dtype == DataType::kBFloat16;
+         dtype == DataType::kBFloat16 || dtype == DataType::kFloat8E4M3 || dtype == DataType::kFloat8E5M2;
 }
 
 const char* unsupportedReason(DataType dtype, ReduceOp op) {

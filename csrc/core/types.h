@@ -21,8 +21,10 @@ enum class DataType : uint8_t {
   kUInt16,
   kUInt32,
   kUInt64,
+  kFloat8E4M3,  // float8_e4m3fn: no infinities, one NaN pattern per sign, largest finite 448
+  kFloat8E5M2,  // float8_e5m2: IEEE-like (the top byte of a float16)
 };
-constexpr int kNumDataTypes = 13;
+constexpr int kNumDataTypes = 15;
 
 enum class ReduceOp : uint8_t {
   kSum,

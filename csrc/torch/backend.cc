@@ -74,6 +74,8 @@ std::optional<DataType> toDataType(at::ScalarType t) {
     case at::kUInt16: return DataType::kUInt16;
     case at::kUInt32: return DataType::kUInt32;
     case at::kUInt64: return DataType::kUInt64;
+    case at::kFloat8_e4m3fn: return DataType::kFloat8E4M3;
+    case at::kFloat8_e5m2: return DataType::kFloat8E5M2;
     default: return std::nullopt;
   }
 }
@@ -94,14 +96,15 @@ DataType checkTensor(const at::Tensor& t, int rank, const char* op) {
   auto dt = toDataType(t.scalar_type());
   TORCH_CHECK_NOT_IMPLEMENTED(dt.has_value(), "smddp rank ", rank, ": ", op, ": dtype ", t.scalar_type(),
                               " is not supported for reductions (supported: float32, float64, float16, bfloat16, "
-                              "int8, uint8, int16, int32, int64, uint16, uint32, uint64, bool); ops that only move "
+                              "float8_e4m3fn, float8_e5m2, int8, uint8, int16, int32, int64, uint16, uint32, uint64, "
+                              "bool); ops that only move "
                               "data take any dtype of 1, 2, 4 or 8 bytes");
   return *dt;
 }
 
 // A tensor that an op only moves (broadcast, the gathers, scatter, all_to_all, send/recv): any
-// dtype of 1, 2, 4 or 8 bytes (float8 and complex32/64 too), carried bit for bit as
-// the integer type of its size, which every step of such an op treats alike.
+// dtype of 1, 2, 4 or 8 bytes (the other float8 kinds and complex32/64 too), carried bit for bit
+// as the integer type of its size, which every step of such an op treats alike.
 DataType checkMovedTensor(const at::Tensor& t, int rank, const char* op) {
   checkPlacement(t, rank, op);
   if (auto dt = toDataType(t.scalar_type())) return *dt;

@@ -26,9 +26,24 @@ float bf16ToFloat(uint16_t b) {
   return f;
 }
 
+// A float8 pattern's value from its fields (exponent bits, bias), independently of the kernels'
+// bit tricks; e4m3fn's S.1111.111 is NaN, e5m2's exponent 31 is inf/NaN.
+double float8Value(DataType dt, uint8_t b) {
+  const bool e4m3 = dt == DataType::kFloat8E4M3;
+  const int mBits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15, eMax = e4m3 ? 15 : 31;
+  const int e = (b & 0x7f) >> mBits, m = b & ((1 << mBits) - 1);
+  const double sign = (b & 0x80) ? -1.0 : 1.0;
+  if (e4m3 && (b & 0x7f) == 0x7f) return NAN;
+  if (!e4m3 && e == eMax) return m ? NAN : sign * INFINITY;
+  if (e == 0) return sign * std::ldexp(m, 1 - bias - mBits);
+  return sign * std::ldexp((1 << mBits) + m, e - bias - mBits);
+}
+
 // Reference value of element i as a double (floats) or as wrapped integer bits (ints/bool).
 double loadAsDouble(DataType dt, const uint8_t* p, size_t i) {
   switch (dt) {
+    case DataType::kFloat8E4M3:
+    case DataType::kFloat8E5M2: return float8Value(dt, p[i]);
     case DataType::kFloat32: return reinterpret_cast<const float*>(p)[i];
     case DataType::kFloat64: return reinterpret_cast<const double*>(p)[i];
     case DataType::kFloat16: return static_cast<double>(reinterpret_cast<const _Float16*>(p)[i]);
@@ -94,6 +109,15 @@ void fill(DataType dt, uint8_t* p, size_t n, std::mt19937& rng, ReduceOp op) {
       case DataType::kUInt16: reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(any(rng) * 300); break;
       case DataType::kUInt32: reinterpret_cast<uint32_t*>(p)[i] = static_cast<uint32_t>(any(rng) * 20000000); break;
       case DataType::kUInt64: reinterpret_cast<uint64_t*>(p)[i] = static_cast<uint64_t>(any(rng)) << 56; break;
+      // float8: -1, 0, 1 (sums of up to 8 sources stay exact) or the products' -1, 1, 2.
+      case DataType::kFloat8E4M3:
+      case DataType::kFloat8E5M2: {
+        const int w = op == ReduceOp::kProduct ? v : v / 3;  // small's -4..4 to -1..1
+        for (int b = 0; b < 256; ++b) {
+          if (float8Value(dt, static_cast<uint8_t>(b)) == w) p[i] = static_cast<uint8_t>(b);
+        }
+        break;
+      }
     }
   }
 }
@@ -132,7 +156,9 @@ bool checkOne(Isa isa, DataType dt, ReduceOp op, int nsrc, size_t count, std::mt
       if (op == ReduceOp::kPremulSum) acc *= 0.5;
       want = acc;
       got = loadAsDouble(dt, out.data(), i);
-      double tol = op == ReduceOp::kAvg ? std::fabs(want) * (dt == DataType::kFloat16 || dt == DataType::kBFloat16 ? 1e-2 : 1e-6) : 0;
+      const double rel = dt == DataType::kFloat8E4M3 || dt == DataType::kFloat8E5M2 ? 0.125
+                         : dt == DataType::kFloat16 || dt == DataType::kBFloat16 ? 1e-2 : 1e-6;
+      double tol = op == ReduceOp::kAvg ? std::fabs(want) * rel : 0;
       ok = std::fabs(got - want) <= tol;
     } else {
       const bool isBool = dt == DataType::kBool;
@@ -205,6 +231,43 @@ void checkHalfRoundTrip(Isa isa) {
   }
 }
 
+// float8: every pattern must come back through float unchanged (NaN as some NaN), on every
+// instruction set; and rounding must be to nearest even: the AVG of two neighbouring finite
+// patterns is their exact midpoint, which must land on the even one.
+void checkFloat8(Isa isa) {
+  for (DataType dt : {DataType::kFloat8E4M3, DataType::kFloat8E5M2}) {
+    std::vector<uint8_t> in(256), out(256);
+    for (int i = 0; i < 256; ++i) in[i] = static_cast<uint8_t>(i);
+    const void* src = in.data();
+    reduceWithIsa(isa, dt, Reduction{ReduceOp::kMax}, out.data(), &src, 1, in.size());
+    size_t bad = 0;
+    for (int i = 0; i < 256; ++i) {
+      const double v = float8Value(dt, static_cast<uint8_t>(i));
+      const bool ok = std::isnan(v) ? std::isnan(float8Value(dt, out[i])) : out[i] == in[i];
+      if (!ok && bad++ < 3) printf("FAIL %s %s round trip of 0x%02x gave 0x%02x\n", isaName(isa), dataTypeName(dt), i, out[i]);
+    }
+    std::vector<uint8_t> lo, hi;
+    for (int b = 0; b < 0x7f; ++b) {
+      if (!std::isfinite(float8Value(dt, static_cast<uint8_t>(b + 1)))) continue;
+      for (int sign : {0, 0x80}) {
+        lo.push_back(static_cast<uint8_t>(b | sign));
+        hi.push_back(static_cast<uint8_t>((b + 1) | sign));
+      }
+    }
+    const void* pair[2] = {lo.data(), hi.data()};
+    std::vector<uint8_t> mid(lo.size());
+    reduceWithIsa(isa, dt, Reduction{ReduceOp::kAvg, 1.0, 2}, mid.data(), pair, 2, lo.size());
+    for (size_t i = 0; i < lo.size(); ++i) {
+      const uint8_t even = (lo[i] & 1) ? hi[i] : lo[i];
+      if (mid[i] != even && bad++ < 6) {
+        printf("FAIL %s %s midpoint of 0x%02x and 0x%02x gave 0x%02x, not 0x%02x\n", isaName(isa), dataTypeName(dt),
+               lo[i], hi[i], mid[i], even);
+      }
+    }
+    (bad == 0 ? passed : failed)++;
+  }
+}
+
 // The streaming copy: every head/tail alignment of source and destination, sizes around its
 // 4 KiB and 128-byte thresholds, and no byte written outside [dst, dst + n).
 void checkStreamingCopy() {
@@ -251,6 +314,7 @@ int main() {
     }
     checkNanPropagates(isa);
     checkHalfRoundTrip(isa);
+    checkFloat8(isa);
   }
   checkStreamingCopy();
   printf("%d passed, %d failed\n", passed, failed);
