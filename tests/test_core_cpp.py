@@ -29,6 +29,12 @@ def test_core_binary(binary):
     _run_binary(binary)
 
 
+def test_net_congestion_set_empty_keeps_the_system_default():
+    """SMDDP_NET_CONGESTION= (set, empty) leaves a connection's congestion control as it was (the
+    test's socket holds reno); until 2026-11-27 an empty value read as unset, so cubic."""
+    _run_binary("smddp_net_tests", {"SMDDP_NET_CONGESTION": ""})
+
+
 @pytest.mark.parametrize("single_copy", ["on", "off"])
 def test_p2p_engine_binary(single_copy):
     """Large messages read straight from the sender's memory, and through the mailboxes."""

@@ -13,6 +13,8 @@ struct Param {
   const char* name;
   const char* defaultValue;
   const char* help;
+  // Set but empty is a value of its own (for the others it reads as unset: the default).
+  bool emptyIsValue = false;
 };
 
 // Keep this table and README.md's variable table in step (tests/test_env_readme.py checks it).
@@ -88,7 +90,8 @@ constexpr Param kParams[] = {
      "mesh's per-peer windows; BBR (v1) misjudges links whose two directions are both full (the "
      "acks wait behind data) and left 5-10% of a link idle in the emulated cluster. Empty = the "
      "system's default. A name this process may not use (see "
-     "net.ipv4.tcp_allowed_congestion_control) keeps the system's default, with a warning."},
+     "net.ipv4.tcp_allowed_congestion_control) keeps the system's default, with a warning.",
+     true},
     {"SMDDP_NET_ONESHOT_BYTES", "65536",
      "Allreduce across hosts in one hop when (hosts - 1) x the message's bytes is at most this: each "
      "rank sends its share of the message whole to its peers of the other hosts and reduces theirs, "
@@ -118,7 +121,7 @@ constexpr Param kParams[] = {
      "raises its error there (like TORCH_NCCL_BLOCKING_WAIT). 0: wait() only makes the current stream "
      "wait; an error surfaces at the next call on the group."},
     {"SMDDP_MAX_CTAS", "8", "Most thread blocks any smddp GPU kernel (copy, reduce) is launched with."},
-    {"SMDDP_SIMD", "auto", "Reduce-kernel instruction set: auto, avx512, avx2 or scalar."},
+    {"SMDDP_SIMD", "auto", "Reduce-kernel instruction set: auto, avx512, avx2 or scalar (x86-64; aarch64 builds have scalar only)."},
     {"SMDDP_DEBUG", "WARN", "Log level: NONE, WARN, INFO or TRACE."},
     {"SMDDP_DEBUG_CHECKS", "0",
      "1: ranks also compare a fingerprint of each op's full description (API, dtypes, shapes) at its "
@@ -151,7 +154,8 @@ const Param& find(const char* name) {
 
 std::string readString(const char* name) {
   const char* v = std::getenv(name);
-  return (v && *v) ? std::string(v) : std::string(find(name).defaultValue);
+  const Param& p = find(name);
+  return (v && (*v || p.emptyIsValue)) ? std::string(v) : std::string(p.defaultValue);
 }
 
 int64_t readInt(const char* name) {
