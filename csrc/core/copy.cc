@@ -1,7 +1,9 @@
 #include "core/copy.h"
 
-#include <immintrin.h>
 #include <unistd.h>
+#ifdef SMDDP_X86_KERNELS
+#include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -37,6 +39,7 @@ size_t streamThreshold() {
   return t;
 }
 
+#ifdef SMDDP_X86_KERNELS
 __attribute__((target("avx2"))) void copyStreamAvx2(uint8_t* dst, const uint8_t* src, size_t n) {
   // Align the destination to 32 bytes; the source may stay unaligned (loadu).
   size_t head = (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31;
@@ -56,6 +59,7 @@ __attribute__((target("avx2"))) void copyStreamAvx2(uint8_t* dst, const uint8_t*
   std::memcpy(dst + i, src + i, n - i);
   _mm_sfence();  // streaming stores are weakly ordered: complete them before anything follows
 }
+#endif
 
 }  // namespace
 
@@ -64,12 +68,14 @@ bool shouldStream(size_t outputBytes, int ranksOnHost) {
 }
 
 void copyOut(void* dst, const void* src, size_t n, bool stream) {
+#ifdef SMDDP_X86_KERNELS
   static const bool avx2 = isaSupported(Isa::kAvx2);
   if (stream && avx2 && n >= 4096) {
     copyStreamAvx2(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n);
-  } else {
-    std::memcpy(dst, src, n);
+    return;
   }
+#endif
+  std::memcpy(dst, src, n);  // elsewhere: the C library's copy (no streaming-store variant here)
 }
 
 }  // namespace smddp

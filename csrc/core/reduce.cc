@@ -27,11 +27,13 @@ Isa pickIsa() {
 }
 
 kernels::ReduceFn lookup(Isa isa, DataType dtype, ReduceOp op) {
+#ifdef SMDDP_X86_KERNELS
   switch (isa) {
     case Isa::kAvx512: return kernels::avx512::lookup(dtype, op);
     case Isa::kAvx2: return kernels::avx2::lookup(dtype, op);
     case Isa::kScalar: break;
   }
+#endif
   return kernels::scalar::lookup(dtype, op);
 }
 
@@ -48,11 +50,16 @@ const char* isaName(Isa isa) {
 
 bool isaSupported(Isa isa) {
   switch (isa) {
+#ifdef SMDDP_X86_KERNELS
     case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     case Isa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    case Isa::kAvx512:
+    case Isa::kAvx2: return false;  // not an x86 build
+#endif
     case Isa::kScalar: return true;
   }
   return false;

@@ -1,5 +1,7 @@
 // Element-wise reductions over several source buffers, with the instruction set chosen at run
 // time (AVX-512, AVX2 or baseline x86-64), so one portable binary is fast where the CPU allows.
+// Builds for other architectures have the baseline kernels only (kScalar, which the compiler
+// vectorises for the target: NEON on aarch64).
 #pragma once
 
 #include <cstddef>

@@ -32,13 +32,21 @@ using smddp::test::expect;
 
 // ---- conversions --------------------------------------------------------------------------
 
-uint16_t halfBits(_Float16 h) {
+// The compiler's own half type is the reference: _Float16 on x86-64, __fp16 on aarch64 (GCC 12
+// has no _Float16 in C++ there); both convert from float to nearest even.
+#if defined(__aarch64__)
+using CompilerHalf = __fp16;
+#else
+using CompilerHalf = _Float16;
+#endif
+
+uint16_t halfBits(CompilerHalf h) {
   uint16_t b;
   std::memcpy(&b, &h, 2);
   return b;
 }
-_Float16 halfOf(uint16_t b) {
-  _Float16 h;
+CompilerHalf halfOf(uint16_t b) {
+  CompilerHalf h;
   std::memcpy(&h, &b, 2);
   return h;
 }
@@ -78,10 +86,10 @@ void checkConversions() {
   int badHalf = 0, badBf16 = 0;
   for (float f : samples) {
     if (f != f) continue;
-    if (math::floatToHalf(f) != halfBits(static_cast<_Float16>(f))) ++badHalf;
+    if (math::floatToHalf(f) != halfBits(static_cast<CompilerHalf>(f))) ++badHalf;
     if (math::floatToBf16(f) != bf16Reference(f)) ++badBf16;
   }
-  expect(badHalf == 0, "floatToHalf vs the compiler's _Float16 on random floats: " + std::to_string(badHalf) + " wrong");
+  expect(badHalf == 0, "floatToHalf vs the compiler's half type on random floats: " + std::to_string(badHalf) + " wrong");
   expect(badBf16 == 0, "floatToBf16 vs exact rounding on random floats: " + std::to_string(badBf16) + " wrong");
 }
 
@@ -612,7 +620,7 @@ int main() {
   checkBlocksFor();
   checkCopy();
   checkReduce<math::F32>("f32", [](float f) { return f; });
-  checkReduce<math::F16>("f16", [](float f) { return halfBits(static_cast<_Float16>(f)); });
+  checkReduce<math::F16>("f16", [](float f) { return halfBits(static_cast<CompilerHalf>(f)); });
   checkReduce<math::BF16>("bf16", [](float f) { return bf16Reference(f); });
   checkPlans();
   checkPipelineFlat();

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -26,17 +27,39 @@ float bf16ToFloat(uint16_t b) {
   return f;
 }
 
-// A float8 pattern's value from its fields (exponent bits, bias), independently of the kernels'
-// bit tricks; e4m3fn's S.1111.111 is NaN, e5m2's exponent 31 is inf/NaN.
-double float8Value(DataType dt, uint8_t b) {
-  const bool e4m3 = dt == DataType::kFloat8E4M3;
-  const int mBits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15, eMax = e4m3 ? 15 : 31;
-  const int e = (b & 0x7f) >> mBits, m = b & ((1 << mBits) - 1);
-  const double sign = (b & 0x80) ? -1.0 : 1.0;
-  if (e4m3 && (b & 0x7f) == 0x7f) return NAN;
-  if (!e4m3 && e == eMax) return m ? NAN : sign * INFINITY;
-  if (e == 0) return sign * std::ldexp(m, 1 - bias - mBits);
-  return sign * std::ldexp((1 << mBits) + m, e - bias - mBits);
+// A binary float's value from its fields (sign on top, then exponent, then mantissa),
+// independently of the kernels' bit tricks. IEEE formats (float16, float8_e5m2) have inf and NaN
+// at the top exponent; float8_e4m3fn has no infinity, and S.1111.111 is its NaN.
+struct Format {
+  int expBits, mantBits;
+  bool ieee;
+};
+constexpr Format kHalfFmt{5, 10, true}, kE4M3Fmt{4, 3, false}, kE5M2Fmt{5, 2, true};
+double valueOf(Format f, uint32_t b) {
+  const uint32_t magnitude = b & ((1u << (f.expBits + f.mantBits)) - 1);
+  const int bias = (1 << (f.expBits - 1)) - 1, eMax = (1 << f.expBits) - 1;
+  const int e = static_cast<int>(magnitude >> f.mantBits), m = static_cast<int>(magnitude & ((1u << f.mantBits) - 1));
+  const double sign = (b >> (f.expBits + f.mantBits)) & 1 ? -1.0 : 1.0;
+  if (!f.ieee && magnitude == (1u << (f.expBits + f.mantBits)) - 1) return NAN;
+  if (f.ieee && e == eMax) return m ? NAN : sign * INFINITY;
+  if (e == 0) return sign * std::ldexp(m, 1 - bias - f.mantBits);
+  return sign * std::ldexp((1 << f.mantBits) + m, e - bias - f.mantBits);
+}
+Format formatOf(DataType dt) { return dt == DataType::kFloat16 ? kHalfFmt : dt == DataType::kFloat8E4M3 ? kE4M3Fmt : kE5M2Fmt; }
+// The pattern of a value the format holds exactly (found by search: the test's values are few).
+uint32_t patternOf(Format f, double v) {
+  for (uint32_t b = 0; b < (2u << (f.expBits + f.mantBits)); ++b) {
+    if (valueOf(f, b) == v) return b;
+  }
+  return 0;
+}
+double float8Value(DataType dt, uint8_t b) { return valueOf(formatOf(dt), b); }
+// patternOf for the small integers -4..4 that fill() uses, found once per format.
+uint32_t smallPattern(Format f, int v) {
+  static std::map<std::pair<int, int>, uint32_t> found;
+  auto [it, fresh] = found.try_emplace({f.expBits * 100 + f.mantBits, v}, 0);
+  if (fresh) it->second = patternOf(f, v);
+  return it->second;
 }
 
 // Reference value of element i as a double (floats) or as wrapped integer bits (ints/bool).
@@ -46,7 +69,7 @@ double loadAsDouble(DataType dt, const uint8_t* p, size_t i) {
     case DataType::kFloat8E5M2: return float8Value(dt, p[i]);
     case DataType::kFloat32: return reinterpret_cast<const float*>(p)[i];
     case DataType::kFloat64: return reinterpret_cast<const double*>(p)[i];
-    case DataType::kFloat16: return static_cast<double>(reinterpret_cast<const _Float16*>(p)[i]);
+    case DataType::kFloat16: return valueOf(kHalfFmt, reinterpret_cast<const uint16_t*>(p)[i]);
     case DataType::kBFloat16: return bf16ToFloat(reinterpret_cast<const uint16_t*>(p)[i]);
     default: return 0;
   }
@@ -91,7 +114,7 @@ void fill(DataType dt, uint8_t* p, size_t n, std::mt19937& rng, ReduceOp op) {
     switch (dt) {
       case DataType::kFloat32: reinterpret_cast<float*>(p)[i] = v; break;
       case DataType::kFloat64: reinterpret_cast<double*>(p)[i] = v; break;
-      case DataType::kFloat16: reinterpret_cast<_Float16*>(p)[i] = static_cast<_Float16>(v); break;
+      case DataType::kFloat16: reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(smallPattern(kHalfFmt, v)); break;
       case DataType::kBFloat16: {
         float f = static_cast<float>(v);
         uint32_t u;
@@ -113,9 +136,7 @@ void fill(DataType dt, uint8_t* p, size_t n, std::mt19937& rng, ReduceOp op) {
       case DataType::kFloat8E4M3:
       case DataType::kFloat8E5M2: {
         const int w = op == ReduceOp::kProduct ? v : v / 3;  // small's -4..4 to -1..1
-        for (int b = 0; b < 256; ++b) {
-          if (float8Value(dt, static_cast<uint8_t>(b)) == w) p[i] = static_cast<uint8_t>(b);
-        }
+        p[i] = static_cast<uint8_t>(smallPattern(formatOf(dt), w));
         break;
       }
     }
