@@ -106,7 +106,8 @@ def sparse_matrix(rank, world, cases=tuple(CASES), dtypes=None, key="sp", group=
 
 
 def sparse_refusals(rank, world):
-    """Refused at the call, with the group still working: MIN/MAX/PRODUCT, AVG on integers and bool.
+    """Refused at the call, with the group still working: MIN/MAX/PRODUCT, AVG on integers and bool,
+    dtypes torch cannot sum sparse (float8, uint16).
     (torch's dispatcher itself refuses layouts other than COO.)"""
     rep = Report(rank)
     t = sparse_input("vector", rank, torch.float32)
@@ -120,6 +121,11 @@ def sparse_refusals(rank, world):
     rep.expect_refusal("sparse all_reduce bool AVG",
                        lambda: dist.all_reduce(sparse_input("vector", rank, torch.bool), op=dist.ReduceOp.AVG),
                        need=("not supported", "AVG"))
+    for dtype in (torch.float8_e4m3fn, torch.uint16):  # torch's sparse CPU kernels cannot sum these
+        values = torch.ones(2).to(dtype)
+        rep.expect_refusal(f"sparse all_reduce {dname(dtype)}",
+                           lambda: dist.all_reduce(torch.sparse_coo_tensor(torch.tensor([[0, 2]]), values, (4,))),
+                           need=("not supported", dname(dtype)))
     rep.group_still_works("after the refusals", world, rank)
     return rep.to_dict()
 

@@ -218,6 +218,17 @@ SparseAllreduceBody sparseAllreduce(const at::Tensor& t, const c10d::ReduceOp& o
                               t.device());
   TORCH_CHECK_VALUE(t.dim() <= static_cast<int64_t>(kMaxDims), "smddp rank ", rank,
                     ": allreduce of sparse tensors supports at most ", kMaxDims, " dimensions, got ", t.dim());
+  // The sum is torch's own (coalesce, index_add_), which its CPU kernels do not provide for
+  // every dtype (uint16-64, float8): refused here, at the call, rather than failing inside the op
+  // (which would leave the group unusable).
+  const at::ScalarType dtype = t.scalar_type();
+  const bool summable = at::isFloatingType(dtype) ? dtype == at::kFloat || dtype == at::kDouble ||
+                                                        dtype == at::kHalf || dtype == at::kBFloat16
+                                                  : dtype == at::kBool || dtype == at::kByte || dtype == at::kChar ||
+                                                        dtype == at::kShort || dtype == at::kInt || dtype == at::kLong;
+  TORCH_CHECK_NOT_IMPLEMENTED(summable, "smddp rank ", rank, ": allreduce of sparse tensors: dtype ", dtype,
+                              " is not supported (torch's sparse CPU kernels do not sum it; supported: float32, "
+                              "float64, float16, bfloat16, int8, uint8, int16, int32, int64, bool)");
   const bool average = op.op_ == c10d::ReduceOp::AVG;
   TORCH_CHECK_NOT_IMPLEMENTED(op.op_ == c10d::ReduceOp::SUM || (average && at::isFloatingType(t.scalar_type())),
                               "smddp rank ", rank, ": allreduce of sparse tensors: ", redOpName(op.op_), " on ",
