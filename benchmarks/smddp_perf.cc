@@ -1,7 +1,8 @@
 // smddp_perf: an nccl-tests style benchmark of smddp's core, without torch or Python.
 //
 //   smddp_perf -np 4 --collective all_reduce -b 8 -e 128M -f 2 [-o sum|prod|min|max|avg|all]
-//              [-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|f8e4m3|f8e5m2|all] [-r root] [-n iters]
+//              [-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|f8e4m3|f8e5m2|all]
+//              [-r root] [-n iters]
 //              [-w warmup] [-m agg] [-c 0/1] [-a 0..3] [-J file.json] [-T target_ms] [--timeout seconds]
 //
 // Invoked as all_reduce_perf, all_gather_perf, reduce_scatter_perf or broadcast_perf (a link to
@@ -102,7 +103,8 @@ const char* opName(ReduceOp op) {
   fprintf(stderr,
           "usage: smddp_perf [-np ranks] [--collective all_reduce|all_gather|reduce_scatter|broadcast] [-b minbytes] "
           "[-e maxbytes] [-f factor | -i stepbytes] [-n iters (0 = auto, see -T)] [-w warmup] [-m agg] [-c 0/1] "
-          "[-o sum|prod|min|max|avg|all] [-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|f8e4m3|f8e5m2|all] "
+          "[-o sum|prod|min|max|avg|all] "
+          "[-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|f8e4m3|f8e5m2|all] "
           "[-r root] [-a 0..3] [-J json] [-T target_ms] [--timeout seconds (set-up and each op; default 300)]\n");
   exit(2);
 }
@@ -218,39 +220,33 @@ Shape shapeOf(const std::string& coll, size_t bytes, size_t es, int W) {
 // ---- element values: small integers, exact in every type, stored in the type's encoding ----
 // A binary float of `mantBits` mantissa bits and exponent bias `bias` (float16: 10, 15;
 // float8_e4m3fn: 3, 7; float8_e5m2: 2, 15), finite values only; `signBit` is the top bit.
-uint32_t minifloatBits(double v, int mantBits, int bias, uint32_t signBit) {  // exact for the small integers used here
-  if (v == 0) return 0;
-  double m = std::fabs(v);
-  int e = 0;
-  while (m >= 2) m /= 2, ++e;
-  while (m < 1) m *= 2, --e;
-  return (v < 0 ? signBit : 0) | static_cast<uint32_t>((e + bias) << mantBits) |
-         static_cast<uint32_t>(std::lround((m - 1) * (1 << mantBits)));
-}
-double minifloatValue(uint32_t b, int mantBits, int bias, uint32_t signBit) {
-  const int e = static_cast<int>((b & (signBit - 1)) >> mantBits);
-  const double f = static_cast<double>(b & ((1u << mantBits) - 1)) / (1 << mantBits);
-  const double v = e == 0 ? f * std::ldexp(1.0, 1 - bias) : (1 + f) * std::ldexp(1.0, e - bias);
-  return (b & signBit) ? -v : v;
-}
 struct Minifloat {
   int mantBits, bias;
   uint32_t signBit;
 };
 constexpr Minifloat kHalf{10, 15, 0x8000}, kE4M3{3, 7, 0x80}, kE5M2{2, 15, 0x80};
+uint32_t minifloatBits(double v, Minifloat f) {  // exact for the small integers used here
+  if (v == 0) return 0;
+  double m = std::fabs(v);
+  int e = 0;
+  while (m >= 2) m /= 2, ++e;
+  while (m < 1) m *= 2, --e;
+  return (v < 0 ? f.signBit : 0) | static_cast<uint32_t>((e + f.bias) << f.mantBits) |
+         static_cast<uint32_t>(std::lround((m - 1) * (1 << f.mantBits)));
+}
+double minifloatValue(uint32_t b, Minifloat f) {
+  const int e = static_cast<int>((b & (f.signBit - 1)) >> f.mantBits);
+  const double m = static_cast<double>(b & ((1u << f.mantBits) - 1)) / (1 << f.mantBits);
+  const double v = e == 0 ? m * std::ldexp(1.0, 1 - f.bias) : (1 + m) * std::ldexp(1.0, e - f.bias);
+  return (b & f.signBit) ? -v : v;
+}
 void storeValue(DataType dt, void* base, size_t i, double v) {
   switch (dt) {
     case DataType::kFloat32: static_cast<float*>(base)[i] = static_cast<float>(v); break;
     case DataType::kFloat64: static_cast<double*>(base)[i] = v; break;
-    case DataType::kFloat16:
-      static_cast<uint16_t*>(base)[i] = static_cast<uint16_t>(minifloatBits(v, kHalf.mantBits, kHalf.bias, kHalf.signBit));
-      break;
-    case DataType::kFloat8E4M3:
-      static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(minifloatBits(v, kE4M3.mantBits, kE4M3.bias, kE4M3.signBit));
-      break;
-    case DataType::kFloat8E5M2:
-      static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(minifloatBits(v, kE5M2.mantBits, kE5M2.bias, kE5M2.signBit));
-      break;
+    case DataType::kFloat16: static_cast<uint16_t*>(base)[i] = static_cast<uint16_t>(minifloatBits(v, kHalf)); break;
+    case DataType::kFloat8E4M3: static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(minifloatBits(v, kE4M3)); break;
+    case DataType::kFloat8E5M2: static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(minifloatBits(v, kE5M2)); break;
     case DataType::kBFloat16: {
       const float f = static_cast<float>(v);
       uint32_t u;
@@ -271,12 +267,9 @@ double load(DataType dt, const void* base, size_t i) {
   switch (dt) {
     case DataType::kFloat32: return static_cast<const float*>(base)[i];
     case DataType::kFloat64: return static_cast<const double*>(base)[i];
-    case DataType::kFloat16:
-      return minifloatValue(static_cast<const uint16_t*>(base)[i], kHalf.mantBits, kHalf.bias, kHalf.signBit);
-    case DataType::kFloat8E4M3:
-      return minifloatValue(static_cast<const uint8_t*>(base)[i], kE4M3.mantBits, kE4M3.bias, kE4M3.signBit);
-    case DataType::kFloat8E5M2:
-      return minifloatValue(static_cast<const uint8_t*>(base)[i], kE5M2.mantBits, kE5M2.bias, kE5M2.signBit);
+    case DataType::kFloat16: return minifloatValue(static_cast<const uint16_t*>(base)[i], kHalf);
+    case DataType::kFloat8E4M3: return minifloatValue(static_cast<const uint8_t*>(base)[i], kE4M3);
+    case DataType::kFloat8E5M2: return minifloatValue(static_cast<const uint8_t*>(base)[i], kE5M2);
     case DataType::kBFloat16: {
       const uint32_t u = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
       float f;

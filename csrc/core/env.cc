@@ -121,7 +121,8 @@ constexpr Param kParams[] = {
      "raises its error there (like TORCH_NCCL_BLOCKING_WAIT). 0: wait() only makes the current stream "
      "wait; an error surfaces at the next call on the group."},
     {"SMDDP_MAX_CTAS", "8", "Most thread blocks any smddp GPU kernel (copy, reduce) is launched with."},
-    {"SMDDP_SIMD", "auto", "Reduce-kernel instruction set: auto, avx512, avx2 or scalar (x86-64; aarch64 builds have scalar only)."},
+    {"SMDDP_SIMD", "auto",
+     "Reduce-kernel instruction set: auto, avx512, avx2 or scalar (x86-64; aarch64 builds have scalar only)."},
     {"SMDDP_DEBUG", "WARN", "Log level: NONE, WARN, INFO or TRACE."},
     {"SMDDP_DEBUG_CHECKS", "0",
      "1: ranks also compare a fingerprint of each op's full description (API, dtypes, shapes) at its "

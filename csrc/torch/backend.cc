@@ -97,8 +97,7 @@ DataType checkTensor(const at::Tensor& t, int rank, const char* op) {
   TORCH_CHECK_NOT_IMPLEMENTED(dt.has_value(), "smddp rank ", rank, ": ", op, ": dtype ", t.scalar_type(),
                               " is not supported for reductions (supported: float32, float64, float16, bfloat16, "
                               "float8_e4m3fn, float8_e5m2, int8, uint8, int16, int32, int64, uint16, uint32, uint64, "
-                              "bool); ops that only move "
-                              "data take any dtype of 1, 2, 4 or 8 bytes");
+                              "bool); ops that only move data take any dtype of 1, 2, 4 or 8 bytes");
   return *dt;
 }
 
@@ -354,7 +353,8 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   try {
     groupStore_ = std::make_unique<PrefixStore>(*store_, freshNamespace(*store_, rank, size, timeout));
     bootstrap_ = std::make_unique<BootstrapStore>(*groupStore_);
-    comm_ = settingUp(*groupStore_, [&] { return std::make_unique<algo::Communicator>(*bootstrap_, rank, size, timeout); });
+    comm_ = settingUp(*groupStore_,
+                      [&] { return std::make_unique<algo::Communicator>(*bootstrap_, rank, size, timeout); });
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, rank));
   }

@@ -89,7 +89,8 @@ void checkConversions() {
     if (math::floatToHalf(f) != halfBits(static_cast<CompilerHalf>(f))) ++badHalf;
     if (math::floatToBf16(f) != bf16Reference(f)) ++badBf16;
   }
-  expect(badHalf == 0, "floatToHalf vs the compiler's half type on random floats: " + std::to_string(badHalf) + " wrong");
+  expect(badHalf == 0,
+         "floatToHalf vs the compiler's half type on random floats: " + std::to_string(badHalf) + " wrong");
   expect(badBf16 == 0, "floatToBf16 vs exact rounding on random floats: " + std::to_string(badBf16) + " wrong");
 }
 

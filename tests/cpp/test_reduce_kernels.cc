@@ -45,7 +45,9 @@ double valueOf(Format f, uint32_t b) {
   if (e == 0) return sign * std::ldexp(m, 1 - bias - f.mantBits);
   return sign * std::ldexp((1 << f.mantBits) + m, e - bias - f.mantBits);
 }
-Format formatOf(DataType dt) { return dt == DataType::kFloat16 ? kHalfFmt : dt == DataType::kFloat8E4M3 ? kE4M3Fmt : kE5M2Fmt; }
+Format formatOf(DataType dt) {
+  return dt == DataType::kFloat16 ? kHalfFmt : dt == DataType::kFloat8E4M3 ? kE4M3Fmt : kE5M2Fmt;
+}
 // The pattern of a value the format holds exactly (found by search: the test's values are few).
 uint32_t patternOf(Format f, double v) {
   for (uint32_t b = 0; b < (2u << (f.expBits + f.mantBits)); ++b) {
@@ -114,7 +116,9 @@ void fill(DataType dt, uint8_t* p, size_t n, std::mt19937& rng, ReduceOp op) {
     switch (dt) {
       case DataType::kFloat32: reinterpret_cast<float*>(p)[i] = v; break;
       case DataType::kFloat64: reinterpret_cast<double*>(p)[i] = v; break;
-      case DataType::kFloat16: reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(smallPattern(kHalfFmt, v)); break;
+      case DataType::kFloat16:
+        reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(smallPattern(kHalfFmt, v));
+        break;
       case DataType::kBFloat16: {
         float f = static_cast<float>(v);
         uint32_t u;
