@@ -293,6 +293,30 @@ void checkFloat8(Isa isa) {
   }
 }
 
+// float16 rounding (the generic conversion on the scalar kernels, F16C elsewhere): the AVG of two
+// neighbouring finite halves is their exact midpoint, which must land on the even one.
+void checkHalfRounding(Isa isa) {
+  std::vector<uint16_t> lo, hi;
+  for (uint32_t b = 0; b < 0x7bff; ++b) {  // 0x7bff: the largest finite half, whose neighbour is inf
+    for (uint32_t sign : {0u, 0x8000u}) {
+      lo.push_back(static_cast<uint16_t>(b | sign));
+      hi.push_back(static_cast<uint16_t>((b + 1) | sign));
+    }
+  }
+  const void* pair[2] = {lo.data(), hi.data()};
+  std::vector<uint16_t> mid(lo.size());
+  reduceWithIsa(isa, DataType::kFloat16, Reduction{ReduceOp::kAvg, 1.0, 2}, mid.data(), pair, 2, lo.size());
+  size_t bad = 0;
+  for (size_t i = 0; i < lo.size(); ++i) {
+    const uint16_t even = (lo[i] & 1) ? hi[i] : lo[i];
+    if (mid[i] != even && bad++ < 3) {
+      printf("FAIL %s float16 midpoint of 0x%04x and 0x%04x gave 0x%04x, not 0x%04x\n", isaName(isa), lo[i], hi[i],
+             mid[i], even);
+    }
+  }
+  (bad == 0 ? passed : failed)++;
+}
+
 // The streaming copy: every head/tail alignment of source and destination, sizes around its
 // 4 KiB and 128-byte thresholds, and no byte written outside [dst, dst + n).
 void checkStreamingCopy() {
@@ -340,6 +364,7 @@ int main() {
     checkNanPropagates(isa);
     checkHalfRoundTrip(isa);
     checkFloat8(isa);
+    checkHalfRounding(isa);
   }
   checkStreamingCopy();
   printf("%d passed, %d failed\n", passed, failed);
