@@ -4,6 +4,7 @@ single-process reference (float64: only summation order differs)."""
 import copy
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -65,6 +66,32 @@ def test_config_sources(tmp_path, monkeypatch):
     assert {k: getattr(defaults, k) for k in tsm.CONFIG_KEYS} == {k: v[0] for k, v in tsm.CONFIG_KEYS.items()}
 
 
+def test_cache_flush_watch_warns_when_the_retries_grow():
+    """fsdp_cache_flush_warnings: the root's pre-forward hook warns, with the rank and the count,
+    only when the allocator's retry counter grew since the last forward; silent off CUDA."""
+    counter = {"retries": 3}
+    watch = tsm.CacheFlushWatch(5, read_retries=lambda module: counter["retries"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watch(None, ())  # the first look only takes the count
+        watch(None, ())
+        counter["retries"] = 7
+        watch(None, ())
+        watch(None, ())
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert "smddp.smp rank 5" in message and "retried 4 allocation(s)" in message and "(7 in all)" in message
+    assert "hybrid_shard_degree" in message
+    off_cuda = tsm.CacheFlushWatch(0, read_retries=lambda module: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        off_cuda(None, ())
+        off_cuda(None, ())
+    assert not caught
+    from smddp.smp import _cuda_alloc_retries
+    assert _cuda_alloc_retries(torch.nn.Linear(2, 2)) is None  # a CPU model: nothing to watch
+
+
 def test_tensor_expert_and_context_parallel_degrees_accepted():
     cfg = tsm.validate({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, 4)
     assert (cfg.tensor_parallel_degree, cfg.hybrid_shard_degree) == (2, 2)
@@ -81,7 +108,8 @@ def test_tensor_expert_and_context_parallel_degrees_accepted():
 def hybrid_task(rank, world, degree, zero2):
     rep = Report(rank)
     tag = f"smp hybrid_shard_degree={degree} zero2={zero2} world={world}"
-    st = tsm.init({"hybrid_shard_degree": degree, "random_seed": 7})
+    # The zero2 case also runs without the allocator watch (on by default, as in SMP).
+    st = tsm.init({"hybrid_shard_degree": degree, "random_seed": 7, "fsdp_cache_flush_warnings": not zero2})
     eff = degree or world
     rep.expect((st.hybrid_shard_degree, st.replicate_degree, st.tp_size, st.rank, st.world_size)
                == (eff, world // eff, 1, rank, world), f"{tag}: state {st}")
@@ -91,6 +119,8 @@ def hybrid_task(rank, world, degree, zero2):
     model = _mlp()
     ref = copy.deepcopy(model)
     tsm.apply_hybrid_sharding(model, zero2=zero2)
+    watches = [h for h in model._forward_pre_hooks.values() if isinstance(h, tsm.CacheFlushWatch)]
+    rep.expect(len(watches) == (0 if zero2 else 1), f"{tag}: {len(watches)} allocator watch(es) on the root")
     opt, ref_opt = _adamw(model.parameters()), _adamw(ref.parameters())
     refp = dict(ref.named_parameters())
     for step, (x, y) in enumerate(batches):

@@ -29,11 +29,13 @@ tensor_parallel.py), expert parallelism of Hugging Face mixture-of-experts model
 see expert_parallel.py), context parallelism of Hugging Face causal LMs (transform(), alone or
 with tensor or expert parallelism; see context_parallel.py), activation checkpointing,
 activation offloading with prefetch, delayed initialisation, sharded checkpoints (reloadable
-under another hybrid_shard_degree).
+under another hybrid_shard_degree), warnings when the CUDA caching allocator flushes
+(fsdp_cache_flush_warnings).
 """
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -42,7 +44,7 @@ import torch.nn as nn
 
 __all__ = ["CONFIG_KEYS", "SMPConfig", "init", "state", "apply_hybrid_sharding", "validate", "materialize",
            "save_checkpoint", "load_checkpoint", "apply_activation_checkpointing", "apply_activation_offloading",
-           "ActivationOffloader", "transform", "context_parallel_shard"]
+           "ActivationOffloader", "CacheFlushWatch", "transform", "context_parallel_shard"]
 
 # key -> (default, meaning); the README's table is this dict.
 CONFIG_KEYS = {
@@ -73,6 +75,11 @@ CONFIG_KEYS = {
     "activation_loading_horizon": (2, "how many offloaded layers' activations may be resident at once (>= 1)"),
     "allow_empty_shards": (False, "allow parameters with fewer rows than ranks to leave some shards empty "
                                   "(FSDP2 does this natively; kept for config compatibility)"),
+    "fsdp_cache_flush_warnings": (True, "warn when the CUDA caching allocator had to free its cached blocks and "
+                                        "retry an allocation since the last step (memory pressure, which slows "
+                                        "training: raise hybrid_shard_degree, checkpoint or offload activations, or "
+                                        "lower the batch); looked at before each forward of a model "
+                                        "apply_hybrid_sharding wrapped; nothing to watch on CPU"),
 }
 
 
@@ -87,6 +94,7 @@ class SMPConfig:
     sm_activation_offloading: bool = True
     activation_loading_horizon: int = 2
     allow_empty_shards: bool = False
+    fsdp_cache_flush_warnings: bool = True
 
 
 def _load(config):
@@ -340,7 +348,40 @@ def apply_hybrid_sharding(model, blocks=None, zero2=False, mp_policy=None, **ful
     for block in blocks if blocks is not None else _blocks(model):
         fully_shard(block, **kw)
     fully_shard(model, **kw)
+    if state.config.fsdp_cache_flush_warnings:
+        model.register_forward_pre_hook(CacheFlushWatch(state.rank))
     return model
+
+
+def _cuda_alloc_retries(module):
+    """num_alloc_retries of the CUDA device `module`'s first parameter lives on; None off CUDA."""
+    p = next(module.parameters(), None)
+    if p is None or p.device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(p.device).get("num_alloc_retries", 0)
+
+
+class CacheFlushWatch:
+    """SMP's fsdp_cache_flush_warnings, as a forward pre-hook of the root module: a step that made
+    the CUDA caching allocator free its cache and retry (num_alloc_retries grew) is warned about
+    at the next forward, with the count. `read_retries(module)` gives the counter (None: nothing
+    to watch, e.g. a CPU model)."""
+
+    def __init__(self, rank, read_retries=_cuda_alloc_retries):
+        self.rank = rank
+        self.read_retries = read_retries
+        self.seen = None
+
+    def __call__(self, module, args):
+        now = self.read_retries(module)
+        if now is None:
+            return
+        if self.seen is not None and now > self.seen:
+            warnings.warn(f"smddp.smp rank {self.rank}: the CUDA caching allocator freed its cache and retried "
+                          f"{now - self.seen} allocation(s) since the last forward ({now} in all): memory is short, "
+                          "which slows training; raise hybrid_shard_degree, checkpoint or offload activations, or "
+                          "lower the batch size (fsdp_cache_flush_warnings: false silences this)", stacklevel=2)
+        self.seen = now
 
 
 _UNSET = object()
