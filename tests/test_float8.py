@@ -1,4 +1,4 @@
-"""Reductions of float8_e4m3fn and float8_e5m2 (NCCL reduces both since 2.24; gloo neither).
+"""Reductions of float8_e4m3fn and float8_e5m2 (NCCL has both, on sm90 GPUs; gloo neither).
 torch cannot add float8 tensors itself, so the contract is what a user would compute: the
 values in float32, converted back with torch's `.to()` (round to nearest even; e4m3fn, which has
 no infinity, saturates at +-448; e5m2 overflows to infinity). smddp accumulates in float32 and
