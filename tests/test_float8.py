@@ -44,19 +44,15 @@ def reference(inputs, opname, dtype):
     return acc.to(dtype)
 
 
-def agree(got, want):
-    """Bit for bit, except that any NaN matches any NaN and +0 matches -0 (MIN/MAX of +0 and -0
-    may return either, as torch.minimum and the 16-bit kernels do)."""
+def mismatch(got, want, inputs):
+    """"" when `got` equals `want` bit for bit, except that any NaN matches any NaN and +0 matches
+    -0 (MIN/MAX of +0 and -0 may return either, as torch.minimum and the 16-bit kernels do);
+    else the first differing element and the count."""
     got = got.cpu()
     g, w = got.float(), want.float()
-    return bool(((got.view(torch.uint8) == want.view(torch.uint8)) | (g.isnan() & w.isnan()) |
-                 ((g == 0) & (w == 0))).all())
-
-
-def _first_difference(got, want, inputs):
-    got = got.cpu()
-    bad = ~((got.view(torch.uint8) == want.view(torch.uint8)) | (got.float().isnan() & want.float().isnan()) |
-            ((got.float() == 0) & (want.float() == 0)))
+    bad = ~((got.view(torch.uint8) == want.view(torch.uint8)) | (g.isnan() & w.isnan()) | ((g == 0) & (w == 0)))
+    if not bad.any():
+        return ""
     i = int(bad.nonzero()[0, 0])
     return (f"element {i}: inputs {[float(t[i]) for t in inputs]} got {float(got[i])} (0x{int(got.view(torch.uint8)[i]):02x}) "
             f"want {float(want[i])} (0x{int(want.view(torch.uint8)[i]):02x}); {int(bad.sum())} wrong")
@@ -74,8 +70,8 @@ def every_pair_task(rank, world, device="cpu"):
                 t = ins[rank].to(device, copy=True)
                 dist.all_reduce(t, op=_op(opname, dtype))
                 want = reference(ins, opname, dtype)
-                rep.expect(agree(t, want), f"{label}: " + ("" if agree(t, want) else
-                                                                        _first_difference(t, want, ins)))
+                why = mismatch(t, want, ins)
+                rep.expect(not why, f"{label}: " + why)
     return rep.to_dict()
 
 
@@ -103,31 +99,33 @@ def collectives_task(rank, world, n, device="cpu"):
             with rep.cell(f"all_reduce {label}"):
                 t = ins[rank].to(device, copy=True)
                 dist.all_reduce(t, op=_op(opname, dtype))
-                rep.expect(agree(t, want), f"all_reduce {label}: " +
-                           ("" if agree(t, want) else _first_difference(t, want, ins)))
+                why = mismatch(t, want, ins)
+                rep.expect(not why, f"all_reduce {label}: " + why)
             with rep.cell(f"reduce {label}"):
                 t = ins[rank].to(device, copy=True)
                 dist.reduce(t, dst=world - 1, op=_op(opname, dtype))
                 good = want if rank == world - 1 else ins[rank]
-                rep.expect(agree(t, good), f"reduce {label} (root {world - 1}): " +
-                           ("" if agree(t, good) else _first_difference(t, good, ins)))
+                why = mismatch(t, good, ins)
+                rep.expect(not why, f"reduce {label} (root {world - 1}): " + why)
             blocks = [exact_inputs("rs", r, n * world, dtype, opname) for r in range(world)]
-            mine = reference([b[rank * n:(rank + 1) * n] for b in blocks], opname, dtype)
+            parts = [b[rank * n:(rank + 1) * n] for b in blocks]  # what this rank's block reduces
+            mine = reference(parts, opname, dtype)
             with rep.cell(f"reduce_scatter_tensor {label}"):
                 out = torch.zeros(n, dtype=dtype, device=device)
                 dist.reduce_scatter_tensor(out, blocks[rank].to(device, copy=True), op=_op(opname, dtype))
-                rep.expect(agree(out, mine), f"reduce_scatter_tensor {label}: " +
-                           ("" if agree(out, mine) else _first_difference(out, mine, blocks)))
+                why = mismatch(out, mine, parts)
+                rep.expect(not why, f"reduce_scatter_tensor {label}: " + why)
             with rep.cell(f"reduce_scatter (list) {label}"):
                 out = torch.zeros(n, dtype=dtype, device=device)
                 dist.reduce_scatter(out, list(blocks[rank].to(device, copy=True).chunk(world)), op=_op(opname, dtype))
-                rep.expect(agree(out, mine), f"reduce_scatter {label}: got {out[:3].tolist()}")
+                why = mismatch(out, mine, parts)
+                rep.expect(not why, f"reduce_scatter {label}: " + why)
         with rep.cell(f"all_reduce_coalesced {name}"):
             ts = [exact_inputs(f"co{i}", rank, 100 + i, dtype, "SUM").to(device) for i in range(3)]
             dist.all_reduce_coalesced(ts)
             for i, t in enumerate(ts):
                 want = reference([exact_inputs(f"co{i}", r, 100 + i, dtype, "SUM") for r in range(world)], "SUM", dtype)
-                rep.expect(agree(t, want), f"all_reduce_coalesced {name} tensor {i}")
+                rep.expect(not mismatch(t, want, []), f"all_reduce_coalesced {name} tensor {i}")
         with rep.cell(f"bitwise ops on {name} refused"):
             rep.expect_refusal(f"BXOR on {name}", lambda: dist.all_reduce(torch.zeros(3, dtype=dtype, device=device),
                                                                          op=dist.ReduceOp.BXOR))
