@@ -533,6 +533,7 @@ bool NetP2p::progressRecvs(Peer& p) {
         (inHeader ? l.recvHdrGot : l.recvOff) += static_cast<size_t>(k);
         if (static_cast<size_t>(k) < want) break;  // the socket is empty: wait for poll()
       }
+      if (routed) break;  // routeMessage may have moved the receives: `op` no longer refers to one
       left |= Peer::partLeft(op, lane, l.recvHdrGot + l.recvOff, lanes_);
     }
     moved |= routed;

@@ -189,7 +189,7 @@ bool P2pEngine::progressSend(P2pOp& op) {
     const size_t n = std::min(kPayload, op.bytes - op.offset);
     const ChunkHeader h{op.bytes, op.tag, static_cast<uint32_t>(n), 0};
     std::memcpy(chunk, &h, sizeof(h));
-    std::memcpy(chunk + kHeader, op.buffer + op.offset, n);
+    if (n > 0) std::memcpy(chunk + kHeader, op.buffer + op.offset, n);  // an empty message may have no buffer
     domain_->sentTo(rank_, d).store(i + 1, std::memory_order_release);
     domain_->ringDoorbell(d);
     sendNext_[d] = i + 1;
@@ -223,7 +223,7 @@ bool P2pEngine::progressRecv(P2pOp& op, int s) {
       }
       op.offset = op.bytes;
     } else {
-      std::memcpy(op.buffer + op.offset, chunk + kHeader, h.chunkBytes);
+      if (h.chunkBytes > 0) std::memcpy(op.buffer + op.offset, chunk + kHeader, h.chunkBytes);
       op.offset += h.chunkBytes;
     }
     op.started = true;

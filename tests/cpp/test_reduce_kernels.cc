@@ -129,12 +129,12 @@ void fill(DataType dt, uint8_t* p, size_t n, std::mt19937& rng, ReduceOp op) {
       case DataType::kInt8: reinterpret_cast<int8_t*>(p)[i] = static_cast<int8_t>(any(rng)); break;
       case DataType::kUInt8: reinterpret_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(any(rng)); break;
       case DataType::kInt16: reinterpret_cast<int16_t*>(p)[i] = static_cast<int16_t>(any(rng) * 300); break;
-      case DataType::kInt32: reinterpret_cast<int32_t*>(p)[i] = any(rng) * 20000000; break;
+      case DataType::kInt32: reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(any(rng) * int64_t{20000000}); break;
       case DataType::kInt64: reinterpret_cast<int64_t*>(p)[i] = static_cast<int64_t>(any(rng)) << 56; break;
       case DataType::kBool: reinterpret_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(bit(rng)); break;
       // Unsigned: values near the top of the range too (sums wrap, and uint64 has its high bit set).
       case DataType::kUInt16: reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(any(rng) * 300); break;
-      case DataType::kUInt32: reinterpret_cast<uint32_t*>(p)[i] = static_cast<uint32_t>(any(rng) * 20000000); break;
+      case DataType::kUInt32: reinterpret_cast<uint32_t*>(p)[i] = static_cast<uint32_t>(any(rng) * int64_t{20000000}); break;
       case DataType::kUInt64: reinterpret_cast<uint64_t*>(p)[i] = static_cast<uint64_t>(any(rng)) << 56; break;
       // float8: -1, 0, 1 (sums of up to 8 sources stay exact) or the products' -1, 1, 2.
       case DataType::kFloat8E4M3:
