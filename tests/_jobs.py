@@ -4,7 +4,9 @@ dies or gives up cannot spoil other tests.
 
 Each rank's output (stdout and stderr together) is read on a thread as it comes. Reading a line
 from the pipe and then calling communicate() would lose what the pipe's buffer had read ahead:
-communicate() with a timeout reads the file descriptor, not the buffer."""
+communicate() with a timeout reads the file descriptor, not the buffer.
+
+run_ranks starts the ranks of a torch-free binary (smddp_perf) the way torchrun would."""
 import os
 import signal
 import subprocess
@@ -102,3 +104,20 @@ def kill_leftover_jobs():
     """Kills the ranks of every job a test left running (it failed before finishing them)."""
     for job in list(_LIVE):
         job.kill_all()
+
+
+def run_ranks(args, world, hosts, master="127.0.0.1", timeout=240, env=None):
+    """Runs a torch-free binary (smddp_perf) as a torchrun-style job of `world` ranks: one process
+    per character of `hosts` (its SMDDP_HOST_ID), rank 0 serving the bootstrap store. Returns the
+    processes and their (stdout, stderr); a rank still running after `timeout` is killed."""
+    port = free_port()
+    procs = [subprocess.Popen([str(a) for a in args],
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR=master,
+                                       MASTER_PORT=str(port), SMDDP_HOST_ID=host, **(env or {})),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r, host in enumerate(hosts)]
+    try:
+        return procs, [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

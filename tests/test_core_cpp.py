@@ -1,7 +1,6 @@
-"""Runs the torch-free C++ unit tests of the core (built by setup.py next to the extension), and
-the p2p engine's under ThreadSanitizer."""
+"""Runs the torch-free C++ unit tests of the core (built by setup.py next to the extension);
+test_sanitizers.py runs them again under AddressSanitizer, UBSan and ThreadSanitizer."""
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,34 +40,3 @@ def test_p2p_engine_binary(single_copy):
     out = _run_binary("smddp_p2p_tests", None if single_copy == "on" else {"SMDDP_P2P_SINGLE_COPY_BYTES": "0"})
     if single_copy == "off" or ptrace_allowed():
         assert f"single-copy reads between the two ranks: {single_copy}" in out, out[-2000:]
-
-
-CORE_SOURCES = ["csrc/core/file_store.cc", "csrc/core/error.cc", "csrc/core/spin.cc", "csrc/core/env.cc",
-                "csrc/core/log.cc", "csrc/core/random.cc"]
-SHM_P2P_SOURCES = ["csrc/engine/p2p_engine.cc", "csrc/engine/p2p_matching.cc", "csrc/transport/shm_domain.cc",
-                   "csrc/transport/shm_segment.cc"]
-TSAN_BUILDS = {
-    "shm": ["tests/cpp/test_p2p_engine.cc", *SHM_P2P_SOURCES, *CORE_SOURCES],
-    "tcp": ["tests/cpp/test_net_p2p.cc", "csrc/engine/net_p2p.cc", *SHM_P2P_SOURCES, "csrc/transport/sockets.cc",
-            "csrc/transport/wire.cc", "csrc/core/types.cc", "csrc/transport/netif.cc", "csrc/transport/topology.cc",
-            *CORE_SOURCES],
-}
-
-
-@pytest.mark.parametrize("engine", ["shm", "tcp"])
-def test_p2p_engine_under_thread_sanitizer(tmp_path, engine):
-    """A p2p engine's state is moved by its own thread and by every thread waiting on an op: the
-    engine's test again (shared memory, or TCP between hosts), built with ThreadSanitizer (clang;
-    CI installs it), must report no race."""
-    clang = shutil.which("clang++")
-    if clang is None:
-        pytest.skip("clang++ is not installed (apt-get install clang)")
-    exe = tmp_path / "p2p_tsan"
-    build = subprocess.run([clang, "-std=c++20", "-O1", "-g", "-fsanitize=thread", f"-I{ROOT / 'csrc'}",
-                            *[str(ROOT / s) for s in TSAN_BUILDS[engine]], "-o", str(exe), "-lpthread"],
-                           capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
-    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, TSAN_OPTIONS="halt_on_error=1 exitcode=66"))
-    assert "ThreadSanitizer" not in proc.stderr and proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    assert " passed, 0 failed" in proc.stdout.splitlines()[-1]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from _jobs import run_ranks
 from _pool import free_port, ipv6_available
 
 BIN = Path(__file__).resolve().parent.parent / "python" / "smddp" / "bin"
@@ -21,22 +22,6 @@ pytestmark = pytest.mark.skipif(not (BIN / "smddp_perf").exists(),
 def run(args, env=None, timeout=240):
     return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, **(env or {})))
-
-
-def run_ranks(args, world, hosts, master="127.0.0.1", timeout=240):
-    """Starts one process per character of `hosts` (its SMDDP_HOST_ID) as ranks 0, 1, ... of a
-    torchrun-style job of `world` ranks; returns the processes and their (stdout, stderr)."""
-    port = free_port()
-    procs = [subprocess.Popen([str(a) for a in args],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR=master,
-                                       MASTER_PORT=str(port), SMDDP_HOST_ID=host),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r, host in enumerate(hosts)]
-    try:
-        return procs, [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
 
 
 def rows(out):
