@@ -285,15 +285,25 @@ double load(DataType dt, const void* base, size_t i) {
     default: return NAN;
   }
 }
+bool isFloat8(DataType dt) { return dt == DataType::kFloat8E4M3 || dt == DataType::kFloat8E5M2; }
 // Rank r's element i: 1..4, or 1..2 for prod, so sums and products of up to 8 ranks stay exact in
-// every type (int8 included).
-double valueOf(ReduceOp op, int r, size_t i) {
+// every type (int8 included). float8 holds few integers exactly (e5m2 up to 8, e4m3 up to 16) and
+// rounds every partial sum, so there at most 4 (e5m2) or 8 (e4m3) ranks give an element 1 or 2
+// and the others 0 (products: 2 or 1 from at most 8 ranks, the others 1): any partial sum or
+// product, in any order, is exact, and so the check is exact too.
+double valueOf(ReduceOp op, DataType dt, int W, int r, size_t i) {
+  if (isFloat8(dt)) {
+    const int carriers = op == ReduceOp::kProduct ? 8 : dt == DataType::kFloat8E5M2 ? 4 : 8;
+    const bool carries = static_cast<int>((static_cast<size_t>(r) + i) % static_cast<size_t>(W)) < carriers;
+    if (op == ReduceOp::kProduct) return carries ? 1 + static_cast<double>((r + i) % 2) : 1;
+    return carries ? 1 + static_cast<double>((r + i * 3) % 2) : 0;
+  }
   return op == ReduceOp::kProduct ? 1 + static_cast<double>((r + i) % 2) : 1 + static_cast<double>((r + i * 3) % 4);
 }
 double reduced(ReduceOp op, DataType dt, int W, size_t i) {
-  double acc = valueOf(op, 0, i);
+  double acc = valueOf(op, dt, W, 0, i);
   for (int r = 1; r < W; ++r) {
-    const double v = valueOf(op, r, i);
+    const double v = valueOf(op, dt, W, r, i);
     if (op == ReduceOp::kProduct) acc *= v;
     else if (op == ReduceOp::kMin) acc = std::min(acc, v);
     else if (op == ReduceOp::kMax) acc = std::max(acc, v);
@@ -302,14 +312,19 @@ double reduced(ReduceOp op, DataType dt, int W, size_t i) {
   if (op == ReduceOp::kAvg) acc = isFloatingPoint(dt) ? acc / W : std::trunc(acc / W);
   return acc;
 }
-// Sums past the types' exact integers round: at most once per reduction step, by half a unit in
-// the last place (float8: 1/16 and 1/8 of the value; two steps across hosts).
+// `v` rounded to the nearest value of format `f`, ties to even (within its finite range).
+double roundToMinifloat(double v, Minifloat f) {
+  if (v == 0) return v;
+  const int e = std::max(std::ilogb(v), 1 - f.bias);  // subnormals share the smallest normal's step
+  const double step = std::ldexp(1.0, e - f.mantBits);
+  return std::nearbyint(v / step) * step;
+}
+// float8 is checked exactly (an AVG rounds once, at its division). Elsewhere sums past the types'
+// exact integers round, at most once per reduction step, by half a unit in the last place.
 bool close(DataType dt, double got, double want) {
-  const double tol = dt == DataType::kFloat8E5M2   ? 0.25
-                     : dt == DataType::kFloat8E4M3 ? 0.125
-                     : dt == DataType::kBFloat16   ? 8e-3
-                     : dt == DataType::kFloat16    ? 1e-3
-                                                   : 1e-6;
+  if (dt == DataType::kFloat8E4M3) return got == roundToMinifloat(want, kE4M3);
+  if (dt == DataType::kFloat8E5M2) return got == roundToMinifloat(want, kE5M2);
+  const double tol = dt == DataType::kBFloat16 ? 8e-3 : dt == DataType::kFloat16 ? 1e-3 : 1e-6;
   return std::fabs(got - want) <= tol * std::max(1.0, std::fabs(want));
 }
 
@@ -343,8 +358,8 @@ size_t countWrong(const Args& a, const Case& k, const void* out, const Shape& s,
   for (size_t i = 0; i < s.outElems; ++i) {
     double want;
     if (a.coll == "all_reduce") want = reduced(k.op, k.dt, W, i);
-    else if (a.coll == "broadcast") want = valueOf(k.op, a.root, i);
-    else if (a.coll == "all_gather") want = valueOf(k.op, static_cast<int>(i / s.inElems), i % s.inElems);
+    else if (a.coll == "broadcast") want = valueOf(k.op, k.dt, W, a.root, i);
+    else if (a.coll == "all_gather") want = valueOf(k.op, k.dt, W, static_cast<int>(i / s.inElems), i % s.inElems);
     else want = reduced(k.op, k.dt, W, rank * s.outElems + i);
     wrong += !close(k.dt, load(k.dt, out, i), want);
   }
@@ -427,7 +442,7 @@ int rankMain(const Args& a, int rank, Store& store) {
         if (inPlace && a.coll == "reduce_scatter") dst = in.data() + rank * s.outElems * es;
         long wrong = 0;
         if (a.check) {
-          for (size_t i = 0; i < s.inElems; ++i) storeValue(k.dt, src, i, valueOf(k.op, rank, i));
+          for (size_t i = 0; i < s.inElems; ++i) storeValue(k.dt, src, i, valueOf(k.op, k.dt, W, rank, i));
           runOp(comm, a, k, src, dst, s, W);
           wrong = static_cast<long>(countWrong(a, k, dst, s, rank, W));
         }

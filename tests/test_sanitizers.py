@@ -4,7 +4,8 @@ emulated hosts) must run without a single report.
 
 - address: AddressSanitizer with LeakSanitizer (use after free, out-of-bounds access, leaks at
   exit) and UndefinedBehaviorSanitizer (signed overflow, null pointers to memcpy, misaligned
-  loads, ...), each stopping the process at its first report.
+  loads, a float converted to an integer it does not fit, ...), each stopping the process at its
+  first report.
 - thread: ThreadSanitizer. Ranks are processes, so it sees the threads inside one rank (the p2p
   engines' threads and their waiters, the TCP mesh, the CPU reduction helpers), not the shared
   memory between ranks.
@@ -22,7 +23,7 @@ from _jobs import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = {
-    "address": "-fsanitize=address,undefined -fno-sanitize-recover=undefined",
+    "address": "-fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=undefined,float-cast-overflow",
     "thread": "-fsanitize=thread",
 }
 RUNTIME_OPTIONS = {  # stop at the first report, with an exit status the tests tell apart
