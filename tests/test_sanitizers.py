@@ -15,6 +15,7 @@ routing a message to another receive had invalidated) was found this way on 2026
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,57 @@ def test_collectives(sanitized, hosts, collective):
     for p, (out, err) in zip(procs, outs):
         _no_report(p.returncode, out, err)
     assert "# Out of bounds values : 0 OK" in outs[0][0], outs[0][0][-3000:]
+
+
+# The torch layer (csrc/torch: Works, futures, the flight recorder, sparse all_reduce, the p2p
+# glue, and the teardown after kills, timeouts and aborts) under AddressSanitizer + UBSan:
+# smddp._C built again into a copy of the package, then some of the multi-rank test files run on
+# it, every rank preloading the sanitizer runtime (Python and torch are not instrumented;
+# libstdc++ is preloaded too, so that ASan finds __cxa_throw).
+TORCH_LAYER_TESTS = ["test_p2p.py", "test_sparse.py", "test_flight_recorder.py", "test_shrink.py", "test_failures.py"]
+# ASan reserves terabytes of address space, so a rank under RLIMIT_AS cannot start.
+NOT_UNDER_ASAN = "not out_of_memory"
+
+
+@pytest.fixture(scope="module")
+def asan_torch_env(tmp_path_factory):
+    """The environment that runs Python on the sanitized copy of the package."""
+    if shutil.which("cmake") is None or shutil.which("ninja") is None:
+        pytest.skip("cmake and ninja are needed to build the sanitized extension")
+    build = ROOT / "build" / "sanitize-torch"
+    package = build / "pkg" / "smddp"
+    if package.exists():
+        shutil.rmtree(package)
+    shutil.copytree(ROOT / "python" / "smddp", package,
+                    ignore=shutil.ignore_patterns("_C*.so", "libsmddp_cuda.so", "bin", "__pycache__"))
+    flags = f"{FLAGS['address']} -fno-omit-frame-pointer"
+    for step in (["cmake", "-S", ROOT, "-B", build, "-G", "Ninja", "-DSMDDP_BUILD_CUDA=OFF",
+                  "-DCMAKE_BUILD_TYPE=RelWithDebInfo", "-DCMAKE_CXX_COMPILER=g++",
+                  f"-DPython_EXECUTABLE={sys.executable}", f"-DSMDDP_OUTPUT_DIR={package}",
+                  f"-DCMAKE_CXX_FLAGS={flags}", f"-DCMAKE_MODULE_LINKER_FLAGS={flags}"],
+                 ["cmake", "--build", build, "--target", "smddp_ext"]):
+        p = subprocess.run([str(a) for a in step], capture_output=True, text=True, timeout=1200)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    runtimes = [subprocess.run(["g++", f"-print-file-name={lib}"], capture_output=True, text=True).stdout.strip()
+                for lib in ("libasan.so", "libstdc++.so.6")]
+    env = dict(os.environ, PYTHONPATH=str(package.parent), LD_PRELOAD=" ".join(runtimes),
+               UBSAN_OPTIONS="print_stacktrace=1")
+    where = subprocess.run([sys.executable, "-c", "import smddp; print(smddp._C.__file__)"], capture_output=True,
+                           text=True, env=env, timeout=120)
+    assert where.stdout.strip().startswith(str(package)), where.stdout + where.stderr[-2000:]
+    return env
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("test_file", TORCH_LAYER_TESTS)
+def test_torch_layer_under_address_sanitizer(asan_torch_env, test_file, tmp_path):
+    # Python leaks by design at exit, so leaks are not checked here (the C++ tests above check them).
+    env = dict(asan_torch_env,
+               ASAN_OPTIONS=f"detect_leaks=0:quarantine_size_mb=32:exitcode=66:log_path={tmp_path}/asan",
+               UBSAN_OPTIONS=f"{asan_torch_env['UBSAN_OPTIONS']}:log_path={tmp_path}/ubsan")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", NOT_UNDER_ASAN,
+                        str(ROOT / "tests" / test_file)],
+                       capture_output=True, text=True, env=env, timeout=1100, cwd=ROOT)
+    reports = "".join(f.read_text(errors="replace")[-6000:] for f in sorted(tmp_path.glob("*san*")))
+    assert p.returncode == 0 and not reports, p.stdout[-4000:] + reports
+    assert " passed" in p.stdout.splitlines()[-1], p.stdout[-2000:]
