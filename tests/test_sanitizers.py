@@ -1,14 +1,16 @@
-"""The torch-free core under the sanitizers: built again with g++ and CMake (build/sanitize-*),
-its C++ tests and smddp_perf's collectives (every datatype and reduce op, on one host and across
-emulated hosts) must run without a single report.
+"""smddp under the sanitizers, built again with g++ and CMake (build/sanitize-*); every run must
+end without a single report.
 
-- address: AddressSanitizer with LeakSanitizer (use after free, out-of-bounds access, leaks at
-  exit) and UndefinedBehaviorSanitizer (signed overflow, null pointers to memcpy, misaligned
-  loads, a float converted to an integer it does not fit, ...), each stopping the process at its
-  first report.
-- thread: ThreadSanitizer. Ranks are processes, so it sees the threads inside one rank (the p2p
-  engines' threads and their waiters, the TCP mesh, the CPU reduction helpers), not the shared
-  memory between ranks.
+- The torch-free core under each sanitizer: its C++ tests, and smddp_perf's collectives (every
+  datatype and reduce op, on one host and across emulated hosts).
+  - address: AddressSanitizer with LeakSanitizer (use after free, out-of-bounds access, leaks at
+    exit) and UndefinedBehaviorSanitizer (signed overflow, null pointers to memcpy, misaligned
+    loads, a float converted to an integer it does not fit, ...), each stopping the process at
+    its first report.
+  - thread: ThreadSanitizer. Ranks are processes, so it sees the threads inside one rank (the p2p
+    engines' threads and their waiters, the TCP mesh, the CPU reduction helpers), not the shared
+    memory between ranks.
+- The torch layer under AddressSanitizer + UBSan (below).
 
 A use after free in the TCP point-to-point engine (a receive reached through a reference that
 routing a message to another receive had invalidated) was found this way on 2026-11-27."""
@@ -36,26 +38,27 @@ REPORTS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:", 
 CPP_TESTS = ["smddp_core_tests", "smddp_net_tests", "smddp_p2p_tests", "smddp_net_p2p_tests", "smddp_cuda_host_tests"]
 
 
-def _build(sanitizer):
+def _cmake(build, flags, targets, *definitions):
+    """Configures and builds `targets` in `build` with g++ and `flags` (compiler and linker)."""
     if shutil.which("cmake") is None or shutil.which("ninja") is None:
-        pytest.skip("cmake and ninja are needed to build the sanitized core")
-    build = ROOT / "build" / f"sanitize-{sanitizer}"
-    flags = f"{FLAGS[sanitizer]} -fno-omit-frame-pointer"
-    steps = [["cmake", "-S", ROOT, "-B", build, "-G", "Ninja", "-DSMDDP_BUILD_TORCH=OFF", "-DSMDDP_BUILD_CUDA=OFF",
+        pytest.skip("cmake and ninja are needed for the sanitized builds")
+    flags = f"{flags} -fno-omit-frame-pointer"
+    steps = [["cmake", "-S", ROOT, "-B", build, "-G", "Ninja", "-DSMDDP_BUILD_CUDA=OFF",
               "-DCMAKE_BUILD_TYPE=RelWithDebInfo", "-DCMAKE_CXX_COMPILER=g++", f"-DCMAKE_CXX_FLAGS={flags}",
-              f"-DCMAKE_EXE_LINKER_FLAGS={flags}"],
-             ["cmake", "--build", build, "--target", *CPP_TESTS, "smddp_perf"]]
+              f"-DCMAKE_EXE_LINKER_FLAGS={flags}", f"-DCMAKE_MODULE_LINKER_FLAGS={flags}", *definitions],
+             ["cmake", "--build", build, "--target", *targets]]
     for step in steps:
         p = subprocess.run([str(a) for a in step], capture_output=True, text=True, timeout=1200)
         if p.returncode != 0 and "cannot find" in p.stdout + p.stderr and "san" in p.stdout + p.stderr:
-            pytest.skip(f"g++ has no {sanitizer} sanitizer runtime: {(p.stdout + p.stderr)[-300:]}")
+            pytest.skip(f"g++ lacks a sanitizer runtime: {(p.stdout + p.stderr)[-300:]}")
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return build
 
 
 @pytest.fixture(scope="module", params=sorted(FLAGS))
 def sanitized(request):
-    return request.param, _build(request.param)
+    build = ROOT / "build" / f"sanitize-{request.param}"
+    _cmake(build, FLAGS[request.param], [*CPP_TESTS, "smddp_perf"], "-DSMDDP_BUILD_TORCH=OFF")
+    return request.param, build
 
 
 def _no_report(returncode, out, err):
@@ -101,24 +104,16 @@ NOT_UNDER_ASAN = "not out_of_memory"
 
 
 @pytest.fixture(scope="module")
-def asan_torch_env(tmp_path_factory):
+def asan_torch_env():
     """The environment that runs Python on the sanitized copy of the package."""
-    if shutil.which("cmake") is None or shutil.which("ninja") is None:
-        pytest.skip("cmake and ninja are needed to build the sanitized extension")
     build = ROOT / "build" / "sanitize-torch"
     package = build / "pkg" / "smddp"
     if package.exists():
         shutil.rmtree(package)
     shutil.copytree(ROOT / "python" / "smddp", package,
                     ignore=shutil.ignore_patterns("_C*.so", "libsmddp_cuda.so", "bin", "__pycache__"))
-    flags = f"{FLAGS['address']} -fno-omit-frame-pointer"
-    for step in (["cmake", "-S", ROOT, "-B", build, "-G", "Ninja", "-DSMDDP_BUILD_CUDA=OFF",
-                  "-DCMAKE_BUILD_TYPE=RelWithDebInfo", "-DCMAKE_CXX_COMPILER=g++",
-                  f"-DPython_EXECUTABLE={sys.executable}", f"-DSMDDP_OUTPUT_DIR={package}",
-                  f"-DCMAKE_CXX_FLAGS={flags}", f"-DCMAKE_MODULE_LINKER_FLAGS={flags}"],
-                 ["cmake", "--build", build, "--target", "smddp_ext"]):
-        p = subprocess.run([str(a) for a in step], capture_output=True, text=True, timeout=1200)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    _cmake(build, FLAGS["address"], ["smddp_ext"], f"-DPython_EXECUTABLE={sys.executable}",
+           f"-DSMDDP_OUTPUT_DIR={package}")
     runtimes = [subprocess.run(["g++", f"-print-file-name={lib}"], capture_output=True, text=True).stdout.strip()
                 for lib in ("libasan.so", "libstdc++.so.6")]
     env = dict(os.environ, PYTHONPATH=str(package.parent), LD_PRELOAD=" ".join(runtimes),
