@@ -288,13 +288,13 @@ double load(DataType dt, const void* base, size_t i) {
 bool isFloat8(DataType dt) { return dt == DataType::kFloat8E4M3 || dt == DataType::kFloat8E5M2; }
 // Rank r's element i: 1..4, or 1..2 for prod, so sums and products of up to 8 ranks stay exact in
 // every type (int8 included). float8 holds few integers exactly (e5m2 up to 8, e4m3 up to 16) and
-// rounds every partial sum, so there at most 4 (e5m2) or 8 (e4m3) ranks give an element 1 or 2
+// rounds every partial sum, so there, at most 4 (e5m2) or 8 (e4m3) ranks give an element 1 or 2
 // and the others 0 (products: 2 or 1 from at most 8 ranks, the others 1): any partial sum or
 // product, in any order, is exact, and so the check is exact too.
 double valueOf(ReduceOp op, DataType dt, int W, int r, size_t i) {
   if (isFloat8(dt)) {
     const int carriers = op == ReduceOp::kProduct ? 8 : dt == DataType::kFloat8E5M2 ? 4 : 8;
-    const bool carries = static_cast<int>((static_cast<size_t>(r) + i) % static_cast<size_t>(W)) < carriers;
+    const bool carries = (static_cast<size_t>(r) + i) % static_cast<size_t>(W) < static_cast<size_t>(carriers);
     if (op == ReduceOp::kProduct) return carries ? 1 + static_cast<double>((r + i) % 2) : 1;
     return carries ? 1 + static_cast<double>((r + i * 3) % 2) : 0;
   }

@@ -116,8 +116,7 @@ def asan_torch_env():
            f"-DSMDDP_OUTPUT_DIR={package}")
     runtimes = [subprocess.run(["g++", f"-print-file-name={lib}"], capture_output=True, text=True).stdout.strip()
                 for lib in ("libasan.so", "libstdc++.so.6")]
-    env = dict(os.environ, PYTHONPATH=str(package.parent), LD_PRELOAD=" ".join(runtimes),
-               UBSAN_OPTIONS="print_stacktrace=1")
+    env = dict(os.environ, PYTHONPATH=str(package.parent), LD_PRELOAD=" ".join(runtimes))
     where = subprocess.run([sys.executable, "-c", "import smddp; print(smddp._C.__file__)"], capture_output=True,
                            text=True, env=env, timeout=120)
     assert where.stdout.strip().startswith(str(package)), where.stdout + where.stderr[-2000:]
@@ -130,7 +129,7 @@ def test_torch_layer_under_address_sanitizer(asan_torch_env, test_file, tmp_path
     # Python leaks by design at exit, so leaks are not checked here (the C++ tests above check them).
     env = dict(asan_torch_env,
                ASAN_OPTIONS=f"detect_leaks=0:quarantine_size_mb=32:exitcode=66:log_path={tmp_path}/asan",
-               UBSAN_OPTIONS=f"{asan_torch_env['UBSAN_OPTIONS']}:log_path={tmp_path}/ubsan")
+               UBSAN_OPTIONS=f"{RUNTIME_OPTIONS['UBSAN_OPTIONS']}:log_path={tmp_path}/ubsan")
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", NOT_UNDER_ASAN,
                         str(ROOT / "tests" / test_file)],
                        capture_output=True, text=True, env=env, timeout=1100, cwd=ROOT)

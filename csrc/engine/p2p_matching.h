@@ -101,6 +101,8 @@ std::string unexpectedSummary(const UnexpectedQueue& q, int peerRank);
 // the front of `recvs` takes the message now; false if no receive waits at all, or the message
 // cannot be held aside (it would take what `unexpected` holds past SMDDP_P2P_UNEXPECTED_BYTES, or
 // there is no memory): it then waits with its sender. `peerRank`: `peer` as a group rank.
+// Moving a named receive to the front erases it from the middle of `recvs`, which invalidates
+// every reference into `recvs`: a caller holding one (e.g. to the old front) must not use it after.
 bool routeMessage(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, UnexpectedQueue& unexpected, int peer,
                   int peerRank, int tag, uint64_t bytes);
 
