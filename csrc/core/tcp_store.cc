@@ -38,6 +38,19 @@ std::string frame(char op, const std::string& key, const std::string* value) {
   return out;
 }
 
+// Sends all of [p, p + n) on a blocking socket: a send may move part of it, or be interrupted by
+// a signal before moving anything. False once the connection is gone.
+bool sendFully(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return false;
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
 int pollMs(Clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
   return static_cast<int>(std::max<long long>(0, std::min<long long>(left, 100)));
@@ -125,6 +138,7 @@ class TcpStore::Server {
         Client& c = clients_[i - 2];
         char buf[65536];
         const ssize_t k = recv(c.fd, buf, sizeof(buf), 0);
+        if (k < 0 && errno == EINTR) continue;  // polled again on the next pass
         if (k <= 0) {
           closeClient(c);
           continue;
@@ -163,7 +177,7 @@ class TcpStore::Server {
         answerWaiting(key);
       } else if (op == 'C') {
         const char reply = data_.count(key) ? '1' : '0';
-        if (send(c.fd, &reply, 1, MSG_NOSIGNAL) != 1) {  // one byte to a client blocked reading it
+        if (!sendFully(c.fd, &reply, 1)) {  // one byte to a client blocked reading it
           closeClient(c);
           return;
         }
@@ -186,13 +200,9 @@ class TcpStore::Server {
       const uint32_t n = static_cast<uint32_t>(v.size());
       std::string reply(reinterpret_cast<const char*>(&n), 4);
       reply += v;
-      // Replies are small and the client is blocked reading: a blocking send is fine.
-      size_t off = 0;
-      while (off < reply.size()) {
-        const ssize_t k = send(w->first, reply.data() + off, reply.size() - off, MSG_NOSIGNAL);
-        if (k <= 0) break;
-        off += static_cast<size_t>(k);
-      }
+      // Replies are small and the client is blocked reading: a blocking send is fine. A client
+      // that is gone is noticed (and dropped) when its socket polls readable.
+      sendFully(w->first, reply.data(), reply.size());
       w = waiting_.erase(w);
     }
   }
@@ -255,12 +265,8 @@ TcpStore::~TcpStore() {
 }
 
 void TcpStore::sendAll(const std::string& bytes) {
-  size_t off = 0;
-  while (off < bytes.size()) {
-    const ssize_t k = send(fd_, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) throwError(ErrorCode::kRemoteError, "TcpStore: lost the connection to %s", where_.c_str());
-    off += static_cast<size_t>(k);
+  if (!sendFully(fd_, bytes.data(), bytes.size())) {
+    throwError(ErrorCode::kRemoteError, "TcpStore: lost the connection to %s", where_.c_str());
   }
 }
 
@@ -269,7 +275,10 @@ void TcpStore::recvAll(void* buf, size_t n, Clock::time_point deadline, const st
   while (got < n) {
     pollfd p{fd_, POLLIN, 0};
     const int r = poll(&p, 1, pollMs(deadline));
-    if (r == 0) {
+    if (r < 0 && errno != EINTR) {
+      throwError(ErrorCode::kSystemError, "TcpStore: poll: %s", errnoString(errno).c_str());
+    }
+    if (r <= 0) {  // nothing yet, or a signal came: read only once the socket is readable
       if (Clock::now() >= deadline) {
         throwError(ErrorCode::kTimeout, "TcpStore: timed out waiting for key %s at %s", key.c_str(), where_.c_str());
       }

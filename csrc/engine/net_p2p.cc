@@ -37,6 +37,21 @@ std::exception_ptr errorOf(ErrorCode code, const std::string& msg) {
 
 bool wouldBlock(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
 
+// The one-byte 'K' that admits a connection. A fresh socket's buffer is empty, but under the
+// kernel's TCP memory pressure even one byte can be refused for a moment: waiting up to a
+// second for it on the engine's thread is cheaper than a state of its own for a rare case.
+bool sendAck(int fd) {
+  const char ack = 'K';
+  for (int tries = 0; tries < 100; ++tries) {
+    const ssize_t k = send(fd, &ack, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k == 1) return true;
+    if (k < 0 && !wouldBlock(errno)) return false;
+    pollfd pfd{fd, POLLOUT, 0};
+    poll(&pfd, 1, 10);
+  }
+  return false;
+}
+
 void ring(int eventFd) {
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t k = write(eventFd, &one, sizeof(one));
@@ -386,9 +401,7 @@ void NetP2p::introduce(Incoming& in) {
       if (p->lanes[static_cast<size_t>(lane)].fd < 0) expected.push_back(p->rank * lanes_ + lane);
     }
   }
-  const char ack = 'K';
-  if (k <= 0 || !net::wire::helloAccepted(in.hello, secret_, rank_, lanes_, expected) ||
-      send(in.fd, &ack, 1, MSG_NOSIGNAL | MSG_DONTWAIT) != 1) {
+  if (k <= 0 || !net::wire::helloAccepted(in.hello, secret_, rank_, lanes_, expected) || !sendAck(in.fd)) {
     SMDDP_WARN(kNet, "rank %d: point-to-point: refused a connection (not a peer of this group, or a bad handshake)",
                rank_);
     close(in.fd);

@@ -3,13 +3,16 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <fstream>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "core/env.h"
 #include "core/error.h"
@@ -170,9 +173,20 @@ std::string setCongestionControl(int fd, const std::string& name) {
 
 void closeWithFarewell(int fd, const std::string& frame) {
   if (!frame.empty()) {
-    // Whole or in part: a peer that stopped reading gets a cut farewell, which it reads as a
-    // closed connection.
-    send(fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    // Whole if the socket takes it within a moment (a nearly full buffer may take part of it
+    // first); a peer that stopped reading gets a cut farewell, which it reads as a closed
+    // connection, or none.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
+    for (size_t sent = 0; sent < frame.size();) {
+      const ssize_t k = send(fd, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k > 0) {
+        sent += static_cast<size_t>(k);
+        continue;
+      }
+      if (k == 0 || (errno != EAGAIN && errno != EINTR) || std::chrono::steady_clock::now() >= until) break;
+      pollfd pfd{fd, POLLOUT, 0};
+      poll(&pfd, 1, 2);
+    }
     shutdown(fd, SHUT_WR);
     // Closing a socket that holds unread data resets the connection at once, and a reset drops
     // whatever is still queued to go out, the farewell too: take what is there first (bounded,
@@ -186,8 +200,20 @@ void closeWithFarewell(int fd, const std::string& frame) {
 
 std::optional<std::string> peekFarewell(int fd) {
   char buf[wire::kHeaderBytes + wire::kMaxFarewellBytes];
-  const ssize_t k = recv(fd, buf, sizeof(buf), MSG_PEEK | MSG_DONTWAIT);
-  return k > 0 ? wire::farewellIn(buf, static_cast<size_t>(k)) : std::nullopt;
+  // The farewell left in one send, but may arrive in two segments, and a peek may show less
+  // than has arrived: give the rest of one that has begun a moment (a failure path only).
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+  for (;;) {
+    const ssize_t k = recv(fd, buf, sizeof(buf), MSG_PEEK | MSG_DONTWAIT);
+    if (k > 0) {
+      if (std::optional<std::string> why = wire::farewellIn(buf, static_cast<size_t>(k))) return why;
+      if (!wire::farewellBegins(buf, static_cast<size_t>(k))) return std::nullopt;
+    } else if (k == 0 || errno != EINTR) {  // nothing there (EAGAIN): nothing has begun
+      return std::nullopt;
+    }
+    if (std::chrono::steady_clock::now() >= until) return std::nullopt;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 void tuneSocket(int fd) {

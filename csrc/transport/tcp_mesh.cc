@@ -45,7 +45,9 @@ bool ioAll(int fd, void* buf, size_t n, bool sending, Clock::time_point deadline
   auto* p = static_cast<char*>(buf);
   while (n > 0) {
     pollfd pfd{fd, static_cast<short>(sending ? POLLOUT : POLLIN), 0};
-    if (poll(&pfd, 1, msLeft(deadline)) <= 0) return false;
+    const int ready = poll(&pfd, 1, msLeft(deadline));
+    if (ready < 0 && errno == EINTR) continue;  // a signal: the deadline still bounds the wait
+    if (ready <= 0) return false;
     const ssize_t k = sending ? send(fd, p, n, MSG_NOSIGNAL) : recv(fd, p, n, 0);
     if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
     if (k <= 0) return false;
@@ -491,42 +493,6 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
     }
   } reset{active};
 
-  // Sends up to `budget` bytes of p's queue; returns the bytes written (0 when the socket is full).
-  auto sendSome = [&](Conn& p, size_t budget) -> size_t {
-    size_t total = 0;
-    while (p.sending() && !p.sendHeld() && budget > 0) {
-      const Conn::SendPart& s = p.sends[p.sendIdx];
-      if (p.sendOff == 0) p.sendHdr = wire::MsgHeader{tag.id, s.msg->bytes, tag.op};
-      iovec iov[2];
-      const int n = wire::nextIov(iov, p.sendHdr, p.sendOff, s.data, s.bytes, budget);
-      msghdr mh{};
-      mh.msg_iov = iov;
-      mh.msg_iovlen = n;
-      const ssize_t k = sendmsg(p.fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (k < 0) {
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN) {
-          p.writable = false;
-          break;
-        }
-        peerFailed(p, "sending", errno);
-      }
-      p.sendOff += static_cast<size_t>(k);
-      p.handed += static_cast<uint64_t>(k);
-      total += static_cast<size_t>(k);
-      budget -= std::min(budget, static_cast<size_t>(k));
-      if (p.sendOff == kHeaderBytes + s.bytes) {
-        ++p.sendIdx;
-        p.sendOff = 0;
-      }
-      // A short write filled the socket: asking again would only return EAGAIN.
-      if (static_cast<size_t>(k) < wire::iovBytes(iov, n)) {
-        p.writable = false;
-        break;
-      }
-    }
-    return total;
-  };
   // Reads what has arrived from p, straight into the destinations; returns the bytes read.
   auto recvSome = [&](Conn& p) -> size_t {
     size_t total = 0;
@@ -552,6 +518,47 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
       // A short read emptied the socket: asking again would only return EAGAIN.
       if (static_cast<size_t>(k) < want) {
         p.readable = false;
+        break;
+      }
+    }
+    return total;
+  };
+  // Sends up to `budget` bytes of p's queue; returns the bytes written (0 when the socket is full).
+  auto sendSome = [&](Conn& p, size_t budget) -> size_t {
+    size_t total = 0;
+    while (p.sending() && !p.sendHeld() && budget > 0) {
+      const Conn::SendPart& s = p.sends[p.sendIdx];
+      if (p.sendOff == 0) p.sendHdr = wire::MsgHeader{tag.id, s.msg->bytes, tag.op};
+      iovec iov[2];
+      const int n = wire::nextIov(iov, p.sendHdr, p.sendOff, s.data, s.bytes, budget);
+      msghdr mh{};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = n;
+      const ssize_t k = sendmsg(p.fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN) {
+          p.writable = false;
+          break;
+        }
+        // What a peer that gave up sent before it left ends in its farewell: read that first,
+        // so that its reason, rather than the broken pipe, is what this rank reports.
+        const int err = errno;
+        while (p.receiving() && recvSome(p) > 0) {
+        }
+        peerFailed(p, "sending", err);
+      }
+      p.sendOff += static_cast<size_t>(k);
+      p.handed += static_cast<uint64_t>(k);
+      total += static_cast<size_t>(k);
+      budget -= std::min(budget, static_cast<size_t>(k));
+      if (p.sendOff == kHeaderBytes + s.bytes) {
+        ++p.sendIdx;
+        p.sendOff = 0;
+      }
+      // A short write filled the socket: asking again would only return EAGAIN.
+      if (static_cast<size_t>(k) < wire::iovBytes(iov, n)) {
+        p.writable = false;
         break;
       }
     }

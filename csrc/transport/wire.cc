@@ -89,6 +89,13 @@ std::optional<std::string> farewellIn(const char* data, size_t n) {
   return std::string(data + kHeaderBytes, hdr.bytes);
 }
 
+bool farewellBegins(const char* data, size_t n) {
+  if (n < sizeof(uint64_t)) return true;
+  uint64_t tag;
+  std::memcpy(&tag, data, sizeof(tag));
+  return tag == kFarewellTag && !farewellIn(data, n);
+}
+
 void RecvCursor::start(std::vector<LanePart> expected, Tag tag, int peerRank) {
   clear();
   expected_ = std::move(expected);

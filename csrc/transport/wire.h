@@ -104,6 +104,9 @@ std::string farewellFrame(std::string_view why);
 // The reason, when `data` (n bytes, as read from a connection at a message boundary) starts with
 // a whole farewell.
 std::optional<std::string> farewellIn(const char* data, size_t n);
+// Whether `data` (n bytes, 0 < n) may be the first part of a farewell whose rest is on its way:
+// too short to tell, or a farewell's header with part of its text.
+bool farewellBegins(const char* data, size_t n);
 
 // A header that is not the one the receiver expects (kInvalidUsage): ranks running different
 // collectives, or sizes that differ. It keeps both sides' facts, so that an op that knows
