@@ -268,10 +268,16 @@ def tags_out_of_order(rank, world, n, blocking):
 
 
 def size_mismatch(rank, world, sender=1, receiver=0, sent=4, expected=8):
-    """`sender` sends `sent` float32 with tag 5; `receiver` expects `expected` with tag 5."""
+    """`sender` sends `sent` float32 with tag 5; `receiver` expects `expected` with tag 5. The
+    receiver gives the pair up: a send whose message the sockets could not hold whole before that
+    fails with the receiver's reason (a slow sender, e.g. under tests/test_io_faults.py)."""
     rep = Report(rank)
     if rank == sender:
-        dist.send(torch.ones(sent), receiver, tag=5)
+        try:
+            dist.send(torch.ones(sent), receiver, tag=5)
+        except dist.DistBackendError as e:
+            rep.expect(f"the message from rank {sender} with that tag has {sent * 4} bytes" in str(e),
+                       f"unexpected error: {e}")
     elif rank == receiver:
         try:
             dist.recv(torch.empty(expected), sender, tag=5)

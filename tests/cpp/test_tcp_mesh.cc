@@ -8,7 +8,7 @@
 // a later connection round adds the missing connections of a group (a rank with none to add
 // taking part); a dial to a peer that never answers ends at the deadline or an abort; an exchange
 // that times out says what it still waits for from each peer; a peer that gives up says why
-// (unless it left in the middle of a message); ranks with two interfaces join lane k from their
+// (unless it left in the middle of a message), and a farewell that arrives in parts is read whole; ranks with two interfaces join lane k from their
 // k-th addresses (not where the peer has one), small messages of an exchange spread over the
 // lanes; IPv4 and IPv6 addresses parse,
 // print and listen; the
@@ -44,6 +44,7 @@
 #include "transport/netif.h"
 #include "transport/sockets.h"
 #include "transport/tcp_mesh.h"
+#include "transport/wire.h"
 #include "expect.h"
 #include "transport/topology.h"
 #include "two_hosts.h"
@@ -818,6 +819,40 @@ void testCongestionControl() {
   close(l.fd);
 }
 
+// A farewell whose segments come apart is still read whole by a peek: its header and first bytes
+// now, the rest 30 ms later. A stream that starts with a message's header is no farewell (at
+// once), and one cut for good gives up within the peek's grace period.
+void testPeekFarewellArrivingInParts() {
+  int fds[2];
+  expect(socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0, "socketpair");
+  const std::string frame = net::wire::farewellFrame("rank 0 timed out in allreduce #3");
+  const size_t split = net::wire::kHeaderBytes + 4;
+  expect(write(fds[0], frame.data(), split) == static_cast<ssize_t>(split), "first part written");
+  std::thread rest([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    expect(write(fds[0], frame.data() + split, frame.size() - split) == static_cast<ssize_t>(frame.size() - split),
+           "rest written");
+  });
+  const std::optional<std::string> why = net::peekFarewell(fds[1]);
+  rest.join();
+  expect(why && *why == "rank 0 timed out in allreduce #3", "farewell in two parts read whole: " + why.value_or("none"));
+
+  char sink[1024];
+  expect(read(fds[1], sink, sizeof(sink)) == static_cast<ssize_t>(frame.size()), "peek left the farewell there");
+  const net::wire::MsgHeader data{7, 100, 0};
+  expect(write(fds[0], &data, sizeof(data)) == static_cast<ssize_t>(sizeof(data)), "message header written");
+  auto start = Clock::now();
+  expect(!net::peekFarewell(fds[1]) && Clock::now() - start < std::chrono::milliseconds(50),
+         "a message's header is no farewell, at once");
+  expect(read(fds[1], sink, sizeof(sink)) == static_cast<ssize_t>(sizeof(data)), "header read");
+
+  expect(write(fds[0], frame.data(), split) == static_cast<ssize_t>(split), "cut farewell written");
+  start = Clock::now();
+  expect(!net::peekFarewell(fds[1]) && Clock::now() - start < std::chrono::seconds(1), "a cut farewell gives up");
+  close(fds[0]);
+  close(fds[1]);
+}
+
 }  // namespace
 
 int main() {
@@ -825,6 +860,7 @@ int main() {
   setenv("SMDDP_NET_SOCKETS_PER_PEER", "3", 1);
   testCongestionControl();
   testAddresses();
+  testPeekFarewellArrivingInParts();
   if (!test::runInOwnDirs("smddp_net_tests",
                           {testStrangersRefusedThenExchange, testConnectLater, testStripedSizeMismatch,
                            testCollectiveMismatch, testStallProbe, testDialToSilentPeer, testStalledExchangeReport,
