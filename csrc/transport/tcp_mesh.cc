@@ -31,6 +31,9 @@ using wire::kSecretChars;
 constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client must introduce itself by then
 constexpr auto kPollTick = std::chrono::milliseconds(50);  // how often a waiter checks abort and deadline
 constexpr int64_t kMaxLanes = 16;
+// How long a rank that leaves an exchange in the middle of messages (an error) tries to finish
+// them, so that its streams end between two messages, where a farewell can say why it left.
+constexpr auto kFinishPartsBudget = std::chrono::milliseconds(20);
 
 const std::string kSecretKey = "smddp/net/secret", kLanesKey = "smddp/net/lanes";
 std::string addrKey(int rank) { return "smddp/net/addr/" + std::to_string(rank); }
@@ -482,7 +485,24 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
   struct Reset {
     std::vector<Conn*>& conns;
     ~Reset() {
+      const auto until = Clock::now() + kFinishPartsBudget;
       for (Conn* c : conns) {
+        while (c->sendOff != 0) {  // only where the exchange ended with an error
+          const Conn::SendPart& s = c->sends[c->sendIdx];
+          iovec iov[2];
+          msghdr mh{};
+          mh.msg_iov = iov;
+          mh.msg_iovlen = wire::nextIov(iov, c->sendHdr, c->sendOff, s.data, s.bytes, s.bytes);
+          const ssize_t k = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+          if (k > 0) {
+            c->sendOff += static_cast<size_t>(k);
+            if (c->sendOff == kHeaderBytes + s.bytes) c->sendOff = 0;
+            continue;
+          }
+          if (k == 0 || (errno != EAGAIN && errno != EINTR) || Clock::now() >= until) break;
+          pollfd pfd{c->fd, POLLOUT, 0};
+          poll(&pfd, 1, 1);
+        }
         c->torn |= c->sendOff != 0;
         c->sends.clear();
         c->recvs.clear();

@@ -5,10 +5,11 @@
 // - Stream sockets move less than asked: send, sendmsg, recv and recvmsg (MSG_PEEK included)
 //   transfer a random prefix of the request, down to one byte, as a full socket buffer or a
 //   segment boundary would make them.
-// - A call that would not block (MSG_DONTWAIT or an O_NONBLOCK socket) sometimes returns EAGAIN
-//   without moving anything, as if another reader had taken the data or the buffer were full
-//   (the kernel's TCP memory pressure does that); a blocking call sometimes returns EINTR, as if
-//   a signal had come. Peeks (MSG_PEEK) are only cut short.
+// - A send that would not block (MSG_DONTWAIT or an O_NONBLOCK socket) sometimes returns EAGAIN
+//   without moving anything, as the kernel's TCP memory pressure makes it do even with room in
+//   the buffer; a blocking send or receive sometimes returns EINTR, as if a signal had come. A
+//   non-blocking receive is only cut short: it fails with EAGAIN only when nothing has arrived,
+//   which code may rely on (no other thread reads these sockets).
 // - A signal storm: a thread of this library sends a signal with a handler that does nothing,
 //   installed without SA_RESTART, to a random thread of the process every few hundred
 //   microseconds, so that poll(), futex waits, sleeps, process_vm_readv and every blocking call
@@ -87,19 +88,21 @@ static int would_not_block(int fd, int flags) {
 
 // Before a transfer of `len` bytes on `fd`: -1 with errno set to fail it, else how many bytes
 // to offer the kernel (a random prefix half the time, biased towards small ones).
-static ssize_t choose(int fd, int flags, size_t len) {
+static ssize_t choose(int fd, int flags, size_t len, int sending) {
   if (len == 0 || !is_stream_socket(fd)) return (ssize_t)len;
   const uint64_t r = next_random();
-  // A peek has no rival reader to take the data first: it fails only as a read would block.
-  if (r % 16 == 0 && !(flags & MSG_PEEK)) {
-    if (would_not_block(fd, flags)) {
+  if (r % 16 == 0) {
+    const int nonblocking = would_not_block(fd, flags);
+    if (nonblocking && sending) {
       note(kEagain);
       errno = EAGAIN;
-    } else {
+      return -1;
+    }
+    if (!nonblocking) {
       note(kEintr);
       errno = EINTR;
+      return -1;
     }
-    return -1;
   }
   if ((r >> 8) % 2 == 0 || len == 1) return (ssize_t)len;
   static const size_t caps[] = {1, 3, 17, 300, 4096, 65536};
@@ -110,12 +113,12 @@ static ssize_t choose(int fd, int flags, size_t len) {
 }
 
 ssize_t send(int fd, const void* buf, size_t len, int flags) {
-  const ssize_t n = choose(fd, flags, len);
+  const ssize_t n = choose(fd, flags, len, 1);
   return n < 0 ? -1 : real_send(fd, buf, (size_t)n, flags);
 }
 
 ssize_t recv(int fd, void* buf, size_t len, int flags) {
-  const ssize_t n = choose(fd, flags, len);
+  const ssize_t n = choose(fd, flags, len, 0);
   return n < 0 ? -1 : real_recv(fd, buf, (size_t)n, flags);
 }
 
@@ -123,7 +126,7 @@ ssize_t recv(int fd, void* buf, size_t len, int flags) {
 static ssize_t message_call(int fd, struct msghdr* msg, int flags, int sending) {
   size_t total = 0;
   for (size_t i = 0; i < msg->msg_iovlen; ++i) total += msg->msg_iov[i].iov_len;
-  const ssize_t n = choose(fd, flags, total);
+  const ssize_t n = choose(fd, flags, total, sending);
   if (n < 0) return -1;
   if ((size_t)n == total) return sending ? real_sendmsg(fd, msg, flags) : real_recvmsg(fd, msg, flags);
   struct iovec iov[64];
