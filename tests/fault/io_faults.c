@@ -13,8 +13,8 @@
 // - A signal storm: a thread of this library sends a signal with a handler that does nothing,
 //   installed without SA_RESTART, to a random thread of the process every few hundred
 //   microseconds, so that poll(), futex waits, sleeps, process_vm_readv and every blocking call
-//   of every thread get interrupted (poll and the futex waits with a timeout return EINTR even
-//   under SA_RESTART, e.g. with a profiler's SIGPROF or pytest-timeout's SIGALRM).
+//   of every thread get interrupted (poll() and the sleeps fail with EINTR even under
+//   SA_RESTART, so any handler does this to them: a profiler's SIGPROF, pytest-timeout's SIGALRM).
 //
 // IO_FAULTS_SEED seeds the choices (default 1); IO_FAULTS_SIGNAL_US sets the storm's period (0:
 // no storm); IO_FAULTS_LOG names a file to which each process appends one line per kind of fault
