@@ -35,22 +35,12 @@ std::exception_ptr errorOf(ErrorCode code, const std::string& msg) {
   return std::make_exception_ptr(Error(code, msg));
 }
 
-bool wouldBlock(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
+// The byte that admits a connection. A fresh socket's buffer is empty, but under the kernel's TCP
+// memory pressure even one byte can be refused for a moment: the engine's thread waits that out.
+constexpr char kAck = 'K';
+constexpr auto kAckTimeout = std::chrono::seconds(1);
 
-// The one-byte 'K' that admits a connection. A fresh socket's buffer is empty, but under the
-// kernel's TCP memory pressure even one byte can be refused for a moment: waiting up to a
-// second for it on the engine's thread is cheaper than a state of its own for a rare case.
-bool sendAck(int fd) {
-  const char ack = 'K';
-  for (int tries = 0; tries < 100; ++tries) {
-    const ssize_t k = send(fd, &ack, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (k == 1) return true;
-    if (k < 0 && !wouldBlock(errno)) return false;
-    pollfd pfd{fd, POLLOUT, 0};
-    poll(&pfd, 1, 10);
-  }
-  return false;
-}
+bool wouldBlock(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
 
 void ring(int eventFd) {
   const uint64_t one = 1;
@@ -401,7 +391,8 @@ void NetP2p::introduce(Incoming& in) {
       if (p->lanes[static_cast<size_t>(lane)].fd < 0) expected.push_back(p->rank * lanes_ + lane);
     }
   }
-  if (k <= 0 || !net::wire::helloAccepted(in.hello, secret_, rank_, lanes_, expected) || !sendAck(in.fd)) {
+  if (k <= 0 || !net::wire::helloAccepted(in.hello, secret_, rank_, lanes_, expected) ||
+      !net::sendWithin(in.fd, &kAck, 1, Clock::now() + kAckTimeout)) {
     SMDDP_WARN(kNet, "rank %d: point-to-point: refused a connection (not a peer of this group, or a bad handshake)",
                rank_);
     close(in.fd);

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <fstream>
@@ -171,22 +172,45 @@ std::string setCongestionControl(int fd, const std::string& name) {
   return errnoString(err);
 }
 
+namespace {
+
+bool transferWithin(int fd, char* p, size_t n, bool sending, std::chrono::steady_clock::time_point deadline) {
+  while (n > 0) {
+    pollfd pfd{fd, static_cast<short>(sending ? POLLOUT : POLLIN), 0};
+    const int ready = poll(&pfd, 1, msLeft(deadline));
+    if (ready < 0 && errno == EINTR) continue;  // a signal: the deadline still bounds the wait
+    if (ready <= 0) return false;
+    const ssize_t k = sending ? send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT) : recv(fd, p, n, MSG_DONTWAIT);
+    if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (k <= 0) return false;
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+}  // namespace
+
+int msLeft(std::chrono::steady_clock::time_point deadline) {
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+  return static_cast<int>(std::clamp<long long>(left, 0, 1 << 30));
+}
+
+bool sendWithin(int fd, const void* buf, size_t n, std::chrono::steady_clock::time_point deadline) {
+  return transferWithin(fd, const_cast<char*>(static_cast<const char*>(buf)), n, true, deadline);
+}
+
+bool recvWithin(int fd, void* buf, size_t n, std::chrono::steady_clock::time_point deadline) {
+  return transferWithin(fd, static_cast<char*>(buf), n, false, deadline);
+}
+
 void closeWithFarewell(int fd, const std::string& frame) {
   if (!frame.empty()) {
     // Whole if the socket takes it within a moment (a nearly full buffer may take part of it
     // first); a peer that stopped reading gets a cut farewell, which it reads as a closed
     // connection, or none.
-    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
-    for (size_t sent = 0; sent < frame.size();) {
-      const ssize_t k = send(fd, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (k > 0) {
-        sent += static_cast<size_t>(k);
-        continue;
-      }
-      if (k == 0 || (errno != EAGAIN && errno != EINTR) || std::chrono::steady_clock::now() >= until) break;
-      pollfd pfd{fd, POLLOUT, 0};
-      poll(&pfd, 1, 2);
-    }
+    sendWithin(fd, frame.data(), frame.size(), std::chrono::steady_clock::now() + std::chrono::milliseconds(20));
     shutdown(fd, SHUT_WR);
     // Closing a socket that holds unread data resets the connection at once, and a reset drops
     // whatever is still queued to go out, the farewell too: take what is there first (bounded,

@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
@@ -63,6 +64,14 @@ int laneSocket(const std::vector<SocketAddress>& peer, const std::vector<LocalAd
 // No Nagle (messages are headers followed by payload; latency matters), non-blocking, and the
 // congestion control SMDDP_NET_CONGESTION names (warns once per process where it cannot be had).
 void tuneSocket(int fd);
+
+// Milliseconds from now to `deadline`, for poll(): 0 once past.
+int msLeft(std::chrono::steady_clock::time_point deadline);
+// Sends all of [buf, buf + n) on fd, or receives that many bytes into it, waiting for the socket
+// (blocking or not) as needed until `deadline`; a signal or a partial transfer goes on. False at
+// the deadline, or once the connection failed (or, receiving, closed).
+bool sendWithin(int fd, const void* buf, size_t n, std::chrono::steady_clock::time_point deadline);
+bool recvWithin(int fd, void* buf, size_t n, std::chrono::steady_clock::time_point deadline);
 
 // Closes a connection, first sending `frame` (a farewell, wire::farewellFrame; nothing if empty)
 // and a FIN after it. Call it only where the stream to the peer is between two messages.

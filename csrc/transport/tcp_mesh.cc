@@ -38,28 +38,6 @@ constexpr auto kFinishPartsBudget = std::chrono::milliseconds(20);
 const std::string kSecretKey = "smddp/net/secret", kLanesKey = "smddp/net/lanes";
 std::string addrKey(int rank) { return "smddp/net/addr/" + std::to_string(rank); }
 
-int msLeft(Clock::time_point deadline) {
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return static_cast<int>(std::clamp<long long>(left, 0, 1 << 30));
-}
-
-// Blocking transfer with a deadline, for the handshake (sockets are still blocking then).
-bool ioAll(int fd, void* buf, size_t n, bool sending, Clock::time_point deadline) {
-  auto* p = static_cast<char*>(buf);
-  while (n > 0) {
-    pollfd pfd{fd, static_cast<short>(sending ? POLLOUT : POLLIN), 0};
-    const int ready = poll(&pfd, 1, msLeft(deadline));
-    if (ready < 0 && errno == EINTR) continue;  // a signal: the deadline still bounds the wait
-    if (ready <= 0) return false;
-    const ssize_t k = sending ? send(fd, p, n, MSG_NOSIGNAL) : recv(fd, p, n, 0);
-    if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (k <= 0) return false;
-    p += k;
-    n -= static_cast<size_t>(k);
-  }
-  return true;
-}
-
 }  // namespace
 
 // One TCP connection to a peer (one of its SMDDP_NET_SOCKETS_PER_PEER lanes).
@@ -284,7 +262,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
   auto introduce = [&](Dialing& d) {
     wire::Hello h = wire::makeHello(secret_, rank, d.rank, d.lane);
     errno = 0;
-    if (!ioAll(d.fd, &h, sizeof(h), true, wait.deadline)) refused(d, errno != 0 ? errno : ETIMEDOUT);
+    if (!sendWithin(d.fd, &h, sizeof(h), wait.deadline)) refused(d, errno != 0 ? errno : ETIMEDOUT);
     d.introduced = true;
   };
   // A connection from below: anything that does not introduce itself as an expected peer of this
@@ -297,9 +275,9 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
     wire::Hello h{};
     const auto helloDeadline = std::min(wait.deadline, Clock::now() + kHelloTimeout);
     const bool ok =
-        ioAll(fd, &h, sizeof(h), false, helloDeadline) && wire::helloAccepted(h, secret_, rank, lanes_, waiting);
+        recvWithin(fd, &h, sizeof(h), helloDeadline) && wire::helloAccepted(h, secret_, rank, lanes_, waiting);
     const char ack = 'K';
-    if (!ok || !ioAll(fd, const_cast<char*>(&ack), 1, true, wait.deadline)) {
+    if (!ok || !sendWithin(fd, &ack, 1, wait.deadline)) {
       SMDDP_WARN(kNet, "rank %d: refused a connection from %s (not a peer of this group, or a bad handshake)", rank,
                  addressText(from).c_str());
       close(fd);
@@ -376,7 +354,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
           continue;
         }
         char ack = 0;
-        if (!ioAll(d.fd, &ack, 1, false, wait.deadline) || ack != 'K') {
+        if (!recvWithin(d.fd, &ack, 1, wait.deadline) || ack != 'K') {
           throwError(ErrorCode::kRemoteError, "rank %d: rank %d did not accept the connection", rank, d.rank);
         }
         makeConn(d.rank, d.lane, d.fd);
@@ -485,23 +463,17 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
   struct Reset {
     std::vector<Conn*>& conns;
     ~Reset() {
-      const auto until = Clock::now() + kFinishPartsBudget;
+      std::optional<Clock::time_point> until;  // read the clock only where it is needed
       for (Conn* c : conns) {
-        while (c->sendOff != 0) {  // only where the exchange ended with an error
+        if (c->sendOff != 0) {  // only where the exchange ended with an error
+          if (!until) until = Clock::now() + kFinishPartsBudget;
           const Conn::SendPart& s = c->sends[c->sendIdx];
-          iovec iov[2];
-          msghdr mh{};
-          mh.msg_iov = iov;
-          mh.msg_iovlen = wire::nextIov(iov, c->sendHdr, c->sendOff, s.data, s.bytes, s.bytes);
-          const ssize_t k = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-          if (k > 0) {
-            c->sendOff += static_cast<size_t>(k);
-            if (c->sendOff == kHeaderBytes + s.bytes) c->sendOff = 0;
-            continue;
+          const size_t hdrSent = std::min(c->sendOff, kHeaderBytes), dataSent = c->sendOff - hdrSent;
+          if (sendWithin(c->fd, reinterpret_cast<const char*>(&c->sendHdr) + hdrSent, kHeaderBytes - hdrSent,
+                         *until) &&
+              sendWithin(c->fd, s.data + dataSent, s.bytes - dataSent, *until)) {
+            c->sendOff = 0;
           }
-          if (k == 0 || (errno != EAGAIN && errno != EINTR) || Clock::now() >= until) break;
-          pollfd pfd{c->fd, POLLOUT, 0};
-          poll(&pfd, 1, 1);
         }
         c->torn |= c->sendOff != 0;
         c->sends.clear();
