@@ -317,7 +317,7 @@ def diff(label, got, ref, exact=True, inputs=None, max_show=3):
 
 
 def digest(t):
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return hashlib.sha1(b).hexdigest()[:16]
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -289,6 +290,77 @@ def point_to_point(rank, world, dev):
     check(bool((t == want).all()), f"collectives around send/recv: got {t[0].item()} want {want}")
 
 
+def futures(rank, world, dev):
+    """A CUDA op's future is complete at launch and stream-ordered, as NCCL's: waiting on it
+    blocks no host, a callback chained to it runs at once on the calling thread, and the Work
+    completes once the results are back. So DDP hooks whose callbacks issue ops and wait for them
+    (PowerSGD) run their ops in the same order on every rank and do not hang."""
+    from test_clients import ddp_nested_wait_hook_task
+    from test_misc import callbacks_issue_ops_task
+    x = torch.full((1 << 20,), float(rank + 1), device=dev)
+    ran_on = []
+    for round_ in range(2):
+        # The untimed round sets up what may wait for the device the first time: the group's
+        # staging, lazily loaded kernels, torch's stream pool (the callback runs on a pool stream).
+        x.fill_(rank + 1)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e8))  # ~0.1 s
+        t0 = time.perf_counter()
+        work = dist.all_reduce(x, async_op=True)
+        ran_on.clear()
+        doubled = work.get_future().then(lambda f: (ran_on.append(threading.get_ident()), f.value()[0] * 2)[1]).wait()
+        host_s = time.perf_counter() - t0
+        behind_kernel = work.is_completed()
+        print(f"rank {rank}: future round {round_}: host {host_s:.3f} s behind a 0.1 s kernel", flush=True)
+    check(host_s < 0.05, f"all_reduce + get_future().then(...).wait() blocked the host {host_s:.3f} s behind a kernel")
+    check(ran_on == [threading.get_ident()], f"the callback ran on thread {ran_on}, not at once on the caller's")
+    check(not behind_kernel, "work.is_completed() before the kernel ahead of the op ended")
+    want = float(world * (world + 1))  # twice the sum of rank + 1
+    check(bool((doubled == want).all()), f"future.then behind a kernel: got {doubled[:2].tolist()} want {want}")
+    deadline = time.monotonic() + 10
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    check(work.is_completed(), "work.is_completed() never became true")
+    for task, what in [(callbacks_issue_ops_task, "callbacks issuing ops"),
+                       (ddp_nested_wait_hook_task, "DDP hook waiting in its callback")]:
+        rep = task(rank, world, device=dev)
+        check(rep["checked"] > 0, f"{what}: nothing was checked")
+        for msg in rep["failures"]:
+            check(False, f"{what}: {msg}")
+    powersgd_cuda_against_cpu(rank, world, dev)
+
+
+def powersgd_cuda_against_cpu(rank, world, dev):
+    """DDP's powerSGD_hook (its callbacks issue all_reduces and wait for them) on CUDA against the
+    same training on CPU tensors (float64, so only summation orders differ)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    params = {}
+    cuda_available = torch.cuda.is_available
+    for where in (dev, torch.device("cpu")):
+        # powerSGD_hook calls torch.cuda.synchronize(the bucket's device) whenever CUDA is
+        # available, which fails for a CPU bucket (torch 2.11): hide CUDA for the CPU run.
+        torch.cuda.is_available = cuda_available if where.type == "cuda" else (lambda: False)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16)).double()
+        net = torch.nn.parallel.DistributedDataParallel(model.to(where), bucket_cap_mb=0.005)
+        net.register_comm_hook(psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                                  start_powerSGD_iter=2, min_compression_rate=0.5, random_seed=7),
+                               psgd.powerSGD_hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(5):
+            g = torch.Generator().manual_seed(100 + step)
+            xs = torch.randn(world, 8, 32, generator=g, dtype=torch.float64)
+            ys = torch.randn(world, 8, 16, generator=g, dtype=torch.float64)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(xs[rank].to(where)), ys[rank].to(where)).backward()
+            opt.step()
+        params[where.type] = [p.detach().cpu() for p in net.parameters()]
+    torch.cuda.is_available = cuda_available
+    for i, (p, q) in enumerate(zip(params["cuda"], params["cpu"])):
+        check(torch.allclose(p, q, rtol=1e-7, atol=1e-10),
+              f"PowerSGD on CUDA: parameter {i} differs from CPU by {(p - q).abs().max().item():.3e}")
+
+
 def other_dtypes(rank, world, dev):
     """float8, uint16/32/64 and complex tensors through the ops that only move data; reductions of
     uint16/32/64 and of float8_e4m3fn / float8_e5m2."""
@@ -349,6 +421,8 @@ def main():
         point_to_point(a.rank, a.world, dev)
     elif a.case == "dtypes":
         other_dtypes(a.rank, a.world, dev)
+    elif a.case == "futures":
+        futures(a.rank, a.world, dev)
     elif a.case == "semantics":
         stream_semantics(a.rank, a.world, dev)
         ddp(a.rank, a.world, dev)

@@ -303,11 +303,12 @@ def ddp_against_gloo_task(rank, world, kind, steps=5):
     return rep.to_dict()
 
 
-def ddp_nested_wait_hook_task(rank, world):
+def ddp_nested_wait_hook_task(rank, world, device=torch.device("cpu")):
     """A hook in PowerSGD's pattern, with an exact result: the bucket's all_reduce, then in its
     callback a second all_reduce that the callback waits for, over many small buckets (the
     autograd thread issues the next bucket's op while callbacks run). Gradients must match the
-    one-process reference, and every callback's own all_reduce must have summed all ranks."""
+    one-process reference, and every callback's own all_reduce must have summed all ranks.
+    tests/cuda_worker.py runs it on CUDA tensors."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rep = Report(rank)
@@ -317,17 +318,18 @@ def ddp_nested_wait_hook_task(rank, world):
         buffer = bucket.buffer().div_(world)
 
         def then(fut):
-            ones = torch.ones(3)
+            ones = torch.ones(3, device=device)
             counts.append(dist.all_reduce(ones, async_op=True).get_future().wait()[0][0].item())
-            dist.all_reduce(torch.zeros(1))  # a blocking one too
+            dist.all_reduce(torch.zeros(1, device=device))  # a blocking one too
             return fut.value()[0]
         return dist.all_reduce(buffer, async_op=True).get_future().then(then)
 
-    ref = _mlp()
+    ref = _mlp().to(device)
     model = DDP(copy.deepcopy(ref), bucket_cap_mb=0.0005)
     model.register_comm_hook(None, hook)
     opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
     for step, (x, y) in enumerate(_batches(world, key=4)):
+        x, y = x.to(device), y.to(device)
         with rep.cell(f"DDP nested-wait hook step {step}"):
             opt.zero_grad()
             _loss(model, _local(x, rank), _local(y, rank)).backward()

@@ -111,6 +111,14 @@ def test_cuda_other_dtypes(world, hosts):
 
 
 @needs_gpu
+@pytest.mark.parametrize("world, hosts", [(2, None), (3, "001")], ids=["2-ranks", "across-hosts"])
+def test_cuda_futures_and_callbacks_that_issue_ops(world, hosts):
+    # Futures complete at launch, stream-ordered; callbacks that issue ops and wait for them
+    # (PowerSGD's pattern, and powerSGD_hook itself against CPU tensors) neither hang nor reorder.
+    _run_ranks("futures", world, hosts=hosts, timeout=120)
+
+
+@needs_gpu
 def test_cuda_eager_setup_with_device_id():
     _run_ranks("eager", 2)
 

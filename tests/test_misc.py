@@ -143,35 +143,37 @@ def test_async(pools, world):
     pools.check(world, async_task)
 
 
-def callbacks_issue_ops_task(rank, world):
+def callbacks_issue_ops_task(rank, world, device=torch.device("cpu")):
     """A future's callback, run as its op completes, issues collectives and waits for them (DDP's
     PowerSGD hook does), while this thread issues another op: every op completes with the right
-    sum, which it would not if ranks ran them in different orders."""
+    sum, which it would not if ranks ran them in different orders. tests/cuda_worker.py runs it
+    on CUDA tensors (where the callback runs at once, stream-ordered)."""
     rep = Report(rank)
     for round_ in range(3):
         with rep.cell(f"callbacks issuing ops, round {round_}"):
             seen = {}
 
             def then(fut):
-                x = torch.full((2,), 10.0 * (rank + 1))
+                x = torch.full((2,), 10.0 * (rank + 1), device=device)
                 seen["async"] = dist.all_reduce(x, async_op=True).get_future().wait()[0].clone()
-                y = torch.ones(3, dtype=torch.int64)
+                y = torch.ones(3, dtype=torch.int64, device=device)
                 dist.all_reduce(y)
                 seen["blocking"] = y
                 return fut.value()[0]
 
-            a = torch.full((4,), float(rank + 1))
+            a = torch.full((4,), float(rank + 1), device=device)
             fut = dist.all_reduce(a, async_op=True).get_future().then(then)
-            c = torch.full((5,), 2.0)
+            c = torch.full((5,), 2.0, device=device)
             work_c = dist.all_reduce(c, async_op=True)
             fut.wait()
             work_c.wait()
             total = world * (world + 1) / 2
-            rep.expect(torch.equal(a, torch.full((4,), total)), f"first op gave {a.tolist()}")
-            rep.expect(torch.equal(seen["async"], torch.full((2,), 10 * total)),
+            rep.expect(torch.equal(a, torch.full((4,), total, device=device)), f"first op gave {a.tolist()}")
+            rep.expect(torch.equal(seen["async"], torch.full((2,), 10 * total, device=device)),
                        f"the callback's async op gave {seen['async'].tolist()}")
             rep.expect(seen["blocking"].tolist() == [world] * 3, f"the callback's blocking op gave {seen['blocking']}")
-            rep.expect(torch.equal(c, torch.full((5,), 2.0 * world)), f"the op issued meanwhile gave {c.tolist()}")
+            rep.expect(torch.equal(c, torch.full((5,), 2.0 * world, device=device)),
+                       f"the op issued meanwhile gave {c.tolist()}")
     return rep.to_dict()
 
 

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/StreamGuard.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <unistd.h>
 
@@ -290,22 +291,25 @@ SmddpWork::~SmddpWork() {
   if (events_) events_->give(doneEvent_);  // no CUDA call: any thread may drop the last reference
 }
 
-void SmddpWork::setCuda(std::shared_ptr<EventPool> events, c10::Device device, void* doneEvent) {
+void SmddpWork::setCuda(std::shared_ptr<EventPool> events, c10::Stream doneOn, void* doneEvent) {
   events_ = std::move(events);
-  device_ = device;
+  device_ = doneOn.device();
   doneEvent_ = doneEvent;
+  future_ = c10::make_intrusive<c10::ivalue::Future>(future_->elementType(), std::vector<c10::Device>{device_});
+  c10::StreamGuard onDoneStream(doneOn);  // the future's event goes where doneEvent went
+  future_->markCompleted(c10::IValue(outputs_));
 }
 
 bool SmddpWork::wait(std::chrono::milliseconds timeout) {
   if (events_ && env::cudaBlockingWait() == 0) {
     // An error already known is raised here; a later one by the next call on the group.
-    if (future_->completed() && future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+    if (std::exception_ptr error = isCompleted() ? exception() : nullptr) std::rethrow_exception(error);
     synchronize();
     return true;
   }
   // Without a time limit only: the engine's own deadlines end the drive, not the caller's.
-  if (p2pDriver_ && timeout == kNoTimeout) p2pDriver_->driveUntil([this] { return future_->completed(); });
-  spinUntil(spin_, [this] { return future_->completed(); });
+  if (p2pDriver_ && timeout == kNoTimeout) p2pDriver_->driveUntil([this] { return isCompleted(); });
+  spinUntil(spin_, [this] { return isCompleted(); });
   try {
     return c10d::Work::wait(timeout);  // then synchronize()
   } catch (const c10::Error&) {
@@ -329,10 +333,10 @@ void SmddpWork::complete(std::exception_ptr error) {
   FlightRecorder::get().finished(traceId_, !error);
   if (error) {
     FlightRecorder::get().dumpOnError(pgId_, rank_);
-    future_->setError(error);
+    if (!events_) future_->setError(error);  // a CUDA op's future completed at launch (setCuda)
     finish(error);
   } else {
-    future_->markCompleted(c10::IValue(outputs_));
+    if (!events_) future_->markCompleted(c10::IValue(outputs_));
     finish();
   }
 }

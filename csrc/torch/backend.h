@@ -32,9 +32,13 @@ class SmddpWork : public c10d::Work {
             const std::optional<std::vector<at::Tensor>>& inputs, std::chrono::microseconds spin);
   ~SmddpWork() override;
 
-  // A CUDA op: `doneEvent` (from `events`) is recorded on the staging stream after the results
-  // are copied back.
-  void setCuda(std::shared_ptr<EventPool> events, c10::Device device, void* doneEvent);
+  // A CUDA op, just launched: `doneEvent` (from `events`) is recorded on `doneOn` where the
+  // results are in device memory. Completes the future there and then, stream-ordered as
+  // NCCL's: waiting on it, or a callback chained to it (which runs at once, on the calling
+  // thread), makes the current stream wait for the op, so callbacks issue their ops in the same
+  // order on every rank and may wait for them. The Work itself completes (isCompleted(), the
+  // op's error) once the host has seen the results arrive.
+  void setCuda(std::shared_ptr<EventPool> events, c10::Stream doneOn, void* doneEvent);
   // A point-to-point op: wait() runs the engine that moves it until the op is done
   // (P2pDriver::driveUntil), rather than sleep until the engine's thread wakes it.
   void setP2pDriver(std::shared_ptr<engine::P2pDriver> engine) { p2pDriver_ = std::move(engine); }
@@ -48,11 +52,11 @@ class SmddpWork : public c10d::Work {
   // DDP consumes its gradient allreduce only through this future.
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
-  // Completed as soon as the future is, so work.is_completed() is true once get_future().wait()
-  // returns (the base class flag is set a moment later, by finish()).
-  bool isCompleted() override { return future_->completed(); }
+  // CPU ops: completed as soon as the future is, so work.is_completed() is true once
+  // get_future().wait() returns (the base class flag is set a moment later, by finish()).
+  bool isCompleted() override { return events_ ? c10d::Work::isCompleted() : future_->completed(); }
 
-  // Called once, on the progress (or p2p) thread.
+  // Called once, on the progress (or p2p, or CUDA completion) thread.
   void complete(std::exception_ptr error);
 
   // The op's entry in the flight recorder (FlightRecorder::record), updated as it runs.

@@ -90,7 +90,12 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
   if (ownStaging.defined()) keep.push_back(ownStaging);
   auto work = newWork(opType, title, outputs, inputs, timeout, peer);
   const CudaPath::Launch launch = path->launch(rounds);
-  work->setCuda(path->events(), path->device(), launch.doneEvent);
+  try {
+    work->setCuda(path->events(), path->stagingStream(), launch.doneEvent);
+  } catch (...) {
+    path->release(launch);
+    throw;
+  }
   std::vector<CudaStep> steps = makeSteps(launch);
   for (CudaStep& s : steps) s = describedBody(opType, title, outputs, inputs, std::move(s));
   algo::Communicator* comm = comm_.get();
@@ -107,8 +112,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
       error = std::current_exception();
     }
     if (error) recordCudaFailure(error);
-    // The Work and the tensors go to the completion thread: completing runs the future's
-    // callbacks, and dropping a tensor may enter the CUDA allocator.
+    // The Work and the tensors go to the completion thread: dropping the last reference to a
+    // tensor may enter the CUDA allocator, and to a Work destroys its future's CUDA event.
     path->completeLater([work = std::move(work), keep = std::move(keep), error]() { work->complete(error); });
   };
   try {
@@ -306,12 +311,17 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
                       {peer, tag});
   work->traceStarted();
   const CudaPath::Receive r = path->launchReceive(bytePtr(t), bytePtr(message), bytes);
-  work->setCuda(path->events(), path->device(), r.doneEvent);
+  try {
+    work->setCuda(path->events(), path->receiveStream(), r.doneEvent);
+  } catch (...) {
+    path->received(r.number);
+    throw;
+  }
   engine::P2pOp o = p2pOp(false, peer, tag, message);
   const int rank = rank_;
   const std::chrono::milliseconds timeout(timeoutMs_.load());
   o.done = [this, path, work, message, number = r.number, rank, peer, timeout](std::exception_ptr error,
-                                                                               int source) {
+                                                                               int source) mutable {
     error = asTorchError(error, rank);
     work->setSourceRank(peer >= 0 ? peer : source);
     path->received(number);  // the receive stream copies it now (or, after a failure, moves on)
@@ -319,8 +329,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
     // The pinned message (and, through the Work, the tensor) is held until the copy is done,
     // after a failure too: the stream still writes into the tensor then. A raw pointer: the
     // CudaPath finishes its queued completions before it goes, and a shared one dropped last on
-    // the completion thread would make that thread join itself.
-    path->completeLater([p = path.get(), work, message, number, timeout, error, rank]() mutable {
+    // the completion thread would make that thread join itself. The Work moves there: dropped
+    // last on this thread, its future's CUDA event would be destroyed here.
+    path->completeLater([p = path.get(), work = std::move(work), message, number, timeout, error, rank]() mutable {
       try {
         p->awaitDelivered(number, timeout);
       } catch (const Error& e) {

@@ -89,6 +89,12 @@ CudaPath::CudaPath(int rank, c10::Device device) : rank_(rank), device_(device) 
   try {
     stream_ = ops_->createStream();
     receiveStream_ = ops_->createStream();
+    for (cuda::Stream s : {stream_, receiveStream_}) {
+      if (asTorchStream(s).native_handle() != s) {
+        throw std::runtime_error("this torch does not name an external CUDA stream by its handle, which smddp's "
+                                 "futures rely on (a torch version smddp was not built for?)");
+      }
+    }
     callerReady_ = ops_->createEvent();
     pipeline_ = std::make_unique<cuda::StagingPipeline>(*ops_, static_cast<size_t>(bytes));
     receives_ = std::make_unique<cuda::ReceiveQueue>(*ops_);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <c10/core/Device.h>
+#include <c10/core/Stream.h>
 
 #include <chrono>
 #include <functional>
@@ -73,11 +74,11 @@ class CudaPath {
                std::chrono::milliseconds timeout);
   // After a launch whose host side will never run (the group shut down meanwhile).
   void release(const Launch& l) { pipeline_->releaseAll(l.ticket); }
-  // Progress thread, once an op is done: runs `finish` (completing the Work, which runs the
-  // future's callbacks, and dropping the op's tensors) on a thread of its own. The progress
-  // thread must never enter the CUDA driver, where it can queue behind a synchronous copy on the
-  // user's thread that waits for a later op, i.e. for the progress thread (a deadlock seen on an
-  // H100, then through an event destroyed by a Work); user callbacks may do anything.
+  // Progress thread, once an op is done: runs `finish` (completing the Work, dropping the op's
+  // tensors and maybe the Work, whose future holds a CUDA event) on a thread of its own. The
+  // progress thread must never enter the CUDA driver, where it can queue behind a synchronous
+  // copy on the user's thread that waits for a later op, i.e. for the progress thread (a
+  // deadlock seen on an H100, then through an event destroyed by a Work).
   void completeLater(std::function<void()> finish);
   // Receives (see cuda/receive_queue.h). Caller's thread: the copy of the message from `host`
   // (pinned, alive until awaitDelivered returns) to `device`, on the receive stream behind the
@@ -87,6 +88,10 @@ class CudaPath {
     void* doneEvent = nullptr;  // the Work gives it back to events()
   };
   Receive launchReceive(uint8_t* device, const uint8_t* host, size_t bytes);
+  // The staging and receive streams as torch's external streams, on which a Work's future
+  // records the point where the op's results are in device memory.
+  c10::Stream stagingStream() const { return asTorchStream(stream_); }
+  c10::Stream receiveStream() const { return asTorchStream(receiveStream_); }
   // Any thread (no driver call): receive `number`'s message is in `host` (or failed).
   void received(uint64_t number) { receives_->arrived(number); }
   // Completion thread: waits until receive `number` is in device memory.
@@ -104,6 +109,12 @@ class CudaPath {
   // Caller's thread, device guard held: later work on `s` waits for what the caller's current
   // stream holds now.
   void followCaller(cuda::Stream s);
+  // torch's id of an external CUDA stream is its handle (c10::cuda::getStreamFromExternal, which
+  // lives in libc10_cuda, which this extension does not link); the constructor checks that this
+  // torch reads it back as that handle.
+  c10::Stream asTorchStream(cuda::Stream s) const {
+    return c10::Stream(c10::Stream::UNSAFE, device_, reinterpret_cast<c10::StreamId>(s));
+  }
 
   int rank_;
   c10::Device device_;
