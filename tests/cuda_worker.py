@@ -361,6 +361,37 @@ def powersgd_cuda_against_cpu(rank, world, dev):
               f"PowerSGD on CUDA: parameter {i} differs from CPU by {(p - q).abs().max().item():.3e}")
 
 
+def ring_attention(rank, world, dev):
+    """smddp.smp's ring attention on CUDA tensors (its parts travel by CUDA send/recv) against
+    causal attention over the whole sequence in one process: output and the gradients of query,
+    key and value, float64, grouped-query heads, contiguous and load-balanced parts, with and
+    without a sliding window."""
+    from smddp.smp.ring_attention import RingAttention, positions
+    batch, heads, kv_heads, dim, length = 2, 4, 2, 8, 6  # length: tokens per rank
+    total = length * world
+    for balanced in (False, True):
+        for window in (None, 5):
+            g = torch.Generator().manual_seed(11)
+            q, k, v, grad = (torch.randn(batch, h, total, dim, generator=g, dtype=torch.float64).to(dev)
+                             for h in (heads, kv_heads, kv_heads, heads))
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            scores = full[0] @ full[1].repeat_interleave(heads // kv_heads, 1).transpose(-1, -2) * dim ** -0.5
+            i, j = torch.arange(total, device=dev)[:, None], torch.arange(total, device=dev)[None, :]
+            allowed = (j <= i) & ((i - j < window) if window else True)
+            ref = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ full[2].repeat_interleave(
+                heads // kv_heads, 1)
+            ref.backward(grad)
+            mine = positions(rank, world, length, balanced, device=dev)
+            part = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+            out = RingAttention.apply(*part, dist.group.WORLD, dim ** -0.5, window, balanced)
+            out.backward(grad[:, :, mine])
+            label = f"ring attention balanced={balanced} window={window}"
+            check(torch.allclose(out, ref[:, :, mine], rtol=1e-9, atol=1e-12), f"{label}: output")
+            for name, got, want in zip("qkv", part, full):
+                check(torch.allclose(got.grad, want.grad[:, :, mine], rtol=1e-9, atol=1e-12),
+                      f"{label}: gradient of {name} off by {(got.grad - want.grad[:, :, mine]).abs().max().item():.3e}")
+
+
 def other_dtypes(rank, world, dev):
     """float8, uint16/32/64 and complex tensors through the ops that only move data; reductions of
     uint16/32/64 and of float8_e4m3fn / float8_e5m2."""
@@ -423,6 +454,8 @@ def main():
         other_dtypes(a.rank, a.world, dev)
     elif a.case == "futures":
         futures(a.rank, a.world, dev)
+    elif a.case == "ring_attention":
+        ring_attention(a.rank, a.world, dev)
     elif a.case == "semantics":
         stream_semantics(a.rank, a.world, dev)
         ddp(a.rank, a.world, dev)

@@ -119,6 +119,13 @@ def test_cuda_futures_and_callbacks_that_issue_ops(world, hosts):
 
 
 @needs_gpu
+@pytest.mark.parametrize("world, hosts", [(2, None), (3, "001")], ids=["2-ranks", "across-hosts"])
+def test_cuda_ring_attention(world, hosts):
+    # smddp.smp's ring attention (CUDA send/recv in batch_isend_irecv) against whole-sequence attention
+    _run_ranks("ring_attention", world, hosts=hosts, timeout=120)
+
+
+@needs_gpu
 def test_cuda_eager_setup_with_device_id():
     _run_ranks("eager", 2)
 
