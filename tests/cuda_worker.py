@@ -330,6 +330,32 @@ def futures(rank, world, dev):
     powersgd_cuda_against_cpu(rank, world, dev)
 
 
+def blocking_wait(rank, world, dev):
+    """SMDDP_CUDA_BLOCKING_WAIT=1 (set by the test): wait() holds the host until the results are
+    back, and the Work is complete when it returns; the future stays stream-ordered."""
+    x = torch.full((1 << 20,), float(rank + 1), device=dev)
+    dist.all_reduce(x)  # set-up
+    torch.cuda.synchronize()
+    want = float(world * (world + 1) / 2)
+    for sync in (False, True):
+        x.fill_(rank + 1)
+        torch.cuda._sleep(int(2e8))  # ~0.1 s
+        t0 = time.perf_counter()
+        if sync:
+            dist.all_reduce(x)
+        else:
+            work = dist.all_reduce(x, async_op=True)
+            work.wait()
+            check(work.is_completed(), "blocking wait(): the Work is not complete when it returns")
+        host_s = time.perf_counter() - t0
+        check(host_s > 0.05, f"blocking {'all_reduce' if sync else 'wait()'} returned after {host_s:.3f} s behind a "
+              "0.1 s kernel")
+        check(bool((x == want).all()), f"blocking wait: got {x[:2].tolist()} want {want}")
+    x.fill_(rank + 1)
+    got = dist.all_reduce(x, async_op=True).get_future().wait()[0]
+    check(bool((got == want).all()), f"blocking wait, future: got {got[:2].tolist()} want {want}")
+
+
 def powersgd_cuda_against_cpu(rank, world, dev):
     """DDP's powerSGD_hook (its callbacks issue all_reduces and wait for them) on CUDA against the
     same training on CPU tensors (float64, so only summation orders differ)."""
@@ -454,6 +480,8 @@ def main():
         other_dtypes(a.rank, a.world, dev)
     elif a.case == "futures":
         futures(a.rank, a.world, dev)
+    elif a.case == "blocking_wait":
+        blocking_wait(a.rank, a.world, dev)
     elif a.case == "ring_attention":
         ring_attention(a.rank, a.world, dev)
     elif a.case == "semantics":

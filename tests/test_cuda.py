@@ -119,6 +119,11 @@ def test_cuda_futures_and_callbacks_that_issue_ops(world, hosts):
 
 
 @needs_gpu
+def test_cuda_blocking_wait():
+    _run_ranks("blocking_wait", 2, {"SMDDP_CUDA_BLOCKING_WAIT": "1"}, timeout=120)
+
+
+@needs_gpu
 @pytest.mark.parametrize("world, hosts", [(2, None), (3, "001")], ids=["2-ranks", "across-hosts"])
 def test_cuda_ring_attention(world, hosts):
     # smddp.smp's ring attention (CUDA send/recv in batch_isend_irecv) against whole-sequence attention
