@@ -1,5 +1,6 @@
 """One rank of the CUDA tests (tests/test_cuda.py runs `world` of these): every collective on
-CUDA tensors against a CPU reference, stream semantics, DDP, kernel block caps, refusals.
+CUDA tensors against a CPU reference, stream semantics, futures and callbacks that issue ops,
+blocking waits, DDP (PowerSGD too), ring attention, kernel block caps, refusals.
 Prints "FAIL ..." lines and exits non-zero on any failure."""
 import argparse
 import json
