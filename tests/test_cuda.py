@@ -17,6 +17,9 @@ from _util import Report
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+# Two ranks on one emulated host, and hosts of 2 + 1 ranks.
+one_host_and_across_hosts = pytest.mark.parametrize("world, hosts", [(2, None), (3, "001")],
+                                                    ids=["2-ranks", "across-hosts"])
 
 
 def test_backend_registered_for_cpu_and_cuda():
@@ -101,7 +104,7 @@ def test_cuda_send_recv(world, hosts, flags):
 
 
 @needs_gpu
-@pytest.mark.parametrize("world, hosts", [(2, None), (3, "001")], ids=["2-ranks", "across-hosts"])
+@one_host_and_across_hosts
 def test_cuda_other_dtypes(world, hosts):
     # float8 / uint16-64 / complex CUDA tensors through every op that only moves data
     # (test_moved_dtypes.py's task), and uint16-64 reductions (test_unsigned.py's). 1 MiB of
@@ -111,7 +114,7 @@ def test_cuda_other_dtypes(world, hosts):
 
 
 @needs_gpu
-@pytest.mark.parametrize("world, hosts", [(2, None), (3, "001")], ids=["2-ranks", "across-hosts"])
+@one_host_and_across_hosts
 def test_cuda_futures_and_callbacks_that_issue_ops(world, hosts):
     # Futures complete at launch, stream-ordered; callbacks that issue ops and wait for them
     # (PowerSGD's pattern, and powerSGD_hook itself against CPU tensors) neither hang nor reorder.
@@ -124,7 +127,7 @@ def test_cuda_blocking_wait():
 
 
 @needs_gpu
-@pytest.mark.parametrize("world, hosts", [(2, None), (3, "001")], ids=["2-ranks", "across-hosts"])
+@one_host_and_across_hosts
 def test_cuda_ring_attention(world, hosts):
     # smddp.smp's ring attention (CUDA send/recv in batch_isend_irecv) against whole-sequence attention
     _run_ranks("ring_attention", world, hosts=hosts, timeout=120)

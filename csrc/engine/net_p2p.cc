@@ -35,9 +35,8 @@ std::exception_ptr errorOf(ErrorCode code, const std::string& msg) {
   return std::make_exception_ptr(Error(code, msg));
 }
 
-// The byte that admits a connection. A fresh socket's buffer is empty, but under the kernel's TCP
-// memory pressure even one byte can be refused for a moment: the engine's thread waits that out.
-constexpr char kAck = 'K';
+// A fresh socket's buffer is empty, but under the kernel's TCP memory pressure even the one byte
+// that admits a connection can be refused for a moment: the engine's thread waits that out.
 constexpr auto kAckTimeout = std::chrono::seconds(1);
 
 bool wouldBlock(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
@@ -392,7 +391,7 @@ void NetP2p::introduce(Incoming& in) {
     }
   }
   if (k <= 0 || !net::wire::helloAccepted(in.hello, secret_, rank_, lanes_, expected) ||
-      !net::sendWithin(in.fd, &kAck, 1, Clock::now() + kAckTimeout)) {
+      !net::sendWithin(in.fd, &net::wire::kHelloAccepted, 1, Clock::now() + kAckTimeout)) {
     SMDDP_WARN(kNet, "rank %d: point-to-point: refused a connection (not a peer of this group, or a bad handshake)",
                rank_);
     close(in.fd);
@@ -617,7 +616,7 @@ void NetP2p::connectLane(Peer& p, Lane& l, short revents) {
     char ack = 0;
     const ssize_t k = recv(l.fd, &ack, 1, MSG_DONTWAIT);
     if (k < 0 && wouldBlock(errno)) return;
-    if (k != 1 || ack != 'K') {
+    if (k != 1 || ack != net::wire::kHelloAccepted) {
       failPeer(p, ErrorCode::kRemoteError,
                "rank " + std::to_string(p.rank) + " at " + p.address + " did not accept the connection");
       return;

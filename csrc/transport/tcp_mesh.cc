@@ -276,8 +276,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
     const auto helloDeadline = std::min(wait.deadline, Clock::now() + kHelloTimeout);
     const bool ok =
         recvWithin(fd, &h, sizeof(h), helloDeadline) && wire::helloAccepted(h, secret_, rank, lanes_, waiting);
-    const char ack = 'K';
-    if (!ok || !sendWithin(fd, &ack, 1, wait.deadline)) {
+    if (!ok || !sendWithin(fd, &wire::kHelloAccepted, 1, wait.deadline)) {
       SMDDP_WARN(kNet, "rank %d: refused a connection from %s (not a peer of this group, or a bad handshake)", rank,
                  addressText(from).c_str());
       close(fd);
@@ -354,7 +353,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
           continue;
         }
         char ack = 0;
-        if (!recvWithin(d.fd, &ack, 1, wait.deadline) || ack != 'K') {
+        if (!recvWithin(d.fd, &ack, 1, wait.deadline) || ack != wire::kHelloAccepted) {
           throwError(ErrorCode::kRemoteError, "rank %d: rank %d did not accept the connection", rank, d.rank);
         }
         makeConn(d.rank, d.lane, d.fd);
