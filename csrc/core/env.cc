@@ -143,7 +143,15 @@ constexpr Param kParams[] = {
      "the group's timeout. Checked again at this interval while the wait lasts. A send or recv that "
      "has waited this long posts where it waits likewise, for its peers' timeout messages; 0 turns "
      "both off."},
-    {"SMDDP_DEBUG_SUBSYS", "ALL", "Subsystems to log: comma list of INIT, COLL, SHM, NET, ENV or ALL; ^ inverts."},
+    {"SMDDP_DEBUG_SUBSYS", "INIT,ENV,SHM,NET",
+     "Subsystems whose INFO and TRACE lines are logged: comma list of INIT, ENV, SHM, NET, COLL "
+     "(a line per collective as it is issued: group, op number, dtype, sizes), P2P (a line per "
+     "send and recv) or ALL; a leading ^ logs all but those listed. Warnings are logged whatever "
+     "it says."},
+    {"SMDDP_DEBUG_FILE", "",
+     "Where log lines go instead of stderr: a path in which %h stands for the host name and %p for "
+     "the process id (so every rank writes its own file: /tmp/smddp.%h.%p.log), %% for %. Lines "
+     "are appended; a file that cannot be opened leaves them on stderr, with a warning."},
 };
 
 const Param& find(const char* name) {
@@ -200,6 +208,7 @@ SMDDP_INT_PARAM(spinMicros, "SMDDP_SPIN_US")
 SMDDP_INT_PARAM(yieldMicros, "SMDDP_YIELD_US")
 SMDDP_STRING_PARAM(debugLevel, "SMDDP_DEBUG")
 SMDDP_STRING_PARAM(debugSubsys, "SMDDP_DEBUG_SUBSYS")
+SMDDP_STRING_PARAM(debugFile, "SMDDP_DEBUG_FILE")
 SMDDP_INT_PARAM(debugChecks, "SMDDP_DEBUG_CHECKS")
 SMDDP_INT_PARAM(desyncCheckMs, "SMDDP_DESYNC_CHECK_MS")
 SMDDP_STRING_PARAM(hostId, "SMDDP_HOST_ID")

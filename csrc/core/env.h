@@ -1,8 +1,9 @@
 // The one registry of SMDDP_* environment variables.
 //
-// Every tunable is declared once in env.cc with its default and a help line; the README table is
-// generated from the same list (`python -m smddp.env`). Each value is read from the environment
-// on first use and then cached for the life of the process, like NCCL's NCCL_PARAM.
+// Every tunable is declared once in env.cc with its default and a help line (smddp.env_params()
+// lists them; tests/test_env_readme.py checks that README's table names the same ones). Each value
+// is read from the environment on first use and then cached for the life of the process, like
+// NCCL's NCCL_PARAM.
 #pragma once
 
 #include <cstdint>
@@ -38,8 +39,10 @@ int64_t cpuThreads();
 int64_t spinMicros();
 // Log level: NONE, WARN (default), INFO, TRACE.
 const std::string& debugLevel();
-// Comma list of subsystems to log (INIT, COLL, SHM, ENV or ALL); a leading ^ inverts.
+// Comma list of subsystems to log (INIT, ENV, SHM, NET, COLL, P2P or ALL); a leading ^ inverts.
 const std::string& debugSubsys();
+// Log file pattern (%h host, %p pid); empty = stderr.
+const std::string& debugFile();
 // 1: compare a fingerprint of each op's full description across ranks.
 int64_t debugChecks();
 // Milliseconds a multi-host collective waits without progress before it compares where it and

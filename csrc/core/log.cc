@@ -3,10 +3,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
-#include <mutex>
 #include <sstream>
 #include <string>
 
@@ -27,6 +27,7 @@ unsigned subsysBit(const std::string& name) {
   if (name == "SHM") return kShm;
   if (name == "ENV") return kEnv;
   if (name == "NET") return kNet;
+  if (name == "P2P") return kP2p;
   if (name == "ALL") return kAll;
   return 0;
 }
@@ -52,6 +53,43 @@ const Config& config() {
   return cfg;
 }
 
+// SMDDP_DEBUG_FILE's pattern, as NCCL_DEBUG_FILE's: %h = host name, %p = process id, %% = %.
+std::string expandPath(const std::string& pattern, const char* host) {
+  std::string path;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    if (pattern[i] != '%' || i + 1 == pattern.size()) {
+      path += pattern[i];
+      continue;
+    }
+    const char c = pattern[++i];
+    if (c == 'h') path += host;
+    else if (c == 'p') path += std::to_string(getpid());
+    else if (c == '%') path += '%';
+    else path.append(1, '%').append(1, c);  // not a placeholder: kept as written
+  }
+  return path;
+}
+
+// Opened at the first line logged, so a process that logs nothing leaves no file behind.
+FILE* output() {
+  static FILE* const out = [] {
+    const std::string& pattern = env::debugFile();
+    if (pattern.empty()) return stderr;
+    const std::string path = expandPath(pattern, config().host);
+    // Appended to, so ranks given one name add their lines rather than erase each other's;
+    // close-on-exec, so processes the program starts do not hold it.
+    FILE* f = fopen(path.c_str(), "ae");
+    if (f == nullptr) {
+      fprintf(stderr, "%s:%d:%ld SMDDP WARN SMDDP_DEBUG_FILE=%s: cannot open %s (%s); logging to stderr\n",
+              config().host, getpid(), (long)syscall(SYS_gettid), pattern.c_str(), path.c_str(), strerror(errno));
+      return stderr;
+    }
+    setvbuf(f, nullptr, _IOLBF, 0);  // whole lines reach the file, even if the process is killed next
+    return f;
+  }();
+  return out;
+}
+
 const char* levelName(Level level) {
   switch (level) {
     case kWarn: return "WARN";
@@ -65,7 +103,7 @@ const char* levelName(Level level) {
 
 bool enabled(Level level, Subsys subsys) {
   const Config& c = config();
-  return level <= c.level && (c.mask & subsys) != 0;
+  return level <= c.level && (level == kWarn || (c.mask & subsys) != 0);
 }
 
 void write(Level level, Subsys, const char* file, int line, const char* fmt, ...) {
@@ -78,10 +116,10 @@ void write(Level level, Subsys, const char* file, int line, const char* fmt, ...
   base = base ? base + 1 : file;
   // One fprintf per line so lines from several threads do not interleave.
   if (level == kWarn) {
-    fprintf(stderr, "%s:%d:%ld SMDDP WARN %s:%d %s\n", config().host, getpid(), (long)syscall(SYS_gettid), base,
+    fprintf(output(), "%s:%d:%ld SMDDP WARN %s:%d %s\n", config().host, getpid(), (long)syscall(SYS_gettid), base,
             line, msg);
   } else {
-    fprintf(stderr, "%s:%d:%ld SMDDP %s %s\n", config().host, getpid(), (long)syscall(SYS_gettid),
+    fprintf(output(), "%s:%d:%ld SMDDP %s %s\n", config().host, getpid(), (long)syscall(SYS_gettid),
             levelName(level), msg);
   }
 }

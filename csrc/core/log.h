@@ -1,11 +1,21 @@
-// Level + subsystem logging to stderr, prefixed "host:pid:tid SMDDP LEVEL [SUBSYS]".
+// Level + subsystem logging to stderr or SMDDP_DEBUG_FILE, prefixed "host:pid:tid SMDDP LEVEL".
 // The level and subsystem checks happen before any formatting, so disabled logs cost a branch.
+// As in NCCL, the subsystems (SMDDP_DEBUG_SUBSYS) select INFO and TRACE lines: a warning is
+// always logged unless SMDDP_DEBUG=NONE.
 #pragma once
 
 namespace smddp::log {
 
 enum Level { kNone = 0, kWarn = 1, kInfo = 2, kTrace = 3 };
-enum Subsys : unsigned { kInit = 1u << 0, kColl = 1u << 1, kShm = 1u << 2, kEnv = 1u << 3, kNet = 1u << 4, kAll = ~0u };
+enum Subsys : unsigned {
+  kInit = 1u << 0,
+  kColl = 1u << 1,
+  kShm = 1u << 2,
+  kEnv = 1u << 3,
+  kNet = 1u << 4,
+  kP2p = 1u << 5,
+  kAll = ~0u
+};
 
 bool enabled(Level level, Subsys subsys);
 void write(Level level, Subsys subsys, const char* file, int line, const char* fmt, ...)

@@ -275,6 +275,29 @@ class C10dStore : public Store {
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
+// An op's tensors in a log line: "float32, 2 inputs (2048 elements), 1 output (1024 elements)";
+// for a send or recv (which passes its one buffer as both) "int64, 3 elements (24 bytes)".
+std::string describeTensors(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs, bool p2p) {
+  if (outputs.empty() && inputs.empty()) return "no tensors";
+  const at::ScalarType st = (outputs.empty() ? inputs : outputs)[0].scalar_type();
+  const std::optional<DataType> dt = toDataType(st);
+  std::ostringstream text;
+  text << (dt ? dataTypeName(*dt) : c10::toString(st));
+  if (p2p) {
+    text << ", " << outputs[0].numel() << " elements (" << outputs[0].nbytes() << " bytes)";
+    return text.str();
+  }
+  auto list = [&](const char* what, const std::vector<at::Tensor>& ts) {
+    if (ts.empty()) return;
+    int64_t n = 0;
+    for (const at::Tensor& t : ts) n += t.numel();
+    text << ", " << ts.size() << " " << what << (ts.size() == 1 ? "" : "s") << " (" << n << " elements)";
+  };
+  list("input", inputs);
+  list("output", outputs);
+  return text.str();
+}
+
 }  // namespace
 
 // ---- Work -----------------------------------------------------------------------------------
@@ -570,10 +593,27 @@ c10::intrusive_ptr<SmddpWork> SmddpBackend::newWork(c10d::OpType opType, const c
                                                      P2pPeer peer) {
   const bool p2p = opType == c10d::OpType::SEND || opType == c10d::OpType::RECV || opType == c10d::OpType::RECVANYSOURCE;
   const int64_t traceId = FlightRecorder::get().record(pgId_, *this, p2p, title, inputs, outputs, timeout, peer);
+  if (log::enabled(log::kInfo, p2p ? log::kP2p : log::kColl)) logIssue(p2p, opType, title, outputs, inputs, peer);
   auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, std::move(outputs),
                                              std::optional<Tensors>(std::move(inputs)), spin_);
   work->setTrace(pgId_, traceId);
   return work;
+}
+
+void SmddpBackend::logIssue(bool p2p, c10d::OpType opType, const char* title, const Tensors& outputs,
+                            const Tensors& inputs, P2pPeer peer) const {
+  std::ostringstream what;
+  if (opType == c10d::OpType::SEND) {
+    what << "send to rank " << peer.rank << ", tag " << peer.tag;
+  } else if (p2p) {
+    what << "recv from " << (peer.rank >= 0 ? "rank " + std::to_string(peer.rank) : "any rank") << ", tag "
+         << peer.tag;
+  } else {
+    what << opName(title) << " #" << issued_.load();  // as getSequenceNumberForGroup() counts
+  }
+  const std::string tensors = describeTensors(inputs, outputs, p2p);
+  log::write(log::kInfo, p2p ? log::kP2p : log::kColl, __FILE__, __LINE__, "rank %d/%d, group %s (%s): %s: %s",
+             rank_, size_, getGroupUid().c_str(), getGroupDesc().c_str(), what.str().c_str(), tensors.c_str());
 }
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const char* title,

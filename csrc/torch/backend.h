@@ -233,6 +233,9 @@ class SmddpBackend : public c10d::Backend {
   // Inside cudaWhole's CPU twin: queues `body` as the staged op's host side; null otherwise.
   Work divertToCuda(c10d::OpType opType, const char* title, std::chrono::milliseconds timeout, const Body& body);
 
+  // The line SMDDP_DEBUG=INFO logs for an op as it is issued (subsystem COLL, or P2P when `p2p`).
+  void logIssue(bool p2p, c10d::OpType opType, const char* title, const Tensors& outputs, const Tensors& inputs,
+                P2pPeer peer) const;
   // Every op's Work: recorded in the flight recorder (as scheduled) as it is created; `peer`
   // for a send or recv.
   c10::intrusive_ptr<SmddpWork> newWork(c10d::OpType opType, const char* title, Tensors outputs, Tensors inputs,
