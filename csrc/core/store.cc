@@ -13,6 +13,11 @@ namespace {
 // records: addresses, numbers, hex, host records).
 constexpr char kFailed[] = "\x01smddp: set-up failed\x01";
 constexpr size_t kFailedChars = sizeof(kFailed) - 1;
+
+const std::string& unlessFailed(const std::string& value) {
+  if (value.compare(0, kFailedChars, kFailed) == 0) throw Error(ErrorCode::kRemoteError, value.substr(kFailedChars));
+  return value;
+}
 }  // namespace
 
 void BootstrapStore::set(const std::string& key, const std::string& value) {
@@ -20,10 +25,12 @@ void BootstrapStore::set(const std::string& key, const std::string& value) {
   set_.insert(key);
 }
 
-std::string BootstrapStore::get(const std::string& key) {
-  std::string value = inner_.get(key);
-  if (value.compare(0, kFailedChars, kFailed) == 0) throw Error(ErrorCode::kRemoteError, value.substr(kFailedChars));
-  return value;
+std::string BootstrapStore::get(const std::string& key) { return unlessFailed(inner_.get(key)); }
+
+std::vector<std::string> BootstrapStore::multiGet(const std::vector<std::string>& keys) {
+  std::vector<std::string> values = inner_.multiGet(keys);
+  for (const std::string& v : values) unlessFailed(v);
+  return values;
 }
 
 void BootstrapStore::publishFailure(const std::vector<std::string>& keys, int rank, const std::string& why) noexcept {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <vector>
 
@@ -24,8 +25,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Requests: 'S' u32 keyLen key u32 valueLen value (no reply) | 'G' u32 keyLen key (reply: u32
-// valueLen value, sent once the key exists) | 'C' u32 keyLen key (reply at once: one byte, '1'
-// if the key exists, else '0'). Lengths little-endian, as on every host we run on.
+// valueLen value, sent once the key exists) | 'C' u32 keyLen key (reply: one byte, '1' if the
+// key exists, else '0'). Lengths little-endian, as on every host we run on. A client's replies
+// come in the order of its requests, so it may send several gets before reading (multiGet).
 std::string frame(char op, const std::string& key, const std::string* value) {
   std::string out(1, op);
   auto put = [&](const std::string& s) {
@@ -112,6 +114,7 @@ class TcpStore::Server {
   struct Client {
     int fd;
     std::string in;
+    std::deque<std::pair<char, std::string>> pending;  // ('G' or 'C', key), to answer in order
   };
 
   void loop() {
@@ -131,7 +134,7 @@ class TcpStore::Server {
       }
       if (pfds[1].revents & POLLIN) {
         const int fd = accept4(listenFd_, nullptr, nullptr, SOCK_CLOEXEC);
-        if (fd >= 0) clients_.push_back({fd, {}});
+        if (fd >= 0) clients_.push_back({fd, {}, {}});
       }
       for (size_t i = 2; i < pfds.size(); ++i) {
         if (!pfds[i].revents) continue;
@@ -174,42 +177,40 @@ class TcpStore::Server {
       c.in.erase(0, pos);
       if (op == 'S') {
         data_[key] = value;
-        answerWaiting(key);
-      } else if (op == 'C') {
-        const char reply = data_.count(key) ? '1' : '0';
-        if (!sendFully(c.fd, &reply, 1)) {  // one byte to a client blocked reading it
-          closeClient(c);
-          return;
-        }
+        for (Client& other : clients_) answer(other);
       } else {
-        waiting_.emplace_back(c.fd, key);
-        answerWaiting(key);
+        c.pending.emplace_back(op, std::move(key));
+        answer(c);
       }
+      if (c.fd < 0) return;
     }
   }
 
-  void answerWaiting(const std::string& key) {
-    auto it = data_.find(key);
-    if (it == data_.end()) return;
-    const std::string& v = it->second;
-    for (auto w = waiting_.begin(); w != waiting_.end();) {
-      if (w->second != key) {
-        ++w;
-        continue;
+  // Answers c's requests from the oldest on, up to a get whose key is not set yet.
+  void answer(Client& c) {
+    std::string reply;
+    while (c.fd >= 0 && !c.pending.empty()) {
+      const auto& [op, key] = c.pending.front();
+      auto it = data_.find(key);
+      if (op == 'C') {
+        reply.assign(1, it != data_.end() ? '1' : '0');
+      } else if (it == data_.end()) {
+        return;
+      } else {
+        const uint32_t n = static_cast<uint32_t>(it->second.size());
+        reply.assign(reinterpret_cast<const char*>(&n), 4);
+        reply += it->second;
       }
-      const uint32_t n = static_cast<uint32_t>(v.size());
-      std::string reply(reinterpret_cast<const char*>(&n), 4);
-      reply += v;
-      // Replies are small and the client is blocked reading: a blocking send is fine. A client
-      // that is gone is noticed (and dropped) when its socket polls readable.
-      sendFully(w->first, reply.data(), reply.size());
-      w = waiting_.erase(w);
+      c.pending.pop_front();
+      // Replies are small and the client reads them (it sends a bounded batch of requests
+      // before reading): a blocking send is fine.
+      if (!sendFully(c.fd, reply.data(), reply.size())) closeClient(c);
     }
   }
 
-  // Its unanswered gets go with it: a later client may get the same descriptor number.
+  // Its unanswered requests go with it.
   void closeClient(Client& c) {
-    for (auto w = waiting_.begin(); w != waiting_.end();) w = w->first == c.fd ? waiting_.erase(w) : w + 1;
+    c.pending.clear();
     close(c.fd);
     c.fd = -1;
   }
@@ -227,21 +228,24 @@ class TcpStore::Server {
   std::atomic<bool> stopping_{false};
   std::vector<Client> clients_;
   std::map<std::string, std::string> data_;
-  std::vector<std::pair<int, std::string>> waiting_;  // (client fd, key) of gets not answered yet
   std::thread thread_;
 };
 
 TcpStore::TcpStore(const std::string& host, int port, bool serve, std::chrono::milliseconds timeout)
-    : where_(host + ":" + std::to_string(port)), timeout_(timeout) {
+    : host_(host), port_(port), where_(host + ":" + std::to_string(port)), timeout_(timeout) {
   if (serve) server_ = std::make_unique<Server>(port);
+  connectToServer();
+}
+
+void TcpStore::connectToServer() {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;  // the host's name or address, IPv4 or IPv6
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || res == nullptr) {
+  if (getaddrinfo(host_.c_str(), std::to_string(port_).c_str(), &hints, &res) != 0 || res == nullptr) {
     throwError(ErrorCode::kInvalidUsage, "TcpStore: cannot resolve %s", where_.c_str());
   }
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = Clock::now() + timeout_;
   for (;;) {
     fd_ = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd_ >= 0 && connect(fd_, res->ai_addr, res->ai_addrlen) == 0) break;
@@ -265,6 +269,7 @@ TcpStore::~TcpStore() {
 }
 
 void TcpStore::sendAll(const std::string& bytes) {
+  if (fd_ < 0) connectToServer();
   if (!sendFully(fd_, bytes.data(), bytes.size())) {
     throwError(ErrorCode::kRemoteError, "TcpStore: lost the connection to %s", where_.c_str());
   }
@@ -280,6 +285,10 @@ void TcpStore::recvAll(void* buf, size_t n, Clock::time_point deadline, const st
     }
     if (r <= 0) {  // nothing yet, or a signal came: read only once the socket is readable
       if (Clock::now() >= deadline) {
+        // The server still holds the requests not answered, and answers in order: a later
+        // request starts on a new connection (the server drops the old one's requests).
+        close(fd_);
+        fd_ = -1;
         throwError(ErrorCode::kTimeout, "TcpStore: timed out waiting for key %s at %s", key.c_str(), where_.c_str());
       }
       continue;
@@ -293,14 +302,28 @@ void TcpStore::recvAll(void* buf, size_t n, Clock::time_point deadline, const st
 
 void TcpStore::set(const std::string& key, const std::string& value) { sendAll(frame('S', key, &value)); }
 
-std::string TcpStore::get(const std::string& key) {
-  sendAll(frame('G', key, nullptr));
+std::string TcpStore::get(const std::string& key) { return multiGet({key})[0]; }
+
+std::vector<std::string> TcpStore::multiGet(const std::vector<std::string>& keys) {
+  // In batches, so that the replies to one fit in the sockets' buffers while this rank is still
+  // sending it (the server answers a get as soon as it reads it, with a blocking send).
+  constexpr size_t kBatch = 128;
   const auto deadline = Clock::now() + timeout_;
-  uint32_t n = 0;
-  recvAll(&n, 4, deadline, key);
-  std::string v(n, '\0');
-  if (n) recvAll(v.data(), n, deadline, key);
-  return v;
+  std::vector<std::string> values;
+  values.reserve(keys.size());
+  for (size_t first = 0; first < keys.size(); first += kBatch) {
+    const size_t end = std::min(keys.size(), first + kBatch);
+    std::string requests;
+    for (size_t i = first; i < end; ++i) requests += frame('G', keys[i], nullptr);
+    sendAll(requests);
+    for (size_t i = first; i < end; ++i) {
+      uint32_t n = 0;
+      recvAll(&n, 4, deadline, keys[i]);
+      std::string& v = values.emplace_back(n, '\0');
+      if (n) recvAll(v.data(), n, deadline, keys[i]);
+    }
+  }
+  return values;
 }
 
 bool TcpStore::check(const std::string& key) {

@@ -25,14 +25,20 @@ class TcpStore : public Store {
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key) override;
   bool check(const std::string& key) override;
+  // Sends the gets in batches and reads the replies in order: a round trip per batch.
+  std::vector<std::string> multiGet(const std::vector<std::string>& keys) override;
 
  private:
   class Server;
+  // Connects to the server, retrying until the timeout (the server may not listen yet).
+  void connectToServer();
   void sendAll(const std::string& bytes);
   void recvAll(void* buf, size_t n, std::chrono::steady_clock::time_point deadline, const std::string& key);
 
   std::unique_ptr<Server> server_;
-  int fd_ = -1;
+  int fd_ = -1;  // -1 after a request timed out: the next one reconnects
+  std::string host_;
+  int port_;
   std::string where_;
   std::chrono::milliseconds timeout_;
 };

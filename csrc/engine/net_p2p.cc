@@ -149,12 +149,14 @@ NetP2p::NetP2p(Store& store, const Topology& topo, const std::vector<net::LocalA
     for (int fd : listenFds_) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
     store.set(addrKey(rank_), net::publishedAddresses(listeners));
     secret_ = store.get("smddp/net/secret");
-    for (int g = 0; g < topo.size; ++g) {
-      if (topo.hostOf[g] == topo.host()) continue;
+    const auto remote = [&topo](int g) { return topo.hostOf[g] != topo.host(); };
+    const std::vector<std::string> addresses = store.multiGet(keysOf(topo.size, addrKey, remote));
+    for (int g = 0, next = 0; g < topo.size; ++g) {
+      if (!remote(g)) continue;
       peers_[g] = std::make_unique<Peer>();
       peers_[g]->rank = g;
       peers_[g]->lanes.resize(static_cast<size_t>(lanes_));
-      peers_[g]->address = store.get(addrKey(g));
+      peers_[g]->address = addresses[next++];
     }
     for (int* fd : {&wakeFd_, &driverBellFd_}) {
       *fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);

@@ -250,6 +250,17 @@ class C10dStore : public Store {
     guarded("checking", key, [&] { found = store_->check({key}); });
     return found;
   }
+  // c10d's TCPStore waits for them all, then reads them in one request.
+  std::vector<std::string> multiGet(const std::vector<std::string>& keys) override {
+    std::vector<std::string> values;
+    if (keys.empty()) return values;
+    const std::string what = keys.size() == 1 ? keys[0] : keys[0] + " (and " + std::to_string(keys.size() - 1) +
+                                                               " more keys)";
+    guarded("reading", what, [&] {
+      for (const std::vector<uint8_t>& v : store_->multiGet(keys)) values.emplace_back(v.begin(), v.end());
+    });
+    return values;
+  }
 
  private:
   template <class Fn>

@@ -152,9 +152,11 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   mine->magic = kMagic;
   store.set(createdKey(rank), "ok");
 
+  const auto others = [rank](int r) { return r != rank; };
+  // A peer that could not create its segment published its error here: multiGet throws it.
+  store.multiGet(keysOf(size, createdKey, others));
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
-    store.get(createdKey(r));  // a peer that could not create its segment published its error here
     d->segments_[r] = Segment::open(nameOf(r), rank, r);
     Control* c = d->control(r);
     if (d->segments_[r].size() != segBytes || c->magic != kMagic || c->rank != r || c->slotBytes != slotBytes) {
@@ -167,9 +169,7 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   // Once everybody has mapped everything the names are no longer needed: remove them now, so a
   // crash later cannot leave anything behind in /dev/shm.
   store.set(attachedKey(rank), "1");
-  for (int r = 0; r < size; ++r) {
-    if (r != rank) store.get(attachedKey(r));
-  }
+  store.multiGet(keysOf(size, attachedKey, others));
   d->segments_[rank].unlink();
   d->probePeerReads();
 

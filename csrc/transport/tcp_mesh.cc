@@ -287,8 +287,12 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
   };
   std::vector<pollfd> pfds;
   try {
-    for (int p : upward) {
-      const std::vector<SocketAddress> peerAddrs = parseAddresses(store.get(addrKey(p)), p);  // one per interface
+    std::vector<std::string> upwardKeys;
+    for (int p : upward) upwardKeys.push_back(addrKey(p));
+    const std::vector<std::string> upwardAddrs = store.multiGet(upwardKeys);
+    for (size_t i = 0; i < upward.size(); ++i) {
+      const int p = upward[i];
+      const std::vector<SocketAddress> peerAddrs = parseAddresses(upwardAddrs[i], p);  // one per interface
       for (const SocketAddress& a : peerAddrs) {
         if (isLoopback(a) && topo_.bootIds[p] != topo_.bootIds[rank]) {
           throwError(ErrorCode::kInvalidUsage,

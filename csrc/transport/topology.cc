@@ -137,8 +137,9 @@ Topology Topology::discover(Store& store, int rank, int size) {
   std::set<int> machineCpus;
   t.bootIds.resize(size);
   t.hostnames.resize(size);
+  const std::vector<std::string> records = store.multiGet(keysOf(size, infoKey));
   for (int r = 0; r < size; ++r) {
-    const auto f = splitOn(store.get(infoKey(r)), '\n');
+    const auto f = splitOn(records[r], '\n');
     if (f.size() != 5) throwError(ErrorCode::kRemoteError, "rank %d published a malformed topology record", r);
     t.bootIds[r] = f[0];
     keys[r] = f[1];
@@ -160,7 +161,8 @@ Topology Topology::discover(Store& store, int rank, int size) {
   }
   store.set(leaderKey(rank), std::to_string(leader));
   std::vector<int> leaders(size);
-  for (int r = 0; r < size; ++r) leaders[r] = std::stoi(store.get(leaderKey(r)));
+  const std::vector<std::string> leaderRecords = store.multiGet(keysOf(size, leaderKey));
+  for (int r = 0; r < size; ++r) leaders[r] = std::stoi(leaderRecords[r]);
   // Every rank has checked its peers' tokens by now (it published its leader after doing so).
 
   std::vector<int> hostOfLeader(size, -1);

@@ -13,7 +13,8 @@
 // lanes; IPv4 and IPv6 addresses parse,
 // print and listen; the
 // connections' congestion control is the one asked for, and an unknown one is
-// refused with the reason. Prints "N passed, N failed".
+// refused with the reason. The bootstrap stores' multiGet (TcpStore's requests answered in order).
+// Prints "N passed, N failed".
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -40,6 +41,8 @@
 #include "core/env.h"
 #include "core/error.h"
 #include "core/file_store.h"
+#include "core/store.h"
+#include "core/tcp_store.h"
 #include "core/types.h"
 #include "transport/netif.h"
 #include "transport/sockets.h"
@@ -853,6 +856,62 @@ void testPeekFarewellArrivingInParts() {
   close(fds[1]);
 }
 
+// The bootstrap stores' multiGet: TcpStore answers a client's requests in order, so a batch of
+// gets set in reverse order, over several of its batches of requests, reads back in order, and a
+// check after them answers after them; a key never set times out naming it; through PrefixStore
+// and BootstrapStore a failed peer's record raises its error; a FileStore reads them one by one.
+void testStoreMultiGet(const std::string& dir) {
+  const net::Listener probe = net::listenOn("127.0.0.1", "lo", 1, 0);
+  const int port = std::stoi(probe.address.substr(probe.address.rfind(':') + 1));  // free a moment ago
+  close(probe.fd);
+  TcpStore server("127.0.0.1", port, true, std::chrono::seconds(10));
+  TcpStore client("127.0.0.1", port, false, std::chrono::seconds(10));
+  std::vector<std::string> keys, want;
+  for (int i = 0; i < 300; ++i) {
+    keys.push_back(formatString("k%d", i));
+    want.push_back(formatString("value %d", i));
+  }
+  std::thread setter([&] {
+    for (int i = 299; i >= 1; --i) client.set(keys[i], want[i]);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the first key last: every reply waits for it
+    client.set(keys[0], want[0]);
+  });
+  const std::vector<std::string> got = server.multiGet(keys);
+  setter.join();
+  expect(got == want, "TcpStore multiGet of 300 keys set in reverse order reads them in order");
+  expect(server.check("k0") && !server.check("never"), "TcpStore check after a multiGet");
+
+  TcpStore impatient("127.0.0.1", port, false, std::chrono::milliseconds(200));
+  try {
+    impatient.multiGet({"k1", "never", "k2"});
+    expect(false, "TcpStore multiGet of a key never set times out");
+  } catch (const Error& e) {
+    expect(e.code() == ErrorCode::kTimeout && std::string(e.what()).find("key never") != std::string::npos,
+           std::string("TcpStore multiGet timeout names the key: ") + e.what());
+  }
+  expect(impatient.get("k2") == want[2], "a store serves gets after a timed-out multiGet (on a new connection)");
+
+  PrefixStore prefixed(client, "group/");
+  BootstrapStore boot(prefixed), failing(prefixed);
+  failing.set("a", "1");
+  failing.publishFailure({"a", "b"}, 3, "no /dev/shm");  // "a" it set itself: kept
+  expect(boot.multiGet({"a"}) == std::vector<std::string>{"1"} && server.get("group/a") == "1",
+         "PrefixStore multiGet prefixes the keys");
+  try {
+    boot.multiGet({"a", "b"});
+    expect(false, "BootstrapStore multiGet raises a failed peer's record");
+  } catch (const Error& e) {
+    expect(e.code() == ErrorCode::kRemoteError &&
+               std::string(e.what()) == "rank 3 could not set up the process group: no /dev/shm",
+           std::string("BootstrapStore multiGet raises the peer's error: ") + e.what());
+  }
+
+  FileStore files(dir, std::chrono::seconds(5));
+  files.set("x", "1");
+  files.set("y", "2");
+  expect(files.multiGet({"y", "x"}) == std::vector<std::string>{"2", "1"}, "FileStore multiGet");
+}
+
 }  // namespace
 
 int main() {
@@ -864,7 +923,7 @@ int main() {
   if (!test::runInOwnDirs("smddp_net_tests",
                           {testStrangersRefusedThenExchange, testConnectLater, testStripedSizeMismatch,
                            testCollectiveMismatch, testStallProbe, testDialToSilentPeer, testStalledExchangeReport,
-                           testFarewell, testTwoInterfaces, testUnevenInterfaces})) {
+                           testFarewell, testTwoInterfaces, testUnevenInterfaces, testStoreMultiGet})) {
     return 1;
   }
   return test::report();
