@@ -1,5 +1,6 @@
 """The benchmark tools run end to end: compare.py's report from a small run's JSON lines,
-bench_vs_gloo.py (the main job) and bench_subgroups.py on small sizes, and bench_training.py on a
+bench_vs_gloo.py (the main job) and bench_subgroups.py on small sizes, bench_setup.py on small
+worlds, and bench_training.py on a
 tiny model (both backends must
 reach the same loss). Speed is never asserted here: the numbers come from the benchmarks
 themselves."""
@@ -34,6 +35,17 @@ def test_compare_report_from_jsonl(tmp_path):
     assert "30.0x" in table and "0.50x" in table, table  # gloo/smddp time, smddp/MPICH busbw
     # 8 B: 30x gloo but 2x MPICH's time: met; 1 KiB likewise: both small cells met
     assert "issue-3 targets: 2 of 2 cells met" in table, table
+
+
+def test_setup_benchmark_runs_each_build():
+    perf = str(ROOT / "python" / "smddp" / "bin" / "smddp_perf")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_setup.py"), "--worlds", "3,8",
+                        "--hosts", "one,each", "--rounds", "1", "--binary", f"a={perf}", "--binary", f"b={perf}"],
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines()[3:]]
+    assert [r[:2] for r in rows] == [["3", "one"], ["3", "each"], ["8", "one"], ["8", "each"]], p.stdout
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 and r[4].endswith("x") for r in rows), p.stdout
 
 
 @pytest.mark.timeout(300)
