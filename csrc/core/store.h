@@ -20,9 +20,9 @@ class Store {
   virtual std::string get(const std::string& key) = 0;
   // Whether `key` is set now; never blocks.
   virtual bool check(const std::string& key) = 0;
-  // get() of every key, in order. A set-up reads a record of every peer: a store that can
-  // answer them in one round trip (c10d's TCPStore, TcpStore) spares a job of W ranks W round
-  // trips per rank, and its server W^2 requests in all.
+  // get() of every key, in order. A set-up reads a record of every peer: a store that answers
+  // them in a few round trips (c10d's TCPStore, TcpStore) spares a job of W ranks W round trips
+  // per rank, and its server W^2 requests in all.
   virtual std::vector<std::string> multiGet(const std::vector<std::string>& keys) {
     std::vector<std::string> values;
     values.reserve(keys.size());

@@ -250,7 +250,7 @@ class C10dStore : public Store {
     guarded("checking", key, [&] { found = store_->check({key}); });
     return found;
   }
-  // c10d's TCPStore waits for them all, then reads them in one request.
+  // c10d's TCPStore waits for them all in one request, then reads them in another.
   std::vector<std::string> multiGet(const std::vector<std::string>& keys) override {
     std::vector<std::string> values;
     if (keys.empty()) return values;
