@@ -61,22 +61,20 @@ def main():
     print(f"# {' '.join(sys.argv)}")
     print(f"# {os.cpu_count()} CPUs; time = wall seconds of a job (set-up, one 8-byte all_reduce, exit), "
           f"best of {args.rounds} rounds, builds in turn within a round")
-    print(f"{'world':>6} {'hosts':>6} " + " ".join(f"{name:>12}" for name, _ in binaries)
-          + ("  " + " ".join(f"{name + '/' + binaries[0][0]:>14}" for name, _ in binaries[1:]) if len(binaries) > 1
-             else ""))
+    names = [name for name, _ in binaries]
+    ratio_names = [f"{name}/{names[0]}" for name in names[1:]]  # time against the first build
+    print(f"{'world':>6} {'hosts':>6} " + " ".join(f"{n:>12}" for n in names) + "".join(f"  {n:>14}" for n in ratio_names))
     for world in [int(w) for w in args.worlds.split(",")]:
         for hosts in args.hosts.split(","):
-            best = {name: None for name, _ in binaries}
+            best = dict.fromkeys(names)
             for _ in range(args.rounds):
                 for name, path in binaries:
                     t = run_job(path, world, hosts, args.timeout)
                     if isinstance(t, str):
                         sys.exit(f"{name}, world {world}, hosts {hosts}: {t}")
                     best[name] = t if best[name] is None else min(best[name], t)
-            base = best[binaries[0][0]]
-            print(f"{world:>6} {hosts:>6} " + " ".join(f"{best[name]:>12.2f}" for name, _ in binaries)
-                  + ("  " + " ".join(f"{best[name] / base:>13.2f}x" for name, _ in binaries[1:]) if len(binaries) > 1
-                     else ""), flush=True)
+            print(f"{world:>6} {hosts:>6} " + " ".join(f"{best[n]:>12.2f}" for n in names)
+                  + "".join(f"  {best[n] / best[names[0]]:>13.2f}x" for n in names[1:]), flush=True)
 
 
 if __name__ == "__main__":
