@@ -4,7 +4,8 @@ torchrun) that set the group up, run one 8-byte all_reduce and leave. Time = the
 from the first rank's start to the last rank's exit. Several builds side by side: each --binary
 runs once per round, in turn, and keeps its best round.
 
-    python benchmarks/bench_setup.py --worlds 256,512 --binary old=/tmp/smddp_perf_old --binary new=python/smddp/bin/smddp_perf
+    python benchmarks/bench_setup.py --worlds 256,512 --hosts one \
+        --binary old=/tmp/smddp_perf_old --binary new=python/smddp/bin/smddp_perf
 
 --hosts one: all ranks share memory (one host: topology and shared-memory set-up); each: every
 rank its own emulated host (SMDDP_HOST_ID), so the TCP mesh is set up between all of them. This
@@ -63,7 +64,8 @@ def main():
           f"best of {args.rounds} rounds, builds in turn within a round")
     names = [name for name, _ in binaries]
     ratio_names = [f"{name}/{names[0]}" for name in names[1:]]  # time against the first build
-    print(f"{'world':>6} {'hosts':>6} " + " ".join(f"{n:>12}" for n in names) + "".join(f"  {n:>14}" for n in ratio_names))
+    print(f"{'world':>6} {'hosts':>6} " + " ".join(f"{n:>12}" for n in names)
+          + "".join(f"  {n:>14}" for n in ratio_names))
     for world in [int(w) for w in args.worlds.split(",")]:
         for hosts in args.hosts.split(","):
             best = dict.fromkeys(names)
