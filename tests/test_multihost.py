@@ -59,6 +59,9 @@ def topology_task(rank, world, hosts):
         rep.expect(info["machine_cpus"] == str(cpus), f"rank {rank}: {info['machine_cpus']} CPUs, expected {cpus}")
         want_spin = os.environ.get("SMDDP_SPIN_US") or ("2" if world > cpus else "500")
         rep.expect(info["wait_spin_us"] == want_spin, f"rank {rank}: spins {info['wait_spin_us']} us, expected {want_spin}")
+        # The progress thread and Work.wait() poll only where every rank has two cores.
+        want_linger = os.environ.get("SMDDP_LINGER_US") or ("0" if 2 * world > cpus else str(min(int(want_spin), 50)))
+        rep.expect(info["linger_us"] == want_linger, f"rank {rank}: lingers {info['linger_us']} us, expected {want_linger}")
     return rep.to_dict()
 
 
@@ -70,7 +73,7 @@ def machine_share_task(rank, world, subgroups=()):
         if rank in ranks:
             group = made
     info = group._get_backend(torch.device("cpu"))._topology()
-    return {k: info[k] for k in ("machine_ranks", "machine_cpus", "wait_spin_us")}
+    return {k: info[k] for k in ("machine_ranks", "machine_cpus", "wait_spin_us", "linger_us")}
 
 
 def any_source_timeout_task(rank, world):
@@ -223,13 +226,27 @@ def test_topology(pools, topo):
 def test_ranks_pinned_apart_are_not_oversubscribed(hosts):
     """Two ranks of one machine, each pinned to a CPU of its own: each sees 1 usable CPU, but
     together they have 2 for 2 ranks, so waits keep spinning (a rank that counted only its own
-    CPUs would think itself oversubscribed). Also across emulated hosts (same machine)."""
+    CPUs would think itself oversubscribed). Also across emulated hosts (same machine). Not two
+    cores per rank, though: the progress thread and Work.wait() sleep at once."""
     cpus = sorted(os.sched_getaffinity(0))[:2]
     rank_env = {"SMDDP_TEST_CPUS": [str(c) for c in cpus]}
     if hosts:
         rank_env["SMDDP_HOST_ID"] = list(hosts)
     got, _ = run_in_own_pool(rank_env, machine_share_task)
-    assert got == [{"machine_ranks": "2", "machine_cpus": "2", "wait_spin_us": "500"}] * 2, got
+    assert got == [{"machine_ranks": "2", "machine_cpus": "2", "wait_spin_us": "500", "linger_us": "0"}] * 2, got
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for two per rank")
+@pytest.mark.skipif(bool(os.environ.get("SMDDP_SPIN_US") or os.environ.get("SMDDP_LINGER_US")),
+                    reason="SMDDP_SPIN_US / SMDDP_LINGER_US set the budgets")
+def test_linger_budget():
+    """A rank with two CPUs to itself polls 50 us after an op and in Work.wait(); SMDDP_LINGER_US
+    sets that budget whatever the cores (here 2 ranks on 2 CPUs, where it would be 0)."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    got, _ = run_in_own_pool({"SMDDP_TEST_CPUS": [",".join(map(str, cpus))]}, machine_share_task, world=1)
+    assert got == [{"machine_ranks": "1", "machine_cpus": "2", "wait_spin_us": "500", "linger_us": "50"}], got
+    got, _ = run_in_own_pool({"SMDDP_LINGER_US": ["7", "7"]}, machine_share_task)
+    assert [g["linger_us"] for g in got] == ["7", "7"], got
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin ranks")
@@ -241,7 +258,7 @@ def test_subgroup_of_a_crowded_world_is_crowded():
     cpus = sorted(os.sched_getaffinity(0))[:2]
     rank_env = {"SMDDP_TEST_CPUS": [str(cpus[0])] * 2 + [str(cpus[1])] * 2}
     got, _ = run_in_own_pool(rank_env, machine_share_task, [[0, 2], [1, 3]], world=4)
-    assert got == [{"machine_ranks": "4", "machine_cpus": "2", "wait_spin_us": "2"}] * 4, got
+    assert got == [{"machine_ranks": "4", "machine_cpus": "2", "wait_spin_us": "2", "linger_us": "0"}] * 4, got
 
 
 @pytest.mark.parametrize("topo", TOPOS)

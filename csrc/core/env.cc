@@ -38,6 +38,12 @@ constexpr Param kParams[] = {
      "picks 500 us, or 2 us when ranks outnumber cores (then SMDDP_YIELD_US applies): the job's "
      "ranks on this machine, in any network namespace or container, against the CPUs they may run on "
      "(a subgroup counts the ranks of the most crowded group its process is in)."},
+    {"SMDDP_LINGER_US", "-1",
+     "Microseconds a group's progress thread polls for the next op after one, and a Work.wait() "
+     "polls for an op that thread runs, before sleeping. -1 picks 50 us (at most SMDDP_SPIN_US's), "
+     "or 0 where the machine's cores are fewer than twice its ranks: an async op keeps two threads "
+     "of a rank busy (the caller's and the progress thread), and one polling takes the core the "
+     "other needs."},
     {"SMDDP_YIELD_US", "50",
      "When ranks outnumber cores: microseconds a waiting rank keeps yielding its core (so the rank it "
      "waits for can run) before it sleeps on a futex."},
@@ -206,6 +212,7 @@ SMDDP_INT_PARAM(p2pUnexpectedBytes, "SMDDP_P2P_UNEXPECTED_BYTES")
 SMDDP_INT_PARAM(cpuThreads, "SMDDP_CPU_THREADS")
 SMDDP_INT_PARAM(spinMicros, "SMDDP_SPIN_US")
 SMDDP_INT_PARAM(yieldMicros, "SMDDP_YIELD_US")
+SMDDP_INT_PARAM(lingerMicros, "SMDDP_LINGER_US")
 SMDDP_STRING_PARAM(debugLevel, "SMDDP_DEBUG")
 SMDDP_STRING_PARAM(debugSubsys, "SMDDP_DEBUG_SUBSYS")
 SMDDP_STRING_PARAM(debugFile, "SMDDP_DEBUG_FILE")

@@ -50,6 +50,8 @@ int64_t debugChecks();
 int64_t desyncCheckMs();
 // Microseconds a waiting rank keeps yielding its core before sleeping, when ranks outnumber cores.
 int64_t yieldMicros();
+// Microseconds the progress thread and Work::wait poll before sleeping; -1 = choose from the core count.
+int64_t lingerMicros();
 // Splits one machine into several "hosts" (tests); empty = no split.
 const std::string& hostId();
 // SMDDP_FR_DUMP_FILE: where a failed op dumps the flight recorder (empty: nowhere).

@@ -45,9 +45,16 @@ class CpuShareClaim {
 // How long a rank polls a peer's flag inside a collective: SMDDP_SPIN_US when set (>= 0), else
 // 500 us, or 2 us when the machine's ranks outnumber its cores.
 std::chrono::microseconds spinBudget(const CpuShare& share);
-// How long the progress thread polls for the next op, and Work::wait for completion, before
-// sleeping: at most 50 us, since these spins run between ops, beside the user's compute.
+// How long a point-to-point engine's thread polls for more work, and a caller driving it for
+// its op, before sleeping: at most 50 us, since these spins run between ops, beside the user's
+// compute.
 std::chrono::microseconds lingerBudget(const CpuShare& share);
+// How long a group's progress thread polls for the next op, and Work::wait for an op that thread
+// runs, before sleeping: SMDDP_LINGER_US when set (>= 0), else lingerBudget, or 0 where the
+// machine has fewer than two cores per rank. An async op keeps two threads of a rank busy at
+// once (the caller's, in wait() or computing, and the progress thread running the op), so
+// there a polling thread takes the core that the other, or a peer's, needs.
+std::chrono::microseconds handOffLinger(const CpuShare& share);
 
 // Polls `done()` until it returns true or the budget is spent; returns done()'s last value.
 template <class Done>

@@ -396,17 +396,20 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, rank));
   }
-  spin_ = lingerBudget(comm_->machineShare());
-  progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank), spin_);
+  handOffLinger_ = handOffLinger(comm_->machineShare());
+  progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank), handOffLinger_);
+  // A blocking point-to-point wait runs its engine on the caller's thread: no second thread of
+  // this rank is busy meanwhile, so the engines keep the plain linger budget.
+  const std::chrono::microseconds p2pLinger = lingerBudget(comm_->machineShare());
   if (comm_->topology().localSize() > 1) {
-    p2p_ = std::make_shared<engine::P2pEngine>(comm_->domain(), spin_,
+    p2p_ = std::make_shared<engine::P2pEngine>(comm_->domain(), p2pLinger,
                                                engine::P2pEngine::singleCopyBytesFor(comm_->machineShare()),
                                                "smddp-p2p" + std::to_string(rank));
   }
   if (comm_->multiHost()) {
     try {
       netP2p_ = std::make_shared<engine::NetP2p>(*bootstrap_, comm_->topology(), comm_->netAddresses(),
-                                                 comm_->netLanes(), spin_, "smddp-np2p" + std::to_string(rank));
+                                                 comm_->netLanes(), p2pLinger, "smddp-np2p" + std::to_string(rank));
     } catch (const Error& e) {
       bootstrap_->publishFailure(engine::NetP2p::keysOwedBy(rank), rank, e.what());
       std::rethrow_exception(toTorchError(e, rank));
@@ -466,7 +469,8 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
                                               {"transport", comm_->multiHost() ? "shm+tcp" : "shm"},
                                               {"machine_ranks", std::to_string(comm_->machineShare().ranks)},
                                               {"machine_cpus", std::to_string(comm_->machineShare().cpus)},
-                                              {"wait_spin_us", std::to_string(comm_->domain()->spin().count())}};
+                                              {"wait_spin_us", std::to_string(comm_->domain()->spin().count())},
+                                              {"linger_us", std::to_string(handOffLinger_.count())}};
   if (p2p_) {
     // Whether messages to this rank from its host-mates may be read from their memory, and from what size.
     const bool reads = comm_->domain()->readsPeers(t.localRank());
@@ -606,7 +610,7 @@ c10::intrusive_ptr<SmddpWork> SmddpBackend::newWork(c10d::OpType opType, const c
   const int64_t traceId = FlightRecorder::get().record(pgId_, *this, p2p, title, inputs, outputs, timeout, peer);
   if (log::enabled(log::kInfo, p2p ? log::kP2p : log::kColl)) logIssue(p2p, opType, title, outputs, inputs, peer);
   auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, std::move(outputs),
-                                             std::optional<Tensors>(std::move(inputs)), spin_);
+                                             std::optional<Tensors>(std::move(inputs)), handOffLinger_);
   work->setTrace(pgId_, traceId);
   return work;
 }

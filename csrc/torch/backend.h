@@ -99,8 +99,8 @@ class SmddpBackend : public c10d::Backend {
   // Which hosts the group spans, as {"hosts", "host", "local_rank", "local_size", "transport"},
   // how many ranks share this machine's CPUs ("machine_ranks", "machine_cpus": this group's, or
   // those of a more crowded group of this process) and so how long a shared-memory wait spins
-  // ("wait_spin_us"), and across hosts "tcp_connections" (this rank's, with every socket of every
-  // peer).
+  // ("wait_spin_us") and how long the progress thread and Work.wait() poll ("linger_us"), and
+  // across hosts "tcp_connections" (this rank's, with every socket of every peer).
   std::map<std::string, std::string> topologySummary() const;
   bool debugChecks() const { return debugChecks_; }
   size_t netScratchBytes() const { return comm_->netScratchBytes(); }
@@ -259,7 +259,7 @@ class SmddpBackend : public c10d::Backend {
 
   std::atomic<int64_t> timeoutMs_;
   bool debugChecks_ = false;
-  std::chrono::microseconds spin_;
+  std::chrono::microseconds handOffLinger_;  // the progress thread's and Work::wait's polling
   std::atomic<uint64_t> issued_{0};
   std::vector<int64_t> globalRanks_;  // see the constructor
   int pgId_ = 0;                      // this group in the flight recorder
