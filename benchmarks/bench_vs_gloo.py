@@ -278,6 +278,9 @@ class TorchDistBackend(Backend):
         import torch.distributed as dist
 
         self._dist = dist
+        # --async 1: each call async_op=True, its Work waited at once (functional collectives,
+        # DTensor and FSDP's unsharding issue ops that way)
+        self._async = bool(ctx.cfg.get("async"))
         self._ops = {
             "sum": dist.ReduceOp.SUM,
             "avg": dist.ReduceOp.AVG,
@@ -287,16 +290,16 @@ class TorchDistBackend(Backend):
         }
 
     def all_reduce(self, t, redop):
-        self._dist.all_reduce(t, op=self._ops[redop], group=self.group, async_op=False)
+        _wait(self._dist.all_reduce(t, op=self._ops[redop], group=self.group, async_op=self._async))
 
     def all_gather(self, out, inp):
         # torch 2.13's names; the deprecated ones cost a filtered FutureWarning on every call.
         fn = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
-        fn(out, inp, group=self.group, async_op=False)
+        _wait(fn(out, inp, group=self.group, async_op=self._async))
 
     def reduce_scatter(self, out, inp, redop):
         fn = getattr(self._dist, "reduce_scatter_single", None) or self._dist.reduce_scatter_tensor
-        fn(out, inp, op=self._ops[redop], group=self.group, async_op=False)
+        _wait(fn(out, inp, op=self._ops[redop], group=self.group, async_op=self._async))
 
     def send_recv(self, out, inp):
         d = self._dist
@@ -310,12 +313,19 @@ class TorchDistBackend(Backend):
         d = self._dist
         rank = d.get_rank()
         peer = rank ^ 1
+        send, recv = (d.isend, d.irecv) if self._async else (d.send, d.recv)
         if rank % 2 == 0:
-            d.send(inp, peer, group=self.group)
-            d.recv(out, peer, group=self.group)
+            _wait(send(inp, peer, group=self.group))
+            _wait(recv(out, peer, group=self.group))
         else:
-            d.recv(out, peer, group=self.group)
-            d.send(inp, peer, group=self.group)
+            _wait(recv(out, peer, group=self.group))
+            _wait(send(inp, peer, group=self.group))
+
+
+def _wait(work):
+    """Waits for what an async call returned; a blocking one returned None (recv: the sender)."""
+    if hasattr(work, "wait"):
+        work.wait()
 
 
 class CandidateBackend(TorchDistBackend):
@@ -892,8 +902,12 @@ class Reporter:
         for note in getattr(a, "notes", []):
             self.out(f"# note: {note}")
         self.out("# control traffic (barriers, iteration broadcast, time reduction) on a separate gloo group"
-                 + (" (MPI: a Dup of COMM_WORLD)" if self.jobs else ""))
-        self.out(f"# time = per-op time in us (loop of blocking ops / iters; median of {a.reps} reps per rank), " + {
+                 + (" (MPI: a Dup of COMM_WORLD)" if any(j.name == "mpich" for j in self.jobs) else ""))
+        loop = "blocking ops"
+        if a.async_op:
+            loop = "torch backends: ops issued with async_op=True, each Work waited at once" + (
+                "; MPICH: blocking ops" if any(j.name == "mpich" for j in self.jobs) else "")
+        self.out(f"# time = per-op time in us (loop of {loop} / iters; median of {a.reps} reps per rank), " + {
             "avg": "averaged over ranks", "max": "max over ranks", "min": "min over ranks", "rank0": "of rank 0"}[a.time_agg]
             + (f"; each backend's best of {a.rounds} rounds, the rounds interleaved in time (this VM's "
                "neighbours come and go)" if a.rounds > 1 else "")
@@ -1297,6 +1311,56 @@ class MpichBaseline(JobBaseline):
 JOB_BASELINES = {"mpich": MpichBaseline}
 
 
+class _RowSink:
+    """Takes the place of the Reporter for a CandidateVariant's job: keeps the candidate's rows."""
+
+    header_done = True
+
+    def __init__(self, label):
+        self.label = label
+        self.results = {}
+
+    def row(self, msg):
+        self.results[(msg["op"], msg["size"])] = dict(msg["results"][0], backend=self.label)
+
+    def table_begin(self, world, op):
+        pass
+
+    table_end = table_begin
+
+    def idle(self, msg):
+        pass
+
+
+class CandidateVariant(JobBaseline):
+    """--variant: the candidate again, in a torch job of its own whose ranks get extra environment
+    variables (e.g. SMDDP_LINGER_US=50), so that two settings of one backend meet in one run.
+    Labelled var1, var2, ... (short enough for the speedup columns' headings)."""
+
+    def __init__(self, args, spec, index):
+        self.args = args
+        self.env = dict(kv.split("=", 1) for kv in spec.split(","))
+        self.name = self.label = f"var{index}"
+
+    def description(self):
+        settings = " ".join(f"{k}={v}" for k, v in self.env.items())
+        return f"{self.args.backend} with {settings}, a torch job of its own per world, run before the main one"
+
+    def run(self, world, base_cfg, deadline):
+        sink = _RowSink(self.label)
+        cfg = dict(base_cfg, baselines=[], memcpy=False, idle_seconds=0)
+        t0 = time.monotonic()
+        try:
+            run_world(world, self.args, cfg, sink, deadline, self.env)
+        except RunFailed as e:
+            if time.monotonic() > deadline:
+                raise
+            status = f"job FAILED ({e}) after {len(sink.results)} rows; missing rows n/a, see stderr"
+            return sink.results, status, f"# ERROR: {self.label} job (world {world}) {status}"
+        secs = time.monotonic() - t0
+        return sink.results, None, f"# {self.label} job (world {world}): {len(sink.results)} rows in {secs:.1f} s"
+
+
 def memory_pages_note(huge_pages: int) -> str:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -1309,8 +1373,9 @@ def memory_pages_note(huge_pages: int) -> str:
     return f"buffers of every backend on 4 KiB pages (--huge-pages 0); THP here: {thp}"
 
 
-def run_world(world: int, args, base_cfg: dict, reporter: Reporter, deadline: float):
-    """Spawn `world` ranks, stream rank 0's records to the reporter."""
+def run_world(world: int, args, base_cfg: dict, reporter: Reporter, deadline: float, extra_env=None):
+    """Spawn `world` ranks (with `extra_env` added to their environment), stream rank 0's records
+    to the reporter."""
     tmp = tempfile.mkdtemp(prefix="smddp_bench_")
     store = os.path.join(tmp, "store")
     rfd, wfd = os.pipe()
@@ -1319,6 +1384,7 @@ def run_world(world: int, args, base_cfg: dict, reporter: Reporter, deadline: fl
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env["OMP_NUM_THREADS"] = str(args.threads)
     env["THP_MEM_ALLOC_ENABLE"] = str(args.huge_pages)
+    env.update(extra_env or {})
     try:
         for rank in range(world):
             cfg = dict(base_cfg, rank=rank, world=world, init_method=f"file://{store}",
@@ -1434,6 +1500,13 @@ def parse_args(argv):
     p.add_argument("--mpiexec-args", default="", help="extra mpiexec arguments, e.g. '-bind-to core'")
     p.add_argument("--mpich-target-ms", default=None, type=float,
                    help="auto iterations of the mpich baseline (default: --target-ms)")
+    p.add_argument("--async", dest="async_op", default=0, type=int, choices=(0, 1),
+                   help="1: torch backends issue every op with async_op=True and wait for its Work at once (as "
+                        "functional collectives, DTensor and FSDP do); MPICH's calls stay blocking")
+    p.add_argument("--variant", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE...]",
+                   help="also run the candidate in a job of its own with these environment variables, as a "
+                        "column of its own, var1, var2, ... (e.g. SMDDP_LINGER_US=50: two settings side by side); "
+                        "repeatable")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._worker is not None:
@@ -1463,6 +1536,9 @@ def parse_args(argv):
             p.error(f"unknown baseline {b!r} (available: {', '.join(list(BASELINES) + list(JOB_BASELINES))})")
     if len(set(args.baselines)) != len(args.baselines):
         p.error("a baseline is listed twice")
+    for spec in args.variant:
+        if not all(kv.partition("=")[0].strip() and "=" in kv for kv in spec.split(",")):
+            p.error(f"--variant {spec!r}: give VAR=VALUE[,VAR=VALUE...]")
     if not args.baselines:
         p.error("need at least one baseline")
     if any(w < 1 for w in args.worlds):
@@ -1496,9 +1572,10 @@ def main(argv=None) -> int:
         "job_warmup_ms": args.job_warmup_ms, "target_ms": args.target_ms,
         "min_iters": args.min_iters, "max_iters": args.max_iters, "time_agg": args.time_agg, "reps": args.reps,
         "check": bool(args.check), "threads": args.threads, "idle_seconds": args.idle_seconds,
-        "huge_pages": args.huge_pages,
+        "huge_pages": args.huge_pages, "async": bool(args.async_op),
     }
     jobs = [JOB_BASELINES[b](args) for b in args.baselines if b in JOB_BASELINES]
+    jobs += [CandidateVariant(args, spec, i + 1) for i, spec in enumerate(args.variant)]
     json_file = open(args.json, "w") if args.json else None
     reporter = Reporter(args, json_file, jobs)
     t0 = time.monotonic()

@@ -94,3 +94,26 @@ def test_side_by_side_benchmark_checks_point_to_point(tmp_path):
     assert cells == {(w, op, s, b) for w in (2, 4) for op in ("sendrecv", "pingpong", "allreduce") for s in (8, 512, 32768)
                      for b in ("smddp", "gloo")}, sorted(cells)
     assert all(r["error"] is None and r["wrong"] == 0 and r["time_us"] > 0 for r in rows), rows
+
+
+@pytest.mark.timeout(300)
+def test_side_by_side_benchmark_async_ops_and_a_variant(tmp_path):
+    # --async 1: every torch op issued with async_op=True and its Work waited at once; --variant:
+    # smddp again, in a job of its own whose ranks get the given environment (they log their
+    # settings, which shows it reached them), as the column var1, checked like the others.
+    out = tmp_path / "rows.jsonl"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vs_gloo.py"), "--ops", "pingpong,allreduce,allgather",
+                        "--worlds", "2", "-b", "8", "-e", "300K", "-f", "64", "--rounds", "1", "--baselines", "gloo",
+                        "--async", "1", "--variant", "SMDDP_LINGER_US=7,SMDDP_DEBUG=INFO,SMDDP_DEBUG_SUBSYS=ENV",
+                        "--target-ms", "5", "--warmup-ms", "1", "--job-warmup-ms", "1", "--idle-seconds", "0",
+                        "-J", str(out)],
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "ops issued with async_op=True, each Work waited at once" in p.stdout, p.stdout[:3000]
+    assert "var1: smddp with SMDDP_LINGER_US=7 SMDDP_DEBUG=INFO" in p.stdout, p.stdout[:3000]
+    assert p.stderr.count("SMDDP_LINGER_US=7") == 2, p.stderr[-3000:]  # each of the variant's ranks, once
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    cells = {(r["op"], r["size"], r["backend"]) for r in rows}
+    assert cells == {(op, s, b) for op in ("pingpong", "allreduce", "allgather") for s in (8, 512, 32768)
+                     for b in ("smddp", "gloo", "var1")}, sorted(cells)
+    assert all(r["error"] is None and r["wrong"] == 0 and r["time_us"] > 0 for r in rows), rows
