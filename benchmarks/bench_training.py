@@ -12,7 +12,9 @@ all-to-all) and FSDP2 (smddp.smp.apply_hybrid_sharding); or "cp": transformers' 
 the same shape under smddp.smp context parallelism (--cp-degree consecutive ranks share each batch,
 each runs its part of every sequence; keys and values go round the ring, SMP's cp_comm_type "p2p",
 with "cp-balanced" round the ring with each rank an early and a late chunk of every sequence
-(context_parallel_load_balance), or with "cp-allgather" are all-gathered) and FSDP2; AdamW.
+(context_parallel_load_balance), or with "cp-allgather" are all-gathered) and FSDP2; or "tp": the
+same Llama under smddp.smp tensor parallelism (--tp-degree consecutive ranks share each batch and
+split every layer; DTensor's collectives) and FSDP2 across those groups; AdamW.
 For each world size the backends run one
 after the other, in alternating rounds, and the best round of each counts (noise on a shared VM
 only ever slows a run).
@@ -21,7 +23,9 @@ Per backend and world: step time, tokens/s, and the share of the step that commu
 FSDP2, HSDP, EP and CP: time the training thread spends inside torch.distributed's collective calls plus time
 blocked in `Work.wait()` (what is not hidden behind compute), measured by wrapping those entry
 points. DDP's reducer calls the process group from C++, out of reach of such wrappers, so for DDP
-it is 1 - (step time under `no_sync()`, no gradient allreduce) / (step time).
+it is 1 - (step time under `no_sync()`, no gradient allreduce) / (step time). TP: not measured
+(DTensor calls torch's functional collectives, out of reach of the wrappers and inseparable from
+the step).
 
 With --hosts the ranks run on an emulated cluster (benchmarks/netcluster.py, needs root): --hosts
 network-namespace "hosts" of --per-host ranks each, links shaped by --rate and --delay, the job's
@@ -71,11 +75,17 @@ def worker(args) -> None:
                       per_rank=args.per_rank)
     torch.manual_seed(0)
     build = {"ep": lambda: hf_mixtral(cfg, experts=args.experts), "cp": lambda: hf_llama(cfg),
-             "cp-allgather": lambda: hf_llama(cfg), "cp-balanced": lambda: hf_llama(cfg)}
+             "cp-allgather": lambda: hf_llama(cfg), "cp-balanced": lambda: hf_llama(cfg), "tp": lambda: hf_llama(cfg)}
     model = build.get(args.parallel, lambda: TinyLlama(cfg))()
     params = sum(p.numel() for p in model.parameters())
     cp = args.cp_degree if args.parallel.startswith("cp") else 1
-    if args.parallel in ("ep",) + CP_MODES:
+    share = args.tp_degree if args.parallel == "tp" else cp  # consecutive ranks that share each batch
+    if args.parallel == "tp":
+        import smddp.smp as tsm
+
+        tsm.init({"tensor_parallel_degree": args.tp_degree})  # on the group started above
+        tsm.apply_hybrid_sharding(tsm.transform(model))
+    elif args.parallel in ("ep",) + CP_MODES:
         import smddp.smp as tsm
 
         key, degree = ("expert_parallel_degree", args.ep_degree) if args.parallel == "ep" else \
@@ -130,7 +140,7 @@ def worker(args) -> None:
             setattr(dist, name, timed(getattr(dist, name)))
 
     def step(i):
-        x, y = batch(rank // cp, i, cfg)  # the ranks of a CP group share a batch
+        x, y = batch(rank // share, i, cfg)  # the ranks of a CP or TP group share a batch
         if cp > 1:  # and each gets the logits of its tokens
             y = tsm.context_parallel_shard(y)
         out = model(x)
@@ -167,12 +177,12 @@ def worker(args) -> None:
     dist.all_gather(gathered, stats)
     if rank == 0:
         step_s = max(float(g[0]) for g in gathered) / args.steps
-        share = sum(float(g[1] / g[0]) for g in gathered) / world
+        comm_share = sum(float(g[1] / g[0]) for g in gathered) / world
         print("RESULT " + json.dumps({"backend": args.backend, "parallel": args.parallel, "world": world,
                                       "params": params,
                                       "step_ms": step_s * 1e3,
-                                      "tokens_per_s": world // cp * cfg.per_rank * cfg.seq / step_s,
-                                      "comm_share": share,
+                                      "tokens_per_s": world // share * cfg.per_rank * cfg.seq / step_s,
+                                      "comm_share": None if args.parallel == "tp" else comm_share,
                                       "final_loss": sum(float(g[2]) for g in gathered) / world}), flush=True)
     dist.destroy_process_group()
     # Leave without running destructors: gloo's can deadlock (~ProcessGroupGloo, reached from DDP's
@@ -183,16 +193,18 @@ def worker(args) -> None:
 
 
 def run_job(args, backend: str, parallel: str, world: int, cluster=None, port: int = 0) -> dict:
-    """One training job; on `cluster` (a NetCluster) args.per_host ranks per host, store on host 0."""
-    cmd = [sys.executable, __file__, "--_worker", "--backend", backend, "--parallel", parallel] + args.passthrough
+    """One training job; on `cluster` (a NetCluster) args.per_host ranks per host, store on host 0.
+    `backend` may name a --variant (var1, ...): smddp with its environment variables."""
+    name, extra = ("smddp", args.variants[backend]) if backend in args.variants else (backend, {})
+    cmd = [sys.executable, __file__, "--_worker", "--backend", name, "--parallel", parallel] + args.passthrough
     out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with tempfile.TemporaryDirectory() as tmp:
         if cluster is not None:
-            procs = cluster.launch(args.per_host, cmd, port, env=dict(cluster.all_nics_env(), PYTHONWARNINGS="ignore"),
-                                   **out)
+            procs = cluster.launch(args.per_host, cmd, port,
+                                   env=dict(cluster.all_nics_env(), PYTHONWARNINGS="ignore", **extra), **out)
         else:
             env = dict(os.environ, BENCH_STORE=os.path.join(tmp, "store"), WORLD_SIZE=str(world),
-                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
             procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r)), **out) for r in range(world)]
         outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
@@ -200,23 +212,28 @@ def run_job(args, backend: str, parallel: str, world: int, cluster=None, port: i
     if failed:
         sys.exit(f"{backend} {parallel} world {world} failed:\n" + "\n".join(o[-2000:] for o in failed))
     line = next(ln for ln in outs[0].splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return dict(json.loads(line[len("RESULT "):]), backend=backend)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="2,4", help="ranks on this machine (ignored with --hosts)")
     p.add_argument("--backends", default="gloo,smddp", help="the first is the baseline of the ratios")
+    p.add_argument("--variant", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE...]",
+                   help="also run smddp with these environment variables, as a backend of its own: var1, var2, ... "
+                        "(e.g. SMDDP_LINGER_US=50: two settings side by side); repeatable")
     p.add_argument("--parallel", default="fsdp2",
                    help="comma list of fsdp2, hsdp (FSDP2 hybrid: shard over --shard-degree consecutive ranks, "
                         "replicate across those groups), ddp, ep (a mixture-of-experts twin with expert parallelism), "
                         "cp (context parallelism, keys and values round the ring), cp-balanced (the ring, each "
-                        "rank an early and a late chunk: context_parallel_load_balance), cp-allgather (all-gathered)")
+                        "rank an early and a late chunk: context_parallel_load_balance), cp-allgather (all-gathered), "
+                        "tp (tensor parallelism under FSDP2)")
     p.add_argument("--shard-degree", type=int, default=0,
                    help="hsdp's shard group size (default: --per-host with --hosts, else 2)")
     p.add_argument("--ep-degree", type=int, default=2, help="ep: ranks a layer's experts are split over")
     p.add_argument("--experts", type=int, default=4, help="ep: experts per layer (2 per token)")
     p.add_argument("--cp-degree", type=int, default=2, help="cp: ranks each sequence is split over")
+    p.add_argument("--tp-degree", type=int, default=2, help="tp: ranks each layer is split over")
     p.add_argument("--hosts", type=int, default=0, help="run on an emulated cluster of this many hosts (root)")
     p.add_argument("--per-host", type=int, default=1, help="ranks per emulated host")
     p.add_argument("--rate", default="1gbit", help="emulated hosts' link rate (tc units), or 'none'")
@@ -241,22 +258,31 @@ def main() -> None:
         worker(args)
         return
     parallels = args.parallel.split(",")
-    if not set(parallels) <= {"fsdp2", "hsdp", "ddp", "ep", *CP_MODES}:
-        p.error(f"--parallel {args.parallel!r}: expected a comma list of fsdp2, hsdp, ddp, ep, {', '.join(CP_MODES)}")
+    if not set(parallels) <= {"fsdp2", "hsdp", "ddp", "ep", "tp", *CP_MODES}:
+        p.error(f"--parallel {args.parallel!r}: expected a comma list of fsdp2, hsdp, ddp, ep, tp, "
+                f"{', '.join(CP_MODES)}")
     args.shard_degree = args.shard_degree or (args.per_host if args.hosts else 2)
     args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}"
                         for k in ("steps", "warmup", "shard_degree", "vocab", "dim", "heads", "layers", "seq", "per_rank",
-                                  "ep_degree", "experts", "cp_degree")]
-    backends = args.backends.split(",")
+                                  "ep_degree", "experts", "cp_degree", "tp_degree")]
+    if not all("=" in kv and kv.partition("=")[0].strip() for spec in args.variant for kv in spec.split(",")):
+        p.error(f"--variant {args.variant}: give VAR=VALUE[,VAR=VALUE...]")
+    args.variants = {f"var{i + 1}": dict(kv.split("=", 1) for kv in spec.split(","))
+                     for i, spec in enumerate(args.variant)}
+    backends = args.backends.split(",") + list(args.variants)
     hsdp = f" (HSDP: shards of {args.shard_degree} consecutive ranks)" if "hsdp" in parallels else ""
     if "ep" in parallels:
         hsdp += f" (EP: Mixtral twin, {args.experts} experts per layer, 2 per token, over {args.ep_degree} ranks)"
     if set(CP_MODES) & set(parallels):
         hsdp += f" (CP: transformers' Llama, each sequence over {args.cp_degree} ranks)"
+    if "tp" in parallels:
+        hsdp += f" (TP: transformers' Llama, each layer over {args.tp_degree} ranks)"
     print(f"# {', '.join(x.upper() for x in parallels)}{hsdp} on CPU: Llama-style LM, vocab {args.vocab}, width {args.dim}, "
           f"{args.heads} heads, {args.layers} blocks, sequences of {args.seq} tokens, {args.per_rank} per rank and "
           f"step, AdamW, fp32; {args.warmup} warm-up + {args.steps} timed steps, best of {args.rounds} "
           "alternating rounds", flush=True)
+    for label, env in args.variants.items():
+        print(f"# {label}: smddp with {' '.join(f'{k}={v}' for k, v in env.items())}", flush=True)
     with contextlib.ExitStack() as stack:
         cluster = None
         worlds = [int(w) for w in args.worlds.split(",")]
@@ -277,6 +303,8 @@ def main() -> None:
         if set(CP_MODES) & set(parallels) and any(w % args.cp_degree or args.seq % (2 * args.cp_degree)
                                                   for w in worlds):
             sys.exit(f"bench_training: cp needs world sizes ({worlds}) divisible by the CP degree and --seq by twice it")
+        if "tp" in parallels and any(w % args.tp_degree or args.heads % args.tp_degree for w in worlds):
+            sys.exit(f"bench_training: tp needs world sizes ({worlds}) and --heads divisible by the TP degree")
         if "ep" in parallels and any(w % args.ep_degree for w in worlds):
             sys.exit(f"bench_training: ep needs world sizes ({worlds}) divisible by the EP degree {args.ep_degree}")
         if "hsdp" in parallels and any(w % args.shard_degree for w in worlds):
@@ -296,15 +324,16 @@ def main() -> None:
                 results += [best[b] for b in backends]
     sizes = ", ".join(sorted({f"{r['parallel']} {r['params'] / 1e6:.1f} M" for r in results}))
     print(f"# model: {sizes} parameters; "
-          "comm share: FSDP2, HSDP, EP, CP = time in collective calls and wait() / step, "
+          "comm share: FSDP2, HSDP, EP, CP = time in collective calls and wait() / step (TP: not measured), "
           "DDP = 1 - step without gradient sync (no_sync) / step; final loss: the mean of the ranks' last losses")
     print(f"{'parallel':>8}  {'world':>5}  {'backend':>8}  {'step ms':>8}  {'tokens/s':>9}  {'comm share':>10}  "
           f"{'speed-up':>8}  {'final loss':>10}")
     for r in results:
+        comm = "n/a" if r["comm_share"] is None else f"{100 * r['comm_share']:.1f}%"
         base = next(x for x in results
                     if (x["parallel"], x["world"], x["backend"]) == (r["parallel"], r["world"], backends[0]))
         print(f"{r['parallel']:>8}  {r['world']:>5}  {r['backend']:>8}  {r['step_ms']:8.1f}  {r['tokens_per_s']:9.0f}  "
-              f"{100 * r['comm_share']:9.1f}%  {base['step_ms'] / r['step_ms']:7.2f}x  {r['final_loss']:10.4f}")
+              f"{comm:>10}  {base['step_ms'] / r['step_ms']:7.2f}x  {r['final_loss']:10.4f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 

@@ -48,21 +48,37 @@ def test_setup_benchmark_runs_each_build():
     assert all(float(r[2]) > 0 and float(r[3]) > 0 and r[4].endswith("x") for r in rows), p.stdout
 
 
+def run_training_benchmark(*args):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--worlds", "2", "--rounds",
+                           "1", "--steps", "2", "--warmup", "1", "--vocab", "128", "--dim", "32", "--heads", "2",
+                           "--layers", "2", "--seq", "16", *args], capture_output=True, text=True, timeout=280)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("parallel", ["fsdp2", "ep", "cp"])
+@pytest.mark.parametrize("parallel", ["fsdp2", "ep", "cp", "tp"])
 def test_training_benchmark_runs_both_backends(tmp_path, parallel):
     if parallel != "fsdp2" and importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is not installed (pip install -r requirements-examples.txt)")
     out = tmp_path / "train.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--worlds", "2", "--rounds",
-                        "1", "--steps", "2", "--warmup", "1", "--vocab", "128", "--dim", "32", "--heads", "2",
-                        "--layers", "2", "--seq", "16", "--parallel", parallel, "--json", str(out)],
-                       capture_output=True, text=True, timeout=280)
+    # tp also runs smddp under other settings, as var1 (--variant)
+    variant = ["--variant", "SMDDP_LINGER_US=7"] if parallel == "tp" else []
+    p = run_training_benchmark("--parallel", parallel, "--json", str(out), *variant)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert [(r["backend"], r["parallel"]) for r in res] == [("gloo", parallel), ("smddp", parallel)]
-    assert res[0]["final_loss"] == res[1]["final_loss"], res
-    assert all(r["step_ms"] > 0 and 0 < r["comm_share"] < 1 for r in res), res
+    backends = ["gloo", "smddp"] + (["var1"] if variant else [])
+    assert [(r["backend"], r["parallel"]) for r in res] == [(b, parallel) for b in backends]
+    assert all(r["final_loss"] == res[0]["final_loss"] for r in res), res
+    # TP's communication goes through DTensor's functional collectives: not measured
+    assert all(r["step_ms"] > 0 and (r["comm_share"] is None if parallel == "tp" else 0 < r["comm_share"] < 1)
+               for r in res), res
+
+
+@pytest.mark.timeout(120)
+def test_training_benchmark_variant_gets_its_environment():
+    # A setting smddp refuses at init_process_group fails the variant's job, and the run with it.
+    p = run_training_benchmark("--backends", "smddp", "--variant", "SMDDP_SOCKET_FAMILY=AF_BOGUS")
+    assert p.returncode != 0, p.stdout[-3000:]
+    assert "var1 fsdp2 world 2 failed" in p.stderr and "SMDDP_SOCKET_FAMILY" in p.stderr, p.stderr[-3000:]
 
 
 @pytest.mark.timeout(300)
