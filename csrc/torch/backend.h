@@ -43,8 +43,9 @@ class SmddpWork : public c10d::Work {
   // (P2pDriver::driveUntil), rather than sleep until the engine's thread wakes it.
   void setP2pDriver(std::shared_ptr<engine::P2pDriver> engine) { p2pDriver_ = std::move(engine); }
 
-  // CPU ops: polls briefly before blocking (an async op is often waited on right after a short
-  // op, and a sleep plus wake-up costs tens of microseconds). CUDA ops: makes the current stream
+  // CPU ops: polls for the group's linger budget before blocking (an async op is often waited on
+  // right after a short op, and a sleep plus wake-up costs microseconds; none where the cores are
+  // too few to poll: handOffLinger). CUDA ops: makes the current stream
   // wait for the op, without blocking the host (unless SMDDP_CUDA_BLOCKING_WAIT=1), like NCCL.
   bool wait(std::chrono::milliseconds timeout) override;
   void synchronize() override;
