@@ -80,17 +80,14 @@ def worker(args) -> None:
     params = sum(p.numel() for p in model.parameters())
     cp = args.cp_degree if args.parallel.startswith("cp") else 1
     share = args.tp_degree if args.parallel == "tp" else cp  # consecutive ranks that share each batch
+    if args.parallel in ("ep", "tp") + CP_MODES:
+        import smddp.smp as tsm  # its init() below takes the group started above
     if args.parallel == "tp":
-        import smddp.smp as tsm
-
-        tsm.init({"tensor_parallel_degree": args.tp_degree})  # on the group started above
+        tsm.init({"tensor_parallel_degree": args.tp_degree})
         tsm.apply_hybrid_sharding(tsm.transform(model))
     elif args.parallel in ("ep",) + CP_MODES:
-        import smddp.smp as tsm
-
         key, degree = ("expert_parallel_degree", args.ep_degree) if args.parallel == "ep" else \
             ("context_parallel_degree", cp)
-        # On the group started above.
         tsm.init({key: degree, **({"context_parallel_load_balance": True} if args.parallel == "cp-balanced" else {})})
         comm = "all_gather" if args.parallel == "cp-allgather" else "p2p"
         tsm.apply_hybrid_sharding(tsm.transform(model, cp_comm_type=comm))
@@ -201,10 +198,10 @@ def run_job(args, backend: str, parallel: str, world: int, cluster=None, port: i
     with tempfile.TemporaryDirectory() as tmp:
         if cluster is not None:
             procs = cluster.launch(args.per_host, cmd, port,
-                                   env=dict(cluster.all_nics_env(), PYTHONWARNINGS="ignore", **extra), **out)
+                                   env={**cluster.all_nics_env(), "PYTHONWARNINGS": "ignore", **extra}, **out)
         else:
-            env = dict(os.environ, BENCH_STORE=os.path.join(tmp, "store"), WORLD_SIZE=str(world),
-                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
+            env = {**os.environ, "BENCH_STORE": os.path.join(tmp, "store"), "WORLD_SIZE": str(world),
+                   "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
             procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r)), **out) for r in range(world)]
         outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
