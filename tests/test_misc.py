@@ -135,6 +135,24 @@ def async_task(rank, world):
             w.wait()
         for i, (t, x) in enumerate(zip(ts, ins)):
             rep.check(f"{label} #{i}", t, reduce_ref(x, torch.float32, "SUM"), inputs=x)
+    # each waited at once: the waiting thread often runs the op itself (SMDDP_WAIT_RUNS_OP), and
+    # then the callbacks chained to it; with blocking ops between, which run inline
+    label = f"300 async ops each waited at once, a then() callback on each, world={world}"
+    with rep.cell(label):
+        ran = []
+        for i in range(300):
+            x = torch.full((1 + i % 7,), float(rank + i))
+            if i % 3 == 0:
+                dist.all_reduce(x)
+            else:
+                w = dist.all_reduce(x, async_op=True)
+                w.get_future().then(lambda f, i=i: ran.append((i, f.value()[0][0].item())))
+                w.wait()
+            want = float(sum(r + i for r in range(world)))
+            rep.expect(bool(torch.all(x == want)), f"{label}: op {i} gave {x.tolist()}, expected {want}")
+        dist.barrier()  # runs after every callback of the ops before it
+        want = [(i, float(sum(r + i for r in range(world)))) for i in range(300) if i % 3]
+        rep.expect(ran == want, f"{label}: callbacks saw {ran[:5]}..., expected {want[:5]}...")
     return rep.to_dict()
 
 

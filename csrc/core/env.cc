@@ -44,6 +44,11 @@ constexpr Param kParams[] = {
      "or 0 where the machine's cores are fewer than twice its ranks: an async op keeps two threads "
      "of a rank busy (the caller's and the progress thread), and one polling takes the core the "
      "other needs."},
+    {"SMDDP_WAIT_RUNS_OP", "1",
+     "1: a Work.wait() (without a time limit) whose op is still queued, and no op running, runs it "
+     "on the waiting thread, with any queued ahead of it, instead of waiting for the group's "
+     "progress thread to take it (a wake-up each way; where ranks outnumber cores, each waits for a "
+     "core). 0: async ops always run on the progress thread."},
     {"SMDDP_YIELD_US", "50",
      "When ranks outnumber cores: microseconds a waiting rank keeps yielding its core (so the rank it "
      "waits for can run) before it sleeps on a futex."},
@@ -213,6 +218,7 @@ SMDDP_INT_PARAM(cpuThreads, "SMDDP_CPU_THREADS")
 SMDDP_INT_PARAM(spinMicros, "SMDDP_SPIN_US")
 SMDDP_INT_PARAM(yieldMicros, "SMDDP_YIELD_US")
 SMDDP_INT_PARAM(lingerMicros, "SMDDP_LINGER_US")
+SMDDP_INT_PARAM(waitRunsOp, "SMDDP_WAIT_RUNS_OP")
 SMDDP_STRING_PARAM(debugLevel, "SMDDP_DEBUG")
 SMDDP_STRING_PARAM(debugSubsys, "SMDDP_DEBUG_SUBSYS")
 SMDDP_STRING_PARAM(debugFile, "SMDDP_DEBUG_FILE")

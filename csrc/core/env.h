@@ -52,6 +52,8 @@ int64_t desyncCheckMs();
 int64_t yieldMicros();
 // Microseconds the progress thread and Work::wait poll before sleeping; -1 = choose from the core count.
 int64_t lingerMicros();
+// 1: Work::wait runs its op on the waiting thread if the progress thread has not started it.
+int64_t waitRunsOp();
 // Splits one machine into several "hosts" (tests); empty = no split.
 const std::string& hostId();
 // SMDDP_FR_DUMP_FILE: where a failed op dumps the flight recorder (empty: nowhere).

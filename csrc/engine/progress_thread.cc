@@ -65,6 +65,34 @@ bool ProgressThread::tryRunInline(const Task& task) {
   return true;
 }
 
+bool ProgressThread::runQueuedUntil(const std::function<bool()>& done) {
+  if (reentrant()) return false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (busy_ || queue_.empty()) return false;
+    busy_ = true;
+  }
+  do {
+    Task task;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (queue_.empty()) break;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+      queued_.store(queue_.size(), std::memory_order_release);
+    }
+    runAsOwn(task);
+  } while (!done());
+  bool wake;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    busy_ = false;
+    wake = sleeping_ && !queue_.empty();  // what was queued behind it is the thread's again
+  }
+  if (wake) cv_.notify_one();
+  return true;
+}
+
 void ProgressThread::stop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);

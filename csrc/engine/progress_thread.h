@@ -34,6 +34,12 @@ class ProgressThread {
   // which preserves issue order and saves two thread hand-offs for blocking ops. Returns false
   // (task not run) otherwise.
   bool tryRunInline(const Task& task);
+  // Runs queued tasks on the calling thread, in order, until `done()` (checked after each) or
+  // the queue is empty, unless a task is running already (on the thread or another caller's) or
+  // the caller is inside one. A caller that waits for an op not yet started so runs it itself,
+  // saving two hand-offs (its wake-up of the thread, the thread's of it), as a blocking call
+  // does; where ranks outnumber cores each hand-off waits for a core. Returns whether it ran any.
+  bool runQueuedUntil(const std::function<bool()>& done);
   // Stops after the queued tasks have run. Idempotent.
   void stop();
 

@@ -343,6 +343,7 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
   }
   // Without a time limit only: the engine's own deadlines end the drive, not the caller's.
   if (p2pDriver_ && timeout == kNoTimeout) p2pDriver_->driveUntil([this] { return isCompleted(); });
+  if (runner_ && timeout == kNoTimeout) runner_->runQueuedUntil([this] { return isCompleted(); });
   spinUntil(spin_, [this] { return isCompleted(); });
   try {
     return c10d::Work::wait(timeout);  // then synchronize()
@@ -397,7 +398,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     std::rethrow_exception(toTorchError(e, rank));
   }
   handOffLinger_ = handOffLinger(comm_->machineShare());
-  progress_ = std::make_unique<engine::ProgressThread>("smddp-r" + std::to_string(rank), handOffLinger_);
+  progress_ = std::make_shared<engine::ProgressThread>("smddp-r" + std::to_string(rank), handOffLinger_);
   // A blocking point-to-point wait runs its engine on the caller's thread: no second thread of
   // this rank is busy meanwhile, so the engines keep the plain linger budget.
   const std::chrono::microseconds p2pLinger = lingerBudget(comm_->machineShare());
@@ -656,6 +657,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
   // A blocking call (async_op=False) is waited at once: when the group is idle, running it here
   // saves two thread hand-offs, which dominate small-message latency.
   if (!async && progress_->tryRunInline(task)) return work;
+  if (env::waitRunsOp() != 0) work->setRunner(progress_);
   try {
     progress_->enqueue(std::move(task));
   } catch (const std::logic_error& e) {

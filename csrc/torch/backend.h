@@ -42,6 +42,9 @@ class SmddpWork : public c10d::Work {
   // A point-to-point op: wait() runs the engine that moves it until the op is done
   // (P2pDriver::driveUntil), rather than sleep until the engine's thread wakes it.
   void setP2pDriver(std::shared_ptr<engine::P2pDriver> engine) { p2pDriver_ = std::move(engine); }
+  // A CPU collective queued on `thread`: wait() runs it there and then if it has not started
+  // (ProgressThread::runQueuedUntil).
+  void setRunner(std::shared_ptr<engine::ProgressThread> thread) { runner_ = std::move(thread); }
 
   // CPU ops: polls for the group's linger budget before blocking (an async op is often waited on
   // right after a short op, and a sleep plus wake-up costs microseconds; none where the cores are
@@ -81,6 +84,7 @@ class SmddpWork : public c10d::Work {
   c10::Device device_{c10::kCPU};
   void* doneEvent_ = nullptr;
   std::shared_ptr<engine::P2pDriver> p2pDriver_;
+  std::shared_ptr<engine::ProgressThread> runner_;
   int pgId_ = 0;
   int64_t traceId_ = -1;
 };
@@ -270,7 +274,7 @@ class SmddpBackend : public c10d::Backend {
   std::unique_ptr<Store> groupStore_;  // store_'s namespace for this group alone (freshNamespace)
   std::unique_ptr<BootstrapStore> bootstrap_;  // groupStore_ as the set-up uses it
   std::unique_ptr<algo::Communicator> comm_;
-  std::unique_ptr<engine::ProgressThread> progress_;
+  std::shared_ptr<engine::ProgressThread> progress_;  // shared with the Works of queued ops
   // Ranks of this host; null when it is the only one. Shared with the Works that drive it.
   std::shared_ptr<engine::P2pEngine> p2p_;
   std::shared_ptr<engine::NetP2p> netP2p_;  // ranks of other hosts; null in a one-host group
