@@ -118,8 +118,8 @@ def test_side_by_side_benchmark_async_ops_and_a_variant(tmp_path):
     # smddp again, in a job of its own whose ranks get the given environment (they log their
     # settings, which shows it reached them), as the column var1, checked like the others.
     out = tmp_path / "rows.jsonl"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vs_gloo.py"), "--ops", "pingpong,allreduce,allgather",
-                        "--worlds", "2", "-b", "8", "-e", "300K", "-f", "64", "--rounds", "1", "--baselines", "gloo",
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vs_gloo.py"),
+                        "--ops", "pingpong,allreduce,allgather", "--worlds", "2", "-b", "8", "-e", "300K", "-f", "64", "--rounds", "1", "--baselines", "gloo",
                         "--async", "1", "--variant", "SMDDP_LINGER_US=7,SMDDP_DEBUG=INFO,SMDDP_DEBUG_SUBSYS=ENV",
                         "--target-ms", "5", "--warmup-ms", "1", "--job-warmup-ms", "1", "--idle-seconds", "0",
                         "-J", str(out)],

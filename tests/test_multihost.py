@@ -61,7 +61,8 @@ def topology_task(rank, world, hosts):
         rep.expect(info["wait_spin_us"] == want_spin, f"rank {rank}: spins {info['wait_spin_us']} us, expected {want_spin}")
         # The progress thread and Work.wait() poll only where every rank has two cores.
         want_linger = os.environ.get("SMDDP_LINGER_US") or ("0" if 2 * world > cpus else str(min(int(want_spin), 50)))
-        rep.expect(info["linger_us"] == want_linger, f"rank {rank}: lingers {info['linger_us']} us, expected {want_linger}")
+        rep.expect(info["linger_us"] == want_linger,
+                   f"rank {rank}: lingers {info['linger_us']} us, expected {want_linger}")
     return rep.to_dict()
 
 
