@@ -261,10 +261,13 @@ void TcpStore::connectToServer() {
   freeaddrinfo(res);
   const int one = 1;
   setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (staleFd_ >= 0) close(staleFd_);
+  staleFd_ = -1;
 }
 
 TcpStore::~TcpStore() {
   if (fd_ >= 0) close(fd_);
+  if (staleFd_ >= 0) close(staleFd_);
   server_.reset();  // after our own connection closed, so the server can finish
 }
 
@@ -286,8 +289,10 @@ void TcpStore::recvAll(void* buf, size_t n, Clock::time_point deadline, const st
     if (r <= 0) {  // nothing yet, or a signal came: read only once the socket is readable
       if (Clock::now() >= deadline) {
         // The server still holds the requests not answered, and answers in order: a later
-        // request starts on a new connection (the server drops the old one's requests).
-        close(fd_);
+        // request starts on a new connection (the server drops the old one's requests once
+        // it closes, when the new one is up).
+        if (staleFd_ >= 0) close(staleFd_);
+        staleFd_ = fd_;
         fd_ = -1;
         throwError(ErrorCode::kTimeout, "TcpStore: timed out waiting for key %s at %s", key.c_str(), where_.c_str());
       }

@@ -37,6 +37,10 @@ class TcpStore : public Store {
 
   std::unique_ptr<Server> server_;
   int fd_ = -1;  // -1 after a request timed out: the next one reconnects
+  // The connection of a request that timed out, closed once the next one is connected: a server
+  // waiting for its clients to leave (rank 0's, done first) must not see this client gone
+  // between the two, or the next request, often the one that says why, finds no server.
+  int staleFd_ = -1;
   std::string host_;
   int port_;
   std::string where_;
