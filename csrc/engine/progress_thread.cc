@@ -59,7 +59,8 @@ bool ProgressThread::tryRunInline(const Task& task) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     busy_ = false;
-    wake = sleeping_ && !queue_.empty();  // something was queued meanwhile
+    // Something was queued meanwhile, or stop() waits for the thread to see the task end.
+    wake = sleeping_ && (stopping_ || !queue_.empty());
   }
   if (wake) cv_.notify_one();
   return true;
@@ -87,7 +88,8 @@ bool ProgressThread::runQueuedUntil(const std::function<bool()>& done) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     busy_ = false;
-    wake = sleeping_ && !queue_.empty();  // what was queued behind it is the thread's again
+    // What was queued behind it is the thread's again; or stop() waits for the thread to exit.
+    wake = sleeping_ && (stopping_ || !queue_.empty());
   }
   if (wake) cv_.notify_one();
   return true;

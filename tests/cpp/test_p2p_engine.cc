@@ -6,8 +6,10 @@
 // released by the op's deadline, and by shutdown() from another thread; a wait after shutdown
 // returns at once. tests/test_core_cpp.py also builds it under ThreadSanitizer when clang can.
 // Prints "N passed, N failed".
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <future>
 #include <memory>
 #include <string>
 #include <thread>
@@ -17,6 +19,7 @@
 #include "core/file_store.h"
 #include "core/spin.h"
 #include "engine/p2p_engine.h"
+#include "engine/progress_thread.h"
 #include "expect.h"
 #include "p2p_harness.h"
 #include "transport/shm_domain.h"
@@ -83,8 +86,33 @@ void waitReleased(const std::string& dir, const char* what, std::chrono::millise
 
 }  // namespace
 
+// stop() from another thread while a caller runs a task on its own thread (a blocking op run
+// inline, or a wait() that took its queued op) returns once that task ends: the progress thread,
+// asleep until then, must be woken to see it end.
+void testProgressThreadStopsWhileACallerRunsATask(const std::string&) {
+  engine::ProgressThread progress("smddp-test-pt", std::chrono::microseconds(0));
+  std::atomic<bool> started{false};
+  std::thread caller([&] {
+    progress.tryRunInline([&] {
+      started = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    });
+  });
+  while (!started) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  auto stopped = std::async(std::launch::async, [&] { progress.stop(); });
+  const bool ok = stopped.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  test::expect(ok, "progress thread: stop() while a caller runs a task returns once the task ends");
+  if (!ok) {  // the stop() left hanging cannot be joined
+    const int rc = test::report();
+    std::fflush(stdout);
+    std::_Exit(rc);
+  }
+  caller.join();
+}
+
 int main() {
   const std::vector<test::DirTest> tests = {
+      testProgressThreadStopsWhileACallerRunsATask,
       testManyMessagesManyWaiters,
       [](const std::string& dir) {
         waitReleased(dir, "deadline", std::chrono::milliseconds(300), [](engine::P2pEngine&) {}, true);
