@@ -49,7 +49,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # netcluster
+sys.path.insert(0, str(HERE))  # netcluster, variants
+from variants import parse_variants  # noqa: E402
 CP_MODES = ("cp", "cp-balanced", "cp-allgather")
 
 
@@ -262,10 +263,10 @@ def main() -> None:
     args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}"
                         for k in ("steps", "warmup", "shard_degree", "vocab", "dim", "heads", "layers", "seq", "per_rank",
                                   "ep_degree", "experts", "cp_degree", "tp_degree")]
-    if not all("=" in kv and kv.partition("=")[0].strip() for spec in args.variant for kv in spec.split(",")):
-        p.error(f"--variant {args.variant}: give VAR=VALUE[,VAR=VALUE...]")
-    args.variants = {f"var{i + 1}": dict(kv.split("=", 1) for kv in spec.split(","))
-                     for i, spec in enumerate(args.variant)}
+    try:
+        args.variants = parse_variants(args.variant)
+    except ValueError as e:
+        p.error(str(e))
     backends = args.backends.split(",") + list(args.variants)
     hsdp = f" (HSDP: shards of {args.shard_degree} consecutive ranks)" if "hsdp" in parallels else ""
     if "ep" in parallels:

@@ -53,6 +53,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from variants import parse_variants  # noqa: E402 - beside this script
+
 # --------------------------------------------------------------------------
 # Shared definitions (parent and workers).  The parent never imports torch.
 # --------------------------------------------------------------------------
@@ -1334,13 +1336,12 @@ class _RowSink:
 
 class CandidateVariant(JobBaseline):
     """--variant: the candidate again, in a torch job of its own whose ranks get extra environment
-    variables (e.g. SMDDP_LINGER_US=50), so that two settings of one backend meet in one run.
-    Labelled var1, var2, ... (short enough for the speedup columns' headings)."""
+    variables (e.g. SMDDP_LINGER_US=50), so that two settings of one backend meet in one run."""
 
-    def __init__(self, args, spec, index):
+    def __init__(self, args, label, env):
         self.args = args
-        self.env = dict(kv.split("=", 1) for kv in spec.split(","))
-        self.name = self.label = f"var{index}"
+        self.env = env
+        self.name = self.label = label
 
     def description(self):
         settings = " ".join(f"{k}={v}" for k, v in self.env.items())
@@ -1536,9 +1537,10 @@ def parse_args(argv):
             p.error(f"unknown baseline {b!r} (available: {', '.join(list(BASELINES) + list(JOB_BASELINES))})")
     if len(set(args.baselines)) != len(args.baselines):
         p.error("a baseline is listed twice")
-    for spec in args.variant:
-        if not all(kv.partition("=")[0].strip() and "=" in kv for kv in spec.split(",")):
-            p.error(f"--variant {spec!r}: give VAR=VALUE[,VAR=VALUE...]")
+    try:
+        args.variants = parse_variants(args.variant)
+    except ValueError as e:
+        p.error(str(e))
     if not args.baselines:
         p.error("need at least one baseline")
     if any(w < 1 for w in args.worlds):
@@ -1575,7 +1577,7 @@ def main(argv=None) -> int:
         "huge_pages": args.huge_pages, "async": bool(args.async_op),
     }
     jobs = [JOB_BASELINES[b](args) for b in args.baselines if b in JOB_BASELINES]
-    jobs += [CandidateVariant(args, spec, i + 1) for i, spec in enumerate(args.variant)]
+    jobs += [CandidateVariant(args, label, env) for label, env in args.variants.items()]
     json_file = open(args.json, "w") if args.json else None
     reporter = Reporter(args, json_file, jobs)
     t0 = time.monotonic()

@@ -55,6 +55,11 @@ bool ProgressThread::tryRunInline(const Task& task) {
     busy_ = true;
   }
   runAsOwn(task);
+  releaseToThread();
+  return true;
+}
+
+void ProgressThread::releaseToThread() {
   bool wake;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -63,7 +68,6 @@ bool ProgressThread::tryRunInline(const Task& task) {
     wake = sleeping_ && (stopping_ || !queue_.empty());
   }
   if (wake) cv_.notify_one();
-  return true;
 }
 
 bool ProgressThread::runQueuedUntil(const std::function<bool()>& done) {
@@ -84,14 +88,7 @@ bool ProgressThread::runQueuedUntil(const std::function<bool()>& done) {
     }
     runAsOwn(task);
   } while (!done());
-  bool wake;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    busy_ = false;
-    // What was queued behind it is the thread's again; or stop() waits for the thread to exit.
-    wake = sleeping_ && (stopping_ || !queue_.empty());
-  }
-  if (wake) cv_.notify_one();
+  releaseToThread();  // what is queued behind it is the thread's again
   return true;
 }
 

@@ -47,6 +47,9 @@ class ProgressThread {
   void loop();
   // Runs `task` as this thread's, marking the calling thread as running one (for nested issues).
   void runAsOwn(const Task& task);
+  // After tasks run on a caller's thread: clears busy_ and wakes the thread if it has work or
+  // stop() waits for it.
+  void releaseToThread();
   bool reentrant() const;
 
   std::string name_;

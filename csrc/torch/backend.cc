@@ -343,7 +343,7 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
   }
   // Without a time limit only: the engine's own deadlines end the drive, not the caller's.
   if (p2pDriver_ && timeout == kNoTimeout) p2pDriver_->driveUntil([this] { return isCompleted(); });
-  if (runner_ && timeout == kNoTimeout) runner_->runQueuedUntil([this] { return isCompleted(); });
+  if (runner_ && timeout == kNoTimeout && !isCompleted()) runner_->runQueuedUntil([this] { return isCompleted(); });
   spinUntil(spin_, [this] { return isCompleted(); });
   try {
     return c10d::Work::wait(timeout);  // then synchronize()
