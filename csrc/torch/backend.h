@@ -174,6 +174,10 @@ class SmddpBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // pg.monitored_barrier (smddp.monitored_barrier; torch's own Python function admits gloo
+  // only): rank 0 hears from every rank within the timeout over point-to-point messages, names
+  // the ranks it missed and where they stand, and tells the ranks that came how it ended.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
@@ -255,6 +259,8 @@ class SmddpBackend : public c10d::Backend {
   Body describedBody(c10d::OpType opType, const char* title, const Tensors& outputs, const Tensors& inputs,
                      Body body) const;
   c10::intrusive_ptr<c10d::Work> p2p(bool isSend, std::vector<at::Tensor>& tensors, int peer, int tag);
+  // A ValueError for a tag of the range monitoredBarrier keeps to itself.
+  void checkUserTag(int tag, const char* op) const;
   // A message to or from `peer` (-1: any rank) in `buffer`, due within the group's timeout; its done
   // callback is the caller's to set.
   engine::P2pOp p2pOp(bool isSend, int peer, int tag, const at::Tensor& buffer) const;
@@ -266,6 +272,7 @@ class SmddpBackend : public c10d::Backend {
   bool debugChecks_ = false;
   std::chrono::microseconds handOffLinger_;  // the progress thread's and Work::wait's polling
   std::atomic<uint64_t> issued_{0};
+  std::atomic<uint32_t> monitoredBarriers_{0};  // calls so far: each takes a tag of its own
   std::vector<int64_t> globalRanks_;  // see the constructor
   int pgId_ = 0;                      // this group in the flight recorder
   c10::intrusive_ptr<c10d::Store> c10dStore_;  // the store the group was created with (for shrink)

@@ -11,7 +11,7 @@ from ._loader import load_extension as _load_extension
 _C = _load_extension()
 
 from ._build_info import VERSION as __version__  # noqa: E402
-from ._groups import shrink_group  # noqa: E402
+from ._groups import monitored_barrier, shrink_group  # noqa: E402
 
 BACKEND_NAME = "smddp"
 
@@ -60,4 +60,5 @@ def dump_flight_recorder(path=None):
     return data
 
 
-__all__ = ["BACKEND_NAME", "dump_flight_recorder", "env_params", "reduce_isa", "shrink_group", "__version__"]
+__all__ = ["BACKEND_NAME", "dump_flight_recorder", "env_params", "monitored_barrier", "reduce_isa", "shrink_group",
+           "__version__"]

@@ -25,3 +25,23 @@ def shrink_group(ranks_to_exclude, group=None, shrink_flags=0, pg_options=None):
         pg._register_backend(torch.device(device_type), ProcessGroup.BackendType.CUSTOM, backend)
     pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
     return pg
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+    """``torch.distributed.monitored_barrier`` for smddp groups (torch's own admits gloo groups
+    only): rank 0 waits up to `timeout` (default: the group's timeout) for every other rank to
+    reach it and raises ``DistBackendError`` naming the first rank that did not, or every one with
+    ``wait_all_ranks=True``, and where each stands when it has waited in an op of the group
+    longer than ``SMDDP_DESYNC_CHECK_MS``. The ranks that came raise too, naming the ranks rank 0
+    missed, as soon as rank 0 knows; a rank that rank 0 never answers raises at its own timeout.
+    Runs on the calling thread and returns None, as torch's does."""
+    if group is not None and group == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    backend_name = dist.get_backend(group)
+    if backend_name != "smddp":
+        raise ValueError(f"smddp.monitored_barrier: the group's backend is {backend_name!r}, not smddp "
+                         f"(torch.distributed.monitored_barrier serves gloo groups)")
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if timeout is None:
+        return pg.monitored_barrier(wait_all_ranks=wait_all_ranks)
+    return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
