@@ -26,7 +26,7 @@ timeout = datetime.timedelta(seconds=2)
 if mode == "pass":
     gloo = dist.new_group(backend="gloo")
     for i in range(20):
-        smddp.monitored_barrier(timeout=timeout if i % 2 else None, wait_all_ranks=i % 3 == 0)
+        smddp.monitored_barrier(timeout=(timeout, None, 30.0)[i % 3], wait_all_ranks=i % 2 == 0)
         x = torch.full((1000,), float(rank + i))
         dist.all_reduce(x)
         assert torch.equal(x, torch.full((1000,), float(sum(range(world)) + world * i))), x[:4]
@@ -45,6 +45,11 @@ if mode == "pass":
             raise AssertionError("a reserved tag was taken")
         except ValueError as e:
             print("REFUSED", e, flush=True)
+    try:
+        smddp.monitored_barrier(timeout=datetime.timedelta(0))
+        raise AssertionError("a zero timeout was taken")
+    except ValueError as e:
+        print("REFUSED", e, flush=True)
     try:
         smddp.monitored_barrier(gloo)
         raise AssertionError("a gloo group was taken")
@@ -95,15 +100,16 @@ def _no_leftovers(outs):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("hosts", [None, "0011"])
 def test_monitored_barrier_passes_between_ops(hosts):
-    """20 monitored barriers with and without a timeout and wait_all_ranks, each followed by an
-    all_reduce and a ring of sends with a negative user tag, all checked; the reserved tags and a
-    gloo group are refused with ValueError."""
+    """20 monitored barriers with a timedelta, seconds or no timeout, with and without
+    wait_all_ranks, each followed by an all_reduce and a ring of sends with a negative user tag,
+    all checked; the reserved tags, a zero timeout and a gloo group are refused with ValueError."""
     procs = Job(CHILD, 4, ["pass"], hosts=hosts)
     outs = procs.finish(90)
     for r, out in enumerate(outs):
         assert procs[r].returncode == 0 and "PASSED" in out, f"rank {r}:\n{out[-3000:]}"
         assert "send: tag -2147483648 is reserved" in out and "recv: tag -2147483643 is reserved" in out, out[-2000:]
         assert "the group's backend is 'gloo', not smddp" in out, out[-2000:]
+        assert "timeout must be positive, got 0:00:00" in out, out[-2000:]
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,6 @@
 """Group helpers that torch's own APIs leave incomplete for a backend serving two device types."""
+import datetime
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -33,14 +35,19 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
     reach it and raises ``DistBackendError`` naming the first rank that did not, or every one with
     ``wait_all_ranks=True``, and where each stands when it has waited in an op of the group
     longer than ``SMDDP_DESYNC_CHECK_MS``. The ranks that came raise too, naming the ranks rank 0
-    missed, as soon as rank 0 knows; a rank that rank 0 never answers raises at its own timeout.
-    Runs on the calling thread and returns None, as torch's does."""
+    missed, as soon as rank 0 knows; a rank that rank 0 never answers raises 5 s after its own
+    timeout. `timeout` may be a timedelta or seconds. Runs on the calling thread and returns None,
+    as torch's does."""
     if group is not None and group == dist.GroupMember.NON_GROUP_MEMBER:
         return
     backend_name = dist.get_backend(group)
     if backend_name != "smddp":
         raise ValueError(f"smddp.monitored_barrier: the group's backend is {backend_name!r}, not smddp "
                          f"(torch.distributed.monitored_barrier serves gloo groups)")
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    if timeout is not None and timeout <= datetime.timedelta(0):
+        raise ValueError(f"smddp.monitored_barrier: timeout must be positive, got {timeout}")
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     if timeout is None:
         return pg.monitored_barrier(wait_all_ranks=wait_all_ranks)
