@@ -18,7 +18,7 @@ import datetime, os, sys, time, torch, torch.distributed as dist
 import smddp
 rank, world, url, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world,
-                        timeout=datetime.timedelta(seconds=60))
+                        timeout=datetime.timedelta(seconds=float(os.environ.get("GROUP_TIMEOUT", "60"))))
 t = torch.ones(1024)
 dist.all_reduce(t)
 print("ready", flush=True)
@@ -60,17 +60,35 @@ else:
     missing = [int(r) for r in sys.argv[5].split(",")]
     t0 = time.monotonic()
     try:
-        if rank in missing and mode == "asleep":
+        if rank in missing and mode in ("asleep", "no_stale_post"):
             time.sleep(3600)
         elif rank in missing and mode == "in_recv":  # blocked in a point-to-point op of the group
             dist.recv(t, (rank + 1) % world)
         else:
-            if rank in missing and mode == "late":
-                time.sleep(3)
+            if rank in missing and mode in ("late", "very_late"):
+                time.sleep(3 if mode == "late" else 4.5)
             smddp.monitored_barrier(timeout=timeout, wait_all_ranks=os.environ["WAIT_ALL"] == "1")
         print("PASSED", flush=True)
     except Exception as e:
         print(f"ERROR after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
+    if mode == "no_stale_post":  # rank 2 waits in vain for rank 0, whose receive from rank 1 still waits
+        if rank == 2:
+            try:
+                dist.recv(torch.empty(2), 0)
+            except Exception as e:
+                print(f"RECV ERROR: {e}", flush=True)
+        elif rank == 0:
+            time.sleep(5)
+    if mode == "very_late":  # every rank past rank 1's error (4.5 s + 2 s + 5 s of grace)
+        time.sleep(max(0.0, 12.5 - (time.monotonic() - t0)))
+        got = torch.empty(5)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((5,), float(rank)), (rank + 1) % world),
+                                       dist.P2POp(dist.irecv, got, (rank - 1) % world)])
+        for r in reqs:
+            r.wait()
+        assert torch.equal(got, torch.full((5,), float((rank - 1) % world))), got
+        smddp.monitored_barrier(timeout=datetime.timedelta(seconds=10), wait_all_ranks=True)
+        print("GOES ON", flush=True)
     if mode == "late":  # the group goes on: an all_reduce and a monitored_barrier that all reach
         x = torch.full((100,), float(rank))
         dist.all_reduce(x)
@@ -193,4 +211,40 @@ def test_monitored_barrier_late_rank_then_the_group_goes_on(hosts):
         expected = {0: "rank(s) 1 did not reach it within 2000 ms", 1: "rank 0 did not answer within 2000 ms",
                     2: "rank 0 reports that rank(s) 1 did not reach it"}[r]
         assert expected in msg, msg
+    _no_leftovers(outs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", [None, "011"])
+def test_monitored_barrier_later_than_the_group_timeout_leaves_point_to_point_whole(hosts):
+    """Rank 1 comes 4.5 s late to a 2 s barrier in a group whose timeout is 3 s. Rank 0's receive
+    from it outlives the group's timeout without breaking the pair (an expired receive would):
+    rank 1's message meets it, and once rank 1 has given up on rank 0's answer a ring of sends
+    between every pair (0 -> 1 included) and another monitored_barrier pass."""
+    procs = Job(CHILD, 3, ["very_late", "1"], hosts=hosts, WAIT_ALL="1", GROUP_TIMEOUT="3")
+    procs.wait_ready()
+    outs = procs.finish(60)
+    for r, out in enumerate(outs):
+        assert "GOES ON" in out and procs[r].returncode == 3, f"rank {r}:\n{out[-3000:]}"
+    assert "rank(s) 1 did not reach it within 2000 ms" in _error(outs[0])[2], outs[0][-3000:]
+    assert "rank 0 did not answer within 2000 ms (and 5 s more)" in _error(outs[1])[2], outs[1][-3000:]
+    assert "rank 0 reports that rank(s) 1 did not reach it" in _error(outs[2])[2], outs[2][-3000:]
+    _no_leftovers(outs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", [None, "011"])
+def test_monitored_barrier_receive_left_waiting_is_not_reported_as_where_rank_0_waits(hosts):
+    """After a barrier rank 1 missed, rank 0's receive from it still waits (it has no deadline),
+    but rank 0 does not post it as where it stands: rank 2's recv from rank 0, timing out at the
+    group's 3 s, says rank 0 waits in nothing of the group (SMDDP_DESYNC_CHECK_MS=300)."""
+    procs = Job(CHILD, 3, ["no_stale_post", "1"], hosts=hosts, WAIT_ALL="1", GROUP_TIMEOUT="3",
+                SMDDP_DESYNC_CHECK_MS="300")
+    procs.wait_ready()
+    outs = procs.finish(40, ranks=[0, 2])
+    procs.kill(1)
+    m = re.search(r"RECV ERROR: (.*)", outs[1])
+    assert m, outs[1][-3000:]
+    assert "where rank 0 stands (its latest posts in the group's store): rank 0 has not waited in any " \
+           "collective of this group, nor in a point-to-point op" in m.group(1), m.group(1)
     _no_leftovers(outs)

@@ -735,7 +735,7 @@ void NetP2p::checkDeadlines() {
     if (!p) continue;
     for (const auto* q : {&p->sends, &p->recvs}) {
       for (const P2pOp& op : *q) {
-        if (op.into == nullptr && (oldest == nullptr || op.posted < oldest->posted)) {
+        if (op.into == nullptr && !op.background && (oldest == nullptr || op.posted < oldest->posted)) {
           oldest = &op;
           oldestPeer = p->rank;
         }

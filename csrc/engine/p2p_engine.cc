@@ -382,7 +382,7 @@ void P2pEngine::checkDeadlinesAndPeers() {
   int oldestPeer = -1;
   auto consider = [&](const std::deque<P2pOp>& q, int peer) {
     for (const P2pOp& op : q) {
-      if (op.into == nullptr && (oldest == nullptr || op.posted < oldest->posted)) {
+      if (op.into == nullptr && !op.background && (oldest == nullptr || op.posted < oldest->posted)) {
         oldest = &op;
         oldestPeer = peer >= 0 ? domain_->groupRank(peer) : -1;
       }

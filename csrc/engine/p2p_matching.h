@@ -61,6 +61,9 @@ struct P2pOp {
   // Set on the engine's own receive of an unexpected message (routeMessage): it reads into `into`'s
   // memory, has no deadline and nobody waits on it.
   Unexpected* into = nullptr;
+  // smddp's own message (monitored_barrier's, whose tags are its own per call): no deadline
+  // (never expires, so never breaks the pair) and never posted as where this rank waits.
+  bool background = false;
 
   size_t offset = 0;
   bool started = false;  // first chunk sent / matched

@@ -1282,7 +1282,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::barrier(const c10d::BarrierOptions&
 
 namespace {
 // monitored_barrier's messages use tags no other op may: from INT_MIN on, one per call (its
-// count, modulo 2^30), so a rank late for one call can never answer a later one.
+// count, modulo 2^30), so a rank late for one call can never answer a later one. So they need no
+// deadline either (P2pOp::background): one that nothing meets (a rank that never came) waits for
+// its peer or the group's end, where an expired receive would break the pair for later messages.
 constexpr int kMonitoredBarrierTags = std::numeric_limits<int>::min();
 constexpr uint32_t kMonitoredBarrierTagSpan = 1u << 30;
 // How much longer than rank 0 the other ranks wait: rank 0 answers once its own timeout has run
@@ -1324,8 +1326,8 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
   const auto bytes = [](int64_t n) { return at::zeros({n}, at::TensorOptions().dtype(at::kByte)); };
   if (rank_ != 0) {
     std::vector<at::Tensor> token{bytes(1)}, answer{bytes(size_)};
-    Work sent = p2p(true, token, 0, tag);
-    Work answered = p2p(false, answer, 0, tag);
+    Work sent = p2p(true, token, 0, tag, true);
+    Work answered = p2p(false, answer, 0, tag, true);
     for (const Work& w : {sent, answered}) {
       const std::optional<std::string> error = waitWithin(w, left(start + timeout + kMonitoredBarrierAnswerGrace));
       if (!error) {
@@ -1352,7 +1354,7 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
   std::vector<Work> arrivals(size_);
   for (int r = 1; r < size_; ++r) {
     tokens[r] = {bytes(1)};
-    arrivals[r] = p2p(false, tokens[r], r, tag);
+    arrivals[r] = p2p(false, tokens[r], r, tag, true);
   }
   at::Tensor came = bytes(size_);
   uint8_t* cameBytes = came.data_ptr<uint8_t>();
@@ -1387,7 +1389,7 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
   for (int r = 1; r < size_; ++r) {
     if (!cameBytes[r]) continue;
     std::vector<at::Tensor> answer{came};
-    answers.push_back(p2p(true, answer, r, tag));
+    answers.push_back(p2p(true, answer, r, tag, true));
   }
   if (!missing.empty()) {
     throw c10::DistBackendError(
@@ -1397,7 +1399,8 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
   for (const Work& w : answers) w->wait();
 }
 
-c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Tensor>& tensors, int peer, int tag) {
+c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Tensor>& tensors, int peer, int tag,
+                                                 bool background) {
   const char* op = isSend ? "send" : "recv";
   const at::Tensor& t = single(tensors, rank_, op);
   checkMovedTensor(t, rank_, op);
@@ -1410,7 +1413,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
   auto work = newWork(isSend ? c10d::OpType::SEND : c10d::OpType::RECV, isSend ? "smddp:send" : "smddp:recv", tensors,
                       tensors, std::chrono::milliseconds(timeoutMs_.load()), {peer, tag});
   work->traceStarted();  // posted: from here on it moves as soon as its peer is there
-  engine::P2pOp o = p2pOp(isSend, peer, tag, s.work);
+  engine::P2pOp o = p2pOp(isSend, peer, tag, s.work, background);
   const int rank = rank_;
   o.done = [work, s, rank, peer](std::exception_ptr error, int source) {
     error = asTorchError(error, rank);
@@ -1445,7 +1448,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
   return work;
 }
 
-engine::P2pOp SmddpBackend::p2pOp(bool isSend, int peer, int tag, const at::Tensor& buffer) const {
+engine::P2pOp SmddpBackend::p2pOp(bool isSend, int peer, int tag, const at::Tensor& buffer, bool background) const {
   engine::P2pOp o;
   o.isSend = isSend;
   o.peer = peer;
@@ -1453,7 +1456,9 @@ engine::P2pOp SmddpBackend::p2pOp(bool isSend, int peer, int tag, const at::Tens
   o.buffer = static_cast<uint8_t*>(buffer.data_ptr());
   o.bytes = buffer.nbytes();
   o.posted = std::chrono::steady_clock::now();
-  o.deadline = o.posted + std::chrono::milliseconds(timeoutMs_.load());
+  o.deadline = background ? std::chrono::steady_clock::time_point::max()
+                          : o.posted + std::chrono::milliseconds(timeoutMs_.load());
+  o.background = background;
   return o;
 }
 

@@ -258,12 +258,14 @@ class SmddpBackend : public c10d::Backend {
   // whose fingerprint peers compare. `body` unchanged when the checks are off.
   Body describedBody(c10d::OpType opType, const char* title, const Tensors& outputs, const Tensors& inputs,
                      Body body) const;
-  c10::intrusive_ptr<c10d::Work> p2p(bool isSend, std::vector<at::Tensor>& tensors, int peer, int tag);
+  // `background`: smddp's own message (P2pOp::background), due whenever its peer comes.
+  c10::intrusive_ptr<c10d::Work> p2p(bool isSend, std::vector<at::Tensor>& tensors, int peer, int tag,
+                                     bool background = false);
   // A ValueError for a tag of the range monitoredBarrier keeps to itself.
   void checkUserTag(int tag, const char* op) const;
   // A message to or from `peer` (-1: any rank) in `buffer`, due within the group's timeout; its done
   // callback is the caller's to set.
-  engine::P2pOp p2pOp(bool isSend, int peer, int tag, const at::Tensor& buffer) const;
+  engine::P2pOp p2pOp(bool isSend, int peer, int tag, const at::Tensor& buffer, bool background = false) const;
   // Hands `o` to the engine(s) that reach its peer.
   // `driven`: the op's Work, whose wait() may run the shared-memory engine (setP2pDriver).
   void submitP2p(engine::P2pOp o, SmddpWork* driven = nullptr);
