@@ -133,8 +133,9 @@ def test_monitored_barrier_passes_between_ops(hosts):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("hosts", [None, "0101"])
 def test_monitored_barrier_names_every_missing_rank(hosts):
-    """wait_all_ranks=True; rank 1 sleeps outside smddp and rank 3 waits in a recv from rank 0
-    (SMDDP_DESYNC_CHECK_MS=300 makes it post where it waits). Rank 0 names both, and where each
+    """wait_all_ranks=True; ranks 1 and 3 do not come: on one host they sleep outside smddp,
+    across hosts they wait in a recv (rank 1 from rank 2, rank 3 from rank 0;
+    SMDDP_DESYNC_CHECK_MS=300 makes them post where they wait). Rank 0 names both, and where each
     stands, at its 2 s timeout; rank 2, which came, hears it from rank 0 as soon as rank 0 knows."""
     procs = Job(CHILD, 4, ["in_recv" if hosts else "asleep", "1,3"], hosts=hosts,
                 SMDDP_DESYNC_CHECK_MS="300", WAIT_ALL="1")
