@@ -34,6 +34,12 @@ std::string formatString(const char* fmt, ...) {
   return s;
 }
 
+std::string joinRanks(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return out;
+}
+
 void throwError(ErrorCode code, const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);

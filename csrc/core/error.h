@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace smddp {
 
@@ -29,6 +30,9 @@ class Error : public std::runtime_error {
 
 // Formats like printf.
 std::string formatString(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+
+// "1, 3, 4": ranks as error messages list them.
+std::string joinRanks(const std::vector<int>& ranks);
 
 // Formats like printf and throws smddp::Error.
 [[noreturn]] void throwError(ErrorCode code, const char* fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -92,11 +92,6 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
   std::vector<std::string> answered(size);  // the ticket each rank was last answered for
   std::vector<int> pending;
   for (int r = 1; r < size; ++r) pending.push_back(r);
-  auto rankList = [](const std::vector<int>& ranks) {
-    std::string out;
-    for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
-    return out;
-  };
   std::string waiting;  // the ranks not come yet, as last published under kNotArrivedKey
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::milliseconds(1);
@@ -114,7 +109,7 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
         answered[r] = ticket;
       }
     }
-    if (std::string now = rankList(absent); now != waiting) {
+    if (std::string now = joinRanks(absent); now != waiting) {
       waiting = std::move(now);
       store.set(ns + "/" + kNotArrivedKey, waiting);
     }
@@ -130,7 +125,7 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
       throwError(ErrorCode::kTimeout,
                  "rank(s) %s did not join the group's set-up within %lld ms (the ticket the store holds for them "
                  "may be left from an earlier run over the same store, by ranks since gone)",
-                 rankList(pending).c_str(), static_cast<long long>(timeout.count()));
+                 joinRanks(pending).c_str(), static_cast<long long>(timeout.count()));
     }
     std::this_thread::sleep_for(pause);
     // Each look reads every pending rank's keys: a large group's looks come less often, so that

@@ -1291,12 +1291,6 @@ constexpr uint32_t kMonitoredBarrierTagSpan = 1u << 30;
 // out on a missing rank.
 constexpr auto kMonitoredBarrierAnswerGrace = std::chrono::seconds(5);
 
-std::string rankList(const std::vector<int>& ranks) {
-  std::string out;
-  for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
-  return out;
-}
-
 // Waits up to `ms` for `work`: "" when it succeeded, the op's error when it failed, nullopt when
 // the time ran out first.
 std::optional<std::string> waitWithin(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds ms) {
@@ -1345,7 +1339,7 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
       if (!came[r]) missing.push_back(r);
     }
     if (!missing.empty()) {
-      throw c10::DistBackendError(loc, who + "rank 0 reports that rank(s) " + rankList(missing) +
+      throw c10::DistBackendError(loc, who + "rank 0 reports that rank(s) " + joinRanks(missing) +
                                            " did not reach it " + within);
     }
     return;
@@ -1393,7 +1387,7 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
   }
   if (!missing.empty()) {
     throw c10::DistBackendError(
-        loc, who + "rank(s) " + rankList(missing) + " did not reach it " + within +
+        loc, who + "rank(s) " + joinRanks(missing) + " did not reach it " + within +
                  (waitAllRanks ? "" : " (the first one missed; wait_all_ranks=True waits for every rank)") + causes);
   }
   for (const Work& w : answers) w->wait();

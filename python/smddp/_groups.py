@@ -6,6 +6,13 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 
+def _require_smddp(group, name, torch_serves):
+    backend_name = dist.get_backend(group)
+    if backend_name != "smddp":
+        raise ValueError(f"smddp.{name}: the group's backend is {backend_name!r}, not smddp "
+                         f"(torch.distributed.{name} {torch_serves})")
+
+
 def shrink_group(ranks_to_exclude, group=None, shrink_flags=0, pg_options=None):
     """``torch.distributed.shrink_group`` for smddp groups: the group less `ranks_to_exclude`
     (ranks of `group`, default the world), renumbered in order; it replaces `group`, which is
@@ -16,10 +23,7 @@ def shrink_group(ranks_to_exclude, group=None, shrink_flags=0, pg_options=None):
     torch registers the new group's backend for one device type only (the group's bound device,
     else the CPU) and under gloo's or NCCL's label (``pg.name()``); this registers it for CPU and
     CUDA tensors under smddp's, as ``init_process_group`` does."""
-    backend_name = dist.get_backend(group)
-    if backend_name != "smddp":
-        raise ValueError(f"smddp.shrink_group: the group's backend is {backend_name!r}, not smddp "
-                         f"(torch.distributed.shrink_group shrinks other backends' groups)")
+    _require_smddp(group, "shrink_group", "shrinks other backends' groups")
     pg = dist.shrink_group(ranks_to_exclude, group=group, shrink_flags=shrink_flags, pg_options=pg_options)
     device = getattr(pg, "bound_device_id", None) or torch.device("cpu")
     backend = pg._get_backend(device)
@@ -40,10 +44,7 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
     as torch's does."""
     if group is not None and group == dist.GroupMember.NON_GROUP_MEMBER:
         return
-    backend_name = dist.get_backend(group)
-    if backend_name != "smddp":
-        raise ValueError(f"smddp.monitored_barrier: the group's backend is {backend_name!r}, not smddp "
-                         f"(torch.distributed.monitored_barrier serves gloo groups)")
+    _require_smddp(group, "monitored_barrier", "serves gloo groups")
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     if timeout is not None and timeout <= datetime.timedelta(0):
