@@ -286,19 +286,22 @@ double load(DataType dt, const void* base, size_t i) {
   }
 }
 bool isFloat8(DataType dt) { return dt == DataType::kFloat8E4M3 || dt == DataType::kFloat8E5M2; }
-// Rank r's element i: 1..4, or 1..2 for prod, so sums and products of up to 8 ranks stay exact in
-// every type (int8 included). float8 holds few integers exactly (e5m2 up to 8, e4m3 up to 16) and
-// rounds every partial sum, so there, at most 4 (e5m2) or 8 (e4m3) ranks give an element 1 or 2
-// and the others 0 (products: 2 or 1 from at most 8 ranks, the others 1): any partial sum or
-// product, in any order, is exact, and so the check is exact too.
+// Rank r's element i: 1..4, or 1..2 for prod. Sums and products take them from at most 8 ranks
+// (the carriers, a different 8 for each i), the other ranks giving 0 (sums) or 1 (products), so
+// that any partial sum or product, in any order, is an integer every type holds exactly, int8
+// included (at most 32, or 2^4), whatever the world size (with every rank contributing, 16 ranks
+// multiplied eight 2s and wrapped int8 and uint8 around). MIN and MAX take every rank's 1..4.
+// float8 holds fewer integers exactly (e5m2 up to 8, e4m3 up to 16) and rounds every partial sum,
+// so there only the carriers give anything but 0 (1 or 2), for every op, and e5m2 has 4 of them
+// but for products.
 double valueOf(ReduceOp op, DataType dt, int W, int r, size_t i) {
-  if (isFloat8(dt)) {
-    const int carriers = op == ReduceOp::kProduct ? 8 : dt == DataType::kFloat8E5M2 ? 4 : 8;
-    const bool carries = (static_cast<size_t>(r) + i) % static_cast<size_t>(W) < static_cast<size_t>(carriers);
-    if (op == ReduceOp::kProduct) return carries ? 1 + static_cast<double>((r + i) % 2) : 1;
-    return carries ? 1 + static_cast<double>((r + i * 3) % 2) : 0;
-  }
-  return op == ReduceOp::kProduct ? 1 + static_cast<double>((r + i) % 2) : 1 + static_cast<double>((r + i * 3) % 4);
+  const bool product = op == ReduceOp::kProduct;
+  const int carriers = isFloat8(dt) && !product && dt == DataType::kFloat8E5M2 ? 4 : 8;
+  const bool carries = (static_cast<size_t>(r) + i) % static_cast<size_t>(W) < static_cast<size_t>(carriers);
+  if (product) return carries ? 1 + static_cast<double>((r + i) % 2) : 1;
+  if (isFloat8(dt)) return carries ? 1 + static_cast<double>((r + i * 3) % 2) : 0;
+  const bool sums = op == ReduceOp::kSum || op == ReduceOp::kAvg;
+  return sums && !carries ? 0 : 1 + static_cast<double>((r + i * 3) % 4);
 }
 double reduced(ReduceOp op, DataType dt, int W, size_t i) {
   double acc = valueOf(op, dt, W, 0, i);

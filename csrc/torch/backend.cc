@@ -418,11 +418,11 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
       std::rethrow_exception(toTorchError(e, rank));
     }
   }
-  const std::chrono::milliseconds stallInterval(env::desyncCheckMs());
-  if (size > 1 && stallInterval.count() > 0) {
+  stallInterval_ = std::chrono::milliseconds(env::desyncCheckMs());
+  if (size > 1 && stallInterval_.count() > 0) {
     // The group's store itself (thread-safe), not bootstrap_, whose record of its keys is not.
     engine::StallBoard board;
-    board.interval = stallInterval;
+    board.interval = stallInterval_;
     board.post = [store = groupStore_.get(), rank](const std::string& what) {
       try {
         algo::DesyncProbe::postP2p(*store, rank, what);
@@ -430,8 +430,8 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
         SMDDP_INFO(kColl, "rank %d: could not post where point-to-point waits: %s", rank, e.what());
       }
     };
-    board.whereIs = [store = groupStore_.get(), stallInterval](int peer) {
-      return algo::DesyncProbe::whereIs(*store, peer, stallInterval);
+    board.whereIs = [store = groupStore_.get(), interval = stallInterval_](int peer) {
+      return algo::DesyncProbe::whereIs(*store, peer, interval);
     };
     if (p2p_) p2p_->setStallBoard(board);
     if (netP2p_) netP2p_->setStallBoard(board);
@@ -1365,9 +1365,9 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
     if (error) {
       causes += "\n  rank " + std::to_string(r) + ": " + *error;
     } else {
-      // A rank that stalls in an op of the group posts where it waits (SMDDP_DESYNC_CHECK_MS).
-      const std::chrono::milliseconds interval(env::desyncCheckMs());
-      const std::string where = interval.count() > 0 ? algo::DesyncProbe::whereIs(*groupStore_, r, interval) : "";
+      // A rank that stalls in an op of the group posts where it waits (stallInterval_).
+      const std::string where =
+          stallInterval_.count() > 0 ? algo::DesyncProbe::whereIs(*groupStore_, r, stallInterval_) : "";
       causes += "\n  rank " + std::to_string(r) + ": not heard from" + where;
     }
     if (!waitAllRanks) break;

@@ -273,6 +273,9 @@ class SmddpBackend : public c10d::Backend {
   std::atomic<int64_t> timeoutMs_;
   bool debugChecks_ = false;
   std::chrono::microseconds handOffLinger_;  // the progress thread's and Work::wait's polling
+  // SMDDP_DESYNC_CHECK_MS: how often a rank stalled in an op posts where it waits (0: never);
+  // the StallBoard of the p2p engines and monitoredBarrier's "where rank N stands" both use it.
+  std::chrono::milliseconds stallInterval_{0};
   std::atomic<uint64_t> issued_{0};
   std::atomic<uint32_t> monitoredBarriers_{0};  // calls so far: each takes a tag of its own
   std::vector<int64_t> globalRanks_;  // see the constructor
