@@ -289,7 +289,7 @@ bool isFloat8(DataType dt) { return dt == DataType::kFloat8E4M3 || dt == DataTyp
 // Rank r's element i: 1..4, or 1..2 for prod. Sums and products take them from at most 8 ranks
 // (the carriers, a different 8 for each i), the other ranks giving 0 (sums) or 1 (products), so
 // that any partial sum or product, in any order, is an integer every type holds exactly, int8
-// included (at most 32, or 2^4), whatever the world size (with every rank contributing, 16 ranks
+// included (a sum at most 8 x 4, a product at most 2^5), whatever the world size (with every rank contributing, 16 ranks
 // multiplied eight 2s and wrapped int8 and uint8 around). MIN and MAX take every rank's 1..4.
 // float8 holds fewer integers exactly (e5m2 up to 8, e4m3 up to 16) and rounds every partial sum,
 // so there only the carriers give anything but 0 (1 or 2), for every op, and e5m2 has 4 of them
