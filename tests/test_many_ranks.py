@@ -1,8 +1,10 @@
 """Many ranks through torch.distributed: 16 on one host and 16 on six uneven emulated hosts (5, 4,
 3, 2, 1 and 1 ranks), more than the other suites' pools hold (at most 7). Each rank checks every
 kind of op against values computed from the ranks, at sizes from one element to past the
-staging slots, in three datatypes, then a subgroup, smddp.monitored_barrier and a clean exit.
-(The torch-free core runs 16 ranks in test_perf_binary.py, every datatype and reduce op.)"""
+staging slots, in three datatypes, then a subgroup, smddp.monitored_barrier and an exit that
+leaves no /dev/shm segment. (The torch-free core runs 16 ranks in test_perf_binary.py, every datatype and reduce op.)"""
+import os
+
 import pytest
 
 from _jobs import Job
@@ -88,3 +90,4 @@ def test_sixteen_ranks(hosts):
     # The rank that found a wrong result, rather than the others, which then lost it.
     first = next((r for r in failed if " wrong: " in outs[r]), failed[0] if failed else None)
     assert not failed, f"ranks {failed} failed; rank {first}:\n{outs[first][-3000:]}"
+    assert not [name for name in os.listdir("/dev/shm") if "smddp" in name]
