@@ -28,6 +28,13 @@ def rows(out):
     return [line.split() for line in out.splitlines() if line.strip() and not line.startswith("#")]
 
 
+def assert_all_checked(body):
+    """Every result row has nccl-tests' 13 columns (size count type redop root, then time algbw
+    busbw #wrong out-of-place and in-place) and no wrong element either way."""
+    for row in body:
+        assert len(row) == 13 and row[8] == "0" and row[12] == "0", row
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("alias", ALIASES)
 def test_every_type_and_op_checks_out(alias, ranks):
@@ -37,9 +44,7 @@ def test_every_type_and_op_checks_out(alias, ranks):
     body = rows(p.stdout)
     ops = 5 if extra[0] == "-o" else 1
     assert len(body) >= 8 * ops * 2, p.stdout  # 8 datatypes x ops x sizes
-    for r in body:
-        assert len(r) == 13, r  # size count type redop root + (time algbw busbw #wrong) x 2
-        assert r[8] == "0" and r[12] == "0", r  # #wrong out-of-place and in-place
+    assert_all_checked(body)
     assert "# Out of bounds values : 0 OK" in p.stdout
     assert "# Avg bus bandwidth    : " in p.stdout
 
@@ -62,8 +67,7 @@ def test_many_ranks_on_uneven_hosts(collective):
     body = rows(outs[0][0])
     assert len({row[2] for row in body}) == 12 and len({row[3] for row in body}) == (5 if reduces else 1), \
         outs[0][0][-3000:]  # every datatype and reduce op
-    for row in body:
-        assert len(row) == 13 and row[8] == "0" and row[12] == "0", row
+    assert_all_checked(body)
     assert "# Out of bounds values : 0 OK" in outs[0][0]
 
 
@@ -101,8 +105,7 @@ def test_torchrun_style_launch(hosts, master):
     out = outs[0][0]
     body = rows(out)
     assert len(body) == 3, out  # 8 B, 128 B... up to 64 KiB in steps of 16x
-    for row in body:
-        assert len(row) == 13 and row[8] == "0" and row[12] == "0", row
+    assert_all_checked(body)
     assert out.count("smddp shm + tcp" if hosts == "0011" else "smddp shared memory") == 4, out
     assert "# Out of bounds values : 0 OK" in out
 

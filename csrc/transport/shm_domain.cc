@@ -354,14 +354,14 @@ void Domain::waitAll(uint64_t phase, const WaitContext& ctx) {
     const int peer = (rank_ + i) % size_;
     if (waitFor(peer, phase, ctx)) continue;
     // Timed out: report every rank that has not arrived, not just the first.
-    std::string missing;
+    std::vector<int> missing;
     for (int r = 0; r < size_; ++r) {
-      if (r != rank_ && control(r)->phase.load() < phase) missing += (missing.empty() ? "" : ", ") + std::to_string(groupRank(r));
+      if (r != rank_ && control(r)->phase.load() < phase) missing.push_back(groupRank(r));
     }
     throwError(ErrorCode::kTimeout,
                "timed out waiting for rank(s) [%s] to reach step %llu; they may have hung, be doing other work, or "
                "be issuing a different sequence of collectives",
-               missing.c_str(), static_cast<unsigned long long>(phase));
+               joinRanks(missing).c_str(), static_cast<unsigned long long>(phase));
   }
 }
 

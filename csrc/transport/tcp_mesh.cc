@@ -318,11 +318,9 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
         throwError(ErrorCode::kAborted, "the process group was shut down or aborted while connecting to its peers");
       }
       if (Clock::now() >= wait.deadline) {
-        std::string missing;
         std::set<int> late;
         for (auto& d : dialing) late.insert(d.rank);
         for (int w : waiting) late.insert(w / lanes_);
-        for (int p : late) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
         // A dial never answered (no SYN-ACK) points at the network rather than at the peer.
         std::string unanswered;
         for (const Dialing& d : dialing) {
@@ -332,7 +330,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
           break;
         }
         throwError(ErrorCode::kTimeout, "rank %d: rank(s) %s did not connect within the timeout%s", rank,
-                   missing.c_str(), unanswered.c_str());
+                   joinRanks({late.begin(), late.end()}).c_str(), unanswered.c_str());
       }
       // A peer connected earlier that goes away (a failed or aborted rank closes all its
       // connections) ends the wait at once: ranks that wait for it here would wait in vain.
