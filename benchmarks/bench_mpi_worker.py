@@ -40,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_vs_gloo import BUSBW_FACTOR, geometry, measure_call, size_list  # noqa: E402  (no torch import)
+from bench_vs_gloo import BUSBW_FACTOR, buffer_numels, geometry, measure_call, size_list  # noqa: E402  (no torch import)
 
 # bench dtype name -> (numpy dtype name, MPI datatype attribute name)
 MPI_DTYPES = {
@@ -188,15 +188,9 @@ class MpiWorker:
         raise ValueError(op)
 
     def buffers(self, op, count):
-        np, w = self.np, self.world
-        if op == "allreduce":
-            inp = np.empty(count, dtype=self.dtype)
-            return inp, inp
-        if op in ("sendrecv", "pingpong"):
-            return np.empty(count, dtype=self.dtype), np.empty(count, dtype=self.dtype)
-        if op == "allgather":
-            return np.empty(count * w, dtype=self.dtype), np.empty(count, dtype=self.dtype)
-        return np.empty(count, dtype=self.dtype), np.empty(count * w, dtype=self.dtype)
+        out_n, in_n = buffer_numels(op, count, self.world)
+        out = self.np.empty(out_n, dtype=self.dtype)
+        return out, out if in_n is None else self.np.empty(in_n, dtype=self.dtype)
 
     def reference(self, op, count):
         w, r = self.world, self.rank

@@ -146,6 +146,19 @@ def geometry(op: str, size: int, world: int, esize: int):
     raise ValueError(op)
 
 
+def buffer_numels(op: str, count: int, world: int):
+    """(output, input) element counts of op's buffers for geometry's `count`; input None: in place."""
+    if op == "allreduce":
+        return count, None
+    if op in ("sendrecv", "pingpong"):
+        return count, count
+    if op == "allgather":
+        return count * world, count
+    if op == "reduce_scatter":
+        return count, count * world
+    raise ValueError(op)
+
+
 # --------------------------------------------------------------------------
 # Backends.  A backend is a small object with setup / collective calls /
 # teardown.  The candidate is the default process group; baselines register
@@ -584,15 +597,9 @@ class Worker:
 
     # -- buffers, reference, check --
     def buffers(self, op, count):
-        torch, w = self.torch, self.world
-        if op == "allreduce":
-            inp = torch.empty(count, dtype=self.dtype)
-            return inp, inp
-        if op in ("sendrecv", "pingpong"):
-            return torch.empty(count, dtype=self.dtype), torch.empty(count, dtype=self.dtype)
-        if op == "allgather":
-            return torch.empty(count * w, dtype=self.dtype), torch.empty(count, dtype=self.dtype)
-        return torch.empty(count, dtype=self.dtype), torch.empty(count * w, dtype=self.dtype)
+        out_n, in_n = buffer_numels(op, count, self.world)
+        out = self.torch.empty(out_n, dtype=self.dtype)
+        return out, out if in_n is None else self.torch.empty(in_n, dtype=self.dtype)
 
     def fill_input(self, op, out, inp):
         out.zero_()  # 0 is never a valid result (inputs are >= 1)
