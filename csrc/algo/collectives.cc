@@ -199,11 +199,12 @@ void broadcast(OpContext& ctx, const BroadcastOptions& o) {
   const Expect e{OpKind::kBroadcast, o.dtype, ReduceOp::kSum, o.root};
   const bool isRoot = ctx.rank == o.root;
   const bool stream = shouldStream(total, ctx.size);
+  const bool stage = shouldStreamStaging(total, ctx.size);
   const size_t stepBytes = ctx.copyStepBytes;
   for (size_t off = 0; off < total; off += stepBytes) {
     const size_t n = std::min(stepBytes, total - off);
     const uint64_t k = step(ctx, off == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
-      if (isRoot) copyParallel(ctx.helpers, slot, bytes(o.buffer) + off, n);
+      if (isRoot) copyParallel(ctx.helpers, slot, bytes(o.buffer) + off, n, stage);
     });
     if (!isRoot) copyParallel(ctx.helpers, bytes(o.buffer) + off, d.slot(o.root, k), n, stream);
   }
@@ -224,17 +225,20 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
   size_t total = 0;
   for (size_t c : o.counts) total += c * es;
   const bool stream = shouldStream(total, ctx.size);
+  const bool stage = shouldStreamStaging(total, ctx.size);
   const size_t stepBytes = ctx.copyStepBytes;
   for (size_t off = 0; off < maxBytes; off += stepBytes) {
     const size_t myN = off < mine ? std::min(stepBytes, mine - off) : 0;
     const uint64_t k = step(ctx, off == 0, e, o.counts[ctx.rank], [&](int p) { return o.counts[p]; },
                             [&](uint8_t* slot) {
-                              // Our own piece goes to the output from the slot, still in cache
-                              // (each thread copies back the part it staged), rather than in a
-                              // separate pass over the whole input.
+                              // Our own piece goes to the output right after it is staged, from
+                              // whichever copy is in cache (the input's when the slot was
+                              // streamed), rather than in a separate pass over the whole input.
                               forEachPart(ctx.helpers, myN, 1, kAlignBytes, [&](size_t b, size_t m) {
-                                copyOut(slot + b, bytes(o.input) + off + b, m, false);
-                                if (ownCopy) copyOut(bytes(o.outputs[ctx.rank]) + off + b, slot + b, m, stream);
+                                const uint8_t* in = bytes(o.input) + off + b;
+                                copyOut(slot + b, in, m, stage);
+                                if (!ownCopy) return;
+                                copyOut(bytes(o.outputs[ctx.rank]) + off + b, stage ? in : slot + b, m, stream);
                               });
                             });
     for (int p = 0; receives && p < ctx.size; ++p) {

@@ -31,11 +31,15 @@ size_t lastLevelCacheBytes() {
   return l3 > 0 ? static_cast<size_t>(l3) : size_t{32} << 20;
 }
 
+size_t thresholdOr(int64_t v) { return v >= 0 ? static_cast<size_t>(v) : lastLevelCacheBytes(); }
+
 size_t streamThreshold() {
-  static const size_t t = [] {
-    const int64_t v = env::streamMinBytes();
-    return v >= 0 ? static_cast<size_t>(v) : lastLevelCacheBytes();
-  }();
+  static const size_t t = thresholdOr(env::streamMinBytes());
+  return t;
+}
+
+size_t stageStreamThreshold() {
+  static const size_t t = thresholdOr(env::stageStreamMinBytes());
   return t;
 }
 
@@ -65,6 +69,10 @@ __attribute__((target("avx2"))) void copyStreamAvx2(uint8_t* dst, const uint8_t*
 
 bool shouldStream(size_t outputBytes, int ranksOnHost) {
   return outputBytes * static_cast<size_t>(ranksOnHost) >= streamThreshold();
+}
+
+bool shouldStreamStaging(size_t bytesPerRank, int ranksOnHost) {
+  return bytesPerRank * static_cast<size_t>(ranksOnHost) >= stageStreamThreshold();
 }
 
 void copyOut(void* dst, const void* src, size_t n, bool stream) {

@@ -30,6 +30,8 @@ int64_t shmCopyStepBytes();
 int64_t allreduceOneShotMaxBytes();
 // Allgather/broadcast stream their output when the host's outputs add up to this; -1 = the LLC.
 int64_t streamMinBytes();
+// Allgather/gather/broadcast stage with streaming stores when the host's data adds up to this; -1 = the LLC.
+int64_t stageStreamMinBytes();
 int64_t p2pSingleCopyBytes();
 // Most bytes of one sender's point-to-point messages held aside for receives not yet posted.
 int64_t p2pUnexpectedBytes();
