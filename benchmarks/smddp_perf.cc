@@ -17,10 +17,19 @@
 // ranks' times like nccl-tests: 0 = rank 0's, 1 = average (default), 2 = min, 3 = max.
 // SMDDP_TESTS_MIN_BW (GB/s, like NCCL_TESTS_MIN_BW): exit 4 when the average bus bandwidth is lower.
 // --timeout bounds the set-up (a rank that never starts is named by every other) and each op.
+// --huge-pages 1 puts the buffers on transparent huge pages, as torch's THP_MEM_ALLOC_ENABLE=1 does.
+// With -np, the lines before and after the table give a cache line's round trip between the first
+// two CPUs the job may use: tens of ns where they share a last-level cache, hundreds where they do
+// not, which decides how fast ranks read each other's staged data and which sysfs may not show
+// (a VM's host moves its vCPUs between caches; benchmarks/bench_staging.py sorts runs by it).
+#include <pthread.h>
+#include <sched.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -28,12 +37,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "algo/communicator.h"
 #include "core/error.h"
 #include "core/file_store.h"
+#include "core/spin.h"
 #include "core/tcp_store.h"
 #include "core/types.h"
 
@@ -57,6 +69,7 @@ struct Args {
   std::vector<DataType> dtypes{DataType::kFloat32};
   std::vector<ReduceOp> ops{ReduceOp::kSum};
   std::string json;
+  bool hugePages = false;  // buffers on transparent huge pages (torch's THP_MEM_ALLOC_ENABLE=1)
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // set-up, and each op
   // torchrun-style launch (no -np): this process's rank and the store's address.
   int launchRank = -1;
@@ -105,7 +118,8 @@ const char* opName(ReduceOp op) {
           "[-e maxbytes] [-f factor | -i stepbytes] [-n iters (0 = auto, see -T)] [-w warmup] [-m agg] [-c 0/1] "
           "[-o sum|prod|min|max|avg|all] "
           "[-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|f8e4m3|f8e5m2|all] "
-          "[-r root] [-a 0..3] [-J json] [-T target_ms] [--timeout seconds (set-up and each op; default 300)]\n");
+          "[-r root] [-a 0..3] [-J json] [-T target_ms] [--timeout seconds (set-up and each op; default 300)] "
+          "[--huge-pages 0/1]\n");
   exit(2);
 }
 
@@ -155,6 +169,7 @@ Args parseArgs(int argc, char** argv) {
     else if (f == "-r" || f == "--root") a.root = atoi(need(i));
     else if (f == "-J" || f == "--output_file") a.json = need(i);
     else if (f == "-T") a.targetMs = atof(need(i));
+    else if (f == "--huge-pages") a.hugePages = atoi(need(i)) != 0;
     else if (f == "--timeout") a.timeout = std::chrono::milliseconds(static_cast<int64_t>(atof(need(i)) * 1000));
     else if (f == "-t" || f == "-g") {
       if (atoi(need(i)) != 1) usage("one thread and one device per rank (use -np for more ranks)");
@@ -384,6 +399,24 @@ std::string timeStr(double us) {
   return buf;
 }
 
+// A zeroed buffer, on transparent huge pages where asked and the kernel allows (madvise mode).
+class Buffer {
+ public:
+  Buffer(size_t n, bool huge) : bytes_(std::max<size_t>(n, 1)) {
+    p_ = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p_ == MAP_FAILED) throw std::bad_alloc();
+    if (huge) madvise(p_, bytes_, MADV_HUGEPAGE);
+  }
+  ~Buffer() { munmap(p_, bytes_); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  uint8_t* data() const { return static_cast<uint8_t*>(p_); }
+
+ private:
+  size_t bytes_;
+  void* p_;
+};
+
 int rankMain(const Args& a, int rank, Store& store) {
   // Set up as the backend sets a group up.
   PrefixStore groupStore(store, freshNamespace(store, rank, a.ranks, a.timeout));
@@ -435,7 +468,7 @@ int rankMain(const Args& a, int rank, Store& store) {
       const Shape s = shapeOf(a.coll, bytes, es, W);
       if (s.countCol == 0) continue;
       const size_t sizeCol = std::max(s.inElems, s.outElems) * es;
-      std::vector<uint8_t> in(sizeCol), out(sizeCol);
+      const Buffer in(sizeCol, a.hugePages), out(sizeCol, a.hugePages);
       double times[2];
       long wrongs[2];
       for (int inPlace = 0; inPlace < 2; ++inPlace) {
@@ -510,6 +543,65 @@ int rankMain(const Args& a, int rank, Store& store) {
   return rc;
 }
 
+void pinThisThread(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+// Prints the median nanoseconds of a cache line's round trip between threads pinned to the first
+// two CPUs this process may use (nothing where it may use one). Bounded in time: where another
+// process holds one of the CPUs, every trip waits for the scheduler, and it says so instead.
+void printCacheLineRoundTrip(const char* when) {
+  const std::vector<int> cpus = usableCpuIds();
+  if (cpus.size() < 2) return;
+  cpu_set_t saved;
+  if (pthread_getaffinity_np(pthread_self(), sizeof(saved), &saved) != 0) return;
+  constexpr int kRounds = 5, kTrips = 4000;
+  constexpr int kStop = -1;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(200);
+  alignas(64) std::atomic<int> line{0};
+  std::thread echo([&] {
+    pinThisThread(cpus[1]);
+    for (int seen = 0;;) {
+      const int v = line.load(std::memory_order_acquire);
+      if (v == kStop) return;
+      if (v != seen && (v & 1)) {
+        seen = v + 1;
+        line.store(seen, std::memory_order_release);
+      }
+    }
+  });
+  pinThisThread(cpus[0]);
+  std::vector<double> ns;
+  bool late = false;
+  for (int r = 0, i = 0; r < kRounds && !late; ++r) {
+    const auto t0 = Clock::now();
+    for (int j = 0; j < kTrips && !late; ++j, ++i) {
+      line.store(2 * i + 1, std::memory_order_release);
+      for (unsigned spins = 1; line.load(std::memory_order_acquire) != 2 * i + 2; ++spins) {
+        if ((spins & 1023) == 0 && Clock::now() > deadline) {
+          late = true;
+          break;
+        }
+      }
+    }
+    if (!late) ns.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count() / kTrips);
+  }
+  line.store(kStop, std::memory_order_release);
+  echo.join();
+  pthread_setaffinity_np(pthread_self(), sizeof(saved), &saved);
+  if (late) {
+    printf("# cache-line round trip between CPUs %d and %d %s: not measured (a CPU was busy)\n", cpus[0], cpus[1],
+           when);
+  } else {
+    std::sort(ns.begin(), ns.end());
+    printf("# cache-line round trip between CPUs %d and %d %s: %.0f ns\n", cpus[0], cpus[1], when, ns[kRounds / 2]);
+  }
+  fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -528,7 +620,7 @@ int main(int argc, char** argv) {
   char tmpl[] = "/tmp/smddp_perf.XXXXXX";
   if (!mkdtemp(tmpl)) return 1;
   const std::string dir = tmpl;
-  fflush(stdout);
+  printCacheLineRoundTrip("before the run");
   std::vector<pid_t> kids;
   for (int r = 0; r < a.ranks; ++r) {
     pid_t pid = fork();
@@ -561,6 +653,7 @@ int main(int argc, char** argv) {
       for (pid_t other : kids) kill(other, SIGKILL);  // only ranks not yet reaped: no pid reuse
     }
   }
+  printCacheLineRoundTrip("after the run");
   std::string cmd = "rm -rf " + dir;
   if (system(cmd.c_str()) != 0) fprintf(stderr, "smddp_perf: could not remove %s\n", dir.c_str());
   return first;

@@ -82,6 +82,25 @@ def test_json_output_and_min_bw(tmp_path):
     assert all(r["wrong"] == 0 and r["busbw"] > 0 and r["type"] == "float" for r in recs)
 
 
+def test_huge_pages_and_cache_placement_lines():
+    """--huge-pages 1 (buffers madvised onto transparent huge pages) checks out like the default, and
+    with -np the cache-line round trip between the first two CPUs is printed before and after the
+    run: a time, or where another process held a CPU past the probe's time limit, that it was not
+    measured (CI machines are busy)."""
+    p = run([BIN / "smddp_perf", "-np", 2, "--collective", "all_gather", "-b", "1K", "-e", "8M", "-f", "64",
+             "-n", "2", "-w", "1", "--huge-pages", 1])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    body = rows(p.stdout)
+    assert len(body) == 3, p.stdout
+    assert_all_checked(body)
+    if len(os.sched_getaffinity(0)) >= 2:
+        for when in ("before", "after"):
+            line = [x for x in p.stdout.splitlines() if "round trip between CPUs" in x and f"{when} the run" in x]
+            assert len(line) == 1, p.stdout
+            tail = line[0].split(": ", 1)[1]
+            assert tail == "not measured (a CPU was busy)" or (tail.endswith(" ns") and int(tail[:-3]) > 0), line
+
+
 def test_bad_arguments_fail_with_usage():
     p = run([BIN / "smddp_perf", "-np", 2, "-d", "complex64"])
     assert p.returncode == 2 and "unknown datatype complex64" in p.stderr
