@@ -23,7 +23,8 @@ def _run_binary(binary, env=None):
     return proc.stdout
 
 
-@pytest.mark.parametrize("binary", ["smddp_core_tests", "smddp_net_tests", "smddp_net_p2p_tests", "smddp_cuda_host_tests"])
+@pytest.mark.parametrize("binary", ["smddp_core_tests", "smddp_algo_tests", "smddp_net_tests", "smddp_net_p2p_tests",
+                                    "smddp_cuda_host_tests"])
 def test_core_binary(binary):
     _run_binary(binary)
 

@@ -721,7 +721,8 @@ def test_interface_and_family_choice(settings, want):
     ("01", [1], {"SMDDP_NET_ALGO": "bogus"}, "SMDDP_NET_ALGO=bogus: expected mesh, naive or ring"),
     ("01", [1], {"SMDDP_SOCKET_IFNAME": "nosuch0"}, "SMDDP_SOCKET_IFNAME=nosuch0 matches no interface"),
     ("0011", [2, 3], {"SMDDP_SHM_SLOT_BYTES": str(1 << 40)}, "/dev/shm is too small"),
-], ids=["net_algo_on_one_host", "ifname_on_one_host", "shm_too_small_on_one_host"])
+    ("0011", [3], {"SMDDP_STAGE_STREAM": "sometimes"}, "SMDDP_STAGE_STREAM=sometimes: expected auto, 1 or 0"),
+], ids=["net_algo_on_one_host", "ifname_on_one_host", "shm_too_small_on_one_host", "stage_stream_on_one_rank"])
 def test_setup_failure_on_one_host_fails_every_rank(hosts, bad, settings, cause, tmp_path):
     """A set-up that fails on one host only (a variable set on one node, a container with too
     little /dev/shm) fails every rank at init_process_group within seconds: the failed ranks

@@ -35,7 +35,8 @@ RUNTIME_OPTIONS = {  # stop at the first report, with an exit status the tests t
     "TSAN_OPTIONS": "halt_on_error=1:exitcode=66",
 }
 REPORTS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:", "WARNING: ThreadSanitizer")
-CPP_TESTS = ["smddp_core_tests", "smddp_net_tests", "smddp_p2p_tests", "smddp_net_p2p_tests", "smddp_cuda_host_tests"]
+CPP_TESTS = ["smddp_core_tests", "smddp_algo_tests", "smddp_net_tests", "smddp_p2p_tests", "smddp_net_p2p_tests",
+             "smddp_cuda_host_tests"]
 
 
 # Line tables (-g1) are all a report's stack needs; full debug information of torch's headers

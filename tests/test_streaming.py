@@ -1,7 +1,10 @@
-"""Streaming (non-temporal) stores on every path that has them: SMDDP_STAGE_STREAM_MIN_BYTES=0
-stages every op's data for the other ranks with them (and reduces an allreduce's slice straight
-into the output), SMDDP_STREAM_MIN_BYTES=0 writes every output copy with them. By default both
-start at the last-level cache size, which the other tests' sizes mostly stay under. The
+"""Streaming (non-temporal) stores on every path that has them: SMDDP_STAGE_STREAM=1 with
+SMDDP_STAGE_STREAM_MIN_BYTES=0 stages every op's data for the other ranks with them (and reduces
+an allreduce's slice straight into the output), SMDDP_STREAM_MIN_BYTES=0 writes every output copy
+with them. By default both apply from the last-level cache size on, which the other tests' sizes
+mostly stay under, and each rank picks its way of staging per op from its own timings
+(SMDDP_STAGE_STREAM=auto); the case with auto at threshold 0 makes every op large, so that ranks
+switch ways often and, judging apart, at times differently. The
 collectives against the same references as the default tests, at sizes whose pieces start and
 end off the stores' 32-byte alignment, with one thread and with helpers, on one host and on two
 emulated hosts (whose host-local steps stage the same way)."""
@@ -14,12 +17,17 @@ from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
 from test_gather_scatter_alltoall import alltoall_cases, gather_scatter_all_roots
 from test_reduce_scatter import reduce_scatter_tensor_forms
 
-STREAM = (("SMDDP_STAGE_STREAM_MIN_BYTES", "0"), ("SMDDP_STREAM_MIN_BYTES", "0"))
+STREAM = (("SMDDP_STAGE_STREAM", "1"), ("SMDDP_STAGE_STREAM_MIN_BYTES", "0"), ("SMDDP_STREAM_MIN_BYTES", "0"))
 
 
-@pytest.mark.parametrize("world,threads,hosts", [(2, 3, None), (3, 1, None), (4, 1, "0011")])
-def test_streamed_stores(pools, world, threads, hosts):
-    env = STREAM + (("SMDDP_CPU_THREADS", str(threads)),)
+AUTO = (("SMDDP_STAGE_STREAM", "auto"), ("SMDDP_STAGE_STREAM_MIN_BYTES", "0"), ("SMDDP_STREAM_MIN_BYTES", "0"))
+
+
+@pytest.mark.parametrize("world,threads,hosts,mode", [(2, 3, None, STREAM), (3, 1, None, STREAM),
+                                                      (4, 1, "0011", STREAM), (3, 1, None, AUTO)],
+                         ids=["2-threads3", "3", "2x2", "3-auto"])
+def test_streamed_stores(pools, world, threads, hosts, mode):
+    env = mode + (("SMDDP_CPU_THREADS", str(threads)),)
     kw = dict(env=env, hosts=hosts, timeout=300)
     pools.check(world, allreduce_matrix, [1001, "large"], ["float32", "bfloat16", "int64"], ["SUM", "MAX", "AVG"],
                 "arS", **kw)

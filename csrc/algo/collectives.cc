@@ -12,6 +12,17 @@
 namespace smddp::algo {
 namespace {
 
+// Whether this op stages with streaming stores (staging_policy.h); only large ones may.
+bool stagesStreamed(OpContext& ctx, size_t bytesPerRank) {
+  StagingChoice* c = ctx.staging;
+  if (c == nullptr || c->policy == nullptr || !isLargeStaging(bytesPerRank, ctx.size)) return false;
+  if (c->streamed < 0) {
+    c->streamed = c->policy->choose(c->kind) ? 1 : 0;
+    c->hostBytes = bytesPerRank * static_cast<size_t>(ctx.size);
+  }
+  return c->streamed == 1;
+}
+
 struct Expect {
   OpKind kind;
   DataType dtype;
@@ -145,6 +156,12 @@ void allreducePipelined(OpContext& ctx, const AllreduceOptions& o, const Expect&
   }
   const size_t chunks = (o.count + chunkElems - 1) / chunkElems;
   const bool gathers = o.root < 0 || o.root == ctx.rank;
+  // Streamed, the staged input and the reduced slice stay out of this rank's cache, where readers
+  // on another L3 would fetch them slowly (staging_policy.h). The slice is then reduced straight
+  // into the output, its final place here, and streamed from there to the slot; where only the
+  // root has an output, the others reduce into the slot as when staging through the cache.
+  const bool stage = stagesStreamed(ctx, o.count * es);
+  const bool direct = stage && gathers;
   std::vector<const void*> srcs(W);
   for (size_t j = 0; j <= chunks; ++j) {
     const size_t off = j * chunkElems;
@@ -153,9 +170,10 @@ void allreducePipelined(OpContext& ctx, const AllreduceOptions& o, const Expect&
     const Slices sl = slicesOf(ce, W, kAlignBytes / es);
     const size_t b = sl.begin(ctx.rank), n = sl.end(ctx.rank) - b;
     const uint64_t k = step(ctx, j == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
-      if (b > 0) copyParallel(ctx.helpers, slot, bytes(o.input) + off * es, b * es);
+      if (b > 0) copyParallel(ctx.helpers, slot, bytes(o.input) + off * es, b * es, stage);
       if (b + n < ce) {
-        copyParallel(ctx.helpers, slot + (b + n) * es, bytes(o.input) + (off + b + n) * es, (ce - b - n) * es);
+        copyParallel(ctx.helpers, slot + (b + n) * es, bytes(o.input) + (off + b + n) * es, (ce - b - n) * es,
+                     stage);
       }
     });
     if (j > 0 && gathers) {
@@ -163,13 +181,23 @@ void allreducePipelined(OpContext& ctx, const AllreduceOptions& o, const Expect&
       const Slices prev = slicesOf(std::min(chunkElems, o.count - prevOff), W, kAlignBytes / es);
       for (int p = 0; p < W; ++p) {
         const size_t pb = prev.begin(p), pn = prev.end(p) - pb;
-        if (pn > 0) copyParallel(ctx.helpers, bytes(o.output) + (prevOff + pb) * es, d.slot(p, k) + resultOff, pn * es);
+        if (pn > 0 && !(direct && p == ctx.rank)) {
+          copyParallel(ctx.helpers, bytes(o.output) + (prevOff + pb) * es, d.slot(p, k) + resultOff, pn * es);
+        }
       }
     }
     if (n > 0) {
       for (int p = 0; p < W; ++p) srcs[p] = d.slot(p, k) + b * es;
       srcs[ctx.rank] = bytes(o.input) + (off + b) * es;
-      reduceParallel(ctx.helpers, o.dtype, o.reduction, d.slot(ctx.rank, k + 1) + resultOff, srcs.data(), W, n);
+      uint8_t* result = d.slot(ctx.rank, k + 1) + resultOff;
+      if (direct) {
+        // In place the output is the input, whose slice here only this rank reads, just now.
+        uint8_t* out = bytes(o.output) + (off + b) * es;
+        reduceParallel(ctx.helpers, o.dtype, o.reduction, out, srcs.data(), W, n);
+        copyParallel(ctx.helpers, result, out, n * es, true);
+      } else {
+        reduceParallel(ctx.helpers, o.dtype, o.reduction, result, srcs.data(), W, n);
+      }
     }
   }
 }
@@ -199,7 +227,7 @@ void broadcast(OpContext& ctx, const BroadcastOptions& o) {
   const Expect e{OpKind::kBroadcast, o.dtype, ReduceOp::kSum, o.root};
   const bool isRoot = ctx.rank == o.root;
   const bool stream = shouldStream(total, ctx.size);
-  const bool stage = shouldStreamStaging(total, ctx.size);
+  const bool stage = stagesStreamed(ctx, total);
   const size_t stepBytes = ctx.copyStepBytes;
   for (size_t off = 0; off < total; off += stepBytes) {
     const size_t n = std::min(stepBytes, total - off);
@@ -225,7 +253,7 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
   size_t total = 0;
   for (size_t c : o.counts) total += c * es;
   const bool stream = shouldStream(total, ctx.size);
-  const bool stage = shouldStreamStaging(total, ctx.size);
+  const bool stage = stagesStreamed(ctx, total);
   const size_t stepBytes = ctx.copyStepBytes;
   for (size_t off = 0; off < maxBytes; off += stepBytes) {
     const size_t myN = off < mine ? std::min(stepBytes, mine - off) : 0;
@@ -269,6 +297,9 @@ void reduceScatter(OpContext& ctx, const ReduceScatterOptions& o) {
                ctx.size);
   }
   const Expect e{OpKind::kReduceScatter, o.dtype, o.reduction.op, -1};
+  size_t inputCount = 0;
+  for (int p = 0; p < ctx.size; ++p) inputCount += countOf(p);
+  const bool stage = stagesStreamed(ctx, inputCount * es);
   std::vector<const void*> srcs(ctx.size);
   for (size_t off = 0; off < maxCount; off += piece) {
     // Only the blocks other ranks reduce are staged; this rank reads its own from its input.
@@ -276,7 +307,8 @@ void reduceScatter(OpContext& ctx, const ReduceScatterOptions& o) {
       for (int p = 0; p < ctx.size; ++p) {
         const size_t cp = countOf(p);
         if (p != ctx.rank && off < cp) {
-          copyParallel(ctx.helpers, slot + p * piece * es, bytes(o.inputs[p]) + off * es, std::min(piece, cp - off) * es);
+          const size_t n = std::min(piece, cp - off) * es;
+          copyParallel(ctx.helpers, slot + p * piece * es, bytes(o.inputs[p]) + off * es, n, stage);
         }
       }
     });

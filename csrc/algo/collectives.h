@@ -12,6 +12,7 @@
 // copy-only ops (allgather, broadcast) take smaller steps than a slot (SMDDP_SHM_COPY_STEP_BYTES):
 // on a 2-core EPYC VM, 256 KiB steps made a 4-rank allgather of 4 MiB 1.7-2.4x faster than 1 MiB
 // steps (other sizes within noise): readers copy a piece while it is still in the writer's cache.
+// Large ops may stage with streaming stores instead, as the group's StagingPolicy decides.
 #pragma once
 
 #include <atomic>
@@ -21,11 +22,21 @@
 #include <string>
 #include <vector>
 
+#include "algo/staging_policy.h"
 #include "core/parallel.h"
 #include "core/types.h"
 #include "transport/shm_domain.h"
 
 namespace smddp::algo {
+
+// One op's use of its group's StagingPolicy: asked when the op first stages a large message (the
+// host-local steps of a multi-host op share it), and fed the op's time afterwards.
+struct StagingChoice {
+  StagingPolicy* policy = nullptr;  // null: stage through the cache
+  OpKind kind = OpKind::kBarrier;
+  int streamed = -1;                // -1: not asked (nothing large was staged)
+  size_t hostBytes = 0;             // the data of the host's ranks, when asked
+};
 
 // Per-op state shared by the algorithms.
 struct OpContext {
@@ -40,6 +51,7 @@ struct OpContext {
   size_t oneShotMaxBytes = 0;
   size_t copyStepBytes = 0;  // allgather/gather/broadcast: bytes per rank per step (<= the slot)
   HelperPool* helpers = nullptr;  // splits large copies and reductions (SMDDP_CPU_THREADS > 1)
+  StagingChoice* staging = nullptr;  // shared by the copies of this context an op makes
 };
 
 struct AllreduceOptions {

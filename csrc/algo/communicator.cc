@@ -79,8 +79,10 @@ Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chron
       rank_(rank),
       size_(size),
       // Local choices first, before any store exchange: a setting that fails them
-      // (SMDDP_SOCKET_IFNAME, SMDDP_SOCKET_FAMILY) then fails every rank alike, instead of failing
-      // rank 0 first and taking the store its process hosts from ranks still using it.
+      // (SMDDP_STAGE_STREAM, SMDDP_SOCKET_IFNAME, SMDDP_SOCKET_FAMILY) then fails every rank alike,
+      // instead of failing rank 0 first and taking the store its process hosts from ranks still
+      // using it, or leaving a rank's host-mates waiting for its shared memory.
+      stagingPolicy_(tellingPeers(store, rank, [] { return StagingPolicy::modeFromEnv(); })),
       netAddrs_(size > 1 ? tellingPeers(store, rank, [] { return net::chooseLocalAddresses(); })
                          : std::vector<net::LocalAddress>{}),
       topo_(tellingPeers(store, rank, [&] { return discoverAfterShmCheck(store, rank, size); })),
@@ -219,6 +221,8 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
   ctx.copyStepBytes = copyStepBytes_;
   ctx.fingerprint = opFingerprint_;
   ctx.text = &opText_;
+  StagingChoice staging{&stagingPolicy_, kind};
+  ctx.staging = &staging;
   // Held through the op, so stopHelpers() cannot take the pool away from under it (the pool
   // itself relies on this: one run() at a time, none while it is destroyed).
   std::unique_lock<std::mutex> helpersLock(helpersMutex_, std::defer_lock);
@@ -229,7 +233,12 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
       ctx.helpers = helpers_.get();
     }
     if (domain_) domain_->commitSlots();
+    const auto start = std::chrono::steady_clock::now();
     fn(ctx);
+    if (staging.streamed >= 0) {
+      const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
+      stagingPolicy_.record(kind, staging.streamed == 1, took.count() / static_cast<double>(staging.hostBytes));
+    }
   } catch (const Error& e) {
     std::string what = e.what();
     if (e.code() == ErrorCode::kTimeout && probe) what += probe->report();

@@ -96,6 +96,7 @@ class Communicator {
   BootstrapStore& store_;
   int rank_;
   int size_;
+  StagingPolicy stagingPolicy_;  // a local choice, made before any exchange; one op at a time uses it
   std::vector<net::LocalAddress> netAddrs_;  // where the TCP mesh listens, should the group span hosts
   Topology topo_;
   CpuShareClaim cpuClaim_;

@@ -71,7 +71,7 @@ bool shouldStream(size_t outputBytes, int ranksOnHost) {
   return outputBytes * static_cast<size_t>(ranksOnHost) >= streamThreshold();
 }
 
-bool shouldStreamStaging(size_t bytesPerRank, int ranksOnHost) {
+bool isLargeStaging(size_t bytesPerRank, int ranksOnHost) {
   return bytesPerRank * static_cast<size_t>(ranksOnHost) >= stageStreamThreshold();
 }
 

@@ -69,12 +69,18 @@ constexpr Param kParams[] = {
      "Allgather and broadcast write their output with non-temporal (streaming) stores, which skip "
      "the cache and the read-for-ownership of every line, when the outputs of the ranks on the host "
      "add up to at least this many bytes. -1 = the last-level cache size (from sysfs); 0 = always."},
+    {"SMDDP_STAGE_STREAM", "auto",
+     "How large collectives write what they stage in shared memory for the host's other ranks. "
+     "Ordinary stores leave it in the writer's cache, where readers on the same last-level cache "
+     "read it fastest, and readers on another socket or AMD CCX several times slower than from "
+     "memory; non-temporal (streaming) stores send it to memory. auto = each process group learns "
+     "per kind of op from the ops' own times which way is faster here, and tries the other way "
+     "again now and then, the less often the slower it was (placement can change while a job runs; "
+     "at most 5% of the time goes to trying); 1 = always streaming; 0 = never."},
     {"SMDDP_STAGE_STREAM_MIN_BYTES", "-1",
-     "Allgather, gather and broadcast write what they stage in shared memory for the host's other "
-     "ranks with non-temporal (streaming) stores when the ranks' data adds up to at least this many "
-     "bytes, so that a rank on another socket or last-level cache (an AMD CCX) reads it from "
-     "memory, not out of the writer's cache, which is several times slower. -1 = the last-level "
-     "cache size (from sysfs); 0 = always."},
+     "SMDDP_STAGE_STREAM applies to collectives whose ranks on the host handle at least this many "
+     "bytes together; smaller ones stage through the cache. -1 = the last-level cache size (from "
+     "sysfs)."},
     {"SMDDP_HOST_ID", "",
      "Ranks on one machine that set different values are treated as different hosts and talk over "
      "TCP (for testing the inter-host path on one machine). It cannot join ranks that do not share "
@@ -218,6 +224,7 @@ SMDDP_INT_PARAM(shmSlotBytes, "SMDDP_SHM_SLOT_BYTES")
 SMDDP_INT_PARAM(shmCopyStepBytes, "SMDDP_SHM_COPY_STEP_BYTES")
 SMDDP_INT_PARAM(allreduceOneShotMaxBytes, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES")
 SMDDP_INT_PARAM(streamMinBytes, "SMDDP_STREAM_MIN_BYTES")
+SMDDP_STRING_PARAM(stageStream, "SMDDP_STAGE_STREAM")
 SMDDP_INT_PARAM(stageStreamMinBytes, "SMDDP_STAGE_STREAM_MIN_BYTES")
 SMDDP_INT_PARAM(p2pSingleCopyBytes, "SMDDP_P2P_SINGLE_COPY_BYTES")
 SMDDP_INT_PARAM(p2pUnexpectedBytes, "SMDDP_P2P_UNEXPECTED_BYTES")

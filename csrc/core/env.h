@@ -30,7 +30,9 @@ int64_t shmCopyStepBytes();
 int64_t allreduceOneShotMaxBytes();
 // Allgather/broadcast stream their output when the host's outputs add up to this; -1 = the LLC.
 int64_t streamMinBytes();
-// Allgather/gather/broadcast stage with streaming stores when the host's data adds up to this; -1 = the LLC.
+// How large collectives stage for peers: auto (learn per kind of op), 1 (streaming stores), 0.
+const std::string& stageStream();
+// SMDDP_STAGE_STREAM applies where the host's data adds up to this; -1 = the LLC (see copy.h).
 int64_t stageStreamMinBytes();
 int64_t p2pSingleCopyBytes();
 // Most bytes of one sender's point-to-point messages held aside for receives not yet posted.

@@ -1,0 +1,65 @@
+// Whether large collectives stage their data for the host's other ranks with streaming stores.
+//
+// Peers read what a rank stages in shared memory. Where they share its last-level cache they
+// read it fastest from there; where they do not (another socket, another AMD CCX, or a VM whose
+// host has moved its vCPUs apart) they pull each line still dirty out of the writer's cache,
+// several times slower than from memory, and streaming stores, which send the data to memory,
+// win. Which case holds is not knowable in advance (sysfs may not say, and unpinned ranks move),
+// and may change while a job runs. So by default (SMDDP_STAGE_STREAM=auto) each group learns it
+// per kind of op from the ops' own times: it tries both ways on the first large ops of a kind
+// (after one that warms up), then takes the way with the lower moving average of time per byte, and tries the other
+// way again now and then (judging it on that op alone), less often the slower it was, so that
+// trying costs at most kExploreCost of the time. Measured at 32 MiB on 2 vCPUs (README, "Staging
+// and cache placement"): streamed ops took 0.16-0.51x the time on separate L3s, and 0.72-1.52x
+// on a shared one, by op, page size and run; auto came within 0-4% of the better way on a
+// shared L3 and 2-3% on separate ones.
+//
+// Every rank decides for itself: how a rank writes its own staging area is invisible to the
+// readers, so ranks that judge differently still compute the same results.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+#include "core/types.h"
+
+namespace smddp::algo {
+
+class StagingPolicy {
+ public:
+  enum class Mode { kAuto, kAlways, kNever };
+  // The other way is tried again after explorePeriod() large ops of the kind.
+  static constexpr uint64_t kExploreMin = 16, kExploreMax = 256;
+  static constexpr double kExploreCost = 0.05;  // of the time, at most, spent trying the slower way
+  static constexpr double kWeight = 0.25;  // of the newest time in a way's moving average
+
+  explicit StagingPolicy(Mode mode) : mode_(mode) {}
+  // SMDDP_STAGE_STREAM: auto, 1 or 0; anything else throws kInvalidUsage.
+  static Mode modeFromEnv();
+
+  // The way the next large op of `kind` stages: true = streaming stores.
+  bool choose(OpKind kind);
+  // How long that op took per byte of the host's data, to learn from (auto only).
+  void record(OpKind kind, bool streamed, double nsPerByte);
+  // Large ops between tries of the other way, when it took `ratio` times as long as the best.
+  static uint64_t explorePeriod(double ratio);
+
+ private:
+  struct Way {
+    double avg = 0;  // moving average of ns per byte
+    bool seen = false;
+    uint64_t lastOp = 0;  // PerKind::largeOps when last recorded
+  };
+  struct PerKind {
+    Way ways[2];  // [0] through the cache, [1] streamed
+    uint64_t largeOps = 0;
+    uint64_t sinceExplored = 0;
+  };
+  static constexpr size_t kKinds = 16;  // > every OpKind's value
+
+  Mode mode_;
+  std::array<PerKind, kKinds> kinds_{};
+};
+
+}  // namespace smddp::algo

@@ -1,0 +1,100 @@
+// StagingPolicy (algo/staging_policy.h): which way large ops stage, learnt from their times.
+#include <string>
+
+#include "algo/staging_policy.h"
+#include "expect.h"
+
+using smddp::OpKind;
+using smddp::algo::StagingPolicy;
+using smddp::test::expect;
+
+namespace {
+
+// Runs `ops` large ops of `kind`, each taking `cached` or `streamed` ns per byte by the way it
+// staged; returns how many streamed.
+int run(StagingPolicy& p, OpKind kind, int ops, double cached, double streamed) {
+  int n = 0;
+  for (int i = 0; i < ops; ++i) {
+    const bool s = p.choose(kind);
+    n += s;
+    p.record(kind, s, s ? streamed : cached);
+  }
+  return n;
+}
+
+void fixedModes() {
+  StagingPolicy always(StagingPolicy::Mode::kAlways), never(StagingPolicy::Mode::kNever);
+  expect(run(always, OpKind::kAllgather, 40, 1.0, 9.0) == 40, "mode 1 always streams, however slow");
+  expect(run(never, OpKind::kAllgather, 40, 9.0, 1.0) == 0, "mode 0 never streams, however slow");
+}
+
+void triesBothThenKeepsTheFaster() {
+  StagingPolicy p(StagingPolicy::Mode::kAuto);
+  const bool warmUp = p.choose(OpKind::kAllreduce);
+  p.record(OpKind::kAllreduce, warmUp, 100.0);  // cold pages: not held against its way
+  const bool first = p.choose(OpKind::kAllreduce);
+  p.record(OpKind::kAllreduce, first, 1.0);
+  const bool second = p.choose(OpKind::kAllreduce);
+  p.record(OpKind::kAllreduce, second, 1.0);
+  expect(first != second, "after the warm-up op, the next two large ops stage one each way");
+  // Streaming 3x faster: of the next 64 ops, all but the tries of the cache (one in 40) and the
+  // op that breaks the first tie stream.
+  const int streamed = run(p, OpKind::kAllreduce, 64, 3.0, 1.0);
+  expect(streamed >= 59 && streamed < 64, "streams where it is faster (" + std::to_string(streamed) + "/64)");
+  StagingPolicy q(StagingPolicy::Mode::kAuto);
+  const int slow = run(q, OpKind::kAllreduce, 66, 1.0, 3.0);
+  expect(slow >= 1 && slow <= 6, "stages through the cache where that is faster (" + std::to_string(slow) + "/66)");
+}
+
+void followsAChangeOfPlacement() {
+  // Shared L3 first (the cache faster), then the readers move to another L3 (streaming 4x faster):
+  // after the change, only the tries of the cache and an op or two while the average catches up
+  // still go through the cache.
+  StagingPolicy p(StagingPolicy::Mode::kAuto);
+  const int before = run(p, OpKind::kAllgather, 96, 1.0, 1.3);
+  expect(before <= 96 / 16 + 1, "streams only to explore while the cache is faster (" + std::to_string(before) + ")");
+  const int after = run(p, OpKind::kAllgather, 96, 4.0, 1.0);
+  expect(after >= 96 - 96 / 16 - 2, "streams after the change (" + std::to_string(after) + "/96)");
+}
+
+void noticesTheOtherWayGettingFaster() {
+  // The way not in use improves while the one in use stays as it was: only trying it tells.
+  StagingPolicy p(StagingPolicy::Mode::kAuto);
+  run(p, OpKind::kBroadcast, 64, 1.0, 3.0);
+  const int period = static_cast<int>(StagingPolicy::explorePeriod(3.0));
+  const int streamed = run(p, OpKind::kBroadcast, 128, 1.0, 0.5);
+  expect(streamed >= 128 - period - 2, "finds that streaming got faster (" + std::to_string(streamed) + "/128)");
+}
+
+void triesTheSlowerWayRarely() {
+  expect(StagingPolicy::explorePeriod(1.1) == StagingPolicy::kExploreMin, "a close second is tried every 16 ops");
+  expect(StagingPolicy::explorePeriod(5.5) == 90, "a way 5.5x as slow is tried every 90 ops (5% of the time)");
+  expect(StagingPolicy::explorePeriod(1e6) == StagingPolicy::kExploreMax, "at least every 256 ops");
+  StagingPolicy p(StagingPolicy::Mode::kAuto);
+  const int streamed = run(p, OpKind::kAllgather, 1000, 1.0, 5.5);
+  expect(streamed >= 1 + 1000 / 90 - 1 && streamed <= 1 + 1000 / 90 + 1,
+         "tries streaming 1 + 1000/90 times when it is 5.5x as slow (" + std::to_string(streamed) + ")");
+}
+
+void kindsLearnApart() {
+  StagingPolicy p(StagingPolicy::Mode::kAuto);
+  for (int i = 0; i < 64; ++i) {
+    const bool a = p.choose(OpKind::kAllgather), r = p.choose(OpKind::kReduceScatter);
+    p.record(OpKind::kAllgather, a, a ? 1.0 : 2.0);
+    p.record(OpKind::kReduceScatter, r, r ? 2.0 : 1.0);
+  }
+  expect(p.choose(OpKind::kAllgather) || p.choose(OpKind::kAllgather), "allgather streams");
+  expect(!p.choose(OpKind::kReduceScatter) || !p.choose(OpKind::kReduceScatter), "reduce_scatter does not");
+}
+
+}  // namespace
+
+int main() {
+  fixedModes();
+  triesBothThenKeepsTheFaster();
+  followsAChangeOfPlacement();
+  noticesTheOtherWayGettingFaster();
+  triesTheSlowerWayRarely();
+  kindsLearnApart();
+  return smddp::test::report();
+}
