@@ -9,7 +9,7 @@ collective once per variant, the variants interleaved launch by launch, for ``--
 each launch. It prints every launch, then for each collective and variant the median of
 ``variant time / default time`` over the rounds whose launches all measured round trips below
 ``--split-ns`` (the CPUs shared a cache throughout) and over those all above it (they did not);
-rounds that changed between the two are counted apart.
+rounds that changed between the two (or where a CPU was too busy to measure) are counted apart.
 
     python benchmarks/bench_staging.py -b 32M --rounds 30 \\
         --collectives all_gather,all_reduce,reduce_scatter,broadcast \\
@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_gloo import parse_size  # noqa: E402  (no torch import)
 
 ROOT = Path(__file__).resolve().parent.parent
-ROUND_TRIP = re.compile(r"^# cache-line round trip between CPUs \d+ and \d+ (before|after) the run: (\d+) ns")
+ROUND_TRIP = re.compile(r"^# cache-line round trip between CPUs \d+ and \d+ (before|after) the run: (\d+ ns|not measured)")
 
 
 def launch(binary, collective, nbytes, ranks, iters, huge_pages, env):
-    """(out-of-place time in us, [round trips in ns]) of one smddp_perf job."""
+    """(out-of-place time in us, [round trips in ns, None where not measured]) of one smddp_perf job."""
     cmd = [binary, "-np", str(ranks), "--collective", collective, "-b", str(nbytes), "-e", str(nbytes),
            "-n", str(iters), "-w", "5", "-c", "0", "--huge-pages", str(huge_pages)]
     proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
@@ -44,7 +44,7 @@ def launch(binary, collective, nbytes, ranks, iters, huge_pages, env):
     for line in proc.stdout.splitlines():
         m = ROUND_TRIP.match(line)
         if m:
-            trips.append(int(m.group(2)))
+            trips.append(int(m.group(2)[:-3]) if m.group(2).endswith(" ns") else None)
         elif line.strip() and not line.startswith("#"):
             time_us = float(line.split()[5])
     if time_us is None or len(trips) != 2:
@@ -89,15 +89,16 @@ def main():
                 t, tr = launch(args.binary, c, nbytes, args.ranks, args.iters, args.huge_pages, env)
                 times[(c, name)].append(t)
                 trips += tr
-                cells.append(f"{t:10.1f} {tr[0]:>4}/{tr[1]:<4}")
-            below = [x < args.split_ns for x in trips]
-            placement[c].append("shared" if all(below) else "separate" if not any(below) else "changed")
+                cells.append(f"{t:10.1f} {tr[0] or '?':>4}/{tr[1] or '?':<4}")
+            below = [x < args.split_ns for x in trips if x is not None]
+            placement[c].append("unknown" if len(below) < len(trips) else
+                                "shared" if all(below) else "separate" if not any(below) else "changed")
             print(f"{r:7d}  {c:<14}  " + "  ".join(cells) + f"  {placement[c][-1]}", flush=True)
     print("#\n# median of variant time / default time (> 1: the default is faster), by the rounds' cache placement")
     for c in collectives:
         for name, _ in variants[1:]:
             parts = []
-            for where in ("shared", "separate", "changed"):
+            for where in ("shared", "separate", "changed", "unknown"):
                 ratios = [v / d for v, d, p in zip(times[(c, name)], times[(c, "default")], placement[c]) if p == where]
                 parts.append(f"{where} L3: " + (f"{statistics.median(ratios):.2f}x (n={len(ratios)}, "
                                                  f"{min(ratios):.2f}-{max(ratios):.2f})" if ratios else "n=0"))

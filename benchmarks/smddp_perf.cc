@@ -621,6 +621,7 @@ int main(int argc, char** argv) {
   if (!mkdtemp(tmpl)) return 1;
   const std::string dir = tmpl;
   printCacheLineRoundTrip("before the run");
+  fflush(stdout);  // the ranks inherit this buffer: empty it before they fork
   std::vector<pid_t> kids;
   for (int r = 0; r < a.ranks; ++r) {
     pid_t pid = fork();

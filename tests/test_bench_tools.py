@@ -133,3 +133,20 @@ def test_side_by_side_benchmark_async_ops_and_a_variant(tmp_path):
     assert cells == {(op, s, b) for op in ("pingpong", "allreduce", "allgather") for s in (8, 512, 32768)
                      for b in ("smddp", "gloo", "var1")}, sorted(cells)
     assert all(r["error"] is None and r["wrong"] == 0 and r["time_us"] > 0 for r in rows), rows
+
+
+def test_staging_benchmark_sorts_rounds_by_placement():
+    # Two rounds of two collectives, the default against two settings: every launch gives a time
+    # and the placement its round trips show, and the summary has a line per collective and setting.
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_staging.py"), "-b", "1M", "-n", "3",
+                        "--rounds", "2", "--collectives", "all_gather,reduce_scatter",
+                        "--variant", "SMDDP_STAGE_STREAM=0",
+                        "--variant", "SMDDP_STAGE_STREAM=1,SMDDP_STAGE_STREAM_MIN_BYTES=0"],
+                       capture_output=True, text=True, timeout=200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines() if line.strip() and not line.startswith("#")]
+    want = [(str(i), c) for i in (1, 2) for c in ("all_gather", "reduce_scatter")]
+    assert [(r[0], r[1]) for r in rows] == want, p.stdout
+    assert all(float(r[2]) > 0 and r[-1] in ("shared", "separate", "changed", "unknown") for r in rows), p.stdout
+    summary = [line for line in p.stdout.splitlines() if line.startswith(("# all_gather", "# reduce_scatter"))]
+    assert len(summary) == 4 and all("shared L3:" in line for line in summary), p.stdout

@@ -4,10 +4,10 @@ an allreduce's slice straight into the output), SMDDP_STREAM_MIN_BYTES=0 writes 
 with them. By default both apply from the last-level cache size on, which the other tests' sizes
 mostly stay under, and each rank picks its way of staging per op from its own timings
 (SMDDP_STAGE_STREAM=auto); the case with auto at threshold 0 makes every op large, so that ranks
-switch ways often and, judging apart, at times differently. The
-collectives against the same references as the default tests, at sizes whose pieces start and
-end off the stores' 32-byte alignment, with one thread and with helpers, on one host and on two
-emulated hosts (whose host-local steps stage the same way)."""
+switch ways often and, judging apart, at times differently. The collectives run against the same
+references as the default tests, at sizes whose pieces start and end off the stores' 32-byte
+alignment, with one thread and with helpers, on one host and on two emulated hosts (whose
+host-local steps stage the same way)."""
 
 import pytest
 
@@ -18,8 +18,6 @@ from test_gather_scatter_alltoall import alltoall_cases, gather_scatter_all_root
 from test_reduce_scatter import reduce_scatter_tensor_forms
 
 STREAM = (("SMDDP_STAGE_STREAM", "1"), ("SMDDP_STAGE_STREAM_MIN_BYTES", "0"), ("SMDDP_STREAM_MIN_BYTES", "0"))
-
-
 AUTO = (("SMDDP_STAGE_STREAM", "auto"), ("SMDDP_STAGE_STREAM_MIN_BYTES", "0"), ("SMDDP_STREAM_MIN_BYTES", "0"))
 
 

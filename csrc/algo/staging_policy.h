@@ -6,13 +6,14 @@
 // several times slower than from memory, and streaming stores, which send the data to memory,
 // win. Which case holds is not knowable in advance (sysfs may not say, and unpinned ranks move),
 // and may change while a job runs. So by default (SMDDP_STAGE_STREAM=auto) each group learns it
-// per kind of op from the ops' own times: it tries both ways on the first large ops of a kind
-// (after one that warms up), then takes the way with the lower moving average of time per byte, and tries the other
-// way again now and then (judging it on that op alone), less often the slower it was, so that
-// trying costs at most kExploreCost of the time. Measured at 32 MiB on 2 vCPUs (README, "Staging
+// per kind of op from the ops' own times: after an op that warms up, it tries each way for
+// kTrialOps ops and judges it by the fastest, then takes the way with the lower moving average of
+// time per byte, and tries the other way again now and then (a new trial, whose result replaces
+// the old: it may date from another placement), the less often the slower it was, so that trying
+// costs at most kExploreCost of the time. Measured at 32 MiB on 2 vCPUs (README, "Staging
 // and cache placement"): streamed ops took 0.16-0.51x the time on separate L3s, and 0.72-1.52x
-// on a shared one, by op, page size and run; auto came within 0-4% of the better way on a
-// shared L3 and 2-3% on separate ones.
+// on a shared one, by op, page size and run; auto came within 4% of the better way on a shared
+// L3 and within 2% on separate ones.
 //
 // Every rank decides for itself: how a rank writes its own staging area is invisible to the
 // readers, so ranks that judge differently still compute the same results.
@@ -29,10 +30,12 @@ namespace smddp::algo {
 class StagingPolicy {
  public:
   enum class Mode { kAuto, kAlways, kNever };
-  // The other way is tried again after explorePeriod() large ops of the kind.
+  // The other way is tried again after explorePeriod() large ops of the kind, for kTrialOps ops.
   static constexpr uint64_t kExploreMin = 16, kExploreMax = 256;
   static constexpr double kExploreCost = 0.05;  // of the time, at most, spent trying the slower way
-  static constexpr double kWeight = 0.25;  // of the newest time in a way's moving average
+  static constexpr int kTrialOps = 2;     // a trial counts its fastest op: slow ones have many causes
+  static constexpr double kWeight = 0.25;  // of the newest time in the way in use's moving average
+  static constexpr double kMaxStep = 2;    // a time counts at most as this many times the average
 
   explicit StagingPolicy(Mode mode) : mode_(mode) {}
   // SMDDP_STAGE_STREAM: auto, 1 or 0; anything else throws kInvalidUsage.
@@ -47,16 +50,19 @@ class StagingPolicy {
 
  private:
   struct Way {
-    double avg = 0;  // moving average of ns per byte
+    double avg = 0;  // ns per byte: the last trial's fastest op, then a moving average while in use
     bool seen = false;
-    uint64_t lastOp = 0;  // PerKind::largeOps when last recorded
   };
   struct PerKind {
     Way ways[2];  // [0] through the cache, [1] streamed
     uint64_t largeOps = 0;
     uint64_t sinceExplored = 0;
+    int trialOps = 0;  // ops of the current trial still to come (0: none running)
+    bool trialWay = false;
+    double trialBest = 0;
   };
   static constexpr size_t kKinds = 16;  // > every OpKind's value
+  static bool startTrial(PerKind& k, bool way);
 
   Mode mode_;
   std::array<PerKind, kKinds> kinds_{};

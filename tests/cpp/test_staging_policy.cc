@@ -32,15 +32,17 @@ void triesBothThenKeepsTheFaster() {
   StagingPolicy p(StagingPolicy::Mode::kAuto);
   const bool warmUp = p.choose(OpKind::kAllreduce);
   p.record(OpKind::kAllreduce, warmUp, 100.0);  // cold pages: not held against its way
-  const bool first = p.choose(OpKind::kAllreduce);
-  p.record(OpKind::kAllreduce, first, 1.0);
-  const bool second = p.choose(OpKind::kAllreduce);
-  p.record(OpKind::kAllreduce, second, 1.0);
-  expect(first != second, "after the warm-up op, the next two large ops stage one each way");
-  // Streaming 3x faster: of the next 64 ops, all but the tries of the cache (one in 40) and the
-  // op that breaks the first tie stream.
+  bool ways[2 * StagingPolicy::kTrialOps];
+  for (bool& w : ways) {
+    w = p.choose(OpKind::kAllreduce);
+    p.record(OpKind::kAllreduce, w, 1.0);
+  }
+  expect(ways[0] == ways[1] && ways[2] == ways[3] && ways[0] != ways[2],
+         "after the warm-up op, a trial of two ops each way");
+  // Streaming 3x faster: of the next 64 ops, all but a trial of the cache (per 40 ops) and an op
+  // or two that break the first tie stream.
   const int streamed = run(p, OpKind::kAllreduce, 64, 3.0, 1.0);
-  expect(streamed >= 59 && streamed < 64, "streams where it is faster (" + std::to_string(streamed) + "/64)");
+  expect(streamed >= 58 && streamed < 64, "streams where it is faster (" + std::to_string(streamed) + "/64)");
   StagingPolicy q(StagingPolicy::Mode::kAuto);
   const int slow = run(q, OpKind::kAllreduce, 66, 1.0, 3.0);
   expect(slow >= 1 && slow <= 6, "stages through the cache where that is faster (" + std::to_string(slow) + "/66)");
@@ -51,10 +53,12 @@ void followsAChangeOfPlacement() {
   // after the change, only the tries of the cache and an op or two while the average catches up
   // still go through the cache.
   StagingPolicy p(StagingPolicy::Mode::kAuto);
+  constexpr int kTrial = StagingPolicy::kTrialOps;
   const int before = run(p, OpKind::kAllgather, 96, 1.0, 1.3);
-  expect(before <= 96 / 16 + 1, "streams only to explore while the cache is faster (" + std::to_string(before) + ")");
+  expect(before <= kTrial * (96 / 16 + 1),
+         "streams only to try it while the cache is faster (" + std::to_string(before) + ")");
   const int after = run(p, OpKind::kAllgather, 96, 4.0, 1.0);
-  expect(after >= 96 - 96 / 16 - 2, "streams after the change (" + std::to_string(after) + "/96)");
+  expect(after >= 96 - kTrial * (96 / 16) - 3, "streams after the change (" + std::to_string(after) + "/96)");
 }
 
 void noticesTheOtherWayGettingFaster() {
@@ -63,17 +67,33 @@ void noticesTheOtherWayGettingFaster() {
   run(p, OpKind::kBroadcast, 64, 1.0, 3.0);
   const int period = static_cast<int>(StagingPolicy::explorePeriod(3.0));
   const int streamed = run(p, OpKind::kBroadcast, 128, 1.0, 0.5);
-  expect(streamed >= 128 - period - 2, "finds that streaming got faster (" + std::to_string(streamed) + "/128)");
+  expect(streamed >= 128 - period - 3, "finds that streaming got faster (" + std::to_string(streamed) + "/128)");
 }
 
 void triesTheSlowerWayRarely() {
   expect(StagingPolicy::explorePeriod(1.1) == StagingPolicy::kExploreMin, "a close second is tried every 16 ops");
   expect(StagingPolicy::explorePeriod(5.5) == 90, "a way 5.5x as slow is tried every 90 ops (5% of the time)");
   expect(StagingPolicy::explorePeriod(1e6) == StagingPolicy::kExploreMax, "at least every 256 ops");
+  // 1000 ops: a trial of each way first, then one of streaming per 90 ops in the cache's way.
   StagingPolicy p(StagingPolicy::Mode::kAuto);
   const int streamed = run(p, OpKind::kAllgather, 1000, 1.0, 5.5);
-  expect(streamed >= 1 + 1000 / 90 - 1 && streamed <= 1 + 1000 / 90 + 1,
-         "tries streaming 1 + 1000/90 times when it is 5.5x as slow (" + std::to_string(streamed) + ")");
+  constexpr int kTrial = StagingPolicy::kTrialOps, kTrials = 1000 / (90 + kTrial);
+  expect(streamed >= kTrial * kTrials && streamed <= kTrial * (kTrials + 1),
+         "tries streaming once per 90 ops when it is 5.5x as slow (" + std::to_string(streamed) + " ops)");
+}
+
+void oneSlowOpMisleadsNothing() {
+  // Streaming 1.5x faster, and every 7th op 10x slow whichever way it took (a new buffer's page
+  // faults, a descheduled peer): still streams but for the trials of the cache.
+  StagingPolicy p(StagingPolicy::Mode::kAuto);
+  int streamed = 0;
+  for (int i = 0; i < 224; ++i) {
+    const bool s = p.choose(OpKind::kAllgather);
+    streamed += s;
+    p.record(OpKind::kAllgather, s, (s ? 1.0 : 1.5) * (i % 7 == 6 ? 10 : 1));
+  }
+  expect(streamed >= 224 - 2 * (224 / 16) - 3,
+         "keeps streaming through slow ops (" + std::to_string(streamed) + "/224)");
 }
 
 void kindsLearnApart() {
@@ -95,6 +115,7 @@ int main() {
   followsAChangeOfPlacement();
   noticesTheOtherWayGettingFaster();
   triesTheSlowerWayRarely();
+  oneSlowOpMisleadsNothing();
   kindsLearnApart();
   return smddp::test::report();
 }
