@@ -30,12 +30,13 @@
 namespace smddp::algo {
 
 // One op's use of its group's StagingPolicy: asked when the op first stages a large message (the
-// host-local steps of a multi-host op share it), and fed the op's time afterwards.
+// host-local steps of a multi-host op share it), and fed the op's time from then on afterwards.
 struct StagingChoice {
-  StagingPolicy* policy = nullptr;  // null: stage through the cache
+  StagingPolicy* policy = nullptr;
   OpKind kind = OpKind::kBarrier;
-  int streamed = -1;                // -1: not asked (nothing large was staged)
-  size_t hostBytes = 0;             // the data of the host's ranks, when asked
+  int streamed = -1;     // -1: not asked (nothing large was staged)
+  size_t hostBytes = 0;  // the data of the host's ranks, when asked
+  std::chrono::steady_clock::time_point asked;
 };
 
 // Per-op state shared by the algorithms.
@@ -51,7 +52,7 @@ struct OpContext {
   size_t oneShotMaxBytes = 0;
   size_t copyStepBytes = 0;  // allgather/gather/broadcast: bytes per rank per step (<= the slot)
   HelperPool* helpers = nullptr;  // splits large copies and reductions (SMDDP_CPU_THREADS > 1)
-  StagingChoice* staging = nullptr;  // shared by the copies of this context an op makes
+  StagingChoice* staging = nullptr;  // shared by the copies of this context an op makes; null: through the cache
 };
 
 struct AllreduceOptions {

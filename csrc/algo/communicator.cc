@@ -233,10 +233,9 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
       ctx.helpers = helpers_.get();
     }
     if (domain_) domain_->commitSlots();
-    const auto start = std::chrono::steady_clock::now();
     fn(ctx);
     if (staging.streamed >= 0) {
-      const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
+      const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - staging.asked;
       stagingPolicy_.record(kind, staging.streamed == 1, took.count() / static_cast<double>(staging.hostBytes));
     }
   } catch (const Error& e) {
