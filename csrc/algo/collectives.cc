@@ -17,8 +17,8 @@ bool stagesStreamed(OpContext& ctx, size_t bytesPerRank) {
   StagingChoice* c = ctx.staging;
   if (c == nullptr || !isLargeStaging(bytesPerRank, ctx.size)) return false;
   if (c->streamed < 0) {  // timed from here, so that small ops never read the clock
-    c->streamed = c->policy->choose(c->kind) ? 1 : 0;
     c->hostBytes = bytesPerRank * static_cast<size_t>(ctx.size);
+    c->streamed = c->policy->choose(c->kind, c->hostBytes) ? 1 : 0;
     c->asked = std::chrono::steady_clock::now();
   }
   return c->streamed == 1;

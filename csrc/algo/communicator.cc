@@ -221,7 +221,9 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
   ctx.copyStepBytes = copyStepBytes_;
   ctx.fingerprint = opFingerprint_;
   ctx.text = &opText_;
-  StagingChoice staging{&stagingPolicy_, kind};
+  StagingChoice staging;
+  staging.policy = &stagingPolicy_;
+  staging.kind = kind;
   ctx.staging = &staging;
   // Held through the op, so stopHelpers() cannot take the pool away from under it (the pool
   // itself relies on this: one run() at a time, none while it is destroyed).
@@ -236,7 +238,8 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
     fn(ctx);
     if (staging.streamed >= 0) {
       const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - staging.asked;
-      stagingPolicy_.record(kind, staging.streamed == 1, took.count() / static_cast<double>(staging.hostBytes));
+      stagingPolicy_.record(kind, staging.hostBytes, staging.streamed == 1,
+                            took.count() / static_cast<double>(staging.hostBytes));
     }
   } catch (const Error& e) {
     std::string what = e.what();

@@ -5,6 +5,7 @@
 
 #include "core/env.h"
 #include "core/error.h"
+#include "core/log.h"
 
 namespace smddp::algo {
 
@@ -23,9 +24,14 @@ bool StagingPolicy::startTrial(PerKind& k, bool way) {
   return way;
 }
 
-bool StagingPolicy::choose(OpKind kind) {
+StagingPolicy::PerKind& StagingPolicy::of(OpKind kind, size_t hostBytes) {
+  const uint32_t sizeClass = hostBytes == 0 ? 0 : 64 - __builtin_clzll(hostBytes);
+  return kinds_[static_cast<uint32_t>(kind) << 8 | sizeClass];
+}
+
+bool StagingPolicy::choose(OpKind kind, size_t hostBytes) {
   if (mode_ != Mode::kAuto) return mode_ == Mode::kAlways;
-  PerKind& k = kinds_[static_cast<size_t>(kind) % kKinds];
+  PerKind& k = of(kind, hostBytes);
   if (k.largeOps++ == 0) return false;  // the warm-up op (record() skips it)
   if (k.trialOps > 0) return k.trialWay;
   if (!k.ways[1].seen) return startTrial(k, true);
@@ -37,17 +43,21 @@ bool StagingPolicy::choose(OpKind kind) {
   return startTrial(k, !best);
 }
 
-void StagingPolicy::record(OpKind kind, bool streamed, double nsPerByte) {
-  PerKind& k = kinds_[static_cast<size_t>(kind) % kKinds];
-  // The first large op of a kind also faults in its buffers' pages and warms the caches: it would
+void StagingPolicy::record(OpKind kind, size_t hostBytes, bool streamed, double nsPerByte) {
+  if (mode_ != Mode::kAuto) return;
+  PerKind& k = of(kind, hostBytes);
+  // The first large op of a kind and size also faults in its buffers' pages and warms the caches: it would
   // judge its way unfairly.
-  if (mode_ != Mode::kAuto || !(nsPerByte > 0) || k.largeOps <= 1) return;
+  if (!(nsPerByte > 0) || k.largeOps <= 1) return;
   Way& w = k.ways[streamed ? 1 : 0];
   if (k.trialOps > 0 && streamed == k.trialWay) {
     k.trialBest = k.trialBest > 0 ? std::min(k.trialBest, nsPerByte) : nsPerByte;
     if (--k.trialOps == 0) {
       w.avg = k.trialBest;
       w.seen = true;
+      SMDDP_INFO(kColl, "staging of %s over %zu bytes: %s trial %.4f ns/B, %s %.4f ns/B", opKindName(kind),
+                 hostBytes, streamed ? "streamed" : "cached", w.avg, streamed ? "cached" : "streamed",
+                 k.ways[!streamed].avg);
     }
     return;
   }
@@ -55,6 +65,8 @@ void StagingPolicy::record(OpKind kind, bool streamed, double nsPerByte) {
   // average by at most kWeight * (kMaxStep - 1); a lasting change moves it on every op.
   w.avg = w.seen ? (1 - kWeight) * w.avg + kWeight * std::min(nsPerByte, kMaxStep * w.avg) : nsPerByte;
   w.seen = true;
+  SMDDP_TRACE(kColl, "staging of %s over %zu bytes: %s op %.4f ns/B, average %.4f (the other way %.4f)",
+              opKindName(kind), hostBytes, streamed ? "streamed" : "cached", nsPerByte, w.avg, k.ways[!streamed].avg);
 }
 
 uint64_t StagingPolicy::explorePeriod(double ratio) {

@@ -6,7 +6,9 @@
 // several times slower than from memory, and streaming stores, which send the data to memory,
 // win. Which case holds is not knowable in advance (sysfs may not say, and unpinned ranks move),
 // and may change while a job runs. So by default (SMDDP_STAGE_STREAM=auto) each group learns it
-// per kind of op from the ops' own times: after an op that warms up, it tries each way for
+// per kind of op and size class (a power of two of the host's bytes: how much of the data stays
+// in cache, so the time per byte and the better way, changes with the size; a job has a handful
+// of sizes) from the ops' own times: after an op that warms up, it tries each way for
 // kTrialOps ops and judges it by the fastest, then takes the way with the lower moving average of
 // time per byte, and tries the other way again now and then (a new trial, whose result replaces
 // the old: it may date from another placement), the less often the slower it was, so that trying
@@ -19,9 +21,9 @@
 // readers, so ranks that judge differently still compute the same results.
 #pragma once
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 
 #include "core/types.h"
 
@@ -41,10 +43,11 @@ class StagingPolicy {
   // SMDDP_STAGE_STREAM: auto, 1 or 0; anything else throws kInvalidUsage.
   static Mode modeFromEnv();
 
-  // The way the next large op of `kind` stages: true = streaming stores.
-  bool choose(OpKind kind);
+  // The way the next large op of `kind` over `hostBytes` (the data of the host's ranks) stages:
+  // true = streaming stores.
+  bool choose(OpKind kind, size_t hostBytes);
   // How long that op took per byte of the host's data, to learn from (auto only).
-  void record(OpKind kind, bool streamed, double nsPerByte);
+  void record(OpKind kind, size_t hostBytes, bool streamed, double nsPerByte);
   // Large ops between tries of the other way, when it took `ratio` times as long as the best.
   static uint64_t explorePeriod(double ratio);
 
@@ -61,11 +64,11 @@ class StagingPolicy {
     bool trialWay = false;
     double trialBest = 0;
   };
-  static constexpr size_t kKinds = 16;  // > every OpKind's value
   static bool startTrial(PerKind& k, bool way);
+  PerKind& of(OpKind kind, size_t hostBytes);
 
   Mode mode_;
-  std::array<PerKind, kKinds> kinds_{};
+  std::map<uint32_t, PerKind> kinds_;  // by kind and size class
 };
 
 }  // namespace smddp::algo

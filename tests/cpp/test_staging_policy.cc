@@ -10,14 +10,16 @@ using smddp::test::expect;
 
 namespace {
 
+constexpr size_t kBytes = size_t(64) << 20;
+
 // Runs `ops` large ops of `kind`, each taking `cached` or `streamed` ns per byte by the way it
 // staged; returns how many streamed.
 int run(StagingPolicy& p, OpKind kind, int ops, double cached, double streamed) {
   int n = 0;
   for (int i = 0; i < ops; ++i) {
-    const bool s = p.choose(kind);
+    const bool s = p.choose(kind, kBytes);
     n += s;
-    p.record(kind, s, s ? streamed : cached);
+    p.record(kind, kBytes, s, s ? streamed : cached);
   }
   return n;
 }
@@ -30,12 +32,12 @@ void fixedModes() {
 
 void triesBothThenKeepsTheFaster() {
   StagingPolicy p(StagingPolicy::Mode::kAuto);
-  const bool warmUp = p.choose(OpKind::kAllreduce);
-  p.record(OpKind::kAllreduce, warmUp, 100.0);  // cold pages: not held against its way
+  const bool warmUp = p.choose(OpKind::kAllreduce, kBytes);
+  p.record(OpKind::kAllreduce, kBytes, warmUp, 100.0);  // cold pages: not held against its way
   bool ways[2 * StagingPolicy::kTrialOps];
   for (bool& w : ways) {
-    w = p.choose(OpKind::kAllreduce);
-    p.record(OpKind::kAllreduce, w, 1.0);
+    w = p.choose(OpKind::kAllreduce, kBytes);
+    p.record(OpKind::kAllreduce, kBytes, w, 1.0);
   }
   expect(ways[0] == ways[1] && ways[2] == ways[3] && ways[0] != ways[2],
          "after the warm-up op, a trial of two ops each way");
@@ -88,9 +90,9 @@ void oneSlowOpMisleadsNothing() {
   StagingPolicy p(StagingPolicy::Mode::kAuto);
   int streamed = 0;
   for (int i = 0; i < 224; ++i) {
-    const bool s = p.choose(OpKind::kAllgather);
+    const bool s = p.choose(OpKind::kAllgather, kBytes);
     streamed += s;
-    p.record(OpKind::kAllgather, s, (s ? 1.0 : 1.5) * (i % 7 == 6 ? 10 : 1));
+    p.record(OpKind::kAllgather, kBytes, s, (s ? 1.0 : 1.5) * (i % 7 == 6 ? 10 : 1));
   }
   expect(streamed >= 224 - 2 * (224 / 16) - 3,
          "keeps streaming through slow ops (" + std::to_string(streamed) + "/224)");
@@ -99,12 +101,33 @@ void oneSlowOpMisleadsNothing() {
 void kindsLearnApart() {
   StagingPolicy p(StagingPolicy::Mode::kAuto);
   for (int i = 0; i < 64; ++i) {
-    const bool a = p.choose(OpKind::kAllgather), r = p.choose(OpKind::kReduceScatter);
-    p.record(OpKind::kAllgather, a, a ? 1.0 : 2.0);
-    p.record(OpKind::kReduceScatter, r, r ? 2.0 : 1.0);
+    const bool a = p.choose(OpKind::kAllgather, kBytes), r = p.choose(OpKind::kReduceScatter, kBytes);
+    p.record(OpKind::kAllgather, kBytes, a, a ? 1.0 : 2.0);
+    p.record(OpKind::kReduceScatter, kBytes, r, r ? 2.0 : 1.0);
   }
-  expect(p.choose(OpKind::kAllgather) || p.choose(OpKind::kAllgather), "allgather streams");
-  expect(!p.choose(OpKind::kReduceScatter) || !p.choose(OpKind::kReduceScatter), "reduce_scatter does not");
+  expect(p.choose(OpKind::kAllgather, kBytes) || p.choose(OpKind::kAllgather, kBytes), "allgather streams");
+  expect(!p.choose(OpKind::kReduceScatter, kBytes) || !p.choose(OpKind::kReduceScatter, kBytes), "reduce_scatter does not");
+}
+
+void sizesLearnApart() {
+  // DDP's buckets or FSDP's layers alternate sizes; whether a size stays in cache decides the way.
+  StagingPolicy p(StagingPolicy::Mode::kAuto);
+  constexpr size_t kSmall = size_t(40) << 20, kLarge = size_t(300) << 20;
+  int smallStreamed = 0, largeStreamed = 0;
+  for (int i = 0; i < 200; ++i) {
+    const bool s = p.choose(OpKind::kAllreduce, kSmall), l = p.choose(OpKind::kAllreduce, kLarge);
+    smallStreamed += s;
+    largeStreamed += l;
+    p.record(OpKind::kAllreduce, kSmall, s, s ? 2.0 : 1.0);
+    p.record(OpKind::kAllreduce, kLarge, l, l ? 1.0 : 2.0);
+  }
+  const int trials = StagingPolicy::kTrialOps * (200 / 20 + 1);
+  expect(smallStreamed <= trials, "40 MiB ops stage through the cache (" + std::to_string(smallStreamed) + "/200 streamed)");
+  expect(largeStreamed >= 200 - trials - 1, "300 MiB ops stream (" + std::to_string(largeStreamed) + "/200)");
+  // Sizes within a power of two share what was learnt (a new size class would warm up through
+  // the cache first).
+  expect(p.choose(OpKind::kAllreduce, size_t(400) << 20) || p.choose(OpKind::kAllreduce, size_t(400) << 20),
+         "400 MiB ops learn from 300 MiB ones");
 }
 
 }  // namespace
@@ -117,5 +140,6 @@ int main() {
   triesTheSlowerWayRarely();
   oneSlowOpMisleadsNothing();
   kindsLearnApart();
+  sizesLearnApart();
   return smddp::test::report();
 }
