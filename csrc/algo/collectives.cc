@@ -340,12 +340,13 @@ void scatter(OpContext& ctx, const ScatterOptions& o) {
   shm::Domain& d = *ctx.domain;
   const size_t region = regionBytes(d, ctx.size);
   const Expect e{OpKind::kScatter, o.dtype, ReduceOp::kSum, o.root};
+  const bool stage = stagesStreamed(ctx, total * static_cast<size_t>(ctx.size));  // the root's input
   for (size_t off = 0; off < total; off += region) {
     const size_t n = std::min(region, total - off);
     const uint64_t k = step(ctx, off == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
       if (!isRoot) return;
       for (int p = 0; p < ctx.size; ++p) {
-        if (p != ctx.rank) copyParallel(ctx.helpers, slot + p * region, bytes(o.inputs[p]) + off, n);
+        if (p != ctx.rank) copyParallel(ctx.helpers, slot + p * region, bytes(o.inputs[p]) + off, n, stage);
       }
     });
     if (!isRoot) copyParallel(ctx.helpers, bytes(o.output) + off, d.slot(o.root, k) + ctx.rank * region, n);
@@ -401,12 +402,15 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
     }
   }
   const size_t region = regionBytes(d, W);
+  size_t inputBytes = 0;
+  for (int p = 0; p < W; ++p) inputBytes += o.inCounts[p] * es;
+  const bool stage = stagesStreamed(ctx, inputBytes);
   for (size_t off = 0; off < maxBytes; off += region) {
     const uint64_t k = step(ctx, false, e, 0, [](int) { return uint64_t{0}; }, [&](uint8_t* slot) {
       for (int p = 0; p < W; ++p) {
         const size_t pb = o.inCounts[p] * es;
         if (p != ctx.rank && off < pb) {
-          copyParallel(ctx.helpers, slot + p * region, bytes(o.inputs[p]) + off, std::min(region, pb - off));
+          copyParallel(ctx.helpers, slot + p * region, bytes(o.inputs[p]) + off, std::min(region, pb - off), stage);
         }
       }
     });
