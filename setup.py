@@ -21,7 +21,7 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
-PERF_ALIASES = ["all_reduce_perf", "all_gather_perf", "reduce_scatter_perf", "broadcast_perf"]
+PERF_ALIASES = ["all_reduce_perf", "all_gather_perf", "reduce_scatter_perf", "broadcast_perf", "alltoall_perf"]
 
 
 class CMakeBuild(build_ext):

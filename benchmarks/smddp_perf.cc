@@ -1,11 +1,11 @@
 // smddp_perf: an nccl-tests style benchmark of smddp's core, without torch or Python.
 //
-//   smddp_perf -np 4 --collective all_reduce -b 8 -e 128M -f 2 [-o sum|prod|min|max|avg|all]
+//   smddp_perf -np 4 --collective all_reduce|all_gather|reduce_scatter|broadcast|all_to_all -b 8 -e 128M -f 2 [-o sum|prod|min|max|avg|all]
 //              [-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|f8e4m3|f8e5m2|all]
 //              [-r root] [-n iters]
 //              [-w warmup] [-m agg] [-c 0/1] [-a 0..3] [-J file.json] [-T target_ms] [--timeout seconds]
 //
-// Invoked as all_reduce_perf, all_gather_perf, reduce_scatter_perf or broadcast_perf (a link to
+// Invoked as all_reduce_perf, all_gather_perf, reduce_scatter_perf, broadcast_perf or alltoall_perf (a link to
 // this binary), the name picks the collective, as with nccl-tests. -np forks that many ranks on
 // this host; they bootstrap through a temporary directory. Without -np, under torchrun-style
 // variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the process is one rank of a job that
@@ -114,7 +114,8 @@ const char* opName(ReduceOp op) {
 [[noreturn]] void usage(const char* why = nullptr) {
   if (why) fprintf(stderr, "smddp_perf: %s\n", why);
   fprintf(stderr,
-          "usage: smddp_perf [-np ranks] [--collective all_reduce|all_gather|reduce_scatter|broadcast] [-b minbytes] "
+          "usage: smddp_perf [-np ranks] [--collective all_reduce|all_gather|reduce_scatter|broadcast|all_to_all] "
+          "[-b minbytes] "
           "[-e maxbytes] [-f factor | -i stepbytes] [-n iters (0 = auto, see -T)] [-w warmup] [-m agg] [-c 0/1] "
           "[-o sum|prod|min|max|avg|all] "
           "[-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|f8e4m3|f8e5m2|all] "
@@ -146,6 +147,7 @@ Args parseArgs(int argc, char** argv) {
   for (const char* c : {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}) {
     if (self == std::string(c) + "_perf") a.coll = c;
   }
+  if (self == "alltoall_perf") a.coll = "all_to_all";  // nccl-tests' name
   auto need = [&](int& i) -> const char* {
     if (i + 1 >= argc) usage((std::string(argv[i]) + " needs a value").c_str());
     return argv[++i];
@@ -209,7 +211,8 @@ Args parseArgs(int argc, char** argv) {
     if (a.launchRank < 0 || a.launchRank >= a.ranks) usage("RANK must be in [0, WORLD_SIZE)");
   }
   if (a.ranks < 1 || a.root < 0 || a.root >= a.ranks || a.avgMode < 0 || a.avgMode > 3) usage("bad -np, -r or -a");
-  if (a.coll != "all_reduce" && a.coll != "all_gather" && a.coll != "reduce_scatter" && a.coll != "broadcast") {
+  if (a.coll != "all_reduce" && a.coll != "all_gather" && a.coll != "reduce_scatter" && a.coll != "broadcast" &&
+      a.coll != "all_to_all") {
     usage(("unknown collective " + a.coll).c_str());
   }
   if (a.minBytes > a.maxBytes || (a.factor <= 1 && a.stepBytes == 0)) usage("bad size range");
@@ -219,7 +222,7 @@ Args parseArgs(int argc, char** argv) {
 bool reduces(const std::string& coll) { return coll == "all_reduce" || coll == "reduce_scatter"; }
 
 // nccl-tests semantics: size is the larger of send and receive bytes; count is per rank for
-// all_gather (input) and reduce_scatter (output).
+// all_gather (input) and reduce_scatter (output); all_to_all sends size / ranks to each rank.
 struct Shape {
   size_t inElems, outElems, countCol;
   double busFactor;
@@ -229,6 +232,7 @@ Shape shapeOf(const std::string& coll, size_t bytes, size_t es, int W) {
   if (coll == "all_reduce") return {n, n, n, 2.0 * (W - 1) / W};
   if (coll == "broadcast") return {n, n, n, 1.0};
   if (coll == "all_gather") return {n / W, n / W * W, n / W, double(W - 1) / W};
+  if (coll == "all_to_all") return {n / W * W, n / W * W, n / W * W, double(W - 1) / W};
   return {n / W * W, n / W, n / W, double(W - 1) / W};
 }
 
@@ -351,7 +355,10 @@ struct Case {
   ReduceOp op;
 };
 
-void runOp(algo::Communicator& c, const Args& a, const Case& k, void* in, void* out, const Shape& s, int W) {
+// `scratch` (all_to_all only) holds an in-place op's input, copied first as the backend does for
+// all_to_all_single(t, t): across hosts the op receives blocks while it still sends others.
+void runOp(algo::Communicator& c, const Args& a, const Case& k, void* in, void* out, const Shape& s, int W,
+           void* scratch) {
   const auto to = a.timeout;
   const size_t es = elementSize(k.dt);
   const Reduction red{k.op, 1.0, W};
@@ -364,6 +371,15 @@ void runOp(algo::Communicator& c, const Args& a, const Case& k, void* in, void* 
     algo::AllgatherOptions o{k.dt, in, {}, std::vector<size_t>(W, s.inElems)};
     for (int p = 0; p < W; ++p) o.outputs.push_back(static_cast<uint8_t*>(out) + p * s.inElems * es);
     c.allgather(o, to);
+  } else if (a.coll == "all_to_all") {
+    const size_t block = s.inElems / W;
+    if (in == out) in = std::memcpy(scratch, in, s.inElems * es);
+    algo::AlltoallOptions o{k.dt, {}, std::vector<size_t>(W, block), {}, std::vector<size_t>(W, block)};
+    for (int p = 0; p < W; ++p) {
+      o.inputs.push_back(static_cast<const uint8_t*>(in) + p * block * es);
+      o.outputs.push_back(static_cast<uint8_t*>(out) + p * block * es);
+    }
+    c.alltoall(o, to);
   } else {
     algo::ReduceScatterOptions o{k.dt, red, {}, out, s.outElems, {}};
     for (int p = 0; p < W; ++p) o.inputs.push_back(static_cast<uint8_t*>(in) + p * s.outElems * es);
@@ -378,7 +394,10 @@ size_t countWrong(const Args& a, const Case& k, const void* out, const Shape& s,
     if (a.coll == "all_reduce") want = reduced(k.op, k.dt, W, i);
     else if (a.coll == "broadcast") want = valueOf(k.op, k.dt, W, a.root, i);
     else if (a.coll == "all_gather") want = valueOf(k.op, k.dt, W, static_cast<int>(i / s.inElems), i % s.inElems);
-    else want = reduced(k.op, k.dt, W, rank * s.outElems + i);
+    else if (a.coll == "all_to_all") {
+      const size_t block = s.outElems / W;  // rank i / block's block for this rank
+      want = valueOf(k.op, k.dt, W, static_cast<int>(i / block), rank * block + i % block);
+    }    else want = reduced(k.op, k.dt, W, rank * s.outElems + i);
     wrong += !close(k.dt, load(k.dt, out, i), want);
   }
   return wrong;
@@ -469,6 +488,7 @@ int rankMain(const Args& a, int rank, Store& store) {
       if (s.countCol == 0) continue;
       const size_t sizeCol = std::max(s.inElems, s.outElems) * es;
       const Buffer in(sizeCol, a.hugePages), out(sizeCol, a.hugePages);
+      const Buffer scratch(a.coll == "all_to_all" ? sizeCol : 0, a.hugePages);
       double times[2];
       long wrongs[2];
       for (int inPlace = 0; inPlace < 2; ++inPlace) {
@@ -479,22 +499,22 @@ int rankMain(const Args& a, int rank, Store& store) {
         long wrong = 0;
         if (a.check) {
           for (size_t i = 0; i < s.inElems; ++i) storeValue(k.dt, src, i, valueOf(k.op, k.dt, W, rank, i));
-          runOp(comm, a, k, src, dst, s, W);
+          runOp(comm, a, k, src, dst, s, W, scratch.data());
           wrong = static_cast<long>(countWrong(a, k, dst, s, rank, W));
         }
-        for (int i = 0; i < a.warmup; ++i) runOp(comm, a, k, src, dst, s, W);
+        for (int i = 0; i < a.warmup; ++i) runOp(comm, a, k, src, dst, s, W, scratch.data());
         int iters = a.iters;
         if (a.autoIters) {  // rank 0's estimate, agreed through a broadcast
           comm.barrier(a.timeout);
           auto t0 = Clock::now();
-          runOp(comm, a, k, src, dst, s, W);
+          runOp(comm, a, k, src, dst, s, W, scratch.data());
           float est = std::chrono::duration<float, std::milli>(Clock::now() - t0).count();
           comm.broadcast({DataType::kFloat32, 1, &est, 0}, a.timeout);
           iters = static_cast<int>(std::clamp(a.targetMs / std::max(est, 1e-3f), 5.0, 20000.0));
         }
         comm.barrier(a.timeout);
         auto t0 = Clock::now();
-        for (int i = 0; i < iters * a.agg; ++i) runOp(comm, a, k, src, dst, s, W);
+        for (int i = 0; i < iters * a.agg; ++i) runOp(comm, a, k, src, dst, s, W, scratch.data());
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / (iters * a.agg);
         const double combined = a.avgMode == 0 ? us : combine(comm, a, us, W, timeOp[a.avgMode]);
         times[inPlace] = a.avgMode == 1 ? combined / W : combined;

@@ -13,7 +13,7 @@ from _jobs import run_ranks
 from _pool import free_port, ipv6_available
 
 BIN = Path(__file__).resolve().parent.parent / "python" / "smddp" / "bin"
-ALIASES = ["all_reduce_perf", "all_gather_perf", "reduce_scatter_perf", "broadcast_perf"]
+ALIASES = ["all_reduce_perf", "all_gather_perf", "reduce_scatter_perf", "broadcast_perf", "alltoall_perf"]
 
 pytestmark = pytest.mark.skipif(not (BIN / "smddp_perf").exists(),
                                 reason=f"{BIN}/smddp_perf not built (pip install --no-build-isolation -e .)")
@@ -55,7 +55,7 @@ def test_every_type_and_op_checks_out(alias, ranks):
 MANY_RANKS = "0000011112223345"
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather", "broadcast"])
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all"])
 def test_many_ranks_on_uneven_hosts(collective):
     reduces = collective in ("all_reduce", "reduce_scatter")
     extra = ["-o", "all"] if reduces else ["-r", "7"]

@@ -105,6 +105,8 @@ void scatter(OpContext& ctx, const ScatterOptions& opts);
 // (outCounts[r] elements). A mismatch between what one rank sends and what its peer expects is
 // an error, never a silent short read: in shared memory the first step exchanges the counts and
 // every rank of the host checks them all; across hosts each message's header carries its size.
+// Outputs must not overlap inputs: across hosts blocks arrive while others are still being sent
+// (the torch layer copies an input that overlaps an output).
 struct AlltoallOptions {
   DataType dtype;
   std::vector<const void*> inputs;

@@ -1,7 +1,7 @@
 """The `smddp_perf` console command: runs the nccl-tests style benchmark binary shipped in the
 package (smddp/bin/smddp_perf, built with the extension; torch-free). `smddp_perf --collective
 all_gather ...`, or call it through its nccl-tests names in the same directory (all_reduce_perf,
-all_gather_perf, reduce_scatter_perf, broadcast_perf)."""
+all_gather_perf, reduce_scatter_perf, broadcast_perf, alltoall_perf)."""
 import os
 import sys
 from pathlib import Path
