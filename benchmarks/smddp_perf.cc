@@ -1,12 +1,13 @@
 // smddp_perf: an nccl-tests style benchmark of smddp's core, without torch or Python.
 //
-//   smddp_perf -np 4 --collective all_reduce|all_gather|reduce_scatter|broadcast|all_to_all -b 8 -e 128M -f 2 [-o sum|prod|min|max|avg|all]
+//   smddp_perf -np 4 --collective all_reduce|all_gather|reduce_scatter|broadcast|all_to_all
+//              -b 8 -e 128M -f 2 [-o sum|prod|min|max|avg|all]
 //              [-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|f8e4m3|f8e5m2|all]
 //              [-r root] [-n iters]
 //              [-w warmup] [-m agg] [-c 0/1] [-a 0..3] [-J file.json] [-T target_ms] [--timeout seconds]
 //
-// Invoked as all_reduce_perf, all_gather_perf, reduce_scatter_perf, broadcast_perf or alltoall_perf (a link to
-// this binary), the name picks the collective, as with nccl-tests. -np forks that many ranks on
+// Invoked as all_reduce_perf, all_gather_perf, reduce_scatter_perf, broadcast_perf or alltoall_perf
+// (a link to this binary), the name picks the collective, as with nccl-tests. -np forks that many ranks on
 // this host; they bootstrap through a temporary directory. Without -np, under torchrun-style
 // variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the process is one rank of a job that
 // may span hosts (torchrun --nproc-per-node 8 --nnodes 2 ... smddp_perf ...), bootstrapped
@@ -394,10 +395,9 @@ size_t countWrong(const Args& a, const Case& k, const void* out, const Shape& s,
     if (a.coll == "all_reduce") want = reduced(k.op, k.dt, W, i);
     else if (a.coll == "broadcast") want = valueOf(k.op, k.dt, W, a.root, i);
     else if (a.coll == "all_gather") want = valueOf(k.op, k.dt, W, static_cast<int>(i / s.inElems), i % s.inElems);
-    else if (a.coll == "all_to_all") {
-      const size_t block = s.outElems / W;  // rank i / block's block for this rank
-      want = valueOf(k.op, k.dt, W, static_cast<int>(i / block), rank * block + i % block);
-    }    else want = reduced(k.op, k.dt, W, rank * s.outElems + i);
+    else if (a.coll == "all_to_all") want = valueOf(k.op, k.dt, W, static_cast<int>(i / (s.outElems / W)),
+                                                    rank * (s.outElems / W) + i % (s.outElems / W));
+    else want = reduced(k.op, k.dt, W, rank * s.outElems + i);
     wrong += !close(k.dt, load(k.dt, out, i), want);
   }
   return wrong;

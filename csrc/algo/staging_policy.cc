@@ -46,8 +46,8 @@ bool StagingPolicy::choose(OpKind kind, size_t hostBytes) {
 void StagingPolicy::record(OpKind kind, size_t hostBytes, bool streamed, double nsPerByte) {
   if (mode_ != Mode::kAuto) return;
   PerKind& k = of(kind, hostBytes);
-  // The first large op of a kind and size also faults in its buffers' pages and warms the caches: it would
-  // judge its way unfairly.
+  // The first large op of a kind and size also faults in its buffers' pages and warms the caches:
+  // it would judge its way unfairly.
   if (!(nsPerByte > 0) || k.largeOps <= 1) return;
   Way& w = k.ways[streamed ? 1 : 0];
   if (k.trialOps > 0 && streamed == k.trialWay) {

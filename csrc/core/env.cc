@@ -74,9 +74,10 @@ constexpr Param kParams[] = {
      "Ordinary stores leave it in the writer's cache, where readers on the same last-level cache "
      "read it fastest, and readers on another socket or AMD CCX several times slower than from "
      "memory; non-temporal (streaming) stores send it to memory. auto = each process group learns "
-     "per kind of op from the ops' own times which way is faster here, and tries the other way "
-     "again now and then, the less often the slower it was (placement can change while a job runs; "
-     "at most 5% of the time goes to trying); 1 = always streaming; 0 = never."},
+     "per kind of op and size (a power of two of the host's bytes) from the ops' own times which "
+     "way is faster here, and tries the other way again now and then, the less often the slower "
+     "it was (placement can change while a job runs; at most 5% of the time goes to trying); 1 = "
+     "always streaming; 0 = never."},
     {"SMDDP_STAGE_STREAM_MIN_BYTES", "-1",
      "SMDDP_STAGE_STREAM applies to collectives whose ranks on the host handle at least this many "
      "bytes together; smaller ones stage through the cache. -1 = the last-level cache size (from "

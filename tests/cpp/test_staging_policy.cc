@@ -106,7 +106,8 @@ void kindsLearnApart() {
     p.record(OpKind::kReduceScatter, kBytes, r, r ? 2.0 : 1.0);
   }
   expect(p.choose(OpKind::kAllgather, kBytes) || p.choose(OpKind::kAllgather, kBytes), "allgather streams");
-  expect(!p.choose(OpKind::kReduceScatter, kBytes) || !p.choose(OpKind::kReduceScatter, kBytes), "reduce_scatter does not");
+  expect(!p.choose(OpKind::kReduceScatter, kBytes) || !p.choose(OpKind::kReduceScatter, kBytes),
+         "reduce_scatter does not");
 }
 
 void sizesLearnApart() {
@@ -122,7 +123,8 @@ void sizesLearnApart() {
     p.record(OpKind::kAllreduce, kLarge, l, l ? 1.0 : 2.0);
   }
   const int trials = StagingPolicy::kTrialOps * (200 / 20 + 1);
-  expect(smallStreamed <= trials, "40 MiB ops stage through the cache (" + std::to_string(smallStreamed) + "/200 streamed)");
+  expect(smallStreamed <= trials,
+         "40 MiB ops stage through the cache (" + std::to_string(smallStreamed) + "/200 streamed)");
   expect(largeStreamed >= 200 - trials - 1, "300 MiB ops stream (" + std::to_string(largeStreamed) + "/200)");
   // Sizes within a power of two share what was learnt (a new size class would warm up through
   // the cache first).
