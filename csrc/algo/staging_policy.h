@@ -15,7 +15,8 @@
 // costs at most kExploreCost of the time. Measured at 32 MiB on 2 vCPUs (README, "Staging
 // and cache placement"): streamed ops took 0.16-0.51x the time on separate L3s, and 0.72-1.52x
 // on a shared one, by op, page size and run; auto came within 4% of the better way on a shared
-// L3 and within 2% on separate ones.
+// L3 and within 2% on separate ones. Below the L3 size (the default threshold) it was tried and
+// lost: ops of tens of microseconds time too noisily for a rank to learn alone.
 //
 // Every rank decides for itself: how a rank writes its own staging area is invisible to the
 // readers, so ranks that judge differently still compute the same results.
