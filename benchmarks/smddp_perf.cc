@@ -41,6 +41,7 @@
 #include <new>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "algo/communicator.h"
@@ -141,14 +142,20 @@ std::string baseName(const char* path) {
   return slash ? slash + 1 : path;
 }
 
+// The collectives, each with the name of the nccl-tests binary (a link to this one) that runs it.
+constexpr std::pair<const char*, const char*> kCollectives[] = {{"all_reduce", "all_reduce_perf"},
+                                                                {"all_gather", "all_gather_perf"},
+                                                                {"reduce_scatter", "reduce_scatter_perf"},
+                                                                {"broadcast", "broadcast_perf"},
+                                                                {"all_to_all", "alltoall_perf"}};
+
 Args parseArgs(int argc, char** argv) {
   Args a;
   bool npGiven = false;
   const std::string self = baseName(argv[0]);
-  for (const char* c : {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}) {
-    if (self == std::string(c) + "_perf") a.coll = c;
+  for (const auto& [coll, binary] : kCollectives) {
+    if (self == binary) a.coll = coll;
   }
-  if (self == "alltoall_perf") a.coll = "all_to_all";  // nccl-tests' name
   auto need = [&](int& i) -> const char* {
     if (i + 1 >= argc) usage((std::string(argv[i]) + " needs a value").c_str());
     return argv[++i];
@@ -212,8 +219,8 @@ Args parseArgs(int argc, char** argv) {
     if (a.launchRank < 0 || a.launchRank >= a.ranks) usage("RANK must be in [0, WORLD_SIZE)");
   }
   if (a.ranks < 1 || a.root < 0 || a.root >= a.ranks || a.avgMode < 0 || a.avgMode > 3) usage("bad -np, -r or -a");
-  if (a.coll != "all_reduce" && a.coll != "all_gather" && a.coll != "reduce_scatter" && a.coll != "broadcast" &&
-      a.coll != "all_to_all") {
+  const auto named = [&](const auto& c) { return a.coll == c.first; };
+  if (std::none_of(std::begin(kCollectives), std::end(kCollectives), named)) {
     usage(("unknown collective " + a.coll).c_str());
   }
   if (a.minBytes > a.maxBytes || (a.factor <= 1 && a.stepBytes == 0)) usage("bad size range");

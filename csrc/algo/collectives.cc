@@ -228,7 +228,7 @@ void broadcast(OpContext& ctx, const BroadcastOptions& o) {
   const Expect e{OpKind::kBroadcast, o.dtype, ReduceOp::kSum, o.root};
   const bool isRoot = ctx.rank == o.root;
   const bool stream = shouldStream(total, ctx.size);
-  const bool stage = stagesStreamed(ctx, total);
+  const bool stage = isRoot && stagesStreamed(ctx, total);  // only the root stages
   const size_t stepBytes = ctx.copyStepBytes;
   for (size_t off = 0; off < total; off += stepBytes) {
     const size_t n = std::min(stepBytes, total - off);
@@ -340,7 +340,7 @@ void scatter(OpContext& ctx, const ScatterOptions& o) {
   shm::Domain& d = *ctx.domain;
   const size_t region = regionBytes(d, ctx.size);
   const Expect e{OpKind::kScatter, o.dtype, ReduceOp::kSum, o.root};
-  const bool stage = stagesStreamed(ctx, total * static_cast<size_t>(ctx.size));  // the root's input
+  const bool stage = isRoot && stagesStreamed(ctx, total * static_cast<size_t>(ctx.size));  // only the root stages
   for (size_t off = 0; off < total; off += region) {
     const size_t n = std::min(region, total - off);
     const uint64_t k = step(ctx, off == 0, e, o.count, [&](int) { return o.count; }, [&](uint8_t* slot) {
