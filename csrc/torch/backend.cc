@@ -323,21 +323,15 @@ SmddpWork::SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, 
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
       spin_(spin) {}
 
-SmddpWork::~SmddpWork() {
-  if (events_) events_->give(doneEvent_);  // no CUDA call: any thread may drop the last reference
-}
-
-void SmddpWork::setCuda(std::shared_ptr<EventPool> events, c10::Stream doneOn, void* doneEvent) {
-  events_ = std::move(events);
-  device_ = doneOn.device();
-  doneEvent_ = doneEvent;
-  future_ = c10::make_intrusive<c10::ivalue::Future>(future_->elementType(), std::vector<c10::Device>{device_});
-  c10::StreamGuard onDoneStream(doneOn);  // the future's event goes where doneEvent went
+void SmddpWork::setCuda(c10::Stream doneOn) {
+  future_ = c10::make_intrusive<c10::ivalue::Future>(future_->elementType(), std::vector<c10::Device>{doneOn.device()});
+  c10::StreamGuard onDoneStream(doneOn);  // the future records its event on the current stream
   future_->markCompleted(c10::IValue(outputs_));
+  cuda_ = true;
 }
 
 bool SmddpWork::wait(std::chrono::milliseconds timeout) {
-  if (events_ && env::cudaBlockingWait() == 0) {
+  if (cuda_ && env::cudaBlockingWait() == 0) {
     // An error already known is raised here; a later one by the next call on the group.
     if (std::exception_ptr error = isCompleted() ? exception() : nullptr) std::rethrow_exception(error);
     synchronize();
@@ -361,7 +355,9 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
 }
 
 void SmddpWork::synchronize() {
-  if (events_) torchext::blockCurrentStream(events_->ops(), device_, doneEvent_, rank_);
+  // The future's event: the current stream waits for it, and the caching allocator learns that
+  // stream uses the outputs (what NCCL's Work does too).
+  if (cuda_) future_->wait();
 }
 
 void SmddpWork::traceStarted() { FlightRecorder::get().started(traceId_); }
@@ -370,10 +366,10 @@ void SmddpWork::complete(std::exception_ptr error) {
   FlightRecorder::get().finished(traceId_, !error);
   if (error) {
     FlightRecorder::get().dumpOnError(pgId_, rank_);
-    if (!events_) future_->setError(error);  // a CUDA op's future completed at launch (setCuda)
+    if (!cuda_) future_->setError(error);  // a CUDA op's future completed at launch (setCuda)
     finish(error);
   } else {
-    if (!events_) future_->markCompleted(c10::IValue(outputs_));
+    if (!cuda_) future_->markCompleted(c10::IValue(outputs_));
     finish();
   }
 }

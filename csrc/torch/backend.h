@@ -30,15 +30,14 @@ class SmddpWork : public c10d::Work {
  public:
   SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, std::vector<at::Tensor> outputs,
             const std::optional<std::vector<at::Tensor>>& inputs, std::chrono::microseconds spin);
-  ~SmddpWork() override;
 
-  // A CUDA op, just launched: `doneEvent` (from `events`) is recorded on `doneOn` where the
-  // results are in device memory. Completes the future there and then, stream-ordered as
+  // A CUDA op, just launched: the results are in device memory where `doneOn` (smddp's staging
+  // or receive stream) stands now. Completes the future there and then, stream-ordered as
   // NCCL's: waiting on it, or a callback chained to it (which runs at once, on the calling
   // thread), makes the current stream wait for the op, so callbacks issue their ops in the same
   // order on every rank and may wait for them. The Work itself completes (isCompleted(), the
   // op's error) once the host has seen the results arrive.
-  void setCuda(std::shared_ptr<EventPool> events, c10::Stream doneOn, void* doneEvent);
+  void setCuda(c10::Stream doneOn);
   // A point-to-point op: wait() runs the engine that moves it until the op is done
   // (P2pDriver::driveUntil), rather than sleep until the engine's thread wakes it.
   void setP2pDriver(std::shared_ptr<engine::P2pDriver> engine) { p2pDriver_ = std::move(engine); }
@@ -58,7 +57,7 @@ class SmddpWork : public c10d::Work {
   std::vector<at::Tensor> result() override { return outputs_; }
   // CPU ops: completed as soon as the future is, so work.is_completed() is true once
   // get_future().wait() returns (the base class flag is set a moment later, by finish()).
-  bool isCompleted() override { return events_ ? c10d::Work::isCompleted() : future_->completed(); }
+  bool isCompleted() override { return cuda_ ? c10d::Work::isCompleted() : future_->completed(); }
 
   // Called once, on the progress (or p2p, or CUDA completion) thread.
   void complete(std::exception_ptr error);
@@ -80,9 +79,7 @@ class SmddpWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::chrono::microseconds spin_;
   std::atomic<int> sourceRank_{-1};
-  std::shared_ptr<EventPool> events_;  // set for CUDA ops
-  c10::Device device_{c10::kCPU};
-  void* doneEvent_ = nullptr;
+  bool cuda_ = false;  // set by setCuda
   std::shared_ptr<engine::P2pDriver> p2pDriver_;
   std::shared_ptr<engine::ProgressThread> runner_;
   int pgId_ = 0;

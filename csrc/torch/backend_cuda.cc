@@ -91,7 +91,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
   auto work = newWork(opType, title, outputs, inputs, timeout, peer);
   const CudaPath::Launch launch = path->launch(rounds);
   try {
-    work->setCuda(path->events(), path->stagingStream(), launch.doneEvent);
+    work->setCuda(path->stagingStream());
   } catch (...) {
     path->release(launch);
     throw;
@@ -310,18 +310,17 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
   auto work = newWork(c10d::OpType::RECV, "smddp:recv", Tensors{t}, Tensors{t}, std::chrono::milliseconds(timeoutMs_.load()),
                       {peer, tag});
   work->traceStarted();
-  const CudaPath::Receive r = path->launchReceive(bytePtr(t), bytePtr(message), bytes);
+  const uint64_t number = path->launchReceive(bytePtr(t), bytePtr(message), bytes);
   try {
-    work->setCuda(path->events(), path->receiveStream(), r.doneEvent);
+    work->setCuda(path->receiveStream());
   } catch (...) {
-    path->received(r.number);
+    path->received(number);
     throw;
   }
   engine::P2pOp o = p2pOp(false, peer, tag, message);
   const int rank = rank_;
   const std::chrono::milliseconds timeout(timeoutMs_.load());
-  o.done = [this, path, work, message, number = r.number, rank, peer, timeout](std::exception_ptr error,
-                                                                               int source) mutable {
+  o.done = [this, path, work, message, number, rank, peer, timeout](std::exception_ptr error, int source) mutable {
     error = asTorchError(error, rank);
     work->setSourceRank(peer >= 0 ? peer : source);
     path->received(number);  // the receive stream copies it now (or, after a failure, moves on)
@@ -343,7 +342,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
   try {
     submitP2p(o);
   } catch (...) {
-    path->received(r.number);
+    path->received(number);
     throw;
   }
   return work;

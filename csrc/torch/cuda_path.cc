@@ -50,37 +50,6 @@ cuda::DeviceOps* loadDeviceOps(int rank) {
 
 }  // namespace
 
-EventPool::~EventPool() {
-  for (void* e : free_) ops_.destroyEvent(e);
-}
-
-void* EventPool::take() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!free_.empty()) {
-      void* e = free_.back();
-      free_.pop_back();
-      return e;
-    }
-  }
-  return ops_.createEvent();
-}
-
-void EventPool::give(void* event) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  free_.push_back(event);
-}
-
-void blockCurrentStream(cuda::DeviceOps& ops, c10::Device device, void* event, int rank) {
-  c10::DeviceGuard guard(device);
-  c10::impl::VirtualGuardImpl impl(device.type());
-  try {
-    ops.streamWaitEvent(impl.getStream(device).native_handle(), event);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "smddp rank ", rank, ": ", e.what());
-  }
-}
-
 CudaPath::CudaPath(int rank, c10::Device device) : rank_(rank), device_(device) {
   ops_ = loadDeviceOps(rank);
   c10::DeviceGuard guard(device_);
@@ -100,7 +69,6 @@ CudaPath::CudaPath(int rank, c10::Device device) : rank_(rank), device_(device) 
     receives_ = std::make_unique<cuda::ReceiveQueue>(*ops_);
     const size_t cap = static_cast<size_t>(std::max<int64_t>(cuda::kStagingAlign, env::cudaRoundBytes()));
     pipelinedRoundBytes_ = std::min(pipeline_->roundCapacity(), cap / cuda::kStagingAlign * cuda::kStagingAlign);
-    events_ = std::make_shared<EventPool>(*ops_);
     completer_ = std::make_unique<engine::ProgressThread>("smddp-cuda" + std::to_string(rank),
                                                           std::chrono::microseconds(0));
   } catch (const std::exception& e) {
@@ -162,8 +130,6 @@ CudaPath::Launch CudaPath::launch(const std::vector<cuda::Round>& rounds) {
     followCaller(stream_);
     l.ticket = pipeline_->enqueue(rounds, stream_);
     for (size_t i = 0; i < rounds.size(); ++i) l.bases.push_back(pipeline_->stagingOf(l.ticket, rounds, i));
-    l.doneEvent = events_->take();
-    ops_->recordEvent(l.doneEvent, stream_);
   } catch (const std::length_error& e) {
     TORCH_CHECK_VALUE(false, "smddp rank ", rank_, ": ", e.what(), "; raise SMDDP_CUDA_STAGING_BYTES");
   } catch (const std::exception& e) {
@@ -173,21 +139,14 @@ CudaPath::Launch CudaPath::launch(const std::vector<cuda::Round>& rounds) {
   return l;
 }
 
-CudaPath::Receive CudaPath::launchReceive(uint8_t* device, const uint8_t* host, size_t bytes) {
+uint64_t CudaPath::launchReceive(uint8_t* device, const uint8_t* host, size_t bytes) {
   c10::DeviceGuard guard(device_);
-  Receive r;
   try {
     followCaller(receiveStream_);
-    r.number = receives_->enqueue(device, host, bytes, receiveStream_);
-    r.doneEvent = events_->take();
-    ops_->recordEvent(r.doneEvent, receiveStream_);
+    return receives_->enqueue(device, host, bytes, receiveStream_);
   } catch (const std::exception& e) {
-    // The copy is queued (or not) but nobody will receive into it: let the stream pass.
-    if (r.number > 0) receives_->arrived(r.number);
-    if (r.doneEvent) events_->give(r.doneEvent);
     TORCH_CHECK(false, "smddp rank ", rank_, ": ", e.what());
   }
-  return r;
 }
 
 void CudaPath::runHost(const Launch& l, const std::vector<CudaStep>& steps, algo::Communicator& c,

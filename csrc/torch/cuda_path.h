@@ -11,7 +11,6 @@
 #include <chrono>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include "algo/communicator.h"
@@ -23,25 +22,6 @@ namespace smddp::torchext {
 
 // The host work of one staging round (it captures the round's staging pointers).
 using CudaStep = std::function<void(algo::Communicator&, std::chrono::milliseconds)>;
-
-// The events that mark CUDA ops done, reused. Shared by the group and its Works, so a Work may
-// outlive the group. give() makes no CUDA call: it runs wherever a Work dies.
-class EventPool {
- public:
-  explicit EventPool(cuda::DeviceOps& ops) : ops_(ops) {}
-  ~EventPool();
-  void* take();  // caller's thread (a CUDA call when the pool is empty)
-  void give(void* event);
-  cuda::DeviceOps& ops() { return ops_; }
-
- private:
-  cuda::DeviceOps& ops_;
-  std::mutex mutex_;
-  std::vector<void*> free_;
-};
-
-// Makes the calling thread's current stream on `device` wait for `event`.
-void blockCurrentStream(cuda::DeviceOps& ops, c10::Device device, void* event, int rank);
 
 class CudaPath {
  public:
@@ -55,7 +35,6 @@ class CudaPath {
   size_t roundCapacity() const { return pipeline_->roundCapacity(); }
   // The round size of ops cut into many rounds (SMDDP_CUDA_ROUND_BYTES, at most the capacity).
   size_t pipelinedRoundBytes() const { return pipelinedRoundBytes_; }
-  const std::shared_ptr<EventPool>& events() const { return events_; }
   // Where the next op's first round will be staged; the caller holds the issue lock until it
   // has launched that op.
   uint8_t* nextStaging() const { return pipeline_->nextStaging(); }
@@ -63,7 +42,6 @@ class CudaPath {
   struct Launch {
     cuda::Ticket ticket;
     std::vector<uint8_t*> bases;  // each round's staging
-    void* doneEvent = nullptr;    // recorded after the last copy back; the Work gives it back to events()
   };
   // Caller's thread, in issue order: the side stream waits for the caller's current stream, then
   // takes the rounds' copies and flags.
@@ -82,12 +60,8 @@ class CudaPath {
   void completeLater(std::function<void()> finish);
   // Receives (see cuda/receive_queue.h). Caller's thread: the copy of the message from `host`
   // (pinned, alive until awaitDelivered returns) to `device`, on the receive stream behind the
-  // caller's current stream. Returns the receive's number and the event recorded after the copy.
-  struct Receive {
-    uint64_t number = 0;
-    void* doneEvent = nullptr;  // the Work gives it back to events()
-  };
-  Receive launchReceive(uint8_t* device, const uint8_t* host, size_t bytes);
+  // caller's current stream. Returns the receive's number.
+  uint64_t launchReceive(uint8_t* device, const uint8_t* host, size_t bytes);
   // The staging and receive streams as torch's external streams, on which a Work's future
   // records the point where the op's results are in device memory.
   c10::Stream stagingStream() const { return asTorchStream(stream_); }
@@ -125,7 +99,6 @@ class CudaPath {
   std::unique_ptr<cuda::StagingPipeline> pipeline_;
   std::unique_ptr<cuda::ReceiveQueue> receives_;
   size_t pipelinedRoundBytes_ = 0;
-  std::shared_ptr<EventPool> events_;
   std::unique_ptr<engine::ProgressThread> completer_;
 };
 
