@@ -3,7 +3,7 @@
 # machine has neither): builds smddp against that torch with the system compiler (a newer one's
 # C++ headers can mismatch the libstdc++ torch loads), for the architectures in
 # SMDDP_CUDA_ARCHS (default 90: Hopper), then runs the tests that skip without a GPU.
-#   bash scripts/gpu_check.sh                 # tests/test_cuda.py and the CUDA activation offloading
+#   bash scripts/gpu_check.sh                 # tests/test_cuda.py and test_smp.py's CUDA cases
 #   bash scripts/gpu_check.sh PYTEST_ARGS...  # those tests instead
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,7 @@ start=$(date +%s)
 "$PY" -m pip install -q --no-build-isolation --no-deps .
 echo "build: $(( $(date +%s) - start )) s"
 if [ $# -eq 0 ]; then
-  set -- tests/test_cuda.py tests/test_smp.py::test_activation_offloading_on_cuda
+  set -- tests/test_cuda.py tests/test_smp.py::test_activation_offloading_on_cuda \
+    tests/test_smp.py::test_cache_flush_watch_on_cuda
 fi
 PYTHONUNBUFFERED=1 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=30 "$@"

@@ -328,6 +328,40 @@ def test_activation_offloading_on_cuda():
     assert off_held < ref_held / 2, f"device memory at the loss: {off_held} B offloaded, {ref_held} B without"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cache_flush_watch_on_cuda():
+    """The watch reads the real allocator: capped at 1 GiB, a cached 600 MiB block and a new
+    700 MiB one do not fit together, so the allocator frees its cache and retries; the next
+    forward warns about that retry, and only that one."""
+    dev = torch.device("cuda", torch.cuda.current_device())  # the memory cap wants an index
+    model = torch.nn.Linear(8, 8).to(dev)
+    watch = tsm.CacheFlushWatch(3)
+    mib = 1 << 20
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1024 * mib / torch.cuda.get_device_properties(dev).total_memory, dev)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            watch(model, ())  # the first look only takes the count
+            before = torch.cuda.memory_stats(dev)["num_alloc_retries"]
+            a = torch.empty(600 * mib, dtype=torch.uint8, device=dev)
+            del a  # cached, not returned to the device
+            watch(model, ())
+            assert not caught, [str(w.message) for w in caught]
+            b = torch.empty(700 * mib, dtype=torch.uint8, device=dev)
+            del b
+            retries = torch.cuda.memory_stats(dev)["num_alloc_retries"] - before
+            watch(model, ())
+            watch(model, ())
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        torch.cuda.empty_cache()
+    assert retries == 1, f"the allocator retried {retries} times; the test expects its cap to force one retry"
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "smddp.smp rank 3" in str(caught[0].message) and "retried 1 allocation(s)" in str(caught[0].message)
+
+
 def activation_offloading_task(rank, world):
     """Offloading under hybrid sharding (FSDP2): gradients equal to the same model without it."""
     rep = Report(rank)
