@@ -256,12 +256,18 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::divertToCuda(c10d::OpType opType, c
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int peer, int tag) {
   std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
-  CudaPath& path = cudaPathFor({t}, "send");
+  cudaPathFor({t}, "send");
   const size_t bytes = t.nbytes();
-  std::vector<cuda::Round> rounds = cuda::planFlat(bytePtr(t), bytes, 1, path.pipelinedRoundBytes(), true, false);
-  // The message leaves from memory of its own: the staging halves are reused as soon as the
-  // round's host step returns, and the engine may send later than that.
-  at::Tensor message = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
+  // The copy engine moves the tensor straight into the message, pinned memory of its own that
+  // the engine may send from later; the host copies nothing. One round: the engine takes the
+  // message whole anyway, and the staging stream still orders the copy among the group's ops.
+  at::Tensor message =
+      at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  cuda::Round round;
+  round.stagingBytes = bytes;
+  round.count = bytes;
+  round.host = bytePtr(message);
+  round.toHost.push_back(cuda::Copy{bytePtr(t), bytes, 0, bytes, bytes, 1});
   engine::P2pOp o = p2pOp(true, peer, tag, message);
   const int rank = rank_;
   o.done = [this, message, rank, peer](std::exception_ptr error, int) {
@@ -275,7 +281,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int p
     }
     recordCudaFailure(error);
   };
-  // Counts this send as queued while its steps exist: until it is handed to the engine, or
+  // Counts this send as queued while its step exists: until it is handed to the engine, or
   // fails, or is never queued.
   struct Queued {
     std::atomic<int>& count;
@@ -283,21 +289,13 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int p
     ~Queued() { count.fetch_sub(1); }
   };
   auto queued = std::make_shared<Queued>(cudaSendsQueued_);
-  return enqueueCuda(c10d::OpType::SEND, "smddp:send", {t}, {t}, std::chrono::milliseconds(timeoutMs_.load()), rounds,
-                     [&](const CudaPath::Launch& l) {
-                       std::vector<CudaStep> steps;
-                       for (size_t i = 0; i < rounds.size(); ++i) {
-                         const bool last = i + 1 == rounds.size();
-                         steps.push_back([this, o, last, queued, from = l.bases[i],
-                                          to = bytePtr(message) + rounds[i].offset,
-                                          count = rounds[i].count](algo::Communicator&, std::chrono::milliseconds) {
-                           std::memcpy(to, from, count);
-                           if (last) submitP2p(o);
-                         });
-                       }
-                       return steps;
+  return enqueueCuda(c10d::OpType::SEND, "smddp:send", {t}, {t}, std::chrono::milliseconds(timeoutMs_.load()), {round},
+                     [&](const CudaPath::Launch&) {
+                       return std::vector<CudaStep>{[this, o, queued](algo::Communicator&, std::chrono::milliseconds) {
+                         submitP2p(o);
+                       }};
                      },
-                     at::Tensor(), {peer, tag});
+                     message, {peer, tag});
 }
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int peer, int tag) {
