@@ -1,6 +1,7 @@
 #include "algo/collectives.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "core/slices.h"
@@ -358,6 +359,52 @@ void throwSplitMismatch(int sender, uint64_t sends, int receiver, uint64_t expec
              "alltoall: rank %d sends %llu elements to rank %d, which expects %llu from it (the split sizes do not "
              "match across ranks)",
              sender, static_cast<unsigned long long>(sends), receiver, static_cast<unsigned long long>(expects));
+}
+
+void checkAlltoallBuffers(const AlltoallOptions& o, int rank) {
+  const size_t es = elementSize(o.dtype);
+  struct Block {
+    uintptr_t begin, end;
+    int peer;
+  };
+  auto blocksOf = [&](const auto& ptrs, const std::vector<size_t>& counts, bool outputs) {
+    std::vector<Block> blocks;
+    for (size_t p = 0; p < ptrs.size(); ++p) {
+      // This rank's own block moved onto itself is never written.
+      if (counts[p] == 0 || (outputs && static_cast<int>(p) == rank && o.outputs[p] == o.inputs[p])) continue;
+      const auto begin = reinterpret_cast<uintptr_t>(ptrs[p]);
+      blocks.push_back({begin, begin + counts[p] * es, static_cast<int>(p)});
+    }
+    return blocks;
+  };
+  std::vector<Block> ins = blocksOf(o.inputs, o.inCounts, false);
+  const std::vector<Block> outs = blocksOf(o.outputs, o.outCounts, true);
+  if (ins.empty() || outs.empty()) return;
+  auto span = [](const std::vector<Block>& bs) {
+    Block s{UINTPTR_MAX, 0, -1};
+    for (const Block& b : bs) s = {std::min(s.begin, b.begin), std::max(s.end, b.end), -1};
+    return s;
+  };
+  const Block inSpan = span(ins), outSpan = span(outs);
+  if (inSpan.end <= outSpan.begin || outSpan.end <= inSpan.begin) return;  // the usual case
+  // Inputs by start, with the furthest end so far: the inputs that start before an output
+  // ends reach into it only if that furthest end passes the output's start.
+  std::sort(ins.begin(), ins.end(), [](const Block& a, const Block& b) { return a.begin < b.begin; });
+  std::vector<uintptr_t> reach(ins.size());
+  for (size_t i = 0; i < ins.size(); ++i) reach[i] = std::max(ins[i].end, i > 0 ? reach[i - 1] : 0);
+  for (const Block& out : outs) {
+    const size_t before = static_cast<size_t>(
+        std::partition_point(ins.begin(), ins.end(), [&](const Block& b) { return b.begin < out.end; }) - ins.begin());
+    if (before == 0 || reach[before - 1] <= out.begin) continue;
+    for (size_t i = 0; i < before; ++i) {
+      // memmove copes with this rank's own block overlapping its own input.
+      if (ins[i].end <= out.begin || (out.peer == rank && ins[i].peer == rank)) continue;
+      throwError(ErrorCode::kInvalidUsage,
+                 "alltoall: the output block from rank %d overlaps the input block for rank %d; outputs must not "
+                 "overlap inputs (blocks arrive while others are still being sent): copy the input first",
+                 out.peer, ins[i].peer);
+    }
+  }
 }
 
 void alltoall(OpContext& ctx, const AlltoallOptions& o) {

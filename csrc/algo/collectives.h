@@ -105,8 +105,10 @@ void scatter(OpContext& ctx, const ScatterOptions& opts);
 // (outCounts[r] elements). A mismatch between what one rank sends and what its peer expects is
 // an error, never a silent short read: in shared memory the first step exchanges the counts and
 // every rank of the host checks them all; across hosts each message's header carries its size.
-// Outputs must not overlap inputs: across hosts blocks arrive while others are still being sent
-// (the torch layer copies an input that overlaps an output).
+// No output block may overlap an input block, except this rank's own output being exactly its own
+// input: blocks arrive (and this rank's own block is moved) while others are still being sent.
+// Communicator::alltoall refuses such buffers (checkAlltoallBuffers); the torch layer copies an
+// input that overlaps an output.
 struct AlltoallOptions {
   DataType dtype;
   std::vector<const void*> inputs;
@@ -119,6 +121,10 @@ struct AlltoallOptions {
   bool countsFirst = false;
 };
 void alltoall(OpContext& ctx, const AlltoallOptions& opts);
+// Throws kInvalidUsage, naming both blocks, if an output block of `opts` overlaps an input block
+// (the rule above); `rank` is this rank's index in the blocks. O(W) when the inputs and outputs
+// lie in separate ranges, O(W log W) otherwise.
+void checkAlltoallBuffers(const AlltoallOptions& opts, int rank);
 // The error for a block whose size is not the one its receiver expects (group ranks).
 [[noreturn]] void throwSplitMismatch(int sender, uint64_t sends, int receiver, uint64_t expects);
 

@@ -327,6 +327,7 @@ void Communicator::scatter(const ScatterOptions& opts, std::chrono::milliseconds
 }
 
 void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::milliseconds timeout) {
+  checkAlltoallBuffers(opts, rank_);
   runEither({OpKind::kAlltoall, opts.dtype}, timeout,
             [&](OpContext& ctx) { algo::alltoall(ctx, opts); },
             [&](HierContext& hc) {

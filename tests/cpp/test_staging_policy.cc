@@ -2,6 +2,7 @@
 #include <string>
 
 #include "algo/staging_policy.h"
+#include "algo_tests.h"
 #include "expect.h"
 
 using smddp::OpKind;
@@ -134,7 +135,7 @@ void sizesLearnApart() {
 
 }  // namespace
 
-int main() {
+void stagingPolicyTests() {
   fixedModes();
   triesBothThenKeepsTheFaster();
   followsAChangeOfPlacement();
@@ -143,5 +144,4 @@ int main() {
   oneSlowOpMisleadsNothing();
   kindsLearnApart();
   sizesLearnApart();
-  return smddp::test::report();
 }
