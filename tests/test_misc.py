@@ -240,6 +240,71 @@ def test_wait_limit_runs_out(pools, world):
 
 
 # ---------------------------------------------------------------------------
+def work_result_and_duration_task(rank, world):
+    """Work.get_future_result() completes with torch's WorkResult as the op does (SUCCESS 0,
+    TIMEOUT 1, COMM_ERROR 2), asked before or after; Work._get_duration() gives the op's time
+    from its start, and refuses before completion and after a failure."""
+    rep = Report(rank)
+    store = dist.distributed_c10d._get_default_store()
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    if rank == 0:
+        with rep.cell("recv: result asked before it completes, duration from its post"):
+            t = torch.zeros(100)
+            work = dist.irecv(t, 1, tag=5, group=group)
+            result = work.get_future_result()
+            rep.expect(not result.done(), "the result future completed before the message was sent")
+            try:
+                work._get_duration()
+                rep.expect(False, "_get_duration() answered before the op completed")
+            except RuntimeError as e:
+                rep.expect("smddp rank 0: recv: _get_duration() before the op completed" in str(e), str(e))
+            store.set("work_result/posted", "1")
+            work.wait()
+            rep.expect(result.wait() == 0 and work.get_future_result().value() == 0,
+                       f"result {result.value()} for a recv that succeeded")
+            ms = work._get_duration()
+            rep.expect(300 <= ms < 30000, f"the recv waited >= 300 ms for its sender, _get_duration() says {ms} ms")
+    elif rank == 1:
+        store.wait(["work_result/posted"])
+        time.sleep(0.3)
+        dist.send(torch.ones(100), 0, tag=5, group=group)
+    with rep.cell("all_reduce: result asked after it completed"):
+        work = dist.all_reduce(torch.ones(10), async_op=True)
+        work.wait()
+        rep.expect(work.get_future_result().wait() == 0, "an all_reduce that succeeded")
+        ms = work._get_duration()
+        rep.expect(0 <= ms < 30000, f"all_reduce took {ms} ms")
+    if rank == 0:
+        with rep.cell("recv that times out: TIMEOUT, no duration"):
+            work = dist.irecv(torch.empty(2), tag=9, group=group)  # from any rank; nobody sends
+            rep.expect(work.get_future_result().wait() == 1, f"result {work.get_future_result().value()}")
+            try:
+                work.wait()
+                rep.expect(False, "a recv nobody answered completed")
+            except dist.DistBackendError as e:
+                rep.expect("timed out" in str(e), str(e))
+            try:
+                work._get_duration()
+                rep.expect(False, "_get_duration() answered for an op that failed")
+            except RuntimeError as e:
+                rep.expect("the op failed, so it was not timed" in str(e), str(e))
+        pending = dist.irecv(torch.empty(2), 1, tag=11, group=group)
+        result = pending.get_future_result()
+    dist.barrier()
+    dist.destroy_process_group(group)
+    if rank == 0:
+        with rep.cell("recv pending when its group goes: COMM_ERROR"):
+            rep.expect(result.wait() == 2, f"result {result.value()}")
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="gloo's Work has neither get_future_result() nor _get_duration()")
+@pytest.mark.parametrize("world", [2, 3])
+def test_work_result_and_duration(pools, world):
+    pools.check(world, work_result_and_duration_task)
+
+
+# ---------------------------------------------------------------------------
 def two_groups_task(rank, world):
     rep = Report(rank)
     g2 = dist.new_group(list(range(world)))

@@ -34,6 +34,7 @@ std::exception_ptr toTorchError(const Error& e, int rank) {
   switch (e.code()) {
     case ErrorCode::kInvalidUsage: return std::make_exception_ptr(c10::ValueError(loc, msg));
     case ErrorCode::kNotSupported: return std::make_exception_ptr(c10::NotImplementedError(loc, msg));
+    case ErrorCode::kTimeout: return std::make_exception_ptr(TimeoutError(loc, msg));
     default: return std::make_exception_ptr(c10::DistBackendError(loc, msg));
   }
 }
@@ -363,7 +364,22 @@ void SmddpWork::synchronize() {
 void SmddpWork::traceStarted() { FlightRecorder::get().started(traceId_); }
 
 void SmddpWork::complete(std::exception_ptr error) {
-  FlightRecorder::get().finished(traceId_, !error);
+  // Before the future completes: whoever saw the op done may ask for its duration.
+  durationNs_.store(FlightRecorder::get().finished(traceId_, !error), std::memory_order_release);
+  c10d::WorkResult result = c10d::WorkResult::SUCCESS;
+  if (error) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const TimeoutError&) {
+      result = c10d::WorkResult::TIMEOUT;
+    } catch (...) {
+      result = c10d::WorkResult::COMM_ERROR;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);  // read with completed_, which finish() sets
+    result_ = result;
+  }
   if (error) {
     FlightRecorder::get().dumpOnError(pgId_, rank_);
     if (!cuda_) future_->setError(error);  // a CUDA op's future completed at launch (setCuda)
@@ -372,6 +388,38 @@ void SmddpWork::complete(std::exception_ptr error) {
     if (!cuda_) future_->markCompleted(c10::IValue(outputs_));
     finish();
   }
+  c10::intrusive_ptr<c10::ivalue::Future> pending;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (futureResult_ && !resultMarked_) {
+      resultMarked_ = true;
+      pending = futureResult_;
+    }
+  }
+  if (pending) pending->markCompleted(c10::IValue(static_cast<int64_t>(result)));  // its callbacks run unlocked
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFutureResult() {
+  c10::intrusive_ptr<c10::ivalue::Future> f;
+  bool markNow = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!futureResult_) futureResult_ = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+    f = futureResult_;
+    markNow = completed_ && !resultMarked_;
+    resultMarked_ = resultMarked_ || markNow;
+  }
+  if (markNow) f->markCompleted(c10::IValue(static_cast<int64_t>(result_)));
+  return f;
+}
+
+float SmddpWork::getDuration() const {
+  const int64_t ns = durationNs_.load(std::memory_order_acquire);
+  TORCH_CHECK(ns != kNotDone, "smddp rank ", rank_, ": ", title_, ": _get_duration() before the op completed");
+  TORCH_CHECK(FlightRecorder::get().enabled(), "smddp rank ", rank_, ": ", title_,
+              ": _get_duration() needs the flight recorder, which times each op (TORCH_FR_BUFFER_SIZE is 0)");
+  TORCH_CHECK(ns >= 0, "smddp rank ", rank_, ": ", title_, ": _get_duration(): the op failed, so it was not timed");
+  return static_cast<float>(ns) / 1e6f;
 }
 
 // ---- Backend --------------------------------------------------------------------------------

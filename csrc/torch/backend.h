@@ -54,6 +54,12 @@ class SmddpWork : public c10d::Work {
 
   // DDP consumes its gradient allreduce only through this future.
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // Completes, as the op does, with a c10d::WorkResult: SUCCESS, TIMEOUT (the op's peers did not
+  // come in time) or COMM_ERROR (any other failure); it never holds an error.
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override;
+  // Milliseconds from the op's start (a collective's first step; a point-to-point op's post) to
+  // its completion, by the flight recorder's clock: after a successful op only.
+  float getDuration() const override;
   std::vector<at::Tensor> result() override { return outputs_; }
   // CPU ops: completed as soon as the future is, so work.is_completed() is true once
   // get_future().wait() returns (the base class flag is set a moment later, by finish()).
@@ -80,6 +86,12 @@ class SmddpWork : public c10d::Work {
   std::chrono::microseconds spin_;
   std::atomic<int> sourceRank_{-1};
   bool cuda_ = false;  // set by setCuda
+  static constexpr int64_t kNotDone = -2;
+  std::atomic<int64_t> durationNs_{kNotDone};  // then the flight recorder's time, or -1
+  // Made at the first getFutureResult(); both guarded by mutex_, as completed_ is.
+  c10::intrusive_ptr<c10::ivalue::Future> futureResult_;
+  c10d::WorkResult result_ = c10d::WorkResult::UNKNOWN;
+  bool resultMarked_ = false;
   std::shared_ptr<engine::P2pDriver> p2pDriver_;
   std::shared_ptr<engine::ProgressThread> runner_;
   int pgId_ = 0;
@@ -304,6 +316,12 @@ class SmddpBackend : public c10d::Backend {
   std::atomic<bool> cudaFailed_{false};
   // CUDA sends issued but not yet handed to the engine: CPU sends queue behind them.
   std::atomic<int> cudaSendsQueued_{0};
+};
+
+// An op whose peers did not come in time: a DistBackendError to Python, which
+// Work::getFutureResult() reports as TIMEOUT rather than COMM_ERROR.
+class TimeoutError : public c10::DistBackendError {
+  using c10::DistBackendError::DistBackendError;
 };
 
 // smddp::Error -> the c10 error type Python maps to the right exception class.

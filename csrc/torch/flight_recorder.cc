@@ -136,13 +136,13 @@ void FlightRecorder::started(int64_t id) {
   if (!e->p2p) groups_[e->pgId].lastStarted = std::max(groups_[e->pgId].lastStarted, e->collectiveSeq);
 }
 
-void FlightRecorder::finished(int64_t id, bool ok) {
-  if (id < 0) return;
+int64_t FlightRecorder::finished(int64_t id, bool ok) {
+  if (id < 0) return -1;
   std::lock_guard<std::mutex> lock(mutex_);
   Entry* e = find(id);
-  if (!e) return;
+  if (!e) return -1;
   e->retired = true;
-  if (!ok) return;
+  if (!ok) return -1;
   groups_[e->pgId].dumped = false;
   if (!e->startedAt) e->startedAt = nowNs();
   e->state = State::kCompleted;
@@ -152,6 +152,7 @@ void FlightRecorder::finished(int64_t id, bool ok) {
     g.lastStarted = std::max(g.lastStarted, e->collectiveSeq);
     g.lastCompleted = std::max(g.lastCompleted, e->collectiveSeq);
   }
+  return std::max<int64_t>(0, *e->completedAt - *e->startedAt);  // wall clock: never below 0
 }
 
 std::string FlightRecorder::dump() {

@@ -46,8 +46,10 @@ class FlightRecorder {
                  const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
                  std::chrono::milliseconds timeout, P2pPeer peer = {});
   void started(int64_t id);
-  // Completed, or failed (then only retired, as torch marks an op that timed out).
-  void finished(int64_t id, bool ok);
+  // Completed, or failed (then only retired, as torch marks an op that timed out). Returns how
+  // long a completed op ran, from started() (or from here) in ns; -1 if it failed or is not
+  // recorded.
+  int64_t finished(int64_t id, bool ok);
 
   // The pickled dump (torch's layout, version 2.10).
   std::string dump();
