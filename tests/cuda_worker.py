@@ -132,7 +132,7 @@ def stream_semantics(rank, world, dev):
         torch.cuda._sleep(cycles)
         x.fill_(rank + 1)
         t0 = time.perf_counter()
-        # three ops in flight at once, each waited on: the Works' events come from the pool
+        # three ops in flight at once, each waited on through its own future's event
         works = [dist.all_reduce(x, async_op=True) for _ in range(3)]
         for w in works:
             w.wait()
@@ -148,6 +148,17 @@ def stream_semantics(rank, world, dev):
     fut = dist.all_reduce(x, async_op=True).get_future()
     res = fut.then(lambda f: f.value()[0] * 10).wait()
     check(bool((res == 10 * sum(range(world))).all()), "future.then on a CUDA all_reduce")
+    # block_current_stream(), as NCCL's: the caller's stream waits for the op, the host does not
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(cycles)
+        x = torch.full((1000,), float(rank + 1), device=dev)
+        t0 = time.perf_counter()
+        dist.all_reduce(x, async_op=True).block_current_stream()
+        host_s = time.perf_counter() - t0
+        y = x * 2
+    s.synchronize()
+    check(bool((y == 2 * sum(range(1, world + 1))).all()), f"block_current_stream: got {y[:2].tolist()}")
+    check(host_s < 0.05, f"all_reduce + block_current_stream() blocked the host {host_s:.3f} s behind a kernel")
 
 
 def ddp(rank, world, dev):

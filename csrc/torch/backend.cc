@@ -361,6 +361,14 @@ void SmddpWork::synchronize() {
   if (cuda_) future_->wait();
 }
 
+void SmddpWork::blockCurrentStream() {
+  if (cuda_) {
+    synchronize();
+  } else {
+    c10d::Work::blockCurrentStream();
+  }
+}
+
 void SmddpWork::traceStarted() { FlightRecorder::get().started(traceId_); }
 
 void SmddpWork::complete(std::exception_ptr error) {

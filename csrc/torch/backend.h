@@ -51,6 +51,9 @@ class SmddpWork : public c10d::Work {
   // wait for the op, without blocking the host (unless SMDDP_CUDA_BLOCKING_WAIT=1), like NCCL.
   bool wait(std::chrono::milliseconds timeout) override;
   void synchronize() override;
+  // CUDA ops: synchronize(), as NCCL's Work. CPU ops: the base class's (a spinning CUDA kernel in
+  // CUDA builds of torch).
+  void blockCurrentStream() override;
 
   // DDP consumes its gradient allreduce only through this future.
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
