@@ -384,10 +384,7 @@ void SmddpWork::complete(std::exception_ptr error) {
       result = c10d::WorkResult::COMM_ERROR;
     }
   }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);  // read with completed_, which finish() sets
-    result_ = result;
-  }
+  result_ = result;  // read only by those who saw completed_, which finish() sets under mutex_
   if (error) {
     FlightRecorder::get().dumpOnError(pgId_, rank_);
     if (!cuda_) future_->setError(error);  // a CUDA op's future completed at launch (setCuda)
@@ -396,10 +393,13 @@ void SmddpWork::complete(std::exception_ptr error) {
     if (!cuda_) future_->markCompleted(c10::IValue(outputs_));
     finish();
   }
+  // No lock per op unless the result was asked for: getFutureResult() sets resultWanted_ under
+  // mutex_ before finish() took it, or it saw completed_ and marks the result itself.
+  if (!resultWanted_.load(std::memory_order_acquire)) return;
   c10::intrusive_ptr<c10::ivalue::Future> pending;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (futureResult_ && !resultMarked_) {
+    if (!resultMarked_) {
       resultMarked_ = true;
       pending = futureResult_;
     }
@@ -412,7 +412,10 @@ c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFutureResult() {
   bool markNow = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!futureResult_) futureResult_ = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+    if (!futureResult_) {
+      futureResult_ = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+      resultWanted_.store(true, std::memory_order_release);
+    }
     f = futureResult_;
     markNow = completed_ && !resultMarked_;
     resultMarked_ = resultMarked_ || markNow;

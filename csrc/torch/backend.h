@@ -91,9 +91,10 @@ class SmddpWork : public c10d::Work {
   bool cuda_ = false;  // set by setCuda
   static constexpr int64_t kNotDone = -2;
   std::atomic<int64_t> durationNs_{kNotDone};  // then the flight recorder's time, or -1
-  // Made at the first getFutureResult(); both guarded by mutex_, as completed_ is.
+  c10d::WorkResult result_ = c10d::WorkResult::UNKNOWN;  // set before finish()
+  // Made at the first getFutureResult(); guarded by mutex_, as completed_ is.
   c10::intrusive_ptr<c10::ivalue::Future> futureResult_;
-  c10d::WorkResult result_ = c10d::WorkResult::UNKNOWN;
+  std::atomic<bool> resultWanted_{false};  // futureResult_ exists
   bool resultMarked_ = false;
   std::shared_ptr<engine::P2pDriver> p2pDriver_;
   std::shared_ptr<engine::ProgressThread> runner_;
