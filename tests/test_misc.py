@@ -247,6 +247,9 @@ def work_result_and_duration_task(rank, world):
     rep = Report(rank)
     store = dist.distributed_c10d._get_default_store()
     group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    # For the recv left pending until its group goes: a 2 s timeout could end it first on a
+    # loaded machine, and the result would be TIMEOUT.
+    lasting = dist.new_group([0, 1], timeout=timedelta(seconds=120))
     if rank == 0:
         with rep.cell("recv: result asked before it completes, duration from its post"):
             t = torch.zeros(100)
@@ -288,9 +291,10 @@ def work_result_and_duration_task(rank, world):
                 rep.expect(False, "_get_duration() answered for an op that failed")
             except RuntimeError as e:
                 rep.expect("the op failed, so it was not timed" in str(e), str(e))
-        pending = dist.irecv(torch.empty(2), 1, tag=11, group=group)
+        pending = dist.irecv(torch.empty(2), 1, tag=11, group=lasting)
         result = pending.get_future_result()
     dist.barrier()
+    dist.destroy_process_group(lasting)
     dist.destroy_process_group(group)
     if rank == 0:
         with rep.cell("recv pending when its group goes: COMM_ERROR"):

@@ -93,6 +93,10 @@ void P2pEngine::shutdownNow() {
     domain_->ringDoorbell(rank_);
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
+  // The thread stops at the stop flag without another pass, and may have seen it before the
+  // abort: fail what is still queued here, or ops nobody drives would never finish (a future
+  // waiting on one would hang). With aborted_ set a pass touches no shared memory.
+  pass();
 }
 
 void P2pEngine::submit(P2pOp op) {

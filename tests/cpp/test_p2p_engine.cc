@@ -84,6 +84,27 @@ void waitReleased(const std::string& dir, const char* what, std::chrono::millise
   expect(Clock::now() - t1 < std::chrono::seconds(1), std::string(what) + ": a wait after shutdown returns at once");
 }
 
+// A recv nobody waits on (no caller drives the engine) when the engine shuts down: shutdown()
+// fails it before returning, whether or not the engine's thread made a pass after the abort
+// (one that woke only after the stop flag made no pass: the op was never finished, and a
+// future waiting on it hung). Many rounds, since which way the thread goes is a race.
+void testShutdownFailsUnwaitedOps(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  auto d = domains(store);
+  int unfinished = 0;
+  for (int round = 0; round < 50; ++round) {
+    Slot s;
+    s.data.resize(100);
+    engine::P2pEngine eng(d[0].get(), std::chrono::microseconds(20), 256 << 10, "p2ptest0");
+    eng.submit(opFor(false, 1, s, std::chrono::seconds(60)));
+    if (round % 2 == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2));  // the thread asleep, or not
+    eng.shutdown();
+    unfinished += !(s.done.load() && s.errors.load() == 1);
+  }
+  expect(unfinished == 0, "shutdown fails every op nobody waits on (" + std::to_string(unfinished) +
+                              " of 50 left unfinished)");
+}
+
 }  // namespace
 
 // stop() from another thread while a caller runs a task on its own thread (a blocking op run
@@ -114,6 +135,7 @@ int main() {
   const std::vector<test::DirTest> tests = {
       testProgressThreadStopsWhileACallerRunsATask,
       testManyMessagesManyWaiters,
+      testShutdownFailsUnwaitedOps,
       [](const std::string& dir) {
         waitReleased(dir, "deadline", std::chrono::milliseconds(300), [](engine::P2pEngine&) {}, true);
       },
