@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "core/error.h"
@@ -263,11 +264,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int p
   // message whole anyway, and the staging stream still orders the copy among the group's ops.
   at::Tensor message =
       at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  cuda::Round round;
-  round.stagingBytes = bytes;
-  round.count = bytes;
-  round.host = bytePtr(message);
-  round.toHost.push_back(cuda::Copy{bytePtr(t), bytes, 0, bytes, bytes, 1});
+  std::vector<cuda::Round> rounds = cuda::planFlat(bytePtr(t), bytes, 1, SIZE_MAX, true, false);  // one round
+  rounds[0].host = bytePtr(message);
   engine::P2pOp o = p2pOp(true, peer, tag, message);
   const int rank = rank_;
   o.done = [this, message, rank, peer](std::exception_ptr error, int) {
@@ -289,7 +287,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int p
     ~Queued() { count.fetch_sub(1); }
   };
   auto queued = std::make_shared<Queued>(cudaSendsQueued_);
-  return enqueueCuda(c10d::OpType::SEND, "smddp:send", {t}, {t}, std::chrono::milliseconds(timeoutMs_.load()), {round},
+  return enqueueCuda(c10d::OpType::SEND, "smddp:send", {t}, {t}, std::chrono::milliseconds(timeoutMs_.load()), rounds,
                      [&](const CudaPath::Launch&) {
                        return std::vector<CudaStep>{[this, o, queued](algo::Communicator&, std::chrono::milliseconds) {
                          submitP2p(o);

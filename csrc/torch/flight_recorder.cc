@@ -144,9 +144,10 @@ int64_t FlightRecorder::finished(int64_t id, bool ok) {
   e->retired = true;
   if (!ok) return -1;
   groups_[e->pgId].dumped = false;
-  if (!e->startedAt) e->startedAt = nowNs();
+  const int64_t now = nowNs();  // one clock read per op here, under the recorder's lock
+  if (!e->startedAt) e->startedAt = now;
   e->state = State::kCompleted;
-  e->completedAt = nowNs();
+  e->completedAt = now;
   if (!e->p2p) {
     Group& g = groups_[e->pgId];
     g.lastStarted = std::max(g.lastStarted, e->collectiveSeq);

@@ -251,6 +251,19 @@ void checkPlans() {
   }
 }
 
+// A CUDA send stages its tensor whole into its own message: planFlat with no round limit gives
+// one round, the whole tensor copied in at offset 0 and nothing copied back, empty tensors too.
+void checkWholePlan() {
+  std::vector<uint8_t> dev(3 << 20);
+  for (size_t bytes : {size_t(0), size_t(1), dev.size()}) {
+    const std::vector<Round> r = planFlat(dev.data(), bytes, 1, SIZE_MAX, true, false);
+    const bool whole = r.size() == 1 && r[0].offset == 0 && r[0].count == bytes && r[0].stagingBytes == bytes &&
+                       r[0].toDevice.empty() && r[0].toHost.size() == 1 && r[0].toHost[0].device == dev.data() &&
+                       r[0].toHost[0].hostOffset == 0 && r[0].toHost[0].width == bytes && r[0].toHost[0].rows == 1;
+    expect(whole, "planFlat without a round limit stages " + std::to_string(bytes) + " bytes in one round");
+  }
+}
+
 // ---- the staging pipeline against a host stand-in for a stream --------------------------------
 
 // A "stream": a thread running enqueued steps in order. A wait step polls its flag the way the
@@ -624,6 +637,7 @@ int main() {
   checkReduce<math::F16>("f16", [](float f) { return halfBits(static_cast<CompilerHalf>(f)); });
   checkReduce<math::BF16>("bf16", [](float f) { return bf16Reference(f); });
   checkPlans();
+  checkWholePlan();
   checkPipelineFlat();
   checkPipelineGatherScatter();
   checkPipelineFailures();
