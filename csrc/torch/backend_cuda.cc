@@ -16,6 +16,21 @@ namespace {
 
 inline uint8_t* bytePtr(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
+// Pinned host memory of its own for one op (torch's caching host allocator). A failure (the
+// host's locked-memory limit, a CUDA error) raises torch's error with this rank and op named,
+// keeping its type: an out-of-memory stays torch.OutOfMemoryError.
+at::Tensor pinnedBytes(size_t bytes, int rank, const char* op) {
+  try {
+    return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  } catch (const c10::OutOfMemoryError& e) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "smddp rank ", rank, ": ", op, ": allocating ", bytes,
+                     " bytes of pinned host memory failed: ", e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "smddp rank ", rank, ": ", op, ": allocating ", bytes, " bytes of pinned host memory failed: ",
+                e.what_without_backtrace());
+  }
+}
+
 // Set while cudaWhole runs an op's CPU twin on host mirrors: the twin's enqueue lands here.
 struct WholeOp {
   std::vector<cuda::Round> rounds;
@@ -225,8 +240,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaWhole(const char* op, const Ten
   for (const at::Tensor& t : writes) place(t, round.toDevice);
   uint8_t* base = path.nextStaging();
   if (round.stagingBytes > path.roundCapacity()) {
-    whole.ownStaging = at::empty({static_cast<int64_t>(round.stagingBytes)},
-                                 at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    whole.ownStaging = pinnedBytes(round.stagingBytes, rank_, op);
     base = round.host = bytePtr(whole.ownStaging);
   }
   auto mirror = [&](const at::Tensor& t, const cuda::Copy& c) {
@@ -262,8 +276,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int p
   // The copy engine moves the tensor straight into the message, pinned memory of its own that
   // the engine may send from later; the host copies nothing. One round: the engine takes the
   // message whole anyway, and the staging stream still orders the copy among the group's ops.
-  at::Tensor message =
-      at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  at::Tensor message = pinnedBytes(bytes, rank_, "send");
   std::vector<cuda::Round> rounds = cuda::planFlat(bytePtr(t), bytes, 1, SIZE_MAX, true, false);  // one round
   rounds[0].host = bytePtr(message);
   engine::P2pOp o = p2pOp(true, peer, tag, message);
@@ -302,7 +315,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
   cudaPathFor({t}, "recv");  // created at the group's first CUDA tensor; checks the device
   const std::shared_ptr<CudaPath> path = cuda_;
   const size_t bytes = t.nbytes();
-  at::Tensor message = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  at::Tensor message = pinnedBytes(bytes, rank_, "recv");
   auto work = newWork(c10d::OpType::RECV, "smddp:recv", Tensors{t}, Tensors{t}, std::chrono::milliseconds(timeoutMs_.load()),
                       {peer, tag});
   work->traceStarted();
