@@ -58,6 +58,14 @@ std::exception_ptr asTorchError(std::exception_ptr error, int rank) {
 
 namespace {
 
+// Why a forked process may not use its parent's group or wait for its ops.
+std::string forkedWhy(pid_t owner) {
+  return "this process (pid " + std::to_string(currentPid()) + ") is a fork of process " + std::to_string(owner) +
+         ", which made the process group: the group's threads, connections and shared memory are that "
+         "process's, so only it can run the group's ops (a DataLoader worker or other forked child must leave "
+         "communication to its parent)";
+}
+
 // "all_reduce" for the profiler's "smddp:all_reduce": how messages name an op.
 const char* opName(const char* title) { return std::strncmp(title, "smddp:", 6) == 0 ? title + 6 : title; }
 
@@ -332,6 +340,11 @@ void SmddpWork::setCuda(c10::Stream doneOn) {
 }
 
 bool SmddpWork::wait(std::chrono::milliseconds timeout) {
+  if (currentPid() != ownerPid_ && !isCompleted()) {
+    // Its thread is the parent's: it would never complete here, and running it here (the
+    // drivers below) would work on the parent's shared memory.
+    TORCH_CHECK(false, "smddp rank ", rank_, ": ", title_, ": wait(): ", forkedWhy(ownerPid_));
+  }
   if (cuda_ && env::cudaBlockingWait() == 0) {
     // An error already known is raised here; a later one by the next call on the group.
     if (std::exception_ptr error = isCompleted() ? exception() : nullptr) std::rethrow_exception(error);
@@ -494,9 +507,35 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   SMDDP_INFO(kInit, "rank %d/%d: process group ready", rank, size);
 }
 
-SmddpBackend::~SmddpBackend() { shutdown(); }
+SmddpBackend::~SmddpBackend() {
+  if (currentPid() != ownerPid_) {
+    abandonInForkedChild();
+    return;
+  }
+  shutdown();
+}
+
+void SmddpBackend::abandonInForkedChild() {
+  // Joining the progress thread would wait forever for a thread that is not in this process;
+  // closing the connections with a farewell would shut them down for the parent too. Left
+  // alone, they go with the child: its exit only drops its references to them.
+  (void)c10dStore_.release();
+  (void)store_.release();
+  (void)groupStore_.release();
+  (void)bootstrap_.release();
+  (void)comm_.release();
+  new std::shared_ptr<engine::ProgressThread>(std::move(progress_));
+  new std::shared_ptr<engine::P2pEngine>(std::move(p2p_));
+  new std::shared_ptr<engine::NetP2p>(std::move(netP2p_));
+  new std::shared_ptr<CudaPath>(std::move(cuda_));
+}
+
+void SmddpBackend::throwIfForked(const char* op) const {
+  if (currentPid() != ownerPid_) TORCH_CHECK(false, "smddp rank ", rank_, ": ", opName(op), ": ", forkedWhy(ownerPid_));
+}
 
 void SmddpBackend::shutdown() {
+  if (currentPid() != ownerPid_) return;  // the parent's group: see the destructor
   std::call_once(shutdownOnce_, [this] {
     {
       std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
@@ -548,6 +587,7 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
 c10::intrusive_ptr<c10d::Backend> SmddpBackend::split(const c10::intrusive_ptr<c10d::Store>& store,
                                                      const std::vector<int>& ranks,
                                                      const c10::intrusive_ptr<Options>& opts) {
+  throwIfForked("split");
   auto it = std::find(ranks.begin(), ranks.end(), rank_);
   if (it == ranks.end()) return nullptr;
   // torch splits once per device type, and this backend serves both cpu and cuda: the second
@@ -570,6 +610,7 @@ c10::intrusive_ptr<c10d::Backend> SmddpBackend::split(const c10::intrusive_ptr<c
 
 c10::intrusive_ptr<c10d::Backend> SmddpBackend::shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
                                                       const c10::intrusive_ptr<Options>& optsOverride) {
+  throwIfForked("shrink");
   // torch.distributed.shrink_group checks the same; a direct call on the backend may not have.
   const auto refuse = [&](const std::string& why) {
     TORCH_CHECK_VALUE(false, "smddp rank ", rank_, ": shrink: ", why);
@@ -692,6 +733,7 @@ void SmddpBackend::logIssue(bool p2p, c10d::OpType opType, const char* title, co
 c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const char* title,
                                                      std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
                                                      std::chrono::milliseconds timeout, bool async, Body body) {
+  throwIfForked(title);
   if (Work staged = divertToCuda(opType, title, timeout, body)) return staged;
   throwIfCudaFailed(title);
   issued_.fetch_add(1);
@@ -1360,6 +1402,7 @@ std::optional<std::string> waitWithin(const c10::intrusive_ptr<c10d::Work>& work
 }  // namespace
 
 void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  throwIfForked("monitored_barrier");
   using Clock = std::chrono::steady_clock;
   const std::chrono::milliseconds timeout = resolveTimeout(opts.timeout);
   const int tag = kMonitoredBarrierTags + static_cast<int>(monitoredBarriers_++ % kMonitoredBarrierTagSpan);
@@ -1451,6 +1494,7 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
 c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Tensor>& tensors, int peer, int tag,
                                                  bool background) {
   const char* op = isSend ? "send" : "recv";
+  throwIfForked(op);
   const at::Tensor& t = single(tensors, rank_, op);
   checkMovedTensor(t, rank_, op);
   TORCH_CHECK_VALUE((peer == -1 && !isSend) || (peer >= 0 && peer < size_ && peer != rank_), "smddp rank ", rank_,

@@ -17,6 +17,7 @@
 
 #include "algo/communicator.h"
 #include "core/error.h"
+#include "core/fork.h"
 #include "engine/net_p2p.h"
 #include "engine/p2p_engine.h"
 #include "engine/progress_thread.h"
@@ -87,6 +88,7 @@ class SmddpWork : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::chrono::microseconds spin_;
+  const pid_t ownerPid_ = currentPid();  // the process that issued the op (see SmddpBackend's)
   std::atomic<int> sourceRank_{-1};
   bool cuda_ = false;  // set by setCuda
   static constexpr int64_t kNotDone = -2;
@@ -109,6 +111,9 @@ class SmddpBackend : public c10d::Backend {
   // for the flight recorder's dumps.
   SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
                std::vector<int64_t> globalRanks = {});
+  // In a process forked from the one that made the group (a child that ends without os._exit:
+  // Python's finalisation destroys the group there), its parts are left as they are: its threads
+  // are not in the child, and its connections and shared memory are the parent's, still in use.
   ~SmddpBackend() override;
 
   const std::string getBackendName() const override { return "smddp"; }
@@ -198,7 +203,7 @@ class SmddpBackend : public c10d::Backend {
 
   // destroy_process_group calls this on every group: fails whatever is still queued promptly
   // (no hang on peers that are gone) and joins the progress thread. Idempotent.
-  void shutdown() override;
+  void shutdown() override;  // nothing in a forked child (see the destructor)
   void abort() override { shutdown(); }
 
  private:
@@ -283,6 +288,13 @@ class SmddpBackend : public c10d::Backend {
   // `driven`: the op's Work, whose wait() may run the shared-memory engine (setP2pDriver).
   void submitP2p(engine::P2pOp o, SmddpWork* driven = nullptr);
 
+  // Ops from a process forked from the one that made the group raise (see the destructor); the
+  // op's Work would wait for a thread that is not there, or run it here on the parent's memory.
+  void throwIfForked(const char* op) const;
+  // The destructor in a forked child: leaks every part instead of tearing it down.
+  void abandonInForkedChild();
+
+  const pid_t ownerPid_ = currentPid();
   std::atomic<int64_t> timeoutMs_;
   bool debugChecks_ = false;
   std::chrono::microseconds handOffLinger_;  // the progress thread's and Work::wait's polling
