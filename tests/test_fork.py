@@ -9,6 +9,7 @@ shared memory stay the parent's, in use. The child must neither use them nor tea
   destroys the groups it inherited, or that calls destroy_process_group() itself, exits at once,
   and the parent's groups go on working, across emulated hosts too (before 2026-11-29 the child
   hung joining a thread it did not have, and the parent waiting for it hung with it);
+- a child forked while an all_reduce is under way leaves it to finish in the parent;
 - DataLoader workers started by fork run while the ranks communicate.
 
 Each case is a fresh 2-rank job."""
@@ -26,6 +27,18 @@ peer = 1 - rank
 sub = dist.new_group([0, 1])
 done = dist.all_reduce(torch.full((8,), float(rank + 1)), async_op=True)
 done.wait()
+# Forks while a large all_reduce is under way; the child leaves at once.
+for i in range(5):
+    t = torch.full((4 << 20,), float(rank + i))
+    work = dist.all_reduce(t, async_op=True)
+    if rank == 0:
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)
+    work.wait()
+    assert torch.all(t == 2 * i + 1), (i, t[:4])
+    if rank == 0:
+        assert os.waitpid(pid, 0)[1] == 0
 if rank == 0:
     # Pending at the fork: rank 1 sends only once this rank's child has gone.
     box = torch.zeros(5)
