@@ -23,7 +23,6 @@ import torch, torch.distributed as dist
 import smddp
 rank, world, url, child_ends = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world)
-peer = 1 - rank
 sub = dist.new_group([0, 1])
 done = dist.all_reduce(torch.full((8,), float(rank + 1)), async_op=True)
 done.wait()
