@@ -21,9 +21,7 @@ const bool registered = [] {
 
 }  // namespace
 
-pid_t currentPid() {
-  const pid_t pid = cachedPid.load(std::memory_order_relaxed);
-  return pid != 0 && registered ? pid : getpid();  // 0: asked during another file's static set-up
-}
+// Not yet registered: asked during another file's static set-up (or pthread_atfork failed).
+pid_t currentPid() { return registered ? cachedPid.load(std::memory_order_relaxed) : getpid(); }
 
 }  // namespace smddp

@@ -508,7 +508,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
 }
 
 SmddpBackend::~SmddpBackend() {
-  if (currentPid() != ownerPid_) {
+  if (inForkedChild()) {
     abandonInForkedChild();
     return;
   }
@@ -531,11 +531,11 @@ void SmddpBackend::abandonInForkedChild() {
 }
 
 void SmddpBackend::throwIfForked(const char* op) const {
-  if (currentPid() != ownerPid_) TORCH_CHECK(false, "smddp rank ", rank_, ": ", opName(op), ": ", forkedWhy(ownerPid_));
+  if (inForkedChild()) TORCH_CHECK(false, "smddp rank ", rank_, ": ", opName(op), ": ", forkedWhy(ownerPid_));
 }
 
 void SmddpBackend::shutdown() {
-  if (currentPid() != ownerPid_) return;  // the parent's group: see the destructor
+  if (inForkedChild()) return;  // the parent's group: see the destructor
   std::call_once(shutdownOnce_, [this] {
     {
       std::lock_guard<std::recursive_mutex> lock(cudaMutex_);

@@ -288,6 +288,8 @@ class SmddpBackend : public c10d::Backend {
   // `driven`: the op's Work, whose wait() may run the shared-memory engine (setP2pDriver).
   void submitP2p(engine::P2pOp o, SmddpWork* driven = nullptr);
 
+  // This process is a fork of the one that made the group (see the destructor).
+  bool inForkedChild() const { return currentPid() != ownerPid_; }
   // Ops from a process forked from the one that made the group raise (see the destructor); the
   // op's Work would wait for a thread that is not there, or run it here on the parent's memory.
   void throwIfForked(const char* op) const;
