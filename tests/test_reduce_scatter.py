@@ -119,6 +119,30 @@ def reduce_scatter_tensor_forms(rank, world, sizes, dtypes, opnames, key="rst"):
     return rep.to_dict()
 
 
+def reduce_scatter_into_input(rank, world, sizes):
+    """reduce_scatter_tensor whose output is a view of its own input: this rank's block (DeepSpeed),
+    another rank's block, or a slice across two blocks. Until 2026-11-29 another rank's block came
+    out wrong where a rank is alone on its host (it sends its blocks from the input as it writes)."""
+    rep = Report(rank)
+    for n in sizes:
+        ins = gen_all(f"rsi|{n}", world, world * n, torch.int64, "SUM")
+        want = reduce_ref([x.narrow(0, rank * n, n) for x in ins], torch.int64, "SUM")
+        for label, start in [(f"block of rank {(rank + k) % world}", ((rank + k) % world) * n) for k in range(world)] + \
+                            [("from the middle of a block", n // 2)]:
+            with rep.cell(f"reduce_scatter_tensor int64 world={world} n={n}: output = {label} of the input"):
+                inp = ins[rank].clone()
+                out = inp.narrow(0, start, n)
+                dist.reduce_scatter_tensor(out, inp)
+                rep.check(f"{label} n={n}", out, want, exact=True, cross_rank=False)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("hosts", [None, "01", "012", "001", "0011"])
+def test_reduce_scatter_tensor_into_its_input(pools, hosts):
+    world = len(hosts) if hosts else 3
+    pools.check(world, reduce_scatter_into_input, [1, 5, 70_000], hosts=hosts)
+
+
 ALL = [dname(d) for d in DTYPES]
 
 

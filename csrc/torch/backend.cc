@@ -1108,13 +1108,13 @@ FlatScatter prepareFlatScatter(const at::Tensor& output, const at::Tensor& input
                                int size, const char* name) {
   const auto [dtype, red] = checkFlatScatter(output, input, op, rank, size, name);
   FlatScatter f{stageOut(output, rank, name), stageIn(input), dtype, red};
-  // The output may be exactly one block of the input (DeepSpeed ZeRO-3 passes a view of it):
-  // each block is staged before the matching part of the output is written. Any other overlap
-  // goes through a copy.
-  if (overlaps(f.in, f.out.work)) {
-    const ptrdiff_t off = bytePtr(f.out.work) - bytePtr(f.in);
-    const ptrdiff_t block = static_cast<ptrdiff_t>(f.out.work.nbytes());
-    if (block == 0 || off % block != 0) f.in = f.in.clone();
+  // The output may be this rank's own block of the input (DeepSpeed ZeRO-3 passes a view of it):
+  // that block is staged before the output is written. Any other overlap goes through a copy, as
+  // another rank's block may still be read (a rank alone on its host sends its blocks straight
+  // from the input) after the output is written.
+  if (overlaps(f.in, f.out.work) &&
+      bytePtr(f.out.work) != bytePtr(f.in) + static_cast<size_t>(rank) * f.out.work.nbytes()) {
+    f.in = f.in.clone();
   }
   return f;
 }
