@@ -200,6 +200,55 @@ def test_callbacks_issue_ops(pools, world):
     pools.check(world, callbacks_issue_ops_task)
 
 
+def callbacks_chained_late_task(rank, world):
+    """Callbacks chained to an op's future after later ops were issued, on ranks at different
+    paces: on the last rank the op has completed when its callback is chained (the callback runs
+    on the calling thread), on the others it has not (it runs as the op completes). The op the
+    callback issues must come after the ops issued before get_future() on every rank alike, and a
+    callback may wait for such an op. Until 2026-11-29 the callback's op ran first where the
+    callback ran as the op completed (the ranks summed different tensors together), and a
+    callback waiting for an op queued behind its own hung."""
+    rep = Report(rank)
+    late = rank == world - 1
+    total = world * (world + 1) // 2
+    for round_ in range(2):
+        with rep.cell(f"an op issued by a callback chained after a later op, round {round_}"):
+            dist.barrier()
+            if late:
+                time.sleep(0.2)
+            a = torch.ones(4, dtype=torch.int64)
+            b = torch.full((4,), 10 * (rank + 1), dtype=torch.int64)
+            c = torch.full((4,), 1000 * (rank + 1), dtype=torch.int64)
+            w1 = dist.all_reduce(a, async_op=True)
+            w2 = dist.all_reduce(b, async_op=True)
+            if late:
+                time.sleep(0.3)  # both ops complete before the callback is chained
+            issued = {}
+            w1.get_future().then(lambda f: issued.setdefault("w3", dist.all_reduce(c, async_op=True))).wait()
+            w2.wait()
+            issued["w3"].wait()
+            rep.expect(b.tolist() == [10 * total] * 4 and c.tolist() == [1000 * total] * 4,
+                       f"op 2 gave {b.tolist()} (want {10 * total}), the callback's op {c.tolist()} "
+                       f"(want {1000 * total})")
+        with rep.cell(f"a callback that waits for an op issued after its own, round {round_}"):
+            dist.barrier()
+            if late:
+                time.sleep(0.2)
+            a = torch.ones(1 << 16)
+            b = torch.full((4,), float(rank + 1))
+            w1 = dist.all_reduce(a, async_op=True)
+            w2 = dist.all_reduce(b, async_op=True)
+            got = w1.get_future().then(lambda f: (w2.wait(), b.clone())[1]).wait()
+            rep.expect(got.tolist() == [float(total)] * 4 and a[0].item() == world,
+                       f"the callback saw {got.tolist()}, op 1 gave {a[0].item()}")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_callbacks_chained_late(pools, world):
+    pools.check(world, callbacks_chained_late_task, timeout=60)
+
+
 def wait_limit_task(rank, world):
     """Work.wait(timeout) that runs out: an error naming the rank, the op and the limit, and the op
     stays pending; the next wait() returns it complete and right (an all_reduce whose last rank

@@ -10,7 +10,21 @@ namespace smddp::engine {
 namespace {
 // The progress thread whose task the calling thread is running, if any.
 thread_local const ProgressThread* tlsRunning = nullptr;
+// The innermost IssueOrder of the calling thread.
+thread_local const ProgressThread* tlsOrderThread = nullptr;
+thread_local uint64_t tlsOrderBefore = 0;
 }  // namespace
+
+ProgressThread::IssueOrder::IssueOrder(const ProgressThread* thread, uint64_t before)
+    : outerThread_(tlsOrderThread), outerBefore_(tlsOrderBefore) {
+  tlsOrderThread = thread;
+  tlsOrderBefore = before;
+}
+
+ProgressThread::IssueOrder::~IssueOrder() {
+  tlsOrderThread = outerThread_;
+  tlsOrderBefore = outerBefore_;
+}
 
 ProgressThread::ProgressThread(std::string name, std::chrono::microseconds linger)
     : name_(std::move(name)), linger_(linger) {
@@ -19,7 +33,7 @@ ProgressThread::ProgressThread(std::string name, std::chrono::microseconds linge
 
 ProgressThread::~ProgressThread() { stop(); }
 
-bool ProgressThread::reentrant() const { return tlsRunning == this; }
+bool ProgressThread::runningHere() const { return tlsRunning == this; }
 
 void ProgressThread::runAsOwn(const Task& task) {
   const ProgressThread* outer = tlsRunning;
@@ -28,16 +42,37 @@ void ProgressThread::runAsOwn(const Task& task) {
   tlsRunning = outer;
 }
 
+bool ProgressThread::runFrontNested(const std::function<bool(uint64_t)>& take) {
+  Task task;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (queue_.empty() || !take(queue_.front().number)) return false;
+    task = std::move(queue_.front().task);
+    queue_.pop_front();
+    queued_.store(queue_.size(), std::memory_order_release);
+  }
+  runAsOwn(task);
+  return true;
+}
+
+void ProgressThread::runNested(const Task& task) {
+  const uint64_t before = tlsOrderThread == this ? tlsOrderBefore : 0;
+  while (runFrontNested([before](uint64_t number) { return number < before; })) {
+  }
+  task();
+}
+
 void ProgressThread::enqueue(Task task) {
-  if (reentrant()) {
-    task();
+  if (runningHere()) {
+    runNested(task);
     return;
   }
   bool wake;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_) throw std::logic_error("smddp: operation issued after the process group was shut down");
-    queue_.push_back(std::move(task));
+    queue_.push_back({issued_.load(std::memory_order_relaxed), std::move(task)});
+    issued_.fetch_add(1, std::memory_order_release);
     queued_.store(queue_.size(), std::memory_order_release);
     wake = sleeping_;
   }
@@ -45,8 +80,8 @@ void ProgressThread::enqueue(Task task) {
 }
 
 bool ProgressThread::tryRunInline(const Task& task) {
-  if (reentrant()) {
-    task();
+  if (runningHere()) {
+    runNested(task);
     return true;
   }
   {
@@ -71,7 +106,11 @@ void ProgressThread::releaseToThread() {
 }
 
 bool ProgressThread::runQueuedUntil(const std::function<bool()>& done) {
-  if (reentrant()) return false;
+  if (runningHere()) {
+    bool ran = false;
+    while (!done() && runFrontNested([](uint64_t) { return true; })) ran = true;
+    return ran;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (busy_ || queue_.empty()) return false;
@@ -82,7 +121,7 @@ bool ProgressThread::runQueuedUntil(const std::function<bool()>& done) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (queue_.empty()) break;
-      task = std::move(queue_.front());
+      task = std::move(queue_.front().task);
       queue_.pop_front();
       queued_.store(queue_.size(), std::memory_order_release);
     }
@@ -112,7 +151,7 @@ void ProgressThread::loop() {
       cv_.wait(lock, [this] { return !busy_ && (stopping_ || !queue_.empty()); });
       sleeping_ = false;
       if (queue_.empty()) return;  // stopping and drained
-      task = std::move(queue_.front());
+      task = std::move(queue_.front().task);
       queue_.pop_front();
       queued_.store(queue_.size(), std::memory_order_release);
       busy_ = true;

@@ -26,36 +26,67 @@ class ProgressThread {
   // Tasks must not throw: each one reports its own outcome (the torch layer completes a Work).
   // A task issued by a running task of this thread (a future's callback, run as an op completes,
   // that issues an op and waits for it: DDP's PowerSGD hook does) runs at once, nested, on the
-  // same thread: queued, it would wait for the task that waits for it. It also takes the same
-  // place on every rank this way, right after the op whose completion issued it, wherever the
+  // same thread: queued, it would wait for the task that waits for it. Before it run the queued
+  // tasks numbered below the bound an IssueOrder on this thread sets (none without one): the
+  // ops issued before the callback's future was obtained. Where an op completes before its
+  // callback is chained, the callback runs on the caller's thread and its op is queued behind
+  // those same tasks, so the op takes the same place on every rank either way, wherever the
   // caller's thread has got to meanwhile.
   void enqueue(Task task);
-  // Runs `task` on the calling thread if nothing is queued or running (or nested, as above),
+  // How many tasks have been queued so far: the number the next one gets.
+  uint64_t issued() const { return issued_.load(std::memory_order_acquire); }
+  // While one lives, tasks that the calling thread issues nested (above) first run the queued
+  // tasks of `thread` numbered below `before`.
+  class IssueOrder {
+   public:
+    IssueOrder(const ProgressThread* thread, uint64_t before);
+    ~IssueOrder();
+    IssueOrder(const IssueOrder&) = delete;
+    IssueOrder& operator=(const IssueOrder&) = delete;
+
+   private:
+    const ProgressThread* outerThread_;
+    uint64_t outerBefore_;
+  };
+  // Runs `task` on the calling thread if nothing is queued or running (or nested, as enqueue()),
   // which preserves issue order and saves two thread hand-offs for blocking ops. Returns false
   // (task not run) otherwise.
   bool tryRunInline(const Task& task);
   // Runs queued tasks on the calling thread, in order, until `done()` (checked after each) or
-  // the queue is empty, unless a task is running already (on the thread or another caller's) or
-  // the caller is inside one. A caller that waits for an op not yet started so runs it itself,
-  // saving two hand-offs (its wake-up of the thread, the thread's of it), as a blocking call
-  // does; where ranks outnumber cores each hand-off waits for a core. Returns whether it ran any.
+  // the queue is empty, unless a task is running already on another thread. A caller that
+  // waits for an op not yet started so runs it itself, saving two hand-offs (its wake-up of the
+  // thread, the thread's of it), as a blocking call does; where ranks outnumber cores each
+  // hand-off waits for a core. A caller inside a task of this thread (a callback waiting for an
+  // op queued behind the task that runs it) runs them nested: otherwise it would wait forever.
+  // Returns whether it ran any.
   bool runQueuedUntil(const std::function<bool()>& done);
+  // Whether the calling thread is running a task of this thread (then a wait must run the
+  // queued ops it waits for itself: runQueuedUntil).
+  bool runningHere() const;
   // Stops after the queued tasks have run. Idempotent.
   void stop();
 
  private:
   void loop();
+  struct Queued {
+    uint64_t number;
+    Task task;
+  };
   // Runs `task` as this thread's, marking the calling thread as running one (for nested issues).
   void runAsOwn(const Task& task);
+  // Nested in a running task: takes the front of the queue if `take(its number)` and runs it.
+  bool runFrontNested(const std::function<bool(uint64_t)>& take);
+  // A task issued nested: the queued ones the calling thread's IssueOrder puts first, then it.
+  void runNested(const Task& task);
   // After tasks run on a caller's thread: clears busy_ and wakes the thread if it has work or
   // stop() waits for it.
   void releaseToThread();
-  bool reentrant() const;
 
   std::string name_;
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::deque<Task> queue_;
+  std::deque<Queued> queue_;
+  std::atomic<uint64_t> issued_{0};  // changed under mutex_
   bool stopping_ = false;
   bool busy_ = false;      // a task is running, on the thread or inline
   bool sleeping_ = false;  // the thread waits on cv_ (only then is a notify needed)

@@ -353,7 +353,10 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
   }
   // Without a time limit only: the engine's own deadlines end the drive, not the caller's.
   if (p2pDriver_ && timeout == kNoTimeout) p2pDriver_->driveUntil([this] { return isCompleted(); });
-  if (runner_ && timeout == kNoTimeout && !isCompleted()) runner_->runQueuedUntil([this] { return isCompleted(); });
+  if (runner_ && !isCompleted() &&
+      ((timeout == kNoTimeout && env::waitRunsOp() != 0) || runner_->runningHere())) {
+    runner_->runQueuedUntil([this] { return isCompleted(); });
+  }
   spinUntil(spin_, [this] { return isCompleted(); });
   try {
     return c10d::Work::wait(timeout);  // then synchronize()
@@ -384,7 +387,15 @@ void SmddpWork::blockCurrentStream() {
 
 void SmddpWork::traceStarted() { FlightRecorder::get().started(traceId_); }
 
+c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFuture() {
+  if (runner_) callbacksAfter_.store(runner_->issued(), std::memory_order_release);
+  return future_;
+}
+
 void SmddpWork::complete(std::exception_ptr error) {
+  // The ops the future's callbacks issue here go after those issued before getFuture().
+  std::optional<engine::ProgressThread::IssueOrder> order;
+  if (runner_) order.emplace(runner_.get(), callbacksAfter_.load(std::memory_order_acquire));
   // Before the future completes: whoever saw the op done may ask for its duration.
   durationNs_.store(FlightRecorder::get().finished(traceId_, !error), std::memory_order_release);
   c10d::WorkResult result = c10d::WorkResult::SUCCESS;
@@ -421,6 +432,7 @@ void SmddpWork::complete(std::exception_ptr error) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFutureResult() {
+  if (runner_) callbacksAfter_.store(runner_->issued(), std::memory_order_release);  // as getFuture()'s
   c10::intrusive_ptr<c10::ivalue::Future> f;
   bool markNow = false;
   {
@@ -755,8 +767,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
   };
   // A blocking call (async_op=False) is waited at once: when the group is idle, running it here
   // saves two thread hand-offs, which dominate small-message latency.
+  work->setRunner(progress_);
   if (!async && progress_->tryRunInline(task)) return work;
-  if (env::waitRunsOp() != 0) work->setRunner(progress_);
   try {
     progress_->enqueue(std::move(task));
   } catch (const std::logic_error& e) {

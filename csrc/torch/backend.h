@@ -43,7 +43,9 @@ class SmddpWork : public c10d::Work {
   // (P2pDriver::driveUntil), rather than sleep until the engine's thread wakes it.
   void setP2pDriver(std::shared_ptr<engine::P2pDriver> engine) { p2pDriver_ = std::move(engine); }
   // A CPU collective queued on `thread`: wait() runs it there and then if it has not started
-  // (ProgressThread::runQueuedUntil).
+  // (ProgressThread::runQueuedUntil; SMDDP_WAIT_RUNS_OP, or always from inside a task of that
+  // thread), and ops that the future's callbacks issue keep their place in issue order
+  // (getFuture()).
   void setRunner(std::shared_ptr<engine::ProgressThread> thread) { runner_ = std::move(thread); }
 
   // CPU ops: polls for the group's linger budget before blocking (an async op is often waited on
@@ -56,8 +58,12 @@ class SmddpWork : public c10d::Work {
   // CUDA builds of torch).
   void blockCurrentStream() override;
 
-  // DDP consumes its gradient allreduce only through this future.
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // DDP consumes its gradient allreduce only through this future. An op that one of its
+  // callbacks issues takes its place in issue order as of this call, on every rank alike: after
+  // the ops issued before it, before those issued after it (ProgressThread::IssueOrder), whether
+  // the callback runs as the op completes or, chained to a completed future, on the caller's
+  // thread.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   // Completes, as the op does, with a c10d::WorkResult: SUCCESS, TIMEOUT (the op's peers did not
   // come in time) or COMM_ERROR (any other failure); it never holds an error.
   c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override;
@@ -100,6 +106,7 @@ class SmddpWork : public c10d::Work {
   bool resultMarked_ = false;
   std::shared_ptr<engine::P2pDriver> p2pDriver_;
   std::shared_ptr<engine::ProgressThread> runner_;
+  std::atomic<uint64_t> callbacksAfter_{0};  // runner_'s issued() at the last getFuture()
   int pgId_ = 0;
   int64_t traceId_ = -1;
 };
