@@ -54,6 +54,9 @@ struct TcpMesh::Conn {
   // can follow it (the peer would read it as payload).
   bool torn = false;
   bool peerLeft = false;  // the peer closed without a farewell (it may have destroyed the group)
+  // The peer closed after sending all that this exchange still expects on this connection, which
+  // is in the socket: while the next receive is held there is nothing to watch.
+  bool restArrived = false;
   // Whether the socket may take (writable) or hold (readable) bytes: false once a call found it
   // full / empty, true again when poll() says so. The loop calls only sockets that may move, so
   // a pass costs no system call per idle peer.
@@ -67,7 +70,10 @@ struct TcpMesh::Conn {
   std::vector<SendPart> sends;
   size_t sendIdx = 0, sendOff = 0;  // offsets count the header first
   wire::MsgHeader sendHdr{};
-  std::vector<wire::LanePart> recvs;  // collected, then handed to rx
+  // The current exchange's parts of messages to receive (rx reads a copy), and how many of them
+  // have fully arrived.
+  std::vector<wire::LanePart> recvs;
+  size_t recvsDone = 0;
   wire::RecvCursor rx;
 
   bool sending() const { return sendIdx < sends.size(); }
@@ -134,6 +140,28 @@ void TcpMesh::peerFailed(const Conn& c, const char* what, int err) {
              err == 0 ? "closed by the peer" : errnoString(err).c_str());
 }
 
+bool TcpMesh::holdsRest(const Conn& c, std::optional<std::string>& farewell) {
+  // Everything the peer sent before its FIN is in the socket by the time the FIN is seen, and the
+  // FIN is not counted.
+  int queued = 0;
+  if (ioctl(c.fd, FIONREAD, &queued) != 0) queued = 0;
+  const size_t have = static_cast<size_t>(std::max(queued, 0));
+  size_t rest = 0;
+  for (size_t i = c.recvsDone; i < c.recvs.size(); ++i) rest += kHeaderBytes + c.recvs[i].bytes;
+  // A peer that gave up between two messages left its farewell where the next would start. A
+  // failure path, and the socket holds at most its buffer: peeking at all of it is affordable.
+  std::vector<char> peeked(std::min(have, rest + kHeaderBytes + wire::kMaxFarewellBytes));
+  const ssize_t k = peeked.empty() ? 0 : recv(c.fd, peeked.data(), peeked.size(), MSG_PEEK | MSG_DONTWAIT);
+  const size_t seen = k > 0 ? static_cast<size_t>(k) : 0;
+  size_t at = 0;
+  for (size_t i = c.recvsDone; at < seen; ++i) {
+    farewell = wire::farewellIn(peeked.data() + at, seen - at);
+    if (farewell || i == c.recvs.size()) break;
+    at += kHeaderBytes + c.recvs[i].bytes;
+  }
+  return have >= rest;
+}
+
 std::vector<std::string> TcpMesh::keysOwedBy(int rank) {
   std::vector<std::string> keys = {addrKey(rank)};
   if (rank == 0) keys.insert(keys.end(), {kSecretKey, kLanesKey});
@@ -192,13 +220,7 @@ bool TcpMesh::connected(int rank) const {
   return true;
 }
 
-int TcpMesh::connections() const {
-  int n = 0;
-  for (const auto& lanes : conns_) {
-    for (const auto& c : lanes) n += c != nullptr;
-  }
-  return n;
-}
+int TcpMesh::connections() const { return connCount_.load(std::memory_order_relaxed); }
 
 void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::WaitContext& wait) {
   const int rank = topo_.rank;
@@ -235,6 +257,7 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
     c->lane = lane;
     c->fd = fd;
     c->window = 2 * chunkBytes_;
+    if (!conns_[p][lane]) connCount_.fetch_add(1, std::memory_order_relaxed);
     conns_[p][lane] = std::move(c);
   };
 
@@ -452,7 +475,7 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
     }
   }
   if (active.empty()) return;
-  for (Conn* c : active) c->rx.start(std::move(c->recvs), tag, c->rank);
+  for (Conn* c : active) c->rx.start(c->recvs, tag, c->rank);
   const int me = topo_.rank, W = topo_.size;
   // kMesh serves peers from the one after this rank (so that not every rank starts with the
   // same peer); kNaive in rank order.
@@ -480,6 +503,8 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
         c->sends.clear();
         c->recvs.clear();
         c->rx.clear();
+        c->recvsDone = 0;
+        c->restArrived = false;
         c->sendIdx = c->sendOff = 0;
         c->writable = c->readable = true;
       }
@@ -505,6 +530,7 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
       if (const std::string* why = p.rx.farewell()) peerGaveUp(p, "receiving", *why);
       total += static_cast<size_t>(k);
       if (done) {
+        ++p.recvsDone;
         const size_t i = static_cast<size_t>(done - recvs.data());
         if (--partsLeft[i] == 0 && onReceived) onReceived(i);
       }
@@ -631,7 +657,10 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
       // A peer that leaves (FIN, after a farewell) ends the exchange even while this rank reads
       // nothing from it. One that left without a farewell and is done with this exchange is left
       // out (poll skips fd -1): its end, reported at every call, would turn the wait into a spin.
-      const bool watched = p->sending() || p->receiving() || !p->peerLeft;
+      // So is one that left everything still expected from it in the socket, while this rank may
+      // not read it yet.
+      const bool watched =
+          (p->sending() || p->receiving() || !p->peerLeft) && !(p->restArrived && p->rx.held());
       pfds.push_back({watched ? p->fd : -1, static_cast<short>(ev | POLLRDHUP), 0});
     }
     if (moved && !asking) continue;
@@ -651,7 +680,16 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
         if (const std::optional<std::string> why = farewellOf(p)) peerGaveUp(p, "waiting", *why);
         p.peerLeft = true;
       } else if (rev & (POLLERR | POLLHUP | POLLRDHUP | POLLNVAL)) {
-        if (!(p.receiving() && !p.rx.held()) || (rev & POLLNVAL)) {
+        // One this rank reads from later may have closed with all it owes in the socket: it
+        // finished its op and went (its exchange returned once the sockets took its data). Only
+        // one that also had data of this rank's to take, or sent less, or gave up, has failed.
+        if (p.receiving() && p.rx.held() && !(rev & (POLLERR | POLLNVAL))) {
+          std::optional<std::string> why;
+          const bool all = holdsRest(p, why);
+          if (why) peerGaveUp(p, "waiting", *why);
+          if (!all || p.sending()) peerFailed(p, "waiting", 0);
+          p.restArrived = true;
+        } else if (!p.receiving() || p.rx.held() || (rev & POLLNVAL)) {
           peerFailed(p, "waiting", (rev & POLLERR) ? ECONNRESET : 0);
         }
         p.readable = true;

@@ -17,6 +17,7 @@
 // interfaces (counted modulo each rank's number of them), so a host's NICs share the traffic.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -62,7 +63,7 @@ class TcpMesh {
   // out to be gone (refused, or an existing connection closed), kAborted or kTimeout.
   void connect(Store& store, const std::vector<int>& peers, const shm::WaitContext& wait);
   bool connected(int rank) const;
-  int connections() const;  // TCP connections held, every lane of every peer
+  int connections() const;  // TCP connections held, every lane of every peer (any thread may ask)
   int lanes() const { return lanes_; }  // connections per peer, the same on every rank
 
   const std::vector<LocalAddress>& addresses() const { return addrs_; }
@@ -93,12 +94,20 @@ class TcpMesh {
   [[noreturn]] void peerGaveUp(const Conn& c, const char* what, const std::string& why);
   // peerGaveUp where the peer said farewell, else a closed or failed connection (`err`, 0: closed).
   [[noreturn]] void peerFailed(const Conn& c, const char* what, int err);
+  // For a connection whose next receive is held (so at a message boundary), once its peer has
+  // closed: whether the socket holds every byte the exchange still expects on it. `farewell` gets
+  // the reason of a peer that gave up, found where one of those messages would start or behind
+  // the last.
+  static bool holdsRest(const Conn& c, std::optional<std::string>& farewell);
   // What an exchange that timed out still waits for, peer by peer.
   std::string stallReport(const std::vector<Conn*>& active) const;
 
   Topology topo_;
   std::vector<LocalAddress> addrs_;
   std::vector<std::vector<std::unique_ptr<Conn>>> conns_;  // [rank][lane]; empty where no connection
+  // The non-null entries of conns_, for connections(): diagnostics may ask from any thread while
+  // connect() fills conns_ on the thread running an op.
+  std::atomic<int> connCount_{0};
   int lanes_ = 1;  // connections per peer (SMDDP_NET_SOCKETS_PER_PEER, rank 0's value)
   std::vector<int> listenFds_;  // one per address
   std::string secret_;

@@ -8,11 +8,12 @@
 // a later connection round adds the missing connections of a group (a rank with none to add
 // taking part); a dial to a peer that never answers ends at the deadline or an abort; an exchange
 // that times out says what it still waits for from each peer; a peer that gives up says why
-// (unless it left in the middle of a message), and a farewell that arrives in parts is read whole; ranks with two interfaces join lane k from their
-// k-th addresses (not where the peer has one), small messages of an exchange spread over the
-// lanes; IPv4 and IPv6 addresses parse,
-// print and listen; the
-// connections' congestion control is the one asked for, and an unknown one is
+// (unless it left in the middle of a message), and a farewell that arrives in parts is read whole;
+// a peer that closes after sending everything it owes, its messages held by the receiver, lets the
+// exchange complete, while one that closes short of them or gives up still fails it at once;
+// ranks with two interfaces join lane k from their k-th addresses (not where the peer has one),
+// small messages of an exchange spread over the lanes; IPv4 and IPv6 addresses parse, print and
+// listen; the connections' congestion control is the one asked for, and an unknown one is
 // refused with the reason. The bootstrap stores' multiGet (TcpStore's requests answered in order).
 // Prints "N passed, N failed".
 #include <arpa/inet.h>
@@ -27,6 +28,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -83,6 +85,15 @@ std::array<std::unique_ptr<net::TcpMesh>, 2> meshPair(
   meshes[0] = meshOf(store, twoHosts(0), {1}, addrs0);
   r1.join();
   return meshes;
+}
+
+// Rank `rank` of three, each its own host.
+Topology threeHosts(int rank) {
+  Topology t = Topology::singleHost(rank, 3);
+  t.hostOf = {0, 1, 2};
+  t.localOf = {0, 0, 0};
+  t.members = {{0}, {1}, {2}};
+  return t;
 }
 
 shm::WaitContext waitFor(std::chrono::milliseconds ms) {
@@ -664,17 +675,115 @@ void testFarewell(const std::string& dir) {
          "no farewell after half a message: " + torn);
 }
 
+struct HeldOutcome {
+  std::string error;  // rank 1's ("" if its exchange completed)
+  double secs = 0, cpuSecs = 0;  // how long rank 1's exchange took, and its thread's CPU time
+  bool intact = false;  // every message rank 1 expected arrived, intact
+};
+
+// Rank 0 sends rank 1 `sent` messages of 1000 bytes, then leaves: it destroys its mesh (its part
+// of the op is done, as after a group's last op), or first gives up the group with `farewell`.
+// Only then does rank 1 start its exchange, expecting `expected` messages from rank 0 (spread
+// over the three lanes by their order) and one from rank 2; it may take rank 0's second and later
+// ones only once rank 2's has arrived (their buffers are in use until then), so its receives from
+// rank 0 are held while rank 0's connections close. Rank 2 sends 300 ms into rank 1's exchange,
+// or where `rank2Late` only once that has ended: a rank 1 that waited for it would time out.
+HeldOutcome rank0LeavesWhileRank1Holds(const std::string& dir, int sent, int expected, const std::string& farewell,
+                                       bool rank2Late) {
+  std::filesystem::create_directory(dir);
+  FileStore store(dir, std::chrono::seconds(30));
+  std::unique_ptr<net::TcpMesh> meshes[3];
+  std::thread joining[3];
+  for (int r = 0; r < 3; ++r) {
+    joining[r] = std::thread([&, r] {
+      std::vector<int> peers;
+      for (int p = 0; p < 3; ++p) {
+        if (p != r) peers.push_back(p);
+      }
+      meshes[r] = meshOf(store, threeHosts(r), peers);
+    });
+  }
+  for (std::thread& t : joining) t.join();
+
+  const size_t n = 1000;
+  std::vector<std::vector<uint8_t>> out, in;
+  std::vector<net::Send> sends;
+  for (int i = 0; i < expected; ++i) {
+    out.emplace_back(n, static_cast<uint8_t>(i + 1));
+    in.emplace_back(n, 0);
+    if (i < sent) sends.push_back({1, out[i].data(), n});
+  }
+  meshes[0]->exchange(net::makeTag(1, 0), sends, {}, waitFor(std::chrono::seconds(5)), net::Schedule::kMesh);
+  if (!farewell.empty()) meshes[0]->closeAll(farewell);
+  meshes[0].reset();
+
+  std::vector<uint8_t> fromTwo(n, 0x22), intoFromTwo(n, 0);
+  std::atomic<bool> rank1Done{false};
+  std::thread rank2([&] {
+    const auto until = Clock::now() + (rank2Late ? std::chrono::milliseconds(10000) : std::chrono::milliseconds(300));
+    while (!rank1Done.load() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    meshes[2]->exchange(net::makeTag(1, 0), {{1, fromTwo.data(), n}}, {}, waitFor(std::chrono::seconds(5)),
+                        net::Schedule::kMesh);
+  });
+  bool twoArrived = false;
+  std::vector<net::Recv> recvs;
+  for (int i = 0; i < expected; ++i) recvs.push_back({0, in[i].data(), n, i == 0 ? nullptr : &twoArrived});
+  recvs.push_back({2, intoFromTwo.data(), n});
+  HeldOutcome o;
+  timespec cpu0{}, cpu1{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu0);
+  const auto t0 = Clock::now();
+  try {
+    meshes[1]->exchange(net::makeTag(1, 0), {}, recvs, waitFor(std::chrono::seconds(5)), net::Schedule::kMesh,
+                        [&](size_t i) { twoArrived |= i == static_cast<size_t>(expected); });
+  } catch (const Error& e) {
+    o.error = e.what();
+  }
+  o.secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu1);
+  o.cpuSecs = static_cast<double>(cpu1.tv_sec - cpu0.tv_sec) + static_cast<double>(cpu1.tv_nsec - cpu0.tv_nsec) * 1e-9;
+  rank1Done.store(true);
+  rank2.join();
+  o.intact = in == out && intoFromTwo == fromTwo;
+  return o;
+}
+
+// A peer that has sent everything it owes this rank may close (it finished its op and destroyed
+// its group, or exited) before this rank reads it: its exchange returns once the sockets took
+// its data. With this rank's receives from it held, waiting on a third rank, the data is all in
+// the sockets: the exchange completes when the third rank's message opens the gate, and waits
+// for it without spinning on the closed connections. One that closed with messages missing, or
+// that gave up the group, still fails the exchange at once, naming it (and its reason).
+void testPeerLeftWhileReceiveHeld(const std::string& dir) {
+  // Seven messages over three lanes: two held on each, after the first.
+  const HeldOutcome all = rank0LeavesWhileRank1Holds(dir + "/all", 7, 7, "", false);
+  expect(all.error.empty() && all.intact,
+         "a peer that closed after sending everything: the held receives complete: " + all.error);
+  expect(all.secs >= 0.25 && all.cpuSecs < 0.15,
+         "waiting for the gate does not spin on the closed connections: " + std::to_string(all.cpuSecs) +
+             " s of CPU in " + std::to_string(all.secs) + " s");
+
+  const HeldOutcome missing = rank0LeavesWhileRank1Holds(dir + "/missing", 6, 7, "", true);
+  expect(missing.error.find("the connection to rank 0 on ") != std::string::npos &&
+             missing.error.find("closed by the peer") != std::string::npos && missing.secs < 2,
+         "a peer that closed with a held message unsent fails the exchange in " + std::to_string(missing.secs) +
+             " s: " + missing.error);
+
+  const std::string why = "allreduce #3: a reason only rank 0 knows";
+  for (const int sent : {7, 5}) {  // 5: rank 1 holds one of them on the first lane
+    const HeldOutcome gaveUp = rank0LeavesWhileRank1Holds(dir + "/gave-up-" + std::to_string(sent), sent, 7, why, true);
+    expect(gaveUp.error.find("rank 0 on ") != std::string::npos &&
+               gaveUp.error.find("gave up the group") != std::string::npos &&
+               gaveUp.error.find(why) != std::string::npos && gaveUp.secs < 2,
+           "a peer that gave up after " + std::to_string(sent) + " of 7 messages, its farewell behind them, is "
+           "reported in " + std::to_string(gaveUp.secs) + " s: " + gaveUp.error);
+  }
+}
+
 // Three ranks, each its own host: the mesh starts as a chain 0-1-2; a second round connects 0
 // and 2 (rank 1, with nothing to add, takes part), then every pair exchanges.
 void testConnectLater(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
-  auto threeHosts = [](int rank) {
-    Topology t = Topology::singleHost(rank, 3);
-    t.hostOf = {0, 1, 2};
-    t.localOf = {0, 0, 0};
-    t.members = {{0}, {1}, {2}};
-    return t;
-  };
   const std::vector<std::vector<int>> chain = {{1}, {0, 2}, {1}}, everyone = {{1, 2}, {0, 2}, {0, 1}};
   std::string errors[3];
   bool before[3] = {}, after[3] = {};
@@ -923,7 +1032,8 @@ int main() {
   if (!test::runInOwnDirs("smddp_net_tests",
                           {testStrangersRefusedThenExchange, testConnectLater, testStripedSizeMismatch,
                            testCollectiveMismatch, testStallProbe, testDialToSilentPeer, testStalledExchangeReport,
-                           testFarewell, testTwoInterfaces, testUnevenInterfaces, testStoreMultiGet})) {
+                           testFarewell, testPeerLeftWhileReceiveHeld, testTwoInterfaces, testUnevenInterfaces,
+                           testStoreMultiGet})) {
     return 1;
   }
   return test::report();
