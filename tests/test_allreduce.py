@@ -171,6 +171,38 @@ def allreduce_coalesced(rank, world):
     return rep.to_dict()
 
 
+def coalesced_shared_memory(rank, world):
+    """all_reduce_coalesced and _coalescing_manager over tensors that share memory (overlapping
+    slices, one tensor twice, a column and a row of one matrix): every element is reduced once, as
+    gloo does (it reads every input before writing any output). Until 2026-11-29 smddp reduced a
+    shared element once per tensor holding it."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    rep = Report(rank)
+    ranks_sum = world * (world - 1) // 2
+    cases = [("overlapping slices", (8,), lambda t: [t[0:5], t[3:8]]),
+             ("one tensor twice", (6,), lambda t: [t, t]),
+             ("a column, then a row through it", (4, 4), lambda t: [t[:, 1], t[1]]),
+             ("a row, then a column through it", (4, 4), lambda t: [t[1], t[:, 1]])]
+    for label, shape, views in cases:
+        for via in ("all_reduce_coalesced", "_coalescing_manager"):
+            with rep.cell(f"{via}: {label}, world={world}"):
+                base = torch.arange(16, dtype=torch.int64)[:torch.Size(shape).numel()].reshape(shape) * 7
+                t = base + rank
+                if via == "all_reduce_coalesced":
+                    dist.all_reduce_coalesced(views(t))
+                else:
+                    with _coalescing_manager(group=None):
+                        for v in views(t):
+                            dist.all_reduce(v)
+                mask = torch.zeros(shape, dtype=torch.bool)
+                for v in views(mask):
+                    v.fill_(True)
+                want = torch.where(mask, base * world + ranks_sum, base + rank)
+                rep.check(f"{via}: {label}", t, want, exact=True, cross_rank=False)  # the rest is per rank
+    return rep.to_dict()
+
+
 def coalescing_manager(rank, world):
     from torch.distributed.distributed_c10d import _coalescing_manager
 
@@ -363,6 +395,11 @@ def test_all_reduce_coalesced(pools, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_coalescing_manager(pools, world):
     pools.check(world, coalescing_manager, timeout=240)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_reduce_coalesced_shared_memory(pools, world):
+    pools.check(world, coalesced_shared_memory)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -820,7 +820,19 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
     return cudaFlat(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors,
                     resolveTimeout(opts.timeout), std::move(parts));
   }
-  for (const at::Tensor& t : tensors) staged.push_back(stageInOut(t, rank_, "allreduce_coalesced"));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    Staged s = stageInOut(tensors[i], rank_, "allreduce_coalesced");
+    // Reduced in place after an earlier tensor of the list that shares its memory, it would
+    // reduce that one's results again: it reduces a copy of its values as they are now instead,
+    // and writes its result back (the same values there), as gloo's flattening does.
+    const auto shares = [&](const at::Tensor& earlier) {
+      return at::get_overlap_status(tensors[i], earlier) != at::MemOverlapStatus::No;
+    };
+    if (!s.copyBack && std::any_of(tensors.begin(), tensors.begin() + static_cast<ptrdiff_t>(i), shares)) {
+      s = {tensors[i], tensors[i].clone(), true};
+    }
+    staged.push_back(std::move(s));
+  }
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors, tensors,
                  resolveTimeout(opts.timeout), opts.asyncOp,
                  [staged, kinds](algo::Communicator& c, std::chrono::milliseconds to) {
