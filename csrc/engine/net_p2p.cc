@@ -212,6 +212,7 @@ void NetP2p::submit(P2pOp op) {
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    op.postSeq = nextPostSeq();
     submitted_.push_back(std::move(op));
   }
   // Moves what it can at once on the caller's thread (a send the socket takes whole is done
@@ -503,7 +504,8 @@ bool NetP2p::progressRecvs(Peer& p) {
           const int64_t tag = userTag(l.recvHdr.tag);
           // Lane 0 starts every message: its header picks the receive (p2p_matching.h), another
           // one than `op` whenever this holds.
-          const bool route = lane == 0 && !op.into && (tag != op.tag || hasUnexpected(p.unexpected, tag));
+          const bool route = lane == 0 && !op.into &&
+                             (tag != op.tag || hasUnexpected(p.unexpected, tag) || anySourceFirst(anyRecvs_, op, tag));
           if (route) {
             // Taken by another receive, or held back: it waits in the socket, and `op` behind it.
             routed = routeMessage(p.recvs, anyRecvs_, p.unexpected, p.rank, p.rank, static_cast<int>(tag),

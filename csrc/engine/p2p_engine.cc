@@ -6,9 +6,11 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 
 #include "core/env.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/spin.h"
 
 namespace smddp::engine {
@@ -23,6 +25,14 @@ struct ChunkHeader {
   uint64_t senderAddress;
 };
 constexpr size_t kHeader = 64;  // payload starts on its own cache line
+// The claim word (P2pEngine::claimOf) follows the header in the same line.
+constexpr size_t kClaimAt = sizeof(ChunkHeader);
+static_assert(kClaimAt % std::atomic_ref<uint32_t>::required_alignment == 0 && kClaimAt + 4 <= kHeader);
+static_assert(std::atomic_ref<uint32_t>::is_always_lock_free);  // shared between processes
+// How long a failing send waits for a read under way to end. process_vm_readv copies GiBs per
+// second, so this only ends the wait of a sender whose receiver is stopped (a debugger, SIGSTOP):
+// abort and shutdown must not hang on it.
+constexpr auto kReadBound = std::chrono::seconds(5);
 constexpr size_t kPayload = shm::Domain::kP2pChunkBytes - kHeader;
 constexpr auto kActiveTick = std::chrono::milliseconds(50);
 constexpr auto kIdleTick = std::chrono::seconds(1);
@@ -47,6 +57,10 @@ size_t P2pEngine::singleCopyBytesFor(const CpuShare& machine) {
   // With fewer cores than ranks the second copy has no core of its own and reading in place wins
   // from 256 KiB (4 ranks on 2 cores: 1.5-2.7x on 4 KiB pages, up to 5x on huge pages).
   return machine.oversubscribed() ? (256u << 10) : SIZE_MAX;
+}
+
+std::atomic_ref<uint32_t> P2pEngine::claimOf(uint8_t* chunk) {
+  return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(chunk + kClaimAt));
 }
 
 P2pEngine::P2pEngine(shm::Domain* domain, std::chrono::microseconds spin, size_t singleCopyBytes, std::string name)
@@ -95,7 +109,8 @@ void P2pEngine::shutdownNow() {
   }
   // The thread stops at the stop flag without another pass, and may have seen it before the
   // abort: fail what is still queued here, or ops nobody drives would never finish (a future
-  // waiting on one would hang). With aborted_ set a pass touches no shared memory.
+  // waiting on one would hang). With aborted_ set a pass touches no shared memory, but for a send
+  // handed over by address (release()): none is left after this pass, so none once we return.
   pass();
 }
 
@@ -107,6 +122,7 @@ void P2pEngine::submit(P2pOp op) {
   if (op.isSend) domain_->commitOutboxes();  // throws on the caller's thread if /dev/shm is full
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    op.postSeq = nextPostSeq();
     incoming_.push_back(std::move(op));
   }
   const Pass p = pass(/*tryOnly=*/true);
@@ -150,7 +166,41 @@ void P2pEngine::complete(P2pOp op, std::exception_ptr error, int source) {
   completions_.push_back({std::move(op), std::move(error), source});
 }
 
+P2pEngine::Handover P2pEngine::withdraw(P2pOp& op) {
+  if (!op.isSend || op.readUntil == 0) return Handover::kFree;
+  const int d = op.peer;
+  if (domain_->consumedFrom(d, rank_).load(std::memory_order_acquire) >= op.readUntil) return Handover::kDelivered;
+  // Not consumed yet, so the chunk is still the one that offered the buffer: only this thread
+  // writes a new chunk there, and only once the receiver has consumed this one.
+  uint32_t seen = kOffered;
+  if (claimOf(domain_->outbox(rank_, d, op.readUntil - 1))
+          .compare_exchange_strong(seen, kRevoked, std::memory_order_acq_rel)) {
+    return Handover::kFree;
+  }
+  return seen == kReading ? Handover::kReading : Handover::kFree;  // kRevoked before, or kReadFailed
+}
+
+void P2pEngine::release(P2pOp& op) {
+  if (withdraw(op) != Handover::kReading) return;
+  const int d = op.peer;
+  const auto until = std::chrono::steady_clock::now() + kReadBound;
+  while (domain_->consumedFrom(d, rank_).load(std::memory_order_acquire) < op.readUntil) {
+    if (!domain_->peerAlive(d)) return;
+    if (std::chrono::steady_clock::now() >= until) {
+      SMDDP_WARN(kNet, "point-to-point: %s fails while rank %d still reads the message from its buffer after %lld s; "
+                 "the buffer goes back to the caller, and rank %d may receive what the caller writes to it next",
+                 describeOp(op, domain_->groupRank(d)).c_str(), domain_->groupRank(d),
+                 static_cast<long long>(std::chrono::duration_cast<std::chrono::seconds>(kReadBound).count()),
+                 domain_->groupRank(d));
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
 void P2pEngine::fail(std::deque<P2pOp>& q, const std::string& why) {
+  // Only a queue's front send can have been handed over by address (sends go one at a time).
+  if (!q.empty()) release(q.front());
   while (!q.empty()) {
     const int peer = q.front().peer;
     complete(std::move(q.front()), errorOf(ErrorCode::kAborted, why), peer);
@@ -182,6 +232,7 @@ bool P2pEngine::progressSend(P2pOp& op) {
       // One copy instead of two: the receiver reads the message where it is.
       const ChunkHeader h{op.bytes, op.tag, 0, reinterpret_cast<uint64_t>(op.buffer)};
       std::memcpy(chunk, &h, sizeof(h));
+      claimOf(chunk).store(kOffered, std::memory_order_relaxed);  // published by sentTo's release
       domain_->sentTo(rank_, d).store(i + 1, std::memory_order_release);
       domain_->ringDoorbell(d);
       sendNext_[d] = i + 1;
@@ -193,6 +244,7 @@ bool P2pEngine::progressSend(P2pOp& op) {
     const size_t n = std::min(kPayload, op.bytes - op.offset);
     const ChunkHeader h{op.bytes, op.tag, static_cast<uint32_t>(n), 0};
     std::memcpy(chunk, &h, sizeof(h));
+    claimOf(chunk).store(kCopied, std::memory_order_relaxed);  // no stale word from an earlier message here
     if (n > 0) std::memcpy(chunk + kHeader, op.buffer + op.offset, n);  // an empty message may have no buffer
     domain_->sentTo(rank_, d).store(i + 1, std::memory_order_release);
     domain_->ringDoorbell(d);
@@ -209,7 +261,7 @@ bool P2pEngine::progressRecv(P2pOp& op, int s) {
   while (!op.started || op.offset < op.bytes) {
     const uint64_t i = recvNext_[s];
     if (domain_->sentTo(s, rank_).load(std::memory_order_acquire) <= i) break;
-    const uint8_t* chunk = domain_->outbox(s, rank_, i);
+    uint8_t* chunk = domain_->outbox(s, rank_, i);
     ChunkHeader h;
     std::memcpy(&h, chunk, sizeof(h));
     if (!op.started && h.messageBytes != op.bytes) {  // routeNext matched the tags
@@ -217,9 +269,21 @@ bool P2pEngine::progressRecv(P2pOp& op, int s) {
                                                                 h.messageBytes));
     }
     if (h.senderAddress != 0) {
+      const int who = domain_->groupRank(s);
+      uint32_t seen = kOffered;
+      if (!claimOf(chunk).compare_exchange_strong(seen, kReading, std::memory_order_acq_rel)) {
+        // The sender's op failed before this read began, and its buffer is its caller's again.
+        const std::string odd = seen == kRevoked ? "" : formatString(" (claim word %u)", seen);
+        throw Error(ErrorCode::kRemoteError,
+                    formatString("%s: rank %d withdrew its message (tag %d, %llu bytes) before this rank read it, "
+                                 "because its send failed (it timed out, or its process group was aborted or shut "
+                                 "down)%s",
+                                 describeOp(op, who).c_str(), who, h.tag,
+                                 static_cast<unsigned long long>(h.messageBytes), odd.c_str()));
+      }
       const int err = domain_->readFromPeer(s, op.buffer, h.senderAddress, op.bytes);
       if (err != 0) {
-        const int who = domain_->groupRank(s);
+        claimOf(chunk).store(kReadFailed, std::memory_order_release);  // the sender need not wait for it
         throw Error(err == ESRCH ? ErrorCode::kRemoteError : ErrorCode::kSystemError,
                     formatString("recv from rank %d (tag %d, %zu bytes): reading the message from rank %d's memory "
                                  "failed: %s%s",
@@ -247,7 +311,8 @@ bool P2pEngine::routeNext(int s) {
   if (domain_->sentTo(s, rank_).load(std::memory_order_acquire) <= i) return false;
   ChunkHeader h;
   std::memcpy(&h, domain_->outbox(s, rank_, i), sizeof(h));
-  if (!q.empty() && q.front().tag == h.tag && !hasUnexpected(unexpected_[s], h.tag)) {
+  if (!q.empty() && q.front().tag == h.tag && !hasUnexpected(unexpected_[s], h.tag) &&
+      !anySourceFirst(anyRecvs_, q.front(), h.tag)) {
     unexpected_[s].heldBack.reset();
     return true;
   }
@@ -358,6 +423,9 @@ void P2pEngine::checkDeadlinesAndPeers() {
     const auto late = [&](const P2pOp& op) { return now >= op.deadline; };
     const auto it = dead ? q.begin() : std::find_if(q.begin(), q.end(), late);
     if (it == q.end()) return;
+    // Failing any send fails the front one too (breakPair). If that one's receiver has claimed its
+    // buffer, it is being read, which ends soon: the send completes then instead.
+    if (!dead && q.front().isSend && withdraw(q.front()) != Handover::kFree) return;
     P2pOp op = std::move(*it);
     q.erase(it);
     const std::string who = peer >= 0 ? std::to_string(domain_->groupRank(peer)) : "";

@@ -65,6 +65,17 @@ class P2pEngine : public P2pDriver {
   // Before the first op: where stalled ops are posted and peers looked up (StallBoard).
   void setStallBoard(StallBoard board) { board_ = std::move(board); }
 
+  // A message handed over by address leaves the sender's buffer in the receiver's hands until it
+  // is read, while the sender's op may fail first (timeout, abort, a broken pair) and give the
+  // buffer back to its caller. The claim word in its chunk's header line, in shared memory,
+  // settles who has the buffer: the sender writes kOffered; the receiver swaps kOffered for
+  // kReading before it reads (and kReading for kReadFailed if the read fails); a sender whose op
+  // fails swaps kOffered for kRevoked, and the receiver, finding that, fails its recv instead of
+  // reading memory its caller may have reused. If the receiver won, the sender lets the read end
+  // before it gives the buffer back. Public for the tests, which play the receiver with it.
+  enum Claim : uint32_t { kCopied = 0, kOffered = 1, kReading = 2, kRevoked = 3, kReadFailed = 4 };
+  static std::atomic_ref<uint32_t> claimOf(uint8_t* chunk);
+
  private:
   struct Completion {
     P2pOp op;
@@ -98,6 +109,14 @@ class P2pEngine : public P2pDriver {
   void complete(P2pOp op, std::exception_ptr error, int source);  // done() after the pass
   // Runs `done`'s callbacks; rings the doorbell if another thread drives (its op may be among them).
   void finish(std::vector<Completion>& done);
+  // Withdraws `op`, a send handed over by address, unless its receiver has claimed it (claimOf()),
+  // and says where it stands: its buffer is the caller's again (never handed over, or withdrawn by
+  // this call or before), the message has been read, or it is being read.
+  enum class Handover { kFree, kDelivered, kReading };
+  Handover withdraw(P2pOp& op);
+  // withdraw(), and if the receiver is reading, waits (bounded) for the read to end: before an
+  // error hands a send's buffer back.
+  void release(P2pOp& op);
   void fail(std::deque<P2pOp>& q, const std::string& why);
   void failEverything(const std::string& why);
   void checkDeadlinesAndPeers();

@@ -17,13 +17,15 @@ UnexpectedQueue::iterator wholeWithTag(UnexpectedQueue& q, int tag) {
 }
 
 // Moves the oldest receive of `anyRecvs` with `tag` that the other engine has not taken to the
-// front of `recvs`, for `peer`; drops those the other engine took on the way.
-bool passToAnySource(std::deque<P2pOp>& anyRecvs, std::deque<P2pOp>& recvs, int peer, int tag) {
+// front of `recvs`, for `peer`, if it was posted before `before` (the oldest named receive's
+// postSeq); drops those the other engine took on the way.
+bool passToAnySource(std::deque<P2pOp>& anyRecvs, std::deque<P2pOp>& recvs, int peer, int tag, uint64_t before) {
   for (size_t k = 0; k < anyRecvs.size();) {
     if (anyRecvs[k].tag != tag && !anyRecvs[k].takenElsewhere()) {
       ++k;
       continue;
     }
+    if (anyRecvs[k].tag == tag && !anyRecvs[k].takenElsewhere() && anyRecvs[k].postSeq >= before) return false;
     P2pOp op = std::move(anyRecvs[k]);
     anyRecvs.erase(anyRecvs.begin() + static_cast<std::ptrdiff_t>(k));
     if (op.tag != tag || !op.claim()) continue;  // the other engine's now: drop this copy
@@ -34,10 +36,21 @@ bool passToAnySource(std::deque<P2pOp>& anyRecvs, std::deque<P2pOp>& recvs, int 
   return false;
 }
 
+std::atomic<uint64_t> gPostSeq{0};
+
 }  // namespace
+
+uint64_t nextPostSeq() { return gPostSeq.fetch_add(1, std::memory_order_relaxed) + 1; }
 
 bool hasUnexpected(const UnexpectedQueue& q, int tag) {
   return std::any_of(q.begin(), q.end(), [&](const auto& m) { return m->tag == tag; });
+}
+
+bool anySourceFirst(const std::deque<P2pOp>& anyRecvs, const P2pOp& named, int tag) {
+  // The one passToAnySource would weigh against `named`: `anyRecvs` is in posting order.
+  const auto oldest = std::find_if(anyRecvs.begin(), anyRecvs.end(),
+                                   [&](const P2pOp& op) { return op.tag == tag && !op.takenElsewhere(); });
+  return oldest != anyRecvs.end() && oldest->postSeq < named.postSeq;
 }
 
 std::string describeOp(const P2pOp& op, int peerRank) {
@@ -92,6 +105,10 @@ bool routeMessage(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, Unexpec
   unexpected.heldBack.reset();  // routed anew: set again below if it still cannot be set aside
   if (!hasUnexpected(unexpected, tag)) {
     const auto named = std::find_if(recvs.begin(), recvs.end(), [&](const P2pOp& op) { return op.tag == tag; });
+    // MPI's rule: the first posted of the receives that match takes the message, however long the
+    // named one has waited; only when it posted first does it keep the message from any-source ones.
+    const uint64_t namedSeq = named != recvs.end() ? named->postSeq : UINT64_MAX;
+    if (passToAnySource(anyRecvs, recvs, peer, tag, namedSeq)) return true;  // `named` untouched otherwise
     if (named != recvs.end()) {
       if (named == recvs.begin()) return true;
       P2pOp op = std::move(*named);
@@ -99,7 +116,6 @@ bool routeMessage(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, Unexpec
       recvs.push_front(std::move(op));
       return true;
     }
-    if (passToAnySource(anyRecvs, recvs, peer, tag)) return true;
   }
   const auto waits = [](const P2pOp& op) { return !op.takenElsewhere(); };
   const bool anyWaits = !recvs.empty() || std::any_of(anyRecvs.begin(), anyRecvs.end(), waits);
@@ -162,25 +178,30 @@ bool serveUnexpected(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, Unex
     complete(std::move(op), std::move(error), peer);
     served = true;
   };
-  for (auto it = recvs.begin(); it != recvs.end() && sizeError->empty();) {
-    const auto m = it->started || it->into ? unexpected.end() : wholeWithTag(unexpected, it->tag);
-    if (m == unexpected.end()) {
-      ++it;
-      continue;
-    }
-    P2pOp op = std::move(*it);
-    it = recvs.erase(it);
-    take(std::move(op), m);
-  }
-  for (auto it = anyRecvs.begin(); it != anyRecvs.end() && sizeError->empty() && !unexpected.empty();) {
-    const auto m = wholeWithTag(unexpected, it->tag);
-    if (m == unexpected.end() && !it->takenElsewhere()) {
-      ++it;
-      continue;
-    }
-    P2pOp op = std::move(*it);
-    it = anyRecvs.erase(it);
-    if (m != unexpected.end() && op.claim()) take(std::move(op), m);  // else the other engine's: drop this copy
+  std::erase_if(anyRecvs, [](const P2pOp& op) { return op.takenElsewhere(); });  // the other engine's: drop
+  // Each round serves the first posted receive that a whole message fits, named or from any
+  // source. That is what going through the receives once in posting order would give: taking a
+  // tag's oldest message only uncovers its next one for the receives with that tag posted later.
+  while (sizeError->empty() && !unexpected.empty()) {
+    std::deque<P2pOp>* from = nullptr;
+    std::deque<P2pOp>::iterator first;
+    UnexpectedQueue::iterator message;
+    auto consider = [&](std::deque<P2pOp>& q) {
+      for (auto it = q.begin(); it != q.end(); ++it) {
+        if (it->started || it->into || (from != nullptr && it->postSeq >= first->postSeq)) continue;
+        const auto m = wholeWithTag(unexpected, it->tag);
+        if (m == unexpected.end()) continue;
+        from = &q;
+        first = it;
+        message = m;
+      }
+    };
+    consider(recvs);
+    consider(anyRecvs);
+    if (from == nullptr) break;
+    P2pOp op = std::move(*first);
+    from->erase(first);
+    if (op.claim()) take(std::move(op), message);  // else the other engine took it meanwhile: drop this copy
   }
   return served;
 }

@@ -1,8 +1,9 @@
 // How point-to-point messages meet their receives, shared by the shared-memory engine (host-mates)
-// and the TCP one (other hosts), so that both match alike, as MPI and gloo do: a message goes to
-// the oldest waiting receive from its sender with its tag, else to the oldest receive from any
-// source with its tag; messages of one sender and tag are taken in the order sent, while messages
-// with different tags may be taken in any order.
+// and the TCP one (other hosts), so that both match alike, as MPI and gloo do: among the waiting
+// receives that match a message (from its sender, or from any source, with its tag) the first
+// posted takes it (P2pOp::postSeq), whether the message arrives before or after they were posted;
+// messages of one sender and tag are taken in the order sent, while messages with different tags
+// may be taken in any order.
 //
 // Each engine reads a pair's messages in the order sent (one stream per pair). A message that no
 // waiting receive wants while receives for other tags wait (MPI's "unexpected" message) is read
@@ -52,6 +53,11 @@ struct P2pOp {
   size_t bytes = 0;
   std::chrono::steady_clock::time_point deadline;
   std::chrono::steady_clock::time_point posted;  // when the caller issued it
+  // Posting order, which decides between a named receive and one from any source that both match
+  // a message: set by the engine's submit() from nextPostSeq(), under the lock that queues it, so
+  // that it follows the order of the engine's queues. A clock would not do: two posts may read the
+  // same time, and the caller stamps `posted` before it takes that lock.
+  uint64_t postSeq = 0;
   // Called once on the p2p thread: the error (or null) and the rank the message came from.
   std::function<void(std::exception_ptr, int)> done;
   // A receive from any source in a group that spans hosts is posted to both engines (host-mates
@@ -84,6 +90,11 @@ struct P2pOp {
   }
 };
 
+// The next posting sequence number (from 1), from one counter for the whole process, so that the
+// numbers of both engines' receives compare (a receive from any source may go to both,
+// P2pOp::sharedAnySource).
+uint64_t nextPostSeq();
+
 // "send to rank 3 (tag 0, 16 bytes)", "recv from any rank (...)", or for the engine's own receive
 // "a message from rank 3 (...) that no recv has taken yet"; `peerRank`: op.peer as a group rank.
 std::string describeOp(const P2pOp& op, int peerRank);
@@ -96,14 +107,15 @@ std::string sizeMismatchMessage(int peer, int tag, size_t bytes, uint64_t sentBy
 std::string unexpectedSummary(const UnexpectedQueue& q, int peerRank);
 
 // The next message from `peer` (its queue of named receives `recvs`) has `tag` and `bytes`, and the
-// front of `recvs`, if any, has not started; puts first in `recvs` the receive that takes it: the
-// oldest named one with its tag, else the oldest receive from any source with its tag (moved from
-// `anyRecvs`, op.peer set), else, if any receive waits for another tag, the engine's own receive
-// into a new entry of `unexpected`. A message whose tag an older unexpected one has goes behind it,
-// into `unexpected`, so that one sender's messages of one tag are taken in order. Returns whether
-// the front of `recvs` takes the message now; false if no receive waits at all, or the message
-// cannot be held aside (it would take what `unexpected` holds past SMDDP_P2P_UNEXPECTED_BYTES, or
-// there is no memory): it then waits with its sender. `peerRank`: `peer` as a group rank.
+// front of `recvs`, if any, has not started; puts first in `recvs` the receive that takes it: of
+// the oldest named one with its tag and the oldest receive from any source with its tag, the one
+// posted first (an any-source one is moved from `anyRecvs`, op.peer set), else, if any receive
+// waits for another tag, the engine's own receive into a new entry of `unexpected`. A message
+// whose tag an older unexpected one has goes behind it, into `unexpected`, so that one sender's
+// messages of one tag are taken in order. Returns whether the front of `recvs` takes the message
+// now; false if no receive waits at all, or the message cannot be held aside (it would take what
+// `unexpected` holds past SMDDP_P2P_UNEXPECTED_BYTES, or there is no memory): it then waits with
+// its sender. `peerRank`: `peer` as a group rank.
 // Moving a named receive to the front erases it from the middle of `recvs`, which invalidates
 // every reference into `recvs`: a caller holding one (e.g. to the old front) must not use it after.
 bool routeMessage(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, UnexpectedQueue& unexpected, int peer,
@@ -115,6 +127,11 @@ std::string recvTimeoutReason(const UnexpectedQueue& q, int peerRank);
 
 // Whether `q` holds a message with `tag` (a message with that tag that comes now goes behind it).
 bool hasUnexpected(const UnexpectedQueue& q, int tag);
+
+// Whether a receive of `anyRecvs` with `tag` (one the other engine has not taken) was posted
+// before `named`: then a message with `tag` that `named` could take is routeMessage's to route,
+// not `named`'s to read.
+bool anySourceFirst(const std::deque<P2pOp>& anyRecvs, const P2pOp& named, int tag);
 
 // Where point-to-point waits stand, in both directions: an engine posts its oldest op once that has
 // waited `interval` (and again every interval while it waits), for the timeout messages of the
@@ -139,11 +156,11 @@ struct StallBoard {
   std::chrono::steady_clock::time_point lastPost_{};
 };
 
-// Gives each receive of `recvs` (named, from `peer`) that has not started, then each of
-// `anyRecvs`, the oldest unexpected message of `peer` with its tag, once that one is whole:
-// `complete(op, error, peer)` gets each receive so served. A message whose size differs from its
-// receive's fails the receive and stops there: `sizeError` then says why, and the caller treats
-// the pair as out of step. Returns whether any receive was served.
+// Gives the receives of `recvs` (named, from `peer`) that have not started and those of `anyRecvs`,
+// in the order they were posted, the oldest unexpected message of `peer` with their tag, once that
+// one is whole: `complete(op, error, peer)` gets each receive so served. A message whose size
+// differs from its receive's fails the receive and stops there: `sizeError` then says why, and the
+// caller treats the pair as out of step. Returns whether any receive was served.
 bool serveUnexpected(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, UnexpectedQueue& unexpected, int peer,
                      int peerRank, const std::function<void(P2pOp, std::exception_ptr, int)>& complete,
                      std::string* sizeError);

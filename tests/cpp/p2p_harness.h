@@ -125,4 +125,41 @@ inline void manyMessagesManyWaiters(const std::string& label, const std::vector<
   expect(wrong == 0, label + "every message arrived whole at its receive (" + std::to_string(wrong) + " wrong)");
 }
 
+// MPI's rule for a message that several waiting receives match: the first posted takes it. Rank 1
+// posts a recv from any source, then one from rank 0, both with tag 0; rank 0 sends m0 then m1
+// with that tag, of sizes `first` and `second` (the receives' sizes in that order). The any-source
+// recv must get m0 and the named one m1, whether the messages come while both wait
+// (`recvsFirst`) or were sent before either was posted: it used to depend on that, the named one
+// taking m0 whenever it waited (and failing on the size if the two differ).
+inline void firstPostedReceiveTakes(const std::string& label, bool recvsFirst, size_t first, size_t second,
+                                    const std::function<void(int, engine::P2pOp)>& submit,
+                                    const std::function<void(int, Slot&)>& waitFor) {
+  Slot m0, m1, anyRecv, namedRecv;
+  m0.data.assign(first, 10);
+  m1.data.assign(second, 11);
+  anyRecv.data.resize(first);
+  namedRecv.data.resize(second);
+  const auto within = std::chrono::seconds(5);
+  auto post = [&] {
+    submit(1, opFor(false, -1, anyRecv, within, 0));
+    submit(1, opFor(false, 0, namedRecv, within, 0));
+  };
+  if (recvsFirst) post();
+  submit(0, opFor(true, 1, m0, within, 0));
+  submit(0, opFor(true, 1, m1, within, 0));
+  for (Slot* s : {&m0, &m1}) waitFor(0, *s);
+  if (!recvsFirst) post();
+  for (Slot* s : {&anyRecv, &namedRecv}) waitFor(1, *s);
+  auto holds = [](const Slot& s, uint8_t v) {
+    return s.done.load() && s.errors.load() == 0 &&
+           std::all_of(s.data.begin(), s.data.end(), [v](uint8_t b) { return b == v; });
+  };
+  const std::string what = label + (recvsFirst ? "receives posted before the sends, " : "sends before the receives, ") +
+                           std::to_string(first) + "- and " + std::to_string(second) + "-byte messages: ";
+  expect(m0.errors.load() == 0 && m1.errors.load() == 0, what + "both sends succeed (" + m0.why + m1.why + ")");
+  expect(holds(anyRecv, 10) && holds(namedRecv, 11),
+         what + "the any-source recv, posted first, gets the first message and the named one the second (" +
+             anyRecv.why + (anyRecv.why.empty() ? "" : "; ") + namedRecv.why + ")");
+}
+
 }  // namespace smddp::test

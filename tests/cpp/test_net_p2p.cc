@@ -5,8 +5,9 @@
 // others wait for it) beside the engine's thread, land whole and in order; a waiter blocked on a
 // recv whose sender never comes is released by the op's deadline, and by shutdown() from
 // another thread; a wait after shutdown returns at once; a rank whose recv timed out tells its
-// peer why (a farewell), and the peer's next recv reports it. tests/test_core_cpp.py also builds
-// it under ThreadSanitizer when clang can. Prints "N passed, N failed".
+// peer why (a farewell), and the peer's next recv reports it; of the receives a message matches,
+// the first posted takes it. tests/test_core_cpp.py also builds it under ThreadSanitizer when
+// clang can. Prints "N passed, N failed".
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -117,6 +118,21 @@ void testFarewell(const std::string& dir) {
          "farewell: the peer's recv fails at once with the reason (" + std::to_string(secs) + " s): " + told.why);
 }
 
+void testFirstPostedReceiveTakes(const std::string& dir, bool recvsFirst, size_t first, size_t second) {
+  FileStore store(dir, std::chrono::seconds(30));
+  auto eng = engines(store, 1);
+  test::firstPostedReceiveTakes(
+      "TCP: ", recvsFirst, first, second, [&](int r, engine::P2pOp op) { eng[r]->submit(std::move(op)); },
+      [&](int r, Slot& s) {
+        const auto until = Clock::now() + std::chrono::seconds(10);
+        while (!s.done.load() && Clock::now() < until) {
+          eng[r]->driveUntil([&s] { return s.done.load(); });
+          if (!s.done.load()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
+      });
+  for (auto& e : eng) e->shutdown();
+}
+
 }  // namespace
 
 int main() {
@@ -133,6 +149,9 @@ int main() {
         });
       },
       testFarewell,
+      [](const std::string& dir) { testFirstPostedReceiveTakes(dir, true, 10, 10); },
+      [](const std::string& dir) { testFirstPostedReceiveTakes(dir, true, 10, 20); },
+      [](const std::string& dir) { testFirstPostedReceiveTakes(dir, false, 10, 20); },
   };
   if (!test::runInOwnDirs("smddp_net_p2p_tests", tests)) return 1;
   return test::report();
