@@ -48,7 +48,8 @@ constexpr Param kParams[] = {
      "1: a Work.wait() (without a time limit) whose op is still queued, and no op running, runs it "
      "on the waiting thread, with any queued ahead of it, instead of waiting for the group's "
      "progress thread to take it (a wake-up each way; where ranks outnumber cores, each waits for a "
-     "core). 0: async ops always run on the progress thread."},
+     "core). 0: async ops run on the progress thread (except one that a callback running there "
+     "waits for: that wait runs it, as it would otherwise wait forever)."},
     {"SMDDP_YIELD_US", "50",
      "When ranks outnumber cores: microseconds a waiting rank keeps yielding its core (so the rank it "
      "waits for can run) before it sleeps on a futex."},
