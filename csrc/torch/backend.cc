@@ -1544,10 +1544,11 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
     work->setSourceRank(peer >= 0 ? peer : source);
     work->complete(error);
   };
-  if (isSend && cudaSendsQueued_.load() > 0) {
+  if (isSend && sendsQueued_.load() > 0) {
     // A CUDA send issued earlier is still on its way to the engine (it waits for the device to
-    // stage its data): this one goes behind it, or a receiver matching by tag would take them swapped.
-    auto submit = [this, o]() mutable {
+    // stage its data), or a send queued behind one: this one goes behind them, counted until it
+    // reaches its engine, so that a send issued meanwhile does not overtake it either.
+    auto submit = [this, o, queued = std::make_shared<QueuedSend>(sendsQueued_)]() mutable {
       try {
         submitP2p(o);
       } catch (...) {

@@ -339,8 +339,18 @@ class SmddpBackend : public c10d::Backend {
   std::mutex cudaFailureMutex_;
   std::exception_ptr cudaFailure_;
   std::atomic<bool> cudaFailed_{false};
-  // CUDA sends issued but not yet handed to the engine: CPU sends queue behind them.
-  std::atomic<int> cudaSendsQueued_{0};
+  // Sends queued on the progress thread, not yet handed to their engine: CUDA sends (waiting
+  // for the device to stage their data) and the CPU sends queued behind them. While any is, a
+  // new send queues behind them too, or a receiver matching by tag would take them swapped.
+  std::atomic<int> sendsQueued_{0};
+  // Counts one such send while it exists (held by its queued task).
+  struct QueuedSend {
+    std::atomic<int>& count;
+    explicit QueuedSend(std::atomic<int>& c) : count(c) { count.fetch_add(1); }
+    ~QueuedSend() { count.fetch_sub(1); }
+    QueuedSend(const QueuedSend&) = delete;
+    QueuedSend& operator=(const QueuedSend&) = delete;
+  };
 };
 
 // An op whose peers did not come in time: a DistBackendError to Python, which

@@ -294,12 +294,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int p
   };
   // Counts this send as queued while its step exists: until it is handed to the engine, or
   // fails, or is never queued.
-  struct Queued {
-    std::atomic<int>& count;
-    explicit Queued(std::atomic<int>& c) : count(c) { count.fetch_add(1); }
-    ~Queued() { count.fetch_sub(1); }
-  };
-  auto queued = std::make_shared<Queued>(cudaSendsQueued_);
+  auto queued = std::make_shared<QueuedSend>(sendsQueued_);
   return enqueueCuda(c10d::OpType::SEND, "smddp:send", {t}, {t}, std::chrono::milliseconds(timeoutMs_.load()), rounds,
                      [&](const CudaPath::Launch&) {
                        return std::vector<CudaStep>{[this, o, queued](algo::Communicator&, std::chrono::milliseconds) {
