@@ -276,21 +276,26 @@ def point_to_point(rank, world, dev):
         check(bool((out == 14).all()), f"recv lands in stream order: got {out[:2].tolist()}")
         check(host_s < 0.05, f"irecv + wait() blocked the host {host_s:.3f} s for a message 0.3 s away")
     dist.barrier()
-    # A CUDA send held up on the device, then a CPU send with the same tag: the receiver must get
-    # them in the order sent.
+    # A CUDA send held up on the device, then CPU sends with the same tag, issued without waiting
+    # (each queued behind the one before until it reaches the engine): the receiver must get them
+    # in the order sent.
     if rank == 0:
         a = torch.full((1000,), 1.0, device=dev)
         torch.cuda._sleep(int(2e8))
         a.fill_(2)
-        dist.isend(a, dst=1, tag=5)
-        dist.send(torch.full((1000,), 3.0), dst=1, tag=5)
+        works = [dist.isend(a, dst=1, tag=5)]
+        works += [dist.isend(torch.full((1000,), float(v)), dst=1, tag=5) for v in range(3, 8)]
+        for w in works:
+            w.wait()
         torch.cuda.synchronize()
     elif rank == 1:
-        first, second = torch.zeros(1000, device=dev), torch.zeros(1000)
+        first, rest = torch.zeros(1000, device=dev), [torch.zeros(1000) for _ in range(3, 8)]
         dist.recv(first, src=0, tag=5)
-        dist.recv(second, src=0, tag=5)
-        check(bool((first == 2).all()) and bool((second == 3).all()),
-              f"CUDA then CPU send, same tag: got {first[0].item()} then {second[0].item()}")
+        for r in rest:
+            dist.recv(r, src=0, tag=5)
+        got = [first[0].item()] + [r[0].item() for r in rest]
+        check(bool((first == 2).all()) and all(bool((r == v).all()) for r, v in zip(rest, range(3, 8))),
+              f"CUDA then CPU sends, same tag: got {got}, want [2.0, 3.0, ..., 7.0]")
     # Sends and receives between collectives on the same tensors.
     t = torch.full((4099,), float(rank + 1), device=dev)
     for _ in range(3):
