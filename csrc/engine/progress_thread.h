@@ -26,9 +26,9 @@ class ProgressThread {
   // Tasks must not throw: each one reports its own outcome (the torch layer completes a Work).
   // A task issued by a running task of this thread (a future's callback, run as an op completes,
   // that issues an op and waits for it: DDP's PowerSGD hook does) runs at once, nested, on the
-  // same thread: queued, it would wait for the task that waits for it. Before it run the queued
-  // tasks numbered below the bound an IssueOrder on this thread sets (none without one): the
-  // ops issued before the callback's future was obtained. Where an op completes before its
+  // same thread: queued, it would wait for the task that waits for it. Before it, the queued
+  // tasks numbered below the bound that an IssueOrder on this thread sets run (none without
+  // one): the ops issued before the callback's future was obtained. Where an op completes before its
   // callback is chained, the callback runs on the caller's thread and its op is queued behind
   // those same tasks, so the op takes the same place on every rank either way, wherever the
   // caller's thread has got to meanwhile.

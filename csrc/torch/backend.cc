@@ -765,9 +765,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
     }
     work->complete(error);
   };
+  work->setRunner(progress_);
   // A blocking call (async_op=False) is waited at once: when the group is idle, running it here
   // saves two thread hand-offs, which dominate small-message latency.
-  work->setRunner(progress_);
   if (!async && progress_->tryRunInline(task)) return work;
   try {
     progress_->enqueue(std::move(task));
