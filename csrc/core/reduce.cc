@@ -1,6 +1,11 @@
 #include "core/reduce.h"
 
+#include <cstdint>
 #include <string>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 #include "core/env.h"
 #include "core/error.h"
@@ -70,6 +75,40 @@ Isa activeIsa() {
   return isa;
 }
 
+// IEEE arithmetic (subnormals kept, round to nearest) while a kernel runs, whatever the calling
+// thread's floating-point mode: a blocking op reduces on the caller's thread, which may flush
+// subnormals to zero (torch.set_flush_denormal(True) sets it there), and an async one on the
+// progress thread, which does not; ranks would get different bits for the same op.
+class IeeeArithmetic {
+ public:
+#if defined(__x86_64__) || defined(__i386__)
+  // MXCSR: flush-to-zero (bit 15), denormals-are-zero (bit 6), rounding control (bits 13-14).
+  static constexpr unsigned kModeBits = 0x8000u | 0x0040u | 0x6000u;
+  IeeeArithmetic() : saved_(_mm_getcsr()) {
+    if ((saved_ & kModeBits) != 0) _mm_setcsr(saved_ & ~kModeBits);
+  }
+  ~IeeeArithmetic() {
+    if ((saved_ & kModeBits) != 0) _mm_setcsr(saved_);
+  }
+
+ private:
+  unsigned saved_;
+#elif defined(__aarch64__)
+  // FPCR: flush-to-zero (bit 24), half-precision flush-to-zero (bit 19), rounding mode (bits 22-23).
+  static constexpr uint64_t kModeBits = (1ull << 24) | (1ull << 19) | (3ull << 22);
+  IeeeArithmetic() {
+    asm volatile("mrs %0, fpcr" : "=r"(saved_));
+    if ((saved_ & kModeBits) != 0) asm volatile("msr fpcr, %0" : : "r"(saved_ & ~kModeBits));
+  }
+  ~IeeeArithmetic() {
+    if ((saved_ & kModeBits) != 0) asm volatile("msr fpcr, %0" : : "r"(saved_));
+  }
+
+ private:
+  uint64_t saved_;
+#endif
+};
+
 void reduceWithIsa(Isa isa, DataType dtype, const Reduction& r, void* dst, const void* const* srcs, int n,
                    size_t count) {
   kernels::ReduceFn fn = lookup(isa, dtype, r.op);
@@ -77,6 +116,7 @@ void reduceWithIsa(Isa isa, DataType dtype, const Reduction& r, void* dst, const
     throwError(ErrorCode::kNotSupported, "smddp: reduce op %s is not supported on %s", reduceOpName(r.op),
                dataTypeName(dtype));
   }
+  const IeeeArithmetic ieee;
   fn(dst, srcs, n, count, r);
 }
 

@@ -1,6 +1,7 @@
 // Torch-free check of the reduce and copy kernels: every instruction-set variant this CPU supports, for
 // every dtype x reduce op the core accepts, against a plain reference, with block tails and
 // several source counts. Prints one line per failure and a closing "N passed, N failed".
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -9,6 +10,10 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 #include "core/copy.h"
 #include "core/reduce.h"
@@ -341,6 +346,86 @@ void checkStreamingCopy() {
 
 }  // namespace
 
+// float16 NaNs: every instruction set, and a block's elements and its tail's alike, give the same
+// bits (F16C's: the payload's top kept, quieted), so ranks on hosts with different CPUs, or an
+// element's place in the message, never change a result's bits.
+void checkHalfNanBitsAgree() {
+  const size_t n = 65536 + 37;  // every pattern, then a tail of NaNs
+  std::vector<uint16_t> in(n), ones(n, 0x3c00);
+  for (size_t i = 0; i < n; ++i) in[i] = static_cast<uint16_t>(i < 65536 ? i : 0x7c01 + 97 * (i - 65536));
+  std::vector<uint16_t> first;
+  Isa firstIsa = Isa::kScalar;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (!isaSupported(isa)) continue;
+    std::vector<uint16_t> out(2 * n);
+    const void* one = in.data();
+    const void* two[2] = {in.data(), ones.data()};
+    reduceWithIsa(isa, DataType::kFloat16, Reduction{ReduceOp::kMax}, out.data(), &one, 1, n);
+    reduceWithIsa(isa, DataType::kFloat16, Reduction{ReduceOp::kSum}, out.data() + n, two, 2, n);
+    if (first.empty()) {
+      first = out;
+      firstIsa = isa;
+      continue;
+    }
+    size_t bad = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (out[i] != first[i] && bad++ < 3) {
+        printf("FAIL float16 %s of 0x%04x: %s gives 0x%04x, %s 0x%04x\n", i < n ? "max" : "sum with 1.0",
+               in[i % n], isaName(isa), out[i], isaName(firstIsa), first[i]);
+      }
+    }
+    (bad == 0 ? passed : failed)++;
+  }
+  size_t bad = 0;  // and every NaN keeps its payload's top, quieted
+  for (size_t i = 0; i < n; ++i) {
+    const uint16_t x = in[i];
+    if ((x & 0x7c00) == 0x7c00 && (x & 0x3ff) && first[i] != (x | 0x0200) && bad++ < 3) {
+      printf("FAIL float16 max of NaN 0x%04x gave 0x%04x on %s, not 0x%04x\n", x, first[i], isaName(firstIsa),
+             x | 0x0200);
+    }
+  }
+  (bad == 0 ? passed : failed)++;
+}
+
+// Flush-to-zero and denormals-are-zero set on the calling thread (torch.set_flush_denormal(True)
+// does) must not change a result: a blocking op reduces on the caller's thread, an async one on
+// the progress thread, and ranks would disagree. The thread's mode is back as it was afterwards.
+void checkFlushToZeroIgnored() {
+#if defined(__x86_64__)
+  const unsigned original = _mm_getcsr();
+  const unsigned flushing = original | 0x8040u;  // FTZ | DAZ
+  auto mode = [] { return _mm_getcsr(); };
+  auto set = [](unsigned m) { _mm_setcsr(m); };
+#elif defined(__aarch64__)
+  uint64_t original;
+  asm volatile("mrs %0, fpcr" : "=r"(original));
+  const uint64_t flushing = original | (1ull << 24);  // FZ
+  auto mode = [] {
+    uint64_t m;
+    asm volatile("mrs %0, fpcr" : "=r"(m));
+    return m;
+  };
+  auto set = [](uint64_t m) { asm volatile("msr fpcr, %0" : : "r"(m)); };
+#else
+  printf("SKIP flush-to-zero: no mode control on this architecture\n");
+  return;
+#endif
+  const uint32_t tiny = 0x000b1c00u;  // a float32 subnormal, ~1.02e-39
+  std::vector<uint32_t> a(100, tiny), b(100, tiny), out(100);
+  const void* srcs[2] = {a.data(), b.data()};
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (!isaSupported(isa)) continue;
+    set(flushing);
+    reduceWithIsa(isa, DataType::kFloat32, Reduction{ReduceOp::kSum}, out.data(), srcs, 2, out.size());
+    const auto after = mode();
+    set(original);
+    const bool kept = std::all_of(out.begin(), out.end(), [](uint32_t v) { return v == 2 * 0x000b1c00u; });
+    if (!kept) printf("FAIL %s float32 sum of subnormals under flush-to-zero gave 0x%08x\n", isaName(isa), out[0]);
+    if (after != flushing) printf("FAIL %s: the caller's floating-point mode was not restored\n", isaName(isa));
+    (kept && after == flushing ? passed : failed)++;
+  }
+}
+
 int main() {
   std::mt19937 rng(12345);
   const size_t counts[] = {0, 1, 5, 63, 64, 65, 1000, 4099};
@@ -366,6 +451,8 @@ int main() {
     checkFloat8(isa);
     checkHalfRounding(isa);
   }
+  checkHalfNanBitsAgree();
+  checkFlushToZeroIgnored();
   checkStreamingCopy();
   printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
