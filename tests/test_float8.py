@@ -9,8 +9,11 @@ rounds once per reduction step, like the 16-bit floats.
 * Every reducing collective on 1-4 ranks, one host and across emulated hosts, small and large
   (pipelined) sizes. Across hosts a partial result is rounded to float8 before it travels (as
   NCCL does), so inputs come from domains where every partial result is exact: then the result
-  must equal the single-rounding reference bit for bit."""
+  must equal the single-rounding reference bit for bit. AVG and PREMUL_SUM scale each host's
+  partial sum before that rounding (unscaled, it could saturate or overflow where the result does
+  not): their reference rounds each host's scaled partial, then the sum."""
 import functools
+import os
 
 import pytest
 import torch
@@ -34,14 +37,32 @@ def _op(opname, dtype):
     return make_op(opname, dtype)
 
 
-def reference(inputs, opname, dtype):
-    """The ranks' values combined in float32 in rank order, finalised, converted by torch."""
-    acc = functools.reduce(COMBINE[opname], [t.float() for t in inputs])
-    if opname == "AVG":
-        acc = acc / len(inputs)
-    elif opname in FACTOR:
-        acc = acc * FACTOR[opname]
+def reference(inputs, opname, dtype, hosts=None, factor=None):
+    """The ranks' values combined in float32 in rank order, finalised, converted by torch
+    (PREMUL_SUM's factor: `factor`, else FACTOR's). `hosts` (each rank's host, host_layout()):
+    AVG and PREMUL_SUM scale each host's partial sum and round it to the type before it travels
+    (where an unscaled partial could saturate or overflow), then add the hosts' partials: two
+    roundings."""
+    scales = opname == "AVG" or opname.startswith("PREMUL")
+    factor = 1.0 / len(inputs) if opname == "AVG" else factor or FACTOR.get(opname, 1.0)
+    combine = torch.add if scales else COMBINE[opname]
+    if hosts is not None and scales:
+        parts = [(functools.reduce(torch.add, [t.float() for t, h in zip(inputs, hosts) if h == host]) * factor
+                  if opname != "AVG" else
+                  functools.reduce(torch.add, [t.float() for t, h in zip(inputs, hosts) if h == host]) / len(inputs))
+                 .to(dtype).float() for host in sorted(set(hosts))]
+        return functools.reduce(torch.add, parts).to(dtype)
+    acc = functools.reduce(combine, [t.float() for t in inputs])
+    if scales:
+        acc = acc / len(inputs) if opname == "AVG" else acc * factor
     return acc.to(dtype)
+
+
+def host_layout():
+    """Each rank's emulated host (SMDDP_HOST_ID), as every rank sees it; None on one host."""
+    ids = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, os.environ.get("SMDDP_HOST_ID"))
+    return ids if len(set(ids)) > 1 else None
 
 
 def mismatch(got, want, inputs):
@@ -50,17 +71,21 @@ def mismatch(got, want, inputs):
     else the first differing element and the count."""
     got = got.cpu()
     g, w = got.float(), want.float()
-    bad = ~((got.view(torch.uint8) == want.view(torch.uint8)) | (g.isnan() & w.isnan()) | ((g == 0) & (w == 0)))
+    as_bits = {1: torch.uint8, 2: torch.int16}[got.element_size()]  # float8, or float16
+    gb, wb = got.view(as_bits), want.view(as_bits)
+    bad = ~((gb == wb) | (g.isnan() & w.isnan()) | ((g == 0) & (w == 0)))
     if not bad.any():
         return ""
     i = int(bad.nonzero()[0, 0])
-    return (f"element {i}: inputs {[float(t[i]) for t in inputs]} got {float(got[i])} (0x{int(got.view(torch.uint8)[i]):02x}) "
-            f"want {float(want[i])} (0x{int(want.view(torch.uint8)[i]):02x}); {int(bad.sum())} wrong")
+    mask = (1 << (8 * got.element_size())) - 1
+    return (f"element {i}: inputs {[float(t[i]) for t in inputs]} got {float(got[i])} (0x{int(gb[i]) & mask:02x}) "
+            f"want {float(want[i])} (0x{int(wb[i]) & mask:02x}); {int(bad.sum())} wrong")
 
 
 def every_pair_task(rank, world, device="cpu"):
     """Rank 0 holds each of the 256 patterns 256 times, rank 1 the 256 patterns in turn."""
     rep = Report(rank)
+    hosts = host_layout()
     codes = torch.arange(256).to(torch.uint8)
     for dtype in FLOAT8:
         ins = [codes.repeat_interleave(256).view(dtype), codes.repeat(256).view(dtype)]
@@ -69,7 +94,7 @@ def every_pair_task(rank, world, device="cpu"):
             with rep.cell(label):
                 t = ins[rank].to(device, copy=True)
                 dist.all_reduce(t, op=_op(opname, dtype))
-                want = reference(ins, opname, dtype)
+                want = reference(ins, opname, dtype, hosts)
                 why = mismatch(t, want, ins)
                 rep.expect(not why, f"{label}: " + why)
     return rep.to_dict()
@@ -90,12 +115,13 @@ def exact_inputs(key, rank, n, dtype, opname):
 
 def collectives_task(rank, world, n, device="cpu"):
     rep = Report(rank)
+    hosts = host_layout()
     for dtype in FLOAT8:
         name = str(dtype)[6:]
         for opname in OPS:
             label = f"{name} {opname} n={n} world={world}"
             ins = [exact_inputs("ar", r, n, dtype, opname) for r in range(world)]
-            want = reference(ins, opname, dtype)
+            want = reference(ins, opname, dtype, hosts)
             with rep.cell(f"all_reduce {label}"):
                 t = ins[rank].to(device, copy=True)
                 dist.all_reduce(t, op=_op(opname, dtype))
@@ -109,7 +135,7 @@ def collectives_task(rank, world, n, device="cpu"):
                 rep.expect(not why, f"reduce {label} (root {world - 1}): " + why)
             blocks = [exact_inputs("rs", r, n * world, dtype, opname) for r in range(world)]
             parts = [b[rank * n:(rank + 1) * n] for b in blocks]  # what this rank's block reduces
-            mine = reference(parts, opname, dtype)
+            mine = reference(parts, opname, dtype, hosts)
             with rep.cell(f"reduce_scatter_tensor {label}"):
                 out = torch.zeros(n, dtype=dtype, device=device)
                 dist.reduce_scatter_tensor(out, blocks[rank].to(device, copy=True), op=_op(opname, dtype))
@@ -130,6 +156,39 @@ def collectives_task(rank, world, n, device="cpu"):
             rep.expect_refusal(f"BXOR on {name}", lambda: dist.all_reduce(torch.zeros(3, dtype=dtype, device=device),
                                                                          op=dist.ReduceOp.BXOR))
     return rep.to_dict()
+
+
+def large_partials_task(rank, world):
+    """AVG and PREMUL_SUM(1/world) of values near the top of float16 and float8, the same on every
+    rank: a host's unscaled partial sum would overflow (float16, e5m2) or saturate (e4m3fn), the
+    scaled result does not. Until 2026-11-29 hosts of two or more ranks got inf or a saturated
+    value (e4m3fn: 224 for 300) where one host got the right result."""
+    rep = Report(rank)
+    hosts = host_layout()
+    for dtype, v in ((torch.float16, 40000.0), (torch.float8_e4m3fn, 300.0), (torch.float8_e5m2, 40000.0)):
+        for opname in ("AVG", "PREMUL_SUM_W"):
+            op = dist.ReduceOp.AVG if opname == "AVG" else dist._make_nccl_premul_sum(1.0 / world)
+            ins = [torch.full((1001,), v).to(dtype) for _ in range(world)]
+            want = reference(ins, opname, dtype, hosts, factor=1.0 / world)
+            label = f"{str(dtype)[6:]} {opname} of {v} on every rank, world={world}"
+            rep.expect(want.float().isfinite().all() and abs(float(want[0]) - float(ins[0][0])) <= 0.125 * v,
+                       f"{label}: the reference itself is off ({float(want[0])})")
+            with rep.cell(f"all_reduce {label}"):
+                t = ins[rank].clone()
+                dist.all_reduce(t, op=op)
+                why = mismatch(t, want, ins)
+                rep.expect(not why, f"all_reduce {label}: " + why)
+            with rep.cell(f"reduce_scatter_tensor {label}"):
+                out = torch.zeros(1001, dtype=dtype)
+                dist.reduce_scatter_tensor(out, torch.cat(ins).clone(), op=op)
+                why = mismatch(out, want, ins)
+                rep.expect(not why, f"reduce_scatter_tensor {label}: " + why)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("hosts", [None, "01", "0011", "001", "0111"])
+def test_large_partials_across_hosts(pools, hosts):
+    pools.check(len(hosts) if hosts else 3, large_partials_task, hosts=hosts)
 
 
 @pytest.mark.parametrize("hosts", [None, "01"], ids=["one-host", "two-hosts"])

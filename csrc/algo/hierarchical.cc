@@ -70,6 +70,22 @@ Reduction partialOf(const Reduction& r) {
   return r;
 }
 
+// The reductions of a hierarchical op's two stages: among a host's ranks, then among hosts. AVG
+// and PREMUL_SUM scale once, at the last stage, except on the narrow floats (float16, float8),
+// where a host's partial sum, rounded to the type before it travels, could lie past its range
+// (float16 overflows past 65504, e4m3fn saturates at 448) while the scaled result does not: there
+// each host scales its partial, and the hosts add. bfloat16 has float32's range.
+struct Stages {
+  Reduction local, net;
+  bool hostsScale = false;  // the local stage scales (then it must run even where it copies nothing)
+};
+Stages stagesOf(DataType dt, const Reduction& r) {
+  if (r.op != ReduceOp::kAvg && r.op != ReduceOp::kPremulSum) return {r, r};
+  const bool narrow = dt == DataType::kFloat16 || dt == DataType::kFloat8E4M3 || dt == DataType::kFloat8E5M2;
+  if (narrow) return {r, Reduction{ReduceOp::kSum}, true};
+  return {Reduction{ReduceOp::kSum}, r};
+}
+
 // Segments of an allreduce: S = the largest host's rank count; on a host of `Lh` ranks, local
 // rank l owns segments [l*S/Lh, (l+1)*S/Lh).
 int firstSegment(int S, int Lh, int l) { return l * S / Lh; }
@@ -294,13 +310,14 @@ void hierAllreduce(HierContext& ctx, const AllreduceOptions& o) {
   auto rangeBegin = [&](int li) { return segs.begin(firstSegment(S, L, li)); };
   auto rangeEnd = [&](int li) { return segs.begin(firstSegment(S, L, li + 1)); };
 
-  ReduceScatterOptions rs{o.dtype, partialOf(o.reduction), {}, bytes(out) + rangeBegin(l) * es, 0, {}};
+  const Stages stages = stagesOf(o.dtype, o.reduction);
+  ReduceScatterOptions rs{o.dtype, stages.local, {}, bytes(out) + rangeBegin(l) * es, 0, {}};
   for (int li = 0; li < L; ++li) {
     rs.inputs.push_back(bytes(o.input) + rangeBegin(li) * es);
     rs.counts.push_back(rangeEnd(li) - rangeBegin(li));
   }
   // Alone on its host and in place, the local stage would copy the message onto itself.
-  if (L > 1 || out != o.input) reduceScatter(ctx.local, rs);
+  if (L > 1 || out != o.input || stages.hostsScale) reduceScatter(ctx.local, rs);
 
   // Small messages cross the network in one hop (the test is on the message, the same on every
   // rank: what a host's ranks send together, not one segment, decides whether it pays).
@@ -312,11 +329,11 @@ void hierAllreduce(HierContext& ctx, const AllreduceOptions& o) {
     }
     auto* segment = bytes(out) + segs.begin(s) * es;
     if (ctx.algo == NetAlgo::kRing) {
-      netAllreduceRing(ctx, owners, h, s, o.dtype, o.reduction, segment, segs.size(s));
+      netAllreduceRing(ctx, owners, h, s, o.dtype, stages.net, segment, segs.size(s));
     } else if (oneShot) {
-      netAllreduceOneShot(ctx, owners, h, s, o.dtype, o.reduction, segment, segs.size(s));
+      netAllreduceOneShot(ctx, owners, h, s, o.dtype, stages.net, segment, segs.size(s));
     } else {
-      netAllreduceMesh(ctx, owners, h, s, o.dtype, o.reduction, segment, segs.size(s));
+      netAllreduceMesh(ctx, owners, h, s, o.dtype, stages.net, segment, segs.size(s));
     }
   }
 
@@ -382,8 +399,11 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
     partialAt[k] = total;
     total += cnt(mine[k]) * es;
   }
-  // A rank alone on its host sends its input blocks as they are: there is nothing to reduce locally.
-  const size_t recvAt = L == 1 ? 0 : total;
+  // A rank alone on its host sends its input blocks as they are: there is nothing to reduce
+  // locally, unless the hosts scale their partials (stagesOf).
+  const Stages stages = stagesOf(o.dtype, o.reduction);
+  const bool asTheyAre = L == 1 && !stages.hostsScale;
+  const size_t recvAt = asTheyAre ? 0 : total;
   // The network stage is one streamed exchange: every partial goes to its owner in pieces, and
   // the owner reduces piece k of its block as soon as the last host's piece k is in, while later
   // pieces are still arriving. Pieces are cut from the block's size alone, alike on both ends.
@@ -393,12 +413,16 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
   ContributionSlots slots(pieces, peers, std::min(piece, cnt(me)) * es, ctx.bufferBytes);
   uint8_t* tmp = ctx.scratchBytes(recvAt + slots.bytes());
   slots.place(tmp + recvAt);
-  auto partial = [&](size_t k) -> const void* { return L == 1 ? o.inputs[mine[k]] : tmp + partialAt[k]; };
+  auto partial = [&](size_t k) -> const void* { return asTheyAre ? o.inputs[mine[k]] : tmp + partialAt[k]; };
 
   size_t rounds = 0;
   for (const auto& b : blocks) rounds = std::max(rounds, b.size());
+  for (size_t k = 0; k < mine.size() && L == 1 && !asTheyAre; ++k) {
+    const void* in = o.inputs[mine[k]];
+    reduce(o.dtype, stages.local, tmp + partialAt[k], &in, 1, cnt(mine[k]));
+  }
   for (size_t k = 0; k < rounds && L > 1; ++k) {
-    ReduceScatterOptions rs{o.dtype, partialOf(o.reduction), std::vector<const void*>(L, o.inputs[0]),
+    ReduceScatterOptions rs{o.dtype, stages.local, std::vector<const void*>(L, o.inputs[0]),
                             k < mine.size() ? tmp + partialAt[k] : nullptr, 0, std::vector<size_t>(L, 0)};
     for (int li = 0; li < L; ++li) {
       if (k >= blocks[li].size()) continue;
@@ -440,7 +464,7 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
     if (!slots.arrive(p)) return;
     const size_t at = p * piece;
     for (int k = 0, i = 0; k < H; ++k) srcs[k] = k == h ? own + at * es : slots.slot(p, i++);  // host order
-    reduce(o.dtype, o.reduction, bytes(o.output) + at * es, srcs.data(), H, pieceSpan(cnt(me), at, piece));
+    reduce(o.dtype, stages.net, bytes(o.output) + at * es, srcs.data(), H, pieceSpan(cnt(me), at, piece));
     slots.markReduced(p);
   };
   ctx.mesh->exchange(ctx.tag(0), sends, recvs, ctx.local.wait, ctx.schedule(), received);
