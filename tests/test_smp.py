@@ -152,7 +152,7 @@ def delayed_init_task(rank, world, degree):
 
     rep = Report(rank)
     tag = f"delayed init hybrid_shard_degree={degree} world={world}"
-    tsm.init({"hybrid_shard_degree": degree})
+    st = tsm.init({"hybrid_shard_degree": degree})
     eager = _mlp()
     with torch.device("meta"):
         model = _mlp()
@@ -166,14 +166,43 @@ def delayed_init_task(rank, world, degree):
     _close(rep, f"{tag}: loss", _loss(model, _local(x, rank), _local(y, rank)).detach(),
            _loss(eager, _local(x, rank), _local(y, rank)).detach(), cross_rank=False, **TOL64)
 
+    # From reset_parameters(), with every rank's RNG seeded alike (init's random_seed): the eager
+    # model's values, shard for shard (each module initialised whole, then this rank's shard
+    # kept; initialising the shards themselves would draw every shard from the same seed, so the
+    # shards of a weight would be copies of each other). The RNG ends where the eager build left it.
+    # float32 throughout: _mlp draws in float32 and casts, and float64 draws other values.
     with torch.device("meta"):
-        fresh = _mlp()
+        fresh = _mlp(torch.float32)  # its manual_seed: on the meta device nothing is drawn
     tsm.apply_hybrid_sharding(fresh)
+    torch.manual_seed(1234)  # _mlp's seed
     tsm.materialize(fresh)
+    after = torch.rand(4, dtype=torch.float64)
+    eager = _mlp(torch.float32)
+    rep.expect(torch.equal(after, torch.rand(4, dtype=torch.float64)), f"{tag}: the RNG is not where the eager "
+                                                                       "build leaves it")
     rep.expect(not any(t.is_meta for t in fresh.parameters()), f"{tag}: meta tensors left by reset_parameters")
     rep.expect(sum(p.numel() for p in fresh.parameters()) == sum(p.numel() for p in eager.parameters()),
                f"{tag}: parameter count changed")
-    rep.expect(all(torch.isfinite(p.full_tensor()).all() for p in fresh.parameters()), f"{tag}: non-finite values")
+    for (name, p), want in zip(fresh.named_parameters(), eager.parameters()):
+        rep.expect(torch.equal(p.full_tensor(), want.detach()), f"{tag}: reset_parameters: {name} differs from "
+                                                                f"the eager model")
+        shards = p.full_tensor().chunk(st.hybrid_shard_degree)
+        rep.expect(len({tuple(c.flatten().tolist()) for c in shards}) == len(shards),
+                   f"{tag}: reset_parameters: shards of {name} are copies of each other")
+    # Ranks seeded differently (no random_seed; e.g. a per-rank data seed): still one model,
+    # drawn from rank 0's RNG, every replica the same; each rank's own RNG stream is left alone.
+    with torch.device("meta"):
+        fresh = _mlp(torch.float32)
+    tsm.apply_hybrid_sharding(fresh)
+    torch.manual_seed(1234 if rank == 0 else 500 + rank)
+    tsm.materialize(fresh, init_fn=lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    after = torch.rand(4, dtype=torch.float64)
+    torch.manual_seed(500 + rank)
+    rep.expect(rank == 0 or torch.equal(after, torch.rand(4, dtype=torch.float64)),
+               f"{tag}: a rank's own RNG stream changed")
+    for (name, p), want in zip(fresh.named_parameters(), eager.parameters()):
+        # digests compared across ranks too: every replica of a shard holds the same values
+        rep.check(f"{tag}: differently seeded ranks: {name}", p.full_tensor(), want.detach())
     return rep.to_dict()
 
 
@@ -294,6 +323,52 @@ def test_activation_offloading_prefetch_order_and_bound(horizon):
             assert ev.index(("load", i - horizon + 1)) < ev.index(("release", i)), (i, ev)
     assert off.max_resident == min(horizon, blocks), off.max_resident
     assert ev[-1] == ("release", 0)
+
+
+def test_activation_offloading_keeps_each_forwards_tensors_apart():
+    """Saved activations belong to the forward pass that saved them. A forward run with grad
+    enabled but never backpropagated (a validation loss without torch.no_grad()) must not leave
+    its host copies behind for the next backward to load with its own (wrong tensors, then an
+    IndexError, and host memory that grows step after step): they go when its graph is freed,
+    and while that graph lives its backward, run late, still gets its own tensors. Gradient
+    accumulation (two forwards, then one backward of their sum) keeps working."""
+    torch.manual_seed(0)
+    blocks = 4
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+                                  for _ in range(blocks)]).double()
+    ref = copy.deepcopy(model)
+    off = tsm.apply_activation_offloading(model, blocks=list(model), horizon=2)
+    x = [torch.randn(4, 8, dtype=torch.float64) for _ in range(5)]
+
+    def same_gradients(label, loss):
+        model.zero_grad()
+        ref.zero_grad()
+        loss(model).backward()
+        loss(ref).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), f"{label}: gradient of {name}"
+
+    def held():  # calls of a block whose host copies are still held, per block
+        counts = {}
+        for kind, block in off.events:
+            counts[block] = counts.get(block, 0) + (kind == "offload") - (kind in ("release", "drop"))
+        return {b: n for b, n in counts.items() if n}
+
+    model(x[0]).pow(2).sum()  # a graph freed at once, without backward
+    assert held() == {}, off.events
+    assert sorted(b for kind, b in off.events if kind == "drop") == list(range(blocks)), off.events
+    pending = model(x[1]).pow(2).sum()  # a graph kept, backpropagated only at the end
+    for step in range(2):
+        same_gradients(f"step {step} after a forward without backward", lambda m: m(x[2]).pow(2).sum())
+    same_gradients("two forwards, one backward", lambda m: m(x[3]).pow(2).sum() + m(x[4]).pow(2).sum())
+    assert held() == {b: 1 for b in range(blocks)}, off.events  # only the pending graph's
+    model.zero_grad()
+    pending.backward()
+    ref.zero_grad()
+    ref(x[1]).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), f"the pending graph's late backward: gradient of {name}"
+    assert held() == {} and off.max_resident <= 2, (off.max_resident, off.events)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

@@ -7,8 +7,9 @@ hybrid sharding, with tensor parallelism and with expert parallelism, contiguous
 steps against the same model unsplit in one process: each rank's logits (its part of the
 sequence), the loss (transformers' own, from labels), gradients and parameters equal within
 float64 tolerance. Plus rank 0's weights taken by ranks that hold others
-(load_state_dict_from_rank0), and every refusal (unsupported model, transforming twice, padding,
-a length that does not split, inputs_embeds, a key/value cache, an unknown cp_comm_type,
+(load_state_dict_from_rank0), the loss as the Hugging Face Trainer asks for it (num_items_in_batch,
+return_dict=False), and every refusal (unsupported model, transforming twice, padding, packed
+sequences, a length that does not split, inputs_embeds, a key/value cache, an unknown cp_comm_type,
 attention dropout in the ring, SMP's MoEConfig, rank 0's weights into a meta model).
 
 Every rank builds the model from the config's random_seed, keeps an unsplit copy as the
@@ -255,3 +256,107 @@ def refusals_task(rank, world):
 
 def test_refusals(pools):
     pools.check(2, refusals_task, timeout=300)
+
+
+def _group_mean(loss):
+    """The mean over the ranks of the CP group (here: every rank) of their shares of the loss."""
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return mean / dist.get_world_size()
+
+
+def trainer_loss_task(rank, world, family, comm, balance):
+    """The loss as the Hugging Face Trainer asks for it: labels with ignored (-100) tokens, and
+    num_items_in_batch (the labelled tokens of all the micro-batches of a gradient accumulation
+    step, by which transformers then divides the summed token losses instead of this batch's
+    count: the Trainer passes it to models whose forward takes **kwargs and then skips its own
+    division by the accumulation steps); and return_dict=False, where transformers returns a
+    tuple with the loss first. The CP group's mean must be the unsplit model's loss in every
+    case (float64 here; transformers' own loss is float32, compared with float32 tolerance)."""
+    rep = Report(rank)
+    tag = f"{family} {comm}{' load-balanced' if balance else ''} Trainer-style loss"
+    tsm.init({"context_parallel_degree": world, "random_seed": 5, "context_parallel_load_balance": balance})
+    overrides = {"output_router_logits": True} if family in MOE else None
+    model = _model(family, overrides)
+    ref = copy.deepcopy(model)
+    tsm.transform(model, cp_comm_type=comm)
+    tokens = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    labels = tokens.clone()
+    labels[0, :5] = -100  # e.g. a prompt
+    labels[1, SEQ - 3:] = -100  # e.g. padding in the labels only
+    logits = ref(tokens).logits
+    sums = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction="sum")
+    aux = ref(tokens).get("aux_loss")
+    balance_term = 0 if aux is None else model.router_aux_loss_coef * aux.detach()
+    count = int((labels[:, 1:] != -100).sum())
+    for items in (None, 40, torch.tensor(40)):  # 40: more than this micro-batch's labelled tokens
+        with rep.cell(f"{tag}: num_items_in_batch={items}"):
+            kw = {} if items is None else {"num_items_in_batch": items}
+            got = _group_mean(model(tokens, labels=labels, **kw).loss)
+            want = sums.detach() / (count if items is None else int(items)) + balance_term
+            _close(rep, f"{tag}: num_items_in_batch={items}: loss", got, want, rtol=1e-9, atol=1e-12)
+            hf = ref(tokens, labels=labels, **kw).loss.detach()  # transformers' own (float32)
+            _close(rep, f"{tag}: num_items_in_batch={items}: against transformers' loss", got, hf.to(got.dtype),
+                   rtol=1e-6, atol=1e-6)
+    with rep.cell(f"{tag}: return_dict=False"):
+        got = model(tokens, labels=labels, return_dict=False)
+        # CP runs without a key/value cache: the reference neither (its tuple would hold the cache).
+        want = ref(tokens, labels=labels, return_dict=False, use_cache=False)
+        rep.expect(isinstance(got, tuple) and len(got) == len(want),
+                   f"{tag}: return_dict=False gave {type(got).__name__} of {len(got)}, expected a tuple of {len(want)}")
+        _close(rep, f"{tag}: return_dict=False: the loss first", _group_mean(got[0]), want[0].detach().to(got[0].dtype),
+               rtol=1e-6, atol=1e-6)
+        mine = tsm.context_parallel_shard(torch.arange(SEQ)[None])[0]
+        logits_at = 2 if family in MOE else 1  # (loss, aux_loss, logits, router_logits) for MoE models
+        _close(rep, f"{tag}: return_dict=False: the logits", got[logits_at], want[logits_at][:, mine],
+               cross_rank=False, rtol=1e-9, atol=1e-12)
+        unlabelled = model(tokens, return_dict=False)[logits_at - 1]  # no loss: one place earlier
+        rep.expect(unlabelled.shape == (2, SEQ // world, model.config.vocab_size),
+                   f"{tag}: return_dict=False without labels: no logits at {logits_at - 1}")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("family, comm, balance", [("llama", "p2p", False), ("llama", "all_gather", True),
+                                                   ("mixtral", "p2p", False)])
+def test_cp2_trainer_loss_matches_single_process(pools, family, comm, balance):
+    pools.check(2, trainer_loss_task, family, comm, balance, timeout=300)
+
+
+def packed_task(rank, world, comm):
+    """Packed sequences: position_ids that restart within a row (0..7, 0..7). transformers (sdpa,
+    no attention_mask, no cache) attends within each packed sequence only (a block-diagonal
+    mask); context parallelism's attention knows only the causal mask over the whole row, so it
+    must refuse rather than attend across the sequences' boundaries. An explicit all-ones
+    attention_mask (transformers then attends over the whole row too) and offset positions that
+    do not restart are accepted and match the unsplit model."""
+    rep = Report(rank)
+    tag = f"packed sequences {comm}"
+    tsm.init({"context_parallel_degree": world, "random_seed": 5})
+    model = _build("llama")[0]
+    ref = copy.deepcopy(model)
+    tsm.transform(model, cp_comm_type=comm)
+    tokens = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    half = torch.arange(SEQ // 2)
+    packed = torch.cat([half, half]).expand(2, -1)
+    for label, pos in (("restarting", packed), ("restarting, [1, S]", packed[:1]),
+                       ("with a gap", torch.cat([half, half + 20]).expand(2, -1))):
+        _refused(rep, f"{tag}: {label} position_ids", lambda: model(tokens, position_ids=pos, labels=tokens),
+                 NotImplementedError, "packed sequences", "position_ids")
+    mine = tsm.context_parallel_shard(torch.arange(SEQ)[None])[0]
+    ones = torch.ones_like(tokens)
+    with rep.cell(f"{tag}: all-ones attention_mask"):
+        _close(rep, f"{tag}: packed position_ids with an all-ones attention_mask: logits",
+               model(tokens, attention_mask=ones, position_ids=packed).logits,
+               ref(tokens, attention_mask=ones, position_ids=packed).logits[:, mine], cross_rank=False,
+               rtol=1e-9, atol=1e-12)
+    offset = torch.arange(SEQ).expand(2, -1) + torch.tensor([[0], [9]])
+    with rep.cell(f"{tag}: offset positions"):
+        _close(rep, f"{tag}: offset position_ids: logits", model(tokens, position_ids=offset).logits,
+               ref(tokens, position_ids=offset).logits[:, mine], cross_rank=False, rtol=1e-9, atol=1e-12)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+def test_cp2_refuses_packed_sequences(pools, comm):
+    pools.check(2, packed_task, comm, timeout=300)

@@ -36,6 +36,7 @@ under another hybrid_shard_degree), warnings when the CUDA caching allocator flu
 import json
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -387,6 +388,63 @@ class CacheFlushWatch:
 _UNSET = object()
 
 
+def _rank0_rng_state():
+    """(rank 0's CPU RNG state, whether every rank's equals it); collective where distributed."""
+    state_now = torch.get_rng_state()
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return state_now, True
+    shared = [state_now]
+    dist.broadcast_object_list(shared, src=0)
+    same = torch.tensor([int(torch.equal(shared[0], state_now))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return shared[0], bool(same.item())
+
+
+def _init_module_whole(module, init):
+    """init(module) on the module's whole parameters: each sharded parameter (a DTensor) it owns
+    directly is swapped for a full-size plain tensor for the call, then this rank's shard of it
+    is copied into the DTensor's local tensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    sharded = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    full = {}
+    for name, p in sharded.items():
+        full[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device),
+                                  requires_grad=p.requires_grad)
+        module._parameters[name] = full[name]
+    try:
+        init(module)
+    finally:
+        for name, p in sharded.items():
+            module._parameters[name] = p
+    for name, p in sharded.items():
+        # No communication (src_data_rank=None): every rank holds the same full tensor.
+        mine = distribute_tensor(full[name].detach(), p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(mine.to_local())
+
+
+def _initialise_whole(model, init_fn):
+    """materialize()'s initialisation without a state dict (see its docstring)."""
+    def init(module):
+        if init_fn is not None:
+            init_fn(module)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    # Modules with nothing to run: no full-size copies for them.
+    modules = [m for m in model.modules() if init_fn is not None or hasattr(m, "reset_parameters")]
+    shared, same = _rank0_rng_state()
+    with torch.no_grad():
+        if same:  # the RNG runs on as in the eager build
+            for module in modules:
+                _init_module_whole(module, init)
+        else:  # rank 0's stream for the model; each rank's own state back afterwards
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(shared)
+                for module in modules:
+                    _init_module_whole(module, init)
+
+
 def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     """Delayed parameter initialisation for a model built on the meta device and then sharded
     (apply_hybrid_sharding): allocates only this rank's shards on the CPU and fills them.
@@ -395,7 +453,18 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
       0's full state dict, broadcast shard by shard, so the model equals the one rank 0 built
       eagerly (same seed, same values) without any other rank holding the whole model.
     - otherwise: `init_fn(module)` for every module if given, else each module's own
-      `reset_parameters()` (the local shards get valid random values, not the eager ones).
+      `reset_parameters()`, module by module in model.modules() order, on the module's whole
+      parameters: those it owns directly that are sharded (DTensors) are swapped for temporary
+      full-size tensors while it runs, and each rank then keeps its own shard of them. Collective:
+      every rank draws from rank 0's CPU RNG state, so every replica of a shard holds the same
+      values and the shards of a parameter are parts of one draw (initialising the shards
+      themselves would draw each from its own rank's RNG: copies of each other where ranks are
+      seeded alike). Where every rank's RNG is seeded alike (the config's random_seed) the RNG
+      simply runs on, and a model whose modules initialise in their construction order (e.g.
+      torch.nn layers' reset_parameters) gets exactly the eager model's values, in the same
+      dtype; where the ranks' RNGs differ, each rank's own RNG state is left as it was. Memory:
+      besides the shards, one module's directly owned parameters at full size at a time (e.g. a
+      token embedding's vocabulary x hidden size), on every rank.
 
     Raises RuntimeError if a meta tensor is left or the parameter count changed. Returns the model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -413,12 +482,7 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                    broadcast_from_rank0=distributed))
     else:
-        with torch.no_grad():
-            for module in model.modules():
-                if init_fn is not None:
-                    init_fn(module)
-                elif hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
+        _initialise_whole(model, init_fn)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"smddp.smp.materialize: still on the meta device: {', '.join(left)}")
@@ -509,6 +573,27 @@ def apply_activation_checkpointing(model, blocks=None):
     return model
 
 
+class _Saved:
+    """What one call of a block's forward saved for backward: host copies in save order, then the
+    loaded tensors. Only the handles pack() gives autograd refer to it, so it lives exactly as
+    long as the graph that saved it (the offloader keeps a weak reference)."""
+
+    __slots__ = ("block", "seq", "after", "host", "loaded", "left", "__weakref__")
+
+    def __init__(self, block, seq, after):
+        self.block, self.seq, self.after = block, seq, after  # after: seq of the block's previous call
+        self.host, self.loaded, self.left = [], None, 0
+
+
+class _Handle:
+    """pack()'s answer for one saved tensor: which call saved it, and its place there."""
+
+    __slots__ = ("saved", "index")
+
+    def __init__(self, saved, index):
+        self.saved, self.index = saved, index
+
+
 class ActivationOffloader:
     """Moves the activations autograd saves in each block's forward to host memory and brings
     them back for the backward pass, `horizon` blocks ahead: when block i's backward needs its
@@ -516,6 +601,13 @@ class ActivationOffloader:
     a block's loaded tensors are dropped as autograd takes them. So at most about `horizon`
     blocks' activations are on the device at once during backward; `max_resident` records it
     and `events` the order of "offload"/"load"/"release" per block, for tests and tuning.
+
+    Each call of a block's forward keeps its own saved tensors, owned by the autograd graph that
+    saved them: a forward whose graph is freed without backward (e.g. a validation loss computed
+    with grad enabled) drops them then ("drop" in `events`), and a backward only ever loads its
+    own forward's tensors, whatever other graphs are alive (gradient accumulation: several
+    forwards, one backward, each block call prefetching the previous block's call of the same
+    forward pass).
 
     On CUDA the host copies are pinned and move on a side stream; on CPU the "host" is the same
     memory, so offloading only exercises the logic (the gradients must not change)."""
@@ -526,8 +618,10 @@ class ActivationOffloader:
         self.horizon = horizon
         self.events = []
         self.max_resident = 0
-        self._host = {}    # block -> [host copy, ...] in save order
-        self._device = {}  # block -> [device tensor or None once taken, ...]
+        self._calls = 0
+        self._last_call = {}  # block -> seq of its latest call
+        self._saved = {}      # block -> {seq: weak reference to _Saved}: held host copies of live graphs
+        self._resident = {}   # seq -> block: calls whose tensors are loaded
         self._stream = None
 
     def _side_stream(self):
@@ -535,7 +629,26 @@ class ActivationOffloader:
             self._stream = torch.cuda.Stream()
         return self._stream
 
-    def pack(self, block, t):
+    def begin(self, block):
+        """A call of block `block`'s forward starts: the record its saved tensors go to (pass it
+        to pack)."""
+        seq, self._calls = self._calls, self._calls + 1
+        after = self._last_call.get(block, -1)
+        self._last_call[block] = seq
+        return _Saved(block, seq, after)
+
+    def _forget(self, block, seq):
+        """A weak reference's callback: the graph holding call `seq` of `block` is freed."""
+        def forget(_ref):
+            calls = self._saved.get(block)
+            if calls is not None and calls.pop(seq, None) is not None:
+                if not calls:
+                    del self._saved[block]
+                self._resident.pop(seq, None)
+                self.events.append(("drop", block))
+        return forget
+
+    def pack(self, saved, t):
         if t.is_leaf and t.requires_grad:  # a parameter: FSDP manages its memory, keep it as is
             return ("param", t)
         if t.device.type == "cuda":
@@ -547,17 +660,19 @@ class ActivationOffloader:
             t.record_stream(stream)
         else:
             host = t.detach().clone()
-        saved = self._host.setdefault(block, [])
-        if not saved:
-            self.events.append(("offload", block))
-        saved.append((host, t.device))
-        return (block, len(saved) - 1)
+        if not saved.host:
+            self.events.append(("offload", saved.block))
+            self._saved.setdefault(saved.block, {})[saved.seq] = weakref.ref(saved, self._forget(saved.block,
+                                                                                                  saved.seq))
+        saved.host.append((host, t.device))
+        saved.left += 1
+        return _Handle(saved, len(saved.host) - 1)
 
-    def _load(self, block):
-        if block in self._device or block not in self._host:
+    def _load(self, saved):
+        if saved.loaded is not None or saved.host is None:
             return
         loaded = []
-        for host, device in self._host[block]:
+        for host, device in saved.host:
             if device.type == "cuda":
                 stream = self._side_stream()
                 with torch.cuda.stream(stream):
@@ -565,26 +680,46 @@ class ActivationOffloader:
                 loaded.append((t, stream))
             else:
                 loaded.append((host, None))
-        self._device[block] = loaded
-        self.events.append(("load", block))
-        self.max_resident = max(self.max_resident, len(self._device))
+        saved.loaded = loaded
+        self._resident[saved.seq] = saved.block
+        self.events.append(("load", saved.block))
+        self.max_resident = max(self.max_resident, len(self._resident))
+
+    def _earlier(self, block, saved):
+        """Block `block`'s call of the same forward pass as `saved`: its latest call before
+        `saved`'s and after the previous call of `saved`'s block; None if none is held."""
+        best = None
+        for seq, ref in list(self._saved.get(block, {}).items()):
+            if saved.after < seq < saved.seq and (best is None or seq > best[0]):
+                best = (seq, ref)
+        return best[1]() if best is not None else None
 
     def unpack(self, handle):
-        block, index = handle
-        if block == "param":
-            return index
-        self._load(block)
-        for ahead in range(block - 1, block - self.horizon, -1):
-            self._load(ahead)
-        t, stream = self._device[block][index]
+        if isinstance(handle, tuple):  # ("param", parameter)
+            return handle[1]
+        saved, index = handle.saved, handle.index
+        if saved.host is None:
+            raise RuntimeError("smddp.smp: activation offloading gives each saved tensor to backward once; "
+                               "a second backward through the same graph (retain_graph=True) is not supported")
+        self._load(saved)
+        for ahead in range(saved.block - 1, saved.block - self.horizon, -1):
+            earlier = self._earlier(ahead, saved)
+            if earlier is not None:
+                self._load(earlier)
+        t, stream = saved.loaded[index]
         if stream is not None:
             torch.cuda.current_stream().wait_stream(stream)
             t.record_stream(torch.cuda.current_stream())
-        self._device[block][index] = None
-        if all(x is None for x in self._device[block]):
-            del self._device[block]
-            del self._host[block]
-            self.events.append(("release", block))
+        saved.loaded[index] = None
+        saved.left -= 1
+        if not saved.left:
+            saved.host = saved.loaded = None
+            calls = self._saved.get(saved.block, {})
+            calls.pop(saved.seq, None)
+            if not calls:
+                self._saved.pop(saved.block, None)
+            self._resident.pop(saved.seq, None)
+            self.events.append(("release", saved.block))
         return t
 
 
@@ -598,7 +733,8 @@ def apply_activation_offloading(model, blocks=None, horizon=None):
         forward = block.forward
 
         def offloaded(*args, _forward=forward, _index=index, **kwargs):
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: off.pack(_index, t), off.unpack):
+            saved = off.begin(_index)  # this call's tensors, owned by the graph it builds
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: off.pack(saved, t), off.unpack):
                 return _forward(*args, **kwargs)
 
         block.forward = offloaded

@@ -30,9 +30,14 @@ care which sequence a token belongs to. Mixture-of-experts models' load-balancin
 (output_router_logits) is computed over the CP group's tokens (see _balance_loss).
 
 Loss and gradients: a CP rank's loss is the sum over its own tokens divided by 1/degree of the
-batch's labelled tokens, so the mean over the CP group is exactly the batch's mean loss (what the
-unsplit model returns), and data parallelism (FSDP2 over all ranks, CP ranks included) averaging
-the ranks' gradients gives exactly its gradient.
+batch's labelled tokens (or of num_items_in_batch where the caller, e.g. the Hugging Face
+Trainer, passes it: transformers then divides by it), so the mean over the CP group is exactly
+the loss the unsplit model returns, and data parallelism (FSDP2 over all ranks, CP ranks
+included) averaging the ranks' gradients gives exactly its gradient.
+
+Not supported: padding, and packed sequences (position_ids that restart within a row, which
+transformers turns into a block-diagonal mask): the CP attention knows only the causal mask of
+the whole row, so both are refused (NotImplementedError) rather than attended across.
 """
 
 import torch
@@ -170,10 +175,17 @@ def _balance_loss(model, router_logits, group, degree):
     return torch.sum((counts / total) * (probs / total).unsqueeze(0)) * experts
 
 
+def _packed(position_ids):
+    """Whether position_ids describe packed sequences the way transformers reads them: somewhere
+    in a row a position is not the previous one plus 1 (e.g. 0..5, 0..5)."""
+    return bool((position_ids[..., 1:] - position_ids[..., :-1] != 1).any())
+
+
 def _split_forward(model, degree, rank):
     forward = model.forward
 
-    def split(input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
+    def split(input_ids=None, attention_mask=None, position_ids=None, labels=None, num_items_in_batch=None,
+              return_dict=None, **kwargs):
         if input_ids is None:
             raise NotImplementedError("smddp.smp: with context parallelism the model takes input_ids (the full "
                                       "sequences), not inputs_embeds")
@@ -182,11 +194,21 @@ def _split_forward(model, degree, rank):
                                       "with zeros); pack or trim the sequences")
         if kwargs.get("past_key_values") is not None or kwargs.pop("use_cache", None):
             raise NotImplementedError("smddp.smp: context parallelism is for training: no key/value cache")
+        if position_ids is not None and attention_mask is None and _packed(position_ids):
+            # transformers (no attention_mask, no cache) then attends within each packed sequence
+            # only; the CP attention knows only the causal mask over the whole row and would attend
+            # across the sequences' boundaries: different logits, silently.
+            raise NotImplementedError("smddp.smp: context parallelism does not support packed sequences "
+                                      "(position_ids that restart or jump within a row, which transformers turns "
+                                      "into a block-diagonal attention mask): its attention would cross the "
+                                      "sequences' boundaries; give each sequence its own row")
         length = input_ids.shape[1]
         mine = local_tokens(length, degree, rank, _balanced()).to(input_ids.device)
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
-        out = forward(input_ids=input_ids[:, mine], position_ids=position_ids[:, mine], use_cache=False, **kwargs)
+        # Always an output object, so that the loss can be set; a tuple at the end if asked for.
+        out = forward(input_ids=input_ids[:, mine], position_ids=position_ids[:, mine], use_cache=False,
+                      return_dict=True, **kwargs)
         routed = kwargs.get("output_router_logits")
         if routed is None:
             routed = getattr(model.config, "output_router_logits", False)
@@ -198,16 +220,29 @@ def _split_forward(model, degree, rank):
             out.aux_loss = _balance_loss(model, out.router_logits, state.cp_group, degree)
         if labels is not None:
             # Each token's target is the next token of the whole sequence, the last one's none (as
-            # transformers' own loss). The sum over this rank's tokens is divided by 1/degree of
-            # the batch's labelled tokens, so that the CP group's mean is the batch's mean loss.
+            # transformers' own loss). transformers divides the summed token losses by
+            # num_items_in_batch where given (the Trainer's count over its accumulated
+            # micro-batches), else by the batch's labelled tokens; each rank divides its own sum
+            # by 1/degree of that, so that the CP group's mean is the unsplit model's loss.
             targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
-            share = max(int((targets != -100).sum()), 1) / degree
             logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
-            out.loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, mine].reshape(-1),
-                                       ignore_index=-100, reduction="sum") / share
+            summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, mine].reshape(-1),
+                                     ignore_index=-100, reduction="sum")
+            if num_items_in_batch is None:
+                loss = summed / (max(int((targets != -100).sum()), 1) / degree)
+            else:
+                if torch.is_tensor(num_items_in_batch):
+                    num_items_in_batch = num_items_in_batch.to(summed.device)
+                loss = summed * degree / num_items_in_batch
             if balance:
-                out.loss = out.loss + model.router_aux_loss_coef * out.aux_loss
-        return out
+                loss = loss + model.router_aux_loss_coef * out.aux_loss
+            # A new output rather than out.loss = ...: a field that was None is not among a
+            # ModelOutput's keys, so out["loss"], out[0] and to_tuple() would not see it.
+            out = type(out)(**{**out, "loss": loss})
+        if return_dict is None:
+            return_dict = getattr(model.config, "return_dict", True)
+        # As transformers with return_dict=False: the fields that are not None, the loss first.
+        return out if return_dict else out.to_tuple()
 
     return split
 
