@@ -511,6 +511,36 @@ def different_collectives_task(rank, world, odd, mine, theirs):
     return rep.to_dict()
 
 
+def premul_factors_differ_task(rank, world, odd, op):
+    """Rank `odd` passes PREMUL_SUM another factor than the others: NCCL would scale each rank's
+    input by its own factor; smddp scales the sum once, so it refuses, on every rank, naming the
+    factors' tags. Until 2026-11-29 each rank scaled the sum by its own factor: ranks ended with
+    different results, silently."""
+    rep = Report(rank)
+    factor = dist._make_nccl_premul_sum(0.25 if rank == odd else 0.5)
+    try:
+        if op == "all_reduce":
+            dist.all_reduce(torch.ones(1000), op=factor)
+        else:
+            dist.reduce_scatter_tensor(torch.empty(1000), torch.ones(1000 * world), op=factor)
+        dist.all_reduce(torch.ones(1))
+        rep.fail(f"rank {rank}: PREMUL_SUM factors that differ on rank {odd} did not raise")
+    except Exception as e:  # noqa: BLE001
+        text = str(e)
+        rep.expect("collectives do not match across ranks" in text and text.count("premul_sum, factor #") == 2,
+                   f"rank {rank}: the error does not show both factors' tags: {text}")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("topo, odd", [("00", 1), ("01", 0), ("001", 2), ("0011", 1)])
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter_tensor"])
+def test_premul_factors_that_differ_are_an_error(pools, topo, odd, op):
+    try:
+        check(pools, topo, premul_factors_differ_task, odd, op, timeout=120)
+    finally:
+        pools.discard(len(topo), topo, NET_ENV)
+
+
 @pytest.mark.parametrize("topo, odd, mine, theirs", [
     ("001", 2, "all_reduce", "reduce"), ("001", 0, "all_gather", "gather"), ("0011", 3, "all_reduce", "reduce"),
     ("0011", 3, "all_gather", "gather"), ("012", 1, "all_gather", "all_reduce"),

@@ -19,6 +19,11 @@
 namespace smddp::algo {
 
 namespace {
+// What a PREMUL_SUM's signature carries of its factor (OpSignature::factor).
+uint16_t factorOf(const Reduction& r) {
+  return r.op == ReduceOp::kPremulSum ? OpSignature::factorTag(r.premulFactor) : 0;
+}
+
 void logParamsOnce() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -270,7 +275,7 @@ void Communicator::abandon(std::string what) {
 
 void Communicator::allreduce(const AllreduceOptions& opts, std::chrono::milliseconds timeout) {
   const OpSignature op{opts.root >= 0 ? OpKind::kReduce : OpKind::kAllreduce, opts.dtype, opts.reduction.op,
-                       opts.root};
+                       opts.root, factorOf(opts.reduction)};
   runEither(op, timeout, [&](OpContext& ctx) { algo::allreduce(ctx, opts); },
             [&](HierContext& hc) { hierAllreduce(hc, opts); });
 }
@@ -343,7 +348,7 @@ void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::millisecon
 }
 
 void Communicator::reduceScatter(const ReduceScatterOptions& opts, std::chrono::milliseconds timeout) {
-  runEither({OpKind::kReduceScatter, opts.dtype, opts.reduction.op}, timeout,
+  runEither({OpKind::kReduceScatter, opts.dtype, opts.reduction.op, -1, factorOf(opts.reduction)}, timeout,
             [&](OpContext& ctx) { algo::reduceScatter(ctx, opts); },
             [&](HierContext& hc) { hierReduceScatter(hc, opts); });
 }

@@ -1,5 +1,8 @@
 #include "core/types.h"
 
+#include <cstdio>
+#include <cstring>
+
 namespace smddp {
 
 size_t elementSize(DataType dtype) {
@@ -100,9 +103,12 @@ const char* opKindName(OpKind kind) {
   return "?";
 }
 
+// Bits: kind 0-7, dtype 8-15, reduce op 16-23, factor 24-31 (low byte) and 56-63 (high byte),
+// root + 1 32-55.
 uint64_t OpSignature::packed() const {
   return static_cast<uint64_t>(kind) | static_cast<uint64_t>(dtype) << 8 | static_cast<uint64_t>(redop) << 16 |
-         static_cast<uint64_t>(static_cast<uint32_t>(root + 1)) << 32;
+         static_cast<uint64_t>(factor & 0xff) << 24 | (static_cast<uint64_t>(root + 1) & 0xffffff) << 32 |
+         static_cast<uint64_t>(factor >> 8) << 56;
 }
 
 OpSignature OpSignature::unpack(uint64_t packed) {
@@ -110,8 +116,16 @@ OpSignature OpSignature::unpack(uint64_t packed) {
   s.kind = static_cast<OpKind>(packed & 0xff);
   s.dtype = static_cast<DataType>((packed >> 8) & 0xff);
   s.redop = static_cast<ReduceOp>((packed >> 16) & 0xff);
-  s.root = static_cast<int>(static_cast<int64_t>(packed >> 32) - 1);  // a header's bits may be anything
+  s.factor = static_cast<uint16_t>(((packed >> 24) & 0xff) | ((packed >> 56) << 8));
+  s.root = static_cast<int>(static_cast<int64_t>((packed >> 32) & 0xffffff) - 1);  // a header's bits may be anything
   return s;
+}
+
+uint16_t OpSignature::factorTag(double factor) {
+  uint64_t bits;
+  std::memcpy(&bits, &factor, sizeof(bits));
+  bits *= 0x9e3779b97f4a7c15ull;  // every bit of the factor reaches the top 16
+  return static_cast<uint16_t>(bits >> 48);
 }
 
 std::string OpSignature::describe(uint64_t seq) const {
@@ -119,6 +133,11 @@ std::string OpSignature::describe(uint64_t seq) const {
   std::string out = std::string(opKindName(kind)) + " #" + std::to_string(seq) + " (" +
                     (static_cast<int>(dtype) < kNumDataTypes ? dataTypeName(dtype) : "?");
   if (reduces) out += std::string(", ") + (static_cast<int>(redop) < kNumReduceOps ? reduceOpName(redop) : "?");
+  if (reduces && redop == ReduceOp::kPremulSum) {
+    char tag[24];
+    std::snprintf(tag, sizeof(tag), ", factor #%04x", factor);
+    out += tag;
+  }
   if (root >= 0) out += ", root " + std::to_string(root);
   return out + ")";
 }

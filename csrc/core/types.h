@@ -73,11 +73,16 @@ struct OpSignature {
   OpKind kind = OpKind::kBarrier;
   DataType dtype = DataType::kUInt8;
   ReduceOp redop = ReduceOp::kSum;  // kSum for ops that reduce nothing
-  int root = -1;                    // -1 for ops without one
+  int root = -1;                    // -1 for ops without one (packed in 24 bits)
+  // PREMUL_SUM: a 16-bit hash of the factor (factorTag()), so that ranks passing different
+  // factors fail instead of each scaling the sum by its own; 0 otherwise.
+  uint16_t factor = 0;
 
   uint64_t packed() const;  // never 0 (0: no signature, e.g. point-to-point)
   static OpSignature unpack(uint64_t packed);
-  std::string describe(uint64_t seq) const;  // "reduce #7 (float32, max, root 3)"
+  // "reduce #7 (float32, max, root 3)"; "allreduce #2 (float16, premul_sum, factor #3f1c)"
+  std::string describe(uint64_t seq) const;
+  static uint16_t factorTag(double factor);
 };
 
 // A reduction as the kernels see it: the operator plus the scalars its finalisation needs.
