@@ -330,7 +330,26 @@ double valueOf(ReduceOp op, DataType dt, int W, int r, size_t i) {
   const bool sums = op == ReduceOp::kSum || op == ReduceOp::kAvg;
   return sums && !carries ? 0 : 1 + static_cast<double>((r + i * 3) % 4);
 }
-double reduced(ReduceOp op, DataType dt, int W, size_t i) {
+// `v` rounded to the nearest value of format `f`, ties to even (within its finite range).
+double roundToMinifloat(double v, Minifloat f) {
+  if (v == 0) return v;
+  const int e = std::max(std::ilogb(v), 1 - f.bias);  // subnormals share the smallest normal's step
+  const double step = std::ldexp(1.0, e - f.mantBits);
+  return std::nearbyint(v / step) * step;
+}
+// What an op leaves in element i, before the final rounding to its type (close()). A float8
+// AVG across hosts scales each host's partial sum and rounds it before the hosts add
+// (hierarchical.cc's stagesOf): rounded twice.
+double reduced(ReduceOp op, DataType dt, int W, size_t i, const Topology& topo) {
+  if (op == ReduceOp::kAvg && isFloat8(dt) && topo.hosts() > 1) {
+    double acc = 0;
+    for (const std::vector<int>& host : topo.members) {
+      double partial = 0;
+      for (int r : host) partial += valueOf(op, dt, W, r, i);
+      acc += roundToMinifloat(partial / W, dt == DataType::kFloat8E4M3 ? kE4M3 : kE5M2);
+    }
+    return acc;
+  }
   double acc = valueOf(op, dt, W, 0, i);
   for (int r = 1; r < W; ++r) {
     const double v = valueOf(op, dt, W, r, i);
@@ -342,14 +361,8 @@ double reduced(ReduceOp op, DataType dt, int W, size_t i) {
   if (op == ReduceOp::kAvg) acc = isFloatingPoint(dt) ? acc / W : std::trunc(acc / W);
   return acc;
 }
-// `v` rounded to the nearest value of format `f`, ties to even (within its finite range).
-double roundToMinifloat(double v, Minifloat f) {
-  if (v == 0) return v;
-  const int e = std::max(std::ilogb(v), 1 - f.bias);  // subnormals share the smallest normal's step
-  const double step = std::ldexp(1.0, e - f.mantBits);
-  return std::nearbyint(v / step) * step;
-}
-// float8 is checked exactly (an AVG rounds once, at its division). Elsewhere sums past the types'
+// float8 is checked exactly (an AVG rounds once, at its division, and across hosts also each
+// host's scaled partial: reduced()). Elsewhere sums past the types'
 // exact integers round, at most once per reduction step, by half a unit in the last place.
 bool close(DataType dt, double got, double want) {
   if (dt == DataType::kFloat8E4M3) return got == roundToMinifloat(want, kE4M3);
@@ -395,16 +408,17 @@ void runOp(algo::Communicator& c, const Args& a, const Case& k, void* in, void* 
   }
 }
 
-size_t countWrong(const Args& a, const Case& k, const void* out, const Shape& s, int rank, int W) {
+size_t countWrong(const Args& a, const Case& k, const void* out, const Shape& s, int rank, int W,
+                  const Topology& topo) {
   size_t wrong = 0;
   for (size_t i = 0; i < s.outElems; ++i) {
     double want;
-    if (a.coll == "all_reduce") want = reduced(k.op, k.dt, W, i);
+    if (a.coll == "all_reduce") want = reduced(k.op, k.dt, W, i, topo);
     else if (a.coll == "broadcast") want = valueOf(k.op, k.dt, W, a.root, i);
     else if (a.coll == "all_gather") want = valueOf(k.op, k.dt, W, static_cast<int>(i / s.inElems), i % s.inElems);
     else if (a.coll == "all_to_all") want = valueOf(k.op, k.dt, W, static_cast<int>(i / (s.outElems / W)),
                                                     rank * (s.outElems / W) + i % (s.outElems / W));
-    else want = reduced(k.op, k.dt, W, rank * s.outElems + i);
+    else want = reduced(k.op, k.dt, W, rank * s.outElems + i, topo);
     wrong += !close(k.dt, load(k.dt, out, i), want);
   }
   return wrong;
@@ -507,7 +521,7 @@ int rankMain(const Args& a, int rank, Store& store) {
         if (a.check) {
           for (size_t i = 0; i < s.inElems; ++i) storeValue(k.dt, src, i, valueOf(k.op, k.dt, W, rank, i));
           runOp(comm, a, k, src, dst, s, W, scratch.data());
-          wrong = static_cast<long>(countWrong(a, k, dst, s, rank, W));
+          wrong = static_cast<long>(countWrong(a, k, dst, s, rank, W, comm.topology()));
         }
         for (int i = 0; i < a.warmup; ++i) runOp(comm, a, k, src, dst, s, W, scratch.data());
         int iters = a.iters;
