@@ -151,7 +151,12 @@ bool TcpMesh::holdsRest(const Conn& c, std::optional<std::string>& farewell) {
   // A peer that gave up between two messages left its farewell where the next would start. A
   // failure path, and the socket holds at most its buffer: peeking at all of it is affordable.
   std::vector<char> peeked(std::min(have, rest + kHeaderBytes + wire::kMaxFarewellBytes));
-  const ssize_t k = peeked.empty() ? 0 : recv(c.fd, peeked.data(), peeked.size(), MSG_PEEK | MSG_DONTWAIT);
+  // The bytes are there (FIONREAD counted them), but a peek may come back short or fail (a
+  // signal): ask again, a few times.
+  ssize_t k = 0;
+  for (int tries = 0; tries < 16 && static_cast<size_t>(std::max<ssize_t>(k, 0)) < peeked.size(); ++tries) {
+    k = recv(c.fd, peeked.data(), peeked.size(), MSG_PEEK | MSG_DONTWAIT);
+  }
   const size_t seen = k > 0 ? static_cast<size_t>(k) : 0;
   size_t at = 0;
   for (size_t i = c.recvsDone; at < seen; ++i) {
