@@ -44,18 +44,16 @@ def reference(inputs, opname, dtype, hosts=None, factor=None):
     (where an unscaled partial could saturate or overflow), then add the hosts' partials: two
     roundings."""
     scales = opname == "AVG" or opname.startswith("PREMUL")
-    factor = 1.0 / len(inputs) if opname == "AVG" else factor or FACTOR.get(opname, 1.0)
-    combine = torch.add if scales else COMBINE[opname]
+    factor = factor or FACTOR.get(opname, 1.0)
+
+    def finish(acc):  # AVG is a true division
+        return acc / len(inputs) if opname == "AVG" else acc * factor if scales else acc
+
     if hosts is not None and scales:
-        parts = [(functools.reduce(torch.add, [t.float() for t, h in zip(inputs, hosts) if h == host]) * factor
-                  if opname != "AVG" else
-                  functools.reduce(torch.add, [t.float() for t, h in zip(inputs, hosts) if h == host]) / len(inputs))
+        parts = [finish(functools.reduce(torch.add, [t.float() for t, h in zip(inputs, hosts) if h == host]))
                  .to(dtype).float() for host in sorted(set(hosts))]
         return functools.reduce(torch.add, parts).to(dtype)
-    acc = functools.reduce(combine, [t.float() for t in inputs])
-    if scales:
-        acc = acc / len(inputs) if opname == "AVG" else acc * factor
-    return acc.to(dtype)
+    return finish(functools.reduce(torch.add if scales else COMBINE[opname], [t.float() for t in inputs])).to(dtype)
 
 
 def host_layout():

@@ -33,6 +33,7 @@ under another hybrid_shard_degree), warnings when the CUDA caching allocator flu
 (fsdp_cache_flush_warnings).
 """
 
+import contextlib
 import json
 import os
 import warnings
@@ -434,15 +435,13 @@ def _initialise_whole(model, init_fn):
     # Modules with nothing to run: no full-size copies for them.
     modules = [m for m in model.modules() if init_fn is not None or hasattr(m, "reset_parameters")]
     shared, same = _rank0_rng_state()
-    with torch.no_grad():
-        if same:  # the RNG runs on as in the eager build
-            for module in modules:
-                _init_module_whole(module, init)
-        else:  # rank 0's stream for the model; each rank's own state back afterwards
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(shared)
-                for module in modules:
-                    _init_module_whole(module, init)
+    # Seeded alike, the RNG runs on as in the eager build; else rank 0's stream for the model, and
+    # each rank's own state back afterwards.
+    with torch.no_grad(), contextlib.nullcontext() if same else torch.random.fork_rng(devices=[]):
+        if not same:
+            torch.set_rng_state(shared)
+        for module in modules:
+            _init_module_whole(module, init)
 
 
 def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
