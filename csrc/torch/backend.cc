@@ -387,8 +387,12 @@ void SmddpWork::blockCurrentStream() {
 
 void SmddpWork::traceStarted() { FlightRecorder::get().started(traceId_); }
 
-c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFuture() {
+void SmddpWork::noteCallbacksAfter() {
   if (runner_) callbacksAfter_.store(runner_->issued(), std::memory_order_release);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFuture() {
+  noteCallbacksAfter();
   return future_;
 }
 
@@ -432,7 +436,7 @@ void SmddpWork::complete(std::exception_ptr error) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFutureResult() {
-  if (runner_) callbacksAfter_.store(runner_->issued(), std::memory_order_release);  // as getFuture()'s
+  noteCallbacksAfter();
   c10::intrusive_ptr<c10::ivalue::Future> f;
   bool markNow = false;
   {

@@ -106,7 +106,8 @@ class SmddpWork : public c10d::Work {
   bool resultMarked_ = false;
   std::shared_ptr<engine::P2pDriver> p2pDriver_;
   std::shared_ptr<engine::ProgressThread> runner_;
-  std::atomic<uint64_t> callbacksAfter_{0};  // runner_'s issued() at the last getFuture()
+  std::atomic<uint64_t> callbacksAfter_{0};  // runner_'s issued() at the last getFuture*()
+  void noteCallbacksAfter();  // a future is handed out: its callbacks' ops go after what is issued
   int pgId_ = 0;
   int64_t traceId_ = -1;
 };
