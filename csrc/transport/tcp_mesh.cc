@@ -110,6 +110,8 @@ void TcpMesh::closeAll(std::string_view farewell) {
   }
   for (int fd : listenFds_) close(fd);
   listenFds_.clear();
+  for (const EarlyDial& e : early_) close(e.fd);
+  early_.clear();
 }
 
 std::vector<std::unique_ptr<TcpMesh::Conn>>& TcpMesh::lanesTo(int rank) {
@@ -293,6 +295,39 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
     if (!sendWithin(d.fd, &h, sizeof(h), wait.deadline)) refused(d, errno != 0 ? errno : ETIMEDOUT);
     d.introduced = true;
   };
+  // Connections kept from an earlier round for this one: admitted now.
+  for (auto e = early_.begin(); e != early_.end();) {
+    const auto w = std::find(waiting.begin(), waiting.end(), e->from * lanes_ + e->lane);
+    if (w == waiting.end()) {
+      ++e;
+      continue;
+    }
+    if (!sendWithin(e->fd, &wire::kHelloAccepted, 1, wait.deadline)) {
+      const int err = errno, from = e->from;
+      close(e->fd);
+      early_.erase(e);
+      throwError(ErrorCode::kRemoteError, "rank %d: rank %d closed its connection before this rank could accept it: %s",
+                 rank, from, errnoString(err).c_str());
+    }
+    waiting.erase(w);
+    makeConn(e->from, e->lane, e->fd);
+    e = early_.erase(e);
+  }
+  // A peer below may dial for a later round while this rank still waits in this one: a lane of
+  // that peer not connected, not waited for now and not kept already.
+  auto laterRounds = [&] {
+    std::vector<int> later;
+    for (int p = 0; p < rank; ++p) {
+      for (int lane = 0; lane < lanes_; ++lane) {
+        const int key = p * lanes_ + lane;
+        const bool held = lane < static_cast<int>(conns_[p].size()) && conns_[p][lane];
+        const bool kept = std::any_of(early_.begin(), early_.end(),
+                                      [&](const EarlyDial& e) { return e.from == p && e.lane == lane; });
+        if (!held && !kept && std::find(waiting.begin(), waiting.end(), key) == waiting.end()) later.push_back(key);
+      }
+    }
+    return later;
+  };
   // A connection from below: anything that does not introduce itself as an expected peer of this
   // group, with the group's secret, is dropped.
   auto acceptPeer = [&](int listenFd) {
@@ -302,8 +337,14 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
     if (fd < 0) return;
     wire::Hello h{};
     const auto helloDeadline = std::min(wait.deadline, Clock::now() + kHelloTimeout);
-    const bool ok =
-        recvWithin(fd, &h, sizeof(h), helloDeadline) && wire::helloAccepted(h, secret_, rank, lanes_, waiting);
+    const bool introduced = recvWithin(fd, &h, sizeof(h), helloDeadline);
+    if (introduced && !wire::helloAccepted(h, secret_, rank, lanes_, waiting) &&
+        wire::helloAccepted(h, secret_, rank, lanes_, laterRounds())) {
+      SMDDP_INFO(kNet, "rank %d: rank %d (lane %d) connected for a later round: kept for it", rank, h.from, h.lane);
+      early_.push_back({fd, h.from, h.lane});
+      return;
+    }
+    const bool ok = introduced && wire::helloAccepted(h, secret_, rank, lanes_, waiting);
     if (!ok || !sendWithin(fd, &wire::kHelloAccepted, 1, wait.deadline)) {
       SMDDP_WARN(kNet, "rank %d: refused a connection from %s (not a peer of this group, or a bad handshake)", rank,
                  addressText(from).c_str());

@@ -110,6 +110,13 @@ class TcpMesh {
   std::atomic<int> connCount_{0};
   int lanes_ = 1;  // connections per peer (SMDDP_NET_SOCKETS_PER_PEER, rank 0's value)
   std::vector<int> listenFds_;  // one per address
+  // Connections from peers below that arrived before this rank's connect() wanted them (the peer
+  // reached a later round, e.g. all_to_all's, while this rank waited in an earlier one for a slower
+  // rank): accepted and introduced, their 'K' deferred to the round that wants them.
+  struct EarlyDial {
+    int fd, from, lane;
+  };
+  std::vector<EarlyDial> early_;
   std::string secret_;
   size_t chunkBytes_;
 };

@@ -6,7 +6,8 @@
 // over several connections per pair arrive intact and are reported once, and a size mismatch is
 // caught on the first stripe; a peer that goes away is reported promptly;
 // a later connection round adds the missing connections of a group (a rank with none to add
-// taking part); a dial to a peer that never answers ends at the deadline or an abort; an exchange
+// taking part), and a dial for a later round that comes while its peer is still in an earlier one
+// is kept for the later round; a dial to a peer that never answers ends at the deadline or an abort; an exchange
 // that times out says what it still waits for from each peer; a peer that gives up says why
 // (unless it left in the middle of a message), and a farewell that arrives in parts is read whole;
 // a peer that closes after sending everything it owes, its messages held by the receiver, lets the
@@ -782,46 +783,80 @@ void testPeerLeftWhileReceiveHeld(const std::string& dir) {
 
 // Three ranks, each its own host: the mesh starts as a chain 0-1-2; a second round connects 0
 // and 2 (rank 1, with nothing to add, takes part), then every pair exchanges.
+// Sends `out` to each of `peers` and receives as many bytes from each into in[peer], in one
+// exchange.
+void exchangeWithEach(net::TcpMesh& mesh, const std::vector<int>& peers, const std::vector<uint8_t>& out,
+                      std::vector<uint8_t>* in) {
+  std::vector<net::Send> sends;
+  std::vector<net::Recv> recvs;
+  for (int p : peers) {
+    in[p].assign(out.size(), 0);
+    sends.push_back({p, out.data(), out.size()});
+    recvs.push_back({p, in[p].data(), out.size()});
+  }
+  mesh.exchange(net::makeTag(1, 0), sends, recvs, waitFor(std::chrono::seconds(20)), net::Schedule::kMesh);
+}
+
+// Runs rank(0), rank(1) and rank(2) on three threads; says what they threw ("" if nothing).
+std::string onThreeThreads(const std::function<void(int)>& rank) {
+  std::string errors[3];
+  std::thread threads[3];
+  for (int r = 0; r < 3; ++r) {
+    threads[r] = std::thread([&, r] {
+      try {
+        rank(r);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (errors[0].empty() && errors[1].empty() && errors[2].empty()) return "";
+  return "[" + errors[0] + "] [" + errors[1] + "] [" + errors[2] + "]";
+}
+
 void testConnectLater(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
   const std::vector<std::vector<int>> chain = {{1}, {0, 2}, {1}}, everyone = {{1, 2}, {0, 2}, {0, 1}};
-  std::string errors[3];
   bool before[3] = {}, after[3] = {};
   std::vector<uint8_t> in[3][3];
-  auto rank = [&](int r) {
-    try {
-      auto mesh = meshOf(store, threeHosts(r), chain[r]);
-      for (int p : everyone[r]) before[r] |= mesh->connected(p) != (r + p != 2);
-      mesh->connect(store, everyone[r], waitFor(std::chrono::seconds(30)));
-      for (int p : everyone[r]) after[r] |= !mesh->connected(p);
-      std::vector<uint8_t> out(100000);
-      for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<uint8_t>(i * 3 + r);
-      std::vector<net::Send> sends;
-      std::vector<net::Recv> recvs;
-      for (int p : everyone[r]) {
-        in[r][p].assign(out.size(), 0);
-        sends.push_back({p, out.data(), out.size()});
-        recvs.push_back({p, in[r][p].data(), out.size()});
-      }
-      mesh->exchange(net::makeTag(1, 0), sends, recvs, waitFor(std::chrono::seconds(20)), net::Schedule::kMesh);
-    } catch (const std::exception& e) {
-      errors[r] = e.what();
-    }
-  };
-  std::thread t0(rank, 0), t1(rank, 1), t2(rank, 2);
-  t0.join();
-  t1.join();
-  t2.join();
+  const std::string errors = onThreeThreads([&](int r) {
+    auto mesh = meshOf(store, threeHosts(r), chain[r]);
+    for (int p : everyone[r]) before[r] |= mesh->connected(p) != (r + p != 2);
+    mesh->connect(store, everyone[r], waitFor(std::chrono::seconds(30)));
+    for (int p : everyone[r]) after[r] |= !mesh->connected(p);
+    std::vector<uint8_t> out(100000);
+    for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<uint8_t>(i * 3 + r);
+    exchangeWithEach(*mesh, everyone[r], out, in[r]);
+  });
   bool intact = true;
   for (int r = 0; r < 3; ++r) {
     for (int p : everyone[r]) {
       for (size_t i = 0; i < in[r][p].size(); ++i) intact &= in[r][p][i] == static_cast<uint8_t>(i * 3 + p);
     }
   }
-  expect(errors[0].empty() && errors[1].empty() && errors[2].empty(),
-         "second connection round: [" + errors[0] + "] [" + errors[1] + "] [" + errors[2] + "]");
+  expect(errors.empty(), "second connection round: " + errors);
   expect(!before[0] && !before[1] && !before[2], "first round connects exactly the chain");
   expect(!after[0] && !after[1] && !after[2] && intact, "after the second round every pair exchanges intact data");
+}
+
+// A rank that reaches a later connection round while a peer is still in its first one (that
+// peer waits there for a slower rank): the peer keeps the early dial for the round that wants
+// it instead of refusing it (smddp_perf's first all_to_all failed that way under load).
+void testEarlyDialKeptForLaterRound(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  const std::vector<std::vector<int>> first = {{}, {2}, {1}}, second = {{2}, {}, {0}};
+  std::vector<uint8_t> in[3][3];
+  const std::string errors = onThreeThreads([&](int r) {
+    // Rank 1 comes late, so rank 2 still waits for it in the first round when rank 0 dials.
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    auto mesh = meshOf(store, threeHosts(r), first[r]);
+    mesh->connect(store, second[r], waitFor(std::chrono::seconds(30)));
+    exchangeWithEach(*mesh, second[r], std::vector<uint8_t>(70000, static_cast<uint8_t>(r + 1)), in[r]);
+  });
+  expect(errors.empty(), "a dial that comes before its round: " + errors);
+  expect(in[0][2] == std::vector<uint8_t>(70000, 3) && in[2][0] == std::vector<uint8_t>(70000, 1),
+         "the early connection carries the later round's data intact");
 }
 
 // A peer whose listener drops the handshake (its accept queue is full, so the kernel ignores the
@@ -1030,7 +1065,7 @@ int main() {
   testAddresses();
   testPeekFarewellArrivingInParts();
   if (!test::runInOwnDirs("smddp_net_tests",
-                          {testStrangersRefusedThenExchange, testConnectLater, testStripedSizeMismatch,
+                          {testStrangersRefusedThenExchange, testConnectLater, testEarlyDialKeptForLaterRound, testStripedSizeMismatch,
                            testCollectiveMismatch, testStallProbe, testDialToSilentPeer, testStalledExchangeReport,
                            testFarewell, testPeerLeftWhileReceiveHeld, testTwoInterfaces, testUnevenInterfaces,
                            testStoreMultiGet})) {
