@@ -53,6 +53,12 @@ def allreduce_refusal_async(rank, world):
         if rep.expect_refusal(label + " (must be refused)",
                               lambda: dist.all_reduce(t, op=make_op(opname, dtype), async_op=True)):
             rep.group_still_works(label + " (after refusal)", world, rank)
+    # A complex factor cannot scale the pairs of reals a complex tensor is reduced as.
+    label = f"all_reduce(async_op=True) dtype=float32 op=PREMUL_SUM complex factor world={world}"
+    t = gen("ara", rank, 5, torch.float32, "SUM")
+    op = dist._make_nccl_premul_sum(torch.tensor([2 + 1j]))
+    if rep.expect_refusal(label + " (must be refused)", lambda: dist.all_reduce(t, op=op, async_op=True)):
+        rep.group_still_works(label + " (after refusal)", world, rank)
     return rep.to_dict()
 
 

@@ -48,7 +48,8 @@ void StagingPolicy::record(OpKind kind, size_t hostBytes, bool streamed, double 
   PerKind& k = of(kind, hostBytes);
   // The first large op of a kind and size also faults in its buffers' pages and warms the caches:
   // it would judge its way unfairly.
-  if (!(nsPerByte > 0) || k.largeOps <= 1) return;
+  // An op of no bytes has no time per byte (infinite): it would poison the averages for good.
+  if (!(nsPerByte > 0) || !std::isfinite(nsPerByte) || k.largeOps <= 1) return;
   Way& w = k.ways[streamed ? 1 : 0];
   if (k.trialOps > 0 && streamed == k.trialWay) {
     k.trialBest = k.trialBest > 0 ? std::min(k.trialBest, nsPerByte) : nsPerByte;

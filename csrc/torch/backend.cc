@@ -163,7 +163,13 @@ Reduction toReduction(const c10d::ReduceOp& op, DataType dtype, int size, int ra
       // NCCLPreMulSumSupplement: the name older torch releases have (2.13 keeps it as an alias).
       auto* s = static_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
       TORCH_CHECK_VALUE(s != nullptr, "smddp rank ", rank, ": ", opName, ": PREMUL_SUM without a factor");
-      r.premulFactor = s->tensor_factor.defined() ? s->tensor_factor.item<double>() : s->double_factor;
+      r.premulFactor = s->double_factor;
+      if (const at::Tensor& f = s->tensor_factor; f.defined()) {  // one element (torch checks)
+        // A complex factor cannot scale the real pairs a complex tensor is reduced as.
+        TORCH_CHECK_NOT_IMPLEMENTED(!f.is_complex(), "smddp rank ", rank, ": ", opName, ": a complex PREMUL_SUM factor (",
+                                    f.scalar_type(), ") is not supported");
+        r.premulFactor = f.item<double>();
+      }
       break;
     }
     default:

@@ -1,4 +1,5 @@
 // StagingPolicy (algo/staging_policy.h): which way large ops stage, learnt from their times.
+#include <limits>
 #include <string>
 
 #include "algo/staging_policy.h"
@@ -99,6 +100,16 @@ void oneSlowOpMisleadsNothing() {
          "keeps streaming through slow ops (" + std::to_string(streamed) + "/224)");
 }
 
+void timesPerNoByteTeachNothing() {
+  // An op's time per byte is infinite when it moved no bytes (SMDDP_STAGE_STREAM_MIN_BYTES=0
+  // lets such ops ask): recorded, both ways' averages stayed infinite and never learnt again.
+  StagingPolicy p(StagingPolicy::Mode::kAuto);
+  const double inf = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < 40; ++i) p.record(OpKind::kAllgather, kBytes, p.choose(OpKind::kAllgather, kBytes), inf);
+  expect(run(p, OpKind::kAllgather, 64, 2.0, 1.0) >= 64 - 2 * StagingPolicy::kTrialOps - 3,
+         "after ops of no bytes, streaming 2x faster is learnt");
+}
+
 void kindsLearnApart() {
   StagingPolicy p(StagingPolicy::Mode::kAuto);
   for (int i = 0; i < 64; ++i) {
@@ -142,6 +153,7 @@ void stagingPolicyTests() {
   noticesTheOtherWayGettingFaster();
   triesTheSlowerWayRarely();
   oneSlowOpMisleadsNothing();
+  timesPerNoByteTeachNothing();
   kindsLearnApart();
   sizesLearnApart();
 }
