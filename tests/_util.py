@@ -150,6 +150,9 @@ def GLOO_SKIPS(coll, dtype, opname, variant):  # noqa: N802
         return "gloo: reduce_scatter_tensor work has no future / is_completed()"
     if variant == "future" and coll == "all_gather_into_tensor":
         return "gloo: all_gather_into_tensor future value is the per-rank chunk list"
+    if variant == "queued":
+        return ("gloo: non-contiguous tensors give wrong results, and it copies an in-place or strided input "
+                "when the op is issued (reads values from before a queued op)")
     if variant == "stack":
         return "gloo: stack-shaped ([world, n, ...]) output/input of *_single/*_tensor unsupported"
     return None

@@ -249,6 +249,84 @@ def test_callbacks_chained_late(pools, world):
     pools.check(world, callbacks_chained_late_task, timeout=60)
 
 
+def queued_ops_read_at_start_task(rank, world):
+    """An async op queued behind another that writes the same memory reads what that one wrote:
+    the copies an op needs (a non-contiguous tensor made contiguous, an input that overlaps its
+    output) are made as it starts, not when it is issued. Until 2026-11-29 they were made at
+    issue, and such an op reduced or sent the values from before the earlier op (and, in place,
+    wrote them back over its result)."""
+    rep = Report(rank)
+    late = rank == world - 1  # holds the first op back, so the others issue the second behind it
+    n = 8
+    sums = torch.arange(world * n, dtype=torch.float64) * world + world * (world - 1) // 2
+    out = torch.empty(world * n, dtype=torch.float64)
+    # (collective, what the second op does to x, what it leaves where, the expected result)
+    cases = [
+        ("all_reduce", lambda x: dist.all_reduce(x.view(world, n).t(), async_op=True), lambda x: x, sums * world),
+        ("all_to_all_single", lambda x: dist.all_to_all_single(x, x, async_op=True), lambda x: x,
+         sums[rank * n:(rank + 1) * n].repeat(world)),
+        ("all_gather_into_tensor", lambda x: dist.all_gather_into_tensor(out, x.view(n, world)[:, 0], async_op=True),
+         lambda x: out, sums[::world].repeat(world)),
+        ("broadcast", lambda x: dist.broadcast(x.view(world, n).t(), src=0, async_op=True), lambda x: x, sums),
+    ]
+    for coll, second, result, want in cases:
+        label = f"{coll} of a strided or overlapping tensor, queued behind an all_reduce of it"
+        why = backend_skip(coll, torch.float64, variant="queued")
+        if why:
+            rep.skip(label, why)
+            continue
+        with rep.cell(label):
+            dist.barrier()
+            x = torch.arange(world * n, dtype=torch.float64) + rank
+            if late:
+                time.sleep(0.3)
+            w1 = dist.all_reduce(x, async_op=True)
+            if late:
+                w1.wait()
+            w2 = second(x)
+            w1.wait()
+            w2.wait()
+            rep.check(label, result(x), want, cross_rank=coll != "all_to_all_single")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_queued_ops_read_at_start(pools, world):
+    pools.check(world, queued_ops_read_at_start_task, timeout=60)
+
+
+def parameters_written_task(rank, world):
+    """Ops write the data of a tensor that requires grad (a parameter, as DDP's and FSDP's
+    broadcasts do), non-contiguous ones too, without recording an autograd op. Until 2026-11-29 a
+    non-contiguous one raised 'a leaf Variable that requires grad is being used in an in-place
+    operation' (its result was copied back through autograd)."""
+    rep = Report(rank)
+    total = world * (world + 1) // 2
+    for async_op in (False, True):
+        for op in ("all_reduce", "broadcast", "reduce"):
+            with rep.cell(f"{op} of a transposed parameter, async_op={async_op}"):
+                p = torch.nn.Parameter(torch.full((8, 4), float(rank + 1)).t())
+                if op == "all_reduce":
+                    w, want = dist.all_reduce(p, async_op=async_op), total
+                elif op == "broadcast":
+                    w, want = dist.broadcast(p, src=0, async_op=async_op), 1
+                else:
+                    w, want = dist.reduce(p, dst=0, async_op=async_op), total
+                if async_op:
+                    w.wait()
+                if op != "reduce" or rank == 0:  # a reduce leaves other ranks' tensors undefined
+                    rep.check(f"{op}(parameter.t())", p.detach(), torch.full((4, 8), float(want)),
+                              cross_rank=op != "reduce")
+                rep.expect(p.is_leaf and p.requires_grad and p.grad_fn is None,
+                           f"{op}: the parameter is still a leaf that requires grad")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parameters_written(pools, world):
+    pools.check(world, parameters_written_task)
+
+
 def wait_limit_task(rank, world):
     """Work.wait(timeout) that runs out: an error naming the rank, the op and the limit, and the op
     stays pending; the next wait() returns it complete and right (an all_reduce whose last rank

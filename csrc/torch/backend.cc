@@ -183,13 +183,40 @@ Reduction toReduction(const c10d::ReduceOp& op, DataType dtype, int size, int ra
   return r;
 }
 
-// A tensor as the core sees it: `work` is contiguous; when the user's tensor was not, `work` is a
-// contiguous copy and results are copied back after the op.
+// A tensor as the core sees it: `work` is contiguous, the user's tensor itself or a copy (results
+// are copied back after the op where `copyBack`). The copy is made by ready(), as the op starts,
+// not when it is issued: an op queued behind another that writes the same memory must read what
+// that one wrote.
 struct Staged {
+  enum class Way : uint8_t {
+    kAsIs,    // the user's tensor, contiguous
+    kCopyIn,  // a contiguous copy of the user's values as the op starts
+    kFresh,   // a contiguous tensor of its own, only written
+  };
   at::Tensor user;
-  at::Tensor work;
+  Way way = Way::kAsIs;
   bool copyBack = false;
+  at::Tensor work;  // once ready()
+
+  void ready() {
+    if (way == Way::kCopyIn) {
+      work = user.clone(at::MemoryFormat::Contiguous);
+    } else if (way == Way::kFresh) {
+      work = at::empty(user.sizes(), user.options().memory_format(at::MemoryFormat::Contiguous));
+    } else {
+      work = user;
+    }
+  }
+  bool inPlace() const { return way == Way::kAsIs; }  // works on the user's memory
+  // An input read while an output it overlaps is written: the op reads a copy.
+  void copyAtStart() {
+    if (way == Way::kAsIs) way = Way::kCopyIn;
+  }
 };
+
+void ready(std::vector<Staged>& staged) {
+  for (Staged& s : staged) s.ready();
+}
 
 // A tensor the op writes must not have elements that share memory (an expand()ed view): ranks'
 // results for those elements could differ, and torch refuses to write such a tensor too, but only
@@ -201,45 +228,53 @@ void checkWritable(const at::Tensor& t, int rank, const char* op) {
 }
 
 Staged stageInOut(const at::Tensor& t, int rank, const char* op) {  // read and written (allreduce, reduce's root)
-  if (t.is_contiguous()) return {t, t, false};
+  if (t.is_contiguous()) return {t};
   checkWritable(t, rank, op);
-  return {t, t.contiguous(), true};
+  return {t, Staged::Way::kCopyIn, true};
 }
 Staged stageOut(const at::Tensor& t, int rank, const char* op) {  // only written
-  if (t.is_contiguous()) return {t, t, false};
+  if (t.is_contiguous()) return {t};
   checkWritable(t, rank, op);
-  return {t, at::empty(t.sizes(), t.options()), true};
+  return {t, Staged::Way::kFresh, true};
 }
-at::Tensor stageIn(const at::Tensor& t) { return t.contiguous(); }
-Staged stageReadOnly(const at::Tensor& t) { return {t, stageIn(t), false}; }
+Staged stageIn(const at::Tensor& t) {  // only read
+  return {t, t.is_contiguous() ? Staged::Way::kAsIs : Staged::Way::kCopyIn};
+}
 
 void finishStaged(const Staged& s) {
-  if (s.copyBack) s.user.copy_(s.work);
+  if (!s.copyBack) return;
+  // The user's tensor may be a leaf that requires grad (a parameter): the op writes its data, as
+  // gloo does, not an autograd-recorded in-place op.
+  at::NoGradGuard noGrad;
+  s.user.copy_(s.work);
 }
 
 inline uint8_t* bytePtr(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
-bool overlaps(const at::Tensor& a, const at::Tensor& b) {
-  const uint8_t* a0 = bytePtr(a);
-  const uint8_t* b0 = bytePtr(b);
-  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+// Whether the op will work on memory `a` and `b` share (copies made as it starts share none).
+bool overlaps(const Staged& a, const Staged& b) {
+  if (!a.inPlace() || !b.inPlace()) return false;
+  const uint8_t* a0 = bytePtr(a.user);
+  const uint8_t* b0 = bytePtr(b.user);
+  return a0 < b0 + b.user.nbytes() && b0 < a0 + a.user.nbytes();
 }
 
 // A list of per-rank input blocks (reduce_scatter, scatter): each checked against the output
 // (dtype, element count: every block's, or with `uneven` only this rank's own), made contiguous,
 // and copied if it overlaps the output, which the op writes while the blocks are still being read.
-std::vector<at::Tensor> stageBlocks(const std::vector<at::Tensor>& blocks, const at::Tensor& out, int rank,
-                                    const char* op, bool uneven = false) {
-  std::vector<at::Tensor> srcs;
+std::vector<Staged> stageBlocks(const std::vector<at::Tensor>& blocks, const Staged& out, int rank, const char* op,
+                                bool uneven = false) {
+  std::vector<Staged> srcs;
   for (const at::Tensor& b : blocks) {
     checkMovedTensor(b, rank, op);
-    checkSameType(out, b, rank, op);
+    checkSameType(out.user, b, rank, op);
     const bool own = static_cast<int>(srcs.size()) == rank;
-    TORCH_CHECK_VALUE(b.numel() == out.numel() || (uneven && !own), "smddp rank ", rank, ": ", op,
+    TORCH_CHECK_VALUE(b.numel() == out.user.numel() || (uneven && !own), "smddp rank ", rank, ": ", op,
                       uneven ? ": this rank's own input block must have the output's " : ": every input must have "
-                      "the output's ", out.numel(), " elements, got one with ", b.numel());
-    at::Tensor c = stageIn(b);
-    srcs.push_back(overlaps(c, out) ? c.clone() : c);
+                      "the output's ", out.user.numel(), " elements, got one with ", b.numel());
+    Staged c = stageIn(b);
+    if (overlaps(c, out)) c.copyAtStart();
+    srcs.push_back(std::move(c));
   }
   return srcs;
 }
@@ -804,7 +839,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce(std::vector<at::Tensor>& 
   }
   Staged s = stageInOut(t, rank_, "allreduce");
   return enqueue(c10d::OpType::ALLREDUCE, "smddp:all_reduce", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
-                 [s, dtype, red](algo::Communicator& c, std::chrono::milliseconds to) {
+                 [s, dtype, red](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   s.ready();
                    void* p = s.work.data_ptr();
                    c.allreduce({dtype, red, static_cast<size_t>(s.work.numel()), p, p, -1}, to);
                    finishStaged(s);
@@ -833,19 +869,20 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
   for (size_t i = 0; i < tensors.size(); ++i) {
     Staged s = stageInOut(tensors[i], rank_, "allreduce_coalesced");
     // Reduced in place after an earlier tensor of the list that shares its memory, it would
-    // reduce that one's results again: it reduces a copy of its values as they are now instead,
-    // and writes its result back (the same values there), as gloo's flattening does.
+    // reduce that one's results again: it reduces a copy of its values as they are when the op
+    // starts instead, and writes its result back (the same values there), as gloo's flattening does.
     const auto shares = [&](const at::Tensor& earlier) {
       return at::get_overlap_status(tensors[i], earlier) != at::MemOverlapStatus::No;
     };
     if (!s.copyBack && std::any_of(tensors.begin(), tensors.begin() + static_cast<ptrdiff_t>(i), shares)) {
-      s = {tensors[i], tensors[i].clone(), true};
+      s = {tensors[i], Staged::Way::kCopyIn, true};
     }
     staged.push_back(std::move(s));
   }
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors, tensors,
                  resolveTimeout(opts.timeout), opts.asyncOp,
-                 [staged, kinds](algo::Communicator& c, std::chrono::milliseconds to) {
+                 [staged, kinds](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   ready(staged);
                    for (size_t i = 0; i < staged.size(); ++i) {
                      void* p = staged[i].work.data_ptr();
                      c.allreduce({kinds[i].first, kinds[i].second, static_cast<size_t>(staged[i].work.numel()), p,
@@ -871,9 +908,10 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce(std::vector<at::Tensor>& ten
                         c.allreduce({dtype, red, n, p, p, root}, to);
                       }}});
   }
-  Staged s = rank_ == root ? stageInOut(t, rank_, "reduce") : stageReadOnly(t);
+  Staged s = rank_ == root ? stageInOut(t, rank_, "reduce") : stageIn(t);
   return enqueue(c10d::OpType::REDUCE, "smddp:reduce", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
-                 [s, dtype, red, root](algo::Communicator& c, std::chrono::milliseconds to) {
+                 [s, dtype, red, root](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   s.ready();
                    void* p = s.work.data_ptr();
                    c.allreduce({dtype, red, static_cast<size_t>(s.work.numel()), p, p, root}, to);
                    finishStaged(s);
@@ -894,9 +932,10 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::broadcast(std::vector<at::Tensor>& 
                         c.broadcast({dtype, n, p, root}, to);
                       }}});
   }
-  Staged s = rank_ == root ? stageReadOnly(t) : stageOut(t, rank_, "broadcast");
+  Staged s = rank_ == root ? stageIn(t) : stageOut(t, rank_, "broadcast");
   return enqueue(c10d::OpType::BROADCAST, "smddp:broadcast", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
-                 [s, dtype, root](algo::Communicator& c, std::chrono::milliseconds to) {
+                 [s, dtype, root](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   s.ready();
                    c.broadcast({dtype, static_cast<size_t>(s.work.numel()), s.work.data_ptr(), root}, to);
                    finishStaged(s);
                  });
@@ -907,7 +946,7 @@ namespace {
 struct ListGather {
   std::vector<Staged> staged;
   std::vector<size_t> counts;
-  at::Tensor in;
+  Staged in;
   DataType dtype;
 };
 
@@ -928,17 +967,19 @@ ListGather prepareListGather(const std::vector<at::Tensor>& outs, const at::Tens
   // Pieces are written while the input is still being staged chunk by chunk: an input that
   // overlaps an output (other than being exactly this rank's own output) goes through a copy.
   for (int p = 0; p < size; ++p) {
-    const at::Tensor& o = g.staged[p].work;
-    if (overlaps(g.in, o) && !(p == rank && o.data_ptr() == g.in.data_ptr())) {
-      g.in = g.in.clone();
+    const Staged& o = g.staged[p];
+    if (overlaps(g.in, o) && !(p == rank && o.user.data_ptr() == g.in.user.data_ptr())) {
+      g.in.copyAtStart();
       break;
     }
   }
   return g;
 }
 
-void runListGather(algo::Communicator& c, const ListGather& g, std::chrono::milliseconds to) {
-  algo::AllgatherOptions o{g.dtype, g.in.data_ptr(), {}, g.counts};
+void runListGather(algo::Communicator& c, ListGather& g, std::chrono::milliseconds to) {
+  g.in.ready();
+  ready(g.staged);
+  algo::AllgatherOptions o{g.dtype, g.in.work.data_ptr(), {}, g.counts};
   for (const Staged& s : g.staged) o.outputs.push_back(s.work.data_ptr());
   c.allgather(o, to);
   for (const Staged& s : g.staged) finishStaged(s);
@@ -962,7 +1003,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather(std::vector<std::vector<a
   }
   ListGather g = prepareListGather(outs, in, rank_, size_, "allgather");
   return enqueue(c10d::OpType::ALLGATHER, "smddp:all_gather", outs, inputs, resolveTimeout(opts.timeout), opts.asyncOp,
-                 [g](algo::Communicator& c, std::chrono::milliseconds to) { runListGather(c, g, to); });
+                 [g](algo::Communicator& c, std::chrono::milliseconds to) mutable { runListGather(c, g, to); });
 }
 
 // all_gather_coalesced: outputLists[r][i] receives rank r's inputs[i]; one list all-gather per
@@ -998,8 +1039,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_coalesced(std::vector<std
   }
   return enqueue(c10d::OpType::ALLGATHER_COALESCED, "smddp:all_gather_coalesced", outs, inputs,
                  resolveTimeout(opts.timeout), opts.asyncOp,
-                 [gathers](algo::Communicator& c, std::chrono::milliseconds to) {
-                   for (const ListGather& g : gathers) runListGather(c, g, to);
+                 [gathers](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   for (ListGather& g : gathers) runListGather(c, g, to);
                  });
 }
 
@@ -1008,7 +1049,7 @@ namespace {
 // [world * n, ...] or [world, n, ...]: only the element count matters, as with NCCL.
 struct FlatGather {
   Staged out;
-  at::Tensor in;
+  Staged in;
   DataType dtype;
 };
 
@@ -1026,17 +1067,18 @@ FlatGather prepareFlatGather(const at::Tensor& output, const at::Tensor& input, 
   FlatGather g{stageOut(output, rank, op), stageIn(input), checkFlatGather(output, input, rank, size, op)};
   // The input may be this rank's own slice of the output (FSDP2); any other overlap would be
   // overwritten while still being read, so go through a copy.
-  if (overlaps(g.in, g.out.work) &&
-      bytePtr(g.in) != bytePtr(g.out.work) + static_cast<size_t>(rank) * g.in.nbytes()) {
-    g.in = g.in.clone();
+  if (overlaps(g.in, g.out) && bytePtr(g.in.user) != bytePtr(g.out.user) + static_cast<size_t>(rank) * g.in.user.nbytes()) {
+    g.in.copyAtStart();
   }
   return g;
 }
 
-void runFlatGather(algo::Communicator& c, const FlatGather& g, int size, std::chrono::milliseconds to) {
-  const size_t n = static_cast<size_t>(g.in.numel());
-  algo::AllgatherOptions o{g.dtype, g.in.data_ptr(), {}, std::vector<size_t>(size, n)};
-  for (int p = 0; p < size; ++p) o.outputs.push_back(bytePtr(g.out.work) + p * g.in.nbytes());
+void runFlatGather(algo::Communicator& c, FlatGather& g, int size, std::chrono::milliseconds to) {
+  g.in.ready();
+  g.out.ready();
+  const size_t n = static_cast<size_t>(g.in.work.numel());
+  algo::AllgatherOptions o{g.dtype, g.in.work.data_ptr(), {}, std::vector<size_t>(size, n)};
+  for (int p = 0; p < size; ++p) o.outputs.push_back(bytePtr(g.out.work) + p * g.in.work.nbytes());
   c.allgather(o, to);
   finishStaged(g.out);
 }
@@ -1052,7 +1094,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::_allgather_base(at::Tensor& output,
   FlatGather g = prepareFlatGather(output, input, rank_, size_, "all_gather_into_tensor");
   const int size = size_;
   return enqueue(c10d::OpType::_ALLGATHER_BASE, "smddp:all_gather_into_tensor", {output}, {input},
-                 resolveTimeout(opts.timeout), opts.asyncOp, [g, size](algo::Communicator& c, std::chrono::milliseconds to) {
+                 resolveTimeout(opts.timeout), opts.asyncOp, [g, size](algo::Communicator& c, std::chrono::milliseconds to) mutable {
                    runFlatGather(c, g, size, to);
                  });
 }
@@ -1078,8 +1120,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std
   }
   const int size = size_;
   return enqueue(c10d::OpType::COALESCED, "smddp:all_gather_into_tensor_coalesced", outputs, inputs,
-                 resolveTimeout(opts.timeout), opts.asyncOp, [gathers, size](algo::Communicator& c, std::chrono::milliseconds to) {
-                   for (const FlatGather& g : gathers) runFlatGather(c, g, size, to);
+                 resolveTimeout(opts.timeout), opts.asyncOp, [gathers, size](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   for (FlatGather& g : gathers) runFlatGather(c, g, size, to);
                  });
 }
 
@@ -1103,16 +1145,18 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter(std::vector<at::Tens
     });
   }
   // Blocks may differ in size (block p is rank p's output; reduce_scatter_v), as NCCL allows.
-  std::vector<at::Tensor> srcs = stageBlocks(ins, out, rank_, "reduce_scatter", /*uneven=*/true);
-  std::vector<size_t> counts;
-  for (const at::Tensor& t : srcs) counts.push_back(static_cast<size_t>(t.numel()));
-  if (std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; })) counts.clear();
   Staged s = stageOut(out, rank_, "reduce_scatter");
+  std::vector<Staged> srcs = stageBlocks(ins, s, rank_, "reduce_scatter", /*uneven=*/true);
+  std::vector<size_t> counts;
+  for (const at::Tensor& t : ins) counts.push_back(static_cast<size_t>(t.numel()));
+  if (std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; })) counts.clear();
   return enqueue(c10d::OpType::REDUCE_SCATTER, "smddp:reduce_scatter", outputs, ins, resolveTimeout(opts.timeout), opts.asyncOp,
-                 [s, srcs, dtype, red, counts](algo::Communicator& c, std::chrono::milliseconds to) {
+                 [s, srcs, dtype, red, counts](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   s.ready();
+                   ready(srcs);
                    algo::ReduceScatterOptions o{dtype, red, {}, s.work.data_ptr(), static_cast<size_t>(s.work.numel()),
                                                 counts};
-                   for (const at::Tensor& t : srcs) o.inputs.push_back(t.data_ptr());
+                   for (const Staged& t : srcs) o.inputs.push_back(t.work.data_ptr());
                    c.reduceScatter(o, to);
                    finishStaged(s);
                  });
@@ -1121,7 +1165,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter(std::vector<at::Tens
 namespace {
 struct FlatScatter {
   Staged out;
-  at::Tensor in;
+  Staged in;
   DataType dtype;
   Reduction red;
 };
@@ -1146,17 +1190,19 @@ FlatScatter prepareFlatScatter(const at::Tensor& output, const at::Tensor& input
   // that block is staged before the output is written. Any other overlap goes through a copy, as
   // another rank's block may still be read (a rank alone on its host sends its blocks straight
   // from the input) after the output is written.
-  if (overlaps(f.in, f.out.work) &&
-      bytePtr(f.out.work) != bytePtr(f.in) + static_cast<size_t>(rank) * f.out.work.nbytes()) {
-    f.in = f.in.clone();
+  if (overlaps(f.in, f.out) &&
+      bytePtr(f.out.user) != bytePtr(f.in.user) + static_cast<size_t>(rank) * f.out.user.nbytes()) {
+    f.in.copyAtStart();
   }
   return f;
 }
 
-void runFlatScatter(algo::Communicator& c, const FlatScatter& f, int size, std::chrono::milliseconds to) {
+void runFlatScatter(algo::Communicator& c, FlatScatter& f, int size, std::chrono::milliseconds to) {
+  f.in.ready();
+  f.out.ready();
   const size_t n = static_cast<size_t>(f.out.work.numel());
   algo::ReduceScatterOptions o{f.dtype, f.red, {}, f.out.work.data_ptr(), n, {}};
-  for (int p = 0; p < size; ++p) o.inputs.push_back(bytePtr(f.in) + p * f.out.work.nbytes());
+  for (int p = 0; p < size; ++p) o.inputs.push_back(bytePtr(f.in.work) + p * f.out.work.nbytes());
   c.reduceScatter(o, to);
   finishStaged(f.out);
 }
@@ -1172,7 +1218,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::_reduce_scatter_base(at::Tensor& ou
   FlatScatter f = prepareFlatScatter(output, input, opts.reduceOp, rank_, size_, "reduce_scatter_tensor");
   const int size = size_;
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "smddp:reduce_scatter_tensor", {output}, {input},
-                 resolveTimeout(opts.timeout), opts.asyncOp, [f, size](algo::Communicator& c, std::chrono::milliseconds to) {
+                 resolveTimeout(opts.timeout), opts.asyncOp, [f, size](algo::Communicator& c, std::chrono::milliseconds to) mutable {
                    runFlatScatter(c, f, size, to);
                  });
 }
@@ -1200,8 +1246,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
   }
   const int size = size_;
   return enqueue(c10d::OpType::COALESCED, "smddp:reduce_scatter_tensor_coalesced", outputs, inputs,
-                 resolveTimeout(opts.timeout), opts.asyncOp, [scatters, size](algo::Communicator& c, std::chrono::milliseconds to) {
-                   for (const FlatScatter& f : scatters) runFlatScatter(c, f, size, to);
+                 resolveTimeout(opts.timeout), opts.asyncOp, [scatters, size](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   for (FlatScatter& f : scatters) runFlatScatter(c, f, size, to);
                  });
 }
 
@@ -1244,18 +1290,20 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
     TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "smddp rank ", rank_,
                       ": gather: only the root (rank ", root, ") takes an output list");
   }
-  at::Tensor src = stageIn(in);
+  Staged src = stageIn(in);
   for (const Staged& s : staged) {
-    if (overlaps(src, s.work)) {
-      src = src.clone();
+    if (overlaps(src, s)) {
+      src.copyAtStart();
       break;
     }
   }
   const int size = size_;
   return enqueue(c10d::OpType::GATHER, "smddp:gather", outs, inputs, resolveTimeout(opts.timeout), opts.asyncOp,
-                 [staged, src, dtype, root, size](algo::Communicator& c, std::chrono::milliseconds to) {
-                   const size_t n = static_cast<size_t>(src.numel());
-                   algo::AllgatherOptions o{dtype, src.data_ptr(), {}, std::vector<size_t>(size, n), root};
+                 [staged, src, dtype, root, size](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   src.ready();
+                   ready(staged);
+                   const size_t n = static_cast<size_t>(src.work.numel());
+                   algo::AllgatherOptions o{dtype, src.work.data_ptr(), {}, std::vector<size_t>(size, n), root};
                    for (const Staged& s : staged) o.outputs.push_back(s.work.data_ptr());
                    c.allgather(o, to);
                    for (const Staged& s : staged) finishStaged(s);
@@ -1277,21 +1325,24 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& ou
       return scatter(o, i, opts);
     });
   }
-  std::vector<at::Tensor> srcs;
+  Staged s = stageOut(out, rank_, "scatter");
+  std::vector<Staged> srcs;
+  Tensors ins;
   if (rank_ == root) {
     TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_, "smddp rank ", rank_,
                       ": scatter: the root needs one input list of ", size_, " tensors");
-    srcs = stageBlocks(inputs[0], out, rank_, "scatter");
+    srcs = stageBlocks(inputs[0], s, rank_, "scatter");
+    ins = inputs[0];
   } else {
     TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "smddp rank ", rank_,
                       ": scatter: only the root (rank ", root, ") takes an input list");
   }
-  Staged s = stageOut(out, rank_, "scatter");
-  std::vector<at::Tensor> ins = srcs;
   return enqueue(c10d::OpType::SCATTER, "smddp:scatter", outputs, ins, resolveTimeout(opts.timeout), opts.asyncOp,
-                 [s, srcs, dtype, root](algo::Communicator& c, std::chrono::milliseconds to) {
+                 [s, srcs, dtype, root](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   s.ready();
+                   ready(srcs);
                    algo::ScatterOptions o{dtype, {}, s.work.data_ptr(), static_cast<size_t>(s.work.numel()), root};
-                   for (const at::Tensor& t : srcs) o.inputs.push_back(t.data_ptr());
+                   for (const Staged& t : srcs) o.inputs.push_back(t.work.data_ptr());
                    c.scatter(o, to);
                    finishStaged(s);
                  });
@@ -1340,17 +1391,19 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall_base(at::Tensor& output, a
   const std::vector<size_t> inCounts = blockCounts(input, inputSplitSizes, rank_, size_, "input");
   const std::vector<size_t> outCounts = blockCounts(output, outputSplitSizes, rank_, size_, "output");
   Staged out = stageOut(output, rank_, "all_to_all_single");
-  at::Tensor in = stageIn(input);
-  if (overlaps(in, out.work)) in = in.clone();
-  const size_t es = in.element_size();
+  Staged in = stageIn(input);
+  if (overlaps(in, out)) in.copyAtStart();
+  const size_t es = input.element_size();
   return enqueue(c10d::OpType::ALLTOALL_BASE, "smddp:all_to_all_single", {output}, {input},
                  resolveTimeout(opts.timeout), opts.asyncOp,
-                 [out, in, inCounts, outCounts, dtype, es, countsFirst = debugChecks_](algo::Communicator& c,
-                                                                                     std::chrono::milliseconds to) {
+                 [out, in, inCounts, outCounts, dtype, es, countsFirst = debugChecks_](
+                     algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   out.ready();
+                   in.ready();
                    algo::AlltoallOptions o{dtype, {}, inCounts, {}, outCounts, countsFirst};
                    size_t inOff = 0, outOff = 0;
                    for (size_t p = 0; p < inCounts.size(); ++p) {
-                     o.inputs.push_back(bytePtr(in) + inOff * es);
+                     o.inputs.push_back(bytePtr(in.work) + inOff * es);
                      o.outputs.push_back(bytePtr(out.work) + outOff * es);
                      inOff += inCounts[p];
                      outOff += outCounts[p];
@@ -1373,8 +1426,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& o
     });
   }
   const DataType dtype = checkMovedTensor(inputs[0], rank_, "all_to_all");
-  std::vector<Staged> outs;
-  std::vector<at::Tensor> ins;
+  std::vector<Staged> outs, ins;
   std::vector<size_t> inCounts, outCounts;
   for (int p = 0; p < size_; ++p) {
     checkMovedTensor(inputs[p], rank_, "all_to_all");
@@ -1386,20 +1438,22 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& o
     inCounts.push_back(static_cast<size_t>(inputs[p].numel()));
     outCounts.push_back(static_cast<size_t>(outputs[p].numel()));
   }
-  for (at::Tensor& i : ins) {
+  for (Staged& i : ins) {
     for (const Staged& o : outs) {
-      if (overlaps(i, o.work)) {
-        i = i.clone();
+      if (overlaps(i, o)) {
+        i.copyAtStart();
         break;
       }
     }
   }
   return enqueue(c10d::OpType::ALLTOALL, "smddp:all_to_all", outputs, inputs, resolveTimeout(opts.timeout),
                  opts.asyncOp,
-                 [outs, ins, inCounts, outCounts, dtype, countsFirst = debugChecks_](algo::Communicator& c,
-                                                                                   std::chrono::milliseconds to) {
+                 [outs, ins, inCounts, outCounts, dtype, countsFirst = debugChecks_](
+                     algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   ready(outs);
+                   ready(ins);
                    algo::AlltoallOptions o{dtype, {}, inCounts, {}, outCounts, countsFirst};
-                   for (const at::Tensor& t : ins) o.inputs.push_back(t.data_ptr());
+                   for (const Staged& t : ins) o.inputs.push_back(t.work.data_ptr());
                    for (const Staged& s : outs) o.outputs.push_back(s.work.data_ptr());
                    c.alltoall(o, to);
                    for (const Staged& s : outs) finishStaged(s);
@@ -1536,7 +1590,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
                     ": peer ", peer, " is not another rank of this group of size ", size_);
   TORCH_CHECK_VALUE(size_ > 1, "smddp rank ", rank_, ": ", op, ": a group of one rank has no peer");
   if (isCudaOp(tensors, op)) return isSend ? cudaSend(t, peer, tag) : cudaRecv(t, peer, tag);
-  Staged s = isSend ? stageReadOnly(t) : stageOut(t, rank_, op);
+  // Posted at once (a send's data is read from here on): staged now.
+  Staged s = isSend ? stageIn(t) : stageOut(t, rank_, op);
+  s.ready();
   auto work = newWork(isSend ? c10d::OpType::SEND : c10d::OpType::RECV, isSend ? "smddp:send" : "smddp:recv", tensors,
                       tensors, std::chrono::milliseconds(timeoutMs_.load()), {peer, tag});
   work->traceStarted();  // posted: from here on it moves as soon as its peer is there
