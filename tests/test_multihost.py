@@ -361,8 +361,26 @@ def test_disagreeing_net_settings_take_rank_0s():
                 "SMDDP_NET_BUFFER_BYTES": ["65536", "131072"], "SMDDP_NET_ONESHOT_BYTES": ["0", str(1 << 30)]}
     reports, logs = run_in_own_pool(rank_env, allreduce_matrix, [1, 1001, "large"], ["float32"], ["SUM", "MAX"])
     assert_reports(reports, 2)
-    assert 'rank 1: SMDDP_NET_ALGO, SMDDP_NET_BUFFER_BYTES, SMDDP_NET_ONESHOT_BYTES are "ring 131072 1073741824" ' \
-        'here, but rank 0\'s "mesh 65536 0" hold' in logs[1], logs[1][-2000:]
+    assert ('rank 1: SMDDP_NET_ALGO, SMDDP_NET_BUFFER_BYTES, SMDDP_NET_ONESHOT_BYTES, SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES, '
+            'SMDDP_SHM_COPY_STEP_BYTES come to "ring 131072 1073741824 65536 262144" here, but rank 0\'s '
+            '"mesh 65536 0 65536 262144" hold') in logs[1], logs[1][-2000:]
+    assert "hold for the group" not in logs[0], logs[0][-2000:]
+
+
+@pytest.mark.parametrize("hosts", [["0", "0", "0"], ["0", "0", "1"]])
+def test_disagreeing_shm_settings_take_rank_0s(hosts):
+    """How a host's ranks cut a message into steps must agree too: rank 1 asks for the one-shot
+    allreduce never and for 128-byte copy steps (rank 2 for one-shot always), is told that rank
+    0's values hold, and every result is right. Until 2026-11-29 each rank used its own, and the
+    allreduce and broadcast came out wrong, silently."""
+    rank_env = {"SMDDP_HOST_ID": hosts, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES": ["65536", "0", str(1 << 30)],
+                "SMDDP_SHM_COPY_STEP_BYTES": ["262144", "128", "262144"]}
+    reports, logs = run_in_own_pool(rank_env, allreduce_matrix, [7, 1001, 70_000], ["float32"], ["SUM"], world=3)
+    assert_reports(reports, 3)
+    reports, logs = run_in_own_pool(rank_env, broadcast_all_roots, [1001, 70_000], ["float32", "int8"], world=3)
+    assert_reports(reports, 3)
+    assert ('SMDDP_SHM_COPY_STEP_BYTES come to "mesh 16777216 65536 0 128" here, but rank 0\'s '
+            '"mesh 16777216 65536 65536 262144" hold') in logs[1], logs[1][-2000:]
     assert "hold for the group" not in logs[0], logs[0][-2000:]
 
 

@@ -47,14 +47,14 @@ size_t copyStepBytesFromEnv() {
   return std::min(static_cast<size_t>(env::shmSlotBytes()), step / kAlignBytes * kAlignBytes);
 }
 
-const std::string kNetSettingsKey = "smddp/net/settings";
+const std::string kScheduleKey = "smddp/schedule";
 
 // The keys of the group's set-up that peers wait for from `rank`, but the host's shared-memory
 // ones (its host is not known before the topology, and its host-mates fail on the topology's).
 std::vector<std::string> groupKeysOwedBy(int rank) {
   std::vector<std::string> keys = Topology::keysOwedBy(rank);
   for (const std::string& k : net::TcpMesh::keysOwedBy(rank)) keys.push_back(k);
-  if (rank == 0) keys.push_back(kNetSettingsKey);
+  if (rank == 0) keys.push_back(kScheduleKey);
   return keys;
 }
 
@@ -114,11 +114,11 @@ std::vector<std::string> Communicator::keysOwed() const {
 
 void Communicator::setUp(std::chrono::milliseconds timeout) {
   const size_t slotBytes = static_cast<size_t>(env::shmSlotBytes());
+  agreeOnSchedule(store_);
   if (topo_.hosts() == 1) {
     domain_ = shm::Domain::create(store_, rank_, size_, slotBytes, machine_);
     return;
   }
-  agreeOnNetSettings(store_);
   PrefixStore hostStore(store_, hostPrefix(topo_));
   domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes, machine_);
   domain_->setGroupRanks(topo_.members[topo_.host()]);
@@ -127,26 +127,31 @@ void Communicator::setUp(std::chrono::milliseconds timeout) {
              netAlgoName(netAlgo_), net::interfaceNames(netAddrs_).c_str());
 }
 
-// How the collectives cut messages across hosts: both ends of every exchange must cut alike, so
-// rank 0's settings hold for the group (as SMDDP_NET_SOCKETS_PER_PEER's do), and a rank whose
-// own differ says so instead of failing its first op on a header mismatch.
-void Communicator::agreeOnNetSettings(Store& store) {
+// How the collectives cut messages, on a host and across hosts: both ends of every step must cut
+// alike, so rank 0's settings hold for the group (as SMDDP_NET_SOCKETS_PER_PEER's do), and a rank
+// whose own differ says so instead of failing its first op across hosts on a header mismatch, or
+// on a host reading another step's bytes (silently wrong until 2026-11-29).
+void Communicator::agreeOnSchedule(Store& store) {
   const std::string algo = env::netAlgo();
   netAlgo_ = netAlgoFromName(algo);  // this rank's own value must be valid too
   netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
   netOneShotBytes_ = static_cast<size_t>(std::max<int64_t>(0, env::netOneShotBytes()));
-  const std::string mine = algo + " " + std::to_string(netBufferBytes_) + " " + std::to_string(netOneShotBytes_);
-  const std::string group = rank0Value(store, rank_, kNetSettingsKey, mine);
-  if (group == mine) return;
-  SMDDP_WARN(kNet,
-             "rank %d: SMDDP_NET_ALGO, SMDDP_NET_BUFFER_BYTES, SMDDP_NET_ONESHOT_BYTES are \"%s\" here, but "
-             "rank 0's \"%s\" hold for the group",
-             rank_, mine.c_str(), group.c_str());
+  std::ostringstream mine;
+  mine << algo << ' ' << netBufferBytes_ << ' ' << netOneShotBytes_ << ' ' << oneShotMaxBytes_ << ' ' << copyStepBytes_;
+  const std::string group = rank0Value(store, rank_, kScheduleKey, mine.str());
+  if (group == mine.str()) return;
+  SMDDP_WARN(kInit,
+             "rank %d: SMDDP_NET_ALGO, SMDDP_NET_BUFFER_BYTES, SMDDP_NET_ONESHOT_BYTES, "
+             "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES, SMDDP_SHM_COPY_STEP_BYTES come to \"%s\" here, but rank 0's \"%s\" "
+             "hold for the group",
+             rank_, mine.str().c_str(), group.c_str());
   std::istringstream fields(group);
   std::string groupAlgo;
-  if (!(fields >> groupAlgo >> netBufferBytes_ >> netOneShotBytes_)) {
+  if (!(fields >> groupAlgo >> netBufferBytes_ >> netOneShotBytes_ >> oneShotMaxBytes_ >> copyStepBytes_)) {
     throwError(ErrorCode::kRemoteError, "rank 0 published malformed settings \"%s\"", group.c_str());
   }
+  // A step fits a slot, whose size host-mates share (shm::Domain checks) but hosts need not.
+  copyStepBytes_ = std::min(copyStepBytes_, static_cast<size_t>(env::shmSlotBytes()));
   netAlgo_ = netAlgoFromName(groupAlgo);
 }
 

@@ -89,8 +89,9 @@ class Communicator {
   void setUp(std::chrono::milliseconds timeout);
   // The store keys this rank's set-up sets that its peers wait for.
   std::vector<std::string> keysOwed() const;
-  // Sets netAlgo_, netBufferBytes_, netOneShotBytes_: rank 0's values (collective, store).
-  void agreeOnNetSettings(Store& store);
+  // Sets netAlgo_, netBufferBytes_, netOneShotBytes_, oneShotMaxBytes_, copyStepBytes_: rank 0's
+  // values (collective, store).
+  void agreeOnSchedule(Store& store);
   std::unique_ptr<HelperPool> startHelpers();
 
   BootstrapStore& store_;
