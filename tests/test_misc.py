@@ -327,6 +327,43 @@ def test_parameters_written(pools, world):
     pools.check(world, parameters_written_task)
 
 
+def ops_after_shutdown_task(rank, world):
+    """Ops on a group after its shutdown() or abort() raise DistBackendError naming the rank and
+    op, point-to-point ones too (until 2026-11-29 a send or recv after shutdown dereferenced the
+    engines shutdown() had dropped: the process died of SIGSEGV); the default group still works."""
+    rep = Report(rank)
+    peer = (rank + 1) % world
+    for how in ("shutdown", "abort"):
+        g = dist.new_group(list(range(world)))
+        t = torch.ones(4)
+        dist.all_reduce(t, group=g)
+        getattr(g, how)()
+        calls = [("isend", lambda: dist.isend(t, peer, group=g)),
+                 ("irecv", lambda: dist.irecv(t, peer, group=g)),
+                 ("irecv from any rank", lambda: dist.irecv(t, group=g)),
+                 ("all_reduce", lambda: dist.all_reduce(t, group=g, async_op=True))]
+        for what, call in calls:
+            with rep.cell(f"{what} after {how}()"):
+                try:
+                    call().wait()
+                    rep.fail(f"{what} after {how}() succeeded")
+                except dist.DistBackendError as e:
+                    rep.expect(f"smddp rank {rank}" in str(e) and "shut down" in str(e),
+                               f"{what} after {how}(): {str(e)[:300]!r} names the rank and the cause")
+        dist.destroy_process_group(g)
+    with rep.cell("the default group after another's shutdown"):
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        rep.check("all_reduce", t, torch.full((4,), float(world)))
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="gloo's ops after shutdown fail otherwise (a closed connection)")
+@pytest.mark.parametrize("world, hosts", [(2, None), (3, "001")])
+def test_ops_after_shutdown(pools, world, hosts):
+    pools.check(world, ops_after_shutdown_task, hosts=hosts)
+
+
 def wait_limit_task(rank, world):
     """Work.wait(timeout) that runs out: an error naming the rank, the op and the limit, and the op
     stays pending; the next wait() returns it complete and right (an all_reduce whose last rank

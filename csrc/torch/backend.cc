@@ -603,10 +603,10 @@ void SmddpBackend::shutdown() {
     if (netP2p_) netP2p_->abort();
     if (progress_) progress_->stop();
     if (comm_) comm_->stopHelpers();
-    if (p2p_) p2p_->shutdown();  // joins its thread and drivers before the domain it uses goes away
+    // Joined and closed now, kept until the group is destroyed (p2p_ before the domain it uses):
+    // a send or recv issued after this, on another thread too, fails in their submit().
+    if (p2p_) p2p_->shutdown();
     if (netP2p_) netP2p_->shutdown();  // a Work may still hold it: its sockets and thread go now
-    p2p_.reset();
-    netP2p_.reset();
   });
 }
 
@@ -817,7 +817,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
   try {
     progress_->enqueue(std::move(task));
   } catch (const std::logic_error& e) {
-    TORCH_CHECK(false, "smddp rank ", rank_, ": ", title, ": the process group has been shut down");
+    C10_THROW_ERROR(DistBackendError,
+                    c10::str("smddp rank ", rank_, ": ", opName(title), ": the process group has been shut down"));
   }
   return work;
 }
@@ -1624,7 +1625,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
     try {
       progress_->enqueue(std::move(submit));
     } catch (const std::logic_error&) {
-      TORCH_CHECK(false, "smddp rank ", rank_, ": send: the process group has been shut down");
+      C10_THROW_ERROR(DistBackendError,
+                      c10::str("smddp rank ", rank_, ": send to rank ", peer, ": the process group has been shut down"));
     }
   } else {
     submitP2p(o, work.get());
