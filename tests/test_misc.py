@@ -364,6 +364,28 @@ def test_ops_after_shutdown(pools, world, hosts):
     pools.check(world, ops_after_shutdown_task, hosts=hosts)
 
 
+def nonpositive_timeout_task(rank, world):
+    """A group timeout of zero or less is refused on every rank at once (until 2026-11-29 rank 0
+    failed at once and the others waited for a store timeout, or the set-up blamed an earlier run)."""
+    rep = Report(rank)
+    for td in (timedelta(0), timedelta(seconds=-5)):
+        with rep.cell(f"new_group(timeout={td})"):
+            try:
+                dist.new_group(list(range(world)), timeout=td)
+                rep.fail(f"new_group(timeout={td}) succeeded")
+            except ValueError as e:
+                rep.expect(f"smddp rank {rank}: the process group's timeout must be positive" in str(e), str(e)[:300])
+    with rep.cell("the default group after the refusals"):
+        dist.barrier()
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="smddp's message")
+@pytest.mark.parametrize("world", [1, 3])
+def test_nonpositive_timeout_refused(pools, world):
+    pools.check(world, nonpositive_timeout_task)
+
+
 def wait_limit_task(rank, world):
     """Work.wait(timeout) that runs out: an error naming the rank, the op and the limit, and the op
     stays pending; the next wait() returns it complete and right (an all_reduce whose last rank

@@ -250,6 +250,15 @@ def test_linger_budget():
     assert [g["linger_us"] for g in got] == ["7", "7"], got
 
 
+def test_poll_budgets_are_bounded():
+    """SMDDP_SPIN_US and SMDDP_LINGER_US above 0.1 s are clamped to it: a poll looks at no
+    deadline, abort or failed peer, so until 2026-11-29 SMDDP_SPIN_US=20000000 delayed a 3 s
+    timeout and a killed peer's report to 20 s, and a larger one hung destroy_process_group."""
+    got, _ = run_in_own_pool({"SMDDP_SPIN_US": ["20000000"] * 2, "SMDDP_LINGER_US": ["99999999999"] * 2},
+                             machine_share_task)
+    assert [(g["wait_spin_us"], g["linger_us"]) for g in got] == [("100000", "100000")] * 2, got
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin ranks")
 @pytest.mark.skipif(bool(os.environ.get("SMDDP_SPIN_US")), reason="SMDDP_SPIN_US overrides the spin budget")
 def test_subgroup_of_a_crowded_world_is_crowded():
@@ -760,6 +769,23 @@ def test_interface_and_family_choice(settings, want):
     ValueError naming the rank, the setting and what there is, and leaves nothing in /dev/shm."""
     if settings.get("SMDDP_SOCKET_FAMILY") == "AF_INET6" and not _pool.ipv6_available():
         pytest.skip("this machine cannot bind ::1 (IPv6 disabled)")
+    outs = _hosts_with(settings)
+    for rank, out in enumerate(outs):
+        assert want.format(rank=rank) in out, f"rank {rank}:\n{out[-2000:]}"
+
+
+@pytest.mark.parametrize("settings, want", [
+    ({"SMDDP_SHM_SLOT_BYTES": "-4096"},
+     "ERROR ValueError smddp rank {rank}: SMDDP_SHM_SLOT_BYTES=-4096 must be a multiple of 4096 from 4096 to 2^40"),
+    ({"SMDDP_SHM_SLOT_BYTES": "99999999999999999999"},
+     "environment variable SMDDP_SHM_SLOT_BYTES=99999999999999999999 is out of range"),
+    ({"SMDDP_SHM_SLOT_BYTES": "010"}, "SMDDP_SHM_SLOT_BYTES=10 must be a multiple of 4096"),
+    ({"SMDDP_SHM_SLOT_BYTES": "0x100000"}, "OK"),
+], ids=["negative", "out_of_range", "decimal_not_octal", "hex"])
+def test_integer_settings_read_as_written(settings, want):
+    """Integer settings are decimal (or hexadecimal after 0x): until 2026-11-29 "010" was read as
+    octal 8, a number past 2^63 as 2^63 - 1, and SMDDP_SHM_SLOT_BYTES=-4096 as a size of nearly
+    2^64 that passed the multiple-of-4096 check (the first collective then failed allocating it)."""
     outs = _hosts_with(settings)
     for rank, out in enumerate(outs):
         assert want.format(rank=rank) in out, f"rank {rank}:\n{out[-2000:]}"

@@ -1,5 +1,7 @@
 #include "core/env.h"
 
+#include <cerrno>
+
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
@@ -192,12 +194,19 @@ std::string readString(const char* name) {
   return (v && (*v || p.emptyIsValue)) ? std::string(v) : std::string(p.defaultValue);
 }
 
+// Decimal, or hexadecimal after 0x; not octal ("010" is ten, as a user means it).
 int64_t readInt(const char* name) {
   const std::string text = readString(name);
+  const size_t digits = text.find_first_not_of("+-");
+  const bool hex = digits != std::string::npos && digits <= 1 && text.compare(digits, 2, "0x") == 0;
   char* end = nullptr;
-  const long long v = std::strtoll(text.c_str(), &end, 0);
+  errno = 0;
+  const long long v = std::strtoll(text.c_str(), &end, hex ? 16 : 10);
   if (end == text.c_str() || *end != '\0') {
     throwError(ErrorCode::kInvalidUsage, "smddp: environment variable %s=%s is not an integer", name, text.c_str());
+  }
+  if (errno == ERANGE) {
+    throwError(ErrorCode::kInvalidUsage, "smddp: environment variable %s=%s is out of range", name, text.c_str());
   }
   return v;
 }

@@ -508,6 +508,9 @@ float SmddpWork::getDuration() const {
 SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks)
     : c10d::Backend(rank, size), timeoutMs_(timeout.count()), globalRanks_(std::move(globalRanks)) {
+  // Every rank refuses it alike, before waiting for any other (0 would be a deadline of now).
+  TORCH_CHECK_VALUE(timeout.count() > 0, "smddp rank ", rank, ": the process group's timeout must be positive, got ",
+                    timeout.count(), " ms");
   if (globalRanks_.empty()) {
     for (int r = 0; r < size; ++r) globalRanks_.push_back(r);
   }

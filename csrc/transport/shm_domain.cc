@@ -109,16 +109,18 @@ void Domain::checkCapacity(int rank, size_t slotBytes) {
 
 std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t slotBytes,
                                        const CpuShare& machine) {
-  if (slotBytes < 4096 || slotBytes % 4096 != 0) {
-    throwError(ErrorCode::kInvalidUsage, "smddp rank %d: SMDDP_SHM_SLOT_BYTES=%zu must be a multiple of 4096", rank,
-               slotBytes);
+  // Bounded above too: a negative setting comes here as a huge size_t.
+  constexpr size_t kMaxSlotBytes = size_t(1) << 40;
+  if (slotBytes < 4096 || slotBytes % 4096 != 0 || slotBytes > kMaxSlotBytes) {
+    throwError(ErrorCode::kInvalidUsage, "SMDDP_SHM_SLOT_BYTES=%lld must be a multiple of 4096 from 4096 to 2^40",
+               static_cast<long long>(slotBytes));
   }
   std::unique_ptr<Domain> d(new Domain(rank, size, slotBytes));
   // Spinning is bounded in time, not in polls, because the cost of a pause instruction varies
   // tenfold between CPUs. When ranks outnumber cores, yield a few times to let the peer run.
   d->spin_ = spinBudget(machine);
   d->yieldFor_ =
-      machine.oversubscribed() ? std::chrono::microseconds(env::yieldMicros()) : std::chrono::microseconds(0);
+      machine.oversubscribed() ? pollBudget(env::yieldMicros()) : std::chrono::microseconds(0);
   if (size == 1) return d;
 
   if (rank == 0) store.set(kTokenKey, randomHex(8));
