@@ -211,3 +211,62 @@ def test_reduce_scatter_tensor_empty_and_odd(pools, world):
 def test_reduce_scatter_tensor_large(pools, world):
     pools.check(world, reduce_scatter_tensor_forms, ["large"], ["float32", "bfloat16", "int64"],
                 ["SUM", "AVG"], "rstL", timeout=300)
+
+
+def complex_reductions_task(rank, world):
+    """Complex tensors in reduce and the reduce-scatters (which torch hands the backend as they
+    are, where it turns all_reduce's into pairs of reals first) and in the ProcessGroup's own
+    allreduce: SUM, AVG and PREMUL_SUM act on both parts, as on gloo; other ops are refused.
+    Until 2026-11-29 every one of them raised NotImplementedError ('dtype ComplexFloat is not
+    supported for reductions')."""
+    rep = Report(rank)
+    n = 5
+    real = torch.view_as_real  # compared part by part, as float32
+
+    def value(r, count=n):
+        k = torch.arange(count, dtype=torch.float32)
+        return torch.complex(k + r, 2 * k - r)
+
+    everyone = [value(r, world * n) for r in range(world)]
+    for opname in ("SUM", "AVG", "PREMUL_SUM_F"):
+        why = backend_skip("reduce_scatter", torch.complex64, opname)
+        if why:
+            rep.skip(f"complex64 {opname}", why)
+            continue
+        exact = opname == "SUM"
+        total = sum(everyone)
+        want = total / world if opname == "AVG" else total * 0.5 if opname == "PREMUL_SUM_F" else total
+        op = lambda: dist.ReduceOp.AVG if opname == "AVG" else make_op(opname, torch.float32)  # noqa: E731
+        for root in range(world):
+            with rep.cell(f"reduce complex64 {opname} root={root}"):
+                t = everyone[rank].clone()
+                dist.reduce(t, dst=root, op=op())
+                if rank == root:
+                    rep.check(f"reduce complex64 {opname} root={root}", real(t), real(want), exact=exact,
+                              cross_rank=False)
+        with rep.cell(f"reduce_scatter_tensor complex64 {opname}"):
+            out = torch.empty(n, dtype=torch.complex64)
+            dist.reduce_scatter_tensor(out, everyone[rank].clone(), op=op())
+            rep.check(f"reduce_scatter_tensor complex64 {opname}", real(out), real(want[rank * n:(rank + 1) * n]),
+                      exact=exact, cross_rank=False)
+        with rep.cell(f"reduce_scatter complex64 {opname}"):
+            out = torch.empty(n, dtype=torch.complex64)
+            dist.reduce_scatter(out, list(everyone[rank].clone().split(n)), op=op())
+            rep.check(f"reduce_scatter complex64 {opname}", real(out), real(want[rank * n:(rank + 1) * n]),
+                      exact=exact, cross_rank=False)
+        with rep.cell(f"ProcessGroup.allreduce complex64 {opname}"):
+            t = everyone[rank].clone()
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = op()
+            dist.group.WORLD.allreduce([t], opts).wait()
+            rep.check(f"ProcessGroup.allreduce complex64 {opname}", real(t), real(want), exact=exact)
+    with rep.cell("reduce complex64 MAX (refused)"):
+        rep.expect_refusal("reduce complex64 MAX", lambda: dist.reduce(everyone[rank].clone(), dst=0,
+                                                                        op=dist.ReduceOp.MAX),
+                           need=("reduce op MAX is not supported on complex tensors",))
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_complex_reductions(pools, world):
+    pools.check(world, complex_reductions_task)

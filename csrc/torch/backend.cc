@@ -113,6 +113,27 @@ DataType checkTensor(const at::Tensor& t, int rank, const char* op) {
   return *dt;
 }
 
+// torch hands all_reduce a complex tensor as pairs of reals (view_as_real), but reduce and the
+// reduce-scatters as it is: the same here, for the ops that act on both parts alike (as gloo
+// and NCCL reduce them). Empty when no tensor is complex; a call mixing complex tensors with
+// others is refused.
+std::vector<at::Tensor> complexAsReals(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op, int rank,
+                                       const char* name) {
+  const auto complex = [](const at::Tensor& t) { return t.defined() && t.is_complex(); };
+  if (std::none_of(tensors.begin(), tensors.end(), complex)) return {};
+  TORCH_CHECK_TYPE(std::all_of(tensors.begin(), tensors.end(), complex), "smddp rank ", rank, ": ", name,
+                   ": complex tensors mixed with others");
+  const auto o = op.op_;
+  static const char* const kNames[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
+  TORCH_CHECK_NOT_IMPLEMENTED(o == c10d::ReduceOp::SUM || o == c10d::ReduceOp::AVG || o == c10d::ReduceOp::PREMUL_SUM,
+                              "smddp rank ", rank, ": ", name, ": reduce op ",
+                              o < std::size(kNames) ? kNames[o] : "(unknown)",
+                              " is not supported on complex tensors (SUM, AVG and PREMUL_SUM are, part by part)");
+  std::vector<at::Tensor> reals;
+  for (const at::Tensor& t : tensors) reals.push_back(at::view_as_real(t));
+  return reals;
+}
+
 // A tensor that an op only moves (broadcast, the gathers, scatter, all_to_all, send/recv): any
 // dtype of 1, 2, 4 or 8 bytes (the other float8 kinds and complex32/64 too), carried bit for bit
 // as the integer type of its size, which every step of such an op treats alike.
@@ -829,6 +850,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::AllreduceOptions& opts) {
   const at::Tensor& t = single(tensors, rank_, "allreduce");
+  if (Tensors reals = complexAsReals(tensors, opts.reduceOp, rank_, "allreduce"); !reals.empty()) {
+    return allreduce(reals, opts);  // a caller of the ProcessGroup itself (torch's all_reduce converts)
+  }
   if (t.defined() && t.layout() == at::kSparse) {
     return enqueue(c10d::OpType::ALLREDUCE, "smddp:all_reduce", tensors, tensors, resolveTimeout(opts.timeout),
                    opts.asyncOp, sparseAllreduce(t, opts.reduceOp, rank_, size_, sparseScratch_));
@@ -853,6 +877,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce(std::vector<at::Tensor>& 
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                  const c10d::AllreduceCoalescedOptions& opts) {
+  if (Tensors reals = complexAsReals(tensors, opts.reduceOp, rank_, "allreduce_coalesced"); !reals.empty()) {
+    return allreduce_coalesced(reals, opts);
+  }
   std::vector<Staged> staged;
   std::vector<std::pair<DataType, Reduction>> kinds;
   for (const at::Tensor& t : tensors) {
@@ -900,6 +927,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
 c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::ReduceOptions& opts) {
   const at::Tensor& t = single(tensors, rank_, "reduce");
+  if (Tensors reals = complexAsReals(tensors, opts.reduceOp, rank_, "reduce"); !reals.empty()) {
+    return reduce(reals, opts);
+  }
   const DataType dtype = checkTensor(t, rank_, "reduce");
   const Reduction red = toReduction(opts.reduceOp, dtype, size_, rank_, "reduce");
   const int root = static_cast<int>(opts.rootRank);
@@ -1135,6 +1165,12 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter(std::vector<at::Tens
   const at::Tensor& out = single(outputs, rank_, "reduce_scatter");
   TORCH_CHECK_VALUE(inputs.size() == 1, "smddp rank ", rank_, ": reduce_scatter takes one input list, got ",
                     inputs.size());
+  if (Tensors reals = complexAsReals(concat({out}, inputs[0]), opts.reduceOp, rank_, "reduce_scatter");
+      !reals.empty()) {
+    Tensors o{reals[0]};
+    std::vector<Tensors> i{Tensors(reals.begin() + 1, reals.end())};
+    return reduce_scatter(o, i, opts);
+  }
   const DataType dtype = checkTensor(out, rank_, "reduce_scatter");
   const Reduction red = toReduction(opts.reduceOp, dtype, size_, rank_, "reduce_scatter");
   const std::vector<at::Tensor>& ins = inputs[0];
@@ -1214,6 +1250,10 @@ void runFlatScatter(algo::Communicator& c, FlatScatter& f, int size, std::chrono
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                   const c10d::ReduceScatterOptions& opts) {
+  if (Tensors reals = complexAsReals({output, input}, opts.reduceOp, rank_, "reduce_scatter_tensor");
+      !reals.empty()) {
+    return _reduce_scatter_base(reals[0], reals[1], opts);
+  }
   if (isCudaOp({output, input}, "reduce_scatter_tensor")) {
     const auto [dtype, red] = checkFlatScatter(output, input, opts.reduceOp, rank_, size_, "reduce_scatter_tensor");
     return cudaColumns(c10d::OpType::_REDUCE_SCATTER_BASE, "smddp:reduce_scatter_tensor", {output}, {input},
@@ -1233,6 +1273,12 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "smddp rank ", rank_,
                     ": reduce_scatter_tensor_coalesced: got ", outputs.size(), " outputs for ", inputs.size(),
                     " inputs");
+  if (Tensors reals = complexAsReals(concat(outputs, inputs), opts.reduceOp, rank_, "reduce_scatter_tensor_coalesced");
+      !reals.empty()) {
+    Tensors o(reals.begin(), reals.begin() + static_cast<ptrdiff_t>(outputs.size()));
+    Tensors i(reals.begin() + static_cast<ptrdiff_t>(outputs.size()), reals.end());
+    return reduce_scatter_tensor_coalesced(o, i, opts);
+  }
   if (isCudaOp(concat(outputs, inputs), "reduce_scatter_tensor_coalesced")) {
     std::vector<ColumnPart> parts;
     for (size_t i = 0; i < inputs.size(); ++i) {
