@@ -199,3 +199,38 @@ def test_torchrun_restart(tmp_path):
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180).stdout
     for r in range(3):
         assert f"attempt 1 rank {r} ok" in out, out[-4000:]
+
+
+LATE_GROUP_CHILD = r"""
+import datetime, os, sys, time, torch, torch.distributed as dist
+import smddp
+rank = int(sys.argv[1])
+dist.init_process_group("smddp", init_method=sys.argv[2], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=3))
+if rank == int(sys.argv[3]):
+    time.sleep(6)
+t0 = time.monotonic()
+try:
+    g = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=60))
+    t = torch.ones(2)
+    dist.all_reduce(t, group=g)
+    print("OK", t.tolist(), f"{time.monotonic() - t0:.1f}", flush=True)
+except Exception as e:
+    print("ERROR", type(e).__name__, str(e).splitlines()[0], flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="smddp-specific")
+@pytest.mark.parametrize("late", [0, 1])
+def test_group_timeout_longer_than_the_stores(late):
+    """A group whose timeout (60 s) exceeds init_process_group's (3 s, the store's own): a rank
+    6 s late to new_group is waited for by every rank. Until 2026-11-29 the ranks other than 0
+    read the store with its 3 s, so with rank 0 late rank 1 failed ("rank 0 never answered") and
+    rank 0 then waited its 60 s and blamed rank 1."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    procs, outs = _run_ranks([[sys.executable, "-c", LATE_GROUP_CHILD, str(r), url, str(late)] for r in range(2)],
+                             [env, env], 120)
+    for r in range(2):
+        assert "OK [2.0, 2.0]" in outs[r], f"rank {r}:\n{outs[r][-2000:]}"

@@ -1,7 +1,6 @@
 #include "core/env.h"
 
 #include <cerrno>
-
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>

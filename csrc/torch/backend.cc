@@ -304,15 +304,20 @@ std::vector<Staged> stageBlocks(const std::vector<at::Tensor>& blocks, const Sta
 
 // Failures of the c10d store become smddp errors, so that one during an op (a group's first
 // all_to_all reads peers' addresses) fails the op like any other: named, and the group broken.
+// Reads wait as long as the group's timeout says, not the store's own (init_process_group's,
+// which a later group may exceed: its ranks would give up on a late rank 0 sooner than rank 0
+// on them, and blame each other).
 class C10dStore : public Store {
  public:
-  explicit C10dStore(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  C10dStore(c10::intrusive_ptr<c10d::Store> store, std::chrono::milliseconds timeout)
+      : store_(std::move(store)), timeout_(timeout) {}
   void set(const std::string& key, const std::string& value) override {
     guarded("setting", key, [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
   }
   std::string get(const std::string& key) override {
     std::string value;
     guarded("reading", key, [&] {
+      store_->wait({key}, timeout_);
       auto v = store_->get(key);
       value.assign(v.begin(), v.end());
     });
@@ -330,6 +335,7 @@ class C10dStore : public Store {
     const std::string what = keys.size() == 1 ? keys[0] : keys[0] + " (and " + std::to_string(keys.size() - 1) +
                                                                " more keys)";
     guarded("reading", what, [&] {
+      store_->wait(keys, timeout_);
       for (const std::vector<uint8_t>& v : store_->multiGet(keys)) values.emplace_back(v.begin(), v.end());
     });
     return values;
@@ -343,8 +349,10 @@ class C10dStore : public Store {
     } catch (const c10::DistStoreError& e) {  // the store's own timeout
       failed(ErrorCode::kTimeout, what, key, e, "");
     } catch (const std::exception& e) {
-      // FileStore's timeout is a plain c10::Error.
-      if (std::strncmp(e.what(), "Timeout waiting for key", 23) == 0) failed(ErrorCode::kTimeout, what, key, e, "");
+      // FileStore's timeouts are plain c10::Errors: its get's, and its wait's.
+      if (std::strncmp(e.what(), "Timeout waiting for key", 23) == 0 || std::strncmp(e.what(), "Wait timeout", 12) == 0) {
+        failed(ErrorCode::kTimeout, what, key, e, "");
+      }
       failed(ErrorCode::kRemoteError, what, key, e,
              ": the process that hosts it (rank 0's, for init_method tcp:// or env://) may have exited");
     }
@@ -357,6 +365,7 @@ class C10dStore : public Store {
   }
 
   c10::intrusive_ptr<c10d::Store> store_;
+  std::chrono::milliseconds timeout_;
 };
 
 // An op's tensors in a log line: "float32, 2 inputs (2048 elements), 1 output (1024 elements)";
@@ -539,7 +548,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   const char* torchDebug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
   debugChecks_ = env::debugChecks() != 0 || (torchDebug != nullptr && std::string(torchDebug) == "DETAIL");
   c10dStore_ = store;
-  store_ = std::make_unique<C10dStore>(store);
+  store_ = std::make_unique<C10dStore>(store, timeout);
   try {
     groupStore_ = std::make_unique<PrefixStore>(*store_, freshNamespace(*store_, rank, size, timeout));
     bootstrap_ = std::make_unique<BootstrapStore>(*groupStore_);
