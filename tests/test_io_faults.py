@@ -95,8 +95,9 @@ def test_cpp_tests_of_the_tcp_engines(faults_library, tmp_path, binary):
 KEPT_LAYOUTS = {"0011", "012"}
 LEFT_OUT = {
     "test_multihost.py": ("different_collectives", "premul_factors_that_differ", "sizes_disagree", "topology",
-                          "pinned_apart", "linger_budget", "crowded", "warns", "disagreeing_net_settings",
-                          "ddp_and_fsdp2", "pipeline_parallel", "ipv6"),
+                          "pinned_apart", "linger_budget", "poll_budgets", "crowded", "warns",
+                          "disagreeing_net_settings", "disagreeing_shm_settings", "integer_settings", "ddp_and_fsdp2",
+                          "pipeline_parallel", "ipv6"),
     "test_soak.py": (),
 }
 
