@@ -782,11 +782,13 @@ def test_interface_and_family_choice(settings, want):
     ({"SMDDP_SHM_SLOT_BYTES": "010"}, "SMDDP_SHM_SLOT_BYTES=10 must be a multiple of 4096"),
     ({"SMDDP_SHM_SLOT_BYTES": "0x100000"}, "OK"),
 ], ids=["negative", "out_of_range", "decimal_not_octal", "hex"])
-def test_integer_settings_read_as_written(settings, want):
+def test_integer_settings_read_as_written(settings, want, tmp_path):
     """Integer settings are decimal (or hexadecimal after 0x): until 2026-11-29 "010" was read as
     octal 8, a number past 2^63 as 2^63 - 1, and SMDDP_SHM_SLOT_BYTES=-4096 as a size of nearly
     2^64 that passed the multiple-of-4096 check (the first collective then failed allocating it)."""
-    outs = _hosts_with(settings)
+    # A file store outlives the ranks: one that rank 0 hosted could go with it before the other
+    # rank had published its own failure (which then reads as the store's loss).
+    outs = _hosts_with(settings, url=f"file://{tmp_path}/store")
     for rank, out in enumerate(outs):
         assert want.format(rank=rank) in out, f"rank {rank}:\n{out[-2000:]}"
 
