@@ -19,6 +19,9 @@
 // SMDDP_TESTS_MIN_BW (GB/s, like NCCL_TESTS_MIN_BW): exit 4 when the average bus bandwidth is lower.
 // --timeout bounds the set-up (a rank that never starts is named by every other) and each op.
 // --huge-pages 1 puts the buffers on transparent huge pages, as torch's THP_MEM_ALLOC_ENABLE=1 does.
+// --touch 1 rewrites each rank's input before every timed op (outside the time), as a training step
+// writes what it then communicates: nccl-tests' loop reuses untouched buffers, whose clean cached
+// lines flatter a peer reading them in place (SMDDP_SHM_SINGLE_COPY_BYTES).
 // With -np, the lines before and after the table give a cache line's round trip between the first
 // two CPUs the job may use: tens of ns where they share a last-level cache, hundreds where they do
 // not, which decides how fast ranks read each other's staged data and which sysfs may not show
@@ -72,6 +75,7 @@ struct Args {
   std::vector<ReduceOp> ops{ReduceOp::kSum};
   std::string json;
   bool hugePages = false;  // buffers on transparent huge pages (torch's THP_MEM_ALLOC_ENABLE=1)
+  bool touch = false;      // the input rewritten before each timed op, outside the time
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // set-up, and each op
   // torchrun-style launch (no -np): this process's rank and the store's address.
   int launchRank = -1;
@@ -122,7 +126,7 @@ const char* opName(ReduceOp op) {
           "[-o sum|prod|min|max|avg|all] "
           "[-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|f8e4m3|f8e5m2|all] "
           "[-r root] [-a 0..3] [-J json] [-T target_ms] [--timeout seconds (set-up and each op; default 300)] "
-          "[--huge-pages 0/1]\n");
+          "[--huge-pages 0/1] [--touch 0/1]\n");
   exit(2);
 }
 
@@ -180,6 +184,7 @@ Args parseArgs(int argc, char** argv) {
     else if (f == "-J" || f == "--output_file") a.json = need(i);
     else if (f == "-T") a.targetMs = atof(need(i));
     else if (f == "--huge-pages") a.hugePages = atoi(need(i)) != 0;
+    else if (f == "--touch") a.touch = atoi(need(i)) != 0;
     else if (f == "--timeout") a.timeout = std::chrono::milliseconds(static_cast<int64_t>(atof(need(i)) * 1000));
     else if (f == "-t" || f == "-g") {
       if (atoi(need(i)) != 1) usage("one thread and one device per rank (use -np for more ranks)");
@@ -534,9 +539,23 @@ int rankMain(const Args& a, int rank, Store& store) {
           iters = static_cast<int>(std::clamp(a.targetMs / std::max(est, 1e-3f), 5.0, 20000.0));
         }
         comm.barrier(a.timeout);
-        auto t0 = Clock::now();
-        for (int i = 0; i < iters * a.agg; ++i) runOp(comm, a, k, src, dst, s, W, scratch.data());
-        const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / (iters * a.agg);
+        double us = 0;
+        if (a.touch) {
+          // A training step writes what it then communicates: the input is in this rank's cache,
+          // dirty, as each op starts, not left there clean by the last op. Only the ops are timed.
+          std::vector<uint8_t> pristine(static_cast<uint8_t*>(src), static_cast<uint8_t*>(src) + s.inElems * es);
+          for (int i = 0; i < iters * a.agg; ++i) {
+            std::memcpy(src, pristine.data(), pristine.size());
+            const auto t0 = Clock::now();
+            runOp(comm, a, k, src, dst, s, W, scratch.data());
+            us += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+          }
+          us /= iters * a.agg;
+        } else {
+          const auto t0 = Clock::now();
+          for (int i = 0; i < iters * a.agg; ++i) runOp(comm, a, k, src, dst, s, W, scratch.data());
+          us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / (iters * a.agg);
+        }
         const double combined = a.avgMode == 0 ? us : combine(comm, a, us, W, timeOp[a.avgMode]);
         times[inPlace] = a.avgMode == 1 ? combined / W : combined;
         if (a.avgMode == 0) comm.broadcast({DataType::kFloat64, 1, &times[inPlace], 0}, a.timeout);

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _util import DTYPES, SMALL_SIZES, Report, backend_skip, dname, gen, gen_all, large_elems
+from _util import DTYPES, IS_SMDDP, SMALL_SIZES, Report, backend_skip, dname, gen, gen_all, large_elems, ptrace_allowed
 
 WORLDS = [1, 2, 3, 4]
 
@@ -167,3 +167,45 @@ def test_copy_step_smaller_than_slot(pools):
     # 4160 B steps in 8 KiB slots: several steps per op, none aligned to the sizes.
     env = (("SMDDP_SHM_SLOT_BYTES", "8192"), ("SMDDP_SHM_COPY_STEP_BYTES", "4160"))
     pools.check(3, copy_steps_uneven, env=env)
+
+
+def single_copy_state(rank, world, want):
+    rep = Report(rank)
+    info = dist.group.WORLD._get_backend(torch.device("cpu"))._topology()
+    rep.expect(info.get("allgather_single_copy") == want,
+               f"rank {rank}: allgather_single_copy is {info.get('allgather_single_copy')!r}, not {want!r}")
+    return rep.to_dict()
+
+
+def gather_beside_single_copy(rank, world):
+    """gather (the root alone reads) keeps to the staging slots under SMDDP_SHM_SINGLE_COPY_BYTES."""
+    rep = Report(rank)
+    ins = gen_all("gsc", world, 70_001, torch.float32)
+    for root in range(world):
+        with rep.cell(f"gather root={root}"):
+            outs = [torch.empty(70_001) for _ in range(world)] if rank == root else None
+            dist.gather(ins[rank].clone(), outs, dst=root)
+            if rank == root:
+                for r in range(world):
+                    rep.check(f"gather root={root} output[{r}]", outs[r], ins[r], cross_rank=False)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("single_copy", ["1", "0"], ids=["read-in-place", "staged"])
+def test_all_gather_single_copy_setting(pools, world, single_copy):
+    """SMDDP_SHM_SINGLE_COPY_BYTES=1: every all_gather reads each host-mate's part straight from
+    that rank's input (where the kernel lets ranks read each other's memory): every form (list,
+    cat/stack, 1-D/2-D, FSDP2's in-place, coalesced, uneven parts, large) must land right, and
+    gather, which keeps to the slots, beside it. 0: never, in the same cases."""
+    env = (("SMDDP_SHM_SINGLE_COPY_BYTES", single_copy),)
+    if IS_SMDDP:
+        want = ("from 1 bytes" if ptrace_allowed() else "off (a rank may not read its host-mates' memory)"
+                ) if single_copy == "1" else "off"
+        pools.check(world, single_copy_state, want, env=env)
+    pools.check(world, all_gather_list, [1, 1001], ["float32", "float16", "int8", "bool"], env=env, timeout=240)
+    pools.check(world, all_gather_tensor_forms, [0, 7, 1001, "large"], ["float32", "bfloat16"], env=env,
+                timeout=300)
+    pools.check(world, all_gather_coalesced, [1, 1001], ["float32"], env=env)
+    pools.check(world, copy_steps_uneven, env=env)
+    pools.check(world, gather_beside_single_copy, env=env)

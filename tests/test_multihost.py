@@ -367,29 +367,34 @@ def test_disagreeing_net_settings_take_rank_0s():
     values hold, and the allreduces (small and large: one-shot and two hops under rank 0's
     settings) come out right instead of failing on mismatched headers."""
     rank_env = {"SMDDP_HOST_ID": ["0", "1"], "SMDDP_NET_ALGO": ["mesh", "ring"],
-                "SMDDP_NET_BUFFER_BYTES": ["65536", "131072"], "SMDDP_NET_ONESHOT_BYTES": ["0", str(1 << 30)]}
+                "SMDDP_NET_BUFFER_BYTES": ["65536", "131072"], "SMDDP_NET_ONESHOT_BYTES": ["0", str(1 << 30)],
+                "SMDDP_SHM_SINGLE_COPY_BYTES": ["0", "0"]}
     reports, logs = run_in_own_pool(rank_env, allreduce_matrix, [1, 1001, "large"], ["float32"], ["SUM", "MAX"])
     assert_reports(reports, 2)
     assert ('rank 1: SMDDP_NET_ALGO, SMDDP_NET_BUFFER_BYTES, SMDDP_NET_ONESHOT_BYTES, SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES, '
-            'SMDDP_SHM_COPY_STEP_BYTES come to "ring 131072 1073741824 65536 262144" here, but rank 0\'s '
-            '"mesh 65536 0 65536 262144" hold') in logs[1], logs[1][-2000:]
+            'SMDDP_SHM_COPY_STEP_BYTES, SMDDP_SHM_SINGLE_COPY_BYTES come to "ring 131072 1073741824 65536 262144 0" '
+            'here, but rank 0\'s "mesh 65536 0 65536 262144 0" hold') in logs[1], logs[1][-2000:]
     assert "hold for the group" not in logs[0], logs[0][-2000:]
 
 
 @pytest.mark.parametrize("hosts", [["0", "0", "0"], ["0", "0", "1"]])
 def test_disagreeing_shm_settings_take_rank_0s(hosts):
     """How a host's ranks cut a message into steps must agree too: rank 1 asks for the one-shot
-    allreduce never and for 128-byte copy steps (rank 2 for one-shot always), is told that rank
-    0's values hold, and every result is right. Until 2026-11-29 each rank used its own, and the
-    allreduce and broadcast came out wrong, silently."""
+    allreduce never, for 128-byte copy steps and for staged all-gathers (rank 2 for one-shot
+    always, and for reading in place from 4 KiB), is told that rank 0's values hold (one-shot to
+    64 KiB, 256 KiB steps, every all-gather read in place), and every result is right. Until
+    2026-11-29 each rank used its own, and the allreduce and broadcast came out wrong, silently."""
     rank_env = {"SMDDP_HOST_ID": hosts, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES": ["65536", "0", str(1 << 30)],
-                "SMDDP_SHM_COPY_STEP_BYTES": ["262144", "128", "262144"]}
+                "SMDDP_SHM_COPY_STEP_BYTES": ["262144", "128", "262144"],
+                "SMDDP_SHM_SINGLE_COPY_BYTES": ["1", "0", "4096"]}
     reports, logs = run_in_own_pool(rank_env, allreduce_matrix, [7, 1001, 70_000], ["float32"], ["SUM"], world=3)
     assert_reports(reports, 3)
     reports, logs = run_in_own_pool(rank_env, broadcast_all_roots, [1001, 70_000], ["float32", "int8"], world=3)
     assert_reports(reports, 3)
-    assert ('SMDDP_SHM_COPY_STEP_BYTES come to "mesh 16777216 65536 0 128" here, but rank 0\'s '
-            '"mesh 16777216 65536 65536 262144" hold') in logs[1], logs[1][-2000:]
+    reports, logs = run_in_own_pool(rank_env, all_gather_tensor_forms, [7, 70_000], ["float32"], world=3)
+    assert_reports(reports, 3)
+    assert ('SMDDP_SHM_SINGLE_COPY_BYTES come to "mesh 16777216 65536 0 128 0" here, but rank 0\'s '
+            '"mesh 16777216 65536 65536 262144 1" hold') in logs[1], logs[1][-2000:]
     assert "hold for the group" not in logs[0], logs[0][-2000:]
 
 
@@ -398,6 +403,15 @@ def test_allgather(pools, topo):
     check(pools, topo, all_gather_list, SMALL_SIZES, ALL)
     check(pools, topo, all_gather_coalesced, [1001], ["float32", "int64"])
     check(pools, topo, all_gather_tensor_forms, SMALL_SIZES + ["large"], ["float32", "int8"])
+
+
+@pytest.mark.parametrize("topo", ["0011", "0001", "00112"])
+def test_allgather_read_in_place_on_each_host(pools, topo):
+    """The host-local steps of a multi-host all-gather read host-mates' parts in place
+    (SMDDP_SHM_SINGLE_COPY_BYTES=1; where the kernel allows it, else they stage as usual)."""
+    env = NET_ENV + (("SMDDP_SHM_SINGLE_COPY_BYTES", "1"),)
+    check(pools, topo, all_gather_list, [1, 1001], ["float32", "int8"], env=env)
+    check(pools, topo, all_gather_tensor_forms, [7, "large"], ["float32"], env=env)
 
 
 @pytest.mark.parametrize("topo", TOPOS)

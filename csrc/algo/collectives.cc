@@ -30,6 +30,7 @@ struct Expect {
   DataType dtype;
   ReduceOp redop;
   int root;
+  bool readsInPlace = false;  // single copy (see the header)
 };
 
 // FNV-1a over the element count this rank expects of each rank (OpDescriptor::layout).
@@ -43,8 +44,11 @@ uint64_t layoutOf(int size, CountOf countOf) {
   return h;
 }
 
-void writeDescriptor(OpContext& ctx, uint64_t phase, const Expect& e, uint64_t count, uint64_t layout) {
+void writeDescriptor(OpContext& ctx, uint64_t phase, const Expect& e, uint64_t count, uint64_t layout,
+                     const void* address) {
   shm::OpDescriptor& d = ctx.domain->descriptor(ctx.rank, phase);
+  d.address = reinterpret_cast<uint64_t>(address);
+  d.readsInPlace = e.readsInPlace ? 1 : 0;
   d.seq = ctx.seq;
   d.kind = static_cast<uint32_t>(e.kind);
   d.dtype = static_cast<uint32_t>(e.dtype);
@@ -102,6 +106,15 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
                opKindName(e.kind), static_cast<unsigned long long>(ctx.seq), mine.c_str(),
                ctx.size > 16 ? ", ..." : "", ctx.domain->groupRank(p));
   }
+  for (int p = 0; p < ctx.size; ++p) {
+    if (p == ctx.rank || (ctx.domain->descriptor(p, phase).readsInPlace != 0) == e.readsInPlace) continue;
+    throwError(ErrorCode::kInvalidUsage,
+               "collectives do not match across ranks: at %s #%llu this rank %s, rank %d %s (an all_gather of CUDA "
+               "tensors on some ranks and CPU tensors on others?)",
+               opKindName(e.kind), static_cast<unsigned long long>(ctx.seq),
+               e.readsInPlace ? "reads its host-mates' parts in place" : "stages its part",
+               ctx.domain->groupRank(p), e.readsInPlace ? "stages its part" : "reads its host-mates' parts in place");
+  }
   // Debug checks: the callers' full descriptions must agree too (shapes, API), where both sides
   // have them on.
   if (ctx.fingerprint == 0) return;
@@ -120,16 +133,38 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
 
 // One step of the protocol in shm_domain.h: stage, announce (first phase only), publish, wait,
 // verify. A template, not std::function: it runs once per chunk on every op's hot path.
+// `address`: this rank's buffer, announced for peers that read it in place (single copy).
 template <class CountOf, class Stage>
-uint64_t step(OpContext& ctx, bool first, const Expect& e, uint64_t myCount, CountOf countOf, Stage stage) {
+uint64_t step(OpContext& ctx, bool first, const Expect& e, uint64_t myCount, CountOf countOf, Stage stage,
+              const void* address = nullptr) {
   const uint64_t k = ctx.domain->nextPhase();
   stage(ctx.domain->slot(ctx.rank, k));
   const uint64_t layout = first ? layoutOf(ctx.size, countOf) : 0;
-  if (first) writeDescriptor(ctx, k, e, myCount, layout);
+  if (first) writeDescriptor(ctx, k, e, myCount, layout, address);
   ctx.domain->publish(k);
   ctx.domain->waitAll(k, ctx.wait);
   if (first) checkDescriptors(ctx, k, e, countOf, layout);
   return k;
+}
+
+void noStaging(uint8_t*) {}
+
+// Copies `n` bytes of host-mate `peer`'s buffer, announced in phase `k`, to `dst`, in parts across
+// the helpers (process_vm_readv copies in the calling thread).
+void readFromPeer(OpContext& ctx, uint64_t k, int peer, void* dst, size_t n) {
+  const uint64_t address = ctx.domain->descriptor(peer, k).address;
+  if (address == 0) {  // it stages them: the group's settings disagree, which agreeOnSchedule rules out
+    throwError(ErrorCode::kRemoteError, "rank %d did not offer its %zu bytes to read in place (a bug: report it)",
+               ctx.domain->groupRank(peer), n);
+  }
+  std::atomic<int> failure{0};
+  forEachPart(ctx.helpers, n, 1, kAlignBytes, [&](size_t b, size_t m) {
+    if (const int err = ctx.domain->readFromPeer(peer, bytes(dst) + b, address + b, m); err != 0) failure.store(err);
+  });
+  if (const int err = failure.load(); err != 0) {
+    throwError(ErrorCode::kRemoteError, "cannot read rank %d's %zu bytes in its memory: %s",
+               ctx.domain->groupRank(peer), n, strerror(err));
+  }
 }
 
 void allreduceOneShot(OpContext& ctx, const AllreduceOptions& o, const Expect& e) {
@@ -251,16 +286,27 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
   }
   shm::Domain& d = *ctx.domain;
   const size_t maxBytes = *std::max_element(o.counts.begin(), o.counts.end()) * es;
-  const Expect e{o.root < 0 ? OpKind::kAllgather : OpKind::kGather, o.dtype, ReduceOp::kSum, o.root};
+  const bool readsInPlace = o.mayReadInPlace && o.root < 0 && maxBytes >= ctx.singleCopyBytes;
+  const Expect e{o.root < 0 ? OpKind::kAllgather : OpKind::kGather, o.dtype, ReduceOp::kSum, o.root, readsInPlace};
   size_t total = 0;
   for (size_t c : o.counts) total += c * es;
   const bool stream = shouldStream(total, ctx.size);
+  auto countOf = [&](int p) -> uint64_t { return o.counts[p]; };
+  if (readsInPlace) {  // single copy (see the header)
+    const uint64_t k = step(ctx, true, e, o.counts[ctx.rank], countOf, noStaging, o.input);
+    if (ownCopy) copyParallel(ctx.helpers, o.outputs[ctx.rank], o.input, mine, stream);
+    for (int i = 1; i < ctx.size; ++i) {
+      const int p = (ctx.rank + i) % ctx.size;  // host-mates start on different peers
+      if (o.counts[p] > 0) readFromPeer(ctx, k, p, o.outputs[p], o.counts[p] * es);
+    }
+    step(ctx, false, e, o.counts[ctx.rank], countOf, noStaging);
+    return;
+  }
   const bool stage = stagesStreamed(ctx, total);
   const size_t stepBytes = ctx.copyStepBytes;
   for (size_t off = 0; off < maxBytes; off += stepBytes) {
     const size_t myN = off < mine ? std::min(stepBytes, mine - off) : 0;
-    const uint64_t k = step(ctx, off == 0, e, o.counts[ctx.rank], [&](int p) { return o.counts[p]; },
-                            [&](uint8_t* slot) {
+    const uint64_t k = step(ctx, off == 0, e, o.counts[ctx.rank], countOf, [&](uint8_t* slot) {
                               // Our own piece goes to the output right after it is staged, from
                               // whichever copy is in cache (the input's when the slot was
                               // streamed), rather than in a separate pass over the whole input.

@@ -47,6 +47,18 @@ size_t copyStepBytesFromEnv() {
   return std::min(static_cast<size_t>(env::shmSlotBytes()), step / kAlignBytes * kAlignBytes);
 }
 
+// SMDDP_SHM_SINGLE_COPY_BYTES, SIZE_MAX for never. By default only where every rank has a core:
+// 2 ranks on 2 cores, inputs rewritten before each op (smddp_perf --touch 1), reading in place
+// made allgathers of 4-32 MiB 1.25-1.4x faster in place and 1.02-1.13x out of place, smaller ones
+// up to 1.15x slower (process_vm_readv pins the owner's pages one by one, where the staged copies
+// run on both cores at once, each step still in cache); 3-4 ranks on 2 cores: 0.83-1.13x.
+size_t singleCopyBytesFor(const CpuShare& machine) {
+  const int64_t v = env::shmSingleCopyBytes();
+  if (v == 0) return SIZE_MAX;
+  if (v > 0) return static_cast<size_t>(v);
+  return machine.oversubscribed() ? SIZE_MAX : kDefaultSingleCopyBytes;
+}
+
 const std::string kScheduleKey = "smddp/schedule";
 
 // The keys of the group's set-up that peers wait for from `rank`, but the host's shared-memory
@@ -95,6 +107,7 @@ Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chron
       machine_(cpuClaim_.busiest()),
       oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))),
       copyStepBytes_(copyStepBytesFromEnv()),
+      singleCopyBytes_(singleCopyBytesFor(machine_)),
       cpuThreads_(cpuThreadsFor(machine_)) {
   logParamsOnce();
   try {
@@ -137,19 +150,22 @@ void Communicator::agreeOnSchedule(Store& store) {
   netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
   netOneShotBytes_ = static_cast<size_t>(std::max<int64_t>(0, env::netOneShotBytes()));
   std::ostringstream mine;
-  mine << algo << ' ' << netBufferBytes_ << ' ' << netOneShotBytes_ << ' ' << oneShotMaxBytes_ << ' ' << copyStepBytes_;
+  mine << algo << ' ' << netBufferBytes_ << ' ' << netOneShotBytes_ << ' ' << oneShotMaxBytes_ << ' ' << copyStepBytes_
+       << ' ' << (singleCopyBytes_ == SIZE_MAX ? 0 : singleCopyBytes_);  // as the setting says never
   const std::string group = rank0Value(store, rank_, kScheduleKey, mine.str());
   if (group == mine.str()) return;
   SMDDP_WARN(kInit,
              "rank %d: SMDDP_NET_ALGO, SMDDP_NET_BUFFER_BYTES, SMDDP_NET_ONESHOT_BYTES, "
-             "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES, SMDDP_SHM_COPY_STEP_BYTES come to \"%s\" here, but rank 0's \"%s\" "
-             "hold for the group",
+             "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES, SMDDP_SHM_COPY_STEP_BYTES, SMDDP_SHM_SINGLE_COPY_BYTES come to \"%s\" "
+             "here, but rank 0's \"%s\" hold for the group",
              rank_, mine.str().c_str(), group.c_str());
   std::istringstream fields(group);
   std::string groupAlgo;
-  if (!(fields >> groupAlgo >> netBufferBytes_ >> netOneShotBytes_ >> oneShotMaxBytes_ >> copyStepBytes_)) {
+  if (!(fields >> groupAlgo >> netBufferBytes_ >> netOneShotBytes_ >> oneShotMaxBytes_ >> copyStepBytes_ >>
+        singleCopyBytes_)) {
     throwError(ErrorCode::kRemoteError, "rank 0 published malformed settings \"%s\"", group.c_str());
   }
+  if (singleCopyBytes_ == 0) singleCopyBytes_ = SIZE_MAX;
   // A step fits a slot, whose size host-mates share (shm::Domain checks) but hosts need not.
   copyStepBytes_ = std::min(copyStepBytes_, static_cast<size_t>(env::shmSlotBytes()));
   netAlgo_ = netAlgoFromName(groupAlgo);
@@ -229,6 +245,7 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
   }
   ctx.oneShotMaxBytes = oneShotMaxBytes_;
   ctx.copyStepBytes = copyStepBytes_;
+  ctx.singleCopyBytes = singleCopyBytes();
   ctx.fingerprint = opFingerprint_;
   ctx.text = &opText_;
   StagingChoice staging;

@@ -40,6 +40,11 @@ class Communicator {
   const CpuShare& machineShare() const { return machine_; }
   // True when the group spans hosts (then domain() holds only this host's ranks).
   bool multiHost() const { return mesh_ != nullptr; }
+  // Allgathers between host-mates read parts of at least this many bytes in place (SIZE_MAX:
+  // never, by setting or because a host-mate may not read the others' memory).
+  size_t singleCopyBytes() const {
+    return domain_ != nullptr && domain_->allReadPeers() ? singleCopyBytes_ : SIZE_MAX;
+  }
   // Receive scratch of the inter-host collectives, as grown so far (read when no op runs).
   size_t netScratchBytes() const { return netScratch_.size(); }
   // The addresses the inter-host mesh listens on (one per interface), and its connections
@@ -89,8 +94,8 @@ class Communicator {
   void setUp(std::chrono::milliseconds timeout);
   // The store keys this rank's set-up sets that its peers wait for.
   std::vector<std::string> keysOwed() const;
-  // Sets netAlgo_, netBufferBytes_, netOneShotBytes_, oneShotMaxBytes_, copyStepBytes_: rank 0's
-  // values (collective, store).
+  // Sets netAlgo_, netBufferBytes_, netOneShotBytes_, oneShotMaxBytes_, copyStepBytes_,
+  // singleCopyBytes_: rank 0's values (collective, store).
   void agreeOnSchedule(Store& store);
   std::unique_ptr<HelperPool> startHelpers();
 
@@ -111,6 +116,7 @@ class Communicator {
   std::vector<uint8_t> netScratch_;
   size_t oneShotMaxBytes_;
   size_t copyStepBytes_;
+  size_t singleCopyBytes_;  // SIZE_MAX: never (and where a host-mate may not read the others' memory)
   int cpuThreads_;
   std::mutex helpersMutex_;
   std::unique_ptr<HelperPool> helpers_;  // started at the first op when cpuThreads_ > 1

@@ -26,6 +26,13 @@ constexpr Param kParams[] = {
     {"SMDDP_SHM_COPY_STEP_BYTES", "262144",
      "Allgather, gather and broadcast stage at most this many bytes per rank per step (and at most a "
      "slot): small steps are still in the writer's cache when the readers copy them."},
+    {"SMDDP_SHM_SINGLE_COPY_BYTES", "-1",
+     "Allgathers between ranks of one host whose largest per-rank part is at least this many "
+     "bytes copy each part once, every rank straight from its owner's input (process_vm_readv), "
+     "instead of twice through the staging slots (the owner's copy in, the reader's copy out). "
+     "Used only where every rank of the host checked at set-up that it may read the others' "
+     "memory. -1 = 2 MiB where every rank of the machine has a core of its own, else never; 0 = "
+     "never. Rank 0's value holds for the group."},
     {"SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES", "65536",
      "Allreduces up to this size use the one-shot algorithm (every rank reads every input); larger "
      "ones use reduce-scatter + all-gather."},
@@ -232,6 +239,7 @@ std::vector<ParamInfo> allParams() {
 
 SMDDP_INT_PARAM(shmSlotBytes, "SMDDP_SHM_SLOT_BYTES")
 SMDDP_INT_PARAM(shmCopyStepBytes, "SMDDP_SHM_COPY_STEP_BYTES")
+SMDDP_INT_PARAM(shmSingleCopyBytes, "SMDDP_SHM_SINGLE_COPY_BYTES")
 SMDDP_INT_PARAM(allreduceOneShotMaxBytes, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES")
 SMDDP_INT_PARAM(streamMinBytes, "SMDDP_STREAM_MIN_BYTES")
 SMDDP_STRING_PARAM(stageStream, "SMDDP_STAGE_STREAM")

@@ -61,11 +61,14 @@ struct Domain::Control {
   // fail at once with its reason instead of waiting out the timeout.
   alignas(64) std::atomic<uint32_t> failed;
   char failure[1024];  // room for a reason relayed from another host (a farewell, nested)
-  // Single-copy reads: a random token, where the owner keeps a copy of it in its own memory, and
-  // whether the owner could read every peer's copy (0: not checked yet, 1: yes, 2: no).
+  // Single-copy reads: a random token, where the owner keeps a copy of it in its own memory;
+  // whether the owner could read every peer's copy (0: not checked yet, 1: yes, 2: no), and
+  // whether it also takes point-to-point messages by address (the same, and
+  // SMDDP_P2P_SINGLE_COPY_BYTES is not 0 there).
   uint64_t probeToken;
   uint64_t probeAddress;
-  alignas(64) std::atomic<uint32_t> readsPeers;
+  alignas(64) std::atomic<uint32_t> canReadPeers;
+  std::atomic<uint32_t> readsPeers;
 };
 
 namespace {
@@ -146,6 +149,7 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   d->probeWord_ = std::stoull(randomHex(8), nullptr, 16) | 1;  // never 0, an unset word
   mine->probeToken = d->probeWord_;
   mine->probeAddress = reinterpret_cast<uint64_t>(&d->probeWord_);
+  mine->canReadPeers.store(0);
   mine->readsPeers.store(0);
   for (int p = 0; p < size; ++p) {
     new (&d->sentTo(rank, p)) std::atomic<uint64_t>(0);
@@ -168,12 +172,16 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
                  rank, r);
     }
   }
+  // Before the last exchange, so that every rank's answer is in by the end of create(): the
+  // collectives pick their single-copy path from all of them (allReadPeers()) at their first op.
+  d->probePeerReads();
   // Once everybody has mapped everything the names are no longer needed: remove them now, so a
   // crash later cannot leave anything behind in /dev/shm.
   store.set(attachedKey(rank), "1");
   store.multiGet(keysOf(size, attachedKey, others));
   d->segments_[rank].unlink();
-  d->probePeerReads();
+  d->allReadPeers_ = true;
+  for (int r = 0; r < size; ++r) d->allReadPeers_ = d->allReadPeers_ && d->control(r)->canReadPeers.load() == 1;
 
   d->slotsOffset_ = slotsOffset;
   d->groupBytes_ = segBytes * size;
@@ -240,7 +248,8 @@ void Domain::sleepOnDoorbell(uint32_t seen, std::chrono::nanoseconds max) {
 }
 
 void Domain::probePeerReads() {
-  bool ok = env::p2pSingleCopyBytes() != 0;
+  // A rank that wants neither kind of single copy does not try.
+  bool ok = env::p2pSingleCopyBytes() != 0 || env::shmSingleCopyBytes() != 0;
   for (int r = 0; r < size_ && ok; ++r) {
     if (r == rank_) continue;
     uint64_t word = 0;
@@ -248,11 +257,14 @@ void Domain::probePeerReads() {
     // A pid of another pid namespace names another process: its word (if any) is not the token.
     ok = err == 0 && word == control(r)->probeToken;
     if (!ok) {
-      SMDDP_INFO(kInit, "rank %d: no single-copy reads from rank %d (%s): large messages go through the mailboxes",
+      SMDDP_INFO(kInit,
+                 "rank %d: no single-copy reads from rank %d (%s): large messages and collectives go through the "
+                 "staging buffers",
                  rank_, r, err != 0 ? strerror(err) : "another process under its pid");
     }
   }
-  control(rank_)->readsPeers.store(ok ? 1 : 2, std::memory_order_release);
+  control(rank_)->canReadPeers.store(ok ? 1 : 2, std::memory_order_release);
+  control(rank_)->readsPeers.store(ok && env::p2pSingleCopyBytes() != 0 ? 1 : 2, std::memory_order_release);
 }
 
 bool Domain::readsPeers(int rank) const {

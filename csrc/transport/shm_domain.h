@@ -46,6 +46,11 @@ struct alignas(64) OpDescriptor {
   // Debug checks (SMDDP_DEBUG_CHECKS): a hash of the caller's full description of the op (API,
   // shapes) and the description itself, for the message; 0 when the checks are off.
   uint64_t fingerprint;
+  // Collectives that read their peers' buffers in place (single copy): whether this rank does,
+  // and where its buffer for the op is, in its own address space.
+  uint64_t address;
+  uint32_t readsInPlace;
+  uint32_t unused;
   char text[kOpTextBytes];
 };
 
@@ -123,6 +128,9 @@ class Domain {
   // (same user, no seccomp or security module rule against it, one pid namespace), and
   // SMDDP_P2P_SINGLE_COPY_BYTES is not 0 there. Messages to it may then hand over an address.
   bool readsPeers(int rank) const;
+  // Whether every rank of the domain may read every other's memory (the same on every rank once
+  // create() returned): collectives then may read their inputs in place (algo/collectives.h).
+  bool allReadPeers() const { return allReadPeers_; }
   // Copies `bytes` at `address` in `peer`'s process to `dst`; 0 or the errno of the failure.
   int readFromPeer(int peer, void* dst, uint64_t address, size_t bytes) const;
 
@@ -158,6 +166,7 @@ class Domain {
   std::vector<std::array<uint8_t*, 2>> slots_;
   size_t p2pCountersOffset_ = 0;
   size_t p2pOutboxOffset_ = 0;
+  bool allReadPeers_ = false;
   uint64_t probeWord_ = 0;  // peers read it through process_vm_readv (its address is in our control block)
 };
 

@@ -4,5 +4,6 @@
 int main() {
   stagingPolicyTests();
   alltoallBufferTests();
+  allgatherSingleCopyTests();
   return smddp::test::report();
 }
