@@ -87,6 +87,20 @@ def test_warnings_whatever_the_subsystems():
         assert "SMDDP" not in out, out[-3000:]
 
 
+def test_settings_in_any_case_and_unknown_names_said():
+    """As NCCL_DEBUG=info does, SMDDP_DEBUG=info and lower-case subsystems log; a level or a
+    subsystem that is no such thing is named in a warning (until 2026-11-29 both were ignored
+    silently: a job asked to log gave no sign why it did not)."""
+    for r, out in enumerate(run(SMDDP_DEBUG="info", SMDDP_DEBUG_SUBSYS="coll,Bogus")):
+        assert INFO.findall(out)[:3] == op_lines(r)[:3], out[-3000:]
+        assert 'SMDDP_DEBUG_SUBSYS=coll,Bogus: no subsystem "Bogus" (INIT, ENV, SHM, NET, COLL, P2P or ALL); ignored' \
+            in WARN.findall(out), out[-3000:]
+    for out in run(SMDDP_DEBUG="verbose"):
+        assert WARN.findall(out) == ["SMDDP_DEBUG=verbose: not NONE, WARN, INFO or TRACE; logging warnings only"], \
+            out[-3000:]
+        assert not INFO.findall(out), out[-3000:]
+
+
 def test_debug_file_per_process(tmp_path):
     outs = run(SMDDP_DEBUG="INFO", SMDDP_DEBUG_SUBSYS="COLL,P2P,INIT",
                SMDDP_DEBUG_FILE=str(tmp_path / "smddp.%h.%p.log"))

@@ -156,7 +156,8 @@ constexpr Param kParams[] = {
     {"SMDDP_MAX_CTAS", "8", "Most thread blocks any smddp GPU kernel (copy, reduce) is launched with."},
     {"SMDDP_SIMD", "auto",
      "Reduce-kernel instruction set: auto, avx512, avx2 or scalar (x86-64; aarch64 builds have scalar only)."},
-    {"SMDDP_DEBUG", "WARN", "Log level: NONE, WARN, INFO or TRACE."},
+    {"SMDDP_DEBUG", "WARN",
+     "Log level: NONE, WARN, INFO or TRACE, in any case; another value logs warnings and says so."},
     {"SMDDP_DEBUG_CHECKS", "0",
      "1: ranks also compare a fingerprint of each op's full description (API, dtypes, shapes) at its "
      "first step and report the first divergence with both sides' descriptions (a mismatch of op, "
@@ -179,8 +180,8 @@ constexpr Param kParams[] = {
     {"SMDDP_DEBUG_SUBSYS", "INIT,ENV,SHM,NET",
      "Subsystems whose INFO and TRACE lines are logged: comma list of INIT, ENV, SHM, NET, COLL "
      "(a line per collective as it is issued: group, op number, dtype, sizes), P2P (a line per "
-     "send and recv) or ALL; a leading ^ logs all but those listed. Warnings are logged whatever "
-     "it says."},
+     "send and recv) or ALL, in any case (a name that is none of these is warned about); a leading "
+     "^ logs all but those listed. Warnings are logged whatever it says."},
     {"SMDDP_DEBUG_FILE", "",
      "Where log lines go instead of stderr: a path in which %h stands for the host name and %p for "
      "the process id (so every rank writes its own file: /tmp/smddp.%h.%p.log), %% for %. Lines "

@@ -1,5 +1,6 @@
 #include "core/log.h"
 
+#include <strings.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -21,33 +22,51 @@ struct Config {
   char host[64] = {};
 };
 
+// Names are matched regardless of case, as NCCL_DEBUG's and NCCL_DEBUG_SUBSYS's are.
+bool sameName(const std::string& a, const char* b) { return strcasecmp(a.c_str(), b) == 0; }
+
 unsigned subsysBit(const std::string& name) {
-  if (name == "INIT") return kInit;
-  if (name == "COLL") return kColl;
-  if (name == "SHM") return kShm;
-  if (name == "ENV") return kEnv;
-  if (name == "NET") return kNet;
-  if (name == "P2P") return kP2p;
-  if (name == "ALL") return kAll;
+  if (sameName(name, "INIT")) return kInit;
+  if (sameName(name, "COLL")) return kColl;
+  if (sameName(name, "SHM")) return kShm;
+  if (sameName(name, "ENV")) return kEnv;
+  if (sameName(name, "NET")) return kNet;
+  if (sameName(name, "P2P")) return kP2p;
+  if (sameName(name, "ALL")) return kAll;
   return 0;
+}
+
+// A setting the logger cannot read is said on stderr (the logger is not set up yet), once per
+// process: a silently ignored SMDDP_DEBUG=info looks like a job that logs nothing.
+void warnSetting(const Config& c, const char* name, const std::string& value, const char* what) {
+  fprintf(stderr, "%s:%d:%ld SMDDP WARN %s=%s: %s\n", c.host, getpid(), (long)syscall(SYS_gettid), name,
+          value.c_str(), what);
 }
 
 const Config& config() {
   static const Config cfg = [] {
     Config c;
+    gethostname(c.host, sizeof(c.host) - 1);
     const std::string& lvl = env::debugLevel();
-    if (lvl == "NONE") c.level = kNone;
-    else if (lvl == "INFO") c.level = kInfo;
-    else if (lvl == "TRACE") c.level = kTrace;
-    else c.level = kWarn;
+    if (sameName(lvl, "NONE")) c.level = kNone;
+    else if (sameName(lvl, "WARN")) c.level = kWarn;
+    else if (sameName(lvl, "INFO")) c.level = kInfo;
+    else if (sameName(lvl, "TRACE")) c.level = kTrace;
+    else warnSetting(c, "SMDDP_DEBUG", lvl, "not NONE, WARN, INFO or TRACE; logging warnings only");
     std::string subs = env::debugSubsys();
     bool invert = !subs.empty() && subs[0] == '^';
     if (invert) subs.erase(0, 1);
     unsigned mask = 0;
     std::stringstream ss(subs);
-    for (std::string item; std::getline(ss, item, ',');) mask |= subsysBit(item);
+    for (std::string item; std::getline(ss, item, ',');) {
+      const unsigned bit = subsysBit(item);
+      if (bit == 0 && !item.empty()) {
+        warnSetting(c, "SMDDP_DEBUG_SUBSYS", env::debugSubsys(),
+                    ("no subsystem \"" + item + "\" (INIT, ENV, SHM, NET, COLL, P2P or ALL); ignored").c_str());
+      }
+      mask |= bit;
+    }
     c.mask = invert ? ~mask : mask;
-    gethostname(c.host, sizeof(c.host) - 1);
     return c;
   }();
   return cfg;
