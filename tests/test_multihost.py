@@ -807,6 +807,23 @@ def test_integer_settings_read_as_written(settings, want, tmp_path):
         assert want.format(rank=rank) in out, f"rank {rank}:\n{out[-2000:]}"
 
 
+@pytest.mark.parametrize("hosts", ["000", "0011"])
+def test_slot_sizes_that_differ_between_host_mates_are_named(hosts, tmp_path):
+    """Host-mates with different SMDDP_SHM_SLOT_BYTES fail init_process_group each with the same
+    cause, every rank's size, and leave nothing in /dev/shm. Until 2026-11-29 the rank that found
+    the mismatch named it, and a host-mate that opened that rank's segment after its failure
+    removed it reported "cannot open rank 1's shared memory: No such file or directory"."""
+    last = len(hosts) - 1
+    outs = _hosts_with({}, hosts, {"SMDDP_SHM_SLOT_BYTES": str(2 << 20)}, [last], url=f"file://{tmp_path}/store")
+    sizes = {"000": "[1048576, 1048576, 2097152] bytes for its ranks 0 to 2",
+             "0011": "[1048576, 2097152] bytes for its ranks 0 to 1"}[hosts]
+    for rank, out in enumerate(outs):
+        if hosts[rank] != hosts[last]:
+            continue  # the other host: its ranks report that a rank of this one could not set up
+        assert (f"ERROR ValueError smddp rank {rank}: SMDDP_SHM_SLOT_BYTES differs between the ranks of this "
+                f"host: {sizes}") in out, f"rank {rank}:\n{out[-2000:]}"
+
+
 @pytest.mark.parametrize("hosts, bad, settings, cause", [
     ("01", [1], {"SMDDP_NET_ALGO": "bogus"}, "SMDDP_NET_ALGO=bogus: expected mesh, naive or ring"),
     ("01", [1], {"SMDDP_SOCKET_IFNAME": "nosuch0"}, "SMDDP_SOCKET_IFNAME=nosuch0 matches no interface"),

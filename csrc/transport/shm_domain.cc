@@ -156,11 +156,26 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
     new (&d->consumedFrom(rank, p)) std::atomic<uint64_t>(0);
   }
   mine->magic = kMagic;
-  store.set(createdKey(rank), "ok");
+  store.set(createdKey(rank), std::to_string(slotBytes));
 
   const auto others = [rank](int r) { return r != rank; };
   // A peer that could not create its segment published its error here: multiGet throws it.
-  store.multiGet(keysOf(size, createdKey, others));
+  // The others' slot sizes come with it, so that a difference fails every rank alike, before any
+  // rank opens a segment of the wrong size (or finds one a failed peer already removed).
+  const std::vector<std::string> theirs = store.multiGet(keysOf(size, createdKey, others));
+  std::string sizes;
+  bool differ = false;
+  for (int r = 0, i = 0; r < size; ++r) {
+    const std::string v = r == rank ? std::to_string(slotBytes) : theirs[i++];
+    differ = differ || v != std::to_string(slotBytes);
+    sizes += (r ? ", " : "") + v;
+  }
+  if (differ) {
+    throwError(ErrorCode::kInvalidUsage,
+               "SMDDP_SHM_SLOT_BYTES differs between the ranks of this host: [%s] bytes for its ranks 0 to %d (set "
+               "it alike everywhere, or not at all)",
+               sizes.c_str(), size - 1);
+  }
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
     d->segments_[r] = Segment::open(nameOf(r), rank, r);
