@@ -385,6 +385,9 @@ def test_pending_op_released_by_destroy_abort_shutdown(how, op, hosts):
     m = re.search(r"raised after ([0-9.]+)s: (\w+): (.*)", out)
     assert m, out[-3000:]
     assert float(m.group(1)) < 5 and "shut down or aborted" in m.group(3), out[-3000:]
+    if op == "recv":  # which op was released, as the other failures of a recv say
+        assert "recv from rank 1 (tag 0, 262144 bytes): the process group has been shut down or aborted" in m.group(3), \
+            out[-3000:]
     assert "backend threads left: 0" in out, out[-3000:]
 
 

@@ -26,7 +26,6 @@ using net::wire::kHeaderBytes;
 using net::wire::MsgHeader;
 constexpr int kActiveTickMs = 50;  // how often deadlines are checked while something is pending
 constexpr int kIdleTickMs = 1000;
-constexpr const char* kShutDown = "the process group has been shut down or aborted";
 constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client must introduce itself by then
 
 std::string addrKey(int rank) { return "smddp/p2p/addr/" + std::to_string(rank); }
@@ -186,7 +185,7 @@ void NetP2p::shutdown() {
     if (thread_.joinable()) thread_.join();
     {
       std::lock_guard<std::mutex> lock(stateMutex_);
-      failAll(kShutDown);  // what was submitted after the thread's last pass
+      failAll();  // what was submitted after the thread's last pass
       for (auto& p : peers_) {
         if (p && !p->broken) failPeer(*p, ErrorCode::kAborted, kShutDown, "its process group was shut down or aborted");
       }
@@ -207,7 +206,7 @@ void NetP2p::abort() {
 
 void NetP2p::submit(P2pOp op) {
   if (aborted_.load()) {
-    op.finish(errorOf(ErrorCode::kAborted, kShutDown), op.peer);
+    op.finish(errorOf(ErrorCode::kAborted, describeOp(op, op.peer) + ": " + kShutDown), op.peer);
     return;
   }
   {
@@ -257,10 +256,11 @@ void NetP2p::driveUntil(const std::function<bool()>& done) {
   if (pending) ring(wakeFd_);
 }
 
-void NetP2p::failQueued(Peer& p, ErrorCode code, const std::string& why) {
+void NetP2p::failQueued(Peer& p, ErrorCode code, const std::string& why, bool nameOps) {
   for (auto* q : {&p.sends, &p.recvs}) {
     while (!q->empty()) {
-      complete(std::move(q->front()), errorOf(code, why), p.rank);
+      const std::string text = nameOps ? describeOp(q->front(), p.rank) + ": " + why : why;
+      complete(std::move(q->front()), errorOf(code, text), p.rank);
       q->pop_front();
     }
   }
@@ -311,7 +311,7 @@ void NetP2p::peerGaveUp(Peer& p, const std::string& what, const std::string& rea
                " gave up point-to-point with this rank: " + reason);
 }
 
-void NetP2p::failAll(const std::string& why) {
+void NetP2p::failAll() {
   std::deque<P2pOp> queued;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -319,12 +319,16 @@ void NetP2p::failAll(const std::string& why) {
   }
   for (P2pOp& op : queued) {
     const int peer = op.peer;
+    const std::string why = describeOp(op, peer) + ": " + kShutDown;
     complete(std::move(op), errorOf(ErrorCode::kAborted, why), peer);
   }
   for (auto& p : peers_) {
-    if (p) failQueued(*p, ErrorCode::kAborted, why);
+    if (p) failQueued(*p, ErrorCode::kAborted, kShutDown, true);
   }
-  for (P2pOp& op : anyRecvs_) complete(std::move(op), errorOf(ErrorCode::kAborted, why), -1);
+  for (P2pOp& op : anyRecvs_) {
+    const std::string why = describeOp(op, -1) + ": " + kShutDown;
+    complete(std::move(op), errorOf(ErrorCode::kAborted, why), -1);
+  }
   anyRecvs_.clear();
 }
 
@@ -787,7 +791,7 @@ bool NetP2p::passBeforePoll(PollSet& ps, int bellFd) {
   bool pending;
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
-    if (aborted_.load()) failAll(kShutDown);
+    if (aborted_.load()) failAll();
     intake();
     matchAnySource();
     progressReady();  // try at once rather than after a poll round trip
@@ -818,7 +822,7 @@ void NetP2p::loop() {
   }
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
-    failAll(kShutDown);
+    failAll();
   }
   runCompletions();
 }

@@ -114,14 +114,15 @@ class NetP2p : public P2pDriver {
   bool serve(Peer& p);  // waiting receives that an unexpected message of p's fits
   ssize_t recvSome(Peer& p, Lane& l, void* at, size_t want, const P2pOp* op);
   bool matchAnySource();
-  void failQueued(Peer& p, ErrorCode code, const std::string& why);  // the ops waiting on p
+  // The ops waiting on p; `nameOps`: each error starts with what the op was (describeOp).
+  void failQueued(Peer& p, ErrorCode code, const std::string& why, bool nameOps = false);
   // And the connection; `farewell`: this rank gives up on p for that reason, and tells it.
   void failPeer(Peer& p, ErrorCode code, const std::string& why, const std::string& farewell = {});
   // The reason p gave on lane l, if it said farewell there: a farewell header just read, or one
   // waiting unread at a message boundary.
   std::optional<std::string> farewellOn(Lane& l);
   void peerGaveUp(Peer& p, const std::string& what, const std::string& reason);
-  void failAll(const std::string& why);
+  void failAll();  // after shutdown() or abort(): every op, each named
   void checkDeadlines();
   bool anyPending() const;
 

@@ -116,7 +116,8 @@ void P2pEngine::shutdownNow() {
 
 void P2pEngine::submit(P2pOp op) {
   if (aborted_.load()) {
-    op.finish(errorOf(ErrorCode::kAborted, "the process group has been shut down or aborted"), op.peer);
+    const std::string why = describeOp(op, op.peer >= 0 ? domain_->groupRank(op.peer) : -1) + ": " + kShutDown;
+    op.finish(errorOf(ErrorCode::kAborted, why), op.peer);
     return;
   }
   if (op.isSend) domain_->commitOutboxes();  // throws on the caller's thread if /dev/shm is full
@@ -198,26 +199,28 @@ void P2pEngine::release(P2pOp& op) {
   }
 }
 
-void P2pEngine::fail(std::deque<P2pOp>& q, const std::string& why) {
+void P2pEngine::fail(std::deque<P2pOp>& q, const std::string& why, bool nameOps) {
   // Only a queue's front send can have been handed over by address (sends go one at a time).
   if (!q.empty()) release(q.front());
   while (!q.empty()) {
     const int peer = q.front().peer;
-    complete(std::move(q.front()), errorOf(ErrorCode::kAborted, why), peer);
+    const std::string text =
+        nameOps ? describeOp(q.front(), peer >= 0 ? domain_->groupRank(peer) : -1) + ": " + why : why;
+    complete(std::move(q.front()), errorOf(ErrorCode::kAborted, text), peer);
     q.pop_front();
   }
 }
 
-void P2pEngine::failEverything(const std::string& why) {
+void P2pEngine::failEverything() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    fail(incoming_, why);
+    fail(incoming_, kShutDown, true);
   }
   for (int p = 0; p < size_; ++p) {
-    fail(sends_[p], why);
-    fail(recvs_[p], why);
+    fail(sends_[p], kShutDown, true);
+    fail(recvs_[p], kShutDown, true);
   }
-  fail(anyRecvs_, why);
+  fail(anyRecvs_, kShutDown, true);
 }
 
 bool P2pEngine::progressSend(P2pOp& op) {
@@ -480,7 +483,7 @@ P2pEngine::Pass P2pEngine::pass(bool tryOnly) {
     }
     p.ran = true;
     if (aborted_.load()) {
-      failEverything("the process group has been shut down or aborted");
+      failEverything();
     } else {
       p.moved = progress();
       p.pending = !anyRecvs_.empty();

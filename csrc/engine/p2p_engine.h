@@ -117,8 +117,9 @@ class P2pEngine : public P2pDriver {
   // withdraw(), and if the receiver is reading, waits (bounded) for the read to end: before an
   // error hands a send's buffer back.
   void release(P2pOp& op);
-  void fail(std::deque<P2pOp>& q, const std::string& why);
-  void failEverything(const std::string& why);
+  // `nameOps`: each op's error starts with what it was (describeOp), where `why` does not say.
+  void fail(std::deque<P2pOp>& q, const std::string& why, bool nameOps = false);
+  void failEverything();  // after shutdown() or abort()
   void checkDeadlinesAndPeers();
   void handOver();  // wakes the thread to take over pending ops (it steps aside again while a driver runs)
   void shutdownNow();

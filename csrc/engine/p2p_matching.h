@@ -99,6 +99,9 @@ uint64_t nextPostSeq();
 // "a message from rank 3 (...) that no recv has taken yet"; `peerRank`: op.peer as a group rank.
 std::string describeOp(const P2pOp& op, int peerRank);
 
+// Why an op fails after its group's shutdown() or abort() (after describeOp's text).
+inline constexpr const char* kShutDown = "the process group has been shut down or aborted";
+
 // Why a receive cannot take the message from `peer` with its tag: that message has another size.
 std::string sizeMismatchMessage(int peer, int tag, size_t bytes, uint64_t sentBytes);
 
