@@ -150,3 +150,131 @@ def test_dumps_on_failure_pair_point_to_point(tmp_path, mode):
         assert "rank 1: point-to-point pending: recv from rank 0 (tag 2" in default, report
         assert "deadlock" not in report, report
     assert "point-to-point" not in report.split("group 1 ")[1], report  # the pair's group ran no p2p
+
+
+def _section(report, name):
+    """The lines of smddp.fr_trace's report on group `name`."""
+    lines, inside = [], False
+    for line in report.splitlines():
+        if line.startswith("group "):
+            inside = line.startswith(f"group {name} ")
+        elif inside:
+            lines.append(line.strip())
+    return lines
+
+
+def _report_on(directory, rank):
+    """smddp.fr_trace's report on the dumps in `directory`, once every rank wrote its own (rank 0's)."""
+    from smddp import fr_trace
+
+    dist.barrier()
+    return "\n".join(fr_trace.analyze(fr_trace.load_dumps(directory))) if rank == 0 else ""
+
+
+def analyzer_task(rank, world, directory):
+    """Collectives whose tensors differ between ranks by design (a gather's and a scatter's root
+    alone has the list, uneven all_to_all splits, an uneven all_gather list) are no divergence;
+    the dumps' names end in a digit (SMDDP_FR_DUMP_FILE=.../run2 gives run20, run21, ...)."""
+    import smddp
+    from torch.distributed.distributed_c10d import _get_process_group_name
+
+    rep = Report(rank)
+    group = dist.new_group(list(range(world)))
+    name = _get_process_group_name(group)
+    root = world - 1
+    t = torch.full((4,), float(rank))
+    dist.gather(t, [torch.empty(4) for _ in range(world)] if rank == root else None, dst=root, group=group)
+    dist.scatter(t, [torch.ones(4) for _ in range(world)] if rank == root else None, src=root, group=group)
+    splits = [p + 1 + rank for p in range(world)]  # rank r sends p + 1 + r elements to rank p: uneven
+    got = [rank + 1 + p for p in range(world)]
+    dist.all_to_all_single(torch.empty(sum(got)), torch.ones(sum(splits)), got, splits, group=group)
+    dist.all_gather([torch.empty(p + 1) for p in range(world)], torch.ones(rank + 1), group=group)
+    dist.all_reduce(t, group=group)
+    smddp.dump_flight_recorder(os.path.join(directory, f"run2{rank}"))
+    report = _report_on(directory, rank)
+    if rank == 0:
+        lines = _section(report, name)
+        rep.expect(lines[:1] == ["collectives #1-#5: the same on every rank with a dump"], "\n" + report)
+        rep.expect(all(f"rank {r}: last completed #5" in lines for r in range(world)), "\n" + report)
+    return rep.to_dict()
+
+
+def test_analyzer_takes_uneven_ops_and_digit_prefixes(pools, tmp_path):
+    """Until 2026-11-29 fr_trace reported the ranks of a correct gather as differing (and stopped
+    there, hiding a later real divergence), and read the dumps run20, run21, run22 as ranks 20-22."""
+    pools.check(3, analyzer_task, str(tmp_path))
+
+
+def evicted_task(rank, world, directory):
+    """A ring of 8 entries: a group's three collectives, then ten of a subgroup of ranks 0 and 2
+    that push the group's out of those ranks' rings, while rank 1 keeps them. The group's ops must
+    not read as never issued on ranks 0 and 2 (its status says how far each rank got)."""
+    import smddp
+    from torch.distributed.distributed_c10d import _get_process_group_name
+
+    rep = Report(rank)
+    group = dist.new_group(list(range(world)))
+    sub = dist.new_group([0, 2])
+    t = torch.ones(4)
+    for _ in range(3):
+        dist.all_reduce(t, group=group)
+    if rank != 1:
+        for _ in range(10):
+            dist.all_reduce(t, group=sub)
+    smddp.dump_flight_recorder(os.path.join(directory, f"trace_{rank}"))
+    report = _report_on(directory, rank)
+    if rank == 0:
+        lines = _section(report, _get_process_group_name(group))
+        rep.expect(not [line for line in lines if "never issued" in line or "differ" in line], "\n" + report)
+        rep.expect(lines[:1] == ["collectives #1-#3: issued by every rank with a dump, not compared: the rings of "
+                                 "rank(s) [0, 2] no longer hold them (later ops of other groups took their place; "
+                                 "TORCH_FR_BUFFER_SIZE)"], "\n" + report)
+        rep.expect(all(f"rank {r}: last completed #3" in lines for r in range(world)), "\n" + report)
+    return rep.to_dict()
+
+
+def test_analyzer_counts_ops_the_ring_dropped(pools, tmp_path):
+    pools.check(3, evicted_task, str(tmp_path), env=(("TORCH_FR_BUFFER_SIZE", "8"),))
+
+
+def overwritten_task(rank, world):
+    """A recv that waits while four all_reduces take the ring's four entries: it completes, and
+    its _get_duration() says why it has no time (until 2026-11-29: "the op failed")."""
+    rep = Report(rank)
+    t = torch.ones(4)
+    if rank == 0:
+        work = dist.irecv(t, 1)
+    for _ in range(4):
+        dist.all_reduce(torch.ones(2))
+    if rank == 1:
+        dist.send(t, 0)
+    else:
+        work.wait()
+        rep.expect(work.is_success(), "the recv failed")
+        try:
+            work._get_duration()
+            rep.expect(False, "_get_duration() of an op whose entry was overwritten returned")
+        except RuntimeError as e:
+            rep.expect("later ops took the op's flight recorder entry before it completed (TORCH_FR_BUFFER_SIZE=4 "
+                       "entries)" in str(e), str(e))
+    return rep.to_dict()
+
+
+def test_duration_of_an_op_whose_entry_was_overwritten(pools):
+    pools.check(2, overwritten_task, env=(("TORCH_FR_BUFFER_SIZE", "4"),))
+
+
+def large_ring_task(rank, world):
+    """TORCH_FR_BUFFER_SIZE=10 million: the ring grows with the ops, as torch's does (until
+    2026-11-29 it was allocated whole at the first group's set-up: 2.1 GiB; 1e8 was killed)."""
+    import resource
+
+    rep = Report(rank)
+    dist.all_reduce(torch.ones(4))
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rep.expect(peak_mib < 1536, f"peak RSS {peak_mib:.0f} MiB")
+    return rep.to_dict()
+
+
+def test_large_ring_costs_nothing_up_front(pools):
+    pools.check(1, large_ring_task, env=(("TORCH_FR_BUFFER_SIZE", "10000000"),))

@@ -529,6 +529,9 @@ float SmddpWork::getDuration() const {
   TORCH_CHECK(ns != kNotDone, "smddp rank ", rank_, ": ", title_, ": _get_duration() before the op completed");
   TORCH_CHECK(FlightRecorder::get().enabled(), "smddp rank ", rank_, ": ", title_,
               ": _get_duration() needs the flight recorder, which times each op (TORCH_FR_BUFFER_SIZE is 0)");
+  TORCH_CHECK(ns != FlightRecorder::kOverwritten, "smddp rank ", rank_, ": ", title_,
+              ": _get_duration(): later ops took the op's flight recorder entry before it completed (TORCH_FR_BUFFER_SIZE=",
+              FlightRecorder::get().capacity(), " entries), so it was not timed");
   TORCH_CHECK(ns >= 0, "smddp rank ", rank_, ": ", title_, ": _get_duration(): the op failed, so it was not timed");
   return static_cast<float>(ns) / 1e6f;
 }

@@ -98,7 +98,7 @@ class SmddpWork : public c10d::Work {
   std::atomic<int> sourceRank_{-1};
   bool cuda_ = false;  // set by setCuda
   static constexpr int64_t kNotDone = -2;
-  std::atomic<int64_t> durationNs_{kNotDone};  // then the flight recorder's time, or -1
+  std::atomic<int64_t> durationNs_{kNotDone};  // then what FlightRecorder::finished() returned
   c10d::WorkResult result_ = c10d::WorkResult::UNKNOWN;  // set before finish()
   // Made at the first getFutureResult(); guarded by mutex_, as completed_ is.
   c10::intrusive_ptr<c10::ivalue::Future> futureResult_;

@@ -77,7 +77,10 @@ FlightRecorder& FlightRecorder::get() {
   return *instance;
 }
 
-FlightRecorder::FlightRecorder() : capacity_(capacityFromEnv()) { entries_.resize(capacity_); }
+// The ring grows as ops come, up to its capacity, as torch's does: a large TORCH_FR_BUFFER_SIZE
+// costs memory only as a job runs that many ops (about 225 bytes each), not all at once at the
+// first group's set-up (1e7 took 2 GiB there, 1e8 the OOM killer, 1e12 a bare bad_alloc).
+FlightRecorder::FlightRecorder() : capacity_(capacityFromEnv()) {}
 
 int FlightRecorder::addGroup(std::vector<int64_t> globalRanks) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -97,6 +100,7 @@ int64_t FlightRecorder::record(int pgId, const c10d::Backend& backend, bool p2p,
     g.desc = backend.getGroupDesc();
   }
   const int64_t id = nextId_++;
+  if (entries_.size() < capacity_) entries_.emplace_back();  // ids come in order: this is id's place
   Entry& e = entries_[static_cast<size_t>(id) % capacity_];
   e.id = id;
   e.pgId = pgId;
@@ -121,7 +125,7 @@ int64_t FlightRecorder::record(int pgId, const c10d::Backend& backend, bool p2p,
 }
 
 FlightRecorder::Entry* FlightRecorder::find(int64_t id) {
-  if (id < 0 || capacity_ == 0) return nullptr;
+  if (id < 0 || capacity_ == 0 || static_cast<size_t>(id) % capacity_ >= entries_.size()) return nullptr;
   Entry& e = entries_[static_cast<size_t>(id) % capacity_];
   return e.id == id ? &e : nullptr;
 }
@@ -137,12 +141,12 @@ void FlightRecorder::started(int64_t id) {
 }
 
 int64_t FlightRecorder::finished(int64_t id, bool ok) {
-  if (id < 0) return -1;
+  if (id < 0) return kNotTimed;
   std::lock_guard<std::mutex> lock(mutex_);
   Entry* e = find(id);
-  if (!e) return -1;
+  if (!e) return ok ? kOverwritten : kNotTimed;
   e->retired = true;
-  if (!ok) return -1;
+  if (!ok) return kNotTimed;
   groups_[e->pgId].dumped = false;
   const int64_t now = nowNs();  // one clock read per op here, under the recorder's lock
   if (!e->startedAt) e->startedAt = now;
@@ -169,6 +173,9 @@ std::string FlightRecorder::dump() {
     c.insert("name", g.name);
     c.insert("desc", g.desc);
     c.insert("ranks", ranksText(g.globalRanks));
+    // Not in torch's layout: the key of the group's pg_status, for a rank whose ring no longer
+    // holds any op of the group (pg_status is keyed by pg_id, which differs between ranks).
+    c.insert("pg_id", std::to_string(i));
     config.insert(g.name, c);
     c10::impl::GenericDict st = newDict();
     st.insert("last_enqueued_collective", g.collectives);

@@ -47,9 +47,11 @@ class FlightRecorder {
                  std::chrono::milliseconds timeout, P2pPeer peer = {});
   void started(int64_t id);
   // Completed, or failed (then only retired, as torch marks an op that timed out). Returns how
-  // long a completed op ran, from started() (or from here) in ns; -1 if it failed or is not
-  // recorded.
+  // long a completed op ran, from started() (or from here) in ns; kNotTimed if it failed or is
+  // not recorded, kOverwritten if later ops took its entry before it completed.
+  static constexpr int64_t kNotTimed = -1, kOverwritten = -3;  // -2: SmddpWork::kNotDone
   int64_t finished(int64_t id, bool ok);
+  size_t capacity() const { return capacity_; }
 
   // The pickled dump (torch's layout, version 2.10).
   std::string dump();
@@ -91,7 +93,7 @@ class FlightRecorder {
 
   size_t capacity_ = 0;
   std::mutex mutex_;
-  std::vector<Entry> entries_;  // a ring: entry id lives at id % capacity_
+  std::vector<Entry> entries_;  // a ring: entry id lives at id % capacity_ (grown up to it as ops come)
   int64_t nextId_ = 0;
   std::vector<Group> groups_;
 };

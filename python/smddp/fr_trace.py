@@ -19,32 +19,55 @@ import re
 import sys
 
 
+def _prefixes(name):
+    """Every way to read `name` as <prefix><rank>: a prefix per split of its trailing digits."""
+    digits = len(name) - len(name.rstrip("0123456789"))
+    return {name[:len(name) - k] for k in range(1, digits + 1)}
+
+
 def load_dumps(directory, prefix=None):
-    """{global rank: dump} for the files <prefix><rank> in `directory`."""
-    names = sorted(os.listdir(directory))
-    if prefix is None:
-        prefixes = {m.group(1) for m in (re.match(r"(.*?)(\d+)$", n) for n in names) if m}
-        if len(prefixes) != 1:
-            raise SystemExit(f"cannot tell the dumps' common prefix in {directory} (found {sorted(prefixes)}); "
-                             "pass --prefix")
-        prefix = prefixes.pop()
-    dumps = {}
+    """{global rank: dump} for the files <prefix><rank> in `directory`. Without `prefix`, the one
+    every file name shares whose rank numbers are all ranks of the job (the groups' ranks in the
+    dumps): SMDDP_FR_DUMP_FILE=/dir/run2 writes run20, run21, ..., not the ranks 20, 21, ..."""
+    names = sorted(n for n in os.listdir(directory) if _prefixes(n))
+    if not names:
+        raise SystemExit(f"no dumps named <prefix><rank> in {directory}")
+    loaded = {}
     for n in names:
-        if n.startswith(prefix) and n[len(prefix):].isdigit():
-            with open(os.path.join(directory, n), "rb") as f:
-                dumps[int(n[len(prefix):])] = pickle.load(f)
+        with open(os.path.join(directory, n), "rb") as f:
+            loaded[n] = pickle.load(f)
+    if prefix is None:
+        ranks = {int(r) for d in loaded.values() for cfg in d.get("pg_config", {}).values()
+                 for r in cfg["ranks"].strip("[]").split(",") if r.strip()}
+        common = set.intersection(*(_prefixes(n) for n in names))
+        fits = sorted(p for p in common if {int(n[len(p):]) for n in names} <= ranks)
+        if len(fits) != 1:
+            raise SystemExit(f"cannot tell the dumps' prefix in {directory} (names {names[:4]}{'...' if len(names) > 4 else ''}"
+                             f", candidates {fits or sorted(common)}); pass --prefix")
+        prefix = fits[0]
+    dumps = {int(n[len(prefix):]): d for n, d in loaded.items() if n.startswith(prefix) and n[len(prefix):].isdigit()}
     if not dumps:
         raise SystemExit(f"no dumps named {prefix}<rank> in {directory}")
     return dumps
 
 
+# Collectives whose tensors are alike on every rank; the others may differ legitimately (a gather's
+# or scatter's root alone has the list, all_to_all's splits and all_gather's and reduce_scatter's
+# lists may be uneven), so only their names are compared.
+_SAME_SHAPES = {"all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "barrier", "all_gather_into_tensor",
+                "all_gather_into_tensor_coalesced", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"}
+
+
 def _op(entry):
-    return repr((entry["profiling_name"], entry["input_sizes"], entry["input_dtypes"], entry["output_sizes"],
-                 entry["output_dtypes"]))
+    name = entry["profiling_name"]
+    if name.split(":")[-1] not in _SAME_SHAPES:
+        return repr(name)
+    return repr((name, entry["input_sizes"], entry["input_dtypes"], entry["output_sizes"], entry["output_dtypes"]))
 
 
-def _describe(entry):
-    return f"{entry['profiling_name']} in {entry['input_sizes']} {entry['input_dtypes']} ({_state(entry)})"
+def _describe(entry, outputs=False):
+    out = f" out {entry['output_sizes']} {entry['output_dtypes']}" if outputs else ""
+    return f"{entry['profiling_name']} in {entry['input_sizes']} {entry['input_dtypes']}{out} ({_state(entry)})"
 
 
 _P2P_NAME = re.compile(r"^(?P<lib>\S+):(?P<kind>send|recv) (?P<me>\d+)(?:->|<-)(?P<peer>\d+|any)$")
@@ -135,18 +158,26 @@ def analyze(dumps):
         lines.append(f"group {name} ({desc}), ranks {ranks}:")
         missing = [r for r in ranks if r not in dumps]
         if missing:
-            lines.append(f"  no dump from rank(s) {missing}")
-        ops, p2p = {}, {}  # rank -> {collective number: entry}; rank -> _p2p_ops
+            lines.append(f"  no dump from rank(s) {missing}: where they stand is not known (a rank dumps as one of its "
+                         "ops fails, or when it calls smddp.dump_flight_recorder())")
+        ops, p2p, status = {}, {}, {}  # rank -> {collective number: entry}; rank -> _p2p_ops; rank -> pg_status
         for r in ranks:
             if r in dumps:
                 mine = [e for e in dumps[r]["entries"] if e["process_group"][0] == name]
                 ops[r] = {e["collective_seq_id"]: e for e in mine if not e["is_p2p"]}
                 p2p[r] = _p2p_ops([e for e in mine if e["is_p2p"]], ranks)
+                cfg = dumps[r]["pg_config"].get(name, {})
+                status[r] = dumps[r].get("pg_status", {}).get(cfg.get("pg_id"), {})
         if not ops:
             continue
-        # the ring may have dropped a rank's oldest entries: compare from where every dump starts
-        first = max((min(o) if o else 1) for o in ops.values())
-        last = max((max(o) if o else 0) for o in ops.values())
+        # The ring may have dropped a rank's oldest entries (all of this group's, when other
+        # groups' ops came after): compare from where every dump starts, and count what a rank
+        # issued beyond its entries from its group status.
+        def issued(r):
+            return max(max(ops[r], default=0), status[r].get("last_enqueued_collective", 0))
+
+        first = max((min(o) if o else issued(r) + 1) for r, o in ops.items())
+        last = max(issued(r) for r in ops)
         diverged = False
         for seq in range(first, last + 1):
             kinds = {}
@@ -155,18 +186,24 @@ def analyze(dumps):
             if len(kinds) > 1:
                 lines.append(f"  collective #{seq}: the ranks differ:")
                 for kind, rs in kinds.items():
-                    what = "never issued it" if kind is None else "ran " + _describe(ops[rs[0]][seq])
+                    what = "never issued it" if kind is None else "ran " + _describe(ops[rs[0]][seq], True)
                     lines.append(f"    rank(s) {rs}: {what}")
                 diverged = True
                 break
-        if last < first:
+        if last == 0:
             lines.append("  no collectives")
+        elif last < first:
+            gone = sorted(r for r, o in ops.items() if not o)
+            lines.append(f"  collectives #1-#{last}: issued by every rank with a dump, not compared: the rings of rank(s) "
+                         f"{gone} no longer hold them (later ops of other groups took their place; TORCH_FR_BUFFER_SIZE)")
         elif not diverged:
             lines.append(f"  collectives #{first}-#{last}: the same on every rank with a dump")
         open_collective = {}
         for r, o in ops.items():
             done = [s for s, e in o.items() if e["state"] == "completed"]
             open_ = [s for s, e in o.items() if e["state"] != "completed"]
+            if not done and status[r].get("last_completed_collective", -1) > 0:
+                done = [status[r]["last_completed_collective"]]  # from the group status: the entries are gone
             where = f"last completed #{max(done)}" if done else "none completed"
             if open_:
                 open_collective[r] = f"#{min(open_)}: {_describe(o[min(open_)])}"
