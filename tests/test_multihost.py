@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import _pool
-from _util import DTYPES, IS_SMDDP, REDOPS, SMALL_SIZES, Report, assert_reports, dname
+from _util import DTYPES, IS_SMDDP, REDOPS, SMALL_SIZES, Report, assert_reports, dname, ptrace_allowed
 from test_allgather import all_gather_coalesced, all_gather_list, all_gather_tensor_forms
 from test_allreduce import allreduce_matrix
 from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
@@ -377,6 +377,13 @@ def test_disagreeing_net_settings_take_rank_0s():
     assert "hold for the group" not in logs[0], logs[0][-2000:]
 
 
+def single_copy_states(rank, world, wants):
+    rep = Report(rank)
+    got = dist.group.WORLD._get_backend(torch.device("cpu"))._topology().get("allgather_single_copy")
+    rep.expect(got == wants[rank], f"rank {rank}: allgather_single_copy is {got!r}, not {wants[rank]!r}")
+    return rep.to_dict()
+
+
 @pytest.mark.parametrize("hosts", [["0", "0", "0"], ["0", "0", "1"]])
 def test_disagreeing_shm_settings_take_rank_0s(hosts):
     """How a host's ranks cut a message into steps must agree too: rank 1 asks for the one-shot
@@ -386,7 +393,14 @@ def test_disagreeing_shm_settings_take_rank_0s(hosts):
     2026-11-29 each rank used its own, and the allreduce and broadcast came out wrong, silently."""
     rank_env = {"SMDDP_HOST_ID": hosts, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES": ["65536", "0", str(1 << 30)],
                 "SMDDP_SHM_COPY_STEP_BYTES": ["262144", "128", "262144"],
-                "SMDDP_SHM_SINGLE_COPY_BYTES": ["1", "0", "4096"]}
+                "SMDDP_SHM_SINGLE_COPY_BYTES": ["1", "0", "4096"], "SMDDP_P2P_SINGLE_COPY_BYTES": ["-1", "0", "-1"]}
+    # Rank 1 would read its host-mates' memory neither way, by its own settings: it must still
+    # check that it may (until 2026-11-29 it did not, and the group's all-gathers staged, the
+    # state saying "a rank may not read its host-mates' memory").
+    readable = "from 1 bytes" if ptrace_allowed() else "off (a rank may not read its host-mates' memory)"
+    wants = [readable, readable, readable if hosts[2] == "0" else "off (no host-mates)"]
+    reports, _ = run_in_own_pool(rank_env, single_copy_states, wants, world=3)
+    assert_reports(reports, 3)
     reports, logs = run_in_own_pool(rank_env, allreduce_matrix, [7, 1001, 70_000], ["float32"], ["SUM"], world=3)
     assert_reports(reports, 3)
     reports, logs = run_in_own_pool(rank_env, broadcast_all_roots, [1001, 70_000], ["float32", "int8"], world=3)

@@ -1,6 +1,7 @@
 #include "algo/collectives.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 
@@ -150,8 +151,10 @@ uint64_t step(OpContext& ctx, bool first, const Expect& e, uint64_t myCount, Cou
 void noStaging(uint8_t*) {}
 
 // Copies `n` bytes of host-mate `peer`'s buffer, announced in phase `k`, to `dst`, in parts across
-// the helpers (process_vm_readv copies in the calling thread).
+// the helpers (process_vm_readv copies in the calling thread), each in pieces between which an
+// abort (shutdown, abort()) is seen: a GiB takes most of a second.
 void readFromPeer(OpContext& ctx, uint64_t k, int peer, void* dst, size_t n) {
+  constexpr size_t kPieceBytes = 64 << 20;
   const uint64_t address = ctx.domain->descriptor(peer, k).address;
   if (address == 0) {  // it stages them: the group's settings disagree, which agreeOnSchedule rules out
     throwError(ErrorCode::kRemoteError, "rank %d did not offer its %zu bytes to read in place (a bug: report it)",
@@ -159,9 +162,21 @@ void readFromPeer(OpContext& ctx, uint64_t k, int peer, void* dst, size_t n) {
   }
   std::atomic<int> failure{0};
   forEachPart(ctx.helpers, n, 1, kAlignBytes, [&](size_t b, size_t m) {
-    if (const int err = ctx.domain->readFromPeer(peer, bytes(dst) + b, address + b, m); err != 0) failure.store(err);
+    for (size_t at = b; at < b + m && failure.load(std::memory_order_relaxed) == 0; at += kPieceBytes) {
+      if (ctx.wait.abort != nullptr && ctx.wait.abort->load(std::memory_order_relaxed)) {
+        failure.store(ECANCELED);
+        return;
+      }
+      const size_t len = std::min(kPieceBytes, b + m - at);
+      if (const int err = ctx.domain->readFromPeer(peer, bytes(dst) + at, address + at, len); err != 0) {
+        failure.store(err);
+      }
+    }
   });
-  if (const int err = failure.load(); err != 0) {
+  if (const int err = failure.load(); err == ECANCELED) {
+    throwError(ErrorCode::kAborted, "the process group was shut down or aborted while this rank read rank %d's part",
+               ctx.domain->groupRank(peer));
+  } else if (err != 0) {
     throwError(ErrorCode::kRemoteError, "cannot read rank %d's %zu bytes in its memory: %s",
                ctx.domain->groupRank(peer), n, strerror(err));
   }
@@ -286,7 +301,7 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
   }
   shm::Domain& d = *ctx.domain;
   const size_t maxBytes = *std::max_element(o.counts.begin(), o.counts.end()) * es;
-  const bool readsInPlace = o.mayReadInPlace && o.root < 0 && maxBytes >= ctx.singleCopyBytes;
+  const bool readsInPlace = o.root < 0 && maxBytes >= ctx.singleCopyBytes;
   const Expect e{o.root < 0 ? OpKind::kAllgather : OpKind::kGather, o.dtype, ReduceOp::kSum, o.root, readsInPlace};
   size_t total = 0;
   for (size_t c : o.counts) total += c * es;
@@ -298,6 +313,16 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
     for (int i = 1; i < ctx.size; ++i) {
       const int p = (ctx.rank + i) % ctx.size;  // host-mates start on different peers
       if (o.counts[p] > 0) readFromPeer(ctx, k, p, o.outputs[p], o.counts[p] * es);
+    }
+    // A peer that gave up (its timeout, an abort) while this rank read its input may have
+    // returned and let its caller write that input: what was read cannot be trusted. It marks
+    // the failure before it returns, so a peer not marked now held its input through the reads.
+    std::string why;
+    for (int p = 0; p < ctx.size; ++p) {
+      if (p != ctx.rank && o.counts[p] > 0 && d.gaveUp(p, &why)) {
+        throwError(ErrorCode::kRemoteError, "rank %d gave up on this collective while this rank read its part: %s",
+                   d.groupRank(p), why.c_str());
+      }
     }
     step(ctx, false, e, o.counts[ctx.rank], countOf, noStaging);
     return;

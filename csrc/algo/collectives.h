@@ -63,7 +63,7 @@ struct OpContext {
   const std::string* text = nullptr;
   size_t oneShotMaxBytes = 0;
   size_t copyStepBytes = 0;  // allgather/gather/broadcast: bytes per rank per step (<= the slot)
-  size_t singleCopyBytes = SIZE_MAX;  // allgather/gather/broadcast: parts this large are read in place
+  size_t singleCopyBytes = SIZE_MAX;  // allgather: parts this large are read in place
   HelperPool* helpers = nullptr;  // splits large copies and reductions (SMDDP_CPU_THREADS > 1)
   StagingChoice* staging = nullptr;  // shared by the copies of this context an op makes; null: through the cache
 };
@@ -92,10 +92,6 @@ struct AllgatherOptions {
   std::vector<void*> outputs;    // one per rank; outputs[rank] may equal input (only the root's for a gather)
   std::vector<size_t> counts;    // elements contributed by each rank (may differ)
   int root = -1;                 // >= 0: a gather; only the root's outputs are written
-  // Whether peers may read this rank's input in place (single copy, for parts of at least
-  // OpContext::singleCopyBytes). Not in memory a driver maps (CUDA's pinned staging): the kernel
-  // may refuse to read it for another process.
-  bool mayReadInPlace = true;
 };
 void allgather(OpContext& ctx, const AllgatherOptions& opts);
 

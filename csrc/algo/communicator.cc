@@ -128,12 +128,15 @@ std::vector<std::string> Communicator::keysOwed() const {
 void Communicator::setUp(std::chrono::milliseconds timeout) {
   const size_t slotBytes = static_cast<size_t>(env::shmSlotBytes());
   agreeOnSchedule(store_);
+  // Whether this rank would read its host-mates' memory at all: for the all-gathers (the group's
+  // setting, the same on every rank) or for its own point-to-point receives.
+  const bool probeReads = singleCopyBytes_ != SIZE_MAX || env::p2pSingleCopyBytes() != 0;
   if (topo_.hosts() == 1) {
-    domain_ = shm::Domain::create(store_, rank_, size_, slotBytes, machine_);
+    domain_ = shm::Domain::create(store_, rank_, size_, slotBytes, machine_, probeReads);
     return;
   }
   PrefixStore hostStore(store_, hostPrefix(topo_));
-  domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes, machine_);
+  domain_ = shm::Domain::create(hostStore, topo_.localRank(), topo_.localSize(), slotBytes, machine_, probeReads);
   domain_->setGroupRanks(topo_.members[topo_.host()]);
   mesh_ = net::TcpMesh::create(store_, topo_, netAddrs_, hierarchicalPeers(topo_), timeout);
   SMDDP_INFO(kInit, "rank %d/%d: %d hosts, inter-host algorithm %s over %s", rank_, size_, topo_.hosts(),
@@ -245,7 +248,7 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
   }
   ctx.oneShotMaxBytes = oneShotMaxBytes_;
   ctx.copyStepBytes = copyStepBytes_;
-  ctx.singleCopyBytes = singleCopyBytes();
+  ctx.singleCopyBytes = peerReads_ ? singleCopyBytes() : SIZE_MAX;
   ctx.fingerprint = opFingerprint_;
   ctx.text = &opText_;
   StagingChoice staging;

@@ -45,6 +45,22 @@ class Communicator {
   size_t singleCopyBytes() const {
     return domain_ != nullptr && domain_->allReadPeers() ? singleCopyBytes_ : SIZE_MAX;
   }
+  // SMDDP_SHM_SINGLE_COPY_BYTES as the group agreed (SIZE_MAX: never), whether or not the ranks
+  // may read each other.
+  size_t singleCopyBytesSetting() const { return singleCopyBytes_; }
+  // While alive, the ops run on this communicator read nothing in place: their buffers are host
+  // memory a driver pinned (CUDA's staging), which the kernel may not let other processes read.
+  // Ops run one at a time, so a plain flag does.
+  class NoPeerReads {
+   public:
+    explicit NoPeerReads(Communicator& c) : c_(c) { c_.peerReads_ = false; }
+    ~NoPeerReads() { c_.peerReads_ = true; }
+    NoPeerReads(const NoPeerReads&) = delete;
+    NoPeerReads& operator=(const NoPeerReads&) = delete;
+
+   private:
+    Communicator& c_;
+  };
   // Receive scratch of the inter-host collectives, as grown so far (read when no op runs).
   size_t netScratchBytes() const { return netScratch_.size(); }
   // The addresses the inter-host mesh listens on (one per interface), and its connections
@@ -116,7 +132,8 @@ class Communicator {
   std::vector<uint8_t> netScratch_;
   size_t oneShotMaxBytes_;
   size_t copyStepBytes_;
-  size_t singleCopyBytes_;  // SIZE_MAX: never (and where a host-mate may not read the others' memory)
+  size_t singleCopyBytes_;  // SIZE_MAX: never
+  bool peerReads_ = true;   // NoPeerReads
   int cpuThreads_;
   std::mutex helpersMutex_;
   std::unique_ptr<HelperPool> helpers_;  // started at the first op when cpuThreads_ > 1

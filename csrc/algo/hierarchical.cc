@@ -337,13 +337,14 @@ void hierAllreduce(HierContext& ctx, const AllreduceOptions& o) {
     }
   }
 
-  // Staged: the CUDA path's output is pinned memory peers may not be able to read in place.
-  AllgatherOptions ag{o.dtype, bytes(out) + rangeBegin(l) * es, {}, {}, -1, false};
+  AllgatherOptions ag{o.dtype, bytes(out) + rangeBegin(l) * es, {}, {}, -1};
   for (int li = 0; li < L; ++li) {
     ag.outputs.push_back(bytes(out) + rangeBegin(li) * es);
     ag.counts.push_back(rangeEnd(li) - rangeBegin(li));
   }
-  allgather(ctx.local, ag);
+  OpContext staged = ctx.local;  // the allreduce's all-gather was not measured reading in place
+  staged.singleCopyBytes = SIZE_MAX;
+  allgather(staged, ag);
 }
 
 void hierAllgather(HierContext& ctx, const AllgatherOptions& o) {
@@ -370,8 +371,7 @@ void hierAllgather(HierContext& ctx, const AllgatherOptions& o) {
   size_t rounds = 0;
   for (const auto& b : blocks) rounds = std::max(rounds, b.size());
   for (size_t k = 0; k < rounds; ++k) {
-    AllgatherOptions ag{o.dtype, nullptr, std::vector<void*>(L, nullptr), std::vector<size_t>(L, 0), -1,
-                        o.mayReadInPlace};
+    AllgatherOptions ag{o.dtype, nullptr, std::vector<void*>(L, nullptr), std::vector<size_t>(L, 0), -1};
     for (int li = 0; li < L; ++li) {
       if (k >= blocks[li].size()) continue;
       const int g = blocks[li][k];

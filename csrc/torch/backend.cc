@@ -663,9 +663,9 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
                                               {"linger_us", std::to_string(handOffLinger_.count())}};
   const size_t singleCopy = comm_->singleCopyBytes();
   info["allgather_single_copy"] = singleCopy != SIZE_MAX ? "from " + std::to_string(singleCopy) + " bytes"
+                                  : comm_->singleCopyBytesSetting() == SIZE_MAX ? "off"
                                   : t.localSize() == 1 ? "off (no host-mates)"
-                                  : comm_->domain()->allReadPeers() ? "off"
-                                                                     : "off (a rank may not read its host-mates' memory)";
+                                                       : "off (a rank may not read its host-mates' memory)";
   if (p2p_) {
     // Whether messages to this rank from its host-mates may be read from their memory, and from what size.
     const bool reads = comm_->domain()->readsPeers(t.localRank());

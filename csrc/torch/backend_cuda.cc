@@ -206,8 +206,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaColumns(c10d::OpType opType, co
       if (gather) {
         steps.push_back([dtype = p.dtype, single, blocks, count, size](algo::Communicator& c,
                                                                         std::chrono::milliseconds to) {
-          // Pinned by the CUDA driver, which may map it so that no other process can read it.
-          c.allgather({dtype, single, blocks, std::vector<size_t>(size, count), -1, false}, to);
+          c.allgather({dtype, single, blocks, std::vector<size_t>(size, count)}, to);
         });
       } else {
         steps.push_back([dtype = p.dtype, red = p.red, single, blocks, count](algo::Communicator& c,

@@ -152,6 +152,7 @@ uint64_t CudaPath::launchReceive(uint8_t* device, const uint8_t* host, size_t by
 void CudaPath::runHost(const Launch& l, const std::vector<CudaStep>& steps, algo::Communicator& c,
                        std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const algo::Communicator::NoPeerReads pinned(c);  // the steps' buffers are the driver's pinned staging
   try {
     for (size_t i = 0; i < steps.size(); ++i) {
       pipeline_->awaitRound(l.ticket, i, deadline);

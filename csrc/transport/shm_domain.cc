@@ -62,7 +62,8 @@ struct Domain::Control {
   alignas(64) std::atomic<uint32_t> failed;
   char failure[1024];  // room for a reason relayed from another host (a farewell, nested)
   // Single-copy reads: a random token, where the owner keeps a copy of it in its own memory;
-  // whether the owner could read every peer's copy (0: not checked yet, 1: yes, 2: no), and
+  // whether the owner could read every peer's copy (0: not checked yet, 1: yes, 2: no, 3: not
+  // tried), and
   // whether it also takes point-to-point messages by address (the same, and
   // SMDDP_P2P_SINGLE_COPY_BYTES is not 0 there).
   uint64_t probeToken;
@@ -111,7 +112,7 @@ void Domain::checkCapacity(int rank, size_t slotBytes) {
 }
 
 std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t slotBytes,
-                                       const CpuShare& machine) {
+                                       const CpuShare& machine, bool probeReads) {
   // Bounded above too: a negative setting comes here as a huge size_t.
   constexpr size_t kMaxSlotBytes = size_t(1) << 40;
   if (slotBytes < 4096 || slotBytes % 4096 != 0 || slotBytes > kMaxSlotBytes) {
@@ -189,7 +190,7 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   }
   // Before the last exchange, so that every rank's answer is in by the end of create(): the
   // collectives pick their single-copy path from all of them (allReadPeers()) at their first op.
-  d->probePeerReads();
+  d->probePeerReads(probeReads);
   // Once everybody has mapped everything the names are no longer needed: remove them now, so a
   // crash later cannot leave anything behind in /dev/shm.
   store.set(attachedKey(rank), "1");
@@ -262,9 +263,13 @@ void Domain::sleepOnDoorbell(uint32_t seen, std::chrono::nanoseconds max) {
   c->doorbellSleepers.fetch_sub(1, std::memory_order_seq_cst);
 }
 
-void Domain::probePeerReads() {
-  // A rank that wants neither kind of single copy does not try.
-  bool ok = env::p2pSingleCopyBytes() != 0 || env::shmSingleCopyBytes() != 0;
+void Domain::probePeerReads(bool tryReads) {
+  if (!tryReads) {
+    control(rank_)->canReadPeers.store(3, std::memory_order_release);
+    control(rank_)->readsPeers.store(2, std::memory_order_release);
+    return;
+  }
+  bool ok = true;
   for (int r = 0; r < size_ && ok; ++r) {
     if (r == rank_) continue;
     uint64_t word = 0;
@@ -305,6 +310,14 @@ int Domain::readFromPeer(int peer, void* dst, uint64_t address, size_t bytes) co
   return 0;
 }
 
+bool Domain::gaveUp(int rank, std::string* why) const {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const Control* c = control(rank);
+  if (c->failed.load(std::memory_order_seq_cst) == 0) return false;
+  if (why != nullptr) *why = std::string(c->failure, strnlen(c->failure, sizeof(c->failure)));
+  return true;
+}
+
 bool Domain::peerAlive(int rank) const {
   const int pid = control(rank)->pid;
   if (kill(pid, 0) != 0 && errno == ESRCH) return false;
@@ -325,7 +338,9 @@ void Domain::markFailed(const std::string& why) {
   if (segments_.empty()) return;
   Control* c = control(rank_);
   snprintf(c->failure, sizeof(c->failure), "%s", why.c_str());
-  c->failed.store(1, std::memory_order_release);
+  // Sequentially consistent, a full fence: nothing this rank writes after it (the caller reusing
+  // an input peers read in place, once the failed op returns) comes before it (gaveUp()).
+  c->failed.store(1, std::memory_order_seq_cst);
   futexWakeAll(&c->phase);
 }
 

@@ -77,7 +77,10 @@ class Domain {
   // names once all ranks are attached. size == 1 creates nothing.
   // `machine`: how this host's ranks share cores with the rest of the machine (it sets how long
   // waits spin before they sleep).
-  static std::unique_ptr<Domain> create(Store& store, int rank, int size, size_t slotBytes, const CpuShare& machine);
+  // `probeReads`: check whether this rank may read its peers' memory (single copy; a rank that
+  // would use it neither way, by the group's settings and its own, does not try).
+  static std::unique_ptr<Domain> create(Store& store, int rank, int size, size_t slotBytes, const CpuShare& machine,
+                                        bool probeReads = true);
   // The keys create() sets for `rank`, which its peers wait for (BootstrapStore::publishFailure).
   static std::vector<std::string> keysOwedBy(int rank);
   // Fails fast, before any bootstrap traffic, when even the slots of this rank's segment cannot
@@ -108,6 +111,9 @@ class Domain {
   // This rank gave up on the current collective (error, timeout): peers waiting for it in this
   // domain stop waiting and report `why`.
   void markFailed(const std::string& why);
+  // Whether `rank` gave up on the current collective (markFailed), and why. Ordered after what
+  // this thread did before (a full fence): a rank marks its failure before it returns from the op.
+  bool gaveUp(int rank, std::string* why) const;
 
   // ---- point-to-point mailboxes (used by engine/p2p_engine) ----
   // Each rank owns, for every peer, an outbox of two chunks; chunk i of the stream to that peer
@@ -147,8 +153,9 @@ class Domain {
   Control* control(int rank) const;
   bool waitFor(int peer, uint64_t phase, const WaitContext& ctx);
   // Reads every peer's probe word (their tokens in their control blocks say what it must hold)
-  // and publishes in this rank's control block whether all reads succeeded.
-  void probePeerReads();
+  // and publishes in this rank's control block whether all reads succeeded (not tried: `tryReads`
+  // false).
+  void probePeerReads(bool tryReads);
 
   int rank_;
   int size_;

@@ -2,7 +2,9 @@
 // shared-memory domains bootstrapped through a FileStore: uneven parts (one empty), out of place
 // and gathered in place, land whole; ranks that disagree on reading in place (a CUDA rank's
 // pinned staging beside a CPU rank's tensor) fail with a message naming both, instead of one
-// reading a slot nobody wrote. Skipped, saying so, where the kernel forbids the reads.
+// reading a slot nobody wrote; a rank whose peer gave up (timed out, aborted) after publishing
+// its last step, while this rank read its input, fails instead of returning what it read (the
+// peer may have reused that input). Skipped, saying so, where the kernel forbids the reads.
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -16,7 +18,9 @@
 #include "algo_tests.h"
 #include "core/error.h"
 #include "core/file_store.h"
+#include "core/hash.h"
 #include "core/spin.h"
+#include "core/types.h"
 #include "expect.h"
 #include "transport/shm_domain.h"
 
@@ -30,7 +34,7 @@ std::vector<std::unique_ptr<shm::Domain>> domains(Store& store, int world) {
   std::vector<std::unique_ptr<shm::Domain>> d(world);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] { d[r] = shm::Domain::create(store, r, world, 1 << 16, CpuShare{world, world}); });
+    threads.emplace_back([&, r] { d[r] = shm::Domain::create(store, r, world, 1 << 16, CpuShare{world, world}, true); });
   }
   for (auto& t : threads) t.join();
   return d;
@@ -125,8 +129,8 @@ void testRanksThatDisagreeFail(const std::string& dir) {
   std::vector<std::vector<float>> ins(2, std::vector<float>(5000, 1.0f)), outs(2, std::vector<float>(10000));
   const auto errors = onEveryRank(2, [&](int r) {
     algo::AllgatherOptions o{DataType::kFloat32, ins[r].data(), {outs[r].data(), outs[r].data() + 5000}, {5000, 5000}};
-    o.mayReadInPlace = r == 0;  // rank 1's input is, say, CUDA pinned staging
     algo::OpContext ctx = contextFor(*d[r], 1, abort);
+    if (r == 1) ctx.singleCopyBytes = SIZE_MAX;  // its input is, say, CUDA pinned staging
     algo::allgather(ctx, o);
   });
   expect(errors[0].find("this rank reads its host-mates' parts in place, rank 1 stages its part") != std::string::npos,
@@ -135,9 +139,53 @@ void testRanksThatDisagreeFail(const std::string& dir) {
          "rank 1 of a disagreeing all-gather: \"" + errors[1] + "\"");
 }
 
+// Rank 0 plays an owner that announced its input, published both steps and then gave up (its
+// timeout or an abort while it waited for rank 1's last step), all before rank 1 read anything:
+// rank 1's all-gather must fail naming rank 0. (Until 2026-11-29 it returned success, and, with
+// the owner's caller writing its input during the read, rank 1 got part of the new values.)
+void testOwnerThatGaveUpFailsTheReader(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  auto d = domains(store, 2);
+  if (!d[0]->allReadPeers()) return;  // said above
+  constexpr uint64_t kCount = 5000;
+  std::vector<float> ownerInput(kCount, 1.0f), readerInput(kCount, 2.0f), out(2 * kCount);
+  // What algo::allgather announces at its first step (collectives.cc: writeDescriptor).
+  const uint64_t k = d[0]->nextPhase();
+  shm::OpDescriptor& desc = d[0]->descriptor(0, k);
+  desc.seq = 1;
+  desc.kind = static_cast<uint32_t>(OpKind::kAllgather);
+  desc.dtype = static_cast<uint32_t>(DataType::kFloat32);
+  desc.redop = static_cast<uint32_t>(ReduceOp::kSum);
+  desc.root = -1;
+  desc.count = kCount;
+  desc.signature = 0;
+  uint64_t layout = kFnv1aBasis;
+  for (int p = 0; p < 2; ++p) layout = fnv1a(layout, &kCount, sizeof kCount);
+  desc.layout = layout;
+  desc.fingerprint = 0;
+  desc.address = reinterpret_cast<uint64_t>(ownerInput.data());
+  desc.readsInPlace = 1;
+  d[0]->publish(k);
+  d[0]->publish(d[0]->nextPhase());  // its last step, then it gives up
+  d[0]->markFailed("rank 0: allgather #1: timed out waiting for rank(s) [1] to reach step 2");
+  std::atomic<bool> abort{false};
+  std::string error;
+  try {
+    algo::AllgatherOptions o{DataType::kFloat32, readerInput.data(), {out.data(), out.data() + kCount}, {kCount, kCount}};
+    algo::OpContext ctx = contextFor(*d[1], 1, abort);
+    algo::allgather(ctx, o);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  expect(error.find("rank 0 gave up on this collective while this rank read its part: rank 0: allgather #1: timed "
+                    "out") != std::string::npos,
+         "the reader of an owner that gave up: \"" + error + "\"");
+}
+
 }  // namespace
 
 void allgatherSingleCopyTests() {
-  expect(test::runInOwnDirs("smddp_allgather_single_copy", {testUnevenPartsInAndOutOfPlace, testRanksThatDisagreeFail}),
+  expect(test::runInOwnDirs("smddp_allgather_single_copy",
+                            {testUnevenPartsInAndOutOfPlace, testRanksThatDisagreeFail, testOwnerThatGaveUpFailsTheReader}),
          "could not make a directory for the test's FileStore");
 }
