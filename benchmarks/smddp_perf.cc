@@ -19,9 +19,10 @@
 // SMDDP_TESTS_MIN_BW (GB/s, like NCCL_TESTS_MIN_BW): exit 4 when the average bus bandwidth is lower.
 // --timeout bounds the set-up (a rank that never starts is named by every other) and each op.
 // --huge-pages 1 puts the buffers on transparent huge pages, as torch's THP_MEM_ALLOC_ENABLE=1 does.
-// --touch 1 rewrites each rank's input before every timed op (outside the time), as a training step
-// writes what it then communicates: nccl-tests' loop reuses untouched buffers, whose clean cached
-// lines flatter a peer reading them in place (SMDDP_SHM_SINGLE_COPY_BYTES).
+// --touch 1 rewrites each rank's input before every timed op, then passes a barrier (both outside
+// the time), as a training step writes what it then communicates: nccl-tests' loop reuses
+// untouched buffers, whose clean cached lines flatter a peer reading them in place
+// (SMDDP_SHM_SINGLE_COPY_BYTES).
 // With -np, the lines before and after the table give a cache line's round trip between the first
 // two CPUs the job may use: tens of ns where they share a last-level cache, hundreds where they do
 // not, which decides how fast ranks read each other's staged data and which sysfs may not show
@@ -542,10 +543,12 @@ int rankMain(const Args& a, int rank, Store& store) {
         double us = 0;
         if (a.touch) {
           // A training step writes what it then communicates: the input is in this rank's cache,
-          // dirty, as each op starts, not left there clean by the last op. Only the ops are timed.
+          // dirty, as each op starts, not left there clean by the last op. Only the ops are timed,
+          // each from a barrier after every rank's rewrite (not from a peer's rewrite still going).
           std::vector<uint8_t> pristine(static_cast<uint8_t*>(src), static_cast<uint8_t*>(src) + s.inElems * es);
           for (int i = 0; i < iters * a.agg; ++i) {
             std::memcpy(src, pristine.data(), pristine.size());
+            comm.barrier(a.timeout);
             const auto t0 = Clock::now();
             runOp(comm, a, k, src, dst, s, W, scratch.data());
             us += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();

@@ -37,6 +37,25 @@ def test_compare_report_from_jsonl(tmp_path):
     assert "issue-3 targets: 2 of 2 cells met" in table, table
 
 
+def test_compare_counts_failed_cells():
+    """A cell where smddp failed counts as a miss, and one whose baseline failed is named as not
+    judged (until 2026-11-29 both vanished from the count: a failed run looked better)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import compare
+
+    def row(size, backend, t, error=None):
+        return {"world": 2, "op": "allreduce", "size": size, "backend": backend, "time_us": None if error else t,
+                "busbw": None if error else size / t / 1e3, "error": error}
+
+    rows = [row(8, "smddp", 10.0), row(8, "gloo", 300.0), row(8, "mpich", 5.0),
+            row(1024, "smddp", 0, "DistBackendError: boom"), row(1024, "gloo", 300.0), row(1024, "mpich", 5.0),
+            row(2048, "smddp", 10.0), row(2048, "gloo", 300.0), row(2048, "mpich", 0, "job FAILED")]
+    report = compare.target_check(compare.series(rows), rows)
+    assert report.splitlines() == ["issue-3 targets: 1 of 2 cells met (1 not judged)",
+                                   "  miss: allreduce world 2 1KiB: smddp has no result (DistBackendError: boom)",
+                                   "  not judged: allreduce world 2 2KiB: no mpich result"], report
+
+
 def test_setup_benchmark_runs_each_build():
     perf = str(ROOT / "python" / "smddp" / "bin" / "smddp_perf")
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_setup.py"), "--worlds", "3,8",
