@@ -4,11 +4,14 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <string>
 
 #include "core/slices.h"
 #include "core/copy.h"
 #include "core/error.h"
 #include "core/hash.h"
+#include "core/log.h"
 #include "core/reduce.h"
 
 namespace smddp::algo {
@@ -138,6 +141,11 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
 template <class CountOf, class Stage>
 uint64_t step(OpContext& ctx, bool first, const Expect& e, uint64_t myCount, CountOf countOf, Stage stage,
               const void* address = nullptr) {
+  // A shutdown or abort ends a long op between its steps too, not only where a wait sleeps: a
+  // step whose peers keep up never sleeps (a 2 GiB all-gather held destroy_process_group 17 s).
+  if (ctx.wait.abort != nullptr && ctx.wait.abort->load(std::memory_order_relaxed)) {
+    throwError(ErrorCode::kAborted, "the process group was shut down or aborted during the op");
+  }
   const uint64_t k = ctx.domain->nextPhase();
   stage(ctx.domain->slot(ctx.rank, k));
   const uint64_t layout = first ? layoutOf(ctx.size, countOf) : 0;
@@ -150,21 +158,49 @@ uint64_t step(OpContext& ctx, bool first, const Expect& e, uint64_t myCount, Cou
 
 void noStaging(uint8_t*) {}
 
-// Copies `n` bytes of host-mate `peer`'s buffer, announced in phase `k`, to `dst`, in parts across
-// the helpers (process_vm_readv copies in the calling thread), each in pieces between which an
-// abort (shutdown, abort()) is seen: a GiB takes most of a second.
-void readFromPeer(OpContext& ctx, uint64_t k, int peer, void* dst, size_t n) {
-  constexpr size_t kPieceBytes = 64 << 20;
-  const uint64_t address = ctx.domain->descriptor(peer, k).address;
-  if (address == 0) {  // it stages them: the group's settings disagree, which agreeOnSchedule rules out
-    throwError(ErrorCode::kRemoteError, "rank %d did not offer its %zu bytes to read in place (a bug: report it)",
-               ctx.domain->groupRank(peer), n);
+// Single-copy reads and copies go in pieces of this size, between which an abort (shutdown,
+// abort()) or a peer that gave up is seen: a GiB takes most of a second.
+constexpr size_t kPieceBytes = 64 << 20;
+
+bool abortedIn(const OpContext& ctx) {
+  return ctx.wait.abort != nullptr && ctx.wait.abort->load(std::memory_order_relaxed);
+}
+
+// Throws why what this rank read from `peer` cannot be trusted: it gave up on the op (its
+// timeout, an abort) and may have handed its input back to its caller, or it exited.
+void throwIfPeerLeft(OpContext& ctx, int peer, int err = 0) {
+  std::string why;
+  if (ctx.domain->gaveUp(peer, &why)) {
+    throwError(ErrorCode::kRemoteError, "rank %d gave up on this collective while this rank read its part: %s",
+               ctx.domain->groupRank(peer), why.c_str());
   }
+  if (err == ESRCH) {
+    throwError(ErrorCode::kRemoteError, "rank %d exited while this rank read its part", ctx.domain->groupRank(peer));
+  }
+}
+
+// Copies this rank's own part to its output in pieces, seeing an abort between them.
+void copyOwnInPieces(OpContext& ctx, void* dst, const void* src, size_t n, bool stream) {
+  for (size_t at = 0; at < n; at += kPieceBytes) {
+    if (abortedIn(ctx)) throwError(ErrorCode::kAborted, "the process group was shut down or aborted during the op");
+    copyParallel(ctx.helpers, bytes(dst) + at, static_cast<const uint8_t*>(src) + at, std::min(kPieceBytes, n - at),
+                 stream);
+  }
+}
+
+// Copies `n` bytes of host-mate `peer`'s buffer, announced in phase `k`, to `dst`, in parts across
+// the helpers (process_vm_readv copies in the calling thread), each in pieces.
+void readFromPeer(OpContext& ctx, uint64_t k, int peer, void* dst, size_t n) {
+  const uint64_t address = ctx.domain->descriptor(peer, k).address;
   std::atomic<int> failure{0};
   forEachPart(ctx.helpers, n, 1, kAlignBytes, [&](size_t b, size_t m) {
     for (size_t at = b; at < b + m && failure.load(std::memory_order_relaxed) == 0; at += kPieceBytes) {
-      if (ctx.wait.abort != nullptr && ctx.wait.abort->load(std::memory_order_relaxed)) {
+      if (abortedIn(ctx)) {
         failure.store(ECANCELED);
+        return;
+      }
+      if (ctx.domain->gaveUp(peer, nullptr)) {
+        failure.store(ECONNABORTED);
         return;
       }
       const size_t len = std::min(kPieceBytes, b + m - at);
@@ -173,10 +209,13 @@ void readFromPeer(OpContext& ctx, uint64_t k, int peer, void* dst, size_t n) {
       }
     }
   });
-  if (const int err = failure.load(); err == ECANCELED) {
+  const int err = failure.load();
+  if (err == ECANCELED) {
     throwError(ErrorCode::kAborted, "the process group was shut down or aborted while this rank read rank %d's part",
                ctx.domain->groupRank(peer));
-  } else if (err != 0) {
+  }
+  if (err != 0) {
+    throwIfPeerLeft(ctx, peer, err);  // a read fails once a peer that gave up frees its input: say so
     throwError(ErrorCode::kRemoteError, "cannot read rank %d's %zu bytes in its memory: %s",
                ctx.domain->groupRank(peer), n, strerror(err));
   }
@@ -308,24 +347,36 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
   const bool stream = shouldStream(total, ctx.size);
   auto countOf = [&](int p) -> uint64_t { return o.counts[p]; };
   if (readsInPlace) {  // single copy (see the header)
-    const uint64_t k = step(ctx, true, e, o.counts[ctx.rank], countOf, noStaging, o.input);
-    if (ownCopy) copyParallel(ctx.helpers, o.outputs[ctx.rank], o.input, mine, stream);
-    for (int i = 1; i < ctx.size; ++i) {
-      const int p = (ctx.rank + i) % ctx.size;  // host-mates start on different peers
-      if (o.counts[p] > 0) readFromPeer(ctx, k, p, o.outputs[p], o.counts[p] * es);
+    // Each rank offers its input if the others may read it; where one may not, every rank sees
+    // the missing address and the op is staged instead, from its next step.
+    const bool offer = d.readableByPeers(o.input, mine);
+    const uint64_t k = step(ctx, true, e, o.counts[ctx.rank], countOf, noStaging, offer ? o.input : nullptr);
+    int unreadable = -1;
+    for (int p = 0; p < ctx.size && unreadable < 0; ++p) {
+      if (o.counts[p] > 0 && d.descriptor(p, k).address == 0) unreadable = p;
     }
-    // A peer that gave up (its timeout, an abort) while this rank read its input may have
-    // returned and let its caller write that input: what was read cannot be trusted. It marks
-    // the failure before it returns, so a peer not marked now held its input through the reads.
-    std::string why;
-    for (int p = 0; p < ctx.size; ++p) {
-      if (p != ctx.rank && o.counts[p] > 0 && d.gaveUp(p, &why)) {
-        throwError(ErrorCode::kRemoteError, "rank %d gave up on this collective while this rank read its part: %s",
-                   d.groupRank(p), why.c_str());
+    if (unreadable < 0) {
+      if (ownCopy) copyOwnInPieces(ctx, o.outputs[ctx.rank], o.input, mine, stream);
+      for (int i = 1; i < ctx.size; ++i) {
+        const int p = (ctx.rank + i) % ctx.size;  // host-mates start on different peers
+        if (o.counts[p] > 0) readFromPeer(ctx, k, p, o.outputs[p], o.counts[p] * es);
       }
+      // A peer that gave up (its timeout, an abort) while this rank read its input may have
+      // returned and let its caller write that input: what was read cannot be trusted. It marks
+      // the failure before it returns, so a peer not marked now held its input through the reads.
+      for (int p = 0; p < ctx.size; ++p) {
+        if (p != ctx.rank && o.counts[p] > 0) throwIfPeerLeft(ctx, p);
+      }
+      step(ctx, false, e, o.counts[ctx.rank], countOf, noStaging);
+      return;
     }
-    step(ctx, false, e, o.counts[ctx.rank], countOf, noStaging);
-    return;
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      SMDDP_INFO(kColl, "rank %d: %s #%llu: rank %d's input may not be read by other processes (memory a driver "
+                 "pinned, or memfd_secret's): staged instead of read in place",
+                 d.groupRank(ctx.rank), opKindName(e.kind), static_cast<unsigned long long>(ctx.seq),
+                 d.groupRank(unreadable));
+    });
   }
   const bool stage = stagesStreamed(ctx, total);
   const size_t stepBytes = ctx.copyStepBytes;

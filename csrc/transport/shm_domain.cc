@@ -310,6 +310,15 @@ int Domain::readFromPeer(int peer, void* dst, uint64_t address, size_t bytes) co
   return 0;
 }
 
+bool Domain::readableByPeers(const void* p, size_t bytes) const {
+  if (bytes == 0) return true;
+  uint8_t got[2];
+  const auto* at = static_cast<const uint8_t*>(p);
+  struct iovec local[2] = {{&got[0], 1}, {&got[1], 1}};
+  struct iovec remote[2] = {{const_cast<uint8_t*>(at), 1}, {const_cast<uint8_t*>(at + bytes - 1), 1}};
+  return process_vm_readv(getpid(), local, 2, remote, 2, 0) == 2;
+}
+
 bool Domain::gaveUp(int rank, std::string* why) const {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   const Control* c = control(rank);

@@ -137,6 +137,10 @@ class Domain {
   // Whether every rank of the domain may read every other's memory (the same on every rank once
   // create() returned): collectives then may read their inputs in place (algo/collectives.h).
   bool allReadPeers() const { return allReadPeers_; }
+  // Whether other processes may read `bytes` at `p` in this one with readFromPeer(): not memory a
+  // driver mapped for itself (CUDA's pinned host memory may be) or memfd_secret's. Reads its first
+  // and last byte through the kernel as a peer would (one allocation is one mapping).
+  bool readableByPeers(const void* p, size_t bytes) const;
   // Copies `bytes` at `address` in `peer`'s process to `dst`; 0 or the errno of the failure.
   int readFromPeer(int peer, void* dst, uint64_t address, size_t bytes) const;
 

@@ -4,7 +4,14 @@
 // pinned staging beside a CPU rank's tensor) fail with a message naming both, instead of one
 // reading a slot nobody wrote; a rank whose peer gave up (timed out, aborted) after publishing
 // its last step, while this rank read its input, fails instead of returning what it read (the
-// peer may have reused that input). Skipped, saying so, where the kernel forbids the reads.
+// peer may have reused that input); a rank whose input other processes may not read (here
+// memfd_secret's memory, as a driver's pinned memory may be) makes every rank stage the op, with
+// the right result. Skipped, saying so, where the kernel forbids the reads.
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -182,10 +189,92 @@ void testOwnerThatGaveUpFailsTheReader(const std::string& dir) {
          "the reader of an owner that gave up: \"" + error + "\"");
 }
 
+// Memory only this process may read: process_vm_readv from any process, itself included, fails
+// with EFAULT. Null where the kernel has no memfd_secret (before 5.14, or disabled).
+float* secretFloats(size_t n) {
+#ifdef SYS_memfd_secret
+  const int fd = static_cast<int>(syscall(SYS_memfd_secret, 0));
+  if (fd < 0) return nullptr;
+  void* p = ftruncate(fd, static_cast<off_t>(n * sizeof(float))) == 0
+                ? mmap(nullptr, n * sizeof(float), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                : MAP_FAILED;
+  close(fd);
+  return p == MAP_FAILED ? nullptr : static_cast<float*>(p);
+#else
+  (void)n;
+  return nullptr;
+#endif
+}
+
+void testUnreadableInputIsStaged(const std::string& dir) {
+  constexpr int kWorld = 3;
+  constexpr size_t kCount = 300001;  // several copy steps when staged
+  float* secret = secretFloats(kCount);
+  if (secret == nullptr) {
+    std::printf("all-gather of an input other processes may not read: skipped, no memfd_secret here\n");
+    return;
+  }
+  FileStore store(dir, std::chrono::seconds(30));
+  auto d = domains(store, kWorld);
+  if (!d[0]->allReadPeers()) return;  // said above
+  expect(!d[1]->readableByPeers(secret, kCount * sizeof(float)), "memfd_secret memory reads as readable by peers");
+  std::vector<std::vector<float>> ins(kWorld, std::vector<float>(kCount)), outs(kWorld, std::vector<float>(kWorld * kCount));
+  for (int r = 0; r < kWorld; ++r) {
+    for (size_t i = 0; i < kCount; ++i) ins[r][i] = valueAt(r, i);
+  }
+  std::copy(ins[1].begin(), ins[1].end(), secret);  // rank 1's input at #1: unreadable by the others
+  std::atomic<bool> abort{false};
+  for (uint64_t seq = 1; seq <= 2; ++seq) {  // and the group goes on reading in place afterwards
+    const auto errors = onEveryRank(kWorld, [&](int r) {
+      algo::AllgatherOptions o{DataType::kFloat32, r == 1 && seq == 1 ? secret : ins[r].data(), {},
+                               std::vector<size_t>(kWorld, kCount)};
+      for (int p = 0; p < kWorld; ++p) o.outputs.push_back(outs[r].data() + p * kCount);
+      algo::OpContext ctx = contextFor(*d[r], seq, abort);
+      algo::allgather(ctx, o);
+    });
+    for (int r = 0; r < kWorld; ++r) {
+      size_t wrong = 0;
+      for (int p = 0; p < kWorld; ++p) {
+        for (size_t i = 0; i < kCount; ++i) wrong += outs[r][p * kCount + i] != valueAt(p, i);
+      }
+      const std::string what = "all-gather #" + std::to_string(seq) + (seq == 1 ? " (rank 1's input unreadable)" : "");
+      expect(errors[r].empty(), what + ": rank " + std::to_string(r) + " failed: " + errors[r]);
+      expect(wrong == 0, what + ": rank " + std::to_string(r) + " has " + std::to_string(wrong) + " wrong elements");
+      std::fill(outs[r].begin(), outs[r].end(), -1.0f);
+    }
+  }
+  munmap(secret, kCount * sizeof(float));
+}
+
+// A group shut down or aborted: its ops end at their next step, staged or read in place, even
+// where the peers keep up and no wait sleeps (until 2026-11-29 only a sleeping wait looked, and
+// destroy_process_group waited out a 2 GiB all-gather: 17 s).
+void testAbortEndsTheOpBetweenSteps(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  auto d = domains(store, 2);
+  std::atomic<bool> abort{true};
+  for (size_t singleCopy : {size_t(1), SIZE_MAX}) {
+    std::vector<std::vector<float>> ins(2, std::vector<float>(70000, 1.0f)), outs(2, std::vector<float>(140000));
+    const auto errors = onEveryRank(2, [&](int r) {
+      algo::AllgatherOptions o{DataType::kFloat32, ins[r].data(), {outs[r].data(), outs[r].data() + 70000},
+                               {70000, 70000}};
+      algo::OpContext ctx = contextFor(*d[r], 1, abort);
+      ctx.singleCopyBytes = d[0]->allReadPeers() ? singleCopy : SIZE_MAX;
+      algo::allgather(ctx, o);
+    });
+    for (int r = 0; r < 2; ++r) {
+      expect(errors[r].find("shut down or aborted during the op") != std::string::npos,
+             std::string(singleCopy == 1 ? "read in place" : "staged") + ", aborted: rank " + std::to_string(r) +
+                 " ended with \"" + errors[r] + "\"");
+    }
+  }
+}
+
 }  // namespace
 
 void allgatherSingleCopyTests() {
   expect(test::runInOwnDirs("smddp_allgather_single_copy",
-                            {testUnevenPartsInAndOutOfPlace, testRanksThatDisagreeFail, testOwnerThatGaveUpFailsTheReader}),
+                            {testUnevenPartsInAndOutOfPlace, testRanksThatDisagreeFail, testOwnerThatGaveUpFailsTheReader,
+                             testUnreadableInputIsStaged, testAbortEndsTheOpBetweenSteps}),
          "could not make a directory for the test's FileStore");
 }
