@@ -383,16 +383,16 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
   for (size_t off = 0; off < maxBytes; off += stepBytes) {
     const size_t myN = off < mine ? std::min(stepBytes, mine - off) : 0;
     const uint64_t k = step(ctx, off == 0, e, o.counts[ctx.rank], countOf, [&](uint8_t* slot) {
-                              // Our own piece goes to the output right after it is staged, from
-                              // whichever copy is in cache (the input's when the slot was
-                              // streamed), rather than in a separate pass over the whole input.
-                              forEachPart(ctx.helpers, myN, 1, kAlignBytes, [&](size_t b, size_t m) {
-                                const uint8_t* in = bytes(o.input) + off + b;
-                                copyOut(slot + b, in, m, stage);
-                                if (!ownCopy) return;
-                                copyOut(bytes(o.outputs[ctx.rank]) + off + b, stage ? in : slot + b, m, stream);
-                              });
-                            });
+      // Our own piece goes to the output right after it is staged, from whichever copy is in
+      // cache (the input's when the slot was streamed), rather than in a separate pass over the
+      // whole input.
+      forEachPart(ctx.helpers, myN, 1, kAlignBytes, [&](size_t b, size_t m) {
+        const uint8_t* in = bytes(o.input) + off + b;
+        copyOut(slot + b, in, m, stage);
+        if (!ownCopy) return;
+        copyOut(bytes(o.outputs[ctx.rank]) + off + b, stage ? in : slot + b, m, stream);
+      });
+    });
     for (int p = 0; receives && p < ctx.size; ++p) {
       const size_t pbytes = o.counts[p] * es;
       if (p == ctx.rank || off >= pbytes) continue;

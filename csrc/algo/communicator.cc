@@ -49,9 +49,9 @@ size_t copyStepBytesFromEnv() {
 
 // SMDDP_SHM_SINGLE_COPY_BYTES, SIZE_MAX for never. By default only where every rank has a core:
 // 2 ranks on 2 cores, inputs rewritten before each op (smddp_perf --touch 1), reading in place
-// made allgathers of 4-32 MiB 1.25-1.4x faster in place and 1.02-1.13x out of place, smaller ones
-// up to 1.15x slower (process_vm_readv pins the owner's pages one by one, where the staged copies
-// run on both cores at once, each step still in cache); 3-4 ranks on 2 cores: 0.83-1.13x.
+// made allgathers of 4-64 MiB 1.04-1.46x faster in place and 1.00-1.09x out of place, smaller
+// ones up to 1.15x slower (process_vm_readv pins the owner's pages one by one, where the staged
+// copies run on both cores at once, each step still in cache); 4 ranks on 2 cores: 0.91-1.10x.
 size_t singleCopyBytesFor(const CpuShare& machine) {
   const int64_t v = env::shmSingleCopyBytes();
   if (v == 0) return SIZE_MAX;

@@ -63,8 +63,7 @@ struct Domain::Control {
   char failure[1024];  // room for a reason relayed from another host (a farewell, nested)
   // Single-copy reads: a random token, where the owner keeps a copy of it in its own memory;
   // whether the owner could read every peer's copy (0: not checked yet, 1: yes, 2: no, 3: not
-  // tried), and
-  // whether it also takes point-to-point messages by address (the same, and
+  // tried), and whether it also takes point-to-point messages by address (the same, and
   // SMDDP_P2P_SINGLE_COPY_BYTES is not 0 there).
   uint64_t probeToken;
   uint64_t probeAddress;
