@@ -278,3 +278,25 @@ def large_ring_task(rank, world):
 
 def test_large_ring_costs_nothing_up_front(pools):
     pools.check(1, large_ring_task, env=(("TORCH_FR_BUFFER_SIZE", "10000000"),))
+
+
+def test_analyzer_names_counts_that_differ_where_rings_dropped_the_ops():
+    """Synthetic dumps: ranks 0 and 2 keep none of a group's entries, their group status says they
+    issued 3 and 2 collectives; the report must say the counts differ, not that they agree."""
+    from smddp import fr_trace
+
+    def dump(entries, issued):
+        status = {"last_enqueued_collective": issued, "last_started_collective": issued,
+                  "last_completed_collective": issued}
+        return {"pg_config": {"g": {"desc": "d", "ranks": "[0, 1, 2]", "pg_id": "0"}}, "pg_status": {"0": status},
+                "entries": entries}
+
+    entry = {"process_group": ("g", "d"), "is_p2p": False, "profiling_name": "smddp:all_reduce", "p2p_seq_id": 0,
+             "input_sizes": [[4]], "input_dtypes": ["Float"], "output_sizes": [[4]], "output_dtypes": ["Float"],
+             "state": "completed", "retired": True}
+    lines = fr_trace.analyze({0: dump([], 3), 1: dump([dict(entry, collective_seq_id=s) for s in (1, 2, 3)], 3),
+                              2: dump([], 2)})
+    assert lines[1] == ("  collectives #1-#3: issued 3 by rank 0, 3 by rank 1, 2 by rank 2 (they differ), not compared: "
+                        "the rings of rank(s) [0, 2] no longer hold them (later ops of other groups took their place; "
+                        "TORCH_FR_BUFFER_SIZE)"), lines
+    assert lines[2:] == ["  rank 0: last completed #3", "  rank 1: last completed #3", "  rank 2: last completed #2"], lines

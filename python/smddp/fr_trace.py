@@ -194,8 +194,11 @@ def analyze(dumps):
             lines.append("  no collectives")
         elif last < first:
             gone = sorted(r for r, o in ops.items() if not o)
-            lines.append(f"  collectives #1-#{last}: issued by every rank with a dump, not compared: the rings of rank(s) "
-                         f"{gone} no longer hold them (later ops of other groups took their place; TORCH_FR_BUFFER_SIZE)")
+            counts = {r: issued(r) for r in ops}
+            said = (f"issued by every rank with a dump" if len(set(counts.values())) == 1 else
+                    "issued " + ", ".join(f"{n} by rank {r}" for r, n in sorted(counts.items())) + " (they differ)")
+            lines.append(f"  collectives #1-#{last}: {said}, not compared: the rings of rank(s) {gone} no longer hold "
+                         "them (later ops of other groups took their place; TORCH_FR_BUFFER_SIZE)")
         elif not diverged:
             lines.append(f"  collectives #{first}-#{last}: the same on every rank with a dump")
         open_collective = {}
