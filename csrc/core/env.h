@@ -26,7 +26,7 @@ std::vector<ParamInfo> allParams();
 int64_t shmSlotBytes();
 // Allgather/gather/broadcast: most bytes a rank stages per step (capped by the slot).
 int64_t shmCopyStepBytes();
-// Allgather/gather/broadcast read parts of at least this many bytes in place (0: never, -1: default).
+// Allgathers read parts of at least this many bytes in place (0: never, -1: default).
 int64_t shmSingleCopyBytes();
 // Allreduce of at most this many bytes uses the one-shot algorithm (every rank reduces all inputs).
 int64_t allreduceOneShotMaxBytes();
