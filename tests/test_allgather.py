@@ -169,11 +169,11 @@ def test_copy_step_smaller_than_slot(pools):
     pools.check(3, copy_steps_uneven, env=env)
 
 
-def single_copy_state(rank, world, want):
+def single_copy_states(rank, world, wants):
+    """Each rank's _topology()["allgather_single_copy"] must be wants[rank]."""
     rep = Report(rank)
-    info = dist.group.WORLD._get_backend(torch.device("cpu"))._topology()
-    rep.expect(info.get("allgather_single_copy") == want,
-               f"rank {rank}: allgather_single_copy is {info.get('allgather_single_copy')!r}, not {want!r}")
+    got = dist.group.WORLD._get_backend(torch.device("cpu"))._topology().get("allgather_single_copy")
+    rep.expect(got == wants[rank], f"rank {rank}: allgather_single_copy is {got!r}, not {wants[rank]!r}")
     return rep.to_dict()
 
 
@@ -202,7 +202,7 @@ def test_all_gather_single_copy_setting(pools, world, single_copy):
     if IS_SMDDP:
         want = ("from 1 bytes" if ptrace_allowed() else "off (a rank may not read its host-mates' memory)"
                 ) if single_copy == "1" else "off"
-        pools.check(world, single_copy_state, want, env=env)
+        pools.check(world, single_copy_states, [want] * world, env=env)
     pools.check(world, all_gather_list, [1, 1001], ["float32", "float16", "int8", "bool"], env=env, timeout=240)
     pools.check(world, all_gather_tensor_forms, [0, 7, 1001, "large"], ["float32", "bfloat16"], env=env,
                 timeout=300)

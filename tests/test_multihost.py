@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import _pool
 from _util import DTYPES, IS_SMDDP, REDOPS, SMALL_SIZES, Report, assert_reports, dname, ptrace_allowed
-from test_allgather import all_gather_coalesced, all_gather_list, all_gather_tensor_forms
+from test_allgather import all_gather_coalesced, all_gather_list, all_gather_tensor_forms, single_copy_states
 from test_allreduce import allreduce_matrix
 from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
 from test_clients import ddp_task, fsdp2_task, pipeline_task
@@ -375,13 +375,6 @@ def test_disagreeing_net_settings_take_rank_0s():
             'SMDDP_SHM_COPY_STEP_BYTES, SMDDP_SHM_SINGLE_COPY_BYTES come to "ring 131072 1073741824 65536 262144 0" '
             'here, but rank 0\'s "mesh 65536 0 65536 262144 0" hold') in logs[1], logs[1][-2000:]
     assert "hold for the group" not in logs[0], logs[0][-2000:]
-
-
-def single_copy_states(rank, world, wants):
-    rep = Report(rank)
-    got = dist.group.WORLD._get_backend(torch.device("cpu"))._topology().get("allgather_single_copy")
-    rep.expect(got == wants[rank], f"rank {rank}: allgather_single_copy is {got!r}, not {wants[rank]!r}")
-    return rep.to_dict()
 
 
 @pytest.mark.parametrize("hosts", [["0", "0", "0"], ["0", "0", "1"]])

@@ -110,7 +110,9 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
                opKindName(e.kind), static_cast<unsigned long long>(ctx.seq), mine.c_str(),
                ctx.size > 16 ? ", ..." : "", ctx.domain->groupRank(p));
   }
-  for (int p = 0; p < ctx.size; ++p) {
+  // Only an all-gather may read in place (other kinds always announce 0): the loop, and the
+  // descriptor line it reads, stay off every other op's first step.
+  for (int p = 0; e.kind == OpKind::kAllgather && p < ctx.size; ++p) {
     if (p == ctx.rank || (ctx.domain->descriptor(p, phase).readsInPlace != 0) == e.readsInPlace) continue;
     throwError(ErrorCode::kInvalidUsage,
                "collectives do not match across ranks: at %s #%llu this rank %s, rank %d %s (an all_gather of CUDA "
@@ -135,17 +137,24 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
   }
 }
 
+bool abortedIn(const OpContext& ctx) {
+  return ctx.wait.abort != nullptr && ctx.wait.abort->load(std::memory_order_relaxed);
+}
+
+// A shutdown or abort ends a long op between its steps (and a single copy between its pieces),
+// not only where a wait sleeps: a step whose peers keep up never sleeps (a 2 GiB all-gather held
+// destroy_process_group 17 s).
+void throwIfAborted(const OpContext& ctx) {
+  if (abortedIn(ctx)) throwError(ErrorCode::kAborted, "the process group was shut down or aborted during the op");
+}
+
 // One step of the protocol in shm_domain.h: stage, announce (first phase only), publish, wait,
 // verify. A template, not std::function: it runs once per chunk on every op's hot path.
 // `address`: this rank's buffer, announced for peers that read it in place (single copy).
 template <class CountOf, class Stage>
 uint64_t step(OpContext& ctx, bool first, const Expect& e, uint64_t myCount, CountOf countOf, Stage stage,
               const void* address = nullptr) {
-  // A shutdown or abort ends a long op between its steps too, not only where a wait sleeps: a
-  // step whose peers keep up never sleeps (a 2 GiB all-gather held destroy_process_group 17 s).
-  if (ctx.wait.abort != nullptr && ctx.wait.abort->load(std::memory_order_relaxed)) {
-    throwError(ErrorCode::kAborted, "the process group was shut down or aborted during the op");
-  }
+  throwIfAborted(ctx);
   const uint64_t k = ctx.domain->nextPhase();
   stage(ctx.domain->slot(ctx.rank, k));
   const uint64_t layout = first ? layoutOf(ctx.size, countOf) : 0;
@@ -161,10 +170,6 @@ void noStaging(uint8_t*) {}
 // Single-copy reads and copies go in pieces of this size, between which an abort (shutdown,
 // abort()) or a peer that gave up is seen: a GiB takes most of a second.
 constexpr size_t kPieceBytes = 64 << 20;
-
-bool abortedIn(const OpContext& ctx) {
-  return ctx.wait.abort != nullptr && ctx.wait.abort->load(std::memory_order_relaxed);
-}
 
 // Throws why what this rank read from `peer` cannot be trusted: it gave up on the op (its
 // timeout, an abort) and may have handed its input back to its caller, or it exited.
@@ -182,7 +187,7 @@ void throwIfPeerLeft(OpContext& ctx, int peer, int err = 0) {
 // Copies this rank's own part to its output in pieces, seeing an abort between them.
 void copyOwnInPieces(OpContext& ctx, void* dst, const void* src, size_t n, bool stream) {
   for (size_t at = 0; at < n; at += kPieceBytes) {
-    if (abortedIn(ctx)) throwError(ErrorCode::kAborted, "the process group was shut down or aborted during the op");
+    throwIfAborted(ctx);
     copyParallel(ctx.helpers, bytes(dst) + at, static_cast<const uint8_t*>(src) + at, std::min(kPieceBytes, n - at),
                  stream);
   }
