@@ -113,6 +113,24 @@ def test_subgroups_benchmark_runs_both_backends():
 
 
 @pytest.mark.timeout(300)
+def test_load_benchmark_runs_every_job():
+    # One busy process, a variant and gloo, two odd sizes, two rounds: a row per job, size and
+    # round, each checked against the exact sum (#wrong 0), and a summary line per size.
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--load", "1", "--world", "2",
+                        "--sizes", "12,3K", "--seconds", "0.2", "--rounds", "2", "--warmup", "5",
+                        "--variant", "SMDDP_SPIN_CHECK_CPU=0"],
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines() if line.startswith("round ")]
+    assert sorted((r[1], r[2], r[3]) for r in rows) == sorted(
+        (str(rnd), job, size) for rnd in (1, 2) for job in ("smddp", "var1", "gloo") for size in ("12", "3K")), p.stdout
+    assert all(r[-1] == "0" and int(r[5]) > 0 for r in rows), p.stdout
+    summary = [line.split() for line in p.stdout.splitlines() if line.lstrip().startswith(("12 ", "3K "))]
+    assert [r[0] for r in summary] == ["12", "3K"] and all("vs" in r for r in summary), p.stdout
+    assert "# total #wrong: 0" in p.stdout, p.stdout
+
+
+@pytest.mark.timeout(300)
 def test_side_by_side_benchmark_checks_point_to_point(tmp_path):
     # The main job's script on small sizes: every row is first checked against the pattern the
     # previous rank (sendrecv) or the partner (pingpong) sent, or the reduction (allreduce), for

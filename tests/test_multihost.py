@@ -237,6 +237,68 @@ def test_ranks_pinned_apart_are_not_oversubscribed(hosts):
     assert got == [{"machine_ranks": "2", "machine_cpus": "2", "wait_spin_us": "500", "linger_us": "0"}] * 2, got
 
 
+def shared_cpu_task(rank, world, cpu=None, ops=100):
+    """Moves this rank's thread onto `cpu` (if given; the group was made before, with the CPUs the
+    rank had then), then times `ops` 8-byte allreduces: the mean seconds per op, and the group's
+    polling budget."""
+    group = dist.group.WORLD
+    spin = group._get_backend(torch.device("cpu"))._topology()["wait_spin_us"]
+    allowed = os.sched_getaffinity(0)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})  # this thread only, the one that runs blocking ops
+    try:
+        t = torch.ones(2)
+        for _ in range(10):
+            dist.all_reduce(t)
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            dist.all_reduce(t)
+        per_op = (time.perf_counter() - t0) / ops
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return {"spin": spin, "per_op": per_op, "ok": bool((t == 2.0 ** (ops + 10)).all())}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs (the budget is 500 us only where each "
+                    "rank has a core)")
+@pytest.mark.skipif(bool(os.environ.get("SMDDP_SPIN_US")), reason="SMDDP_SPIN_US overrides the spin budget")
+def test_no_polling_for_a_rank_on_this_cpu():
+    """Unrelated CPU load makes the scheduler run communicating ranks on one core (waking a rank
+    moves it next to its waker). A rank that polled there for the other would hold it off the core
+    for its whole budget on every wait: beside 4 busy processes on 2 cores, an 8-byte allreduce
+    of 2 ranks took 530-560 us (median) while they shared one. A rank whose awaited peer last
+    published from the CPU it runs on sleeps at once instead. Here both ranks' threads are moved
+    onto one CPU after the group was made (its budget set for a core each)."""
+    got, _ = run_in_own_pool({}, shared_cpu_task, min(os.sched_getaffinity(0)))
+    assert [g["spin"] for g in got] == ["500", "500"], got
+    assert all(g["ok"] for g in got), f"wrong sums: {got}"
+    worst = max(g["per_op"] for g in got)
+    assert worst < 250e-6, (f"8-byte allreduces of 2 ranks on one CPU took {worst * 1e6:.0f} us each: a rank polls "
+                            "for a peer that waits for its core")
+
+
+def test_no_yielding_to_unrelated_work():
+    """Where ranks outnumber cores a waiting rank yields its core for a while (the rank it waits
+    for is likely queued on it). Beside a busy process a yield hands the core to that process for
+    a whole scheduler slice: 4 ranks on 2 cores beside 4 busy processes took 2.9-3.5 ms per
+    8-byte allreduce. A rank whose yields come back that late stops yielding for a while and
+    sleeps at once. Here 2 ranks and a busy process share one CPU (with two busy processes every
+    op waits out a scheduler slice either way)."""
+    cpu = min(os.sched_getaffinity(0))
+    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    try:
+        got, _ = run_in_own_pool({"SMDDP_TEST_CPUS": [str(cpu)] * 2}, shared_cpu_task)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert [g["spin"] for g in got] == ["2", "2"], f"not oversubscribed: {got}"
+    assert all(g["ok"] for g in got), f"wrong sums: {got}"
+    # Measured here: 86-114 us each; 726-765 us with yields not stopped.
+    worst = max(g["per_op"] for g in got)
+    assert worst < 400e-6, (f"8-byte allreduces of 2 ranks sharing a CPU with a busy process took {worst * 1e6:.0f} us "
+                          "each: a waiting rank yields its core to the busy process")
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for two per rank")
 @pytest.mark.skipif(bool(os.environ.get("SMDDP_SPIN_US") or os.environ.get("SMDDP_LINGER_US")),
                     reason="SMDDP_SPIN_US / SMDDP_LINGER_US set the budgets")

@@ -46,6 +46,10 @@ constexpr Param kParams[] = {
      "picks 500 us, or 2 us when ranks outnumber cores (then SMDDP_YIELD_US applies): the job's "
      "ranks on this machine, in any network namespace or container, against the CPUs they may run on "
      "(a subgroup counts the ranks of the most crowded group its process is in)."},
+    {"SMDDP_SPIN_CHECK_CPU", "1",
+     "1: a rank waiting inside a collective for a host-mate that last published from the CPU the "
+     "waiter runs on sleeps at once instead of polling: that rank most likely waits for this very "
+     "core (unrelated CPU load puts communicating ranks on one run queue). 0: poll regardless."},
     {"SMDDP_LINGER_US", "-1",
      "Microseconds a group's progress thread polls for the next op after one, and a Work.wait() "
      "polls for an op that thread runs, before sleeping. -1 picks 50 us (at most SMDDP_SPIN_US's), "
@@ -249,6 +253,7 @@ SMDDP_INT_PARAM(p2pSingleCopyBytes, "SMDDP_P2P_SINGLE_COPY_BYTES")
 SMDDP_INT_PARAM(p2pUnexpectedBytes, "SMDDP_P2P_UNEXPECTED_BYTES")
 SMDDP_INT_PARAM(cpuThreads, "SMDDP_CPU_THREADS")
 SMDDP_INT_PARAM(spinMicros, "SMDDP_SPIN_US")
+SMDDP_INT_PARAM(spinCheckCpu, "SMDDP_SPIN_CHECK_CPU")
 SMDDP_INT_PARAM(yieldMicros, "SMDDP_YIELD_US")
 SMDDP_INT_PARAM(lingerMicros, "SMDDP_LINGER_US")
 SMDDP_INT_PARAM(waitRunsOp, "SMDDP_WAIT_RUNS_OP")

@@ -43,6 +43,8 @@ int64_t p2pUnexpectedBytes();
 int64_t cpuThreads();
 // Microseconds a waiting thread polls a peer's flag before it sleeps; -1 = choose from the core count.
 int64_t spinMicros();
+// 1: no polling for a host-mate that last published from the waiter's CPU (shm::Domain::waitFor).
+int64_t spinCheckCpu();
 // Log level: NONE, WARN (default), INFO, TRACE.
 const std::string& debugLevel();
 // Comma list of subsystems to log (INIT, ENV, SHM, NET, COLL, P2P or ALL); a leading ^ inverts.

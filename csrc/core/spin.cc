@@ -52,6 +52,19 @@ CpuShare CpuShareClaim::busiest() const {
   return most;
 }
 
+void YieldGate::yielded(bool slow) {
+  uint32_t backoff = backoff_.load(std::memory_order_relaxed);
+  if (slow) {
+    backoff = std::clamp(2 * backoff, kMinSkip, kMaxSkip);
+  } else if (backoff != 0) {
+    backoff = backoff / 2 < kMinSkip ? 0 : backoff / 2;
+  } else {
+    return;
+  }
+  backoff_.store(backoff, std::memory_order_relaxed);
+  skip_.store(backoff, std::memory_order_relaxed);
+}
+
 std::chrono::microseconds pollBudget(int64_t us) {
   return std::chrono::microseconds(std::clamp<int64_t>(us, 0, kMaxPollMicros));
 }

@@ -2,7 +2,9 @@
 // every rank has a core; when ranks outnumber cores it steals the core the awaited rank needs.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <vector>
 
 namespace smddp {
@@ -61,6 +63,33 @@ std::chrono::microseconds lingerBudget(const CpuShare& share);
 // once (the caller's, in wait() or computing, and the progress thread running the op), so
 // there a polling thread takes the core that the other, or a peer's, needs.
 std::chrono::microseconds handOffLinger(const CpuShare& share);
+
+// Whether a waiter that yields its core (where ranks outnumber cores) should. With nothing else
+// running, a yield hands the core to a rank of the job, which soon blocks or yields it back.
+// Beside unrelated busy processes it hands it to one of them for a whole scheduler slice:
+// 4 ranks on 2 cores beside 4 busy processes took 2.9-3.5 ms per 8-byte allreduce yielding,
+// 0.26 ms sleeping at once (README, "Under unrelated CPU load"). So a yield that returns after
+// kSlowYield closes the gate for the next `backoff` waits (doubling while it keeps happening, up
+// to kMaxSkip), and each later wait whose yields all returned quickly halves it. One per group;
+// its waits run on one thread at a time, so relaxed counters do.
+class YieldGate {
+ public:
+  static constexpr std::chrono::microseconds kSlowYield{1000};
+  static constexpr uint32_t kMinSkip = 16, kMaxSkip = 4096;  // waits
+  // Whether this wait may yield.
+  bool open() {
+    const uint32_t skip = skip_.load(std::memory_order_relaxed);
+    if (skip == 0) return true;
+    skip_.store(skip - 1, std::memory_order_relaxed);
+    return false;
+  }
+  // After a wait that yielded: whether one of its yields took kSlowYield or more.
+  void yielded(bool slow);
+  uint32_t backoff() const { return backoff_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<uint32_t> skip_{0}, backoff_{0};
+};
 
 // Polls `done()` until it returns true or the budget is spent; returns done()'s last value.
 template <class Done>

@@ -53,6 +53,7 @@ struct Domain::Control {
   int32_t rank;
   uint64_t slotBytes;
   alignas(64) std::atomic<uint64_t> phase;     // written by the owner; peers wait on it
+  std::atomic<int32_t> cpu;                     // the CPU the owner last published from; -1: none yet
   alignas(64) std::atomic<uint32_t> sleepers;  // peers asleep on `phase`; the owner wakes them
   alignas(64) OpDescriptor desc[2];             // by phase parity, like the slots
   alignas(64) std::atomic<uint32_t> doorbell;   // point-to-point: rung by anyone the owner may wait for
@@ -122,6 +123,7 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   // Spinning is bounded in time, not in polls, because the cost of a pause instruction varies
   // tenfold between CPUs. When ranks outnumber cores, yield a few times to let the peer run.
   d->spin_ = spinBudget(machine);
+  d->checkCpu_ = env::spinCheckCpu() != 0;
   d->yieldFor_ =
       machine.oversubscribed() ? pollBudget(env::yieldMicros()) : std::chrono::microseconds(0);
   if (size == 1) return d;
@@ -140,6 +142,7 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   d->segments_[rank] = Segment::create(nameOf(rank), segBytes, segBytes * size, rank, slotsOffset);
   Control* mine = new (d->segments_[rank].data()) Control();
   mine->pid = getpid();
+  mine->cpu.store(-1, std::memory_order_relaxed);
   mine->rank = rank;
   mine->slotBytes = slotBytes;
   mine->phase.store(0);
@@ -205,9 +208,9 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
     uint8_t* base = static_cast<uint8_t*>(d->segments_[r].data()) + slotsOffset;
     d->slots_[r] = {base, base + slotBytes};
   }
-  SMDDP_INFO(kInit, "rank %d/%d: shm domain ready, 2 x %zu byte slots per rank, spin %lld us + yield %d us", rank,
+  SMDDP_INFO(kInit, "rank %d/%d: shm domain ready, 2 x %zu byte slots per rank, spin %lld us%s + yield %d us", rank,
              size, slotBytes, static_cast<long long>(d->spin_.count()),
-             static_cast<int>(d->yieldFor_.count()));
+             d->checkCpu_ ? " (none for a rank on this CPU)" : "", static_cast<int>(d->yieldFor_.count()));
   return d;
 }
 
@@ -354,6 +357,7 @@ void Domain::markFailed(const std::string& why) {
 
 void Domain::publish(uint64_t phase) {
   Control* c = control(rank_);
+  c->cpu.store(sched_getcpu(), std::memory_order_relaxed);  // rseq: a load, not a system call
   c->phase.store(phase, std::memory_order_seq_cst);
   // Pairs with the sleeper's increment-then-recheck: either it sees the new phase, or we see it.
   if (c->sleepers.load(std::memory_order_seq_cst) != 0) futexWakeAll(&c->phase);
@@ -362,15 +366,33 @@ void Domain::publish(uint64_t phase) {
 bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
   Control* c = control(peer);
   std::atomic<uint64_t>& flag = c->phase;
-  if (spinUntil(spin_, [&] { return flag.load(std::memory_order_acquire) >= phase; })) return true;
+  if (flag.load(std::memory_order_acquire) >= phase) return true;
+  // A peer that last published from the CPU this thread runs on most likely waits for this very
+  // core: unrelated load makes the scheduler put communicating ranks on one run queue, and waking
+  // a rank moves it next to its waker. Polling would hold it off the core for the whole budget:
+  // beside 4 busy processes on 2 cores, an 8-byte allreduce of 2 ranks took 902-939 us on average
+  // (4-second runs) where they shared a core, 19-39 us with this check (README, "Under unrelated
+  // CPU load"). The peer's CPU may be out of date; a wrong guess costs one futex wake-up, or one
+  // poll.
+  const bool peerOnThisCpu = checkCpu_ && c->cpu.load(std::memory_order_relaxed) == sched_getcpu();
+  if (!peerOnThisCpu && spinUntil(spin_, [&] { return flag.load(std::memory_order_acquire) >= phase; })) return true;
   // Oversubscribed: the awaited rank is probably runnable on our core, so hand the core over
-  // (cheap) for a while before paying for a futex sleep and wake-up.
-  if (yieldFor_.count() > 0) {
-    const auto end = std::chrono::steady_clock::now() + yieldFor_;
-    do {
-      if (flag.load(std::memory_order_acquire) >= phase) return true;
+  // (cheap) for a while before paying for a futex sleep and wake-up; not while yields hand it to
+  // unrelated work for whole scheduler slices (YieldGate).
+  if (yieldFor_.count() > 0 && yieldGate_.open()) {
+    auto before = std::chrono::steady_clock::now();
+    const auto end = before + yieldFor_;
+    int yields = 0;
+    bool slow = false;
+    while (flag.load(std::memory_order_acquire) < phase && !slow && before < end) {
       sched_yield();
-    } while (std::chrono::steady_clock::now() < end);
+      ++yields;
+      const auto after = std::chrono::steady_clock::now();
+      slow = after - before > YieldGate::kSlowYield;
+      before = after;
+    }
+    if (yields > 0) yieldGate_.yielded(slow);
+    if (flag.load(std::memory_order_acquire) >= phase) return true;
   }
   const auto since = std::chrono::steady_clock::now();
   while (true) {

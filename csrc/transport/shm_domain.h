@@ -173,6 +173,8 @@ class Domain {
   uint64_t phase_ = 0;
   std::chrono::microseconds spin_{0};
   std::chrono::microseconds yieldFor_{0};
+  YieldGate yieldGate_;
+  bool checkCpu_ = true;  // SMDDP_SPIN_CHECK_CPU: no polling for a peer that last ran on this CPU
   std::vector<Segment> segments_;
   std::vector<std::array<uint8_t*, 2>> slots_;
   size_t p2pCountersOffset_ = 0;

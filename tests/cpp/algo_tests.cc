@@ -5,5 +5,6 @@ int main() {
   stagingPolicyTests();
   alltoallBufferTests();
   allgatherSingleCopyTests();
+  yieldGateTests();
   return smddp::test::report();
 }

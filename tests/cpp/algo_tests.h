@@ -1,7 +1,9 @@
-// smddp_algo_tests: torch-free tests of the algorithm layer (single-rank logic, and algorithms
-// with ranks as threads), one function per file, run in turn by algo_tests.cc.
+// smddp_algo_tests: torch-free tests of the algorithm layer (single-rank logic, the policies its
+// waits and stagings follow, and algorithms with ranks as threads), one function per file, run in
+// turn by algo_tests.cc.
 #pragma once
 
 void stagingPolicyTests();   // test_staging_policy.cc
 void alltoallBufferTests();  // test_alltoall_buffers.cc
 void allgatherSingleCopyTests();  // test_allgather_single_copy.cc
+void yieldGateTests();            // test_yield_gate.cc

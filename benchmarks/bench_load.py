@@ -1,0 +1,182 @@
+"""Collectives beside unrelated CPU load, smddp vs gloo (and smddp settings) side by side.
+
+DataLoader workers, a second job or a compiler on the same machine take cores from the ranks.
+What counts then is the time per op over seconds, not a best case: the scheduler moves the ranks
+about, and a backend may do well while they run on separate cores and badly while they share one.
+So each cell here is the mean time per op over a run of --seconds (the ops timed one by one;
+median, p90, p99 and max beside it), and the table gives the mean of each job's rounds too.
+
+    .venv/bin/python benchmarks/bench_load.py --load 4 --world 2 --sizes 8,4K,256K
+    .venv/bin/python benchmarks/bench_load.py --load 4 --variant SMDDP_SPIN_CHECK_CPU=0
+
+The load is --load processes that spin for the whole run (every job measured beside the same
+load). The jobs run in turn, each round in another order (rotated), --rounds times: smddp, each
+--variant (smddp with those environment variables), gloo. Every rank checks one allreduce per
+size against the exact sum first (#wrong). Times are rank 0's."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_vs_gloo import parse_size  # noqa: E402
+from variants import parse_variants  # noqa: E402
+
+_BUSY_LOOP = """
+import ctypes, os, signal, sys
+ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the benchmark
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+while True:
+    pass
+"""
+
+
+def rank_main(cfg: dict) -> int:
+    import torch
+    import torch.distributed as dist
+
+    if cfg["backend"] == "smddp":
+        import smddp  # noqa: F401 - registers the backend
+    rank, world = cfg["rank"], cfg["world"]
+    dist.init_process_group(cfg["backend"], init_method=cfg["init_method"], rank=rank, world_size=world)
+    rows = []
+    stop = torch.zeros(1)
+    for size in cfg["sizes"]:
+        numel = max(1, size // 4)
+        t = torch.full((numel,), float(rank + 1))
+        dist.all_reduce(t)
+        wrong = int((t != world * (world + 1) / 2).sum())
+        for _ in range(cfg["warmup"]):
+            dist.all_reduce(t)
+        lat = []
+        end = time.monotonic() + cfg["seconds"]
+        while True:
+            for _ in range(cfg["batch"]):
+                t0 = time.perf_counter_ns()
+                dist.all_reduce(t)
+                lat.append(time.perf_counter_ns() - t0)
+            # Every rank stops after the same op: rank 0's clock decides (not timed).
+            stop[0] = 1.0 if rank == 0 and time.monotonic() > end else 0.0
+            dist.broadcast(stop, 0)
+            if stop[0] > 0:
+                break
+        lat.sort()
+        n = len(lat)
+        rows.append(dict(size=size, ops=n, wrong=wrong, mean=sum(lat) / n / 1e3, p50=lat[n // 2] / 1e3,
+                         p90=lat[n * 9 // 10] / 1e3, p99=lat[n * 99 // 100] / 1e3, max=lat[-1] / 1e3))
+    if rank == 0:
+        with open(cfg["result_file"], "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+    return 0
+
+
+def run_job(args, backend: str, env_extra: dict) -> list:
+    with tempfile.TemporaryDirectory(prefix="smddp_bench_load_") as tmp:
+        result = os.path.join(tmp, "result.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+                   **env_extra)
+        procs = []
+        try:
+            for rank in range(args.world):
+                cfg = dict(backend=backend, rank=rank, world=args.world, init_method=f"file://{tmp}/store",
+                           sizes=args.sizes, seconds=args.seconds, warmup=args.warmup, batch=args.batch,
+                           result_file=result)
+                procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_rank", json.dumps(cfg)],
+                                              stdin=subprocess.DEVNULL, env=env))
+            deadline = time.monotonic() + args.timeout
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.1)
+            codes = [p.poll() for p in procs]
+            if codes != [0] * args.world:
+                raise RuntimeError(f"{backend} {env_extra or ''}: ranks ended with {codes} (None: still running "
+                                   f"after --timeout {args.timeout:g} s, killed)")
+            with open(result) as f:
+                return json.load(f)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+
+
+def fmt_size(n: int) -> str:
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--load", type=int, default=4, help="busy-looping processes beside the ranks for the whole run")
+    p.add_argument("--sizes", default="8,4K,256K", help="allreduce sizes in bytes (float32; K/M/G suffixes)")
+    p.add_argument("--seconds", type=float, default=4.0, help="timed seconds per job, size and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=200, help="untimed ops per job and size")
+    p.add_argument("--batch", type=int, default=50, help="timed ops between checks of the clock")
+    p.add_argument("--baselines", default="gloo", help="comma list of torch backends ('' for none)")
+    p.add_argument("--variant", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE...]",
+                   help="also run smddp with these environment variables, as job var1, var2, ...; repeatable")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a job may take before it is killed")
+    p.add_argument("--_rank", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._rank is not None:
+        return rank_main(json.loads(args._rank))
+    try:
+        variants = parse_variants(args.variant)
+        args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError as e:
+        p.error(str(e))
+    if args.world < 2 or args.load < 0 or args.rounds < 1 or args.seconds <= 0 or not args.sizes:
+        p.error("need --world >= 2, --load >= 0, --rounds >= 1, --seconds > 0 and some --sizes")
+    jobs = [("smddp", "smddp", {})] + [(label, "smddp", env) for label, env in variants.items()]
+    jobs += [(b, b, {}) for b in args.baselines.split(",") if b.strip()]
+
+    print(f"# bench_load: allreduce float32 sum, world {args.world}, {args.load} busy processes beside the ranks, "
+          f"{os.cpu_count()} CPUs, {args.seconds:g} s per cell, {args.rounds} rounds (job order rotated each round)")
+    for label, backend, env in jobs:
+        extra = " ".join(f"{k}={v}" for k, v in env.items())
+        print(f"# job {label}: {backend}{' with ' + extra if extra else ''}")
+    print("# times in us per op, rank 0's, each op timed alone; mean = total time / ops")
+    load = [subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(os.getpid())], stdin=subprocess.DEVNULL)
+            for _ in range(args.load)]
+    results = {label: [] for label, _, _ in jobs}
+    wrong = 0
+    try:
+        time.sleep(0.5)  # the load running before the first job
+        for rnd in range(args.rounds):
+            order = jobs[rnd % len(jobs):] + jobs[:rnd % len(jobs)]
+            for label, backend, env in order:
+                rows = run_job(args, backend, env)
+                results[label].append(rows)
+                for r in rows:
+                    wrong += r["wrong"]
+                    print(f"round {rnd + 1} {label:>8} {fmt_size(r['size']):>6}  ops {r['ops']:>7}  mean {r['mean']:9.1f}"
+                          f"  p50 {r['p50']:8.1f}  p90 {r['p90']:8.1f}  p99 {r['p99']:8.1f}  max {r['max']:9.1f}"
+                          f"  #wrong {r['wrong']}", flush=True)
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.wait()
+    print("#\n# mean time per op over all rounds (the rounds' means: min..max); vs X = X's mean / smddp's mean")
+    for i, size in enumerate(args.sizes):
+        means = {label: [rounds[i]["mean"] for rounds in res] for label, res in results.items()}
+        avg = {label: sum(m) / len(m) for label, m in means.items()}
+        cells = "  ".join(f"{label} {avg[label]:8.1f} ({min(m):.1f}..{max(m):.1f})" for label, m in means.items())
+        ratios = "  ".join(f"vs {label} {avg[label] / avg['smddp']:.2f}x" for label in avg if label != "smddp")
+        print(f"{fmt_size(size):>6}  {cells}  {ratios}")
+    print(f"# total #wrong: {wrong}")
+    return 2 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
