@@ -12,7 +12,8 @@ median, p90, p99 and max beside it), and the table gives the mean of each job's 
 The load is --load processes that spin for the whole run (every job measured beside the same
 load). The jobs run in turn, each round in another order (rotated), --rounds times: smddp, each
 --variant (smddp with those environment variables), gloo. Every rank checks one allreduce per
-size against the exact sum first (#wrong). Times are rank 0's."""
+size against the exact sum first (#wrong, every rank's added up). Times are rank 0's. A job that
+fails ends the run (exit code 1), after the rows already printed."""
 
 import argparse
 import json
@@ -26,11 +27,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_vs_gloo import parse_size  # noqa: E402
 from variants import parse_variants  # noqa: E402
 
-_BUSY_LOOP = """
+# python -c BUSY_LOOP PARENT_PID [CPU]: spins (on CPU, if given) until PARENT_PID exits, even if
+# it is killed.
+BUSY_LOOP = """
 import ctypes, os, signal, sys
-ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the benchmark
+ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 if os.getppid() != int(sys.argv[1]):
     os._exit(1)
+if len(sys.argv) > 2:
+    os.sched_setaffinity(0, {int(sys.argv[2])})
 while True:
     pass
 """
@@ -47,7 +52,7 @@ def rank_main(cfg: dict) -> int:
     rows = []
     stop = torch.zeros(1)
     for size in cfg["sizes"]:
-        numel = max(1, size // 4)
+        numel = size // 4
         t = torch.full((numel,), float(rank + 1))
         dist.all_reduce(t)
         wrong = int((t != world * (world + 1) / 2).sum())
@@ -69,9 +74,8 @@ def rank_main(cfg: dict) -> int:
         n = len(lat)
         rows.append(dict(size=size, ops=n, wrong=wrong, mean=sum(lat) / n / 1e3, p50=lat[n // 2] / 1e3,
                          p90=lat[n * 9 // 10] / 1e3, p99=lat[n * 99 // 100] / 1e3, max=lat[-1] / 1e3))
-    if rank == 0:
-        with open(cfg["result_file"], "w") as f:
-            json.dump(rows, f)
+    with open(f"{cfg['result_file']}.{rank}", "w") as f:  # rank 0's times, every rank's #wrong
+        json.dump(rows, f)
     dist.destroy_process_group()
     return 0
 
@@ -79,8 +83,9 @@ def rank_main(cfg: dict) -> int:
 def run_job(args, backend: str, env_extra: dict) -> list:
     with tempfile.TemporaryDirectory(prefix="smddp_bench_load_") as tmp:
         result = os.path.join(tmp, "result.json")
-        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-                   **env_extra)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.update(env_extra)
         procs = []
         try:
             for rank in range(args.world):
@@ -96,10 +101,17 @@ def run_job(args, backend: str, env_extra: dict) -> list:
                 time.sleep(0.1)
             codes = [p.poll() for p in procs]
             if codes != [0] * args.world:
-                raise RuntimeError(f"{backend} {env_extra or ''}: ranks ended with {codes} (None: still running "
-                                   f"after --timeout {args.timeout:g} s, killed)")
-            with open(result) as f:
-                return json.load(f)
+                why = "exit codes " + ", ".join(f"rank {r}: {'killed, still running' if c is None else c}"
+                                                for r, c in enumerate(codes))
+                raise RuntimeError(f"job {backend} {env_extra or ''} failed ({why})")
+            per_rank = []
+            for rank in range(args.world):
+                with open(f"{result}.{rank}") as f:
+                    per_rank.append(json.load(f))
+            rows = per_rank[0]
+            for i, row in enumerate(rows):
+                row["wrong"] = sum(r[i]["wrong"] for r in per_rank)
+            return rows
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -134,25 +146,32 @@ def main(argv=None) -> int:
     try:
         variants = parse_variants(args.variant)
         args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    except ValueError as e:
+    except (ValueError, argparse.ArgumentTypeError) as e:
         p.error(str(e))
-    if args.world < 2 or args.load < 0 or args.rounds < 1 or args.seconds <= 0 or not args.sizes:
-        p.error("need --world >= 2, --load >= 0, --rounds >= 1, --seconds > 0 and some --sizes")
+    if args.world < 2 or args.load < 0 or args.rounds < 1 or args.seconds <= 0 or args.batch < 1:
+        p.error("need --world >= 2, --load >= 0, --rounds >= 1, --seconds > 0 and --batch >= 1")
+    if not args.sizes or any(s < 4 or s % 4 for s in args.sizes):
+        p.error("--sizes: give multiples of 4 bytes (float32 elements)")
+    baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    if "smddp" in baselines or len(set(baselines)) != len(baselines):
+        p.error("--baselines: other backends than smddp, each once (smddp settings go in --variant)")
     jobs = [("smddp", "smddp", {})] + [(label, "smddp", env) for label, env in variants.items()]
-    jobs += [(b, b, {}) for b in args.baselines.split(",") if b.strip()]
+    jobs += [(b, b, {}) for b in baselines]
 
     print(f"# bench_load: allreduce float32 sum, world {args.world}, {args.load} busy processes beside the ranks, "
-          f"{os.cpu_count()} CPUs, {args.seconds:g} s per cell, {args.rounds} rounds (job order rotated each round)")
+          f"{len(os.sched_getaffinity(0))} CPUs, {args.seconds:g} s per cell, {args.rounds} rounds (job order rotated each round)")
     for label, backend, env in jobs:
         extra = " ".join(f"{k}={v}" for k, v in env.items())
         print(f"# job {label}: {backend}{' with ' + extra if extra else ''}")
     print("# times in us per op, rank 0's, each op timed alone; mean = total time / ops")
-    load = [subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(os.getpid())], stdin=subprocess.DEVNULL)
+    load = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(os.getpid())], stdin=subprocess.DEVNULL)
             for _ in range(args.load)]
     results = {label: [] for label, _, _ in jobs}
     wrong = 0
     try:
         time.sleep(0.5)  # the load running before the first job
+        if any(proc.poll() is not None for proc in load):
+            raise RuntimeError("a busy process of --load exited: no load to measure beside")
         for rnd in range(args.rounds):
             order = jobs[rnd % len(jobs):] + jobs[:rnd % len(jobs)]
             for label, backend, env in order:
@@ -163,6 +182,10 @@ def main(argv=None) -> int:
                     print(f"round {rnd + 1} {label:>8} {fmt_size(r['size']):>6}  ops {r['ops']:>7}  mean {r['mean']:9.1f}"
                           f"  p50 {r['p50']:8.1f}  p90 {r['p90']:8.1f}  p99 {r['p99']:8.1f}  max {r['max']:9.1f}"
                           f"  #wrong {r['wrong']}", flush=True)
+    except RuntimeError as e:
+        print(f"# ERROR: {e}", flush=True)
+        print(f"bench_load: error: {e}", file=sys.stderr)
+        return 1
     finally:
         for proc in load:
             proc.kill()

@@ -33,6 +33,9 @@ from test_reduce_scatter import reduce_scatter_list, reduce_scatter_sizes_disagr
 from test_sparse import ddp_sparse_embedding, sparse_disagree, sparse_matrix
 from test_unsigned import unsigned_task
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from bench_load import BUSY_LOOP  # noqa: E402 - a busy process that dies with its parent
+
 pytestmark = pytest.mark.skipif(not IS_SMDDP, reason="SMDDP_HOST_ID only splits smddp groups")
 
 ALL = [dname(d) for d in DTYPES]
@@ -237,10 +240,10 @@ def test_ranks_pinned_apart_are_not_oversubscribed(hosts):
     assert got == [{"machine_ranks": "2", "machine_cpus": "2", "wait_spin_us": "500", "linger_us": "0"}] * 2, got
 
 
-def shared_cpu_task(rank, world, cpu=None, ops=100):
+def shared_cpu_task(rank, world, cpu=None, ops=100, warmup=10):
     """Moves this rank's thread onto `cpu` (if given; the group was made before, with the CPUs the
-    rank had then), then times `ops` 8-byte allreduces: the mean seconds per op, and the group's
-    polling budget."""
+    rank had then), then times `ops` 8-byte allreduces after `warmup` untimed ones: the mean
+    seconds per op, and the group's polling budget."""
     group = dist.group.WORLD
     spin = group._get_backend(torch.device("cpu"))._topology()["wait_spin_us"]
     allowed = os.sched_getaffinity(0)
@@ -248,7 +251,7 @@ def shared_cpu_task(rank, world, cpu=None, ops=100):
         os.sched_setaffinity(0, {cpu})  # this thread only, the one that runs blocking ops
     try:
         t = torch.ones(2)
-        for _ in range(10):
+        for _ in range(warmup):
             dist.all_reduce(t)
         t0 = time.perf_counter()
         for _ in range(ops):
@@ -256,12 +259,13 @@ def shared_cpu_task(rank, world, cpu=None, ops=100):
         per_op = (time.perf_counter() - t0) / ops
     finally:
         os.sched_setaffinity(0, allowed)
-    return {"spin": spin, "per_op": per_op, "ok": bool((t == 2.0 ** (ops + 10)).all())}
+    return {"spin": spin, "per_op": per_op, "ok": bool((t == 2.0 ** (ops + warmup)).all())}
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs (the budget is 500 us only where each "
                     "rank has a core)")
 @pytest.mark.skipif(bool(os.environ.get("SMDDP_SPIN_US")), reason="SMDDP_SPIN_US overrides the spin budget")
+@pytest.mark.skipif(os.environ.get("SMDDP_SPIN_CHECK_CPU", "1") == "0", reason="SMDDP_SPIN_CHECK_CPU=0 turns it off")
 def test_no_polling_for_a_rank_on_this_cpu():
     """Unrelated CPU load makes the scheduler run communicating ranks on one core (waking a rank
     moves it next to its waker). A rank that polled there for the other would hold it off the core
@@ -277,17 +281,21 @@ def test_no_polling_for_a_rank_on_this_cpu():
                             "for a peer that waits for its core")
 
 
+@pytest.mark.skipif(bool(os.environ.get("SMDDP_SPIN_US") or os.environ.get("SMDDP_YIELD_US")),
+                    reason="SMDDP_SPIN_US / SMDDP_YIELD_US set the budgets")
 def test_no_yielding_to_unrelated_work():
     """Where ranks outnumber cores a waiting rank yields its core for a while (the rank it waits
     for is likely queued on it). Beside a busy process a yield hands the core to that process for
     a whole scheduler slice: 4 ranks on 2 cores beside 4 busy processes took 2.9-3.5 ms per
     8-byte allreduce. A rank whose yields come back that late stops yielding for a while and
     sleeps at once. Here 2 ranks and a busy process share one CPU (with two busy processes every
-    op waits out a scheduler slice either way)."""
+    op waits out a scheduler slice either way). The warm-up lets the ranks' back-off grow past the
+    timed ops, as it would in a job: each later try of yielding costs a whole slice, which is
+    longer on kernels with more CPUs."""
     cpu = min(os.sched_getaffinity(0))
-    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(os.getpid()), str(cpu)])
     try:
-        got, _ = run_in_own_pool({"SMDDP_TEST_CPUS": [str(cpu)] * 2}, shared_cpu_task)
+        got, _ = run_in_own_pool({"SMDDP_TEST_CPUS": [str(cpu)] * 2}, shared_cpu_task, None, 100, 300)
     finally:
         busy.kill()
         busy.wait()

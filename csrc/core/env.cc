@@ -48,8 +48,9 @@ constexpr Param kParams[] = {
      "(a subgroup counts the ranks of the most crowded group its process is in)."},
     {"SMDDP_SPIN_CHECK_CPU", "1",
      "1: a rank waiting inside a collective for a host-mate that last published from the CPU the "
-     "waiter runs on sleeps at once instead of polling: that rank most likely waits for this very "
-     "core (unrelated CPU load puts communicating ranks on one run queue). 0: poll regardless."},
+     "waiter runs on does not poll but sleeps (where ranks outnumber cores, yields first): that rank "
+     "most likely waits for this very core (unrelated CPU load puts communicating ranks on one run "
+     "queue). 0: poll regardless."},
     {"SMDDP_LINGER_US", "-1",
      "Microseconds a group's progress thread polls for the next op after one, and a Work.wait() "
      "polls for an op that thread runs, before sleeping. -1 picks 50 us (at most SMDDP_SPIN_US's), "

@@ -67,11 +67,14 @@ std::chrono::microseconds handOffLinger(const CpuShare& share);
 // Whether a waiter that yields its core (where ranks outnumber cores) should. With nothing else
 // running, a yield hands the core to a rank of the job, which soon blocks or yields it back.
 // Beside unrelated busy processes it hands it to one of them for a whole scheduler slice:
-// 4 ranks on 2 cores beside 4 busy processes took 2.9-3.5 ms per 8-byte allreduce yielding,
-// 0.26 ms sleeping at once (README, "Under unrelated CPU load"). So a yield that returns after
-// kSlowYield closes the gate for the next `backoff` waits (doubling while it keeps happening, up
-// to kMaxSkip), and each later wait whose yields all returned quickly halves it. One per group;
-// its waits run on one thread at a time, so relaxed counters do.
+// 4 ranks on 2 cores beside 4 busy processes took 2.7-3.6 ms per 8-byte allreduce yielding,
+// 0.26 ms sleeping at once (README, "Under unrelated CPU load"). So a yield that takes
+// kSlowYield or more closes the gate for the next `backoff` waits (doubling while it keeps
+// happening, up to kMaxSkip); a later try whose yields all came back sooner halves the backoff
+// and closes the gate for that many waits again, so that after long load yielding resumes within
+// about 2 * kMaxSkip waits. A yield may also take that long without unrelated load (a rank of
+// the job computing for milliseconds), and then sleeping costs no more. One per group; its waits
+// run on one thread at a time, so relaxed counters do.
 class YieldGate {
  public:
   static constexpr std::chrono::microseconds kSlowYield{1000};

@@ -357,7 +357,7 @@ void Domain::markFailed(const std::string& why) {
 
 void Domain::publish(uint64_t phase) {
   Control* c = control(rank_);
-  c->cpu.store(sched_getcpu(), std::memory_order_relaxed);  // rseq: a load, not a system call
+  c->cpu.store(sched_getcpu(), std::memory_order_relaxed);  // rseq or the vDSO: no system call
   c->phase.store(phase, std::memory_order_seq_cst);
   // Pairs with the sleeper's increment-then-recheck: either it sees the new phase, or we see it.
   if (c->sleepers.load(std::memory_order_seq_cst) != 0) futexWakeAll(&c->phase);
@@ -370,11 +370,12 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
   // A peer that last published from the CPU this thread runs on most likely waits for this very
   // core: unrelated load makes the scheduler put communicating ranks on one run queue, and waking
   // a rank moves it next to its waker. Polling would hold it off the core for the whole budget:
-  // beside 4 busy processes on 2 cores, an 8-byte allreduce of 2 ranks took 902-939 us on average
-  // (4-second runs) where they shared a core, 19-39 us with this check (README, "Under unrelated
-  // CPU load"). The peer's CPU may be out of date; a wrong guess costs one futex wake-up, or one
-  // poll.
-  const bool peerOnThisCpu = checkCpu_ && c->cpu.load(std::memory_order_relaxed) == sched_getcpu();
+  // beside 4 busy processes on 2 cores, a 4 KiB allreduce of 2 ranks took 652 us per op on
+  // average (900 us in runs where they shared a core throughout), 36 us with this check (README,
+  // "Under unrelated CPU load"). The peer's CPU may be out of date; a wrong guess costs one futex
+  // wake-up, or one poll.
+  const int peerCpu = checkCpu_ ? c->cpu.load(std::memory_order_relaxed) : -1;
+  const bool peerOnThisCpu = peerCpu >= 0 && peerCpu == sched_getcpu();
   if (!peerOnThisCpu && spinUntil(spin_, [&] { return flag.load(std::memory_order_acquire) >= phase; })) return true;
   // Oversubscribed: the awaited rank is probably runnable on our core, so hand the core over
   // (cheap) for a while before paying for a futex sleep and wake-up; not while yields hand it to
@@ -388,7 +389,7 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
       sched_yield();
       ++yields;
       const auto after = std::chrono::steady_clock::now();
-      slow = after - before > YieldGate::kSlowYield;
+      slow = after - before >= YieldGate::kSlowYield;
       before = after;
     }
     if (yields > 0) yieldGate_.yielded(slow);
