@@ -28,6 +28,7 @@
 #include "core/hash.h"
 #include "core/spin.h"
 #include "core/types.h"
+#include "domains.h"
 #include "expect.h"
 #include "transport/shm_domain.h"
 
@@ -38,13 +39,7 @@ namespace {
 
 // Every rank's domain, made together (Domain::create is collective).
 std::vector<std::unique_ptr<shm::Domain>> domains(Store& store, int world) {
-  std::vector<std::unique_ptr<shm::Domain>> d(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] { d[r] = shm::Domain::create(store, r, world, 1 << 16, CpuShare{world, world}, true); });
-  }
-  for (auto& t : threads) t.join();
-  return d;
+  return test::makeDomains(store, world, 1 << 16, CpuShare{world, world});
 }
 
 algo::OpContext contextFor(shm::Domain& d, uint64_t seq, const std::atomic<bool>& abort) {

@@ -23,6 +23,7 @@
 #include "core/error.h"
 #include "core/file_store.h"
 #include "core/spin.h"
+#include "domains.h"
 #include "engine/p2p_engine.h"
 #include "engine/progress_thread.h"
 #include "expect.h"
@@ -39,11 +40,7 @@ namespace {
 
 // Both ranks' domains, made together (Domain::create is collective).
 std::vector<std::unique_ptr<shm::Domain>> domains(Store& store) {
-  std::vector<std::unique_ptr<shm::Domain>> d(2);
-  std::thread other([&] { d[1] = shm::Domain::create(store, 1, 2, 1 << 20, CpuShare{2, usableCpus()}); });
-  d[0] = shm::Domain::create(store, 0, 2, 1 << 20, CpuShare{2, usableCpus()});
-  other.join();
-  return d;
+  return test::makeDomains(store, 2, 1 << 20, CpuShare{2, usableCpus()});
 }
 
 void testManyMessagesManyWaiters(const std::string& dir) {
