@@ -24,7 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_vs_gloo import parse_size  # noqa: E402
+from bench_vs_gloo import _set_parent_death_signal, parse_size  # noqa: E402
 from variants import parse_variants  # noqa: E402
 
 # python -c BUSY_LOOP PARENT_PID [CPU]: spins (on CPU, if given) until PARENT_PID exits, even if
@@ -42,6 +42,7 @@ while True:
 
 
 def rank_main(cfg: dict) -> int:
+    _set_parent_death_signal(cfg["parent_pid"])  # no rank left behind, even if the run is killed
     import torch
     import torch.distributed as dist
 
@@ -89,7 +90,7 @@ def run_job(args, backend: str, env_extra: dict) -> list:
         procs = []
         try:
             for rank in range(args.world):
-                cfg = dict(backend=backend, rank=rank, world=args.world, init_method=f"file://{tmp}/store",
+                cfg = dict(parent_pid=os.getpid(), backend=backend, rank=rank, world=args.world, init_method=f"file://{tmp}/store",
                            sizes=args.sizes, seconds=args.seconds, warmup=args.warmup, batch=args.batch,
                            result_file=result)
                 procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_rank", json.dumps(cfg)],
@@ -101,7 +102,7 @@ def run_job(args, backend: str, env_extra: dict) -> list:
                 time.sleep(0.1)
             codes = [p.poll() for p in procs]
             if codes != [0] * args.world:
-                why = "exit codes " + ", ".join(f"rank {r}: {'killed, still running' if c is None else c}"
+                why = "exit codes " + ", ".join(f"rank {r}: {'still running, killed' if c is None else c}"
                                                 for r, c in enumerate(codes))
                 raise RuntimeError(f"job {backend} {env_extra or ''} failed ({why})")
             per_rank = []
