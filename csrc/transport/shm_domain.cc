@@ -357,7 +357,9 @@ void Domain::markFailed(const std::string& why) {
 
 void Domain::publish(uint64_t phase) {
   Control* c = control(rank_);
-  c->cpu.store(sched_getcpu(), std::memory_order_relaxed);  // rseq or the vDSO: no system call
+  // Recorded whatever this rank's SMDDP_SPIN_CHECK_CPU: its host-mates' own settings decide
+  // whether they look. glibc 2.35+ reads it from rseq, older ones from the vDSO on x86-64.
+  c->cpu.store(sched_getcpu(), std::memory_order_relaxed);
   c->phase.store(phase, std::memory_order_seq_cst);
   // Pairs with the sleeper's increment-then-recheck: either it sees the new phase, or we see it.
   if (c->sleepers.load(std::memory_order_seq_cst) != 0) futexWakeAll(&c->phase);
@@ -366,7 +368,8 @@ void Domain::publish(uint64_t phase) {
 bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
   Control* c = control(peer);
   std::atomic<uint64_t>& flag = c->phase;
-  if (flag.load(std::memory_order_acquire) >= phase) return true;
+  auto arrived = [&] { return flag.load(std::memory_order_acquire) >= phase; };
+  if (arrived()) return true;  // before sched_getcpu(): most waits end here
   // A peer that last published from the CPU this thread runs on most likely waits for this very
   // core: unrelated load makes the scheduler put communicating ranks on one run queue, and waking
   // a rank moves it next to its waker. Polling would hold it off the core for the whole budget:
@@ -376,7 +379,7 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
   // wake-up, or one poll.
   const int peerCpu = checkCpu_ ? c->cpu.load(std::memory_order_relaxed) : -1;
   const bool peerOnThisCpu = peerCpu >= 0 && peerCpu == sched_getcpu();
-  if (!peerOnThisCpu && spinUntil(spin_, [&] { return flag.load(std::memory_order_acquire) >= phase; })) return true;
+  if (!peerOnThisCpu && spinUntil(spin_, arrived)) return true;
   // Oversubscribed: the awaited rank is probably runnable on our core, so hand the core over
   // (cheap) for a while before paying for a futex sleep and wake-up; not while yields hand it to
   // unrelated work for whole scheduler slices (YieldGate).
@@ -385,7 +388,7 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
     const auto end = before + yieldFor_;
     int yields = 0;
     bool slow = false;
-    while (flag.load(std::memory_order_acquire) < phase && !slow && before < end) {
+    while (!arrived() && !slow && before < end) {
       sched_yield();
       ++yields;
       const auto after = std::chrono::steady_clock::now();
@@ -393,7 +396,7 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
       before = after;
     }
     if (yields > 0) yieldGate_.yielded(slow);
-    if (flag.load(std::memory_order_acquire) >= phase) return true;
+    if (arrived()) return true;
   }
   const auto since = std::chrono::steady_clock::now();
   while (true) {
@@ -406,11 +409,11 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
       if (tick.count() > 0) futexWait(&flag, static_cast<uint32_t>(seen), tick);
     }
     c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    if (flag.load(std::memory_order_acquire) < phase && c->failed.load(std::memory_order_acquire)) {
+    if (!arrived() && c->failed.load(std::memory_order_acquire)) {
       throwError(ErrorCode::kRemoteError, "rank %d gave up on this collective: %.*s", groupRank(peer),
                  static_cast<int>(sizeof(c->failure)), c->failure);
     }
-    if (flag.load(std::memory_order_acquire) >= phase) return true;
+    if (arrived()) return true;
     if (ctx.abort != nullptr && ctx.abort->load(std::memory_order_relaxed)) {
       throwError(ErrorCode::kAborted, "the process group was shut down or aborted while waiting for rank %d",
                  groupRank(peer));
