@@ -428,7 +428,7 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
       ((timeout == kNoTimeout && env::waitRunsOp() != 0) || runner_->runningHere())) {
     runner_->runQueuedUntil([this] { return isCompleted(); });
   }
-  spinUntil(spin_, [this] { return isCompleted(); });
+  spinUntil(spin_, [this] { return finished_.load(std::memory_order_acquire); });
   try {
     return c10d::Work::wait(timeout);  // then synchronize()
   } catch (const c10::Error&) {
@@ -492,6 +492,7 @@ void SmddpWork::complete(std::exception_ptr error) {
     if (!cuda_) future_->markCompleted(c10::IValue(outputs_));
     finish();
   }
+  finished_.store(true, std::memory_order_release);
   // No lock per op unless the result was asked for: getFutureResult() sets resultWanted_ under
   // mutex_ before finish() took it, or it saw completed_ and marks the result itself.
   if (!resultWanted_.load(std::memory_order_acquire)) return;

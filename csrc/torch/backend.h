@@ -94,6 +94,10 @@ class SmddpWork : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::chrono::microseconds spin_;
+  // Set after finish(): what wait() polls. The future completes first (above), and a waiter that
+  // saw it went on into the base class's wait(), took its mutex before finish() had set
+  // completed_ and slept on its condition variable: a futex sleep and wake-up per async op.
+  std::atomic<bool> finished_{false};
   const pid_t ownerPid_ = currentPid();  // the process that issued the op (see SmddpBackend's)
   std::atomic<int> sourceRank_{-1};
   bool cuda_ = false;  // set by setCuda
