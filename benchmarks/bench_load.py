@@ -8,11 +8,14 @@ median, p90, p99 and max beside it), and the table gives the mean of each job's 
 
     .venv/bin/python benchmarks/bench_load.py --load 4 --world 2 --sizes 8,4K,256K
     .venv/bin/python benchmarks/bench_load.py --load 4 --variant SMDDP_SPIN_CHECK_CPU=0
+    .venv/bin/python benchmarks/bench_load.py --load 0 --tensors 100 --sizes 256,4K,64K --variant SMDDP_COALESCE_PACK_BYTES=0
 
 The load is --load processes that spin for the whole run (every job measured beside the same
 load). The jobs run in turn, each round in another order (rotated), --rounds times: smddp, each
---variant (smddp with those environment variables), gloo. Every rank checks one allreduce per
-size against the exact sum first (#wrong, every rank's added up). Times are rank 0's. A job that
+--variant (smddp with those environment variables), gloo. With --tensors N each op is one
+all_reduce_coalesced of N tensors of the size (what torch's _coalescing_manager issues for
+all_reduce calls). Every rank checks one op per size against the exact sum first (#wrong, every
+rank's added up). Times are rank 0's. A job that
 fails ends the run (exit code 1), after the rows already printed."""
 
 import argparse
@@ -22,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_vs_gloo import _set_parent_death_signal, parse_size  # noqa: E402
@@ -50,21 +54,27 @@ def rank_main(cfg: dict) -> int:
         import smddp  # noqa: F401 - registers the backend
     rank, world = cfg["rank"], cfg["world"]
     dist.init_process_group(cfg["backend"], init_method=cfg["init_method"], rank=rank, world_size=world)
+    warnings.filterwarnings("ignore", message=".*all_reduce_coalesced.*deprecated")
     rows = []
     stop = torch.zeros(1)
     for size in cfg["sizes"]:
         numel = size // 4
-        t = torch.full((numel,), float(rank + 1))
-        dist.all_reduce(t)
-        wrong = int((t != world * (world + 1) / 2).sum())
+        tensors = [torch.full((numel,), float(rank + 1)) for _ in range(cfg["tensors"])]
+        if len(tensors) == 1:
+            t = tensors[0]
+            op = lambda: dist.all_reduce(t)  # noqa: E731
+        else:
+            op = lambda: dist.all_reduce_coalesced(tensors)  # noqa: E731
+        op()
+        wrong = sum(int((t != world * (world + 1) / 2).sum()) for t in tensors)
         for _ in range(cfg["warmup"]):
-            dist.all_reduce(t)
+            op()
         lat = []
         end = time.monotonic() + cfg["seconds"]
         while True:
             for _ in range(cfg["batch"]):
                 t0 = time.perf_counter_ns()
-                dist.all_reduce(t)
+                op()
                 lat.append(time.perf_counter_ns() - t0)
             # Every rank stops after the same op: rank 0's clock decides (not timed).
             stop[0] = 1.0 if rank == 0 and time.monotonic() > end else 0.0
@@ -91,7 +101,7 @@ def run_job(args, backend: str, env_extra: dict) -> list:
         try:
             for rank in range(args.world):
                 cfg = dict(parent_pid=os.getpid(), backend=backend, rank=rank, world=args.world, init_method=f"file://{tmp}/store",
-                           sizes=args.sizes, seconds=args.seconds, warmup=args.warmup, batch=args.batch,
+                           sizes=args.sizes, tensors=args.tensors, seconds=args.seconds, warmup=args.warmup, batch=args.batch,
                            result_file=result)
                 procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_rank", json.dumps(cfg)],
                                               stdin=subprocess.DEVNULL, env=env))
@@ -132,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--load", type=int, default=4, help="busy-looping processes beside the ranks for the whole run")
     p.add_argument("--sizes", default="8,4K,256K", help="allreduce sizes in bytes (float32; K/M/G suffixes)")
+    p.add_argument("--tensors", type=int, default=1,
+                   help="tensors per op: above 1, all_reduce_coalesced of that many tensors of each size")
     p.add_argument("--seconds", type=float, default=4.0, help="timed seconds per job, size and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=200, help="untimed ops per job and size")
@@ -149,8 +161,8 @@ def main(argv=None) -> int:
         args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     except (ValueError, argparse.ArgumentTypeError) as e:
         p.error(str(e))
-    if args.world < 2 or args.load < 0 or args.rounds < 1 or args.seconds <= 0 or args.batch < 1:
-        p.error("need --world >= 2, --load >= 0, --rounds >= 1, --seconds > 0 and --batch >= 1")
+    if args.world < 2 or args.load < 0 or args.rounds < 1 or args.seconds <= 0 or args.batch < 1 or args.tensors < 1:
+        p.error("need --world >= 2, --load >= 0, --rounds >= 1, --seconds > 0, --batch >= 1 and --tensors >= 1")
     if not args.sizes or any(s < 4 or s % 4 for s in args.sizes):
         p.error("--sizes: give multiples of 4 bytes (float32 elements)")
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
@@ -159,7 +171,8 @@ def main(argv=None) -> int:
     jobs = [("smddp", "smddp", {})] + [(label, "smddp", env) for label, env in variants.items()]
     jobs += [(b, b, {}) for b in baselines]
 
-    print(f"# bench_load: allreduce float32 sum, world {args.world}, {args.load} busy processes beside the ranks, "
+    what = "allreduce" if args.tensors == 1 else f"all_reduce_coalesced of {args.tensors} tensors of each size,"
+    print(f"# bench_load: {what} float32 sum, world {args.world}, {args.load} busy processes beside the ranks, "
           f"{len(os.sched_getaffinity(0))} CPUs, {args.seconds:g} s per cell, {args.rounds} rounds (job order rotated each round)")
     for label, backend, env in jobs:
         extra = " ".join(f"{k}={v}" for k, v in env.items())

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _util import (DTYPES, FC_OPS, FLOAT_DTYPES, REDOPS, SMALL_SIZES, Report, backend_skip, dname,
-                   exact_op, gen, gen_all, is_float, large_elems, make_op, reduce_ref, refused)
+import _pool
+from _util import (DTYPES, FC_OPS, FLOAT_DTYPES, IS_SMDDP, REDOPS, SMALL_SIZES, Report, assert_reports, backend_skip,
+                   dname, exact_op, gen, gen_all, is_float, large_elems, make_op, reduce_ref, refused)
 
 WORLDS = [1, 2, 3, 4]
 
@@ -189,11 +190,16 @@ def coalesced_shared_memory(rank, world):
     cases = [("overlapping slices", (8,), lambda t: [t[0:5], t[3:8]]),
              ("one tensor twice", (6,), lambda t: [t, t]),
              ("a column, then a row through it", (4, 4), lambda t: [t[:, 1], t[1]]),
-             ("a row, then a column through it", (4, 4), lambda t: [t[1], t[:, 1]])]
+             ("a row, then a column through it", (4, 4), lambda t: [t[1], t[:, 1]]),
+             # Above SMDDP_COALESCE_PACK_BYTES (4 KiB), so each is reduced on its own, in place
+             # unless it shares memory with an earlier one; beside small ones that are packed.
+             ("overlapping large slices", (3000,), lambda t: [t[0:2000], t[1000:3000]]),
+             ("a small slice inside a large one", (3000,), lambda t: [t[10:20], t[0:2000], t[5:15]]),
+             ("large columns of one matrix", (700, 3), lambda t: [t[:, 0], t, t[:, 2]])]
     for label, shape, views in cases:
         for via in ("all_reduce_coalesced", "_coalescing_manager"):
             with rep.cell(f"{via}: {label}, world={world}"):
-                base = torch.arange(16, dtype=torch.int64)[:torch.Size(shape).numel()].reshape(shape) * 7
+                base = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).reshape(shape) * 7
                 t = base + rank
                 if via == "all_reduce_coalesced":
                     dist.all_reduce_coalesced(views(t))
@@ -208,6 +214,57 @@ def coalesced_shared_memory(rank, world):
                 rep.check(f"{via}: {label}", t, want, exact=True, cross_rank=False)  # the rest is per rank
     return rep.to_dict()
 
+
+
+def coalesced_packing(rank, world):
+    """A list whose small tensors smddp packs into flat buffers (SMDDP_COALESCE_PACK_BYTES), as
+    _coalescing_manager hands it over (several dtypes) and through all_reduce_coalesced (its
+    float32 tensors: that call takes one dtype): runs broken by a dtype change, a large tensor and
+    an empty one, strided and transposed tensors, a parameter that requires grad, a run longer
+    than a pack holds (4 MiB) where the setting allows it; every tensor checked against the exact
+    result."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    rep = Report(rank)
+    specs = [(torch.float32, (5,), None), (torch.float32, (40,), "stride"), (torch.int64, (3,), None),
+             (torch.int64, (16, 4), "transpose"), (torch.float32, (7,), None), (torch.float32, (3000,), None),
+             (torch.float32, (9,), "param"), (torch.bfloat16, (33,), None), (torch.float32, (0,), None),
+             (torch.float32, (1,), None), (torch.uint8, (300,), None), (torch.float64, (2, 3), "stride"),
+             (torch.float32, (20, 30), "transpose")]
+    specs += [(torch.float32, (1000,), None)] * 1100  # 4.4 MB of 4 KB tensors, where all are packable
+    for via in ("_coalescing_manager", "all_reduce_coalesced"):
+        mine = specs if via == "_coalescing_manager" else [s for s in specs if s[0] == torch.float32]
+        for opname in ("SUM", "MAX"):
+            label = f"{via} packing, {len(mine)} tensors, op={opname} world={world}"
+            with rep.cell(label):
+                ins, ts = [], []
+                for i, (dtype, shape, kind) in enumerate(mine):
+                    n = torch.Size(shape).numel()
+                    x = gen_all(f"pack|{i}", world, 2 * n if kind == "stride" else n, dtype, opname)
+                    ins.append([v[::2] if kind == "stride" else v for v in x])
+                    own = x[rank].clone()
+                    if kind == "stride":
+                        t = own[::2]
+                    elif kind == "transpose":
+                        t = own.reshape(shape[::-1]).t()
+                    elif kind == "param":
+                        t = torch.nn.Parameter(own)
+                    else:
+                        t = own
+                    ts.append(t)
+                op = make_op(opname, torch.float32)
+                if via == "all_reduce_coalesced":
+                    dist.all_reduce_coalesced(ts, op=op)
+                else:
+                    with _coalescing_manager(group=None):
+                        for t in ts:
+                            dist.all_reduce(t, op=op)
+                for i, (t, x) in enumerate(zip(ts, ins)):
+                    dtype, shape, kind = mine[i]
+                    got = t.detach().t().reshape(-1) if kind == "transpose" else t.detach().reshape(-1)
+                    rep.check(f"{label} tensor#{i} ({dname(dtype)}, {kind or 'contiguous'})", got,
+                              reduce_ref(x, dtype, opname), exact=True, inputs=x)
+    return rep.to_dict()
 
 def coalescing_manager(rank, world):
     from torch.distributed.distributed_c10d import _coalescing_manager
@@ -407,6 +464,24 @@ def test_coalescing_manager(pools, world):
 def test_all_reduce_coalesced_shared_memory(pools, world):
     pools.check(world, coalesced_shared_memory)
 
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_reduce_coalesced_packing(pools, world):
+    pools.check(world, coalesced_packing, timeout=240)
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="an smddp setting")
+@pytest.mark.parametrize("pack_bytes", ["0", "1048576"])
+def test_all_reduce_coalesced_pack_settings(pack_bytes):
+    """With SMDDP_COALESCE_PACK_BYTES=0 every tensor of a list is reduced alone (the shared-memory
+    cases then take the in-place path's check); with 1 MiB every tensor here is packed."""
+    pool = _pool.Pool(3, extra_env={"SMDDP_COALESCE_PACK_BYTES": pack_bytes})
+    try:
+        for task in (coalesced_packing, coalesced_shared_memory, allreduce_coalesced):
+            assert_reports(pool.run(task, timeout=240), 3)
+    finally:
+        pool.close()
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_functional_collectives(pools, world):

@@ -63,6 +63,12 @@ constexpr Param kParams[] = {
      "progress thread to take it (a wake-up each way; where ranks outnumber cores, each waits for a "
      "core). 0: async ops run on the progress thread (except one that a callback running there "
      "waits for: that wait runs it, as it would otherwise wait forever)."},
+    {"SMDDP_COALESCE_PACK_BYTES", "4096",
+     "all_reduce_coalesced (and _coalescing_manager around all_reduce calls): consecutive tensors "
+     "of one dtype, each of at most this many bytes, are copied into one flat buffer, reduced "
+     "together and copied back, as gloo does with every list; larger tensors are reduced in place, "
+     "one by one. Each reduction costs a round of synchronisation, which dwarfs the copies of small "
+     "tensors. 0: every tensor alone."},
     {"SMDDP_YIELD_US", "50",
      "When ranks outnumber cores: microseconds a waiting rank keeps yielding its core (so the rank it "
      "waits for can run) before it sleeps on a futex."},
@@ -258,6 +264,7 @@ SMDDP_INT_PARAM(spinCheckCpu, "SMDDP_SPIN_CHECK_CPU")
 SMDDP_INT_PARAM(yieldMicros, "SMDDP_YIELD_US")
 SMDDP_INT_PARAM(lingerMicros, "SMDDP_LINGER_US")
 SMDDP_INT_PARAM(waitRunsOp, "SMDDP_WAIT_RUNS_OP")
+SMDDP_INT_PARAM(coalescePackBytes, "SMDDP_COALESCE_PACK_BYTES")
 SMDDP_STRING_PARAM(debugLevel, "SMDDP_DEBUG")
 SMDDP_STRING_PARAM(debugSubsys, "SMDDP_DEBUG_SUBSYS")
 SMDDP_STRING_PARAM(debugFile, "SMDDP_DEBUG_FILE")

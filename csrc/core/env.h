@@ -62,6 +62,9 @@ int64_t yieldMicros();
 int64_t lingerMicros();
 // 1: Work::wait runs its op on the waiting thread if the progress thread has not started it.
 int64_t waitRunsOp();
+// all_reduce_coalesced: tensors of at most this many bytes, one after another and of one dtype,
+// are reduced as one flat tensor (copied in and out); 0 = every tensor alone.
+int64_t coalescePackBytes();
 // Splits one machine into several "hosts" (tests); empty = no split.
 const std::string& hostId();
 // SMDDP_FR_DUMP_FILE: where a failed op dumps the flight recorder (empty: nowhere).

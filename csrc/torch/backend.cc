@@ -300,6 +300,104 @@ std::vector<Staged> stageBlocks(const std::vector<at::Tensor>& blocks, const Sta
   return srcs;
 }
 
+// Which tensors of a list may share memory with an earlier one of it: those whose byte span
+// (first to last element) overlaps another's, except the first in list order of each run of
+// overlapping spans (a tensor may be marked that only overlaps later ones: it is then copied
+// needlessly, never missed). Sorting the spans keeps this O(n log n): a list of a thousand
+// tensors compared pair by pair took most of the op's time.
+std::vector<bool> sharesWithEarlier(const std::vector<at::Tensor>& tensors) {
+  struct Span {
+    uintptr_t lo, hi;
+    size_t index;
+  };
+  std::vector<Span> spans;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.numel() == 0) continue;
+    int64_t last = 0;  // the last element's offset from the first, in elements (strides are >= 0)
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    spans.push_back({lo, lo + static_cast<uintptr_t>(last + 1) * t.element_size(), i});
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
+  std::vector<bool> shares(tensors.size(), false);
+  for (size_t k = 0; k < spans.size();) {
+    size_t end = k + 1;
+    uintptr_t hi = spans[k].hi;
+    size_t first = spans[k].index;
+    for (; end < spans.size() && spans[end].lo < hi; ++end) {
+      hi = std::max(hi, spans[end].hi);
+      first = std::min(first, spans[end].index);
+    }
+    for (size_t m = k; end - k > 1 && m < end; ++m) shares[spans[m].index] = spans[m].index != first;
+    k = end;
+  }
+  return shares;
+}
+
+// all_reduce_coalesced's plan: tensors [first, first + count) of the list are reduced together,
+// as one flat tensor where count > 1.
+struct CoalescedItem {
+  size_t first = 0;
+  size_t count = 1;
+};
+
+// Consecutive non-empty tensors of one dtype, each of at most `packBytes`, form one item (up to
+// kMaxPackBytes in all, which bounds the op's extra memory); every other tensor is its own.
+// Depends only on the tensors' dtypes and sizes, which every rank's list shares.
+std::vector<CoalescedItem> planCoalesced(const std::vector<at::Tensor>& tensors, size_t packBytes) {
+  constexpr size_t kMaxPackBytes = size_t{4} << 20;
+  std::vector<CoalescedItem> items;
+  size_t runBytes = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const size_t bytes = tensors[i].nbytes();
+    const bool packable = bytes > 0 && bytes <= packBytes;
+    if (packable && !items.empty() && runBytes > 0 && runBytes + bytes <= kMaxPackBytes &&
+        tensors[i].scalar_type() == tensors[items.back().first].scalar_type()) {
+      ++items.back().count;
+      runBytes += bytes;
+      continue;
+    }
+    items.push_back({i, 1});
+    runBytes = packable ? bytes : 0;
+  }
+  return items;
+}
+
+// The item's tensors' values, one after another in a tensor of their dtype. Contiguous ones are
+// copied with memcpy: torch's copy_() of a small tensor costs more than the reduction it saves.
+at::Tensor packCoalesced(const std::vector<Staged>& staged, const CoalescedItem& item) {
+  int64_t numel = 0;
+  for (size_t i = item.first; i < item.first + item.count; ++i) numel += staged[i].user.numel();
+  at::Tensor flat = at::empty({numel}, staged[item.first].user.options().memory_format(at::MemoryFormat::Contiguous));
+  uint8_t* to = bytePtr(flat);
+  for (size_t i = item.first; i < item.first + item.count; ++i) {
+    const at::Tensor& t = staged[i].user;
+    if (t.is_contiguous()) {
+      std::memcpy(to, t.data_ptr(), t.nbytes());
+    } else {
+      at::from_blob(to, t.sizes(), t.options()).copy_(t);
+    }
+    to += t.nbytes();
+  }
+  return flat;
+}
+
+// Writes the reduced values back into the item's tensors.
+void unpackCoalesced(const std::vector<Staged>& staged, const CoalescedItem& item, const at::Tensor& flat) {
+  const uint8_t* from = bytePtr(flat);
+  for (size_t i = item.first; i < item.first + item.count; ++i) {
+    const at::Tensor& t = staged[i].user;
+    if (t.is_contiguous()) {
+      std::memcpy(t.data_ptr(), from, t.nbytes());
+    } else {
+      at::NoGradGuard noGrad;  // a parameter's data, as finishStaged()
+      t.copy_(at::from_blob(const_cast<uint8_t*>(from), t.sizes(), t.options()));
+    }
+    from += t.nbytes();
+  }
+}
+
 // ---- bootstrap ------------------------------------------------------------------------------
 
 // Failures of the c10d store become smddp errors, so that one during an op (a group's first
@@ -915,29 +1013,44 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
     return cudaFlat(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors,
                     resolveTimeout(opts.timeout), std::move(parts));
   }
+  // Runs of small tensors of one dtype are reduced as one flat tensor: a reduction costs a round
+  // of synchronisation, which dwarfs copying a small tensor in and out (gloo flattens every list).
+  const std::vector<CoalescedItem> items =
+      planCoalesced(tensors, static_cast<size_t>(std::max<int64_t>(0, env::coalescePackBytes())));
+  // Reduced in place after an earlier tensor of the list that shares its memory, a tensor would
+  // reduce that one's results again: it reduces a copy of its values as they are when the op
+  // starts instead, and writes its result back (the same values there), as gloo's flattening does.
+  // (Packed tensors are copied as the op starts anyway.)
+  const std::vector<bool> shares = sharesWithEarlier(tensors);
   for (size_t i = 0; i < tensors.size(); ++i) {
     Staged s = stageInOut(tensors[i], rank_, "allreduce_coalesced");
-    // Reduced in place after an earlier tensor of the list that shares its memory, it would
-    // reduce that one's results again: it reduces a copy of its values as they are when the op
-    // starts instead, and writes its result back (the same values there), as gloo's flattening does.
-    const auto shares = [&](const at::Tensor& earlier) {
-      return at::get_overlap_status(tensors[i], earlier) != at::MemOverlapStatus::No;
-    };
-    if (!s.copyBack && std::any_of(tensors.begin(), tensors.begin() + static_cast<ptrdiff_t>(i), shares)) {
-      s = {tensors[i], Staged::Way::kCopyIn, true};
-    }
+    if (!s.copyBack && shares[i]) s = {tensors[i], Staged::Way::kCopyIn, true};
     staged.push_back(std::move(s));
   }
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors, tensors,
                  resolveTimeout(opts.timeout), opts.asyncOp,
-                 [staged, kinds](algo::Communicator& c, std::chrono::milliseconds to) mutable {
-                   ready(staged);
-                   for (size_t i = 0; i < staged.size(); ++i) {
-                     void* p = staged[i].work.data_ptr();
-                     c.allreduce({kinds[i].first, kinds[i].second, static_cast<size_t>(staged[i].work.numel()), p,
-                                  p, -1},
-                                 to);
-                     finishStaged(staged[i]);
+                 [staged, kinds, items](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   // Every input is read before any result is written (a packed tensor may share
+                   // memory with another of the list).
+                   std::vector<at::Tensor> flats(items.size());
+                   for (size_t k = 0; k < items.size(); ++k) {
+                     if (items[k].count == 1) {
+                       staged[items[k].first].ready();
+                     } else {
+                       flats[k] = packCoalesced(staged, items[k]);
+                     }
+                   }
+                   for (size_t k = 0; k < items.size(); ++k) {
+                     const CoalescedItem& item = items[k];
+                     const auto [dtype, red] = kinds[item.first];
+                     at::Tensor& work = item.count == 1 ? staged[item.first].work : flats[k];
+                     void* p = work.data_ptr();
+                     c.allreduce({dtype, red, static_cast<size_t>(work.numel()), p, p, -1}, to);
+                     if (item.count == 1) {
+                       finishStaged(staged[item.first]);
+                     } else {
+                       unpackCoalesced(staged, item, flats[k]);
+                     }
                    }
                  });
 }
