@@ -195,7 +195,11 @@ def coalesced_shared_memory(rank, world):
              # unless it shares memory with an earlier one; beside small ones that are packed.
              ("overlapping large slices", (3000,), lambda t: [t[0:2000], t[1000:3000]]),
              ("a small slice inside a large one", (3000,), lambda t: [t[10:20], t[0:2000], t[5:15]]),
-             ("large columns of one matrix", (700, 3), lambda t: [t[:, 0], t, t[:, 2]])]
+             ("large columns of one matrix", (700, 3), lambda t: [t[:, 0], t, t[:, 2]]),
+             ("a large slice, then packed small slices inside it", (3000,),
+              lambda t: [t[0:2000], t[10:20], t[30:40]]),
+             ("packed small slices, then a large slice around them", (3000,),
+              lambda t: [t[10:20], t[30:40], t[0:2000]])]
     for label, shape, views in cases:
         for via in ("all_reduce_coalesced", "_coalescing_manager"):
             with rep.cell(f"{via}: {label}, world={world}"):
@@ -230,7 +234,7 @@ def coalesced_packing(rank, world):
              (torch.int64, (16, 4), "transpose"), (torch.float32, (7,), None), (torch.float32, (3000,), None),
              (torch.float32, (9,), "param"), (torch.bfloat16, (33,), None), (torch.float32, (0,), None),
              (torch.float32, (1,), None), (torch.uint8, (300,), None), (torch.float64, (2, 3), "stride"),
-             (torch.float32, (20, 30), "transpose")]
+             (torch.float32, (20, 30), "transpose"), (torch.float32, (6, 5), "transposed param")]
     specs += [(torch.float32, (1000,), None)] * 1100  # 4.4 MB of 4 KB tensors, where all are packable
     for via in ("_coalescing_manager", "all_reduce_coalesced"):
         mine = specs if via == "_coalescing_manager" else [s for s in specs if s[0] == torch.float32]
@@ -249,6 +253,8 @@ def coalesced_packing(rank, world):
                         t = own.reshape(shape[::-1]).t()
                     elif kind == "param":
                         t = torch.nn.Parameter(own)
+                    elif kind == "transposed param":
+                        t = torch.nn.Parameter(own.reshape(shape[::-1])).t()  # a strided view of one
                     else:
                         t = own
                     ts.append(t)
@@ -261,7 +267,12 @@ def coalesced_packing(rank, world):
                             dist.all_reduce(t, op=op)
                 for i, (t, x) in enumerate(zip(ts, ins)):
                     dtype, shape, kind = mine[i]
-                    got = t.detach().t().reshape(-1) if kind == "transpose" else t.detach().reshape(-1)
+                    if kind and "param" in kind:  # written as data, not an autograd-recorded op
+                        leaf = t if kind == "param" else t._base
+                        rep.expect(leaf.is_leaf and leaf.grad_fn is None, f"{label} tensor#{i}: the parameter "
+                                   f"is_leaf={leaf.is_leaf}, grad_fn={leaf.grad_fn}")
+                    transposed = kind in ("transpose", "transposed param")
+                    got = t.detach().t().reshape(-1) if transposed else t.detach().reshape(-1)
                     rep.check(f"{label} tensor#{i} ({dname(dtype)}, {kind or 'contiguous'})", got,
                               reduce_ref(x, dtype, opname), exact=True, inputs=x)
     return rep.to_dict()

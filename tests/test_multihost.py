@@ -347,8 +347,8 @@ def test_async_wait_polls_without_sleeping():
     async op that completes within the poll does not sleep. Until 2026-11-29 wait() polled for
     the op's future, which completes a moment before the Work itself: a waiter that saw it went
     on to the base class's wait(), found the Work not yet finished and slept on its condition
-    variable, one async op in a few (an 8-byte all_reduce(async_op=True).wait() took 15-16 us
-    against 6.4 us blocking; 8.3 us since)."""
+    variable, one async op in ten (8-byte all_reduce(async_op=True).wait() at world 1: 10.2-11.1
+    us, 7.6-7.7 us since: benchmarks/results/async-wait-finished-w1-2cpu-xeon.txt)."""
     cpus = sorted(os.sched_getaffinity(0))[:2]
     ops = 4000
     got, _ = run_in_own_pool({"SMDDP_TEST_CPUS": [",".join(map(str, cpus))]}, async_wait_sleeps_task, ops,

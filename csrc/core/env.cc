@@ -68,7 +68,7 @@ constexpr Param kParams[] = {
      "of one dtype, each of at most this many bytes, are copied into one flat buffer, reduced "
      "together and copied back, as gloo does with every list; larger tensors are reduced in place, "
      "one by one. Each reduction costs a round of synchronisation, which dwarfs the copies of small "
-     "tensors. 0: every tensor alone."},
+     "tensors. 0: every tensor alone. Must be the same on every rank."},
     {"SMDDP_YIELD_US", "50",
      "When ranks outnumber cores: microseconds a waiting rank keeps yielding its core (so the rank it "
      "waits for can run) before it sleeps on a futex."},

@@ -342,9 +342,12 @@ struct CoalescedItem {
   size_t count = 1;
 };
 
-// Consecutive non-empty tensors of one dtype, each of at most `packBytes`, form one item (up to
-// kMaxPackBytes in all, which bounds the op's extra memory); every other tensor is its own.
-// Depends only on the tensors' dtypes and sizes, which every rank's list shares.
+// Consecutive non-empty tensors of one dtype, each of at most `packBytes`, form one item (of up
+// to kMaxPackBytes: every pack is made before the first reduction, so the op's extra memory is
+// the bytes of all its packable tensors, as gloo's flattening of the whole list); every other
+// tensor is its own. Depends only on the tensors' dtypes and sizes and on packBytes, which every
+// rank must share (SMDDP_COALESCE_PACK_BYTES set alike: else the ranks' reductions differ and
+// the op fails as mismatched).
 std::vector<CoalescedItem> planCoalesced(const std::vector<at::Tensor>& tensors, size_t packBytes) {
   constexpr size_t kMaxPackBytes = size_t{4} << 20;
   std::vector<CoalescedItem> items;
@@ -376,6 +379,7 @@ at::Tensor packCoalesced(const std::vector<Staged>& staged, const CoalescedItem&
     if (t.is_contiguous()) {
       std::memcpy(to, t.data_ptr(), t.nbytes());
     } else {
+      at::NoGradGuard noGrad;  // reads a parameter's data, recording nothing
       at::from_blob(to, t.sizes(), t.options()).copy_(t);
     }
     to += t.nbytes();
@@ -1029,17 +1033,20 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
   }
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors, tensors,
                  resolveTimeout(opts.timeout), opts.asyncOp,
-                 [staged, kinds, items](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                 [staged, kinds, items, rank = rank_, size = size_](algo::Communicator& c,
+                                                                   std::chrono::milliseconds to) mutable {
                    // Every input is read before any result is written (a packed tensor may share
                    // memory with another of the list).
                    std::vector<at::Tensor> flats(items.size());
-                   for (size_t k = 0; k < items.size(); ++k) {
-                     if (items[k].count == 1) {
-                       staged[items[k].first].ready();
-                     } else {
-                       flats[k] = packCoalesced(staged, items[k]);
+                   locally(c, rank, size, "all_reduce_coalesced", "copying the tensors as the op starts", [&] {
+                     for (size_t k = 0; k < items.size(); ++k) {
+                       if (items[k].count == 1) {
+                         staged[items[k].first].ready();
+                       } else {
+                         flats[k] = packCoalesced(staged, items[k]);
+                       }
                      }
-                   }
+                   });
                    for (size_t k = 0; k < items.size(); ++k) {
                      const CoalescedItem& item = items[k];
                      const auto [dtype, red] = kinds[item.first];

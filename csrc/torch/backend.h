@@ -370,6 +370,20 @@ std::exception_ptr toTorchError(const Error& e, int rank);
 std::string messageOf(const std::exception& e);
 // The same for an error caught anywhere: smddp::Errors converted, null and others as they are.
 std::exception_ptr asTorchError(std::exception_ptr error, int rank);
+// Runs `fn`, this rank's own work inside an op made of several collectives (staging before the
+// first, or work between two). On failure the other ranks, which wait in the op's next
+// collective, are told why this rank will not come (else they would wait out the timeout, or
+// pair it with this rank's next op), and the error names the rank, the op and the step.
+template <class Fn>
+auto locally(algo::Communicator& c, int rank, int size, const char* op, const std::string& step, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    const std::string why = std::string(op) + ": " + step + " failed: " + messageOf(e);
+    if (size > 1) c.abandon(why);
+    C10_THROW_ERROR(Error, "smddp rank " + std::to_string(rank) + ": " + why);
+  }
+}
 
 c10::intrusive_ptr<c10d::Backend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                 std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks);

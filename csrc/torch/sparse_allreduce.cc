@@ -16,6 +16,8 @@
 namespace smddp::torchext {
 namespace {
 
+constexpr const char* kOp = "all_reduce of sparse tensors";  // how errors name the op
+
 // What each rank tells the others before the data: its nonzero count and what every rank must
 // agree on. Fixed size, so the first all-gather needs no sizes of its own.
 constexpr size_t kMaxDims = 27;
@@ -103,20 +105,6 @@ Union unionOf(const std::vector<at::Tensor>& parts, at::IntArrayRef sparseSizes,
   return {indices, inverse};
 }
 
-// Runs `fn`, this rank's own work inside the op (before or between its all-gathers). On failure
-// the other ranks, which wait in the next all-gather, are told why this rank will not come
-// (else they would wait out the timeout), and the error names the rank and the step.
-template <class Fn>
-auto locally(algo::Communicator& c, int rank, int size, const std::string& step, Fn&& fn) {
-  try {
-    return fn();
-  } catch (const std::exception& e) {
-    const std::string why = "all_reduce of sparse tensors: " + step + " failed: " + messageOf(e);
-    if (size > 1) c.abandon(why);
-    C10_THROW_ERROR(Error, "smddp rank " + std::to_string(rank) + ": " + why);
-  }
-}
-
 // At least `bytes` of `slot`'s memory (a uint8 tensor grown as needed).
 uint8_t* reserve(at::Tensor& slot, int64_t bytes) {
   if (!slot.defined() || slot.numel() < bytes) {
@@ -129,7 +117,7 @@ uint8_t* reserve(at::Tensor& slot, int64_t bytes) {
 void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides, int rank, int size,
          SparseScratch& scratch, algo::Communicator& c, std::chrono::milliseconds timeout) {
   at::NoGradGuard noGrad;
-  const at::Tensor in = locally(c, rank, size, "coalescing this rank's tensor", [&] { return t.coalesce(); });
+  const at::Tensor in = locally(c, rank, size, kOp, "coalescing this rank's tensor", [&] { return t.coalesce(); });
   const int64_t nnz = in._nnz();
   const int64_t sparseDim = in.sparse_dim();
   const at::Tensor values = in._values();
@@ -170,7 +158,7 @@ void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides,
   };
   uint8_t* packed = nullptr;
   uint8_t* gathered = nullptr;
-  locally(c, rank, size, "staging every rank's nonzeros (" + std::to_string(offsets[size]) + " bytes)", [&] {
+  locally(c, rank, size, kOp, "staging every rank's nonzeros (" + std::to_string(offsets[size]) + " bytes)", [&] {
     packed = reserve(scratch.packed, static_cast<int64_t>(counts[rank]));
     gathered = reserve(scratch.gathered, offsets[size]);
     indicesAt(packed, nnz).copy_(in._indices().t());
