@@ -15,8 +15,8 @@ load). The jobs run in turn, each round in another order (rotated), --rounds tim
 --variant (smddp with those environment variables), gloo. With --tensors N each op is one
 all_reduce_coalesced of N tensors of the size (what torch's _coalescing_manager issues for
 all_reduce calls). Every rank checks one op per size against the exact sum first (#wrong, every
-rank's added up). Times are rank 0's. A job that
-fails ends the run (exit code 1), after the rows already printed."""
+rank's added up). Times are rank 0's. A job that fails ends the run (exit code 1), after the
+rows already printed."""
 
 import argparse
 import json
