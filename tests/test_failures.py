@@ -68,6 +68,9 @@ if mode == "oom_sparse_coalesce":  # rank 1 cannot coalesce its own 4 Mi nonzero
 if mode == "oom_coalesced":  # rank 1 cannot pack 32 MiB of 4 KiB tensors (4 MiB buffers), before any reduction
     small = [torch.ones(1024) for _ in range(8192)]
     op = lambda: dist.all_reduce_coalesced(small)
+if mode == "oom_strided":  # rank 1 cannot make the contiguous copy of its 32 MiB strided tensor as the op starts
+    big = torch.ones(1 << 23, 2)[:, 0]
+    op = lambda: dist.all_reduce(big)
 if mode.startswith("oom") and rank == 1:  # 16 MiB more address space than it holds now
     import resource
     vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
@@ -253,26 +256,30 @@ def test_out_of_memory_inside_a_sparse_all_reduce_fails_the_group(hosts, mode):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("hosts", [None, "01"])
-def test_out_of_memory_packing_a_coalesced_all_reduce_fails_the_group(hosts):
-    """all_reduce_coalesced packs small tensors into flat buffers before its first reduction.
-    Rank 1 cannot allocate them: it raises naming the op and the step, and rank 0, already in
-    the first reduction, hears of it at once instead of at the 60 s timeout (or pairing it with
-    rank 1's next op)."""
+@pytest.mark.parametrize("mode", ["oom_coalesced", "oom_strided"])
+def test_out_of_memory_staging_an_op_fails_the_group(hosts, mode):
+    """Rank 1 cannot allocate what it stages before the op's first reduction: the flat buffers
+    all_reduce_coalesced packs small tensors into (a step the error names), or the contiguous
+    copy of a strided tensor (torch's own error inside the op). It raises naming the op and the
+    cause, and rank 0, already in the reduction, hears of it at once instead of at the 60 s
+    timeout (or pairing it with rank 1's next op)."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
-    procs = _job(2, "oom_coalesced", 60, hosts=hosts)
+    op, cause = (("all_reduce_coalesced", r"copying the tensors as the op starts failed: .*")
+                 if mode == "oom_coalesced" else ("all_reduce", r".*"))
+    procs = _job(2, mode, 60, hosts=hosts)
     procs.wait_ready()
     outs = procs.finish(40)
     for r, out in enumerate(outs):
         assert procs[r].returncode == 3, f"rank {r}: exit {procs[r].returncode}\n{out[-2000:]}"
         assert "backend threads left: 0" in out, out[-2000:]
-        assert re.search(r"all_reduce_coalesced: copying the tensors as the op starts failed: .*can't allocate memory",
-                         out), f"rank {r}:\n{out[-2000:]}"
+        assert re.search(op + ": " + cause + "can't allocate memory", out), f"rank {r}:\n{out[-2000:]}"
         m = re.search(r"ERROR after ([0-9.]+)s", out)
         assert m and (r == 1 or float(m.group(1)) < 5), f"rank {r}:\n{out[-2000:]}"
-    assert "smddp rank 1: all_reduce_coalesced" in outs[1], outs[1][-2000:]
+    assert f"smddp rank 1: {op}: " in outs[1], outs[1][-2000:]
     assert "DistBackendError" in outs[0] and "rank 1" in outs[0], outs[0][-2000:]
     assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
+
 
 @pytest.mark.timeout(120)
 def test_timeout_says_where_the_waited_for_ranks_stand():

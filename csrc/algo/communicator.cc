@@ -290,6 +290,7 @@ void Communicator::failOp(OpKind kind, uint64_t seq, ErrorCode code, const char*
 }
 
 void Communicator::abandon(std::string what) {
+  if (!brokenBy_.empty()) return;  // the first failure is the cause the peers were told
   brokenBy_ = std::move(what);
   SMDDP_WARN(kColl, "rank %d: %s", rank_, brokenBy_.c_str());
   // Tell the peers that may be waiting for this rank, rather than leave them to time out:

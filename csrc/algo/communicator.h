@@ -84,10 +84,10 @@ class Communicator {
 
   // Makes every current and future wait fail promptly with kAborted. Thread-safe.
   void abort();
-  // For an op built of several collectives that fails on this rank between two of them (its
-  // peers may already wait in the next): marks the group broken as a failed collective does
+  // For an op that fails on this rank outside its collectives (staging before the first, work
+  // between two: its peers may already wait in one): marks the group broken as a failed one does
   // and tells the peers `what`, so they fail at once instead of at the timeout. Same thread as
-  // the collectives.
+  // the collectives. Once the group is broken, the first cause stands and this does nothing.
   void abandon(std::string what);
   // Joins the SMDDP_CPU_THREADS helpers (after abort(): a later op fails before it needs them).
   void stopHelpers();

@@ -25,6 +25,11 @@
 
 namespace smddp::torchext {
 
+namespace {
+// "all_reduce" for the profiler's "smddp:all_reduce": how messages name an op.
+const char* opName(const char* title) { return std::strncmp(title, "smddp:", 6) == 0 ? title + 6 : title; }
+}  // namespace
+
 std::exception_ptr toTorchError(const Error& e, int rank) {
   // Messages from code that knows the rank already start with "smddp rank N: ".
   const std::string prefix = "smddp rank " + std::to_string(rank) + ": ";
@@ -37,6 +42,28 @@ std::exception_ptr toTorchError(const Error& e, int rank) {
     case ErrorCode::kTimeout: return std::make_exception_ptr(TimeoutError(loc, msg));
     default: return std::make_exception_ptr(c10::DistBackendError(loc, msg));
   }
+}
+
+std::exception_ptr bodyError(algo::Communicator& c, int rank, int size, const char* title) {
+  std::string message;
+  try {
+    throw;
+  } catch (const Error& e) {  // the core's: a collective that failed has told its peers
+    return toTorchError(e, rank);
+  } catch (const std::exception& e) {
+    message = messageOf(e);
+  } catch (...) {
+    message = "an exception of unknown type";
+  }
+  const std::string prefix = "smddp rank " + std::to_string(rank) + ": ";
+  if (message.rfind(prefix, 0) == 0) {  // ours (locally()'s, a check's): names the op, has its type
+    if (size > 1) c.abandon(message.substr(prefix.size()));
+    return std::current_exception();
+  }
+  message = std::string(opName(title)) + ": " + message;
+  if (size > 1) c.abandon(message);
+  const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
+  return std::make_exception_ptr(c10::DistBackendError(loc, prefix + message));
 }
 
 std::string messageOf(const std::exception& e) {
@@ -65,9 +92,6 @@ std::string forkedWhy(pid_t owner) {
          "process's, so only it can run the group's ops (a DataLoader worker or other forked child must leave "
          "communication to its parent)";
 }
-
-// "all_reduce" for the profiler's "smddp:all_reduce": how messages name an op.
-const char* opName(const char* title) { return std::strncmp(title, "smddp:", 6) == 0 ? title + 6 : title; }
 
 // ---- validation (phase 1, on the caller's thread) -------------------------------------------
 
@@ -942,15 +966,13 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
   auto work = newWork(opType, title, std::move(outputs), std::move(inputs), timeout);
   algo::Communicator* comm = comm_.get();
   const int rank = rank_;
-  auto task = [work, comm, rank, timeout, body = std::move(body)]() {
+  auto task = [work, comm, rank, size = size_, title, timeout, body = std::move(body)]() {
     std::exception_ptr error;
     work->traceStarted();
     try {
       body(*comm, timeout);
-    } catch (const Error& e) {
-      error = toTorchError(e, rank);
     } catch (...) {
-      error = std::current_exception();
+      error = bodyError(*comm, rank, size, title);
     }
     work->complete(error);
   };
@@ -1033,12 +1055,11 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
   }
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors, tensors,
                  resolveTimeout(opts.timeout), opts.asyncOp,
-                 [staged, kinds, items, rank = rank_, size = size_](algo::Communicator& c,
-                                                                   std::chrono::milliseconds to) mutable {
+                 [staged, kinds, items, rank = rank_](algo::Communicator& c, std::chrono::milliseconds to) mutable {
                    // Every input is read before any result is written (a packed tensor may share
                    // memory with another of the list).
                    std::vector<at::Tensor> flats(items.size());
-                   locally(c, rank, size, "all_reduce_coalesced", "copying the tensors as the op starts", [&] {
+                   locally(rank, "all_reduce_coalesced", "copying the tensors as the op starts", [&] {
                      for (size_t k = 0; k < items.size(); ++k) {
                        if (items[k].count == 1) {
                          staged[items[k].first].ready();

@@ -370,18 +370,21 @@ std::exception_ptr toTorchError(const Error& e, int rank);
 std::string messageOf(const std::exception& e);
 // The same for an error caught anywhere: smddp::Errors converted, null and others as they are.
 std::exception_ptr asTorchError(std::exception_ptr error, int rank);
-// Runs `fn`, this rank's own work inside an op made of several collectives (staging before the
-// first, or work between two). On failure the other ranks, which wait in the op's next
-// collective, are told why this rank will not come (else they would wait out the timeout, or
-// pair it with this rank's next op), and the error names the rank, the op and the step.
+// The error an op's body (run on the progress thread, or inline) ended with, called from its
+// `catch (...)`, as torch should see it. The core's errors are converted; any other (torch's, in
+// this rank's own staging or copying back, or a step locally() named) first breaks the group as a
+// failed collective does and tells the peers why (when the group has any): they may wait in a
+// collective this rank will not reach, or would pair its next op with this one. It names the
+// rank and the op (`title`).
+std::exception_ptr bodyError(algo::Communicator& c, int rank, int size, const char* title);
+// Runs `fn`, a step of this rank's own work inside an op (staging before its first collective,
+// or work between two), so that an error names the step: "smddp rank R: `op`: `step` failed: why".
 template <class Fn>
-auto locally(algo::Communicator& c, int rank, int size, const char* op, const std::string& step, Fn&& fn) {
+auto locally(int rank, const char* op, const std::string& step, Fn&& fn) {
   try {
     return fn();
   } catch (const std::exception& e) {
-    const std::string why = std::string(op) + ": " + step + " failed: " + messageOf(e);
-    if (size > 1) c.abandon(why);
-    C10_THROW_ERROR(Error, "smddp rank " + std::to_string(rank) + ": " + why);
+    C10_THROW_ERROR(Error, "smddp rank " + std::to_string(rank) + ": " + op + ": " + step + " failed: " + messageOf(e));
   }
 }
 

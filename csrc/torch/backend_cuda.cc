@@ -116,16 +116,14 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
   for (CudaStep& s : steps) s = describedBody(opType, title, outputs, inputs, std::move(s));
   algo::Communicator* comm = comm_.get();
   const int rank = rank_;
-  auto task = [this, work, comm, path, launch, steps = std::move(steps), keep = std::move(keep), timeout,
-               rank]() mutable {
+  auto task = [this, work, comm, path, launch, steps = std::move(steps), keep = std::move(keep), timeout, rank,
+               size = size_, title]() mutable {
     std::exception_ptr error;
     work->traceStarted();
     try {
       path->runHost(launch, steps, *comm, timeout);
-    } catch (const Error& e) {
-      error = toTorchError(e, rank);
     } catch (...) {
-      error = std::current_exception();
+      error = bodyError(*comm, rank, size, title);
     }
     if (error) recordCudaFailure(error);
     // The Work and the tensors go to the completion thread: dropping the last reference to a

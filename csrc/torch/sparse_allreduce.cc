@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/types.h"
 #include "torch/backend.h"
 
@@ -117,7 +118,7 @@ uint8_t* reserve(at::Tensor& slot, int64_t bytes) {
 void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides, int rank, int size,
          SparseScratch& scratch, algo::Communicator& c, std::chrono::milliseconds timeout) {
   at::NoGradGuard noGrad;
-  const at::Tensor in = locally(c, rank, size, kOp, "coalescing this rank's tensor", [&] { return t.coalesce(); });
+  const at::Tensor in = locally(rank, kOp, "coalescing this rank's tensor", [&] { return t.coalesce(); });
   const int64_t nnz = in._nnz();
   const int64_t sparseDim = in.sparse_dim();
   const at::Tensor values = in._values();
@@ -133,11 +134,14 @@ void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides,
     for (Record& r : records) o.outputs.push_back(&r);
     c.allgather(o, timeout);
   }
+  // Every rank sees the same records and raises here alike, so the group stays in step: the
+  // core's error type says so (a ValueError to Python), where torch's would break the group.
   for (int p = 0; p < size; ++p) {
-    TORCH_CHECK_VALUE(sameKind(records[p], records[0]), "smddp rank ", rank,
-                      ": allreduce of sparse tensors: every rank must pass a tensor of the same size, sparse/dense "
-                      "split and dtype, but rank ", p, " passed one of ", describe(records[p]), " and rank 0 one of ",
-                      describe(records[0]));
+    if (sameKind(records[p], records[0])) continue;
+    throw Error(ErrorCode::kInvalidUsage,
+                c10::str("smddp rank ", rank, ": allreduce of sparse tensors: every rank must pass a tensor of the "
+                         "same size, sparse/dense split and dtype, but rank ", p, " passed one of ",
+                         describe(records[p]), " and rank 0 one of ", describe(records[0])));
   }
 
   // 2. Every rank's indices ([nnz, sparse_dim], row-major) and values, packed in one block.
@@ -158,7 +162,7 @@ void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides,
   };
   uint8_t* packed = nullptr;
   uint8_t* gathered = nullptr;
-  locally(c, rank, size, kOp, "staging every rank's nonzeros (" + std::to_string(offsets[size]) + " bytes)", [&] {
+  locally(rank, kOp, "staging every rank's nonzeros (" + std::to_string(offsets[size]) + " bytes)", [&] {
     packed = reserve(scratch.packed, static_cast<int64_t>(counts[rank]));
     gathered = reserve(scratch.gathered, offsets[size]);
     indicesAt(packed, nnz).copy_(in._indices().t());
