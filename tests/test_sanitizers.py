@@ -113,8 +113,11 @@ def test_collectives(sanitized, hosts, collective):
 # it, every rank preloading the sanitizer runtime (Python and torch are not instrumented;
 # libstdc++ is preloaded too, so that ASan finds __cxa_throw).
 TORCH_LAYER_TESTS = ["test_p2p.py", "test_sparse.py", "test_flight_recorder.py", "test_shrink.py", "test_failures.py"]
-# ASan reserves terabytes of address space, so a rank under RLIMIT_AS cannot start.
-NOT_UNDER_ASAN = "not out_of_memory"
+# ASan reserves terabytes of address space, so a rank under RLIMIT_AS cannot start. Left out too,
+# for CI's time: timeouts whose reports the ones kept build too (a point-to-point hang is named
+# across hosts, crossed groups and past waits are the desync report's other wordings).
+NOT_UNDER_ASAN = ("not out_of_memory and not (p2p_timeouts_say_where and one) and not crossed_groups "
+                  "and not past_wait")
 
 
 @pytest.fixture(scope="module")
