@@ -9,13 +9,16 @@ median, p90, p99 and max beside it), and the table gives the mean of each job's 
     .venv/bin/python benchmarks/bench_load.py --load 4 --world 2 --sizes 8,4K,256K
     .venv/bin/python benchmarks/bench_load.py --load 4 --variant SMDDP_SPIN_CHECK_CPU=0
     .venv/bin/python benchmarks/bench_load.py --load 0 --tensors 100 --sizes 256,4K,64K --variant SMDDP_COALESCE_PACK_BYTES=0
+    .venv/bin/python benchmarks/bench_load.py --load 0 --op all_gather --tensors 100 --sizes 256,4K
 
 The load is --load processes that spin for the whole run (every job measured beside the same
 load). The jobs run in turn, each round in another order (rotated), --rounds times: smddp, each
---variant (smddp with those environment variables), gloo. With --tensors N each op is one
-all_reduce_coalesced of N tensors of the size (what torch's _coalescing_manager issues for
-all_reduce calls). Every rank checks one op per size against the exact sum first (#wrong, every
-rank's added up). Times are rank 0's. A job that fails ends the run (exit code 1), after the
+--variant (smddp with those environment variables), gloo. --op picks all_reduce (the default),
+all_gather_single or reduce_scatter_single, of float32 blocks of each size per rank. With
+--tensors N each op is one coalesced call of N tensors: all_reduce_coalesced, or
+_coalescing_manager around N all-gathers or reduce-scatters (what DTensor and DeepSpeed issue).
+Every rank checks one op per size against the exact result first (#wrong, every rank's added
+up). Times are rank 0's. A job that fails ends the run (exit code 1), after the
 rows already printed."""
 
 import argparse
@@ -58,15 +61,9 @@ def rank_main(cfg: dict) -> int:
     rows = []
     stop = torch.zeros(1)
     for size in cfg["sizes"]:
-        numel = size // 4
-        tensors = [torch.full((numel,), float(rank + 1)) for _ in range(cfg["tensors"])]
-        if len(tensors) == 1:
-            t = tensors[0]
-            op = lambda: dist.all_reduce(t)  # noqa: E731
-        else:
-            op = lambda: dist.all_reduce_coalesced(tensors)  # noqa: E731
+        op, outputs, expected = make_op(cfg["op"], cfg["tensors"], size // 4, rank, world)
         op()
-        wrong = sum(int((t != world * (world + 1) / 2).sum()) for t in tensors)
+        wrong = sum(int((t != expected).sum()) for t in outputs)
         for _ in range(cfg["warmup"]):
             op()
         lat = []
@@ -91,6 +88,41 @@ def rank_main(cfg: dict) -> int:
     return 0
 
 
+def make_op(kind: str, count: int, numel: int, rank: int, world: int):
+    """The timed op (`count` tensors of `numel` float32 per rank, as one coalesced call where count
+    > 1), the tensors it writes and what they must hold after it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    def coalesced(calls):
+        if len(calls) == 1:
+            return calls[0]
+
+        def op():
+            with _coalescing_manager():
+                for call in calls:
+                    call()
+        return op
+
+    mine = float(rank + 1)
+    if kind == "all_reduce":
+        tensors = [torch.full((numel,), mine) for _ in range(count)]
+        if count == 1:
+            return (lambda: dist.all_reduce(tensors[0])), tensors, world * (world + 1) / 2
+        return (lambda: dist.all_reduce_coalesced(tensors)), tensors, world * (world + 1) / 2
+    expected = torch.arange(1, world + 1, dtype=torch.float32)
+    if kind == "all_gather":  # every rank's block holds its rank + 1
+        ins = [torch.full((numel,), mine) for _ in range(count)]
+        outs = [torch.empty(world * numel) for _ in range(count)]
+        calls = [lambda o=o, i=i: dist.all_gather_single(o, i) for o, i in zip(outs, ins)]
+        return coalesced(calls), outs, expected.repeat_interleave(numel)
+    ins = [torch.full((world * numel,), mine) for _ in range(count)]  # reduce_scatter
+    outs = [torch.empty(numel) for _ in range(count)]
+    calls = [lambda o=o, i=i: dist.reduce_scatter_single(o, i) for o, i in zip(outs, ins)]
+    return coalesced(calls), outs, world * (world + 1) / 2
+
+
 def run_job(args, backend: str, env_extra: dict) -> list:
     with tempfile.TemporaryDirectory(prefix="smddp_bench_load_") as tmp:
         result = os.path.join(tmp, "result.json")
@@ -101,7 +133,7 @@ def run_job(args, backend: str, env_extra: dict) -> list:
         try:
             for rank in range(args.world):
                 cfg = dict(parent_pid=os.getpid(), backend=backend, rank=rank, world=args.world, init_method=f"file://{tmp}/store",
-                           sizes=args.sizes, tensors=args.tensors, seconds=args.seconds, warmup=args.warmup, batch=args.batch,
+                           sizes=args.sizes, op=args.op, tensors=args.tensors, seconds=args.seconds, warmup=args.warmup, batch=args.batch,
                            result_file=result)
                 procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_rank", json.dumps(cfg)],
                                               stdin=subprocess.DEVNULL, env=env))
@@ -141,9 +173,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--load", type=int, default=4, help="busy-looping processes beside the ranks for the whole run")
-    p.add_argument("--sizes", default="8,4K,256K", help="allreduce sizes in bytes (float32; K/M/G suffixes)")
+    p.add_argument("--sizes", default="8,4K,256K", help="sizes in bytes of a rank's block (float32; K/M/G suffixes)")
+    p.add_argument("--op", choices=["all_reduce", "all_gather", "reduce_scatter"], default="all_reduce",
+                   help="all_reduce, all_gather_single or reduce_scatter_single (sizes: a rank's block)")
     p.add_argument("--tensors", type=int, default=1,
-                   help="tensors per op: above 1, all_reduce_coalesced of that many tensors of each size")
+                   help="tensors per op: above 1, one coalesced call of that many tensors of each size "
+                        "(all_reduce_coalesced; _coalescing_manager around the all-gathers or reduce-scatters)")
     p.add_argument("--seconds", type=float, default=4.0, help="timed seconds per job, size and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=200, help="untimed ops per job and size")
@@ -171,8 +206,8 @@ def main(argv=None) -> int:
     jobs = [("smddp", "smddp", {})] + [(label, "smddp", env) for label, env in variants.items()]
     jobs += [(b, b, {}) for b in baselines]
 
-    what = "allreduce" if args.tensors == 1 else f"all_reduce_coalesced of {args.tensors} tensors of each size,"
-    print(f"# bench_load: {what} float32 sum, world {args.world}, {args.load} busy processes beside the ranks, "
+    what = args.op if args.tensors == 1 else f"{args.op} coalesced, {args.tensors} tensors of each size,"
+    print(f"# bench_load: {what} float32{'' if args.op == 'all_gather' else ' sum'}, world {args.world}, {args.load} busy processes beside the ranks, "
           f"{len(os.sched_getaffinity(0))} CPUs, {args.seconds:g} s per cell, {args.rounds} rounds (job order rotated each round)")
     for label, backend, env in jobs:
         extra = " ".join(f"{k}={v}" for k, v in env.items())

@@ -277,6 +277,70 @@ def coalesced_packing(rank, world):
                               reduce_ref(x, dtype, opname), exact=True, inputs=x)
     return rep.to_dict()
 
+def coalesced_gather_scatter_packing(rank, world):
+    """_coalescing_manager around all_gather_single and reduce_scatter_single calls (one
+    allgather_into_tensor_coalesced or reduce_scatter_tensor_coalesced), whose small tensors smddp
+    moves as one flat all-gather or reduce-scatter (SMDDP_COALESCE_PACK_BYTES): several dtypes (a
+    gather's run takes them all, a reduce-scatter's breaks at each change), a large tensor and an
+    empty one, strided inputs and outputs, FSDP2's input that is this rank's slice of its output and
+    ZeRO-3's output that is this rank's block of its input, a run longer than a pack holds (4 MiB a
+    rank) where the setting allows it; every output checked exactly."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    rep = Report(rank)
+    specs = [(torch.float32, 5, None), (torch.int64, 3, None), (torch.float32, 40, "strided"),
+             (torch.bfloat16, 33, None), (torch.float32, 3000, None), (torch.float32, 9, "in place"),
+             (torch.float32, 0, None), (torch.uint8, 300, None), (torch.float64, 6, "strided"),
+             (torch.float32, 7, "in place"), (torch.float32, 1, None)]
+    specs += [(torch.float32, 1000, None)] * 1100  # 4.4 MB a rank of 4 KB blocks, where all are packable
+
+    def strided(n, dtype):  # every other element of a buffer twice as long
+        return torch.zeros(2 * n, dtype=dtype)[::2]
+
+    for what in ("all_gather_single", "reduce_scatter_single"):
+        for opname in (("SUM", "MAX") if what == "reduce_scatter_single" else (None,)):
+            label = f"_coalescing_manager {what} packing, {len(specs)} tensors{f', op={opname}' if opname else ''} world={world}"
+            why = backend_skip(what + "_coalesced", torch.float32, opname)
+            if why:
+                rep.skip(label, why)
+                continue
+            with rep.cell(label):
+                outs, refs, calls = [], [], []
+                for i, (dtype, n, kind) in enumerate(specs):
+                    if what == "all_gather_single":
+                        x = gen_all(f"agpack|{i}", world, n, dtype)
+                        out = strided(world * n, dtype) if kind == "strided" else torch.empty(world * n, dtype=dtype)
+                        if kind == "in place":
+                            inp = out[rank * n:(rank + 1) * n]
+                            inp.copy_(x[rank])
+                        else:
+                            inp = strided(n, dtype) if kind == "strided" else torch.empty(n, dtype=dtype)
+                            inp.copy_(x[rank])
+                        refs.append((torch.cat(x), x))
+                        calls.append(lambda o=out, i=inp: dist.all_gather_single(o, i))
+                    else:
+                        x = gen_all(f"rspack|{i}", world, world * n, dtype, opname)
+                        inp = strided(world * n, dtype) if kind == "strided" else torch.empty(world * n, dtype=dtype)
+                        inp.copy_(x[rank])
+                        if kind == "in place":
+                            out = inp[rank * n:(rank + 1) * n]
+                        else:
+                            out = strided(n, dtype) if kind == "strided" else torch.empty(n, dtype=dtype)
+                        blocks = [xi[rank * n:(rank + 1) * n] for xi in x]
+                        refs.append((reduce_ref(blocks, dtype, opname), blocks))
+                        op = make_op(opname, dtype)
+                        calls.append(lambda o=out, i=inp, op=op: dist.reduce_scatter_single(o, i, op=op))
+                    outs.append(out)
+                with _coalescing_manager(group=None):
+                    for call in calls:
+                        call()
+                for i, (out, (ref, x)) in enumerate(zip(outs, refs)):
+                    dtype, n, kind = specs[i]
+                    rep.check(f"{label} tensor#{i} ({dname(dtype)} x {n}, {kind or 'contiguous'})", out, ref,
+                              exact=True, inputs=x, cross_rank=what == "all_gather_single")
+    return rep.to_dict()
+
+
 def coalescing_manager(rank, world):
     from torch.distributed.distributed_c10d import _coalescing_manager
 
@@ -482,14 +546,19 @@ def test_all_reduce_coalesced_packing(pools, world):
     pools.check(world, coalesced_packing, timeout=240)
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_gather_scatter_coalesced_packing(pools, world):
+    pools.check(world, coalesced_gather_scatter_packing, timeout=240)
+
+
 @pytest.mark.skipif(not IS_SMDDP, reason="an smddp setting")
 @pytest.mark.parametrize("pack_bytes", ["0", "1048576"])
-def test_all_reduce_coalesced_pack_settings(pack_bytes):
-    """With SMDDP_COALESCE_PACK_BYTES=0 every tensor of a list is reduced alone (the shared-memory
+def test_coalesced_pack_settings(pack_bytes):
+    """With SMDDP_COALESCE_PACK_BYTES=0 every tensor of a list moves alone (the shared-memory
     cases then take the in-place path's check); with 1 MiB every tensor here is packed."""
     pool = _pool.Pool(3, extra_env={"SMDDP_COALESCE_PACK_BYTES": pack_bytes})
     try:
-        for task in (coalesced_packing, coalesced_shared_memory, allreduce_coalesced):
+        for task in (coalesced_packing, coalesced_shared_memory, allreduce_coalesced, coalesced_gather_scatter_packing):
             assert_reports(pool.run(task, timeout=240), 3)
     finally:
         pool.close()

@@ -131,14 +131,15 @@ def test_load_benchmark_runs_every_job():
 
 
 
-def test_load_benchmark_times_coalesced_lists():
-    # --tensors: each op one all_reduce_coalesced of that many tensors, every tensor checked.
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter"])
+def test_load_benchmark_times_coalesced_lists(op):
+    # --tensors: each op one coalesced call of that many tensors, every tensor checked.
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--load", "0", "--world", "2",
-                        "--tensors", "3", "--sizes", "12,8K", "--seconds", "0.2", "--rounds", "1", "--warmup", "5",
-                        "--variant", "SMDDP_COALESCE_PACK_BYTES=0"],
+                        "--op", op, "--tensors", "3", "--sizes", "12,8K", "--seconds", "0.2", "--rounds", "1",
+                        "--warmup", "5", "--variant", "SMDDP_COALESCE_PACK_BYTES=0"],
                        capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "all_reduce_coalesced of 3 tensors" in p.stdout, p.stdout
+    assert f"# bench_load: {op} coalesced, 3 tensors of each size" in p.stdout, p.stdout
     rows = [line.split() for line in p.stdout.splitlines() if line.startswith("round ")]
     assert sorted((r[2], r[3]) for r in rows) == sorted(
         (job, size) for job in ("smddp", "var1", "gloo") for size in ("12", "8K")), p.stdout

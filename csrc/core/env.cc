@@ -64,11 +64,13 @@ constexpr Param kParams[] = {
      "core). 0: async ops run on the progress thread (except one that a callback running there "
      "waits for: that wait runs it, as it would otherwise wait forever)."},
     {"SMDDP_COALESCE_PACK_BYTES", "4096",
-     "all_reduce_coalesced (and _coalescing_manager around all_reduce calls): consecutive tensors "
-     "of one dtype, each of at most this many bytes, are copied into one flat buffer, reduced "
-     "together and copied back, as gloo does with every list; larger tensors are reduced in place, "
-     "one by one. Each reduction costs a round of synchronisation, which dwarfs the copies of small "
-     "tensors. 0: every tensor alone. Must be the same on every rank."},
+     "Coalesced ops of CPU tensors (all_reduce_coalesced, the all-gathers and reduce-scatters of "
+     "_coalescing_manager and of the functional collectives): consecutive tensors (of one dtype, "
+     "where the op reduces) of at most this many bytes each (an all-gather's output, a "
+     "reduce-scatter's input) are copied into one flat buffer, moved in one collective and copied "
+     "back, as gloo does with every list; larger tensors move one by one. Each collective costs a "
+     "round of synchronisation, which dwarfs the copies of small tensors. 0: every tensor alone. "
+     "Must be the same on every rank."},
     {"SMDDP_YIELD_US", "50",
      "When ranks outnumber cores: microseconds a waiting rank keeps yielding its core (so the rank it "
      "waits for can run) before it sleeps on a futex."},

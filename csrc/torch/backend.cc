@@ -13,6 +13,7 @@
 #include <limits>
 #include <new>
 #include <optional>
+#include <span>
 #include <sstream>
 
 #include "algo/desync_probe.h"
@@ -359,20 +360,21 @@ std::vector<bool> sharesWithEarlier(const std::vector<at::Tensor>& tensors) {
   return shares;
 }
 
-// all_reduce_coalesced's plan: tensors [first, first + count) of the list are reduced together,
-// as one flat tensor where count > 1.
+// A coalesced op's plan: tensors [first, first + count) of the list move together, as one flat
+// collective where count > 1.
 struct CoalescedItem {
   size_t first = 0;
   size_t count = 1;
 };
 
-// Consecutive non-empty tensors of one dtype, each of at most `packBytes`, form one item (of up
-// to kMaxPackBytes: every pack is made before the first reduction, so the op's extra memory is
-// the bytes of all its packable tensors, as gloo's flattening of the whole list); every other
-// tensor is its own. Depends only on the tensors' dtypes and sizes and on packBytes, which every
-// rank must share (SMDDP_COALESCE_PACK_BYTES set alike: else the ranks' reductions differ and
-// the op fails as mismatched).
-std::vector<CoalescedItem> planCoalesced(const std::vector<at::Tensor>& tensors, size_t packBytes) {
+// Consecutive non-empty tensors (of one dtype where `oneDtype`: a reduction's), each of at most
+// `packBytes`, form one item of up to kMaxPackBytes; every other tensor is its own. `tensors` are
+// those the collective moves whole: all_reduce's, an all-gather's outputs, a reduce-scatter's
+// inputs (a rank's block is 1/world of them: packing blocks of 4 KiB at world 2 was slower).
+// Depends only on the tensors' dtypes and sizes and on packBytes, which every rank must share
+// (SMDDP_COALESCE_PACK_BYTES set alike: else the ranks' collectives differ and the op fails as
+// mismatched).
+std::vector<CoalescedItem> planCoalesced(const std::vector<at::Tensor>& tensors, size_t packBytes, bool oneDtype) {
   constexpr size_t kMaxPackBytes = size_t{4} << 20;
   std::vector<CoalescedItem> items;
   size_t runBytes = 0;
@@ -380,7 +382,7 @@ std::vector<CoalescedItem> planCoalesced(const std::vector<at::Tensor>& tensors,
     const size_t bytes = tensors[i].nbytes();
     const bool packable = bytes > 0 && bytes <= packBytes;
     if (packable && !items.empty() && runBytes > 0 && runBytes + bytes <= kMaxPackBytes &&
-        tensors[i].scalar_type() == tensors[items.back().first].scalar_type()) {
+        (!oneDtype || tensors[i].scalar_type() == tensors[items.back().first].scalar_type())) {
       ++items.back().count;
       runBytes += bytes;
       continue;
@@ -391,22 +393,37 @@ std::vector<CoalescedItem> planCoalesced(const std::vector<at::Tensor>& tensors,
   return items;
 }
 
-// The item's tensors' values, one after another in a tensor of their dtype. Contiguous ones are
-// copied with memcpy: torch's copy_() of a small tensor costs more than the reduction it saves.
+size_t coalescePackBytes() { return static_cast<size_t>(std::max<int64_t>(0, env::coalescePackBytes())); }
+
+// A tensor's values to and from `bytes` (its nbytes() of them, in its logical order). Contiguous
+// ones are copied with memcpy: torch's copy_() of a small tensor costs more than the collective
+// packing saves. A parameter's data is read and written as data, recording nothing.
+void copyToBytes(uint8_t* bytes, const at::Tensor& t) {
+  if (t.is_contiguous()) {
+    std::memcpy(bytes, t.data_ptr(), t.nbytes());
+  } else {
+    at::NoGradGuard noGrad;
+    at::from_blob(bytes, t.sizes(), t.options()).copy_(t);
+  }
+}
+void copyFromBytes(const at::Tensor& t, const uint8_t* bytes) {
+  if (t.is_contiguous()) {
+    std::memcpy(t.data_ptr(), bytes, t.nbytes());
+  } else {
+    at::NoGradGuard noGrad;
+    t.copy_(at::from_blob(const_cast<uint8_t*>(bytes), t.sizes(), t.options()));
+  }
+}
+
+// The item's tensors' values, one after another in a tensor of their dtype.
 at::Tensor packCoalesced(const std::vector<Staged>& staged, const CoalescedItem& item) {
   int64_t numel = 0;
   for (size_t i = item.first; i < item.first + item.count; ++i) numel += staged[i].user.numel();
   at::Tensor flat = at::empty({numel}, staged[item.first].user.options().memory_format(at::MemoryFormat::Contiguous));
   uint8_t* to = bytePtr(flat);
   for (size_t i = item.first; i < item.first + item.count; ++i) {
-    const at::Tensor& t = staged[i].user;
-    if (t.is_contiguous()) {
-      std::memcpy(to, t.data_ptr(), t.nbytes());
-    } else {
-      at::NoGradGuard noGrad;  // reads a parameter's data, recording nothing
-      at::from_blob(to, t.sizes(), t.options()).copy_(t);
-    }
-    to += t.nbytes();
+    copyToBytes(to, staged[i].user);
+    to += staged[i].user.nbytes();
   }
   return flat;
 }
@@ -415,14 +432,8 @@ at::Tensor packCoalesced(const std::vector<Staged>& staged, const CoalescedItem&
 void unpackCoalesced(const std::vector<Staged>& staged, const CoalescedItem& item, const at::Tensor& flat) {
   const uint8_t* from = bytePtr(flat);
   for (size_t i = item.first; i < item.first + item.count; ++i) {
-    const at::Tensor& t = staged[i].user;
-    if (t.is_contiguous()) {
-      std::memcpy(t.data_ptr(), from, t.nbytes());
-    } else {
-      at::NoGradGuard noGrad;  // a parameter's data, as finishStaged()
-      t.copy_(at::from_blob(const_cast<uint8_t*>(from), t.sizes(), t.options()));
-    }
-    from += t.nbytes();
+    copyFromBytes(staged[i].user, from);
+    from += staged[i].user.nbytes();
   }
 }
 
@@ -1041,8 +1052,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
   }
   // Runs of small tensors of one dtype are reduced as one flat tensor: a reduction costs a round
   // of synchronisation, which dwarfs copying a small tensor in and out (gloo flattens every list).
-  const std::vector<CoalescedItem> items =
-      planCoalesced(tensors, static_cast<size_t>(std::max<int64_t>(0, env::coalescePackBytes())));
+  const std::vector<CoalescedItem> items = planCoalesced(tensors, coalescePackBytes(), true);
   // Reduced in place after an earlier tensor of the list that shares its memory, a tensor would
   // reduce that one's results again: it reduces a copy of its values as they are when the op
   // starts instead, and writes its result back (the same values there), as gloo's flattening does.
@@ -1275,6 +1285,33 @@ void runFlatGather(algo::Communicator& c, FlatGather& g, int size, std::chrono::
   c.allgather(o, to);
   finishStaged(g.out);
 }
+
+// An item of several small gathers as one all-gather of bytes: this rank's inputs, one after
+// another, are its block of a flat buffer of every rank's (all inputs are read before any output
+// is written); each output then takes its part of every rank's block.
+void runPackedGather(algo::Communicator& c, std::vector<FlatGather>& gathers, const CoalescedItem& item, int rank,
+                     int size, std::chrono::milliseconds to) {
+  const auto run = [&] { return std::span<FlatGather>(gathers).subspan(item.first, item.count); };
+  size_t block = 0;
+  for (const FlatGather& g : run()) block += g.in.user.nbytes();
+  at::Tensor flat = at::empty({static_cast<int64_t>(block) * size}, at::kByte);
+  uint8_t* mine = bytePtr(flat) + rank * block;
+  for (FlatGather& g : run()) {
+    copyToBytes(mine, g.in.user);
+    mine += g.in.user.nbytes();
+  }
+  algo::AllgatherOptions o{DataType::kUInt8, bytePtr(flat) + rank * block, {}, std::vector<size_t>(size, block)};
+  for (int p = 0; p < size; ++p) o.outputs.push_back(bytePtr(flat) + p * block);
+  c.allgather(o, to);
+  size_t offset = 0;
+  for (FlatGather& g : run()) {
+    g.out.ready();
+    const size_t part = g.in.user.nbytes();
+    for (int p = 0; p < size; ++p) std::memcpy(bytePtr(g.out.work) + p * part, bytePtr(flat) + p * block + offset, part);
+    finishStaged(g.out);
+    offset += part;
+  }
+}
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -1311,10 +1348,19 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std
   for (size_t i = 0; i < inputs.size(); ++i) {
     gathers.push_back(prepareFlatGather(outputs[i], inputs[i], rank_, size_, "allgather_into_tensor_coalesced"));
   }
-  const int size = size_;
+  // Runs of small tensors (of any dtypes: a gather moves bytes) go as one all-gather, as
+  // all_reduce_coalesced's do.
+  const std::vector<CoalescedItem> items = planCoalesced(outputs, coalescePackBytes(), false);
   return enqueue(c10d::OpType::COALESCED, "smddp:all_gather_into_tensor_coalesced", outputs, inputs,
-                 resolveTimeout(opts.timeout), opts.asyncOp, [gathers, size](algo::Communicator& c, std::chrono::milliseconds to) mutable {
-                   for (FlatGather& g : gathers) runFlatGather(c, g, size, to);
+                 resolveTimeout(opts.timeout), opts.asyncOp,
+                 [gathers, items, rank = rank_, size = size_](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   for (const CoalescedItem& item : items) {
+                     if (item.count == 1) {
+                       runFlatGather(c, gathers[item.first], size, to);
+                     } else {
+                       runPackedGather(c, gathers, item, rank, size, to);
+                     }
+                   }
                  });
 }
 
@@ -1405,6 +1451,34 @@ void runFlatScatter(algo::Communicator& c, FlatScatter& f, int size, std::chrono
   c.reduceScatter(o, to);
   finishStaged(f.out);
 }
+
+// An item of several small reduce-scatters of one dtype as one: every input's block for rank p,
+// one after another, make block p of a flat buffer (all inputs are read before any output is
+// written), which is reduced into this rank's own block; each output then takes its part of it.
+void runPackedScatter(algo::Communicator& c, std::vector<FlatScatter>& scatters, const CoalescedItem& item, int rank,
+                      int size, std::chrono::milliseconds to) {
+  const auto run = [&] { return std::span<FlatScatter>(scatters).subspan(item.first, item.count); };
+  size_t block = 0;
+  for (const FlatScatter& f : run()) block += f.out.user.nbytes();
+  at::Tensor flat = at::empty({static_cast<int64_t>(block) * size}, at::kByte);
+  size_t offset = 0;
+  for (FlatScatter& f : run()) {
+    f.in.ready();  // contiguous (a copy of a strided input): its rank blocks are slices
+    const size_t part = f.out.user.nbytes();
+    for (int p = 0; p < size; ++p) std::memcpy(bytePtr(flat) + p * block + offset, bytePtr(f.in.work) + p * part, part);
+    offset += part;
+  }
+  const FlatScatter& first = scatters[item.first];
+  algo::ReduceScatterOptions o{first.dtype, first.red, {}, bytePtr(flat) + rank * block,
+                               block / first.out.user.element_size(), {}};
+  for (int p = 0; p < size; ++p) o.inputs.push_back(bytePtr(flat) + p * block);
+  c.reduceScatter(o, to);
+  offset = 0;
+  for (FlatScatter& f : run()) {
+    copyFromBytes(f.out.user, bytePtr(flat) + rank * block + offset);
+    offset += f.out.user.nbytes();
+  }
+}
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -1453,10 +1527,18 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
     scatters.push_back(
         prepareFlatScatter(outputs[i], inputs[i], opts.reduceOp, rank_, size_, "reduce_scatter_tensor_coalesced"));
   }
-  const int size = size_;
+  // Runs of small tensors of one dtype go as one reduce-scatter, as all_reduce_coalesced's do.
+  const std::vector<CoalescedItem> items = planCoalesced(inputs, coalescePackBytes(), true);
   return enqueue(c10d::OpType::COALESCED, "smddp:reduce_scatter_tensor_coalesced", outputs, inputs,
-                 resolveTimeout(opts.timeout), opts.asyncOp, [scatters, size](algo::Communicator& c, std::chrono::milliseconds to) mutable {
-                   for (FlatScatter& f : scatters) runFlatScatter(c, f, size, to);
+                 resolveTimeout(opts.timeout), opts.asyncOp,
+                 [scatters, items, rank = rank_, size = size_](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   for (const CoalescedItem& item : items) {
+                     if (item.count == 1) {
+                       runFlatScatter(c, scatters[item.first], size, to);
+                     } else {
+                       runPackedScatter(c, scatters, item, rank, size, to);
+                     }
+                   }
                  });
 }
 
