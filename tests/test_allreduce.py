@@ -280,9 +280,8 @@ def coalesced_packing(rank, world):
 def coalesced_gather_scatter_packing(rank, world):
     """_coalescing_manager around all_gather_single and reduce_scatter_single calls (one
     allgather_into_tensor_coalesced or reduce_scatter_tensor_coalesced), whose small tensors smddp
-    moves as one flat all-gather or reduce-scatter (SMDDP_COALESCE_PACK_BYTES): several dtypes (a
-    gather's run takes them all, a reduce-scatter's breaks at each change), a large tensor and an
-    empty one, strided inputs and outputs, FSDP2's input that is this rank's slice of its output and
+    moves as one flat all-gather or reduce-scatter (SMDDP_COALESCE_PACK_BYTES): several dtypes
+    (a run breaks at each change), a large tensor and an empty one, strided inputs and outputs, FSDP2's input that is this rank's slice of its output and
     ZeRO-3's output that is this rank's block of its input, a run longer than a pack holds (4 MiB a
     rank) where the setting allows it; every output checked exactly."""
     from torch.distributed.distributed_c10d import _coalescing_manager
@@ -291,8 +290,8 @@ def coalesced_gather_scatter_packing(rank, world):
     specs = [(torch.float32, 5, None), (torch.int64, 3, None), (torch.float32, 40, "strided"),
              (torch.bfloat16, 33, None), (torch.float32, 3000, None), (torch.float32, 9, "in place"),
              (torch.float32, 0, None), (torch.uint8, 300, None), (torch.float64, 6, "strided"),
-             (torch.float32, 7, "in place"), (torch.float32, 1, None)]
-    specs += [(torch.float32, 1000, None)] * 1100  # 4.4 MB a rank of 4 KB blocks, where all are packable
+             (torch.float32, 7, "in place"), (torch.float32, 12, "strided"), (torch.float32, 1, None)]
+    specs += [(torch.float32, 1000, None)] * 1100  # 4.4 MB a rank of 4 KB blocks: packable with a 1 MiB bound
 
     def strided(n, dtype):  # every other element of a buffer twice as long
         return torch.zeros(2 * n, dtype=dtype)[::2]

@@ -65,9 +65,8 @@ constexpr Param kParams[] = {
      "waits for: that wait runs it, as it would otherwise wait forever)."},
     {"SMDDP_COALESCE_PACK_BYTES", "4096",
      "Coalesced ops of CPU tensors (all_reduce_coalesced, the all-gathers and reduce-scatters of "
-     "_coalescing_manager and of the functional collectives): consecutive tensors (of one dtype, "
-     "where the op reduces) of at most this many bytes each (an all-gather's output, a "
-     "reduce-scatter's input) are copied into one flat buffer, moved in one collective and copied "
+     "_coalescing_manager and of the functional collectives): consecutive tensors of one dtype, "
+     "of at most this many bytes each (an all-gather's output, a reduce-scatter's input), are copied into one flat buffer, moved in one collective and copied "
      "back, as gloo does with every list; larger tensors move one by one. Each collective costs a "
      "round of synchronisation, which dwarfs the copies of small tensors. 0: every tensor alone. "
      "Must be the same on every rank."},

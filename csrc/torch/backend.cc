@@ -46,25 +46,34 @@ std::exception_ptr toTorchError(const Error& e, int rank) {
 }
 
 std::exception_ptr bodyError(algo::Communicator& c, int rank, int size, const char* title) {
-  std::string message;
-  try {
-    throw;
-  } catch (const Error& e) {  // the core's: a collective that failed has told its peers
-    return toTorchError(e, rank);
-  } catch (const std::exception& e) {
-    message = messageOf(e);
+  const std::exception_ptr original = std::current_exception();
+  try {  // under memory pressure the message itself may fail: the error then goes as it came
+    std::string message;
+    try {
+      throw;
+    } catch (const Error& e) {
+      // A collective that failed has told its peers (abandon() keeps that first cause); the
+      // core's other errors outside one (a CUDA round the device did not stage in time) are told
+      // here. Not a usage error every rank raises alike (the group stays usable), nor a shutdown.
+      if (size > 1 && e.code() != ErrorCode::kInvalidUsage && e.code() != ErrorCode::kAborted) c.abandon(e.what());
+      return toTorchError(e, rank);
+    } catch (const std::exception& e) {
+      message = messageOf(e);
+    } catch (...) {
+      message = "an exception of unknown type";
+    }
+    const std::string prefix = "smddp rank " + std::to_string(rank) + ": ";
+    if (message.rfind(prefix, 0) == 0) {  // ours (locally()'s, a check's): names the op, has its type
+      if (size > 1) c.abandon(message.substr(prefix.size()));
+      return original;
+    }
+    message = std::string(opName(title)) + ": " + message;
+    if (size > 1) c.abandon(message);
+    const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
+    return std::make_exception_ptr(c10::DistBackendError(loc, prefix + message));
   } catch (...) {
-    message = "an exception of unknown type";
+    return original;
   }
-  const std::string prefix = "smddp rank " + std::to_string(rank) + ": ";
-  if (message.rfind(prefix, 0) == 0) {  // ours (locally()'s, a check's): names the op, has its type
-    if (size > 1) c.abandon(message.substr(prefix.size()));
-    return std::current_exception();
-  }
-  message = std::string(opName(title)) + ": " + message;
-  if (size > 1) c.abandon(message);
-  const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
-  return std::make_exception_ptr(c10::DistBackendError(loc, prefix + message));
 }
 
 std::string messageOf(const std::exception& e) {
@@ -367,14 +376,14 @@ struct CoalescedItem {
   size_t count = 1;
 };
 
-// Consecutive non-empty tensors (of one dtype where `oneDtype`: a reduction's), each of at most
-// `packBytes`, form one item of up to kMaxPackBytes; every other tensor is its own. `tensors` are
-// those the collective moves whole: all_reduce's, an all-gather's outputs, a reduce-scatter's
-// inputs (a rank's block is 1/world of them: packing blocks of 4 KiB at world 2 was slower).
+// Consecutive non-empty tensors of one dtype, each of at most `packBytes`, form one item of up
+// to kMaxPackBytes; every other tensor is its own. `tensors` are those the collective moves
+// whole: all_reduce's, an all-gather's outputs, a reduce-scatter's inputs (a rank's block is
+// 1/world of them: packing blocks of 4 KiB at world 2 did not pay).
 // Depends only on the tensors' dtypes and sizes and on packBytes, which every rank must share
 // (SMDDP_COALESCE_PACK_BYTES set alike: else the ranks' collectives differ and the op fails as
 // mismatched).
-std::vector<CoalescedItem> planCoalesced(const std::vector<at::Tensor>& tensors, size_t packBytes, bool oneDtype) {
+std::vector<CoalescedItem> planCoalesced(const std::vector<at::Tensor>& tensors, size_t packBytes) {
   constexpr size_t kMaxPackBytes = size_t{4} << 20;
   std::vector<CoalescedItem> items;
   size_t runBytes = 0;
@@ -382,7 +391,7 @@ std::vector<CoalescedItem> planCoalesced(const std::vector<at::Tensor>& tensors,
     const size_t bytes = tensors[i].nbytes();
     const bool packable = bytes > 0 && bytes <= packBytes;
     if (packable && !items.empty() && runBytes > 0 && runBytes + bytes <= kMaxPackBytes &&
-        (!oneDtype || tensors[i].scalar_type() == tensors[items.back().first].scalar_type())) {
+        tensors[i].scalar_type() == tensors[items.back().first].scalar_type()) {
       ++items.back().count;
       runBytes += bytes;
       continue;
@@ -1052,7 +1061,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
   }
   // Runs of small tensors of one dtype are reduced as one flat tensor: a reduction costs a round
   // of synchronisation, which dwarfs copying a small tensor in and out (gloo flattens every list).
-  const std::vector<CoalescedItem> items = planCoalesced(tensors, coalescePackBytes(), true);
+  const std::vector<CoalescedItem> items = planCoalesced(tensors, coalescePackBytes());
   // Reduced in place after an earlier tensor of the list that shares its memory, a tensor would
   // reduce that one's results again: it reduces a copy of its values as they are when the op
   // starts instead, and writes its result back (the same values there), as gloo's flattening does.
@@ -1286,7 +1295,7 @@ void runFlatGather(algo::Communicator& c, FlatGather& g, int size, std::chrono::
   finishStaged(g.out);
 }
 
-// An item of several small gathers as one all-gather of bytes: this rank's inputs, one after
+// An item of several small gathers of one dtype as one all-gather: this rank's inputs, one after
 // another, are its block of a flat buffer of every rank's (all inputs are read before any output
 // is written); each output then takes its part of every rank's block.
 void runPackedGather(algo::Communicator& c, std::vector<FlatGather>& gathers, const CoalescedItem& item, int rank,
@@ -1300,7 +1309,8 @@ void runPackedGather(algo::Communicator& c, std::vector<FlatGather>& gathers, co
     copyToBytes(mine, g.in.user);
     mine += g.in.user.nbytes();
   }
-  algo::AllgatherOptions o{DataType::kUInt8, bytePtr(flat) + rank * block, {}, std::vector<size_t>(size, block)};
+  const size_t count = block / gathers[item.first].in.user.element_size();
+  algo::AllgatherOptions o{gathers[item.first].dtype, bytePtr(flat) + rank * block, {}, std::vector<size_t>(size, count)};
   for (int p = 0; p < size; ++p) o.outputs.push_back(bytePtr(flat) + p * block);
   c.allgather(o, to);
   size_t offset = 0;
@@ -1348,9 +1358,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std
   for (size_t i = 0; i < inputs.size(); ++i) {
     gathers.push_back(prepareFlatGather(outputs[i], inputs[i], rank_, size_, "allgather_into_tensor_coalesced"));
   }
-  // Runs of small tensors (of any dtypes: a gather moves bytes) go as one all-gather, as
-  // all_reduce_coalesced's do.
-  const std::vector<CoalescedItem> items = planCoalesced(outputs, coalescePackBytes(), false);
+  // Runs of small tensors of one dtype go as one all-gather, as all_reduce_coalesced's do (one
+  // dtype, so that ranks whose dtypes differ still fail as mismatched).
+  const std::vector<CoalescedItem> items = planCoalesced(outputs, coalescePackBytes());
   return enqueue(c10d::OpType::COALESCED, "smddp:all_gather_into_tensor_coalesced", outputs, inputs,
                  resolveTimeout(opts.timeout), opts.asyncOp,
                  [gathers, items, rank = rank_, size = size_](algo::Communicator& c, std::chrono::milliseconds to) mutable {
@@ -1528,7 +1538,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
         prepareFlatScatter(outputs[i], inputs[i], opts.reduceOp, rank_, size_, "reduce_scatter_tensor_coalesced"));
   }
   // Runs of small tensors of one dtype go as one reduce-scatter, as all_reduce_coalesced's do.
-  const std::vector<CoalescedItem> items = planCoalesced(inputs, coalescePackBytes(), true);
+  const std::vector<CoalescedItem> items = planCoalesced(inputs, coalescePackBytes());
   return enqueue(c10d::OpType::COALESCED, "smddp:reduce_scatter_tensor_coalesced", outputs, inputs,
                  resolveTimeout(opts.timeout), opts.asyncOp,
                  [scatters, items, rank = rank_, size = size_](algo::Communicator& c, std::chrono::milliseconds to) mutable {

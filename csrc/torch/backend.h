@@ -370,12 +370,12 @@ std::exception_ptr toTorchError(const Error& e, int rank);
 std::string messageOf(const std::exception& e);
 // The same for an error caught anywhere: smddp::Errors converted, null and others as they are.
 std::exception_ptr asTorchError(std::exception_ptr error, int rank);
-// The error an op's body (run on the progress thread, or inline) ended with, called from its
-// `catch (...)`, as torch should see it. The core's errors are converted; any other (torch's, in
-// this rank's own staging or copying back, or a step locally() named) first breaks the group as a
-// failed collective does and tells the peers why (when the group has any): they may wait in a
-// collective this rank will not reach, or would pair its next op with this one. It names the
-// rank and the op (`title`).
+// The error a collective's body (run on the progress thread, or inline) ended with, called from
+// its `catch (...)`, as torch should see it, naming the rank and the op (`title`). A failure
+// outside the body's collectives (torch's, in this rank's own staging or copying back, or a step
+// locally() named; the core's, but for a usage error every rank raises alike) first breaks the
+// group as a failed collective does and tells the peers why (when the group has any): they may
+// wait in a collective this rank will not reach, or would pair its next op with this one.
 std::exception_ptr bodyError(algo::Communicator& c, int rank, int size, const char* title);
 // Runs `fn`, a step of this rank's own work inside an op (staging before its first collective,
 // or work between two), so that an error names the step: "smddp rank R: `op`: `step` failed: why".

@@ -116,14 +116,16 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
   for (CudaStep& s : steps) s = describedBody(opType, title, outputs, inputs, std::move(s));
   algo::Communicator* comm = comm_.get();
   const int rank = rank_;
+  // A send that fails fails itself, as on the CPU path; a collective's failure breaks the group.
+  const bool send = opType == c10d::OpType::SEND;
   auto task = [this, work, comm, path, launch, steps = std::move(steps), keep = std::move(keep), timeout, rank,
-               size = size_, title]() mutable {
+               size = size_, title, send]() mutable {
     std::exception_ptr error;
     work->traceStarted();
     try {
       path->runHost(launch, steps, *comm, timeout);
     } catch (...) {
-      error = bodyError(*comm, rank, size, title);
+      error = send ? asTorchError(std::current_exception(), rank) : bodyError(*comm, rank, size, title);
     }
     if (error) recordCudaFailure(error);
     // The Work and the tensors go to the completion thread: dropping the last reference to a
