@@ -105,22 +105,21 @@ def make_op(kind: str, count: int, numel: int, rank: int, world: int):
                     call()
         return op
 
-    mine = float(rank + 1)
+    mine, total = float(rank + 1), world * (world + 1) / 2  # each rank's value, and their sum
     if kind == "all_reduce":
         tensors = [torch.full((numel,), mine) for _ in range(count)]
         if count == 1:
-            return (lambda: dist.all_reduce(tensors[0])), tensors, world * (world + 1) / 2
-        return (lambda: dist.all_reduce_coalesced(tensors)), tensors, world * (world + 1) / 2
-    expected = torch.arange(1, world + 1, dtype=torch.float32)
+            return (lambda: dist.all_reduce(tensors[0])), tensors, total
+        return (lambda: dist.all_reduce_coalesced(tensors)), tensors, total
     if kind == "all_gather":  # every rank's block holds its rank + 1
         ins = [torch.full((numel,), mine) for _ in range(count)]
         outs = [torch.empty(world * numel) for _ in range(count)]
         calls = [lambda o=o, i=i: dist.all_gather_single(o, i) for o, i in zip(outs, ins)]
-        return coalesced(calls), outs, expected.repeat_interleave(numel)
+        return coalesced(calls), outs, torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(numel)
     ins = [torch.full((world * numel,), mine) for _ in range(count)]  # reduce_scatter
     outs = [torch.empty(numel) for _ in range(count)]
     calls = [lambda o=o, i=i: dist.reduce_scatter_single(o, i) for o, i in zip(outs, ins)]
-    return coalesced(calls), outs, world * (world + 1) / 2
+    return coalesced(calls), outs, total
 
 
 def run_job(args, backend: str, env_extra: dict) -> list:

@@ -31,9 +31,11 @@ namespace {
 const char* opName(const char* title) { return std::strncmp(title, "smddp:", 6) == 0 ? title + 6 : title; }
 }  // namespace
 
+std::string rankPrefix(int rank) { return "smddp rank " + std::to_string(rank) + ": "; }
+
 std::exception_ptr toTorchError(const Error& e, int rank) {
-  // Messages from code that knows the rank already start with "smddp rank N: ".
-  const std::string prefix = "smddp rank " + std::to_string(rank) + ": ";
+  // Messages from code that knows the rank already start with rankPrefix().
+  const std::string prefix = rankPrefix(rank);
   const std::string what = e.what();
   const std::string msg = what.rfind(prefix, 0) == 0 ? what : prefix + what;
   const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
@@ -62,7 +64,7 @@ std::exception_ptr bodyError(algo::Communicator& c, int rank, int size, const ch
     } catch (...) {
       message = "an exception of unknown type";
     }
-    const std::string prefix = "smddp rank " + std::to_string(rank) + ": ";
+    const std::string prefix = rankPrefix(rank);
     if (message.rfind(prefix, 0) == 0) {  // ours (locally()'s, a check's): names the op, has its type
       if (size > 1) c.abandon(message.substr(prefix.size()));
       return original;
@@ -1295,11 +1297,13 @@ void runFlatGather(algo::Communicator& c, FlatGather& g, int size, std::chrono::
   finishStaged(g.out);
 }
 
-// An item of several small gathers of one dtype as one all-gather: this rank's inputs, one after
-// another, are its block of a flat buffer of every rank's (all inputs are read before any output
-// is written); each output then takes its part of every rank's block.
-void runPackedGather(algo::Communicator& c, std::vector<FlatGather>& gathers, const CoalescedItem& item, int rank,
-                     int size, std::chrono::milliseconds to) {
+// One item of a coalesced all-gather's plan: a gather alone, or several small ones of one dtype
+// as one all-gather: this rank's inputs, one after another, are its block of a flat buffer of
+// every rank's (all inputs are read before any output is written); each output then takes its
+// part of every rank's block.
+void runGatherItem(algo::Communicator& c, std::vector<FlatGather>& gathers, const CoalescedItem& item, int rank,
+                   int size, std::chrono::milliseconds to) {
+  if (item.count == 1) return runFlatGather(c, gathers[item.first], size, to);
   const auto run = [&] { return std::span<FlatGather>(gathers).subspan(item.first, item.count); };
   size_t block = 0;
   for (const FlatGather& g : run()) block += g.in.user.nbytes();
@@ -1364,13 +1368,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std
   return enqueue(c10d::OpType::COALESCED, "smddp:all_gather_into_tensor_coalesced", outputs, inputs,
                  resolveTimeout(opts.timeout), opts.asyncOp,
                  [gathers, items, rank = rank_, size = size_](algo::Communicator& c, std::chrono::milliseconds to) mutable {
-                   for (const CoalescedItem& item : items) {
-                     if (item.count == 1) {
-                       runFlatGather(c, gathers[item.first], size, to);
-                     } else {
-                       runPackedGather(c, gathers, item, rank, size, to);
-                     }
-                   }
+                   for (const CoalescedItem& item : items) runGatherItem(c, gathers, item, rank, size, to);
                  });
 }
 
@@ -1462,11 +1460,13 @@ void runFlatScatter(algo::Communicator& c, FlatScatter& f, int size, std::chrono
   finishStaged(f.out);
 }
 
-// An item of several small reduce-scatters of one dtype as one: every input's block for rank p,
-// one after another, make block p of a flat buffer (all inputs are read before any output is
-// written), which is reduced into this rank's own block; each output then takes its part of it.
-void runPackedScatter(algo::Communicator& c, std::vector<FlatScatter>& scatters, const CoalescedItem& item, int rank,
-                      int size, std::chrono::milliseconds to) {
+// One item of a coalesced reduce-scatter's plan: a reduce-scatter alone, or several small ones of
+// one dtype as one: every input's block for rank p, one after another, make block p of a flat
+// buffer (all inputs are read before any output is written), which is reduced into this rank's
+// own block; each output then takes its part of it.
+void runScatterItem(algo::Communicator& c, std::vector<FlatScatter>& scatters, const CoalescedItem& item, int rank,
+                    int size, std::chrono::milliseconds to) {
+  if (item.count == 1) return runFlatScatter(c, scatters[item.first], size, to);
   const auto run = [&] { return std::span<FlatScatter>(scatters).subspan(item.first, item.count); };
   size_t block = 0;
   for (const FlatScatter& f : run()) block += f.out.user.nbytes();
@@ -1542,13 +1542,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
   return enqueue(c10d::OpType::COALESCED, "smddp:reduce_scatter_tensor_coalesced", outputs, inputs,
                  resolveTimeout(opts.timeout), opts.asyncOp,
                  [scatters, items, rank = rank_, size = size_](algo::Communicator& c, std::chrono::milliseconds to) mutable {
-                   for (const CoalescedItem& item : items) {
-                     if (item.count == 1) {
-                       runFlatScatter(c, scatters[item.first], size, to);
-                     } else {
-                       runPackedScatter(c, scatters, item, rank, size, to);
-                     }
-                   }
+                   for (const CoalescedItem& item : items) runScatterItem(c, scatters, item, rank, size, to);
                  });
 }
 

@@ -364,6 +364,8 @@ class TimeoutError : public c10::DistBackendError {
   using c10::DistBackendError::DistBackendError;
 };
 
+// "smddp rank N: ", how every message of this layer starts.
+std::string rankPrefix(int rank);
 // smddp::Error -> the c10 error type Python maps to the right exception class.
 std::exception_ptr toTorchError(const Error& e, int rank);
 // An exception's text for a message: a c10::Error's without the C++ backtrace its what() carries.
@@ -384,7 +386,7 @@ auto locally(int rank, const char* op, const std::string& step, Fn&& fn) {
   try {
     return fn();
   } catch (const std::exception& e) {
-    C10_THROW_ERROR(Error, "smddp rank " + std::to_string(rank) + ": " + op + ": " + step + " failed: " + messageOf(e));
+    C10_THROW_ERROR(Error, rankPrefix(rank) + op + ": " + step + " failed: " + messageOf(e));
   }
 }
 
