@@ -31,7 +31,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_vs_gloo import _set_parent_death_signal, parse_size  # noqa: E402
+from bench_vs_gloo import _describe_failures, _set_parent_death_signal, parse_size  # noqa: E402
 from variants import parse_variants  # noqa: E402
 
 # python -c BUSY_LOOP PARENT_PID [CPU]: spins (on CPU, if given) until PARENT_PID exits, even if
@@ -143,8 +143,9 @@ def run_job(args, backend: str, env_extra: dict) -> list:
                 time.sleep(0.1)
             codes = [p.poll() for p in procs]
             if codes != [0] * args.world:
-                why = "exit codes " + ", ".join(f"rank {r}: {'still running, killed' if c is None else c}"
-                                                for r, c in enumerate(codes))
+                running = [str(r) for r, c in enumerate(codes) if c is None]
+                why = "; ".join(filter(None, [_describe_failures(procs),
+                                              running and f"rank {', '.join(running)} still running, killed"]))
                 raise RuntimeError(f"job {backend} {env_extra or ''} failed ({why})")
             per_rank = []
             for rank in range(args.world):

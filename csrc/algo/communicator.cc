@@ -95,11 +95,14 @@ Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chron
     : store_(store),
       rank_(rank),
       size_(size),
-      // Local choices first, before any store exchange: a setting that fails them
-      // (SMDDP_STAGE_STREAM, SMDDP_SOCKET_IFNAME, SMDDP_SOCKET_FAMILY) then fails every rank alike,
+      // Local choices first, before any store exchange: a setting that fails them (a malformed
+      // integer, SMDDP_STAGE_STREAM, SMDDP_SOCKET_IFNAME, SMDDP_SOCKET_FAMILY) then fails every rank alike,
       // instead of failing rank 0 first and taking the store its process hosts from ranks still
       // using it, or leaving a rank's host-mates waiting for its shared memory.
-      stagingPolicy_(tellingPeers(store, rank, [] { return StagingPolicy::modeFromEnv(); })),
+      stagingPolicy_(tellingPeers(store, rank, [] {
+        env::checkIntegers();
+        return StagingPolicy::modeFromEnv();
+      })),
       netAddrs_(size > 1 ? tellingPeers(store, rank, [] { return net::chooseLocalAddresses(); })
                          : std::vector<net::LocalAddress>{}),
       topo_(tellingPeers(store, rank, [&] { return discoverAfterShmCheck(store, rank, size); })),

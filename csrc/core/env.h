@@ -22,6 +22,10 @@ struct ParamInfo {
 // All parameters, in declaration order, with the values in force.
 std::vector<ParamInfo> allParams();
 
+// Reads every integer parameter: throws (kInvalidUsage) for one that is malformed, so a group's
+// set-up fails on it instead of the first op that happens to read it, steps into a run.
+void checkIntegers();
+
 // Per-rank staging: bytes of one of the two shared-memory slots each rank owns.
 int64_t shmSlotBytes();
 // Allgather/gather/broadcast: most bytes a rank stages per step (capped by the slot).
