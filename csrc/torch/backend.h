@@ -1,7 +1,9 @@
-// The c10d::Backend that torch.distributed talks to: the only place (with module.cc) that
-// includes torch. Each op runs in three phases, as in ProcessGroupGloo: (1) validate and stage
-// on the caller's thread, raising usage errors at once; (2) run on the group's progress thread
-// via the torch-free Communicator; (3) complete the Work and its future, or fail both.
+// The c10d::Backend that torch.distributed talks to. Each op runs in three phases, as in
+// ProcessGroupGloo: (1) validate and stage on the caller's thread, raising usage errors at once
+// (tensor_checks.h, staged.h); (2) run on the group's progress thread via the torch-free
+// Communicator; (3) complete the Work and its future, or fail both (work.h, errors.h).
+// Its members live in backend.cc (life cycle, issuing), backend_collectives.cc,
+// backend_p2p.cc, monitored_barrier.cc and backend_cuda.cc (CUDA tensors).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -22,99 +24,12 @@
 #include "engine/p2p_engine.h"
 #include "engine/progress_thread.h"
 #include "torch/cuda_path.h"
+#include "torch/errors.h"
 #include "torch/flight_recorder.h"
 #include "torch/sparse_allreduce.h"
+#include "torch/work.h"
 
 namespace smddp::torchext {
-
-class SmddpWork : public c10d::Work {
- public:
-  SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, std::vector<at::Tensor> outputs,
-            const std::optional<std::vector<at::Tensor>>& inputs, std::chrono::microseconds spin);
-
-  // A CUDA op, just launched: the results are in device memory where `doneOn` (smddp's staging
-  // or receive stream) stands now. Completes the future there and then, stream-ordered as
-  // NCCL's: waiting on it, or a callback chained to it (which runs at once, on the calling
-  // thread), makes the current stream wait for the op, so callbacks issue their ops in the same
-  // order on every rank and may wait for them. The Work itself completes (isCompleted(), the
-  // op's error) once the host has seen the results arrive.
-  void setCuda(c10::Stream doneOn);
-  // A point-to-point op: wait() runs the engine that moves it until the op is done
-  // (P2pDriver::driveUntil), rather than sleep until the engine's thread wakes it.
-  void setP2pDriver(std::shared_ptr<engine::P2pDriver> engine) { p2pDriver_ = std::move(engine); }
-  // A CPU collective queued on `thread`: wait() runs it there and then if it has not started
-  // (ProgressThread::runQueuedUntil; SMDDP_WAIT_RUNS_OP, or always from inside a task of that
-  // thread), and ops that the future's callbacks issue keep their place in issue order
-  // (getFuture()).
-  void setRunner(std::shared_ptr<engine::ProgressThread> thread) { runner_ = std::move(thread); }
-
-  // CPU ops: polls for the group's linger budget before blocking (an async op is often waited on
-  // right after a short op, and a sleep plus wake-up costs microseconds; none where the cores are
-  // too few to poll: handOffLinger). CUDA ops: makes the current stream
-  // wait for the op, without blocking the host (unless SMDDP_CUDA_BLOCKING_WAIT=1), like NCCL.
-  bool wait(std::chrono::milliseconds timeout) override;
-  void synchronize() override;
-  // CUDA ops: synchronize(), as NCCL's Work. CPU ops: the base class's (a spinning CUDA kernel in
-  // CUDA builds of torch).
-  void blockCurrentStream() override;
-
-  // DDP consumes its gradient allreduce only through this future. An op that one of its
-  // callbacks issues takes its place in issue order as of this call, on every rank alike: after
-  // the ops issued before it, before those issued after it (ProgressThread::IssueOrder), whether
-  // the callback runs as the op completes or, chained to a completed future, on the caller's
-  // thread.
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
-  // Completes, as the op does, with a c10d::WorkResult: SUCCESS, TIMEOUT (the op's peers did not
-  // come in time) or COMM_ERROR (any other failure); it never holds an error.
-  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override;
-  // Milliseconds from the op's start (a collective's first step; a point-to-point op's post) to
-  // its completion, by the flight recorder's clock: after a successful op only.
-  float getDuration() const override;
-  std::vector<at::Tensor> result() override { return outputs_; }
-  // CPU ops: completed as soon as the future is, so work.is_completed() is true once
-  // get_future().wait() returns (the base class flag is set a moment later, by finish()).
-  bool isCompleted() override { return cuda_ ? c10d::Work::isCompleted() : future_->completed(); }
-
-  // Called once, on the progress (or p2p, or CUDA completion) thread.
-  void complete(std::exception_ptr error);
-
-  // The op's entry in the flight recorder (FlightRecorder::record), updated as it runs.
-  void setTrace(int pgId, int64_t traceId) {
-    pgId_ = pgId;
-    traceId_ = traceId;
-  }
-  void traceStarted();
-
-  // For recv from any source: the rank the message came from.
-  int sourceRank() const override { return sourceRank_.load(); }
-  void setSourceRank(int rank) { sourceRank_.store(rank); }
-
- private:
-  std::string title_;  // "smddp:allreduce", for errors
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::chrono::microseconds spin_;
-  // Set after finish(): what wait() polls. The future completes first (above), and a waiter that
-  // saw it went on into the base class's wait(), took its mutex before finish() had set
-  // completed_ and slept on its condition variable: a futex sleep and wake-up per async op.
-  std::atomic<bool> finished_{false};
-  const pid_t ownerPid_ = currentPid();  // the process that issued the op (see SmddpBackend's)
-  std::atomic<int> sourceRank_{-1};
-  bool cuda_ = false;  // set by setCuda
-  static constexpr int64_t kNotDone = -2;
-  std::atomic<int64_t> durationNs_{kNotDone};  // then what FlightRecorder::finished() returned
-  c10d::WorkResult result_ = c10d::WorkResult::UNKNOWN;  // set before finish()
-  // Made at the first getFutureResult(); guarded by mutex_, as completed_ is.
-  c10::intrusive_ptr<c10::ivalue::Future> futureResult_;
-  std::atomic<bool> resultWanted_{false};  // futureResult_ exists
-  bool resultMarked_ = false;
-  std::shared_ptr<engine::P2pDriver> p2pDriver_;
-  std::shared_ptr<engine::ProgressThread> runner_;
-  std::atomic<uint64_t> callbacksAfter_{0};  // runner_'s issued() at the last getFuture*()
-  void noteCallbacksAfter();  // a future is handed out: its callbacks' ops go after what is issued
-  int pgId_ = 0;
-  int64_t traceId_ = -1;
-};
 
 class SmddpBackend : public c10d::Backend {
  public:
@@ -357,38 +272,6 @@ class SmddpBackend : public c10d::Backend {
     QueuedSend& operator=(const QueuedSend&) = delete;
   };
 };
-
-// An op whose peers did not come in time: a DistBackendError to Python, which
-// Work::getFutureResult() reports as TIMEOUT rather than COMM_ERROR.
-class TimeoutError : public c10::DistBackendError {
-  using c10::DistBackendError::DistBackendError;
-};
-
-// "smddp rank N: ", how every message of this layer starts.
-std::string rankPrefix(int rank);
-// smddp::Error -> the c10 error type Python maps to the right exception class.
-std::exception_ptr toTorchError(const Error& e, int rank);
-// An exception's text for a message: a c10::Error's without the C++ backtrace its what() carries.
-std::string messageOf(const std::exception& e);
-// The same for an error caught anywhere: smddp::Errors converted, null and others as they are.
-std::exception_ptr asTorchError(std::exception_ptr error, int rank);
-// The error a collective's body (run on the progress thread, or inline) ended with, called from
-// its `catch (...)`, as torch should see it, naming the rank and the op (`title`). A failure
-// outside the body's collectives (torch's, in this rank's own staging or copying back, or a step
-// locally() named; the core's, but for a usage error every rank raises alike) first breaks the
-// group as a failed collective does and tells the peers why (when the group has any): they may
-// wait in a collective this rank will not reach, or would pair its next op with this one.
-std::exception_ptr bodyError(algo::Communicator& c, int rank, int size, const char* title);
-// Runs `fn`, a step of this rank's own work inside an op (staging before its first collective,
-// or work between two), so that an error names the step: "smddp rank R: `op`: `step` failed: why".
-template <class Fn>
-auto locally(int rank, const char* op, const std::string& step, Fn&& fn) {
-  try {
-    return fn();
-  } catch (const std::exception& e) {
-    C10_THROW_ERROR(Error, rankPrefix(rank) + op + ": " + step + " failed: " + messageOf(e));
-  }
-}
 
 c10::intrusive_ptr<c10d::Backend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                 std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks);

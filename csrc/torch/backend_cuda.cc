@@ -10,11 +10,10 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "torch/backend.h"
+#include "torch/staged.h"
 
 namespace smddp::torchext {
 namespace {
-
-inline uint8_t* bytePtr(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
 // Pinned host memory of its own for one op (torch's caching host allocator). A failure (the
 // host's locked-memory limit, a CUDA error) raises torch's error with this rank and op named,

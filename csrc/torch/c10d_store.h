@@ -1,0 +1,82 @@
+// The c10d store a process group is created with, as the torch-free core's Store.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/store.h"
+
+namespace smddp::torchext {
+
+// Failures of the c10d store become smddp errors, so that one during an op (a group's first
+// all_to_all reads peers' addresses) fails the op like any other: named, and the group broken.
+// Reads wait as long as the group's timeout says, not the store's own (init_process_group's,
+// which a later group may exceed: its ranks would give up on a late rank 0 sooner than rank 0
+// on them, and blame each other).
+class C10dStore : public Store {
+ public:
+  C10dStore(c10::intrusive_ptr<c10d::Store> store, std::chrono::milliseconds timeout)
+      : store_(std::move(store)), timeout_(timeout) {}
+  void set(const std::string& key, const std::string& value) override {
+    guarded("setting", key, [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
+  }
+  std::string get(const std::string& key) override {
+    std::string value;
+    guarded("reading", key, [&] {
+      store_->wait({key}, timeout_);
+      auto v = store_->get(key);
+      value.assign(v.begin(), v.end());
+    });
+    return value;
+  }
+  bool check(const std::string& key) override {
+    bool found = false;
+    guarded("checking", key, [&] { found = store_->check({key}); });
+    return found;
+  }
+  // c10d's TCPStore waits for them all in one request, then reads them in another.
+  std::vector<std::string> multiGet(const std::vector<std::string>& keys) override {
+    std::vector<std::string> values;
+    if (keys.empty()) return values;
+    const std::string what = keys.size() == 1 ? keys[0] : keys[0] + " (and " + std::to_string(keys.size() - 1) +
+                                                               " more keys)";
+    guarded("reading", what, [&] {
+      store_->wait(keys, timeout_);
+      for (const std::vector<uint8_t>& v : store_->multiGet(keys)) values.emplace_back(v.begin(), v.end());
+    });
+    return values;
+  }
+
+ private:
+  template <class Fn>
+  static void guarded(const char* what, const std::string& key, Fn&& fn) {
+    try {
+      fn();
+    } catch (const c10::DistStoreError& e) {  // the store's own timeout
+      failed(ErrorCode::kTimeout, what, key, e, "");
+    } catch (const std::exception& e) {
+      // FileStore's timeouts are plain c10::Errors: its get's, and its wait's.
+      if (std::strncmp(e.what(), "Timeout waiting for key", 23) == 0 || std::strncmp(e.what(), "Wait timeout", 12) == 0) {
+        failed(ErrorCode::kTimeout, what, key, e, "");
+      }
+      failed(ErrorCode::kRemoteError, what, key, e,
+             ": the process that hosts it (rank 0's, for init_method tcp:// or env://) may have exited");
+    }
+  }
+  [[noreturn]] static void failed(ErrorCode code, const char* what, const std::string& key, const std::exception& e,
+                                  const char* hint) {
+    std::string why = e.what();
+    why = why.substr(0, why.find('\n'));  // c10 appends a C++ backtrace
+    throwError(code, "the process group's store failed while %s %s (%s)%s", what, key.c_str(), why.c_str(), hint);
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::chrono::milliseconds timeout_;
+};
+
+}  // namespace smddp::torchext

@@ -1,0 +1,83 @@
+#include "torch/errors.h"
+
+#include <cstring>
+#include <new>
+
+#include "core/fork.h"
+
+namespace smddp::torchext {
+
+const char* opName(const char* title) { return std::strncmp(title, "smddp:", 6) == 0 ? title + 6 : title; }
+
+std::string rankPrefix(int rank) { return "smddp rank " + std::to_string(rank) + ": "; }
+
+std::exception_ptr toTorchError(const Error& e, int rank) {
+  // Messages from code that knows the rank already start with rankPrefix().
+  const std::string prefix = rankPrefix(rank);
+  const std::string what = e.what();
+  const std::string msg = what.rfind(prefix, 0) == 0 ? what : prefix + what;
+  const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
+  switch (e.code()) {
+    case ErrorCode::kInvalidUsage: return std::make_exception_ptr(c10::ValueError(loc, msg));
+    case ErrorCode::kNotSupported: return std::make_exception_ptr(c10::NotImplementedError(loc, msg));
+    case ErrorCode::kTimeout: return std::make_exception_ptr(TimeoutError(loc, msg));
+    default: return std::make_exception_ptr(c10::DistBackendError(loc, msg));
+  }
+}
+
+std::exception_ptr bodyError(algo::Communicator& c, int rank, int size, const char* title) {
+  const std::exception_ptr original = std::current_exception();
+  try {  // under memory pressure the message itself may fail: the error then goes as it came
+    std::string message;
+    try {
+      throw;
+    } catch (const Error& e) {
+      // A collective that failed has told its peers (abandon() keeps that first cause); the
+      // core's other errors outside one (a CUDA round the device did not stage in time) are told
+      // here. Not a usage error every rank raises alike (the group stays usable), nor a shutdown.
+      if (size > 1 && e.code() != ErrorCode::kInvalidUsage && e.code() != ErrorCode::kAborted) c.abandon(e.what());
+      return toTorchError(e, rank);
+    } catch (const std::exception& e) {
+      message = messageOf(e);
+    } catch (...) {
+      message = "an exception of unknown type";
+    }
+    const std::string prefix = rankPrefix(rank);
+    if (message.rfind(prefix, 0) == 0) {  // ours (locally()'s, a check's): names the op, has its type
+      if (size > 1) c.abandon(message.substr(prefix.size()));
+      return original;
+    }
+    message = std::string(opName(title)) + ": " + message;
+    if (size > 1) c.abandon(message);
+    const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
+    return std::make_exception_ptr(c10::DistBackendError(loc, prefix + message));
+  } catch (...) {
+    return original;
+  }
+}
+
+std::string messageOf(const std::exception& e) {
+  if (const auto* c10Error = dynamic_cast<const c10::Error*>(&e)) return c10Error->what_without_backtrace();
+  if (dynamic_cast<const std::bad_alloc*>(&e)) return "out of memory (std::bad_alloc)";
+  return e.what();
+}
+
+std::exception_ptr asTorchError(std::exception_ptr error, int rank) {
+  if (!error) return error;
+  try {
+    std::rethrow_exception(error);
+  } catch (const Error& e) {
+    return toTorchError(e, rank);
+  } catch (...) {
+    return error;
+  }
+}
+
+std::string forkedWhy(pid_t owner) {
+  return "this process (pid " + std::to_string(currentPid()) + ") is a fork of process " + std::to_string(owner) +
+         ", which made the process group: the group's threads, connections and shared memory are that "
+         "process's, so only it can run the group's ops (a DataLoader worker or other forked child must leave "
+         "communication to its parent)";
+}
+
+}  // namespace smddp::torchext

@@ -1,0 +1,154 @@
+#include "torch/staged.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/env.h"
+#include "torch/tensor_checks.h"
+
+namespace smddp::torchext {
+
+void ready(std::vector<Staged>& staged) {
+  for (Staged& s : staged) s.ready();
+}
+
+Staged stageInOut(const at::Tensor& t, int rank, const char* op) {
+  if (t.is_contiguous()) return {t};
+  checkWritable(t, rank, op);
+  return {t, Staged::Way::kCopyIn, true};
+}
+
+Staged stageOut(const at::Tensor& t, int rank, const char* op) {
+  if (t.is_contiguous()) return {t};
+  checkWritable(t, rank, op);
+  return {t, Staged::Way::kFresh, true};
+}
+
+Staged stageIn(const at::Tensor& t) {
+  return {t, t.is_contiguous() ? Staged::Way::kAsIs : Staged::Way::kCopyIn};
+}
+
+void finishStaged(const Staged& s) {
+  if (!s.copyBack) return;
+  // The user's tensor may be a leaf that requires grad (a parameter): the op writes its data, as
+  // gloo does, not an autograd-recorded in-place op.
+  at::NoGradGuard noGrad;
+  s.user.copy_(s.work);
+}
+
+bool overlaps(const Staged& a, const Staged& b) {
+  if (!a.inPlace() || !b.inPlace()) return false;
+  const uint8_t* a0 = bytePtr(a.user);
+  const uint8_t* b0 = bytePtr(b.user);
+  return a0 < b0 + b.user.nbytes() && b0 < a0 + a.user.nbytes();
+}
+
+std::vector<Staged> stageBlocks(const std::vector<at::Tensor>& blocks, const Staged& out, int rank, const char* op,
+                                bool uneven) {
+  std::vector<Staged> srcs;
+  for (const at::Tensor& b : blocks) {
+    checkMovedTensor(b, rank, op);
+    checkSameType(out.user, b, rank, op);
+    const bool own = static_cast<int>(srcs.size()) == rank;
+    TORCH_CHECK_VALUE(b.numel() == out.user.numel() || (uneven && !own), "smddp rank ", rank, ": ", op,
+                      uneven ? ": this rank's own input block must have the output's " : ": every input must have "
+                      "the output's ", out.user.numel(), " elements, got one with ", b.numel());
+    Staged c = stageIn(b);
+    if (overlaps(c, out)) c.copyAtStart();
+    srcs.push_back(std::move(c));
+  }
+  return srcs;
+}
+
+std::vector<bool> sharesWithEarlier(const std::vector<at::Tensor>& tensors) {
+  struct Span {
+    uintptr_t lo, hi;
+    size_t index;
+  };
+  std::vector<Span> spans;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.numel() == 0) continue;
+    int64_t last = 0;  // the last element's offset from the first, in elements (strides are >= 0)
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    spans.push_back({lo, lo + static_cast<uintptr_t>(last + 1) * t.element_size(), i});
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
+  std::vector<bool> shares(tensors.size(), false);
+  for (size_t k = 0; k < spans.size();) {
+    size_t end = k + 1;
+    uintptr_t hi = spans[k].hi;
+    size_t first = spans[k].index;
+    for (; end < spans.size() && spans[end].lo < hi; ++end) {
+      hi = std::max(hi, spans[end].hi);
+      first = std::min(first, spans[end].index);
+    }
+    for (size_t m = k; end - k > 1 && m < end; ++m) shares[spans[m].index] = spans[m].index != first;
+    k = end;
+  }
+  return shares;
+}
+
+std::vector<CoalescedItem> planCoalesced(const std::vector<at::Tensor>& tensors, size_t packBytes) {
+  constexpr size_t kMaxPackBytes = size_t{4} << 20;
+  std::vector<CoalescedItem> items;
+  size_t runBytes = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const size_t bytes = tensors[i].nbytes();
+    const bool packable = bytes > 0 && bytes <= packBytes;
+    if (packable && !items.empty() && runBytes > 0 && runBytes + bytes <= kMaxPackBytes &&
+        tensors[i].scalar_type() == tensors[items.back().first].scalar_type()) {
+      ++items.back().count;
+      runBytes += bytes;
+      continue;
+    }
+    items.push_back({i, 1});
+    runBytes = packable ? bytes : 0;
+  }
+  return items;
+}
+
+size_t coalescePackBytes() { return static_cast<size_t>(std::max<int64_t>(0, env::coalescePackBytes())); }
+
+void copyToBytes(uint8_t* bytes, const at::Tensor& t) {
+  if (t.is_contiguous()) {
+    std::memcpy(bytes, t.data_ptr(), t.nbytes());
+  } else {
+    at::NoGradGuard noGrad;
+    at::from_blob(bytes, t.sizes(), t.options()).copy_(t);
+  }
+}
+
+void copyFromBytes(const at::Tensor& t, const uint8_t* bytes) {
+  if (t.is_contiguous()) {
+    std::memcpy(t.data_ptr(), bytes, t.nbytes());
+  } else {
+    at::NoGradGuard noGrad;
+    t.copy_(at::from_blob(const_cast<uint8_t*>(bytes), t.sizes(), t.options()));
+  }
+}
+
+at::Tensor packCoalesced(const std::vector<Staged>& staged, const CoalescedItem& item) {
+  int64_t numel = 0;
+  for (size_t i = item.first; i < item.first + item.count; ++i) numel += staged[i].user.numel();
+  at::Tensor flat = at::empty({numel}, staged[item.first].user.options().memory_format(at::MemoryFormat::Contiguous));
+  uint8_t* to = bytePtr(flat);
+  for (size_t i = item.first; i < item.first + item.count; ++i) {
+    copyToBytes(to, staged[i].user);
+    to += staged[i].user.nbytes();
+  }
+  return flat;
+}
+
+void unpackCoalesced(const std::vector<Staged>& staged, const CoalescedItem& item, const at::Tensor& flat) {
+  const uint8_t* from = bytePtr(flat);
+  for (size_t i = item.first; i < item.first + item.count; ++i) {
+    copyFromBytes(staged[i].user, from);
+    from += staged[i].user.nbytes();
+  }
+}
+
+}  // namespace smddp::torchext

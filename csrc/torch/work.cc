@@ -1,0 +1,154 @@
+#include "torch/work.h"
+
+#include <c10/core/StreamGuard.h>
+
+#include "core/env.h"
+#include "core/spin.h"
+#include "torch/errors.h"
+#include "torch/flight_recorder.h"
+
+namespace smddp::torchext {
+
+SmddpWork::SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, std::vector<at::Tensor> outputs,
+                     const std::optional<std::vector<at::Tensor>>& inputs, std::chrono::microseconds spin)
+    : c10d::Work(rank, opType, profilingTitle, inputs),
+      title_(opName(profilingTitle)),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
+      spin_(spin) {}
+
+void SmddpWork::setCuda(c10::Stream doneOn) {
+  future_ = c10::make_intrusive<c10::ivalue::Future>(future_->elementType(), std::vector<c10::Device>{doneOn.device()});
+  c10::StreamGuard onDoneStream(doneOn);  // the future records its event on the current stream
+  future_->markCompleted(c10::IValue(outputs_));
+  cuda_ = true;
+}
+
+bool SmddpWork::wait(std::chrono::milliseconds timeout) {
+  if (currentPid() != ownerPid_ && !isCompleted()) {
+    // Its thread is the parent's: it would never complete here, and running it here (the
+    // drivers below) would work on the parent's shared memory.
+    TORCH_CHECK(false, "smddp rank ", rank_, ": ", title_, ": wait(): ", forkedWhy(ownerPid_));
+  }
+  if (cuda_ && env::cudaBlockingWait() == 0) {
+    // An error already known is raised here; a later one by the next call on the group.
+    if (std::exception_ptr error = isCompleted() ? exception() : nullptr) std::rethrow_exception(error);
+    synchronize();
+    return true;
+  }
+  // Without a time limit only: the engine's own deadlines end the drive, not the caller's.
+  if (p2pDriver_ && timeout == kNoTimeout) p2pDriver_->driveUntil([this] { return isCompleted(); });
+  if (runner_ && !isCompleted() &&
+      ((timeout == kNoTimeout && env::waitRunsOp() != 0) || runner_->runningHere())) {
+    runner_->runQueuedUntil([this] { return isCompleted(); });
+  }
+  spinUntil(spin_, [this] { return finished_.load(std::memory_order_acquire); });
+  try {
+    return c10d::Work::wait(timeout);  // then synchronize()
+  } catch (const c10::Error&) {
+    if (isCompleted()) throw;  // the op's own error
+    // The base class says only "Operation timed out!".
+    const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
+    throw c10::DistBackendError(loc, "smddp rank " + std::to_string(rank_) + ": " + title_ + ": wait(timeout=" +
+                                         std::to_string(timeout.count()) +
+                                         " ms) ran out before the op completed; the op is still pending (the "
+                                         "group's timeout ends it if its peers never come)");
+  }
+}
+
+void SmddpWork::synchronize() {
+  // The future's event: the current stream waits for it, and the caching allocator learns that
+  // stream uses the outputs (what NCCL's Work does too).
+  if (cuda_) future_->wait();
+}
+
+void SmddpWork::blockCurrentStream() {
+  if (cuda_) {
+    synchronize();
+  } else {
+    c10d::Work::blockCurrentStream();
+  }
+}
+
+void SmddpWork::traceStarted() { FlightRecorder::get().started(traceId_); }
+
+void SmddpWork::noteCallbacksAfter() {
+  if (runner_) callbacksAfter_.store(runner_->issued(), std::memory_order_release);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFuture() {
+  noteCallbacksAfter();
+  return future_;
+}
+
+void SmddpWork::complete(std::exception_ptr error) {
+  // The ops the future's callbacks issue here go after those issued before getFuture().
+  std::optional<engine::ProgressThread::IssueOrder> order;
+  if (runner_) order.emplace(runner_.get(), callbacksAfter_.load(std::memory_order_acquire));
+  // Before the future completes: whoever saw the op done may ask for its duration.
+  durationNs_.store(FlightRecorder::get().finished(traceId_, !error), std::memory_order_release);
+  c10d::WorkResult result = c10d::WorkResult::SUCCESS;
+  if (error) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const TimeoutError&) {
+      result = c10d::WorkResult::TIMEOUT;
+    } catch (...) {
+      result = c10d::WorkResult::COMM_ERROR;
+    }
+  }
+  result_ = result;  // read only by those who saw completed_, which finish() sets under mutex_
+  if (error) {
+    FlightRecorder::get().dumpOnError(pgId_, rank_);
+    if (!cuda_) future_->setError(error);  // a CUDA op's future completed at launch (setCuda)
+    finish(error);
+  } else {
+    if (!cuda_) future_->markCompleted(c10::IValue(outputs_));
+    finish();
+  }
+  finished_.store(true, std::memory_order_release);
+  // No lock per op unless the result was asked for: getFutureResult() sets resultWanted_ under
+  // mutex_ before finish() took it, or it saw completed_ and marks the result itself.
+  if (!resultWanted_.load(std::memory_order_acquire)) return;
+  c10::intrusive_ptr<c10::ivalue::Future> pending;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!resultMarked_) {
+      resultMarked_ = true;
+      pending = futureResult_;
+    }
+  }
+  if (pending) pending->markCompleted(c10::IValue(static_cast<int64_t>(result)));  // its callbacks run unlocked
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFutureResult() {
+  noteCallbacksAfter();
+  c10::intrusive_ptr<c10::ivalue::Future> f;
+  bool markNow = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!futureResult_) {
+      futureResult_ = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+      resultWanted_.store(true, std::memory_order_release);
+    }
+    f = futureResult_;
+    markNow = completed_ && !resultMarked_;
+    resultMarked_ = resultMarked_ || markNow;
+  }
+  if (markNow) f->markCompleted(c10::IValue(static_cast<int64_t>(result_)));
+  return f;
+}
+
+float SmddpWork::getDuration() const {
+  const int64_t ns = durationNs_.load(std::memory_order_acquire);
+  TORCH_CHECK(ns != kNotDone, "smddp rank ", rank_, ": ", title_, ": _get_duration() before the op completed");
+  TORCH_CHECK(FlightRecorder::get().enabled(), "smddp rank ", rank_, ": ", title_,
+              ": _get_duration() needs the flight recorder, which times each op (TORCH_FR_BUFFER_SIZE is 0)");
+  TORCH_CHECK(ns != FlightRecorder::kOverwritten, "smddp rank ", rank_, ": ", title_,
+              ": _get_duration(): later ops took the op's flight recorder entry before it completed (TORCH_FR_BUFFER_SIZE=",
+              FlightRecorder::get().capacity(), " entries), so it was not timed");
+  TORCH_CHECK(ns >= 0, "smddp rank ", rank_, ": ", title_, ": _get_duration(): the op failed, so it was not timed");
+  return static_cast<float>(ns) / 1e6f;
+}
+
+}  // namespace smddp::torchext
