@@ -45,13 +45,14 @@ std::exception_ptr asTorchError(std::exception_ptr error, int rank);
 std::exception_ptr bodyError(algo::Communicator& c, int rank, int size, const char* title);
 
 // Runs `fn`, a step of this rank's own work inside an op (staging before its first collective,
-// or work between two), so that an error names the step: "smddp rank R: `op`: `step` failed: why".
+// or work between two), so that an error names the step: "smddp rank R: `op`: `step` failed: why",
+// a DistBackendError, as every failure that breaks the group is (bodyError).
 template <class Fn>
 auto locally(int rank, const char* op, const std::string& step, Fn&& fn) {
   try {
     return fn();
   } catch (const std::exception& e) {
-    C10_THROW_ERROR(Error, rankPrefix(rank) + op + ": " + step + " failed: " + messageOf(e));
+    C10_THROW_ERROR(DistBackendError, rankPrefix(rank) + op + ": " + step + " failed: " + messageOf(e));
   }
 }
 
