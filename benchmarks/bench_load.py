@@ -143,9 +143,9 @@ def run_job(args, backend: str, env_extra: dict) -> list:
                 time.sleep(0.1)
             codes = [p.poll() for p in procs]
             if codes != [0] * args.world:
-                running = [str(r) for r, c in enumerate(codes) if c is None]
-                why = "; ".join(filter(None, [_describe_failures(procs),
-                                              running and f"rank {', '.join(running)} still running, killed"]))
+                why = _describe_failures(procs)  # after it, a rank still running is one it left out
+                running = [str(r) for r, p in enumerate(procs) if p.poll() is None]
+                why = "; ".join(filter(None, [why, running and f"rank {', '.join(running)} still running, killed"]))
                 raise RuntimeError(f"job {backend} {env_extra or ''} failed ({why})")
             per_rank = []
             for rank in range(args.world):

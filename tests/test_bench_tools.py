@@ -134,8 +134,8 @@ def test_load_benchmark_runs_every_job():
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter"])
 def test_load_benchmark_times_coalesced_lists(op):
     # --tensors: each op one coalesced call of that many tensors, every tensor checked.
-    # gloo's coalesced all-gather crashes now and then (a rank killed by SIGSEGV in CI; the same
-    # flakiness as pytorch/pytorch#65231), which would fail this test of our tool: that cell runs
+    # gloo's coalesced all-gather crashed a rank once in CI (SIGSEGV; cf. pytorch/pytorch#65231, a
+    # flaky gloo allgather_coalesced), which would fail this test of our tool: that cell runs
     # without the baseline (the gloo column itself is tested with all_reduce above).
     jobs = ("smddp", "var1") if op == "all_gather" else ("smddp", "var1", "gloo")
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--load", "0", "--world", "2",

@@ -3,7 +3,7 @@
 // Every tunable is declared once in env.cc with its default and a help line (smddp.env_params()
 // lists them; tests/test_env_readme.py checks that README's table names the same ones). Each value
 // is read from the environment on first use and then cached for the life of the process, like
-// NCCL's NCCL_PARAM.
+// NCCL's NCCL_PARAM (the integers all at the first group's set-up: checkIntegers).
 #pragma once
 
 #include <cstdint>

@@ -15,6 +15,31 @@
 
 namespace smddp::torchext {
 
+namespace {
+// An op's tensors in a log line: "float32, 2 inputs (2048 elements), 1 output (1024 elements)";
+// for a send or recv (which passes its one buffer as both) "int64, 3 elements (24 bytes)".
+std::string describeTensors(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs, bool p2p) {
+  if (outputs.empty() && inputs.empty()) return "no tensors";
+  const at::ScalarType st = (outputs.empty() ? inputs : outputs)[0].scalar_type();
+  const std::optional<DataType> dt = toDataType(st);
+  std::ostringstream text;
+  text << (dt ? dataTypeName(*dt) : c10::toString(st));
+  if (p2p) {
+    text << ", " << outputs[0].numel() << " elements (" << outputs[0].nbytes() << " bytes)";
+    return text.str();
+  }
+  auto list = [&](const char* what, const std::vector<at::Tensor>& ts) {
+    if (ts.empty()) return;
+    int64_t n = 0;
+    for (const at::Tensor& t : ts) n += t.numel();
+    text << ", " << ts.size() << " " << what << (ts.size() == 1 ? "" : "s") << " (" << n << " elements)";
+  };
+  list("input", inputs);
+  list("output", outputs);
+  return text.str();
+}
+}  // namespace
+
 SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks)
     : c10d::Backend(rank, size), timeoutMs_(timeout.count()), globalRanks_(std::move(globalRanks)) {
@@ -25,8 +50,6 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     for (int r = 0; r < size; ++r) globalRanks_.push_back(r);
   }
   pgId_ = FlightRecorder::get().addGroup(globalRanks_);
-  const char* torchDebug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
-  debugChecks_ = env::debugChecks() != 0 || (torchDebug != nullptr && std::string(torchDebug) == "DETAIL");
   c10dStore_ = store;
   store_ = std::make_unique<C10dStore>(store, timeout);
   try {
@@ -37,6 +60,10 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, rank));
   }
+  // After the set-up, which checked every integer setting on every rank alike (read before it,
+  // a malformed SMDDP_DEBUG_CHECKS failed this rank alone, its peers waiting out the timeout).
+  const char* torchDebug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
+  debugChecks_ = env::debugChecks() != 0 || (torchDebug != nullptr && std::string(torchDebug) == "DETAIL");
   handOffLinger_ = handOffLinger(comm_->machineShare());
   progress_ = std::make_shared<engine::ProgressThread>("smddp-r" + std::to_string(rank), handOffLinger_);
   // A blocking point-to-point wait runs its engine on the caller's thread: no second thread of

@@ -18,7 +18,7 @@ namespace smddp::torchext {
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::AllreduceOptions& opts) {
-  const at::Tensor& t = single(tensors, rank_, "allreduce");
+  const at::Tensor& t = onlyTensor(tensors, rank_, "allreduce");
   if (Tensors reals = complexAsReals(tensors, opts.reduceOp, rank_, "allreduce"); !reals.empty()) {
     return allreduce(reals, opts);  // a caller of the ProcessGroup itself (torch's all_reduce converts)
   }
@@ -68,7 +68,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
   }
   // Runs of small tensors of one dtype are reduced as one flat tensor: a reduction costs a round
   // of synchronisation, which dwarfs copying a small tensor in and out (gloo flattens every list).
-  const std::vector<CoalescedItem> items = planCoalesced(tensors, coalescePackBytes());
+  const std::vector<CoalescedItem> items = planCoalesced(tensors, packBytesSetting());
   // Reduced in place after an earlier tensor of the list that shares its memory, a tensor would
   // reduce that one's results again: it reduces a copy of its values as they are when the op
   // starts instead, and writes its result back (the same values there), as gloo's flattening does.
@@ -111,7 +111,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::ReduceOptions& opts) {
-  const at::Tensor& t = single(tensors, rank_, "reduce");
+  const at::Tensor& t = onlyTensor(tensors, rank_, "reduce");
   if (Tensors reals = complexAsReals(tensors, opts.reduceOp, rank_, "reduce"); !reals.empty()) {
     return reduce(reals, opts);
   }
@@ -139,7 +139,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce(std::vector<at::Tensor>& ten
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                        const c10d::BroadcastOptions& opts) {
-  const at::Tensor& t = single(tensors, rank_, "broadcast");
+  const at::Tensor& t = onlyTensor(tensors, rank_, "broadcast");
   const DataType dtype = checkMovedTensor(t, rank_, "broadcast");
   const int root = static_cast<int>(opts.rootRank);
   TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp rank ", rank_, ": broadcast: root ", root,
@@ -208,12 +208,12 @@ void runListGather(algo::Communicator& c, ListGather& g, std::chrono::millisecon
 c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllgatherOptions& opts) {
-  const at::Tensor& in = single(inputs, rank_, "allgather");
+  const at::Tensor& in = onlyTensor(inputs, rank_, "allgather");
   TORCH_CHECK_VALUE(outputs.size() == 1, "smddp rank ", rank_, ": allgather takes one output list, got ",
                     outputs.size());
   checkMovedTensor(in, rank_, "allgather");
   std::vector<at::Tensor>& outs = outputs[0];
-  if (isCudaOp(concat({in}, outs), "allgather")) {
+  if (isCudaOp(concatTensors({in}, outs), "allgather")) {
     return cudaWhole("allgather", {in}, outs, [&](const Tensors& hostIn, const Tensors& hostOut) {
       std::vector<std::vector<at::Tensor>> o{hostOut};
       Tensors i = hostIn;
@@ -240,7 +240,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_coalesced(std::vector<std
     outs.insert(outs.end(), list.begin(), list.end());
   }
   for (const at::Tensor& in : inputs) checkMovedTensor(in, rank_, "allgather_coalesced");
-  if (isCudaOp(concat(inputs, outs), "allgather_coalesced")) {
+  if (isCudaOp(concatTensors(inputs, outs), "allgather_coalesced")) {
     return cudaWhole("allgather_coalesced", inputs, outs, [&](const Tensors& hostIn, const Tensors& hostOut) {
       std::vector<std::vector<at::Tensor>> lists;
       for (size_t r = 0; r < outputLists.size(); ++r) {
@@ -354,7 +354,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "smddp rank ", rank_,
                     ": allgather_into_tensor_coalesced: got ", outputs.size(), " outputs for ", inputs.size(),
                     " inputs");
-  if (isCudaOp(concat(outputs, inputs), "allgather_into_tensor_coalesced")) {
+  if (isCudaOp(concatTensors(outputs, inputs), "allgather_into_tensor_coalesced")) {
     std::vector<ColumnPart> parts;
     for (size_t i = 0; i < inputs.size(); ++i) {
       const DataType dtype = checkFlatGather(outputs[i], inputs[i], rank_, size_, "allgather_into_tensor_coalesced");
@@ -369,7 +369,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std
   }
   // Runs of small tensors of one dtype go as one all-gather, as all_reduce_coalesced's do (one
   // dtype, so that ranks whose dtypes differ still fail as mismatched).
-  const std::vector<CoalescedItem> items = planCoalesced(outputs, coalescePackBytes());
+  const std::vector<CoalescedItem> items = planCoalesced(outputs, packBytesSetting());
   return enqueue(c10d::OpType::COALESCED, "smddp:all_gather_into_tensor_coalesced", outputs, inputs,
                  resolveTimeout(opts.timeout), opts.asyncOp,
                  [gathers, items, rank = rank_, size = size_](algo::Communicator& c, std::chrono::milliseconds to) mutable {
@@ -380,10 +380,10 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std
 c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                             std::vector<std::vector<at::Tensor>>& inputs,
                                                             const c10d::ReduceScatterOptions& opts) {
-  const at::Tensor& out = single(outputs, rank_, "reduce_scatter");
+  const at::Tensor& out = onlyTensor(outputs, rank_, "reduce_scatter");
   TORCH_CHECK_VALUE(inputs.size() == 1, "smddp rank ", rank_, ": reduce_scatter takes one input list, got ",
                     inputs.size());
-  if (Tensors reals = complexAsReals(concat({out}, inputs[0]), opts.reduceOp, rank_, "reduce_scatter");
+  if (Tensors reals = complexAsReals(concatTensors({out}, inputs[0]), opts.reduceOp, rank_, "reduce_scatter");
       !reals.empty()) {
     Tensors o{reals[0]};
     std::vector<Tensors> i{Tensors(reals.begin() + 1, reals.end())};
@@ -394,7 +394,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter(std::vector<at::Tens
   const std::vector<at::Tensor>& ins = inputs[0];
   TORCH_CHECK_VALUE(static_cast<int>(ins.size()) == size_, "smddp rank ", rank_, ": reduce_scatter: the input list has ",
                     ins.size(), " tensors but the group has ", size_, " ranks");
-  if (isCudaOp(concat({out}, ins), "reduce_scatter")) {
+  if (isCudaOp(concatTensors({out}, ins), "reduce_scatter")) {
     for (const at::Tensor& b : ins) checkSameType(out, b, rank_, "reduce_scatter");
     return cudaWhole("reduce_scatter", ins, {out}, [&](const Tensors& hostIn, const Tensors& hostOut) {
       Tensors o = hostOut;
@@ -521,13 +521,13 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "smddp rank ", rank_,
                     ": reduce_scatter_tensor_coalesced: got ", outputs.size(), " outputs for ", inputs.size(),
                     " inputs");
-  if (Tensors reals = complexAsReals(concat(outputs, inputs), opts.reduceOp, rank_, "reduce_scatter_tensor_coalesced");
+  if (Tensors reals = complexAsReals(concatTensors(outputs, inputs), opts.reduceOp, rank_, "reduce_scatter_tensor_coalesced");
       !reals.empty()) {
     Tensors o(reals.begin(), reals.begin() + static_cast<ptrdiff_t>(outputs.size()));
     Tensors i(reals.begin() + static_cast<ptrdiff_t>(outputs.size()), reals.end());
     return reduce_scatter_tensor_coalesced(o, i, opts);
   }
-  if (isCudaOp(concat(outputs, inputs), "reduce_scatter_tensor_coalesced")) {
+  if (isCudaOp(concatTensors(outputs, inputs), "reduce_scatter_tensor_coalesced")) {
     std::vector<ColumnPart> parts;
     for (size_t i = 0; i < inputs.size(); ++i) {
       const auto [dtype, red] = checkFlatScatter(outputs[i], inputs[i], opts.reduceOp, rank_, size_,
@@ -543,7 +543,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
         prepareFlatScatter(outputs[i], inputs[i], opts.reduceOp, rank_, size_, "reduce_scatter_tensor_coalesced"));
   }
   // Runs of small tensors of one dtype go as one reduce-scatter, as all_reduce_coalesced's do.
-  const std::vector<CoalescedItem> items = planCoalesced(inputs, coalescePackBytes());
+  const std::vector<CoalescedItem> items = planCoalesced(inputs, packBytesSetting());
   return enqueue(c10d::OpType::COALESCED, "smddp:reduce_scatter_tensor_coalesced", outputs, inputs,
                  resolveTimeout(opts.timeout), opts.asyncOp,
                  [scatters, items, rank = rank_, size = size_](algo::Communicator& c, std::chrono::milliseconds to) mutable {
@@ -561,11 +561,11 @@ int checkRoot(int64_t root, int rank, int size, const char* op) {
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                     std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
-  const at::Tensor& in = single(inputs, rank_, "gather");
+  const at::Tensor& in = onlyTensor(inputs, rank_, "gather");
   const DataType dtype = checkMovedTensor(in, rank_, "gather");
   const int root = checkRoot(opts.rootRank, rank_, size_, "gather");
   const Tensors rootOuts = rank_ == root && outputs.size() == 1 ? outputs[0] : Tensors{};
-  if (isCudaOp(concat({in}, rootOuts), "gather")) {
+  if (isCudaOp(concatTensors({in}, rootOuts), "gather")) {
     return cudaWhole("gather", {in}, rootOuts, [&](const Tensors& hostIn, const Tensors& hostOut) {
       std::vector<std::vector<at::Tensor>> o;
       if (rank_ == root) o.push_back(hostOut);
@@ -613,11 +613,11 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
 c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& outputs,
                                                      std::vector<std::vector<at::Tensor>>& inputs,
                                                      const c10d::ScatterOptions& opts) {
-  const at::Tensor& out = single(outputs, rank_, "scatter");
+  const at::Tensor& out = onlyTensor(outputs, rank_, "scatter");
   const DataType dtype = checkMovedTensor(out, rank_, "scatter");
   const int root = checkRoot(opts.rootRank, rank_, size_, "scatter");
   const Tensors rootIns = rank_ == root && inputs.size() == 1 ? inputs[0] : Tensors{};
-  if (isCudaOp(concat({out}, rootIns), "scatter")) {
+  if (isCudaOp(concatTensors({out}, rootIns), "scatter")) {
     return cudaWhole("scatter", rootIns, {out}, [&](const Tensors& hostIn, const Tensors& hostOut) {
       Tensors o = hostOut;
       std::vector<std::vector<at::Tensor>> i;
@@ -719,7 +719,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& o
   TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_ && static_cast<int>(inputs.size()) == size_,
                     "smddp rank ", rank_, ": all_to_all takes ", size_, " inputs and ", size_, " outputs, got ",
                     inputs.size(), " and ", outputs.size());
-  if (isCudaOp(concat(outputs, inputs), "all_to_all")) {
+  if (isCudaOp(concatTensors(outputs, inputs), "all_to_all")) {
     return cudaWhole("all_to_all", inputs, outputs, [&](const Tensors& hostIn, const Tensors& hostOut) {
       Tensors o = hostOut, i = hostIn;
       return alltoall(o, i, opts);

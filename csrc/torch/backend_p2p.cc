@@ -13,7 +13,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
                                                  bool background) {
   const char* op = isSend ? "send" : "recv";
   throwIfForked(op);
-  const at::Tensor& t = single(tensors, rank_, op);
+  const at::Tensor& t = onlyTensor(tensors, rank_, op);
   checkMovedTensor(t, rank_, op);
   TORCH_CHECK_VALUE((peer == -1 && !isSend) || (peer >= 0 && peer < size_ && peer != rank_), "smddp rank ", rank_,
                     ": ", op,

@@ -1,5 +1,6 @@
 // smddp.monitored_barrier: rank 0 hears from every rank over point-to-point messages within the
-// timeout and names the ranks it missed.
+// timeout and names the ranks it missed; and the range of tags it keeps from send and recv
+// (checkUserTag).
 #include <ATen/ATen.h>
 
 #include <algorithm>

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/types.h"
 #include "torch/backend.h"
+#include "torch/errors.h"
 
 namespace smddp::torchext {
 namespace {

@@ -1,6 +1,7 @@
-// How an op holds the user's tensors while it runs (phase 2): contiguous memory the core can
-// work on, the tensor itself where it can be, else a copy made as the op starts and copied back
-// after it; and how a coalesced op packs small tensors into one.
+// How an op holds the user's tensors: planned and checked at the call (phase 1), made ready as
+// the op starts (phase 2): contiguous memory the core can work on, the tensor itself where it
+// can be, else a copy made as the op starts and copied back after it; and how a coalesced op
+// packs small tensors into one.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -95,7 +96,7 @@ struct CoalescedItem {
 std::vector<CoalescedItem> planCoalesced(const std::vector<at::Tensor>& tensors, size_t packBytes);
 
 // SMDDP_COALESCE_PACK_BYTES, at least 0.
-size_t coalescePackBytes();
+size_t packBytesSetting();
 
 // A tensor's values to and from `bytes` (its nbytes() of them, in its logical order). Contiguous
 // ones are copied with memcpy: torch's copy_() of a small tensor costs more than the collective

@@ -3,7 +3,6 @@
 #include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
-#include <sstream>
 
 namespace smddp::torchext {
 
@@ -84,12 +83,12 @@ void checkSameType(const at::Tensor& a, const at::Tensor& b, int rank, const cha
                    ": input and output dtypes differ (", b.scalar_type(), " vs ", a.scalar_type(), ")");
 }
 
-std::vector<at::Tensor> concat(std::vector<at::Tensor> a, const std::vector<at::Tensor>& b) {
+std::vector<at::Tensor> concatTensors(std::vector<at::Tensor> a, const std::vector<at::Tensor>& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
 }
 
-const at::Tensor& single(const std::vector<at::Tensor>& tensors, int rank, const char* op) {
+const at::Tensor& onlyTensor(const std::vector<at::Tensor>& tensors, int rank, const char* op) {
   TORCH_CHECK_VALUE(tensors.size() == 1, "smddp rank ", rank, ": ", op, " takes exactly one tensor per process, got ",
                     tensors.size());
   return tensors[0];
@@ -137,25 +136,5 @@ void checkWritable(const at::Tensor& t, int rank, const char* op) {
                     "pass a tensor of its own, e.g. .clone()");
 }
 
-std::string describeTensors(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs, bool p2p) {
-  if (outputs.empty() && inputs.empty()) return "no tensors";
-  const at::ScalarType st = (outputs.empty() ? inputs : outputs)[0].scalar_type();
-  const std::optional<DataType> dt = toDataType(st);
-  std::ostringstream text;
-  text << (dt ? dataTypeName(*dt) : c10::toString(st));
-  if (p2p) {
-    text << ", " << outputs[0].numel() << " elements (" << outputs[0].nbytes() << " bytes)";
-    return text.str();
-  }
-  auto list = [&](const char* what, const std::vector<at::Tensor>& ts) {
-    if (ts.empty()) return;
-    int64_t n = 0;
-    for (const at::Tensor& t : ts) n += t.numel();
-    text << ", " << ts.size() << " " << what << (ts.size() == 1 ? "" : "s") << " (" << n << " elements)";
-  };
-  list("input", inputs);
-  list("output", outputs);
-  return text.str();
-}
 
 }  // namespace smddp::torchext

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "core/types.h"
@@ -38,10 +39,10 @@ DataType checkMovedTensor(const at::Tensor& t, int rank, const char* op);
 void checkSameType(const at::Tensor& a, const at::Tensor& b, int rank, const char* op);
 
 // a followed by b.
-std::vector<at::Tensor> concat(std::vector<at::Tensor> a, const std::vector<at::Tensor>& b);
+std::vector<at::Tensor> concatTensors(std::vector<at::Tensor> a, const std::vector<at::Tensor>& b);
 
 // The one tensor of a list that must hold exactly one (torch's list form of single-tensor ops).
-const at::Tensor& single(const std::vector<at::Tensor>& tensors, int rank, const char* op);
+const at::Tensor& onlyTensor(const std::vector<at::Tensor>& tensors, int rank, const char* op);
 
 // torch's reduce op for `dtype` as the core's (PREMUL_SUM's factor, AVG's divisor `size`);
 // NotImplementedError for a pair the core does not compute.
@@ -52,8 +53,5 @@ Reduction toReduction(const c10d::ReduceOp& op, DataType dtype, int size, int ra
 // after the op has run; refuse it before anything is sent.
 void checkWritable(const at::Tensor& t, int rank, const char* op);
 
-// An op's tensors in a log line: "float32, 2 inputs (2048 elements), 1 output (1024 elements)";
-// for a send or recv (which passes its one buffer as both) "int64, 3 elements (24 bytes)".
-std::string describeTensors(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs, bool p2p);
 
 }  // namespace smddp::torchext
