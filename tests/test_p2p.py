@@ -56,6 +56,17 @@ def exchange_send_first(rank, world, n):
         rep.check(f"exchange from {p} size={n}", got, gen(f"x|{p}|{rank}", p, n, torch.float32), cross_rank=False)
     for w in sends:
         w.wait()
+    # Only a recv names a sender (a send or a collective gave -1 until 2026-11-30; gloo raises).
+    got = torch.empty(1)
+    recv = dist.irecv(got, (rank - 1) % world)
+    send = dist.isend(torch.ones(1), (rank + 1) % world)
+    for what, work in (("recv", recv), ("isend", send), ("all_reduce", dist.all_reduce(got, async_op=True))):
+        work.wait()
+        try:
+            source = work._source_rank()
+            rep.expect(what == "recv" and source == (rank - 1) % world, f"{what}'s _source_rank() gave {source}")
+        except RuntimeError:
+            rep.expect(what != "recv", f"a named recv's _source_rank() raised")
     return rep.to_dict()
 
 

@@ -75,8 +75,12 @@ class SmddpWork : public c10d::Work {
   }
   void traceStarted();
 
-  // For recv from any source: the rank the message came from.
-  int sourceRank() const override { return sourceRank_.load(); }
+  // A recv's (any source's too) sender once the message is in; other ops raise, as gloo's do
+  // (until 2026-11-30 they gave -1).
+  int sourceRank() const override {
+    if (opType_ != c10d::OpType::RECV && opType_ != c10d::OpType::RECVANYSOURCE) return c10d::Work::sourceRank();
+    return sourceRank_.load();
+  }
   void setSourceRank(int rank) { sourceRank_.store(rank); }
 
  private:
