@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_gloo import parse_size  # noqa: E402  (no torch import)
+from bench_vs_gloo import _set_parent_death_signal, parse_size  # noqa: E402  (no torch import)
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUND_TRIP = re.compile(r"^# cache-line round trip between CPUs \d+ and \d+ (before|after) the run: (\d+ ns|not measured)")
@@ -37,7 +37,9 @@ def launch(binary, collective, nbytes, ranks, iters, huge_pages, env):
     """(out-of-place time in us, [round trips in ns, None where not measured]) of one smddp_perf job."""
     cmd = [binary, "-np", str(ranks), "--collective", collective, "-b", str(nbytes), "-e", str(nbytes),
            "-n", str(iters), "-w", "5", "-c", "0", "--huge-pages", str(huge_pages)]
-    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    parent = os.getpid()  # smddp_perf dies with this script, killed or timed out (no orphan)
+    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600,
+                          preexec_fn=lambda: _set_parent_death_signal(parent))
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
     trips, time_us = [], None

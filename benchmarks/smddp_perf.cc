@@ -30,6 +30,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -627,13 +628,13 @@ void printCacheLineRoundTrip(const char* when) {
   alignas(64) std::atomic<int> line{0};
   std::thread echo([&] {
     pinThisThread(cpus[1]);
-    for (int seen = 0;;) {
-      const int v = line.load(std::memory_order_acquire);
+    for (;;) {
+      int v = line.load(std::memory_order_acquire);
       if (v == kStop) return;
-      if (v != seen && (v & 1)) {
-        seen = v + 1;
-        line.store(seen, std::memory_order_release);
-      }
+      // Answers only the ping it read: a plain store could land after a late main thread's
+      // kStop and overwrite it, and this thread then spun forever, its process with it (an
+      // orphaned smddp_perf, under load, 2026-11-30).
+      if (v & 1) line.compare_exchange_strong(v, v + 1, std::memory_order_acq_rel);
     }
   });
   pinThisThread(cpus[0]);
@@ -686,9 +687,12 @@ int main(int argc, char** argv) {
   printCacheLineRoundTrip("before the run");
   fflush(stdout);  // the ranks inherit this buffer: empty it before they fork
   std::vector<pid_t> kids;
+  const pid_t launcher = getpid();
   for (int r = 0; r < a.ranks; ++r) {
     pid_t pid = fork();
     if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);  // a killed launcher leaves no rank behind
+      if (getppid() != launcher) _exit(1);  // it died before the line above
       int rc = 1;
       try {
         FileStore store(dir, a.timeout);
