@@ -96,9 +96,9 @@ Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chron
       rank_(rank),
       size_(size),
       // Local choices first, before any store exchange: a setting that fails them (a malformed
-      // integer, SMDDP_STAGE_STREAM, SMDDP_SOCKET_IFNAME, SMDDP_SOCKET_FAMILY) then fails every rank alike,
-      // instead of failing rank 0 first and taking the store its process hosts from ranks still
-      // using it, or leaving a rank's host-mates waiting for its shared memory.
+      // integer, SMDDP_STAGE_STREAM, SMDDP_SOCKET_IFNAME, SMDDP_SOCKET_FAMILY) then fails every
+      // rank alike, instead of failing rank 0 first and taking the store its process hosts from
+      // ranks still using it, or leaving a rank's host-mates waiting for its shared memory.
       stagingPolicy_(tellingPeers(store, rank, [] {
         env::checkIntegers();
         return StagingPolicy::modeFromEnv();
