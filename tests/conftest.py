@@ -9,10 +9,16 @@
 * Every test gets a pytest-timeout mark (last resort against hangs; the pool
   has its own per-task deadlines).
 * Cells that the backend cannot do (only with gloo) are reported at the end.
+* A test that takes over SMDDP_TEST_SLOW_S seconds (60) says so as it ends, and every
+  SMDDP_TEST_PULSE_S seconds (600) a line gives the session's time, the load and the busiest
+  processes: a run cut short by CI's time limit prints no --durations, and only these lines
+  tell where its time went (a slow test, or something left spinning beside the tests).
 """
 
 import os
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -23,6 +29,10 @@ import _pool  # noqa: E402
 import _util  # noqa: E402
 
 DEFAULT_TEST_TIMEOUT = int(os.environ.get("SMDDP_TEST_PYTEST_TIMEOUT", "420"))
+SLOW_TEST_S = float(os.environ.get("SMDDP_TEST_SLOW_S", "60"))
+PULSE_S = float(os.environ.get("SMDDP_TEST_PULSE_S", "600"))
+_PULSE = {"start": time.monotonic(), "last": time.monotonic(), "done": 0}
+_TERMINAL = {}  # "reporter": pytest's terminal reporter, once the session has started
 
 
 def pytest_configure(config):
@@ -129,6 +139,43 @@ def pytest_unconfigure(config):
     if _POOLS is not None:
         for p in list(_POOLS.live.values()):
             p.kill()
+
+
+def _busiest_processes(n=3):
+    try:
+        out = subprocess.run(["ps", "-eo", "pcpu,etimes,args", "--sort=-pcpu", "--no-headers"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"ps failed: {e}"
+    return "; ".join(" ".join(line.split())[:120] for line in out.splitlines()[:n])
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "teardown":
+        return
+    _PULSE["done"] += 1
+    tr = _TERMINAL.get("reporter")
+    if tr is None:
+        return
+    now = time.monotonic()
+    took = now - _PULSE.get("began", now)
+    if took > SLOW_TEST_S:
+        tr.write_line(f"[smddp tests] slow: {report.nodeid} took {took:.0f}s")
+    if now - _PULSE["last"] >= PULSE_S:
+        _PULSE["last"] = now
+        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        tr.write_line(f"[smddp tests] {(now - _PULSE['start']) / 60:.0f} min, {_PULSE['done']} tests done, "
+                      f"load {load}; busiest (%cpu, seconds alive, command): {_busiest_processes()}")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _PULSE["began"] = time.monotonic()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session):
+    _TERMINAL["reporter"] = session.config.pluginmanager.getplugin("terminalreporter")
+    _PULSE["start"] = _PULSE["last"] = time.monotonic()
 
 
 def pytest_report_header(config):
