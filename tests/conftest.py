@@ -9,6 +9,11 @@
 * Every test gets a pytest-timeout mark (last resort against hangs; the pool
   has its own per-task deadlines).
 * Cells that the backend cannot do (only with gloo) are reported at the end.
+* Two tiers. The default one (`scripts/test.sh`, CI's) tests every op, feature, failure and
+  example script. The deep tier (tests marked `deep`: the same code rebuilt under the
+  sanitizers, preloaded with I/O faults, cross-built for aarch64 and run under qemu; messages
+  past 2^31 bytes; the example scripts' other options) joins it with SMDDP_TEST_DEEP=1
+  (`scripts/test.sh --deep`); it nearly doubles the run, which CI's 90 minutes cannot hold.
 * A test that takes over SMDDP_TEST_SLOW_S seconds (60) says so as it ends, and every
   SMDDP_TEST_PULSE_S seconds (600) a line gives the session's time, the load and the busiest
   processes: a run cut short by CI's time limit prints no --durations, and only these lines
@@ -29,6 +34,8 @@ import _pool  # noqa: E402
 import _util  # noqa: E402
 
 DEFAULT_TEST_TIMEOUT = int(os.environ.get("SMDDP_TEST_PYTEST_TIMEOUT", "420"))
+DEEP = os.environ.get("SMDDP_TEST_DEEP", "0") == "1"
+DEEP_LEFT_OUT = []  # node ids of the deep tier when it does not run
 SLOW_TEST_S = float(os.environ.get("SMDDP_TEST_SLOW_S", "60"))
 PULSE_S = float(os.environ.get("SMDDP_TEST_PULSE_S", "600"))
 _PULSE = {"start": time.monotonic(), "last": time.monotonic(), "done": 0}
@@ -37,6 +44,7 @@ _TERMINAL = {}  # "reporter": pytest's terminal reporter, once the session has s
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "timeout(seconds): pytest-timeout limit")
+    config.addinivalue_line("markers", "deep: the deep tier, run with SMDDP_TEST_DEEP=1 (module docstring)")
 
 
 def _pool_of(item):
@@ -52,6 +60,12 @@ def _pool_of(item):
 
 
 def pytest_collection_modifyitems(session, config, items):
+    if not DEEP:
+        deep = [item for item in items if item.get_closest_marker("deep") is not None]
+        if deep:
+            DEEP_LEFT_OUT.extend(item.nodeid for item in deep)
+            items[:] = [item for item in items if item.get_closest_marker("deep") is None]
+            config.hook.pytest_deselected(items=deep)
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(DEFAULT_TEST_TIMEOUT))
@@ -185,6 +199,10 @@ def pytest_report_header(config):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr = terminalreporter
+    if DEEP_LEFT_OUT:
+        files = sorted({nodeid.split("::")[0] for nodeid in DEEP_LEFT_OUT})
+        tr.write_line(f"smddp tests: the deep tier's {len(DEEP_LEFT_OUT)} tests were not run ({', '.join(files)}): "
+                      f"SMDDP_TEST_DEEP=1 (scripts/test.sh --deep) runs them")
     if _util.STATS["tasks"]:
         tr.write_line(f"smddp tests: backend={_pool.backend_name()}: {_util.STATS['checks']} per-rank checks "
                       f"passed in {_util.STATS['tasks']} passing multi-rank tasks; "

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.deep  # SMDDP_TEST_DEEP=1 runs it (tests/conftest.py)
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / "cross-aarch64"
 CXX = "aarch64-linux-gnu-g++"

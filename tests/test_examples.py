@@ -35,10 +35,9 @@ The deepspeed / transformers / accelerate cases skip when the package is not imp
 (pip install -r requirements-examples.txt). The first DeepSpeed run on a machine
 JIT-compiles DeepSpeed's CPU shm op (~35 s, cached in ~/.cache/torch_extensions).
 
-Runtime: two torchrun launches per case (21 cases against gloo, 8 against the single-process
-reference), ~4.5 s of fixed cost each on 2 cores, the 4-rank ones ~11 s. Skip them with
--k "not test_example".
-"""
+Runtime: two torchrun launches per case (21 cases against gloo, 11 against the single-process
+reference; 9 and 4 of them in the default tier, the rest in the deep one: DEEP_CASES), ~4.5 s of
+fixed cost each on 2 cores, the 4-rank ones ~11 s. Skip them with -k "not test_example"."""
 import importlib.util
 import math
 import os
@@ -154,7 +153,19 @@ def _run(script, nproc, extra, backend):
     return [v for _, v in losses]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# The variants that CI's default tier leaves to the deep one (tests/conftest.py): each script runs
+# in CI in the configuration that exercises most of it; these are its other options.
+DEEP_CASES = {"fsdp2", "fsdp2-bf16", "fsdp1-FULL_SHARD", "fsdp1-SHARD_GRAD_OP", "deepspeed-zero1", "deepspeed-zero2",
+              "smp-default", "smp-hybrid2-zero2", "smp-delayed-init-ckpt", "smp-tp2", "smp-ep2", "smp-cp2"}
+DEEP_SINGLE_PROCESS_CASES = {"default", "hybrid2", "tp2", "ep2-resume", "cp2-hybrid2", "cp2-tp2-resume", "cp2-balanced"}
+
+
+def _tiered(cases, deep):
+    assert deep <= set(cases), deep - set(cases)
+    return [pytest.param(c, marks=pytest.mark.deep) if c in deep else c for c in cases]
+
+
+@pytest.mark.parametrize("case", _tiered(CASES, DEEP_CASES))
 def test_example(case):
     if not IS_SMDDP:
         pytest.skip("smddp-specific (SMDDP_TEST_BACKEND is not smddp)")
@@ -204,7 +215,7 @@ SINGLE_PROCESS_CASES = {
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
-@pytest.mark.parametrize("case", list(SINGLE_PROCESS_CASES))
+@pytest.mark.parametrize("case", _tiered(SINGLE_PROCESS_CASES, DEEP_SINGLE_PROCESS_CASES))
 def test_smp_example_matches_single_process(case, tmp_path):
     """The SMP-style example on N ranks (smddp) against one process training on the batches of
     all its data-parallel ranks at once (the ranks of a tensor- or context-parallel group share a batch): the

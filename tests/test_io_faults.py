@@ -27,6 +27,7 @@ import pytest
 
 from _jobs import run_ranks
 
+pytestmark = pytest.mark.deep  # SMDDP_TEST_DEEP=1 runs it (tests/conftest.py)
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"
 PERF = ROOT / "python" / "smddp" / "bin" / "smddp_perf"

@@ -11,6 +11,8 @@ import pytest
 
 from _jobs import Job
 
+pytestmark = pytest.mark.deep  # 2 min and 12 GiB: SMDDP_TEST_DEEP=1 runs it (tests/conftest.py)
+
 SCRIPT = r"""
 import sys, time
 import torch, torch.distributed as dist

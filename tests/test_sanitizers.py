@@ -24,6 +24,7 @@ import pytest
 
 from _jobs import run_ranks
 
+pytestmark = pytest.mark.deep  # SMDDP_TEST_DEEP=1 runs it (tests/conftest.py)
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = {
     "address": "-fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=undefined,float-cast-overflow",
