@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command on a fresh machine: create .venv, install pinned deps, build smddp, run the tests.
 # Extra arguments go to pytest (e.g. scripts/test.sh -k allreduce). A first argument --deep adds
-# the deep tier (sanitizer builds, injected I/O faults, aarch64 under qemu: tests/conftest.py),
-# which CI leaves out for its time.
+# the deep tier (sanitizer builds, injected I/O faults, aarch64 under qemu and more: see
+# tests/conftest.py), which CI leaves out for its time.
 set -euo pipefail
 if [ "${1:-}" = "--deep" ]; then
   export SMDDP_TEST_DEEP=1

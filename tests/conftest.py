@@ -38,11 +38,13 @@ DEEP = os.environ.get("SMDDP_TEST_DEEP", "0") == "1"
 DEEP_LEFT_OUT = []  # node ids of the deep tier when it does not run
 SLOW_TEST_S = float(os.environ.get("SMDDP_TEST_SLOW_S", "60"))
 PULSE_S = float(os.environ.get("SMDDP_TEST_PULSE_S", "600"))
-_PULSE = {"start": time.monotonic(), "last": time.monotonic(), "done": 0}
-_TERMINAL = {}  # "reporter": pytest's terminal reporter, once the session has started
+# the session's start, the last pulse line, tests done, and the test in progress's seconds so far
+_PULSE = {"start": time.monotonic(), "last": time.monotonic(), "done": 0, "took": 0.0}
+_CONFIG = []  # pytest's config, for its terminal reporter
 
 
 def pytest_configure(config):
+    _CONFIG.append(config)
     config.addinivalue_line("markers", "timeout(seconds): pytest-timeout limit")
     config.addinivalue_line("markers", "deep: the deep tier, run with SMDDP_TEST_DEEP=1 (module docstring)")
 
@@ -61,10 +63,12 @@ def _pool_of(item):
 
 def pytest_collection_modifyitems(session, config, items):
     if not DEEP:
-        deep = [item for item in items if item.get_closest_marker("deep") is not None]
+        deep, kept = [], []
+        for item in items:
+            (deep if item.get_closest_marker("deep") is not None else kept).append(item)
         if deep:
             DEEP_LEFT_OUT.extend(item.nodeid for item in deep)
-            items[:] = [item for item in items if item.get_closest_marker("deep") is None]
+            items[:] = kept
             config.hook.pytest_deselected(items=deep)
     for item in items:
         if item.get_closest_marker("timeout") is None:
@@ -165,14 +169,15 @@ def _busiest_processes(n=3):
 
 
 def pytest_runtest_logreport(report):
+    _PULSE["took"] += report.duration  # set-up, call and teardown each report theirs
     if report.when != "teardown":
         return
+    took, _PULSE["took"] = _PULSE["took"], 0.0
     _PULSE["done"] += 1
-    tr = _TERMINAL.get("reporter")
+    tr = _CONFIG[0].pluginmanager.get_plugin("terminalreporter") if _CONFIG else None
     if tr is None:
         return
     now = time.monotonic()
-    took = now - _PULSE.get("began", now)
     if took > SLOW_TEST_S:
         tr.write_line(f"[smddp tests] slow: {report.nodeid} took {took:.0f}s")
     if now - _PULSE["last"] >= PULSE_S:
@@ -180,16 +185,6 @@ def pytest_runtest_logreport(report):
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
         tr.write_line(f"[smddp tests] {(now - _PULSE['start']) / 60:.0f} min, {_PULSE['done']} tests done, "
                       f"load {load}; busiest (%cpu, seconds alive, command): {_busiest_processes()}")
-
-
-def pytest_runtest_logstart(nodeid, location):
-    _PULSE["began"] = time.monotonic()
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_sessionstart(session):
-    _TERMINAL["reporter"] = session.config.pluginmanager.getplugin("terminalreporter")
-    _PULSE["start"] = _PULSE["last"] = time.monotonic()
 
 
 def pytest_report_header(config):
