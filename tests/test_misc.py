@@ -327,6 +327,67 @@ def test_parameters_written(pools, world):
     pools.check(world, parameters_written_task)
 
 
+def inference_mode_task(rank, world):
+    """Ops issued under torch.inference_mode() on tensors made there (inference tensors) write
+    non-contiguous ones too, wherever the op runs: on the caller's thread, the group's progress
+    thread (async, or queued behind another op) or a p2p engine's. Until 2026-11-30 an op run off
+    the caller's thread copied its result back outside inference mode, torch refused ("Inplace
+    update to inference tensor outside InferenceMode is not allowed"), the op failed and the group
+    was unusable; gloo runs its ops under the issuing thread's state."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+    rep = Report(rank)
+    total = float(world * (world + 1) // 2)
+    with torch.inference_mode():
+        for async_op in (False, True):
+            with rep.cell(f"all_reduce of a transposed inference tensor, async_op={async_op}"):
+                t = torch.full((8, 4), float(rank + 1)).t()
+                # a large op ahead keeps the group busy: the blocking one queues behind it too
+                ahead = dist.all_reduce(torch.ones(1 << 20), async_op=True)
+                w = dist.all_reduce(t, async_op=async_op)
+                ahead.wait()
+                if async_op:
+                    w.wait()
+                rep.check("all_reduce(t.t())", t, torch.full((4, 8), total))
+            with rep.cell(f"all_gather_into_tensor into a strided output, async_op={async_op}"):
+                out = torch.zeros(2 * world * 4)[::2]
+                ahead = dist.all_reduce(torch.ones(1 << 20), async_op=True)
+                w = dist.all_gather_into_tensor(out, torch.full((4,), float(rank)), async_op=async_op)
+                ahead.wait()
+                if async_op:
+                    w.wait()
+                rep.check("all_gather_into_tensor", out, torch.arange(world).float().repeat_interleave(4))
+            with rep.cell(f"coalesced all_reduce of strided small tensors, async_op={async_op}"):
+                a, b = (torch.arange(10.) + rank)[::2], torch.full((3, 2), float(rank)).t()
+                with _coalescing_manager(async_ops=async_op) as cm:
+                    dist.all_reduce(a)
+                    dist.all_reduce(b)
+                if async_op:
+                    cm.wait()
+                rep.check("coalesced a", a, (torch.arange(10.) * world + world * (world - 1) / 2)[::2])
+                rep.check("coalesced b", b, torch.full((2, 3), world * (world - 1) / 2))
+            with rep.cell(f"recv into a transposed inference tensor, async_op={async_op}"):
+                if rank < 2:
+                    t = torch.zeros(4, 8).t()
+                    if rank == 0:
+                        time.sleep(0.2)
+                        dist.send(torch.arange(32.).reshape(8, 4), dst=1)
+                    elif async_op:  # the recv is posted first and lands while this thread sleeps
+                        w = dist.irecv(t, src=0)
+                        time.sleep(0.6)
+                        w.wait()
+                    else:
+                        dist.recv(t, src=0)
+                    if rank == 1:
+                        rep.check("recv", t, torch.arange(32.).reshape(8, 4))
+    rep.group_still_works("after inference-mode ops", world, rank)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world,hosts", [(2, None), (3, None), (3, "001")])
+def test_inference_mode(pools, world, hosts):
+    pools.check(world, inference_mode_task, hosts=hosts)
+
+
 def ops_after_shutdown_task(rank, world):
     """Ops on a group after its shutdown() or abort() raise DistBackendError naming the rank and
     op, point-to-point ones too (until 2026-11-29 a send or recv after shutdown dereferenced the

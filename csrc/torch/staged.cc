@@ -1,9 +1,11 @@
 #include "torch/staged.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "core/env.h"
 #include "torch/tensor_checks.h"
@@ -30,12 +32,19 @@ Staged stageIn(const at::Tensor& t) {
   return {t, t.is_contiguous() ? Staged::Way::kAsIs : Staged::Way::kCopyIn};
 }
 
-void finishStaged(const Staged& s) {
-  if (!s.copyBack) return;
-  // The user's tensor may be a leaf that requires grad (a parameter): the op writes its data, as
-  // gloo does, not an autograd-recorded in-place op.
+void writeUser(const at::Tensor& user, const at::Tensor& from) {
+  // A leaf that requires grad (a parameter) gets its data written, as gloo writes it, not an
+  // autograd-recorded in-place op. A tensor made under torch.inference_mode() takes in-place
+  // writes only under it, and the op may run on another thread than the one that issued it
+  // (the progress thread, a p2p engine's), where the issuer's mode is not on.
   at::NoGradGuard noGrad;
-  s.user.copy_(s.work);
+  std::optional<c10::InferenceMode> inference;
+  if (user.is_inference()) inference.emplace();
+  user.copy_(from);
+}
+
+void finishStaged(const Staged& s) {
+  if (s.copyBack) writeUser(s.user, s.work);
 }
 
 bool overlaps(const Staged& a, const Staged& b) {
@@ -126,8 +135,7 @@ void copyFromBytes(const at::Tensor& t, const uint8_t* bytes) {
   if (t.is_contiguous()) {
     std::memcpy(t.data_ptr(), bytes, t.nbytes());
   } else {
-    at::NoGradGuard noGrad;
-    t.copy_(at::from_blob(const_cast<uint8_t*>(bytes), t.sizes(), t.options()));
+    writeUser(t, at::from_blob(const_cast<uint8_t*>(bytes), t.sizes(), t.options()));
   }
 }
 

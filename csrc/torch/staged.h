@@ -53,8 +53,11 @@ Staged stageInOut(const at::Tensor& t, int rank, const char* op);
 Staged stageOut(const at::Tensor& t, int rank, const char* op);
 Staged stageIn(const at::Tensor& t);
 
-// Copies a written copy's results back into the user's tensor.
+// Copies a written copy's results back into the user's tensor (writeUser).
 void finishStaged(const Staged& s);
+// user.copy_(from) as a collective's result: outside autograd, and under inference mode where
+// `user` is an inference tensor, whichever thread runs it.
+void writeUser(const at::Tensor& user, const at::Tensor& from);
 
 // A tensor's data, as bytes.
 inline uint8_t* bytePtr(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
