@@ -260,6 +260,27 @@ def complex_reductions_task(rank, world):
             opts.reduceOp = op()
             dist.group.WORLD.allreduce([t], opts).wait()
             rep.check(f"ProcessGroup.allreduce complex64 {opname}", real(t), real(want), exact=exact)
+        # A coalesced call may mix complex and real tensors (until 2026-11-30 refused with "complex
+        # tensors mixed with others"; gloo reduces both).
+        flat = torch.arange(world * 3, dtype=torch.float32) * (rank + 1)
+        flat_total = torch.arange(world * 3, dtype=torch.float32) * (world * (world + 1) // 2)
+        flat_want = flat_total / world if opname == "AVG" else flat_total * 0.5 if opname == "PREMUL_SUM_F" else flat_total
+        with rep.cell(f"reduce_scatter_tensor coalesced, complex64 and float32, {opname}"):
+            out, out_f = torch.empty(n, dtype=torch.complex64), torch.empty(3)
+            with dist._coalescing_manager():
+                dist.reduce_scatter_tensor(out, everyone[rank].clone(), op=op())
+                dist.reduce_scatter_tensor(out_f, flat.clone(), op=op())
+            rep.check(f"coalesced complex64 {opname}", real(out), real(want[rank * n:(rank + 1) * n]), exact=exact,
+                      cross_rank=False)
+            rep.check(f"coalesced float32 {opname}", out_f, flat_want[rank * 3:(rank + 1) * 3], exact=exact,
+                      cross_rank=False)
+        with rep.cell(f"ProcessGroup.allreduce_coalesced, complex64 and float32, {opname}"):
+            t, t_f = everyone[rank].clone(), flat.clone()
+            opts = dist.AllreduceCoalescedOptions()
+            opts.reduceOp = op()
+            dist.group.WORLD.allreduce_coalesced([t, t_f], opts).wait()
+            rep.check(f"allreduce_coalesced complex64 {opname}", real(t), real(want), exact=exact)
+            rep.check(f"allreduce_coalesced float32 {opname}", t_f, flat_want, exact=exact)
     with rep.cell("reduce complex64 MAX (refused)"):
         rep.expect_refusal("reduce complex64 MAX", lambda: dist.reduce(everyone[rank].clone(), dst=0,
                                                                         op=dist.ReduceOp.MAX),

@@ -46,8 +46,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce(std::vector<at::Tensor>& 
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                  const c10d::AllreduceCoalescedOptions& opts) {
-  if (Tensors reals = complexAsReals(tensors, opts.reduceOp, rank_, "allreduce_coalesced"); !reals.empty()) {
-    return allreduce_coalesced(reals, opts);
+  if (auto reals = complexItemsAsReals(tensors, {}, opts.reduceOp, rank_, "allreduce_coalesced")) {
+    return allreduce_coalesced(reals->first, opts);
   }
   std::vector<Staged> staged;
   std::vector<std::pair<DataType, Reduction>> kinds;
@@ -521,11 +521,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "smddp rank ", rank_,
                     ": reduce_scatter_tensor_coalesced: got ", outputs.size(), " outputs for ", inputs.size(),
                     " inputs");
-  if (Tensors reals = complexAsReals(concatTensors(outputs, inputs), opts.reduceOp, rank_, "reduce_scatter_tensor_coalesced");
-      !reals.empty()) {
-    Tensors o(reals.begin(), reals.begin() + static_cast<ptrdiff_t>(outputs.size()));
-    Tensors i(reals.begin() + static_cast<ptrdiff_t>(outputs.size()), reals.end());
-    return reduce_scatter_tensor_coalesced(o, i, opts);
+  if (auto reals = complexItemsAsReals(outputs, inputs, opts.reduceOp, rank_, "reduce_scatter_tensor_coalesced")) {
+    return reduce_scatter_tensor_coalesced(reals->first, reals->second, opts);
   }
   if (isCudaOp(concatTensors(outputs, inputs), "reduce_scatter_tensor_coalesced")) {
     std::vector<ColumnPart> parts;

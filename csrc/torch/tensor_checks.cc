@@ -63,6 +63,25 @@ std::vector<at::Tensor> complexAsReals(const std::vector<at::Tensor>& tensors, c
   return reals;
 }
 
+std::optional<std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> complexItemsAsReals(
+    const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, const c10d::ReduceOp& op, int rank,
+    const char* name) {
+  const auto complex = [](const at::Tensor& t) { return t.defined() && t.is_complex(); };
+  if (std::none_of(outputs.begin(), outputs.end(), complex) && std::none_of(inputs.begin(), inputs.end(), complex)) {
+    return std::nullopt;
+  }
+  auto reals = std::make_pair(outputs, inputs);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    std::vector<at::Tensor> item{outputs[i]};
+    if (!inputs.empty()) item.push_back(inputs[i]);
+    std::vector<at::Tensor> r = complexAsReals(item, op, rank, name);
+    if (r.empty()) continue;
+    reals.first[i] = r[0];
+    if (!inputs.empty()) reals.second[i] = r[1];
+  }
+  return reals;
+}
+
 DataType checkMovedTensor(const at::Tensor& t, int rank, const char* op) {
   checkPlacement(t, rank, op);
   if (auto dt = toDataType(t.scalar_type())) return *dt;

@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/types.h"
@@ -29,6 +30,12 @@ DataType checkTensor(const at::Tensor& t, int rank, const char* op);
 // others is refused.
 std::vector<at::Tensor> complexAsReals(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op, int rank,
                                        const char* name);
+// The same for a coalesced call, item by item (item i: outputs[i], and inputs[i] where inputs is
+// not empty): a complex item as its real views, the others as they are, so that one list may mix
+// them as torch's _coalescing_manager hands them over. nullopt when no tensor is complex.
+std::optional<std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> complexItemsAsReals(
+    const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, const c10d::ReduceOp& op, int rank,
+    const char* name);
 
 // A tensor that an op only moves (broadcast, the gathers, scatter, all_to_all, send/recv): any
 // dtype of 1, 2, 4 or 8 bytes (the other float8 kinds and complex32/64 too), carried bit for bit
