@@ -388,6 +388,76 @@ def test_inference_mode(pools, world, hosts):
     pools.check(world, inference_mode_task, hosts=hosts)
 
 
+def coalesced_reads_inputs_first_task(rank, world):
+    """A coalesced all-gather or reduce-scatter whose input lies in another of its tensors'
+    outputs reads every input before writing any output, as gloo does, whatever the sizes. Until
+    2026-11-30 only a packed run of small tensors did: larger tensors ran one after another, and
+    a later input read what an earlier output had written (the result depended on the size)."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+    rep = Report(rank)
+    for n in (8, 5000):  # packed together (SMDDP_COALESCE_PACK_BYTES, 4 KiB), and one by one
+        with rep.cell(f"all_gather_into_tensor coalesced, input 1 in output 0, n={n}"):
+            out0, out1 = torch.zeros(world * n), torch.zeros(world * n)
+            in1 = out0[:n]
+            in1.fill_(100.0 + rank)
+            with _coalescing_manager():
+                dist.all_gather_into_tensor(out0, torch.full((n,), rank + 1.0))
+                dist.all_gather_into_tensor(out1, in1)
+            rep.check("output 0", out0, (torch.arange(world) + 1.0).repeat_interleave(n))
+            rep.check("output 1", out1, (torch.arange(world) + 100.0).repeat_interleave(n))
+        with rep.cell(f"all_gather_coalesced, input 1 in output 0's first tensor, n={n}"):
+            outs0 = [torch.zeros(n) for _ in range(world)]
+            outs1 = [torch.zeros(n) for _ in range(world)]
+            in1 = outs0[0]
+            in1.fill_(100.0 + rank)
+            dist.all_gather_coalesced([[outs0[r], outs1[r]] for r in range(world)], [torch.full((n,), rank + 1.0), in1])
+            rep.check("outputs 0", torch.cat(outs0), (torch.arange(world) + 1.0).repeat_interleave(n))
+            rep.check("outputs 1", torch.cat(outs1), (torch.arange(world) + 100.0).repeat_interleave(n))
+        with rep.cell(f"reduce_scatter_tensor coalesced, output 0 in input 1, n={n}"):
+            buf = torch.full((world * n,), 10.0 * (rank + 1))
+            other = (rank + 1) % world  # not this rank's own block of input 1
+            out0, out1 = buf[other * n:(other + 1) * n], torch.zeros(n)
+            with _coalescing_manager():
+                dist.reduce_scatter_tensor(out0, torch.ones(world * n))
+                dist.reduce_scatter_tensor(out1, buf)
+            rep.check("output 0", out0, torch.full((n,), float(world)))
+            rep.check("output 1", out1, torch.full((n,), 10.0 * world * (world + 1) / 2))
+    # Random layouts in one buffer (the same on every rank): outputs side by side, inputs anywhere,
+    # over other items' outputs, their own or each other; some items packed, some not.
+    layouts = torch.Generator().manual_seed(11)
+    for trial in range(8):
+        sizes = [int(torch.randint(1, 1600, (1,), generator=layouts)) for _ in range(3)]
+        out_at = [0]
+        for n in sizes:
+            out_at.append(out_at[-1] + world * n)
+        length = out_at[-1] + 2000
+        in_at = [int(torch.randint(0, length - world * n, (1,), generator=layouts)) for n in sizes]
+        def start(r):  # rank r's buffer before the op
+            return torch.arange(length, dtype=torch.float64) + 1e5 * r
+        for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+            with rep.cell(f"{op} coalesced, random layout #{trial} {sizes}"):
+                buf = start(rank)
+                with _coalescing_manager():
+                    for n, o, i in zip(sizes, out_at, in_at):
+                        if op == "all_gather_into_tensor":
+                            dist.all_gather_into_tensor(buf[o:o + world * n], buf[i:i + n])
+                        else:
+                            dist.reduce_scatter_tensor(buf[o:o + n], buf[i:i + world * n])
+                for k, (n, o, i) in enumerate(zip(sizes, out_at, in_at)):
+                    if op == "all_gather_into_tensor":
+                        got, want = buf[o:o + world * n], torch.cat([start(r)[i:i + n] for r in range(world)])
+                    else:
+                        got = buf[o:o + n]
+                        want = sum(start(r)[i + rank * n:i + (rank + 1) * n] for r in range(world))
+                    rep.check(f"item {k}", got, want, cross_rank=False)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world,hosts", [(2, None), (3, "001")])
+def test_coalesced_reads_inputs_first(pools, world, hosts):
+    pools.check(world, coalesced_reads_inputs_first_task, hosts=hosts)
+
+
 def ops_after_shutdown_task(rank, world):
     """Ops on a group after its shutdown() or abort() raise DistBackendError naming the rank and
     op, point-to-point ones too (until 2026-11-29 a send or recv after shutdown dereferenced the

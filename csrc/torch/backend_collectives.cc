@@ -195,6 +195,31 @@ ListGather prepareListGather(const std::vector<at::Tensor>& outs, const at::Tens
   return g;
 }
 
+// A coalesced gather's or scatter's items run one after another: an input that another item's
+// output overlaps is copied as the op starts (readsOthersOutputs), before any item writes.
+template <class Item>
+std::vector<bool> planEarlyReads(std::vector<Item>& items, const std::vector<at::Tensor>& inputs,
+                                 const std::vector<std::pair<at::Tensor, size_t>>& outputs) {
+  std::vector<bool> early = readsOthersOutputs(inputs, outputs);
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (early[i]) items[i].in.copyAtStart();
+  }
+  return early;
+}
+
+template <class Item>
+void readEarly(std::vector<Item>& items, const std::vector<bool>& early) {
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (early[i]) items[i].in.ready();
+  }
+}
+
+std::vector<std::pair<at::Tensor, size_t>> itemsOwn(const std::vector<at::Tensor>& outputs) {
+  std::vector<std::pair<at::Tensor, size_t>> owned;
+  for (size_t i = 0; i < outputs.size(); ++i) owned.emplace_back(outputs[i], i);
+  return owned;
+}
+
 void runListGather(algo::Communicator& c, ListGather& g, std::chrono::milliseconds to) {
   g.in.ready();
   ready(g.staged);
@@ -251,14 +276,20 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_coalesced(std::vector<std
     });
   }
   std::vector<ListGather> gathers;
+  std::vector<std::pair<at::Tensor, size_t>> owned;
   for (size_t i = 0; i < inputs.size(); ++i) {
     std::vector<at::Tensor> perRank;
-    for (const std::vector<at::Tensor>& list : outputLists) perRank.push_back(list[i]);
+    for (const std::vector<at::Tensor>& list : outputLists) {
+      perRank.push_back(list[i]);
+      owned.emplace_back(list[i], i);
+    }
     gathers.push_back(prepareListGather(perRank, inputs[i], rank_, size_, "allgather_coalesced"));
   }
+  const std::vector<bool> early = planEarlyReads(gathers, inputs, owned);
   return enqueue(c10d::OpType::ALLGATHER_COALESCED, "smddp:all_gather_coalesced", outs, inputs,
                  resolveTimeout(opts.timeout), opts.asyncOp,
-                 [gathers](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                 [gathers, early](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                   readEarly(gathers, early);
                    for (ListGather& g : gathers) runListGather(c, g, to);
                  });
 }
@@ -315,7 +346,7 @@ void runGatherItem(algo::Communicator& c, std::vector<FlatGather>& gathers, cons
   at::Tensor flat = at::empty({static_cast<int64_t>(block) * size}, at::kByte);
   uint8_t* mine = bytePtr(flat) + rank * block;
   for (FlatGather& g : run()) {
-    copyToBytes(mine, g.in.user);
+    copyToBytes(mine, g.in.work.defined() ? g.in.work : g.in.user);  // read as the op started?
     mine += g.in.user.nbytes();
   }
   const size_t count = block / gathers[item.first].in.user.element_size();
@@ -370,9 +401,12 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std
   // Runs of small tensors of one dtype go as one all-gather, as all_reduce_coalesced's do (one
   // dtype, so that ranks whose dtypes differ still fail as mismatched).
   const std::vector<CoalescedItem> items = planCoalesced(outputs, packBytesSetting());
+  const std::vector<bool> early = planEarlyReads(gathers, inputs, itemsOwn(outputs));
   return enqueue(c10d::OpType::COALESCED, "smddp:all_gather_into_tensor_coalesced", outputs, inputs,
                  resolveTimeout(opts.timeout), opts.asyncOp,
-                 [gathers, items, rank = rank_, size = size_](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                 [gathers, items, early, rank = rank_, size = size_](algo::Communicator& c,
+                                                                     std::chrono::milliseconds to) mutable {
+                   readEarly(gathers, early);
                    for (const CoalescedItem& item : items) runGatherItem(c, gathers, item, rank, size, to);
                  });
 }
@@ -541,9 +575,12 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
   }
   // Runs of small tensors of one dtype go as one reduce-scatter, as all_reduce_coalesced's do.
   const std::vector<CoalescedItem> items = planCoalesced(inputs, packBytesSetting());
+  const std::vector<bool> early = planEarlyReads(scatters, inputs, itemsOwn(outputs));
   return enqueue(c10d::OpType::COALESCED, "smddp:reduce_scatter_tensor_coalesced", outputs, inputs,
                  resolveTimeout(opts.timeout), opts.asyncOp,
-                 [scatters, items, rank = rank_, size = size_](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                 [scatters, items, early, rank = rank_, size = size_](algo::Communicator& c,
+                                                                      std::chrono::milliseconds to) mutable {
+                   readEarly(scatters, early);
                    for (const CoalescedItem& item : items) runScatterItem(c, scatters, item, rank, size, to);
                  });
 }

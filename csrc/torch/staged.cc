@@ -4,6 +4,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <optional>
 
@@ -71,21 +72,32 @@ std::vector<Staged> stageBlocks(const std::vector<at::Tensor>& blocks, const Sta
   return srcs;
 }
 
+namespace {
+// A tensor's bytes, first to last element, and who it belongs to.
+struct Span {
+  uintptr_t lo, hi;
+  size_t index;
+};
+
+std::optional<Span> spanOf(const at::Tensor& t, size_t index) {
+  if (t.numel() == 0) return std::nullopt;
+  int64_t last = 0;  // the last element's offset from the first, in elements (strides are >= 0)
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return Span{lo, lo + static_cast<uintptr_t>(last + 1) * t.element_size(), index};
+}
+
+void sortByStart(std::vector<Span>& spans) {
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
+}
+}  // namespace
+
 std::vector<bool> sharesWithEarlier(const std::vector<at::Tensor>& tensors) {
-  struct Span {
-    uintptr_t lo, hi;
-    size_t index;
-  };
   std::vector<Span> spans;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    if (t.numel() == 0) continue;
-    int64_t last = 0;  // the last element's offset from the first, in elements (strides are >= 0)
-    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-    spans.push_back({lo, lo + static_cast<uintptr_t>(last + 1) * t.element_size(), i});
+    if (auto s = spanOf(tensors[i], i)) spans.push_back(*s);
   }
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
+  sortByStart(spans);
   std::vector<bool> shares(tensors.size(), false);
   for (size_t k = 0; k < spans.size();) {
     size_t end = k + 1;
@@ -99,6 +111,50 @@ std::vector<bool> sharesWithEarlier(const std::vector<at::Tensor>& tensors) {
     k = end;
   }
   return shares;
+}
+
+std::vector<bool> readsOthersOutputs(const std::vector<at::Tensor>& inputs,
+                                     const std::vector<std::pair<at::Tensor, size_t>>& outputs) {
+  std::vector<Span> outs;
+  for (const auto& [t, item] : outputs) {
+    if (auto s = spanOf(t, item)) outs.push_back(*s);
+  }
+  sortByStart(outs);
+  // top[k]: among outs[0..k], the largest end of any item's outputs and the largest of any other
+  // item's: an input [a, b) overlaps another item's output iff, among the outputs starting
+  // before b, the largest end of an item other than its own passes a.
+  struct End {
+    uintptr_t hi = 0;
+    size_t item = SIZE_MAX;
+  };
+  std::vector<std::array<End, 2>> top(outs.size());
+  std::array<End, 2> cur{};
+  for (size_t k = 0; k < outs.size(); ++k) {
+    const End e{outs[k].hi, outs[k].index};
+    if (e.item == cur[0].item) {
+      cur[0].hi = std::max(cur[0].hi, e.hi);
+    } else if (e.hi > cur[0].hi) {
+      cur[1] = cur[0];
+      cur[0] = e;
+    } else if (e.item == cur[1].item) {
+      cur[1].hi = std::max(cur[1].hi, e.hi);
+    } else if (e.hi > cur[1].hi) {
+      cur[1] = e;
+    }
+    top[k] = cur;
+  }
+  std::vector<bool> reads(inputs.size(), false);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const std::optional<Span> in = spanOf(inputs[i], i);
+    if (!in) continue;
+    const auto before = std::lower_bound(outs.begin(), outs.end(), in->hi,
+                                         [](const Span& s, uintptr_t end) { return s.lo < end; });
+    if (before == outs.begin()) continue;
+    const std::array<End, 2>& t = top[static_cast<size_t>(before - outs.begin()) - 1];
+    const End& other = t[0].item != i ? t[0] : t[1];
+    reads[i] = other.item != SIZE_MAX && other.hi > in->lo;
+  }
+  return reads;
 }
 
 std::vector<CoalescedItem> planCoalesced(const std::vector<at::Tensor>& tensors, size_t packBytes) {

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace smddp::torchext {
@@ -27,7 +28,8 @@ struct Staged {
   bool copyBack = false;
   at::Tensor work{};  // once ready()
 
-  void ready() {
+  void ready() {  // once: an input read as its op starts is not read again by its item
+    if (work.defined()) return;
     if (way == Way::kCopyIn) {
       work = user.clone(at::MemoryFormat::Contiguous);
     } else if (way == Way::kFresh) {
@@ -77,6 +79,15 @@ std::vector<Staged> stageBlocks(const std::vector<at::Tensor>& blocks, const Sta
 // needlessly, never missed). Sorting the spans keeps this O(n log n): a list of a thousand
 // tensors compared pair by pair took most of the op's time.
 std::vector<bool> sharesWithEarlier(const std::vector<at::Tensor>& tensors);
+
+// For a coalesced gather or scatter, whose items run one after another: which inputs (input i is
+// item i's) overlap an output of another item (`outputs`: each with its item), so that an earlier
+// item could write it before it is read. Such inputs are read as the op starts (copyAtStart,
+// then ready()), as gloo reads every input before writing any output, whatever the sizes (a
+// packed run of small tensors reads all of its inputs first anyway). O(n log n), like
+// sharesWithEarlier; an input overlapping only its own item's outputs is left to that item.
+std::vector<bool> readsOthersOutputs(const std::vector<at::Tensor>& inputs,
+                                     const std::vector<std::pair<at::Tensor, size_t>>& outputs);
 
 // ---- coalesced ops of CPU tensors (all_reduce_coalesced, the coalesced all-gathers and
 // reduce-scatters): runs of small tensors of one dtype move as one flat collective, copied in
