@@ -365,6 +365,16 @@ def inference_mode_task(rank, world):
                     cm.wait()
                 rep.check("coalesced a", a, (torch.arange(10.) * world + world * (world - 1) / 2)[::2])
                 rep.check("coalesced b", b, torch.full((2, 3), world * (world - 1) / 2))
+            for coalesced in (False, True):
+                with rep.cell(f"sparse all_reduce, coalesced={coalesced}, async_op={async_op}"):
+                    s = torch.sparse_coo_tensor(torch.tensor([[0, 2, 0]]), torch.tensor([1.0, 2.0, 3.0]), (4,))
+                    s = s.coalesce() if coalesced else s
+                    ahead = dist.all_reduce(torch.ones(1 << 20), async_op=True)
+                    w = dist.all_reduce(s, async_op=async_op)
+                    ahead.wait()
+                    if async_op:
+                        w.wait()
+                    rep.check("sparse all_reduce", s.to_dense(), torch.tensor([4.0, 0.0, 2.0, 0.0]) * world)
             with rep.cell(f"recv into a transposed inference tensor, async_op={async_op}"):
                 if rank < 2:
                     t = torch.zeros(4, 8).t()

@@ -2,10 +2,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/native/SparseTensorUtils.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 #include <array>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -119,6 +121,10 @@ uint8_t* reserve(at::Tensor& slot, int64_t bytes) {
 void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides, int rank, int size,
          SparseScratch& scratch, algo::Communicator& c, std::chrono::milliseconds timeout) {
   at::NoGradGuard noGrad;
+  // The op makes the sum `t`'s own data: a tensor made under torch.inference_mode() takes that
+  // only under it, which the thread running the op may not be in (writeUser, staged.h).
+  std::optional<c10::InferenceMode> inference;
+  if (t.is_inference()) inference.emplace();
   const at::Tensor in = locally(rank, kOp, "coalescing this rank's tensor", [&] { return t.coalesce(); });
   const int64_t nnz = in._nnz();
   const int64_t sparseDim = in.sparse_dim();

@@ -70,6 +70,8 @@ std::optional<std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> compl
   if (std::none_of(outputs.begin(), outputs.end(), complex) && std::none_of(inputs.begin(), inputs.end(), complex)) {
     return std::nullopt;
   }
+  TORCH_INTERNAL_ASSERT(inputs.empty() || inputs.size() == outputs.size(), name, ": ", outputs.size(),
+                        " outputs for ", inputs.size(), " inputs");
   auto reals = std::make_pair(outputs, inputs);
   for (size_t i = 0; i < outputs.size(); ++i) {
     std::vector<at::Tensor> item{outputs[i]};
