@@ -346,7 +346,7 @@ void runGatherItem(algo::Communicator& c, std::vector<FlatGather>& gathers, cons
   at::Tensor flat = at::empty({static_cast<int64_t>(block) * size}, at::kByte);
   uint8_t* mine = bytePtr(flat) + rank * block;
   for (FlatGather& g : run()) {
-    copyToBytes(mine, g.in.work.defined() ? g.in.work : g.in.user);  // read as the op started?
+    copyToBytes(mine, g.in.work.defined() ? g.in.work : g.in.user);  // its copy if read at the start
     mine += g.in.user.nbytes();
   }
   const size_t count = block / gathers[item.first].in.user.element_size();
