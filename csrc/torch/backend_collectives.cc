@@ -199,7 +199,7 @@ ListGather prepareListGather(const std::vector<at::Tensor>& outs, const at::Tens
 // output overlaps is copied as the op starts (readsOthersOutputs), before any item writes.
 template <class Item>
 std::vector<bool> planEarlyReads(std::vector<Item>& items, const std::vector<at::Tensor>& inputs,
-                                 const std::vector<std::pair<at::Tensor, size_t>>& outputs) {
+                                 const std::vector<at::Tensor>& outputs) {
   std::vector<bool> early = readsOthersOutputs(inputs, outputs);
   for (size_t i = 0; i < items.size(); ++i) {
     if (early[i]) items[i].in.copyAtStart();
@@ -212,12 +212,6 @@ void readEarly(std::vector<Item>& items, const std::vector<bool>& early) {
   for (size_t i = 0; i < items.size(); ++i) {
     if (early[i]) items[i].in.ready();
   }
-}
-
-std::vector<std::pair<at::Tensor, size_t>> itemsOwn(const std::vector<at::Tensor>& outputs) {
-  std::vector<std::pair<at::Tensor, size_t>> owned;
-  for (size_t i = 0; i < outputs.size(); ++i) owned.emplace_back(outputs[i], i);
-  return owned;
 }
 
 void runListGather(algo::Communicator& c, ListGather& g, std::chrono::milliseconds to) {
@@ -276,16 +270,12 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_coalesced(std::vector<std
     });
   }
   std::vector<ListGather> gathers;
-  std::vector<std::pair<at::Tensor, size_t>> owned;
   for (size_t i = 0; i < inputs.size(); ++i) {
     std::vector<at::Tensor> perRank;
-    for (const std::vector<at::Tensor>& list : outputLists) {
-      perRank.push_back(list[i]);
-      owned.emplace_back(list[i], i);
-    }
+    for (const std::vector<at::Tensor>& list : outputLists) perRank.push_back(list[i]);
     gathers.push_back(prepareListGather(perRank, inputs[i], rank_, size_, "allgather_coalesced"));
   }
-  const std::vector<bool> early = planEarlyReads(gathers, inputs, owned);
+  const std::vector<bool> early = planEarlyReads(gathers, inputs, outs);
   return enqueue(c10d::OpType::ALLGATHER_COALESCED, "smddp:all_gather_coalesced", outs, inputs,
                  resolveTimeout(opts.timeout), opts.asyncOp,
                  [gathers, early](algo::Communicator& c, std::chrono::milliseconds to) mutable {
@@ -401,7 +391,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std
   // Runs of small tensors of one dtype go as one all-gather, as all_reduce_coalesced's do (one
   // dtype, so that ranks whose dtypes differ still fail as mismatched).
   const std::vector<CoalescedItem> items = planCoalesced(outputs, packBytesSetting());
-  const std::vector<bool> early = planEarlyReads(gathers, inputs, itemsOwn(outputs));
+  const std::vector<bool> early = planEarlyReads(gathers, inputs, outputs);
   return enqueue(c10d::OpType::COALESCED, "smddp:all_gather_into_tensor_coalesced", outputs, inputs,
                  resolveTimeout(opts.timeout), opts.asyncOp,
                  [gathers, items, early, rank = rank_, size = size_](algo::Communicator& c,
@@ -575,7 +565,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
   }
   // Runs of small tensors of one dtype go as one reduce-scatter, as all_reduce_coalesced's do.
   const std::vector<CoalescedItem> items = planCoalesced(inputs, packBytesSetting());
-  const std::vector<bool> early = planEarlyReads(scatters, inputs, itemsOwn(outputs));
+  const std::vector<bool> early = planEarlyReads(scatters, inputs, outputs);
   return enqueue(c10d::OpType::COALESCED, "smddp:reduce_scatter_tensor_coalesced", outputs, inputs,
                  resolveTimeout(opts.timeout), opts.asyncOp,
                  [scatters, items, early, rank = rank_, size = size_](algo::Communicator& c,

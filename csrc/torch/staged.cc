@@ -113,11 +113,11 @@ std::vector<bool> sharesWithEarlier(const std::vector<at::Tensor>& tensors) {
   return shares;
 }
 
-std::vector<bool> readsOthersOutputs(const std::vector<at::Tensor>& inputs,
-                                     const std::vector<std::pair<at::Tensor, size_t>>& outputs) {
+std::vector<bool> readsOthersOutputs(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs) {
+  if (inputs.empty()) return {};
   std::vector<Span> outs;
-  for (const auto& [t, item] : outputs) {
-    if (auto s = spanOf(t, item)) outs.push_back(*s);
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    if (auto s = spanOf(outputs[k], k % inputs.size())) outs.push_back(*s);
   }
   sortByStart(outs);
   // top[k]: among outs[0..k], the largest end of any item's outputs and the largest of any other
