@@ -84,12 +84,13 @@ def worker(args) -> None:
     if args.parallel in ("ep", "tp") + CP_MODES:
         import smddp.smp as tsm  # its init() below takes the group started above
     if args.parallel == "tp":
-        tsm.init({"tensor_parallel_degree": args.tp_degree})
+        tsm.init({"tensor_parallel_degree": args.tp_degree}, device_type="cpu")
         tsm.apply_hybrid_sharding(tsm.transform(model))
     elif args.parallel in ("ep",) + CP_MODES:
         key, degree = ("expert_parallel_degree", args.ep_degree) if args.parallel == "ep" else \
             ("context_parallel_degree", cp)
-        tsm.init({key: degree, **({"context_parallel_load_balance": True} if args.parallel == "cp-balanced" else {})})
+        tsm.init({key: degree, **({"context_parallel_load_balance": True} if args.parallel == "cp-balanced" else {})},
+                 device_type="cpu")
         comm = "all_gather" if args.parallel == "cp-allgather" else "p2p"
         tsm.apply_hybrid_sharding(tsm.transform(model, cp_comm_type=comm))
     elif args.parallel == "ddp":

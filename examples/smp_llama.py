@@ -187,7 +187,7 @@ def main():
 
     import smddp.smp as tsm
 
-    state = tsm.init(args.config, backend=args.backend)
+    state = tsm.init(args.config, backend=args.backend, device_type="cpu")  # this example trains on the CPU
     if args.emulate_ranks and state.world_size != 1:
         raise SystemExit("--emulate-ranks is the single-process reference: run it with one process")
     if state.tp_size > 1 and args.model != "hf-llama":

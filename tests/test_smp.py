@@ -32,6 +32,7 @@ import smddp.smp as tsm
     ({"activation_loading_horizon": 0}, 4, "activation_loading_horizon=0 must be >= 1"),
     ({"sm_activation_offloading": 1}, 4, "sm_activation_offloading must be bool"),
     ({"random_seed": "7"}, 4, "random_seed must be an integer"),
+    ({"random_seed": 2**64}, 4, "random_seed must be an integer in [-2**63, 2**64)"),
     ("not json", 4, "neither an existing JSON file nor JSON text"),
     ([1, 2], 4, "must be a dict"),
 ])
@@ -109,7 +110,8 @@ def hybrid_task(rank, world, degree, zero2):
     rep = Report(rank)
     tag = f"smp hybrid_shard_degree={degree} zero2={zero2} world={world}"
     # The zero2 case also runs without the allocator watch (on by default, as in SMP).
-    st = tsm.init({"hybrid_shard_degree": degree, "random_seed": 7, "fsdp_cache_flush_warnings": not zero2})
+    st = tsm.init({"hybrid_shard_degree": degree, "random_seed": 7, "fsdp_cache_flush_warnings": not zero2},
+                  device_type="cpu")
     eff = degree or world
     rep.expect((st.hybrid_shard_degree, st.replicate_degree, st.tp_size, st.rank, st.world_size)
                == (eff, world // eff, 1, rank, world), f"{tag}: state {st}")
@@ -152,7 +154,7 @@ def delayed_init_task(rank, world, degree):
 
     rep = Report(rank)
     tag = f"delayed init hybrid_shard_degree={degree} world={world}"
-    st = tsm.init({"hybrid_shard_degree": degree})
+    st = tsm.init({"hybrid_shard_degree": degree}, device_type="cpu")
     eager = _mlp()
     with torch.device("meta"):
         model = _mlp()
@@ -211,6 +213,83 @@ def test_delayed_init(pools, world, degree):
     pools.check(world, delayed_init_task, degree, timeout=300)
 
 
+def delayed_init_hf_task(rank, world):
+    """A Hugging Face Llama built on the meta device, sharded, then filled from rank 0's state
+    dict: its rotary embedding's inverse frequencies, a non-persistent buffer no state dict
+    holds, are built again, so the logits are the eager model's (until 2026-11-30 the buffer kept
+    whatever memory to_empty() gave it, and the logits differed, silently)."""
+    import transformers as tf
+
+    rep = Report(rank)
+    tag = f"delayed init of a Hugging Face Llama world={world}"
+    tsm.init({"random_seed": 5}, device_type="cpu")
+    config = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    eager = tf.LlamaForCausalLM(config).double()
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(config).double()
+    tsm.apply_hybrid_sharding(model)
+    tsm.materialize(model, rank0_state_dict=eager.state_dict() if rank == 0 else None)
+    for name in ("inv_freq", "original_inv_freq"):
+        rep.expect(torch.equal(getattr(model.model.rotary_emb, name), getattr(eager.model.rotary_emb, name)),
+                   f"{tag}: rotary {name} differs from the eager model's")
+    tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        _close(rep, f"{tag}: logits", model(tokens).logits, eager(tokens).logits, cross_rank=False, **TOL64)
+    return rep.to_dict()
+
+
+def test_delayed_init_of_a_hugging_face_model(pools):
+    pools.check(2, delayed_init_hf_task, timeout=300)
+
+
+class _Positions(torch.nn.Module):
+    """A module whose non-persistent buffer only its constructor knows how to make."""
+
+    def __init__(self, n=6):
+        super().__init__()
+        self.lin = torch.nn.Linear(n, n)
+        self.register_buffer("scale", torch.arange(1.0, n + 1), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_materialize_refuses_buffers_it_cannot_fill():
+    """A non-persistent buffer on the meta device that no state dict holds and no twin can be
+    built for (the module has no .config): an error naming it, not the garbage to_empty() leaves;
+    an init_fn may fill it, and one that does not is an error too."""
+    eager = _Positions()
+    with torch.device("meta"):
+        model = _Positions()
+    with pytest.raises(RuntimeError, match=r"non-persistent buffer\(s\) scale are on the meta device"):
+        tsm.materialize(model, rank0_state_dict=eager.state_dict())
+    assert model.scale.is_meta  # refused before anything changed
+
+    def fill(module):
+        if isinstance(module, _Positions):
+            module.scale.copy_(torch.arange(1.0, 7.0))
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    with torch.device("meta"):
+        model = _Positions()
+    tsm.materialize(model, init_fn=fill)
+    assert torch.equal(model.scale, eager.scale)
+    with torch.device("meta"):
+        model = _Positions()
+    with pytest.raises(RuntimeError, match=r"init_fn left the non-persistent buffer\(s\) scale unfilled"):
+        tsm.materialize(model, init_fn=lambda m: None)
+
+    # Buffers built off the meta device keep their values (to_empty() alone would replace them).
+    with torch.device("meta"):
+        model = _Positions()
+    model.scale = torch.arange(1.0, 7.0)  # assigned to a buffer's name: still a non-persistent buffer
+    assert "scale" in model._non_persistent_buffers_set
+    tsm.materialize(model, rank0_state_dict=eager.state_dict())
+    assert torch.equal(model.scale, eager.scale) and torch.equal(model.lin.weight, eager.lin.weight)
+
+
 def checkpoint_task(rank, world, path, save_degree, load_degree):
     """A sharded checkpoint saved under one hybrid_shard_degree and loaded under another: the
     model and the optimizer state come back, so training continues exactly as without the break."""
@@ -226,7 +305,7 @@ def checkpoint_task(rank, world, path, save_degree, load_degree):
         _loss(model, _local(x, rank), _local(y, rank)).backward()
         opt.step()
 
-    tsm.init({"hybrid_shard_degree": save_degree})
+    tsm.init({"hybrid_shard_degree": save_degree}, device_type="cpu")
     model = tsm.apply_hybrid_sharding(_mlp())
     opt = _adamw(model.parameters())
     step(model, opt, 0)
@@ -234,7 +313,7 @@ def checkpoint_task(rank, world, path, save_degree, load_degree):
     step(model, opt, 1)  # the run that never stopped
     want = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
-    tsm.init({"hybrid_shard_degree": load_degree})
+    tsm.init({"hybrid_shard_degree": load_degree}, device_type="cpu")
     other = tsm.apply_hybrid_sharding(_mlp(seed=99))  # different values, to be overwritten
     other_opt = _adamw(other.parameters())
     step(other, other_opt, 2)  # optimizer state exists and differs before the load
@@ -256,7 +335,7 @@ def activation_checkpointing_task(rank, world, degree):
     model without checkpointing, step after step."""
     rep = Report(rank)
     tag = f"activation checkpointing hybrid_shard_degree={degree} world={world}"
-    tsm.init({"hybrid_shard_degree": degree})
+    tsm.init({"hybrid_shard_degree": degree}, device_type="cpu")
     batches = _batches(world, key=21)
     plain = tsm.apply_hybrid_sharding(_mlp())
     ckpt = _mlp()
@@ -371,6 +450,97 @@ def test_activation_offloading_keeps_each_forwards_tensors_apart():
     assert held() == {} and off.max_resident <= 2, (off.max_resident, off.events)
 
 
+class _ReadsTwice(torch.autograd.Function):
+    """Reads its saved tensor twice in backward (as any backward may)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        (again,) = ctx.saved_tensors
+        return g * (x + again)
+
+
+class _SquareBlock(torch.nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return _ReadsTwice.apply(self.lin(x))
+
+
+def test_activation_offloading_gives_a_tensor_again():
+    """A saved tensor asked for twice (a backward reading ctx.saved_tensors twice; a second
+    backward through a graph kept with retain_graph=True) is loaded again from its host copy:
+    the gradients are those without offloading (until 2026-11-30 the second read raised
+    TypeError, or "retain_graph=True is not supported")."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_SquareBlock() for _ in range(3)]).double()
+    ref = copy.deepcopy(model)
+    off = tsm.apply_activation_offloading(model, blocks=list(model), horizon=2)
+    x = torch.randn(4, 8, dtype=torch.float64) * 0.3
+    for m in (model, ref):
+        loss = m(x).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert off.max_resident <= 2, off.events
+
+
+def test_activation_offloading_releases_what_backward_never_takes():
+    """A block that saves a tensor for an output the loss does not use: that tensor is never
+    taken, so the block's loaded tensors go once the backward has moved to an earlier block
+    (until 2026-11-30 they stayed, and with horizon 1 every block was resident at the end)."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            self.side = torch.sigmoid(self.a(x))  # saves its output, never used by the loss
+            return x + self.b(torch.tanh(self.a(x)))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block() for _ in range(4)]).double()
+    ref = copy.deepcopy(model)
+    off = tsm.apply_activation_offloading(model, blocks=list(model), horizon=1)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    model(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert off.max_resident == 1, off.events
+    assert [b for kind, b in off.events if kind == "release"] == [3, 2, 1], off.events
+
+
+def test_activation_offloading_events_stay_bounded():
+    """`events` keeps the latest EVENTS_KEPT, not every event of a training run."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+                                  for _ in range(3)])
+    off = tsm.apply_activation_offloading(model, blocks=list(model), horizon=1)
+    off.EVENTS_KEPT = 10
+    x = torch.randn(2, 4)
+    for _ in range(20):  # 9 events a step
+        model(x).sum().backward()
+    assert 10 <= len(off.events) <= 20 and off.events[-1] == ("release", 0), off.events
+
+
+def test_checkpointing_after_offloading_refused():
+    """Offloading's hooks would take every tensor before the checkpoint saw one (no
+    recomputation, silently): checkpointing an offloaded block is refused."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    tsm.apply_activation_offloading(model, blocks=list(model), horizon=1)
+    with pytest.raises(ValueError, match="apply activation checkpointing first, then offloading"):
+        tsm.apply_activation_checkpointing(model, blocks=list(model))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_activation_offloading_on_cuda():
     """On CUDA the saved activations go to pinned host memory on a side stream during forward and
@@ -441,7 +611,7 @@ def activation_offloading_task(rank, world):
     """Offloading under hybrid sharding (FSDP2): gradients equal to the same model without it."""
     rep = Report(rank)
     tag = f"activation offloading world={world}"
-    tsm.init({"activation_loading_horizon": 2})
+    tsm.init({"activation_loading_horizon": 2}, device_type="cpu")
     batches = _batches(world, key=31)
     plain = tsm.apply_hybrid_sharding(_mlp())
     offl = _mlp()

@@ -86,7 +86,8 @@ def cp_task(rank, world, family, cp, hsd, overrides, opts=None):
            f"hybrid_shard_degree={hsd} world={world}{' from rank 0' if from_rank0 else ''}"
            f"{' load-balanced' if balance else ''}")
     st = tsm.init({"context_parallel_degree": cp, "tensor_parallel_degree": tp, "expert_parallel_degree": ep,
-                   "hybrid_shard_degree": hsd, "random_seed": 17, "context_parallel_load_balance": balance})
+                   "hybrid_shard_degree": hsd, "random_seed": 17, "context_parallel_load_balance": balance},
+                  device_type="cpu")
     # Rank = (batch, cp, tp) in row-major order: a CP group holds one TP part of consecutive TP groups.
     rep.expect((st.cp_size, st.cp_rank, st.tp_rank, st.dp_size, st.dp_rank) ==
                (cp, rank // tp % cp, rank % tp, world // (cp * tp), rank // (cp * tp)), f"{tag}: state {st}")
@@ -213,7 +214,7 @@ def test_cp_load_balanced_on_4_ranks_matches_single_process(pools, family, overr
 
 def refusals_task(rank, world):
     rep = Report(rank)
-    tsm.init({"context_parallel_degree": 2, "random_seed": 3})
+    tsm.init({"context_parallel_degree": 2, "random_seed": 3}, device_type="cpu")
     _refused(rep, "unsupported model", lambda: tsm.transform(_build("gpt2")[0]), NotImplementedError,
              "context parallelism does not support GPT2LMHeadModel; supported: LlamaForCausalLM, "
              "MistralForCausalLM, GPTNeoXForCausalLM")
@@ -244,7 +245,7 @@ def refusals_task(rank, world):
              NotImplementedError, "takes input_ids")
     _refused(rep, "cache", lambda: model(tokens, use_cache=True), NotImplementedError, "no key/value cache")
     rep.expect(model(tokens, use_cache=False).logits.shape[1] == SEQ // 2, "use_cache=False: not this rank's half")
-    tsm.init({"context_parallel_degree": 2, "random_seed": 3, "context_parallel_load_balance": True})
+    tsm.init({"context_parallel_degree": 2, "random_seed": 3, "context_parallel_load_balance": True}, device_type="cpu")
     balanced = tsm.transform(_build("llama")[0])
     for what, call in (("model", lambda: balanced(tokens[:, :SEQ - 2])),
                        ("context_parallel_shard", lambda: tsm.context_parallel_shard(tokens[:, :SEQ - 2]))):
@@ -275,7 +276,8 @@ def trainer_loss_task(rank, world, family, comm, balance):
     case (float64 here; transformers' own loss is float32, compared with float32 tolerance)."""
     rep = Report(rank)
     tag = f"{family} {comm}{' load-balanced' if balance else ''} Trainer-style loss"
-    tsm.init({"context_parallel_degree": world, "random_seed": 5, "context_parallel_load_balance": balance})
+    tsm.init({"context_parallel_degree": world, "random_seed": 5, "context_parallel_load_balance": balance},
+             device_type="cpu")
     overrides = {"output_router_logits": True} if family in MOE else None
     model = _model(family, overrides)
     ref = copy.deepcopy(model)
@@ -332,7 +334,7 @@ def packed_task(rank, world, comm):
     do not restart are accepted and match the unsplit model."""
     rep = Report(rank)
     tag = f"packed sequences {comm}"
-    tsm.init({"context_parallel_degree": world, "random_seed": 5})
+    tsm.init({"context_parallel_degree": world, "random_seed": 5}, device_type="cpu")
     model = _build("llama")[0]
     ref = copy.deepcopy(model)
     tsm.transform(model, cp_comm_type=comm)

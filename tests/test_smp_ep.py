@@ -71,7 +71,7 @@ def _experts(model):
 def ep_task(rank, world, family, ep, hsd):
     rep = Report(rank)
     tag = f"{family} ep={ep} hybrid_shard_degree={hsd} world={world}"
-    st = tsm.init({"expert_parallel_degree": ep, "hybrid_shard_degree": hsd, "random_seed": 13})
+    st = tsm.init({"expert_parallel_degree": ep, "hybrid_shard_degree": hsd, "random_seed": 13}, device_type="cpu")
     rep.expect((st.ep_size, st.ep_rank, st.dp_size) == (ep, rank % ep, world), f"{tag}: state {st}")
     model = _build(family)
     ref = copy.deepcopy(model)
@@ -106,7 +106,7 @@ def test_ep_on_4_ranks_matches_single_process(pools, world, family, ep, hsd, hos
 
 def refusals_task(rank, world):
     rep = Report(rank)
-    tsm.init({"expert_parallel_degree": 2, "random_seed": 3})
+    tsm.init({"expert_parallel_degree": 2, "random_seed": 3}, device_type="cpu")
     _refused(rep, "experts not divisible", lambda: tsm.transform(_build("mixtral", num_local_experts=3)), ValueError,
              "has 3 experts, not divisible by expert_parallel_degree=2")
     _refused(rep, "no experts", lambda: tsm.transform(torch.nn.Sequential(torch.nn.Linear(4, 4))),
@@ -136,7 +136,7 @@ def checkpoint_task(rank, world, path, ep, other_ep):
     layout: it loads bit for bit into the untransformed model and under another degree."""
     rep = Report(rank)
     tag = f"checkpoint of mixtral at ep={ep}"
-    tsm.init({"expert_parallel_degree": ep, "random_seed": 21})
+    tsm.init({"expert_parallel_degree": ep, "random_seed": 21}, device_type="cpu")
     model = tsm.apply_hybrid_sharding(tsm.transform(_build("mixtral")))
     opt = _adamw(model.parameters())
     tokens = _batches("mixtral", world, model.config.vocab_size)[0]
@@ -145,14 +145,14 @@ def checkpoint_task(rank, world, path, ep, other_ep):
     tsm.save_checkpoint(path, model, opt)
     saved = snapshot(model, opt)
 
-    tsm.init({"hybrid_shard_degree": 1})
+    tsm.init({"hybrid_shard_degree": 1}, device_type="cpu")
     torch.manual_seed(99)  # other values, to be overwritten
     plain = _build("mixtral")
     plain_opt = _adamw(plain.parameters())
     tsm.load_checkpoint(path, plain, plain_opt)
     expect_loaded(rep, f"{tag}, loaded unsplit", saved, plain, plain_opt)
 
-    tsm.init({"expert_parallel_degree": other_ep, "random_seed": 99})
+    tsm.init({"expert_parallel_degree": other_ep, "random_seed": 99}, device_type="cpu")
     other = tsm.apply_hybrid_sharding(tsm.transform(_build("mixtral")))
     other_opt = _adamw(other.parameters())
     tsm.load_checkpoint(path, other, other_opt)

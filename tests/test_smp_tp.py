@@ -88,7 +88,7 @@ def tp_task(rank, world, family, tp, hsd, sequence_parallel):
 
     rep = Report(rank)
     tag = f"{family} tp={tp} hybrid_shard_degree={hsd} sp={sequence_parallel} world={world}"
-    st = tsm.init({"tensor_parallel_degree": tp, "hybrid_shard_degree": hsd, "random_seed": 11})
+    st = tsm.init({"tensor_parallel_degree": tp, "hybrid_shard_degree": hsd, "random_seed": 11}, device_type="cpu")
     rep.expect((st.tp_size, st.dp_size, st.dp_rank) == (tp, world // tp, rank // tp), f"{tag}: state {st}")
     model, seq = _build(family)
     ref = copy.deepcopy(model)
@@ -184,7 +184,7 @@ def refusals_task(rank, world, tp):
     import transformers as tf
 
     rep = Report(rank)
-    tsm.init({"tensor_parallel_degree": tp, "random_seed": 3})
+    tsm.init({"tensor_parallel_degree": tp, "random_seed": 3}, device_type="cpu")
     _refused(rep, "query heads not divisible", lambda: tsm.transform(_build("gpt2", n_head=tp + 1, n_embd=60)[0]),
              ValueError, f"num_attention_heads={tp + 1} is not divisible by tensor_parallel_degree={tp}")
     _refused(rep, "key/value heads not divisible", lambda: tsm.transform(_build("llama", num_key_value_heads=1)[0]),
@@ -192,6 +192,11 @@ def refusals_task(rank, world, tp):
     if tp == 4:  # the 4-rank Llama of tp_task (2 KV heads) is one of these
         _refused(rep, "tiny llama at tp 4", lambda: tsm.transform(_build("llama")[0]),
                  ValueError, "num_key_value_heads=2 is not divisible by tensor_parallel_degree=4")
+    odd_mlp = dict(intermediate_size=4 * tp + 1, num_key_value_heads=4)  # heads that divide, a width that does not
+    _refused(rep, "Llama MLP width not divisible", lambda: tsm.transform(_build("llama", **odd_mlp)[0]), ValueError,
+             f"mlp.gate_proj has {4 * tp + 1} output features) is not divisible by tensor_parallel_degree={tp}")
+    _refused(rep, "GPT-2 MLP width not divisible", lambda: tsm.transform(_build("gpt2", n_inner=4 * tp + 1)[0]),
+             ValueError, f"mlp.c_fc has {4 * tp + 1} output features")
     _refused(rep, "GPT-2 with cross-attention", lambda: tsm.transform(_build("gpt2", add_cross_attention=True)[0]),
              NotImplementedError, "cross-attention")
     unsupported = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2,
@@ -207,7 +212,9 @@ def refusals_task(rank, world, tp):
     model = tsm.transform(_build("gpt_neox")[0])
     _refused(rep, "transform twice", lambda: tsm.transform(model), RuntimeError, "already distributed")
 
-    tsm.init({"tensor_parallel_degree": 1, "random_seed": 3})
+    _refused(rep, "init on an unknown device type", lambda: tsm.init({}, device_type="tpu"), ValueError,
+             "device_type must be 'cuda' or 'cpu', got 'tpu'")
+    tsm.init({"tensor_parallel_degree": 1, "random_seed": 3}, device_type="cpu")
     model = _build("llama")[0]
     params = list(model.parameters())
     rep.expect(tsm.transform(model) is model and all(p is q for p, q in zip(model.parameters(), params)),
@@ -220,13 +227,64 @@ def test_refusals(pools, world):
     pools.check(world, refusals_task, world, timeout=300)
 
 
+def tp_offloading_task(rank, world):
+    """Tensor parallelism with activation offloading: the blocks save DTensors, which the
+    offloader keeps as their local shards and rebuilds around the loaded shards (on CUDA a host
+    buffer of the global shape could not take one: until 2026-11-30 that copy raised "mixed
+    torch.Tensor and DTensor"); training matches the unsplit model."""
+    from torch.distributed.tensor import DTensor
+
+    rep = Report(rank)
+    tag = f"llama tp=2 with activation offloading world={world}"
+    st = tsm.init({"tensor_parallel_degree": 2, "random_seed": 11}, device_type="cpu")
+    model, seq = _build("llama")
+    ref = copy.deepcopy(model)
+    tsm.transform(model)
+    off = tsm.apply_activation_offloading(model)
+    packed = []
+    pack = off.pack
+    off.pack = lambda saved, t: (packed.append(isinstance(t, DTensor)), pack(saved, t))[1]
+    mine = slice(st.dp_rank * PER_DP_RANK, (st.dp_rank + 1) * PER_DP_RANK)
+    train_against_reference(rep, tag, model, ref, _batches("llama", st.dp_size, seq, model.config.vocab_size), mine)
+    rep.expect(any(packed), f"{tag}: no DTensor was offloaded ({len(packed)} tensors)")
+    rep.expect(off.max_resident <= 2 and off.events[-1] == ("release", 0), f"{tag}: events {off.events[-6:]}")
+    return rep.to_dict()
+
+
+def test_tp_with_activation_offloading(pools):
+    pools.check(2, tp_offloading_task, timeout=300)
+
+
+def tp_delayed_init_task(rank, world, family):
+    """Built on the meta device, split, sharded, then filled from rank 0's state dict: the
+    logits are the eager model's (the rotary buffers no state dict holds are built again)."""
+    rep = Report(rank)
+    tag = f"{family} tp=2 delayed init world={world}"
+    tsm.init({"tensor_parallel_degree": 2, "random_seed": 5}, device_type="cpu")
+    eager, seq = _build(family)
+    cls, config, _ = _config(family)
+    with torch.device("meta"):
+        model = cls(config).double()
+    tsm.apply_hybrid_sharding(tsm.transform(model))
+    tsm.materialize(model, rank0_state_dict=eager.state_dict() if rank == 0 else None)
+    tokens = torch.randint(0, config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _close(rep, f"{tag}: logits", _full(model(tokens).logits), eager(tokens).logits, cross_rank=False, **TOL64)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("family", ["llama", "gptj"])
+def test_tp_delayed_init(pools, family):
+    pools.check(2, tp_delayed_init_task, family, timeout=300)
+
+
 def checkpoint_task(rank, world, path, family, tp, hsd):
     """A checkpoint of the transformed (and sharded) model and its AdamW state holds the
     untransformed layout (GPT-2's fused c_attn included): it loads bit for bit into the plain
     model and into another transformed one."""
     rep = Report(rank)
     tag = f"checkpoint of {family} at tp={tp} hybrid_shard_degree={hsd}"
-    st = tsm.init({"tensor_parallel_degree": tp, "hybrid_shard_degree": hsd, "random_seed": 21})
+    st = tsm.init({"tensor_parallel_degree": tp, "hybrid_shard_degree": hsd, "random_seed": 21}, device_type="cpu")
     model, seq = _build(family)
     tsm.transform(model)
     if hsd:
@@ -238,14 +296,14 @@ def checkpoint_task(rank, world, path, family, tp, hsd):
     tsm.save_checkpoint(path, model, opt)
     saved = snapshot(model, opt)
 
-    tsm.init({"tensor_parallel_degree": 1, "hybrid_shard_degree": 1})
+    tsm.init({"tensor_parallel_degree": 1, "hybrid_shard_degree": 1}, device_type="cpu")
     torch.manual_seed(99)  # other values, to be overwritten
     plain = _build(family)[0]
     plain_opt = _adamw(plain.parameters())
     tsm.load_checkpoint(path, plain, plain_opt)
     expect_loaded(rep, f"{tag}, loaded unsplit", saved, plain, plain_opt)
 
-    tsm.init({"tensor_parallel_degree": tp, "hybrid_shard_degree": hsd, "random_seed": 99})
+    tsm.init({"tensor_parallel_degree": tp, "hybrid_shard_degree": hsd, "random_seed": 99}, device_type="cpu")
     other = tsm.transform(_build(family)[0])
     if hsd:
         tsm.apply_hybrid_sharding(other)

@@ -128,8 +128,9 @@ def validate(config, world_size):
     for f in fields(SMPConfig):
         v = getattr(cfg, f.name)
         if f.name == "random_seed":
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-                raise ValueError(f"smddp.smp config: random_seed must be an integer, got {v!r}")
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not -2**63 <= v < 2**64):
+                raise ValueError(f"smddp.smp config: random_seed must be an integer in [-2**63, 2**64) "
+                                 f"(torch.manual_seed's range), got {v!r}")
             continue
         want = bool if isinstance(CONFIG_KEYS[f.name][0], bool) else int
         if not isinstance(v, want) or (want is int and isinstance(v, bool)):
@@ -191,11 +192,16 @@ class State:
 state = State()
 
 
-def init(config=None, backend="smddp"):
+def init(config=None, backend="smddp", device_type=None):
     """Initialises SMP-style training: reads and validates `config` (a dict, a JSON file path, JSON
     text, or None for $SMDDP_SMP_CONFIG / the defaults), starts the process group with `backend`
     if none exists (torchrun's environment variables), builds the (replicate, shard, tp)
-    DeviceMesh and fills `state`. Returns `state`."""
+    DeviceMesh and fills `state`. Returns `state`.
+
+    device_type: where the models live, "cuda" or "cpu"; default "cuda" where torch sees a CUDA
+    device. The meshes are built for it, and FSDP2 (apply_hybrid_sharding) and materialize() put
+    parameters on the mesh's device: a CPU mesh would move a CUDA model to the CPU. On "cuda" the
+    DeviceMesh selects the process's device from LOCAL_RANK unless one was selected before."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
@@ -204,12 +210,16 @@ def init(config=None, backend="smddp"):
         dist.init_process_group(backend=backend)
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = validate(config, world)
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"smddp.smp.init: device_type must be 'cuda' or 'cpu', got {device_type!r}")
     tp = cfg.tensor_parallel_degree
     hsd = cfg.hybrid_shard_degree or world // tp
     rep = world // (tp * hsd)
     if cfg.random_seed is not None:
         torch.manual_seed(cfg.random_seed)
-    mesh = init_device_mesh("cpu", (rep, hsd, tp), mesh_dim_names=("replicate", "shard", "tp"))
+    mesh = init_device_mesh(device_type, (rep, hsd, tp), mesh_dim_names=("replicate", "shard", "tp"))
     state.initialized = True
     state.config = cfg
     state.rank, state.world_size = rank, world
@@ -227,7 +237,7 @@ def init(config=None, backend="smddp"):
     ep = cfg.expert_parallel_degree
     state.ep_size, state.ep_rank, state.ep_mesh, state.ep_group = ep, 0, None, None
     if ep > 1:
-        state.ep_mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("edp", "ep"))
+        state.ep_mesh = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
         state.ep_rank = state.ep_mesh["ep"].get_local_rank()
         state.ep_group = state.ep_mesh["ep"].get_group()
     state.cp_size, state.cp_rank, state.cp_group = cp, 0, None
@@ -236,7 +246,7 @@ def init(config=None, backend="smddp"):
         # consecutive ranks), so that every rank of a CP group holds the same heads.
         shape, names = ((world // (cp * tp), cp, tp), ("batch", "cp", "tp")) if tp > 1 else \
             ((world // cp, cp), ("batch", "cp"))
-        cp_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        cp_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         state.cp_rank, state.cp_group = cp_mesh["cp"].get_local_rank(), cp_mesh["cp"].get_group()
     return state
 
@@ -444,6 +454,42 @@ def _initialise_whole(model, init_fn):
             _init_module_whole(module, init)
 
 
+def _buffers_to_restore(model):
+    """What to_empty() would lose: each buffer not on the meta device (a model built with its
+    buffers off it), as (module, name, a copy)."""
+    return [(m, n, b.detach().clone()) for m in model.modules() for n, b in m._buffers.items()
+            if b is not None and not b.is_meta]
+
+
+def _meta_nonpersistent_buffers(model):
+    """(module, name) of each non-persistent buffer on the meta device: no state dict holds it."""
+    return [(m, n) for m in model.modules() for n in sorted(m._non_persistent_buffers_set)
+            if m._buffers.get(n) is not None and m._buffers[n].is_meta]
+
+
+def _twin_buffers(pending):
+    """Non-persistent buffers are made by a module's constructor from its settings (a rotary
+    embedding's inverse frequencies): for a module with a .config (Hugging Face's), a twin built
+    from that config on the CPU gives them. {(module, name): value} for those it gives, of the
+    buffer's shape."""
+    twins, found = {}, {}
+    for m, name in pending:
+        config = getattr(m, "config", None)
+        if config is None:
+            continue
+        key = (type(m), id(config))
+        if key not in twins:
+            try:  # the RNG as it was: a twin with parameters draws for them
+                with torch.device("cpu"), torch.random.fork_rng(devices=[]):
+                    twins[key] = type(m)(config)
+            except Exception:  # a constructor that takes more than the config: no twin
+                twins[key] = None
+        value = getattr(twins[key], "_buffers", {}).get(name)
+        if value is not None and value.shape == m._buffers[name].shape:
+            found[(m, name)] = value
+    return found
+
+
 def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     """Delayed parameter initialisation for a model built on the meta device and then sharded
     (apply_hybrid_sharding): allocates only this rank's shards on the CPU and fills them.
@@ -465,11 +511,38 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
       besides the shards, one module's directly owned parameters at full size at a time (e.g. a
       token embedding's vocabulary x hidden size), on every rank.
 
-    Raises RuntimeError if a meta tensor is left or the parameter count changed. Returns the model."""
+    Buffers: those built off the meta device keep their values; persistent ones on it are filled
+    as parameters are; non-persistent ones on it (no state dict holds them, e.g. a Hugging Face
+    rotary embedding's inverse frequencies) are built again from a twin of their module
+    constructed from its .config, and any other is an error unless init_fn is given to fill it
+    (a floating-point one it leaves unfilled is an error too).
+
+    The shards go to the device of init()'s mesh (the CPU without init()). Raises RuntimeError if
+    a meta tensor or an unfillable buffer is left or the parameter count changed. Returns the
+    model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     before = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its global size
-    model.to_empty(device="cpu")
+    pending = _meta_nonpersistent_buffers(model)
+    rebuilt = _twin_buffers(pending)
+    unfilled = [(m, n) for m, n in pending if (m, n) not in rebuilt]
+    names = {id(m): name for name, m in model.named_modules()}
+    described = ", ".join(f"{names[id(m)]}.{n}".lstrip(".") for m, n in unfilled)
+    if unfilled and (init_fn is None or rank0_state_dict is not _UNSET):
+        raise RuntimeError(f"smddp.smp.materialize: non-persistent buffer(s) {described} are on the meta device, "
+                           "in no state dict, and their module has no .config to construct a twin from: build the "
+                           "model with its buffers off the meta device, or fill them in init_fn (without "
+                           "rank0_state_dict)")
+    kept = _buffers_to_restore(model)
+    model.to_empty(device=state.mesh.device_type if state.initialized else "cpu")
+    with torch.no_grad():
+        for m, n, value in kept:
+            m._buffers[n].copy_(value)
+        for (m, n), value in rebuilt.items():
+            m._buffers[n].copy_(value)
+        for m, n in unfilled:
+            if m._buffers[n].is_floating_point():
+                m._buffers[n].fill_(float("nan"))  # what init_fn does not fill shows
     if rank0_state_dict is not _UNSET:
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         if not distributed or dist.get_rank() == 0:
@@ -482,6 +555,11 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
                                                                    broadcast_from_rank0=distributed))
     else:
         _initialise_whole(model, init_fn)
+    missed = [f"{names[id(m)]}.{n}".lstrip(".") for m, n in unfilled
+              if m._buffers[n].is_floating_point() and m._buffers[n].isnan().all()]
+    if missed:
+        raise RuntimeError(f"smddp.smp.materialize: init_fn left the non-persistent buffer(s) {', '.join(missed)} "
+                           "unfilled")
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"smddp.smp.materialize: still on the meta device: {', '.join(left)}")
@@ -563,6 +641,11 @@ def apply_activation_checkpointing(model, blocks=None):
 
     for block in blocks if blocks is not None else _blocks(model):
         forward = block.forward
+        if getattr(forward, "_smddp_offloaded", False):
+            # The offloader's hooks, inside, would take every tensor before the checkpoint saw one:
+            # no recomputation, silently.
+            raise ValueError("smddp.smp.apply_activation_checkpointing: the block's activations are offloaded "
+                             "already; apply activation checkpointing first, then offloading")
 
         def checkpointed(*args, _forward=forward, **kwargs):
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
@@ -573,15 +656,16 @@ def apply_activation_checkpointing(model, blocks=None):
 
 
 class _Saved:
-    """What one call of a block's forward saved for backward: host copies in save order, then the
-    loaded tensors. Only the handles pack() gives autograd refer to it, so it lives exactly as
-    long as the graph that saved it (the offloader keeps a weak reference)."""
+    """What one call of a block's forward saved for backward: host copies in save order, the
+    loaded tensors while the block's backward runs, and which ones backward has taken. Only the
+    handles pack() gives autograd refer to it, so it lives exactly as long as the graph that saved
+    it (the offloader keeps a weak reference)."""
 
-    __slots__ = ("block", "seq", "after", "host", "loaded", "left", "__weakref__")
+    __slots__ = ("block", "seq", "after", "host", "loaded", "taken", "left", "released", "__weakref__")
 
     def __init__(self, block, seq, after):
         self.block, self.seq, self.after = block, seq, after  # after: seq of the block's previous call
-        self.host, self.loaded, self.left = [], None, 0
+        self.host, self.loaded, self.taken, self.left, self.released = [], None, [], 0, False
 
 
 class _Handle:
@@ -593,13 +677,27 @@ class _Handle:
         self.saved, self.index = saved, index
 
 
+class _HostCopy:
+    """One saved tensor in host memory. A DTensor (tensor parallelism saves them) is kept as its
+    local shard plus what rebuilds the same DTensor around the loaded shard."""
+
+    __slots__ = ("tensor", "device", "dtensor")
+
+    def __init__(self, tensor, device, dtensor):
+        self.tensor, self.device, self.dtensor = tensor, device, dtensor
+
+
 class ActivationOffloader:
     """Moves the activations autograd saves in each block's forward to host memory and brings
     them back for the backward pass, `horizon` blocks ahead: when block i's backward needs its
     first tensor, blocks i .. i-horizon+1 are loaded (the backward visits blocks in reverse), and
-    a block's loaded tensors are dropped as autograd takes them. So at most about `horizon`
-    blocks' activations are on the device at once during backward; `max_resident` records it
-    and `events` the order of "offload"/"load"/"release" per block, for tests and tuning.
+    a block's loaded tensors are dropped as autograd takes them, and all of them once the backward
+    has moved to an earlier block (a tensor the backward never takes, e.g. one saved for an output
+    the loss does not use, is not held on). So at most about `horizon` blocks' activations are on
+    the device at once during backward; `max_resident` records it and `events` the order of
+    "offload"/"load"/"release" per block (the latest EVENTS_KEPT of them), for tests and tuning.
+    A tensor asked for again (a backward that reads ctx.saved_tensors twice, a second backward
+    with retain_graph=True) is loaded again from its host copy, which lives as long as the graph.
 
     Each call of a block's forward keeps its own saved tensors, owned by the autograd graph that
     saved them: a forward whose graph is freed without backward (e.g. a validation loss computed
@@ -611,6 +709,8 @@ class ActivationOffloader:
     On CUDA the host copies are pinned and move on a side stream; on CPU the "host" is the same
     memory, so offloading only exercises the logic (the gradients must not change)."""
 
+    EVENTS_KEPT = 4096
+
     def __init__(self, horizon):
         if horizon < 1:
             raise ValueError(f"smddp.smp: activation_loading_horizon={horizon} must be >= 1")
@@ -619,9 +719,15 @@ class ActivationOffloader:
         self.max_resident = 0
         self._calls = 0
         self._last_call = {}  # block -> seq of its latest call
-        self._saved = {}      # block -> {seq: weak reference to _Saved}: held host copies of live graphs
-        self._resident = {}   # seq -> block: calls whose tensors are loaded
+        self._saved = {}      # block -> {seq: weak reference to _Saved}: calls of live graphs not yet released
+        self._resident = {}   # seq -> weak reference to _Saved: calls whose tensors are loaded
         self._stream = None
+
+    def _event(self, kind, block):
+        # Bounded: a training run records three events per block and step.
+        self.events.append((kind, block))
+        if len(self.events) > 2 * self.EVENTS_KEPT:
+            del self.events[:-self.EVENTS_KEPT]
 
     def _side_stream(self):
         if self._stream is None:
@@ -644,45 +750,79 @@ class ActivationOffloader:
                 if not calls:
                     del self._saved[block]
                 self._resident.pop(seq, None)
-                self.events.append(("drop", block))
+                self._event("drop", block)
         return forget
+
+    @torch.no_grad()
+    def _to_host(self, t):
+        if t.device.type != "cuda":
+            return t.detach().clone()
+        host = torch.empty_like(t, device="cpu", pin_memory=True)  # keeps a dense tensor's strides
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(stream)
+        return host
 
     def pack(self, saved, t):
         if t.is_leaf and t.requires_grad:  # a parameter: FSDP manages its memory, keep it as is
             return ("param", t)
-        if t.device.type == "cuda":
-            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
-            stream = self._side_stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                host.copy_(t, non_blocking=True)
-            t.record_stream(stream)
-        else:
-            host = t.detach().clone()
+        from torch.distributed.tensor import DTensor
+
+        dtensor = None
+        if isinstance(t, DTensor):
+            dtensor = (t.device_mesh, t.placements, t.shape, t.stride())
+            with torch.no_grad():
+                t = t.to_local()
+        copy = _HostCopy(self._to_host(t), t.device, dtensor)
         if not saved.host:
-            self.events.append(("offload", saved.block))
+            self._event("offload", saved.block)
             self._saved.setdefault(saved.block, {})[saved.seq] = weakref.ref(saved, self._forget(saved.block,
                                                                                                   saved.seq))
-        saved.host.append((host, t.device))
+        saved.host.append(copy)
+        saved.taken.append(False)
         saved.left += 1
         return _Handle(saved, len(saved.host) - 1)
 
+    def _to_device(self, copy, stream):
+        """The host copy on its device again: (tensor, the stream that moves it, or None)."""
+        if copy.device.type != "cuda":
+            return copy.tensor, None
+        with torch.cuda.stream(stream):
+            return copy.tensor.to(copy.device, non_blocking=True), stream
+
+    def _ready(self, copy, loaded):
+        t, stream = loaded
+        if stream is not None:
+            torch.cuda.current_stream().wait_stream(stream)
+            t.record_stream(torch.cuda.current_stream())
+        if copy.dtensor is not None:
+            from torch.distributed.tensor import DTensor
+
+            mesh, placements, shape, stride = copy.dtensor
+            with torch.no_grad():
+                t = DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return t
+
     def _load(self, saved):
-        if saved.loaded is not None or saved.host is None:
+        if saved.loaded is not None or saved.released:
             return
-        loaded = []
-        for host, device in saved.host:
-            if device.type == "cuda":
-                stream = self._side_stream()
-                with torch.cuda.stream(stream):
-                    t = host.to(device, non_blocking=True)
-                loaded.append((t, stream))
-            else:
-                loaded.append((host, None))
-        saved.loaded = loaded
-        self._resident[saved.seq] = saved.block
-        self.events.append(("load", saved.block))
+        stream = self._side_stream() if any(c.device.type == "cuda" for c in saved.host) else None
+        saved.loaded = [None if taken else self._to_device(c, stream) for c, taken in zip(saved.host, saved.taken)]
+        self._resident[saved.seq] = weakref.ref(saved)
+        self._event("load", saved.block)
         self.max_resident = max(self.max_resident, len(self._resident))
+
+    def _release(self, saved):
+        """Call `saved` is done with: its loaded tensors go (its host copies stay with its graph)."""
+        saved.loaded, saved.released = None, True
+        calls = self._saved.get(saved.block, {})
+        calls.pop(saved.seq, None)
+        if not calls:
+            self._saved.pop(saved.block, None)
+        self._resident.pop(saved.seq, None)
+        self._event("release", saved.block)
 
     def _earlier(self, block, saved):
         """Block `block`'s call of the same forward pass as `saved`: its latest call before
@@ -697,28 +837,25 @@ class ActivationOffloader:
         if isinstance(handle, tuple):  # ("param", parameter)
             return handle[1]
         saved, index = handle.saved, handle.index
-        if saved.host is None:
-            raise RuntimeError("smddp.smp: activation offloading gives each saved tensor to backward once; "
-                               "a second backward through the same graph (retain_graph=True) is not supported")
+        copy = saved.host[index]
+        if saved.released or saved.taken[index]:  # asked for again: a load of its own
+            stream = self._side_stream() if copy.device.type == "cuda" else None
+            return self._ready(copy, self._to_device(copy, stream))
+        # The backward has reached this block: later blocks of this forward pass are behind it.
+        for later in [s for s in (r() for r in list(self._resident.values()))
+                      if s is not None and s.seq > saved.seq and s.block > saved.block]:
+            self._release(later)
         self._load(saved)
         for ahead in range(saved.block - 1, saved.block - self.horizon, -1):
             earlier = self._earlier(ahead, saved)
             if earlier is not None:
                 self._load(earlier)
-        t, stream = saved.loaded[index]
-        if stream is not None:
-            torch.cuda.current_stream().wait_stream(stream)
-            t.record_stream(torch.cuda.current_stream())
+        t = self._ready(copy, saved.loaded[index])
         saved.loaded[index] = None
+        saved.taken[index] = True
         saved.left -= 1
         if not saved.left:
-            saved.host = saved.loaded = None
-            calls = self._saved.get(saved.block, {})
-            calls.pop(saved.seq, None)
-            if not calls:
-                self._saved.pop(saved.block, None)
-            self._resident.pop(saved.seq, None)
-            self.events.append(("release", saved.block))
+            self._release(saved)
         return t
 
 
@@ -736,6 +873,7 @@ def apply_activation_offloading(model, blocks=None, horizon=None):
             with torch.autograd.graph.saved_tensors_hooks(lambda t: off.pack(saved, t), off.unpack):
                 return _forward(*args, **kwargs)
 
+        offloaded._smddp_offloaded = True
         block.forward = offloaded
     return off
 

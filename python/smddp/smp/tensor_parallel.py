@@ -103,6 +103,20 @@ def _check_heads(model, family, tp):
                              "(each rank computes whole heads)")
 
 
+def _check_mlp_width(model, family, tp):
+    """The MLP's column-split projections must split evenly: a DTensor rebuilt from uneven local
+    widths takes them for even ones, and the first forward fails deep in a matmul."""
+    layers = _module(model, family.layers)
+    if not len(layers):
+        return
+    for path, _ in family.mlp_columns:
+        proj = _module(layers[0], f"{family.mlp}.{path}")
+        width = proj.out_features if isinstance(proj, nn.Linear) else getattr(proj, "nf", None)  # nf: GPT-2's Conv1D
+        if width is not None and width % tp:
+            raise ValueError(f"smddp.smp.transform: the MLP width ({family.mlp}.{path} has {width} output "
+                             f"features) is not divisible by tensor_parallel_degree={tp}")
+
+
 def _module(model, path):
     try:
         return model.get_submodule(path)
@@ -344,8 +358,8 @@ def transform(model, sequence_parallel=True):
     With tensor_parallel_degree 1 it returns the model unchanged.
 
     Supported: the classes in SUPPORTED (Llama, Mistral, GPT-NeoX, GPT-J, GPT-2) and their
-    subclasses. NotImplementedError for any other model, ValueError when a head count is not
-    divisible by the degree, RuntimeError when the TP ranks' weights differ or the model is
+    subclasses. NotImplementedError for any other model, ValueError when a head count or the MLP
+    width is not divisible by the degree, RuntimeError when the TP ranks' weights differ or the model is
     already distributed."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
@@ -359,6 +373,7 @@ def transform(model, sequence_parallel=True):
         return model
     family = _family_of(model)
     _check_heads(model, family, tp)
+    _check_mlp_width(model, family, tp)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise RuntimeError("smddp.smp.transform: the model's parameters are already distributed; call "
                            "transform() once, before apply_hybrid_sharding()")
