@@ -359,8 +359,8 @@ def transform(model, sequence_parallel=True):
 
     Supported: the classes in SUPPORTED (Llama, Mistral, GPT-NeoX, GPT-J, GPT-2) and their
     subclasses. NotImplementedError for any other model, ValueError when a head count or the MLP
-    width is not divisible by the degree, RuntimeError when the TP ranks' weights differ or the model is
-    already distributed."""
+    width is not divisible by the degree, RuntimeError when the TP ranks' weights differ or the
+    model is already distributed."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
