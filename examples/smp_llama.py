@@ -198,10 +198,6 @@ def main():
                          "--model hf-llama or hf-mixtral")
     if state.ep_size > 1 and args.model != "hf-mixtral":
         raise SystemExit("expert_parallel_degree > 1 needs a mixture-of-experts model: add --model hf-mixtral")
-    if args.delayed_init and args.model != "tiny":
-        # materialize() restores parameters and persistent buffers; transformers' rotary embedding
-        # keeps its frequencies in a non-persistent buffer, which would be left uninitialised.
-        raise SystemExit("--delayed-init is for --model tiny")
     if state.rank == 0:
         print(f"smp: world {state.world_size}, tensor_parallel_degree {state.tp_size} x "
               f"hybrid_shard_degree {state.hybrid_shard_degree} x replicate {state.replicate_degree}, "
