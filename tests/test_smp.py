@@ -147,6 +147,37 @@ def test_hybrid_sharding_matches_single_process(pools, world, degree, zero2):
     pools.check(world, hybrid_task, degree, zero2, timeout=300)
 
 
+def mesh_device_task(rank, world, device_type):
+    """init() builds its meshes for the device the models live on ("cuda" by default where
+    there is one), and FSDP2 keeps the parameters there (until 2026-11-30 the meshes were CPU
+    ones, which would move a CUDA model to the CPU)."""
+    rep = Report(rank)
+    tag = f"init() for {device_type} models world={world}"
+    if device_type == "cuda":
+        torch.cuda.set_device(0)  # the ranks share one device
+    st = tsm.init({"random_seed": 7}, device_type=None if device_type == "cuda" else "cpu")
+    rep.expect((st.mesh.device_type, st.dp_mesh.device_type) == (device_type, device_type),
+               f"{tag}: meshes on {st.mesh.device_type}")
+    dev = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    model = _mlp().to(dev)
+    ref = copy.deepcopy(model)
+    tsm.apply_hybrid_sharding(model)
+    moved = [n for n, p in model.named_parameters() if p.device.type != device_type]
+    rep.expect(not moved, f"{tag}: parameters moved off {device_type}: {moved}")
+    x, y = _batches(world, key=5)[0]
+    _loss(model, _local(x, rank).to(dev), _local(y, rank).to(dev)).backward()
+    _loss(ref, x.to(dev), y.to(dev)).backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(rep, f"{tag}: grad of {n}", p.grad.full_tensor().cpu(), q.grad.cpu(), **TOL64)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine"))])
+def test_meshes_on_the_models_device(pools, device_type):
+    pools.check(2, mesh_device_task, device_type, timeout=300)
+
+
 def delayed_init_task(rank, world, degree):
     """Build on the meta device, shard, then materialise: from rank 0's eager state dict the
     model equals the eager one exactly; from reset_parameters() no meta tensor is left."""
