@@ -526,8 +526,9 @@ def test_activation_offloading_gives_a_tensor_again():
 
 def test_activation_offloading_releases_what_backward_never_takes():
     """A block that saves a tensor for an output the loss does not use: that tensor is never
-    taken, so the block's loaded tensors go once the backward has moved to an earlier block
-    (until 2026-11-30 they stayed, and with horizon 1 every block was resident at the end)."""
+    taken, so the block's loaded tensors go once the backward has moved to an earlier block, or
+    has ended (until 2026-11-30 they stayed, and with horizon 1 every block was resident at the
+    end)."""
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -547,7 +548,8 @@ def test_activation_offloading_releases_what_backward_never_takes():
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), name
     assert off.max_resident == 1, off.events
-    assert [b for kind, b in off.events if kind == "release"] == [3, 2, 1], off.events
+    # the first block's at the backward's end, though the graph (held through .side) lives on
+    assert [b for kind, b in off.events if kind == "release"] == [3, 2, 1, 0], off.events
 
 
 def test_activation_offloading_events_stay_bounded():

@@ -692,8 +692,8 @@ class ActivationOffloader:
     them back for the backward pass, `horizon` blocks ahead: when block i's backward needs its
     first tensor, blocks i .. i-horizon+1 are loaded (the backward visits blocks in reverse), and
     a block's loaded tensors are dropped as autograd takes them, and all of them once the backward
-    has moved to an earlier block (a tensor the backward never takes, e.g. one saved for an output
-    the loss does not use, is not held on). So at most about `horizon` blocks' activations are on
+    has moved to an earlier block or ended (a tensor the backward never takes, e.g. one saved for
+    an output the loss does not use, is not held on). So at most about `horizon` blocks' activations are on
     the device at once during backward; `max_resident` records it and `events` the order of
     "offload"/"load"/"release" per block (the latest EVENTS_KEPT of them), for tests and tuning.
     A tensor asked for again (a backward that reads ctx.saved_tensors twice, a second backward
@@ -722,6 +722,7 @@ class ActivationOffloader:
         self._saved = {}      # block -> {seq: weak reference to _Saved}: calls of live graphs not yet released
         self._resident = {}   # seq -> weak reference to _Saved: calls whose tensors are loaded
         self._stream = None
+        self._end_queued_for = -1  # the backward (graph task id) whose end releases what is still loaded
 
     def _event(self, kind, block):
         # Bounded: a training run records three events per block and step.
@@ -833,6 +834,20 @@ class ActivationOffloader:
                 best = (seq, ref)
         return best[1]() if best is not None else None
 
+    def _queue_end_of_backward(self):
+        """What the backward never took (the first block's tensor saved for an output the loss
+        does not use) goes when the backward ends, not when its graph does."""
+        task = torch._C._current_graph_task_id()  # -1 outside a backward (a saved tensor read in forward)
+        if task < 0 or task == self._end_queued_for:
+            return
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._end_queued_for = task
+
+    def _end_of_backward(self):
+        for saved in [r() for r in list(self._resident.values())]:
+            if saved is not None:
+                self._release(saved)
+
     def unpack(self, handle):
         if isinstance(handle, tuple):  # ("param", parameter)
             return handle[1]
@@ -841,6 +856,7 @@ class ActivationOffloader:
         if saved.released or saved.taken[index]:  # asked for again: a load of its own
             stream = self._side_stream() if copy.device.type == "cuda" else None
             return self._ready(copy, self._to_device(copy, stream))
+        self._queue_end_of_backward()
         # The backward has reached this block: later blocks of this forward pass are behind it.
         for later in [s for s in (r() for r in list(self._resident.values()))
                       if s is not None and s.seq > saved.seq and s.block > saved.block]:
