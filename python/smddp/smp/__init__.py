@@ -456,9 +456,9 @@ def _initialise_whole(model, init_fn):
 
 def _buffers_to_restore(model):
     """What to_empty() would lose: each buffer not on the meta device (a model built with its
-    buffers off it), as (module, name, a copy)."""
-    return [(m, n, b.detach().clone()) for m in model.modules() for n, b in m._buffers.items()
-            if b is not None and not b.is_meta]
+    buffers off it), as (module, name, tensor); to_empty() puts new tensors in their places and
+    leaves these as they are."""
+    return [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta]
 
 
 def _meta_nonpersistent_buffers(model):
@@ -527,11 +527,14 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     rebuilt = _twin_buffers(pending)
     unfilled = [(m, n) for m, n in pending if (m, n) not in rebuilt]
     names = {id(m): name for name, m in model.named_modules()}
-    described = ", ".join(f"{names[id(m)]}.{n}".lstrip(".") for m, n in unfilled)
+
+    def described(buffers):
+        return ", ".join(f"{names[id(m)]}.{n}".lstrip(".") for m, n in buffers)
+
     if unfilled and (init_fn is None or rank0_state_dict is not _UNSET):
-        raise RuntimeError(f"smddp.smp.materialize: non-persistent buffer(s) {described} are on the meta device, "
-                           "in no state dict, and their module has no .config to construct a twin from: build the "
-                           "model with its buffers off the meta device, or fill them in init_fn (without "
+        raise RuntimeError(f"smddp.smp.materialize: non-persistent buffer(s) {described(unfilled)} are on the meta "
+                           "device, in no state dict, and their module has no .config to construct a twin from: "
+                           "build the model with its buffers off the meta device, or fill them in init_fn (without "
                            "rank0_state_dict)")
     kept = _buffers_to_restore(model)
     model.to_empty(device=state.mesh.device_type if state.initialized else "cpu")
@@ -555,10 +558,9 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
                                                                    broadcast_from_rank0=distributed))
     else:
         _initialise_whole(model, init_fn)
-    missed = [f"{names[id(m)]}.{n}".lstrip(".") for m, n in unfilled
-              if m._buffers[n].is_floating_point() and m._buffers[n].isnan().all()]
+    missed = [(m, n) for m, n in unfilled if m._buffers[n].is_floating_point() and m._buffers[n].isnan().all()]
     if missed:
-        raise RuntimeError(f"smddp.smp.materialize: init_fn left the non-persistent buffer(s) {', '.join(missed)} "
+        raise RuntimeError(f"smddp.smp.materialize: init_fn left the non-persistent buffer(s) {described(missed)} "
                            "unfilled")
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
@@ -786,10 +788,11 @@ class ActivationOffloader:
         saved.left += 1
         return _Handle(saved, len(saved.host) - 1)
 
-    def _to_device(self, copy, stream):
+    def _to_device(self, copy):
         """The host copy on its device again: (tensor, the stream that moves it, or None)."""
         if copy.device.type != "cuda":
             return copy.tensor, None
+        stream = self._side_stream()
         with torch.cuda.stream(stream):
             return copy.tensor.to(copy.device, non_blocking=True), stream
 
@@ -809,8 +812,7 @@ class ActivationOffloader:
     def _load(self, saved):
         if saved.loaded is not None or saved.released:
             return
-        stream = self._side_stream() if any(c.device.type == "cuda" for c in saved.host) else None
-        saved.loaded = [None if taken else self._to_device(c, stream) for c, taken in zip(saved.host, saved.taken)]
+        saved.loaded = [None if taken else self._to_device(c) for c, taken in zip(saved.host, saved.taken)]
         self._resident[saved.seq] = weakref.ref(saved)
         self._event("load", saved.block)
         self.max_resident = max(self.max_resident, len(self._resident))
@@ -854,8 +856,7 @@ class ActivationOffloader:
         saved, index = handle.saved, handle.index
         copy = saved.host[index]
         if saved.released or saved.taken[index]:  # asked for again: a load of its own
-            stream = self._side_stream() if copy.device.type == "cuda" else None
-            return self._ready(copy, self._to_device(copy, stream))
+            return self._ready(copy, self._to_device(copy))
         self._queue_end_of_backward()
         # The backward has reached this block: later blocks of this forward pass are behind it.
         for later in [s for s in (r() for r in list(self._resident.values()))
