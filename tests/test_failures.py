@@ -48,6 +48,8 @@ if mode == "p2p":  # ranks 0 and 2 (other hosts with hosts="0011") stream messag
         dist.destroy_process_group()
         sys.exit(0)
     op = (lambda: dist.recv(t, 2)) if rank == 0 else (lambda: dist.send(t, 0))
+if mode == "p2p_pair":  # rank 1 receives what rank 0 sends
+    op = (lambda: dist.recv(t, 0)) if rank == 1 else (lambda: dist.send(t, 1))
 if mode == "p2p_idle":  # rank 0 blocks in a recv whose sender never comes
     op = lambda: dist.recv(t, 1)
 if mode == "p2p_deadlock":  # ranks 0 and 1 each receive from the other before sending
@@ -333,6 +335,32 @@ def test_timeout_of_crossed_groups_names_ranks_busy_elsewhere():
         assert "DistBackendError" in outs[r], outs[r][-2000:]
         assert f"rank {other} has not waited in any collective of this group, nor in a point-to-point op (busy " \
                "elsewhere: computing, another group's op" in outs[r], f"rank {r}:\n{outs[r][-2000:]}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode,hosts", [("loop", None), ("loop", "01"), ("p2p_pair", None)])
+def test_timeout_while_the_store_host_is_stopped(mode, hosts):
+    """Rank 0, which serves the job's TCP store, is stopped (SIGSTOP: a debugger, a frozen VM)
+    while rank 1 runs all_reduces with it (one host, two emulated hosts) or receives from it. Rank
+    1's stalled op reads the store (SMDDP_DESYNC_CHECK_MS), which cannot answer: the op must still
+    fail at its 4 s timeout, saying that the store did not answer, not wait as long as rank 0 stays
+    stopped (it did: c10d's TCPStore blocks without a deadline)."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(2, mode, 4, hosts=hosts, SMDDP_DESYNC_CHECK_MS="1000")
+    procs.wait_ready()
+    time.sleep(0.5)
+    procs[0].send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        out = procs.finish(30, ranks=[1])[0]
+        elapsed = time.monotonic() - t0
+    finally:
+        procs.kill(0)
+    assert procs[1].returncode == 3, f"exit {procs[1].returncode}\n{out[-2000:]}"
+    assert "DistBackendError" in out and "the group's store did not answer within 2 s" in out, out[-2000:]
+    # 4 s of timeout, up to 2 s for the store's answer, 1 s for requests still out at destroy.
+    assert elapsed < 12, f"rank 1 took {elapsed:.1f}s\n{out[-2000:]}"
 
 
 @pytest.mark.timeout(120)

@@ -245,8 +245,8 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
   ctx.wait.deadline = std::chrono::steady_clock::now() + timeout;
   ctx.wait.abort = &aborted_;
   std::optional<DesyncProbe> probe;
-  if (size_ > 1 && env::desyncCheckMs() > 0) {
-    probe.emplace(store_, rank_, seq, ctx.signature, std::chrono::milliseconds(env::desyncCheckMs()));
+  if (storeErrands_ && env::desyncCheckMs() > 0) {
+    probe.emplace(*storeErrands_, rank_, seq, ctx.signature, std::chrono::milliseconds(env::desyncCheckMs()));
     ctx.wait.stall = &*probe;
   }
   ctx.oneShotMaxBytes = oneShotMaxBytes_;

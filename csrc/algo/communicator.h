@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "core/spin.h"
 #include "core/store.h"
+#include "core/store_errands.h"
 #include "transport/shm_domain.h"
 #include "transport/tcp_mesh.h"
 #include "transport/topology.h"
@@ -31,6 +32,9 @@ class Communicator {
   // throws, so that its peers fail with it at once.
   Communicator(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout);
   ~Communicator();
+  // Before the first op: how an op that stalls SMDDP_DESYNC_CHECK_MS reaches the group's store
+  // (DesyncProbe); without, no op looks.
+  void setStoreErrands(std::shared_ptr<StoreErrands> errands) { storeErrands_ = std::move(errands); }
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -116,6 +120,7 @@ class Communicator {
   std::unique_ptr<HelperPool> startHelpers();
 
   BootstrapStore& store_;
+  std::shared_ptr<StoreErrands> storeErrands_;
   int rank_;
   int size_;
   StagingPolicy stagingPolicy_;  // a local choice, made before any exchange; one op at a time uses it

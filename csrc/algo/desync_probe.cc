@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
+#include <utility>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -59,80 +61,129 @@ std::string describeRank(Store& store, int p, uint64_t mySeq, std::chrono::milli
   return out + ", nor in a point-to-point op (busy elsewhere: computing, another group's op, or blocked outside smddp)";
 }
 
-}  // namespace
-
-void DesyncProbe::postP2p(Store& store, int rank, const std::string& what) {
-  store.set(p2pKeyOf(rank), std::to_string(wallMs()) + " " + what);
+// What a store that has not answered for kPatience says of `what`.
+std::string silence(const std::string& what) {
+  return "; " + what + " is not known: the group's store did not answer within " +
+         std::to_string(DesyncProbe::kPatience.count()) +
+         " s (the process that hosts it, rank 0's for init_method tcp:// and env://, may be stopped or frozen)";
 }
 
-std::string DesyncProbe::whereIs(Store& store, int peer, std::chrono::milliseconds interval) {
+// The answer of `request` if the store gives it within kPatience; otherwise silence(what). ""
+// when the request fails: the store itself failed, and the caller's error says enough.
+std::string ask(StoreErrands& errands, const std::string& what, StoreErrands::Request request) {
   try {
-    return "; where rank " + std::to_string(peer) + " stands (its latest posts in the group's store): " +
-           describeRank(store, peer, 0, interval);
-  } catch (const Error&) {
+    std::shared_ptr<StoreErrands::Errand> errand = errands.start(std::move(request));
+    std::optional<std::string> answer = errand ? errand->wait(DesyncProbe::kPatience) : std::nullopt;
+    if (answer) return *answer;
+  } catch (const std::exception&) {
     return {};
   }
+  return silence(what);
+}
+
+}  // namespace
+
+void DesyncProbe::postP2p(StoreErrands& errands, int rank, const std::string& what) {
+  // Not waited for: a post that fails or never lands leaves the peers' timeout messages vaguer.
+  errands.start([rank, value = std::to_string(wallMs()) + " " + what](Store& store) {
+    try {
+      store.set(p2pKeyOf(rank), value);
+    } catch (const Error& e) {
+      SMDDP_INFO(kColl, "rank %d: could not post where point-to-point waits: %s", rank, e.what());
+    }
+    return std::string();
+  });
+}
+
+std::string DesyncProbe::whereIs(StoreErrands& errands, int peer, std::chrono::milliseconds interval) {
+  return ask(errands, "where rank " + std::to_string(peer) + " stands", [peer, interval](Store& store) {
+    return "; where rank " + std::to_string(peer) + " stands (its latest posts in the group's store): " +
+           describeRank(store, peer, 0, interval);
+  });
 }
 
 void DesyncProbe::announce(Store& store, int rank) { store.set(keyOf(rank), position(0, 0)); }
 
-DesyncProbe::DesyncProbe(Store& store, int rank, uint64_t seq, uint64_t signature, std::chrono::milliseconds interval)
-    : store_(store), rank_(rank), seq_(seq), signature_(signature), interval_(interval) {}
+DesyncProbe::DesyncProbe(StoreErrands& errands, int rank, uint64_t seq, uint64_t signature,
+                         std::chrono::milliseconds interval)
+    : errands_(errands), rank_(rank), seq_(seq), signature_(signature), interval_(interval) {}
 
 void DesyncProbe::stalled(std::chrono::steady_clock::time_point since,
                           const std::function<std::vector<int>()>& waitedFor) {
+  if (off_) return;
   const auto now = std::chrono::steady_clock::now();
-  if (off_ || now - since < interval_ || now - lastLook_ < interval_) return;
+  if (look_ != nullptr) {
+    if (!look_->done()) return;  // the wait goes on meanwhile, to its own deadline
+    std::string found;
+    try {
+      found = look_->wait(std::chrono::milliseconds(0)).value();
+    } catch (const std::exception& e) {
+      // The wait goes on as without the probe: its own deadline and peers decide how it ends.
+      SMDDP_INFO(kColl, "rank %d: desync check off for op #%llu: %s", rank_, static_cast<unsigned long long>(seq_),
+                 e.what());
+      off_ = true;
+      return;
+    }
+    look_.reset();
+    unsigned long long seq = 0, signature = 0;
+    int peer = -1;
+    if (std::sscanf(found.c_str(), "%d %llu %llu", &peer, &seq, &signature) == 3) {
+      throwError(ErrorCode::kInvalidUsage,
+                 "collectives do not match across ranks: rank %d runs %s but this rank runs %s (found after %lld ms "
+                 "without progress, in the group's store). Every rank must issue the same collectives in the same "
+                 "order with matching sizes and dtypes",
+                 peer, OpSignature::unpack(signature).describe(seq).c_str(),
+                 OpSignature::unpack(signature_).describe(seq_).c_str(),
+                 static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count()));
+    }
+  }
+  if (now - since < interval_ || now - lastLook_ < interval_) return;
   lastLook_ = now;
   waited_ = waitedFor();
-  const std::vector<int>& peers = waited_;
+  if (waited_.empty()) return;
   // At most kReadsPerLook peers per look, the next ones at the next look: a store serves every
   // stalled rank of a large group.
   constexpr size_t kReadsPerLook = 8;
-  const size_t reads = std::min(peers.size(), kReadsPerLook);
-  unsigned long long seq = 0, signature = 0;
-  int peer = -1;
-  try {
-    store_.set(keyOf(rank_), position(seq_, signature_));
-    for (size_t i = 0; i < reads && peer < 0; ++i) {
-      const int p = peers[(nextRead_ + i) % peers.size()];
-      if (std::sscanf(store_.get(keyOf(p)).c_str(), "%llu %llu", &seq, &signature) == 2 && seq == seq_ &&
-          signature != signature_) {
-        peer = p;
+  std::vector<int> peers;
+  for (size_t i = 0; i < std::min(waited_.size(), kReadsPerLook); ++i) {
+    peers.push_back(waited_[(nextRead_ + i) % waited_.size()]);
+  }
+  nextRead_ += peers.size();
+  // "<peer> <its op number> <its collective>" for the first peer at this op number with another
+  // collective; "" if none. Null when earlier looks of this group are still out (the store has
+  // stopped answering): none this time.
+  look_ = errands_.start([rank = rank_, seq = seq_, signature = signature_, peers](Store& store) {
+    store.set(keyOf(rank), position(seq, signature));
+    for (int p : peers) {
+      unsigned long long theirSeq = 0, theirSignature = 0;
+      if (std::sscanf(store.get(keyOf(p)).c_str(), "%llu %llu", &theirSeq, &theirSignature) == 2 &&
+          theirSeq == seq && theirSignature != signature) {
+        return std::to_string(p) + " " + std::to_string(theirSeq) + " " + std::to_string(theirSignature);
       }
     }
-  } catch (const Error& e) {
-    // The wait goes on as without the probe: its own deadline and peers decide how it ends.
-    SMDDP_INFO(kColl, "rank %d: desync check off for op #%llu: %s", rank_, static_cast<unsigned long long>(seq_),
-               e.what());
-    off_ = true;
-    return;
-  }
-  nextRead_ += reads;
-  if (peer >= 0) {
-    throwError(ErrorCode::kInvalidUsage,
-               "collectives do not match across ranks: rank %d runs %s but this rank runs %s (found after %lld ms "
-               "without progress, in the group's store). Every rank must issue the same collectives in the same order "
-               "with matching sizes and dtypes",
-               peer, OpSignature::unpack(signature).describe(seq).c_str(),
-               OpSignature::unpack(signature_).describe(seq_).c_str(),
-               static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count()));
-  }
+    return std::string();
+  });
 }
 
 std::string DesyncProbe::report() {
   if (off_ || waited_.empty()) return {};
-  std::string out = "; where the ranks it waited for stand (their latest posts in the group's store): ";
-  constexpr size_t kMaxReported = 8;
-  try {
-    for (size_t i = 0; i < waited_.size() && i < kMaxReported; ++i) {
-      out += (i ? "; " : "") + describeRank(store_, waited_[i], seq_, interval_);
-    }
-  } catch (const Error&) {
-    return {};
+  const std::string what = "where the ranks it waited for stand";
+  // The store has sat on the last look for as long as a new request would be given.
+  if (look_ != nullptr && !look_->done() && std::chrono::steady_clock::now() - lastLook_ >= kPatience) {
+    return silence(what);
   }
-  if (waited_.size() > kMaxReported) out += "; and " + std::to_string(waited_.size() - kMaxReported) + " more";
-  return out;
+  return ask(errands_, what,
+             [waited = waited_, seq = seq_, interval = interval_](Store& store) {
+               std::string out = "; where the ranks it waited for stand (their latest posts in the group's store): ";
+               constexpr size_t kMaxReported = 8;
+               for (size_t i = 0; i < waited.size() && i < kMaxReported; ++i) {
+                 out += (i ? "; " : "") + describeRank(store, waited[i], seq, interval);
+               }
+               if (waited.size() > kMaxReported) {
+                 out += "; and " + std::to_string(waited.size() - kMaxReported) + " more";
+               }
+               return out;
+             });
 }
 
 }  // namespace smddp::algo

@@ -12,23 +12,28 @@
 // naming both; the rank then gives up the group, so the others fail at once too. A rank at
 // another op number proves nothing (data may still be on its way), and is left to the timeout.
 // Nothing of this runs while collectives make progress; a stalled one costs a store write and a
-// read per rank it waits for (at most 8 per look), once per interval. A store that fails turns the
-// probe off for the op: the wait then ends as it would without it.
+// read per rank it waits for (at most 8 per look), once per interval. The looks run as
+// StoreErrands: the rank hosting the store may be the stalled one, and a store that does not
+// answer must not keep the wait from its own deadline. A store that fails turns the probe off
+// for the op: the wait then ends as it would without it.
 //
 // When the op times out, report() says where those ranks stand by their latest posts: waiting in
 // which collective (a rank stalled in a collective re-posts every interval) or point-to-point op
 // (its p2p engines post theirs alike), or in none of this group's (busy elsewhere: computing,
-// another group, a hang outside smddp), which the timeout alone cannot tell apart. A
-// point-to-point op that times out says the same of its peer (whereIs).
+// another group, a hang outside smddp), which the timeout alone cannot tell apart; or that the
+// store did not answer within kPatience. A point-to-point op that times out says the same of its
+// peer (whereIs).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/store.h"
+#include "core/store_errands.h"
 #include "transport/shm_domain.h"
 
 namespace smddp::algo {
@@ -40,8 +45,12 @@ class DesyncProbe : public shm::StallProbe {
   // other, and a read never waits.
   static void announce(Store& store, int rank);
 
+  // How long report() and whereIs() wait for the store's answer (it takes milliseconds when
+  // its host runs).
+  static constexpr std::chrono::seconds kPatience{2};
+
   // For op `seq` running the collective `signature` (OpSignature::packed()).
-  DesyncProbe(Store& store, int rank, uint64_t seq, uint64_t signature, std::chrono::milliseconds interval);
+  DesyncProbe(StoreErrands& errands, int rank, uint64_t seq, uint64_t signature, std::chrono::milliseconds interval);
   void stalled(std::chrono::steady_clock::time_point since,
                const std::function<std::vector<int>()>& waitedFor) override;
   // After a timeout: "; where the ranks it waited for stand: ..." for up to 8 of the ranks of the
@@ -49,15 +58,15 @@ class DesyncProbe : public shm::StallProbe {
   std::string report();
 
   // Point-to-point: `rank` waits in `what` ("recv from rank 0 (tag 3, 16 bytes)"), posted by its
-  // p2p engines while an op has waited an interval or more (engine::StallBoard).
-  static void postP2p(Store& store, int rank, const std::string& what);
+  // p2p engines while an op has waited an interval or more (engine::StallBoard). Returns at once.
+  static void postP2p(StoreErrands& errands, int rank, const std::string& what);
   // For a point-to-point op that timed out: "; where rank 1 stands (...): rank 1 waits in recv
   // from rank 0 (tag 3, 16 bytes)", a collective, or in none of the group's ops; "" when the
-  // store cannot say. `interval`: how often a stalled rank re-posts (what counts as fresh).
-  static std::string whereIs(Store& store, int peer, std::chrono::milliseconds interval);
+  // store fails. `interval`: how often a stalled rank re-posts (what counts as fresh).
+  static std::string whereIs(StoreErrands& errands, int peer, std::chrono::milliseconds interval);
 
  private:
-  Store& store_;
+  StoreErrands& errands_;
   int rank_;
   uint64_t seq_;
   uint64_t signature_;
@@ -65,6 +74,7 @@ class DesyncProbe : public shm::StallProbe {
   std::chrono::steady_clock::time_point lastLook_{};
   size_t nextRead_ = 0;  // where the next look starts in the ranks waited for
   std::vector<int> waited_;  // the ranks waited for at the last look
+  std::shared_ptr<StoreErrands::Errand> look_;  // the last look, until its answer is read
   bool off_ = false;     // the store failed: no more looks in this op
 };
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -59,6 +60,9 @@ inline std::string rank0Value(Store& store, int rank, const std::string& key, co
 class PrefixStore : public Store {
  public:
   PrefixStore(Store& inner, std::string prefix) : inner_(inner), prefix_(std::move(prefix)) {}
+  // Keeps `inner` alive as long as itself (StoreErrands' requests may outlive their group).
+  PrefixStore(std::shared_ptr<Store> inner, std::string prefix)
+      : owned_(std::move(inner)), inner_(*owned_), prefix_(std::move(prefix)) {}
   void set(const std::string& key, const std::string& value) override { inner_.set(prefix_ + key, value); }
   std::string get(const std::string& key) override { return inner_.get(prefix_ + key); }
   bool check(const std::string& key) override { return inner_.check(prefix_ + key); }
@@ -70,6 +74,7 @@ class PrefixStore : public Store {
   }
 
  private:
+  std::shared_ptr<Store> owned_;
   Store& inner_;
   std::string prefix_;
 };

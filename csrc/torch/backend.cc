@@ -51,9 +51,9 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   }
   pgId_ = FlightRecorder::get().addGroup(globalRanks_);
   c10dStore_ = store;
-  store_ = std::make_unique<C10dStore>(store, timeout);
+  store_ = std::make_shared<C10dStore>(store, timeout);
   try {
-    groupStore_ = std::make_unique<PrefixStore>(*store_, freshNamespace(*store_, rank, size, timeout));
+    groupStore_ = std::make_shared<PrefixStore>(store_, freshNamespace(*store_, rank, size, timeout));
     bootstrap_ = std::make_unique<BootstrapStore>(*groupStore_);
     comm_ = settingUp(*groupStore_,
                       [&] { return std::make_unique<algo::Communicator>(*bootstrap_, rank, size, timeout); });
@@ -86,17 +86,15 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   stallInterval_ = std::chrono::milliseconds(env::desyncCheckMs());
   if (size > 1 && stallInterval_.count() > 0) {
     // The group's store itself (thread-safe), not bootstrap_, whose record of its keys is not.
+    storeErrands_ = std::make_shared<StoreErrands>(groupStore_);
+    comm_->setStoreErrands(storeErrands_);
     engine::StallBoard board;
     board.interval = stallInterval_;
-    board.post = [store = groupStore_.get(), rank](const std::string& what) {
-      try {
-        algo::DesyncProbe::postP2p(*store, rank, what);
-      } catch (const Error& e) {  // the wait goes on without it
-        SMDDP_INFO(kColl, "rank %d: could not post where point-to-point waits: %s", rank, e.what());
-      }
+    board.post = [errands = storeErrands_, rank](const std::string& what) {
+      algo::DesyncProbe::postP2p(*errands, rank, what);
     };
-    board.whereIs = [store = groupStore_.get(), interval = stallInterval_](int peer) {
-      return algo::DesyncProbe::whereIs(*store, peer, interval);
+    board.whereIs = [errands = storeErrands_, interval = stallInterval_](int peer) {
+      return algo::DesyncProbe::whereIs(*errands, peer, interval);
     };
     if (p2p_) p2p_->setStallBoard(board);
     if (netP2p_) netP2p_->setStallBoard(board);
@@ -117,8 +115,9 @@ void SmddpBackend::abandonInForkedChild() {
   // closing the connections with a farewell would shut them down for the parent too. Left
   // alone, they go with the child: its exit only drops its references to them.
   (void)c10dStore_.release();
-  (void)store_.release();
-  (void)groupStore_.release();
+  new std::shared_ptr<Store>(std::move(store_));
+  new std::shared_ptr<Store>(std::move(groupStore_));
+  new std::shared_ptr<StoreErrands>(std::move(storeErrands_));  // counts requests of the parent's threads
   (void)bootstrap_.release();
   (void)comm_.release();
   new std::shared_ptr<engine::ProgressThread>(std::move(progress_));

@@ -20,6 +20,7 @@
 #include "algo/communicator.h"
 #include "core/error.h"
 #include "core/fork.h"
+#include "core/store_errands.h"
 #include "engine/net_p2p.h"
 #include "engine/p2p_engine.h"
 #include "engine/progress_thread.h"
@@ -236,8 +237,11 @@ class SmddpBackend : public c10d::Backend {
   int pgId_ = 0;                      // this group in the flight recorder
   c10::intrusive_ptr<c10d::Store> c10dStore_;  // the store the group was created with (for shrink)
   int shrinks_ = 0;                              // shrink() calls so far: each child's key prefix
-  std::unique_ptr<Store> store_;  // c10dStore_ as the core sees it, kept for the communicator (see there)
-  std::unique_ptr<Store> groupStore_;  // store_'s namespace for this group alone (freshNamespace)
+  std::shared_ptr<Store> store_;  // c10dStore_ as the core sees it, kept for the communicator (see there)
+  std::shared_ptr<Store> groupStore_;  // store_'s namespace for this group alone (freshNamespace)
+  // Requests to groupStore_ made while an op waits: where a stalled op or p2p waits, where peers
+  // stand when one times out (DesyncProbe). Null when SMDDP_DESYNC_CHECK_MS is 0 or size is 1.
+  std::shared_ptr<StoreErrands> storeErrands_;
   std::unique_ptr<BootstrapStore> bootstrap_;  // groupStore_ as the set-up uses it
   std::unique_ptr<algo::Communicator> comm_;
   std::shared_ptr<engine::ProgressThread> progress_;  // shared with the Works of queued ops

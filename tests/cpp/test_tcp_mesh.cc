@@ -2,7 +2,8 @@
 // a FileStore): strangers that connect to a rank's port during set-up are refused and the mesh
 // still forms; data crosses intact in both directions; a send can wait for data computed from an
 // earlier receive of the same exchange; a header for another op is an error that names both
-// sides, and so is another collective that no message shows (DesyncProbe); messages striped
+// sides, and so is another collective that no message shows (DesyncProbe), whose looks at a store
+// that never answers keep no exchange from its deadline; messages striped
 // over several connections per pair arrive intact and are reported once, and a size mismatch is
 // caught on the first stripe; a peer that goes away is reported promptly;
 // a later connection round adds the missing connections of a group (a rank with none to add
@@ -27,6 +28,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -34,6 +36,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <string>
@@ -45,6 +48,7 @@
 #include "core/error.h"
 #include "core/file_store.h"
 #include "core/store.h"
+#include "core/store_errands.h"
 #include "core/tcp_store.h"
 #include "core/types.h"
 #include "transport/netif.h"
@@ -351,7 +355,9 @@ void testCollectiveMismatch(const std::string& dir) {
 // naming both, long before the deadline; with the same collective (or at another op number) they
 // time out, as nothing proves a mismatch.
 void testStallProbe(const std::string& dir) {
-  FileStore store(dir, std::chrono::seconds(30));
+  auto shared = std::make_shared<FileStore>(dir, std::chrono::seconds(30));
+  FileStore& store = *shared;
+  StoreErrands errands(shared);
   for (int r = 0; r < 2; ++r) algo::DesyncProbe::announce(store, r);
   auto meshes = meshPair(store);
   const uint64_t broadcast = OpSignature{OpKind::kBroadcast, DataType::kFloat32, ReduceOp::kSum, 3}.packed();
@@ -367,7 +373,7 @@ void testStallProbe(const std::string& dir) {
     double secs[2] = {0, 0};
     auto rank = [&](int r) {
       std::vector<uint8_t> in(64);
-      algo::DesyncProbe probe(store, r, c.seq[r], c.op[r], std::chrono::milliseconds(200));
+      algo::DesyncProbe probe(errands, r, c.seq[r], c.op[r], std::chrono::milliseconds(200));
       shm::WaitContext wait = waitFor(std::chrono::milliseconds(c.mismatch ? 10000 : 1500));
       wait.stall = &probe;
       const auto t0 = Clock::now();
@@ -397,6 +403,87 @@ void testStallProbe(const std::string& dir) {
       }
     }
   }
+}
+
+// A store that takes requests and never answers them, as c10d's TCPStore does when the process
+// hosting it is stopped (SIGSTOP, a debugger), until release().
+class SilentStore : public Store {
+ public:
+  void set(const std::string&, const std::string&) override { hold(); }
+  std::string get(const std::string&) override {
+    hold();
+    throwError(ErrorCode::kRemoteError, "released");
+  }
+  bool check(const std::string&) override {
+    hold();
+    return false;
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    released_ = true;
+    cv_.notify_all();
+  }
+  int requests() const { return requests_.load(); }
+
+ private:
+  void hold() {
+    ++requests_;
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return released_; });
+  }
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool released_ = false;
+  std::atomic<int> requests_{0};
+};
+
+// The stalled exchange's looks go to a store that never answers: the exchange still times out at
+// its own deadline (it hung in the store's read before), with at most StoreErrands::kMaxOut
+// requests out however many looks it made; report() and whereIs() wait kPatience, then say the
+// store did not answer; the errands end once the store answers.
+void testStallProbeSilentStore(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  auto meshes = meshPair(store);
+  auto silent = std::make_shared<SilentStore>();
+  auto errands = std::make_unique<StoreErrands>(silent);
+  const uint64_t gather = OpSignature{OpKind::kGather, DataType::kFloat32, ReduceOp::kSum, 3}.packed();
+  algo::DesyncProbe probe(*errands, 0, 4, gather, std::chrono::milliseconds(50));
+  shm::WaitContext wait = waitFor(std::chrono::milliseconds(1500));
+  wait.stall = &probe;
+  std::vector<uint8_t> in(64);
+  std::string error;
+  ErrorCode code = ErrorCode::kAborted;
+  const auto t0 = Clock::now();
+  try {
+    meshes[0]->exchange({net::makeTag(4, 0), gather}, {}, {{1, in.data(), in.size()}}, wait, net::Schedule::kMesh);
+  } catch (const Error& e) {
+    error = e.what();
+    code = e.code();
+  }
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  expect(code == ErrorCode::kTimeout && secs < 3,
+         "an exchange whose probe's store never answers times out at its deadline: " + error + " (" +
+             std::to_string(secs) + " s)");
+  expect(silent->requests() >= 1 && silent->requests() <= StoreErrands::kMaxOut,
+         "looks to a silent store: one at a time, at most kMaxOut out: " + std::to_string(silent->requests()));
+  const auto t1 = Clock::now();
+  const std::string report = probe.report() + algo::DesyncProbe::whereIs(*errands, 1, std::chrono::milliseconds(50));
+  const double waited = std::chrono::duration<double>(Clock::now() - t1).count();
+  expect(report.find("where the ranks it waited for stand is not known: the group's store did not answer within 2 s") !=
+                 std::string::npos &&
+             report.find("where rank 1 stands is not known") != std::string::npos && waited < 2 * 2 + 1,
+         "report() and whereIs() say the store did not answer, within their patience: " + report + " (" +
+             std::to_string(waited) + " s)");
+  silent->release();
+  const auto t2 = Clock::now();
+  errands.reset();  // waits for the requests still out, which end now
+  const double drained = std::chrono::duration<double>(Clock::now() - t2).count();
+  // Each request's thread lets go of the store just after it counts itself done.
+  while (silent.use_count() > 1 && Clock::now() - t2 < std::chrono::seconds(1)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  expect(drained < 0.9 && silent.use_count() == 1, "released, the requests end and drop the store: " +
+                                                       std::to_string(silent.use_count()) + " owners");
 }
 
 // Rank 0 sends a striped message (over all lanes) where rank 1 expects a smaller one that
@@ -1066,7 +1153,7 @@ int main() {
   testPeekFarewellArrivingInParts();
   if (!test::runInOwnDirs("smddp_net_tests",
                           {testStrangersRefusedThenExchange, testConnectLater, testEarlyDialKeptForLaterRound, testStripedSizeMismatch,
-                           testCollectiveMismatch, testStallProbe, testDialToSilentPeer, testStalledExchangeReport,
+                           testCollectiveMismatch, testStallProbe, testStallProbeSilentStore, testDialToSilentPeer, testStalledExchangeReport,
                            testFarewell, testPeerLeftWhileReceiveHeld, testTwoInterfaces, testUnevenInterfaces,
                            testStoreMultiGet})) {
     return 1;
