@@ -1,6 +1,6 @@
 """Failure behaviour in fresh jobs: a rank killed with SIGKILL during a collective, a rank that
 never joins a collective (timeout, and what it says of the ranks it waited for), the job's store
-lost, a rank out of memory inside an op.
+lost or its host stopped, a rank out of memory inside an op.
 Survivors must raise promptly, naming the op, its sequence number and the rank at fault (or the
 cause), and every process must exit."""
 import os
@@ -23,6 +23,10 @@ dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world,
 t = torch.ones(1 << 16)
 dist.all_reduce(t)
 print("ready", flush=True)
+if mode == "loop_abort" and rank == 1:  # aborts its group from another thread 3 s from now
+    import threading
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    threading.Timer(3, backend.abort).start()
 if mode == "stalled_then_idle":  # ranks 0 and 1 wait over a second for rank 2 in one allreduce
     if rank == 2:
         time.sleep(2.5)
@@ -337,6 +341,22 @@ def test_timeout_of_crossed_groups_names_ranks_busy_elsewhere():
                "elsewhere: computing, another group's op" in outs[r], f"rank {r}:\n{outs[r][-2000:]}"
 
 
+def _stop_store_host(procs):
+    """SIGSTOPs rank 0 (the job's TCP store) once the ranks are in their loop; rank 1 must exit 3
+    (it caught the error). Returns rank 1's output and how long after the SIGSTOP it exited."""
+    procs.wait_ready()
+    time.sleep(0.5)
+    procs[0].send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        out = procs.finish(30, ranks=[1])[0]
+        elapsed = time.monotonic() - t0
+    finally:
+        procs.kill(0)
+    assert procs[1].returncode == 3, f"exit {procs[1].returncode}\n{out[-2000:]}"
+    return out, elapsed
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode,hosts", [("loop", None), ("loop", "01"), ("p2p_pair", None)])
 def test_timeout_while_the_store_host_is_stopped(mode, hosts):
@@ -348,19 +368,24 @@ def test_timeout_while_the_store_host_is_stopped(mode, hosts):
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     procs = _job(2, mode, 4, hosts=hosts, SMDDP_DESYNC_CHECK_MS="1000")
-    procs.wait_ready()
-    time.sleep(0.5)
-    procs[0].send_signal(signal.SIGSTOP)
-    t0 = time.monotonic()
-    try:
-        out = procs.finish(30, ranks=[1])[0]
-        elapsed = time.monotonic() - t0
-    finally:
-        procs.kill(0)
-    assert procs[1].returncode == 3, f"exit {procs[1].returncode}\n{out[-2000:]}"
+    out, elapsed = _stop_store_host(procs)
     assert "DistBackendError" in out and "the group's store did not answer within 2 s" in out, out[-2000:]
     # 4 s of timeout, up to 2 s for the store's answer, 1 s for requests still out at destroy.
     assert elapsed < 12, f"rank 1 took {elapsed:.1f}s\n{out[-2000:]}"
+
+
+@pytest.mark.timeout(120)
+def test_abort_while_the_store_host_is_stopped():
+    """As above, with a 60 s timeout: rank 1 aborts its group from another thread 3 s after it is
+    ready, while its stalled all_reduce has a read of the stopped store out. abort() must release
+    the op at once (the read held it, and abort() waited for it as long as rank 0 stayed stopped)."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(2, "loop_abort", 60, SMDDP_DESYNC_CHECK_MS="1000")
+    out, elapsed = _stop_store_host(procs)
+    assert "DistBackendError" in out and "shut down or aborted" in out, out[-2000:]
+    # 2.5 s to the abort, 1 s for the store request still out at destroy.
+    assert elapsed < 8, f"rank 1 took {elapsed:.1f}s\n{out[-2000:]}"
 
 
 @pytest.mark.timeout(120)
