@@ -245,7 +245,7 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
   ctx.wait.deadline = std::chrono::steady_clock::now() + timeout;
   ctx.wait.abort = &aborted_;
   std::optional<DesyncProbe> probe;
-  if (storeErrands_ && env::desyncCheckMs() > 0) {
+  if (storeErrands_) {
     probe.emplace(*storeErrands_, rank_, seq, ctx.signature, std::chrono::milliseconds(env::desyncCheckMs()));
     ctx.wait.stall = &*probe;
   }

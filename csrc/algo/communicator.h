@@ -32,8 +32,8 @@ class Communicator {
   // throws, so that its peers fail with it at once.
   Communicator(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout);
   ~Communicator();
-  // Before the first op: how an op that stalls SMDDP_DESYNC_CHECK_MS reaches the group's store
-  // (DesyncProbe); without, no op looks.
+  // Before the first op, where SMDDP_DESYNC_CHECK_MS is not 0: how an op that stalls that long
+  // reaches the group's store (DesyncProbe); without, no op looks.
   void setStoreErrands(std::shared_ptr<StoreErrands> errands) { storeErrands_ = std::move(errands); }
 
   int rank() const { return rank_; }

@@ -54,15 +54,17 @@ class DesyncProbe : public shm::StallProbe {
   void stalled(std::chrono::steady_clock::time_point since,
                const std::function<std::vector<int>()>& waitedFor) override;
   // After a timeout: "; where the ranks it waited for stand: ..." for up to 8 of the ranks of the
-  // last look, read from the store now; empty when the probe never looked or the store fails.
+  // last look, read from the store now, or that the store did not answer within kPatience; empty
+  // when the probe never looked or the store fails.
   std::string report();
 
   // Point-to-point: `rank` waits in `what` ("recv from rank 0 (tag 3, 16 bytes)"), posted by its
   // p2p engines while an op has waited an interval or more (engine::StallBoard). Returns at once.
   static void postP2p(StoreErrands& errands, int rank, const std::string& what);
   // For a point-to-point op that timed out: "; where rank 1 stands (...): rank 1 waits in recv
-  // from rank 0 (tag 3, 16 bytes)", a collective, or in none of the group's ops; "" when the
-  // store fails. `interval`: how often a stalled rank re-posts (what counts as fresh).
+  // from rank 0 (tag 3, 16 bytes)", a collective, or in none of the group's ops, or that the
+  // store did not answer within kPatience; "" when the store fails. `interval`: how often a
+  // stalled rank re-posts (what counts as fresh).
   static std::string whereIs(StoreErrands& errands, int peer, std::chrono::milliseconds interval);
 
  private:
