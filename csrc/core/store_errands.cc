@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -29,27 +30,35 @@ std::shared_ptr<StoreErrands::Errand> StoreErrands::start(Request request) {
   auto errand = std::make_shared<Errand>();
   // Detached: a request to a store that never answers must not hold up whoever would join it.
   // It owns all it touches (the errand, the store and the count), so it may outlive this object.
-  std::thread([shared = shared_, errand, request = std::move(request)] {
-    pthread_setname_np(pthread_self(), "smddp-store");  // else it takes its starter's name
-    std::string answer;
-    std::exception_ptr error;
-    try {
-      answer = request(*shared->store);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    {
-      std::lock_guard<std::mutex> lock(errand->mutex_);
-      errand->answer_ = std::move(answer);
-      errand->error_ = error;
-      errand->done_ = true;
-    }
-    errand->cv_.notify_all();
-    std::lock_guard<std::mutex> lock(shared->mutex);
-    --shared->out;
-    shared->idle.notify_all();
-  }).detach();
+  try {
+    std::thread(serve, shared_, errand, std::move(request)).detach();
+  } catch (const std::system_error&) {  // no thread to be had: as if the store did not answer
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    --shared_->out;
+    return nullptr;
+  }
   return errand;
+}
+
+void StoreErrands::serve(std::shared_ptr<Shared> shared, std::shared_ptr<Errand> errand, Request request) {
+  pthread_setname_np(pthread_self(), "smddp-store");  // else it takes its starter's name
+  std::string answer;
+  std::exception_ptr error;
+  try {
+    answer = request(*shared->store);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  {
+    std::lock_guard<std::mutex> lock(errand->mutex_);
+    errand->answer_ = std::move(answer);
+    errand->error_ = error;
+    errand->done_ = true;
+  }
+  errand->cv_.notify_all();
+  std::lock_guard<std::mutex> lock(shared->mutex);
+  --shared->out;
+  shared->idle.notify_all();
 }
 
 bool StoreErrands::Errand::done() const {

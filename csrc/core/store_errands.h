@@ -53,7 +53,8 @@ class StoreErrands {
   };
 
   using Request = std::function<std::string(Store&)>;
-  // Starts `request` on a thread of its own; nullptr while kMaxOut are out already.
+  // Starts `request` on a thread of its own; nullptr while kMaxOut are out already, or when no
+  // thread can be started (callers treat both as a store that does not answer).
   std::shared_ptr<Errand> start(Request request);
 
  private:
@@ -63,6 +64,8 @@ class StoreErrands {
     std::condition_variable idle;
     int out = 0;
   };
+  // A request's thread: runs it, hands the errand its answer, counts itself out.
+  static void serve(std::shared_ptr<Shared> shared, std::shared_ptr<Errand> errand, Request request);
   std::shared_ptr<Shared> shared_;
 };
 
