@@ -84,8 +84,8 @@ std::vector<bool> sharesWithEarlier(const std::vector<at::Tensor>& tensors);
 // or a list form's rank-major outputs), so that an earlier item could write it before it is read.
 // Such inputs are read as the op starts (copyAtStart, then ready()), as gloo reads every input
 // before writing any output, whatever the sizes (a packed run of small tensors reads all of its
-// inputs first anyway). O(n log n), like
-// sharesWithEarlier; an input overlapping only its own item's outputs is left to that item.
+// inputs first anyway). O(n log n), like sharesWithEarlier; an input overlapping only its own
+// item's outputs is left to that item.
 std::vector<bool> readsOthersOutputs(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs);
 
 // ---- coalesced ops of CPU tensors (all_reduce_coalesced, the coalesced all-gathers and

@@ -695,9 +695,10 @@ class ActivationOffloader:
     first tensor, blocks i .. i-horizon+1 are loaded (the backward visits blocks in reverse), and
     a block's loaded tensors are dropped as autograd takes them, and all of them once the backward
     has moved to an earlier block or ended (a tensor the backward never takes, e.g. one saved for
-    an output the loss does not use, is not held on). So at most about `horizon` blocks' activations are on
-    the device at once during backward; `max_resident` records it and `events` the order of
-    "offload"/"load"/"release" per block (the latest EVENTS_KEPT of them), for tests and tuning.
+    an output the loss does not use, is not held on). So at most about `horizon` blocks'
+    activations are on the device at once during backward; `max_resident` records it and `events`
+    the order of "offload"/"load"/"release" per block (the latest EVENTS_KEPT of them), for tests
+    and tuning.
     A tensor asked for again (a backward that reads ctx.saved_tensors twice, a second backward
     with retain_graph=True) is loaded again from its host copy, which lives as long as the graph.
 
