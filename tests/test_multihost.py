@@ -483,6 +483,37 @@ def test_disagreeing_net_settings_take_rank_0s():
     assert "hold for the group" not in logs[0], logs[0][-2000:]
 
 
+def debug_checks_task(rank, world, want):
+    """The group's debug checks are `want` on every rank, and all_to_all_single (whose split sizes
+    go first under the checks) and all_reduce come out right."""
+    rep = Report(rank)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    rep.expect(backend._debug_checks == want, f"debug checks {backend._debug_checks}, wanted rank 0's {want}")
+    with rep.cell("all_to_all_single"):
+        inp = torch.arange(world * 7, dtype=torch.float32) + 100 * rank
+        out = torch.empty_like(inp)
+        dist.all_to_all_single(out, inp)
+        want_out = torch.cat([torch.arange(rank * 7, rank * 7 + 7, dtype=torch.float32) + 100 * q for q in range(world)])
+        rep.expect(torch.equal(out, want_out), f"all_to_all_single gave {out.tolist()}")
+    rep.group_still_works("after the all_to_all", world, rank)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("rank0", ["1", "0"])
+def test_disagreeing_debug_checks_take_rank_0s(rank0):
+    """SMDDP_DEBUG_CHECKS on one rank only: rank 0's setting holds and the other rank is told so.
+    Until 2026-12-01 each rank used its own, and the first all_to_all across hosts failed every
+    rank with "collectives do not match" (one rank sent its split sizes first, the other did not)."""
+    other = "0" if rank0 == "1" else "1"
+    reports, logs = run_in_own_pool({"SMDDP_HOST_ID": ["0", "1"], "SMDDP_DEBUG_CHECKS": [rank0, other]},
+                                    debug_checks_task, rank0 == "1")
+    assert_reports(reports, 2)
+    mine, theirs = ("off", "on") if rank0 == "1" else ("on", "off")
+    assert (f"rank 1: debug checks (SMDDP_DEBUG_CHECKS, TORCH_DISTRIBUTED_DEBUG=DETAIL) are {mine} here but "
+            f"{theirs} on rank 0, whose setting holds for the group") in logs[1], logs[1][-2000:]
+    assert "whose setting holds" not in logs[0], logs[0][-2000:]
+
+
 @pytest.mark.parametrize("hosts", [["0", "0", "0"], ["0", "0", "1"]])
 def test_disagreeing_shm_settings_take_rank_0s(hosts):
     """How a host's ranks cut a message into steps must agree too: rank 1 asks for the one-shot

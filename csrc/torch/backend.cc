@@ -62,8 +62,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   }
   // After the set-up, which checked every integer setting on every rank alike (read before it,
   // a malformed SMDDP_DEBUG_CHECKS failed this rank alone, its peers waiting out the timeout).
-  const char* torchDebug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
-  debugChecks_ = env::debugChecks() != 0 || (torchDebug != nullptr && std::string(torchDebug) == "DETAIL");
+  debugChecks_ = agreeOnDebugChecks();
   handOffLinger_ = handOffLinger(comm_->machineShare());
   progress_ = std::make_shared<engine::ProgressThread>("smddp-r" + std::to_string(rank), handOffLinger_);
   // A blocking point-to-point wait runs its engine on the caller's thread: no second thread of
@@ -108,6 +107,26 @@ SmddpBackend::~SmddpBackend() {
     return;
   }
   shutdown();
+}
+
+bool SmddpBackend::agreeOnDebugChecks() {
+  const char* torchDebug = std::getenv("TORCH_DISTRIBUTED_DEBUG");
+  const bool mine = env::debugChecks() != 0 || (torchDebug != nullptr && std::string(torchDebug) == "DETAIL");
+  if (size_ == 1) return mine;
+  std::string group;
+  try {
+    group = rank0Value(*bootstrap_, rank_, "smddp/debug_checks", mine ? "1" : "0");
+  } catch (const Error& e) {
+    std::rethrow_exception(toTorchError(e, rank_));
+  }
+  const bool on = group == "1";
+  if (on != mine) {
+    SMDDP_WARN(kInit,
+               "rank %d: debug checks (SMDDP_DEBUG_CHECKS, TORCH_DISTRIBUTED_DEBUG=DETAIL) are %s here but %s on "
+               "rank 0, whose setting holds for the group",
+               rank_, mine ? "on" : "off", on ? "on" : "off");
+  }
+  return on;
 }
 
 void SmddpBackend::abandonInForkedChild() {

@@ -207,6 +207,10 @@ class SmddpBackend : public c10d::Backend {
   // `background`: smddp's own message (P2pOp::background), due whenever its peer comes.
   c10::intrusive_ptr<c10d::Work> p2p(bool isSend, std::vector<at::Tensor>& tensors, int peer, int tag,
                                      bool background = false);
+  // Whether debug checks are on for the group: rank 0's setting holds (a rank without them runs
+  // all_to_all without the split-size round trip its peers wait for, which failed the first one
+  // across hosts as collectives that do not match). Collective over the group, at set-up.
+  bool agreeOnDebugChecks();
   // A ValueError for a tag of the range monitoredBarrier keeps to itself.
   void checkUserTag(int tag, const char* op) const;
   // A message to or from `peer` (-1: any rank) in `buffer`, due within the group's timeout; its done
