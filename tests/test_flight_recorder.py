@@ -300,3 +300,39 @@ def test_analyzer_names_counts_that_differ_where_rings_dropped_the_ops():
                         "the rings of rank(s) [0, 2] no longer hold them (later ops of other groups took their place; "
                         "TORCH_FR_BUFFER_SIZE)"), lines
     assert lines[2:] == ["  rank 0: last completed #3", "  rank 1: last completed #3", "  rank 2: last completed #2"], lines
+
+
+def test_analyzer_leaves_out_files_that_are_not_dumps(tmp_path):
+    """Next to good dumps: one cut short (a rank killed while writing it), an empty one, a
+    directory and a foreign file whose names end in digits. Until 2026-12-01 each stopped
+    smddp.fr_trace with a raw traceback (EOFError, IsADirectoryError, UnpicklingError) and no
+    report, --prefix or not. Now each is left out with its reason and the others are analysed."""
+    import pickle
+
+    from smddp import fr_trace
+    entry = {"process_group": ("g", "d"), "is_p2p": False, "profiling_name": "smddp:all_reduce", "p2p_seq_id": 0,
+             "input_sizes": [[4]], "input_dtypes": ["Float"], "output_sizes": [[4]], "output_dtypes": ["Float"],
+             "state": "completed", "retired": True, "collective_seq_id": 1}
+    status = {"last_enqueued_collective": 1, "last_started_collective": 1, "last_completed_collective": 1}
+    good = pickle.dumps({"pg_config": {"g": {"desc": "d", "ranks": "[0, 1, 2, 3]", "pg_id": "0"}},
+                         "pg_status": {"0": status}, "entries": [entry]})
+    for r in (0, 1):
+        (tmp_path / f"trace_{r}").write_bytes(good)
+    (tmp_path / "trace_2").write_bytes(good[:len(good) // 2])
+    (tmp_path / "trace_3").write_bytes(b"")
+    (tmp_path / "ckpt1").mkdir()
+    (tmp_path / "notes2024").write_text("hello")
+    (tmp_path / "other7").write_bytes(pickle.dumps({"step": 7}))
+    for prefix in (None, "trace_"):
+        warnings = []
+        dumps = fr_trace.load_dumps(str(tmp_path), prefix, warn=warnings.append)
+        assert sorted(dumps) == [0, 1], (prefix, sorted(dumps))
+        left = "\n".join(warnings)
+        assert "left out trace_2: " in left and "left out trace_3: EOFError" in left, left
+        assert ("left out other7: not a flight recorder dump" in left) == (prefix is None), left
+        assert "ckpt1" not in left, left
+        lines = fr_trace.analyze(dumps)
+        assert any("collectives #1-#1: the same" in line for line in lines), lines
+    run = subprocess.run([sys.executable, "-m", "smddp.fr_trace", str(tmp_path / "missing")],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "is not a directory" in run.stderr and "Traceback" not in run.stderr, run.stderr

@@ -25,19 +25,41 @@ def _prefixes(name):
     return {name[:len(name) - k] for k in range(1, digits + 1)}
 
 
-def load_dumps(directory, prefix=None):
+def _read_dump(path):
+    """The dump in `path`, or why it is not one (a file cut short by a rank killed while writing
+    it, or another file whose name happens to end in digits)."""
+    try:
+        with open(path, "rb") as f:
+            d = pickle.load(f)
+    except Exception as e:  # noqa: BLE001 - unpickling foreign bytes raises anything
+        return None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    if not isinstance(d, dict) or not {"pg_config", "entries"} <= d.keys():
+        return None, "not a flight recorder dump (no pg_config and entries)"
+    return d, None
+
+
+def load_dumps(directory, prefix=None, warn=None):
     """{global rank: dump} for the files <prefix><rank> in `directory`. Without `prefix`, the one
     every file name shares whose rank numbers are all ranks of the job (the groups' ranks in the
-    dumps): SMDDP_FR_DUMP_FILE=/dir/run2 writes run20, run21, ..., not the ranks 20, 21, ..."""
-    names = sorted(n for n in os.listdir(directory) if _prefixes(n))
-    if not names:
-        raise SystemExit(f"no dumps named <prefix><rank> in {directory}")
+    dumps): SMDDP_FR_DUMP_FILE=/dir/run2 writes run20, run21, ..., not the ranks 20, 21, ...
+    Files that are not dumps are left out, each with a line to `warn` (default: stderr)."""
+    warn = warn or (lambda line: print(line, file=sys.stderr))
+    if not os.path.isdir(directory):
+        raise SystemExit(f"{directory} is not a directory")
+    names = sorted(n for n in os.listdir(directory) if _prefixes(n) and os.path.isfile(os.path.join(directory, n))
+                   and (prefix is None or (n.startswith(prefix) and n[len(prefix):].isdigit())))
     loaded = {}
     for n in names:
-        with open(os.path.join(directory, n), "rb") as f:
-            loaded[n] = pickle.load(f)
+        d, why = _read_dump(os.path.join(directory, n))
+        if d is None:
+            warn(f"left out {n}: {why}")
+        else:
+            loaded[n] = d
+    if not loaded:
+        raise SystemExit(f"no dumps named {prefix or '<prefix>'}<rank> in {directory}")
     if prefix is None:
-        ranks = {int(r) for d in loaded.values() for cfg in d.get("pg_config", {}).values()
+        names = sorted(loaded)
+        ranks = {int(r) for d in loaded.values() for cfg in d["pg_config"].values()
                  for r in cfg["ranks"].strip("[]").split(",") if r.strip()}
         common = set.intersection(*(_prefixes(n) for n in names))
         fits = sorted(p for p in common if {int(n[len(p):]) for n in names} <= ranks)
@@ -45,10 +67,7 @@ def load_dumps(directory, prefix=None):
             raise SystemExit(f"cannot tell the dumps' prefix in {directory} (names {names[:4]}{'...' if len(names) > 4 else ''}"
                              f", candidates {fits or sorted(common)}); pass --prefix")
         prefix = fits[0]
-    dumps = {int(n[len(prefix):]): d for n, d in loaded.items() if n.startswith(prefix) and n[len(prefix):].isdigit()}
-    if not dumps:
-        raise SystemExit(f"no dumps named {prefix}<rank> in {directory}")
-    return dumps
+    return {int(n[len(prefix):]): d for n, d in loaded.items() if n.startswith(prefix) and n[len(prefix):].isdigit()}
 
 
 # Collectives whose tensors are alike on every rank; the others may differ legitimately (a gather's
