@@ -36,7 +36,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -132,13 +134,40 @@ const char* opName(ReduceOp op) {
   exit(2);
 }
 
-size_t parseSize(const char* s) {
+// Strict readers of option values: a typo ("-n 1O", "-b 1T") stops the run instead of measuring
+// something else and reporting it as asked.
+double parseNumber(const std::string& flag, const char* text) {
   char* end;
-  double v = strtod(s, &end);
-  switch (*end) {
-    case 'K': case 'k': v *= 1024; break;
-    case 'M': case 'm': v *= 1024 * 1024; break;
-    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
+  errno = 0;
+  const double v = strtod(text, &end);
+  if (end == text || *end != '\0' || errno != 0 || !std::isfinite(v)) {
+    usage((flag + " needs a finite number, not \"" + text + "\"").c_str());
+  }
+  return v;
+}
+
+int parseInt(const std::string& flag, const char* text) {
+  char* end;
+  errno = 0;
+  const long v = strtol(text, &end, 10);
+  if (end == text || *end != '\0' || errno != 0 || v < INT_MIN || v > INT_MAX) {
+    usage((flag + " needs an integer, not \"" + text + "\"").c_str());
+  }
+  return static_cast<int>(v);
+}
+
+// Bytes, with an optional binary suffix K, M or G.
+size_t parseSize(const std::string& flag, const char* text) {
+  char* end;
+  errno = 0;
+  double v = strtod(text, &end);
+  switch (end == text ? '\0' : *end) {
+    case 'K': case 'k': v *= 1024, ++end; break;
+    case 'M': case 'm': v *= 1024 * 1024, ++end; break;
+    case 'G': case 'g': v *= 1024.0 * 1024 * 1024, ++end; break;
+  }
+  if (end == text || *end != '\0' || errno != 0 || !(v >= 0 && v < 0x1p63)) {
+    usage((flag + " needs a size in bytes (suffix K, M or G), not \"" + text + "\"").c_str());
   }
   return static_cast<size_t>(v);
 }
@@ -169,27 +198,27 @@ Args parseArgs(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     if (f == "-np") {
-      a.ranks = atoi(need(i));
+      a.ranks = parseInt(f, need(i));
       npGiven = true;
     }
     else if (f == "--collective") a.coll = need(i);
-    else if (f == "-b" || f == "--minbytes") a.minBytes = parseSize(need(i));
-    else if (f == "-e" || f == "--maxbytes") a.maxBytes = parseSize(need(i));
-    else if (f == "-f" || f == "--stepfactor") a.factor = atof(need(i));
-    else if (f == "-i" || f == "--stepbytes") a.stepBytes = parseSize(need(i)), a.factor = 1;
-    else if (f == "-n" || f == "--iters") a.iters = atoi(need(i)), a.autoIters = a.iters == 0;
-    else if (f == "-w" || f == "--warmup_iters") a.warmup = atoi(need(i));
-    else if (f == "-m" || f == "--agg_iters") a.agg = std::max(1, atoi(need(i)));
-    else if (f == "-c" || f == "--check") a.check = atoi(need(i)) != 0;
-    else if (f == "-a" || f == "--average") a.avgMode = atoi(need(i));
-    else if (f == "-r" || f == "--root") a.root = atoi(need(i));
+    else if (f == "-b" || f == "--minbytes") a.minBytes = parseSize(f, need(i));
+    else if (f == "-e" || f == "--maxbytes") a.maxBytes = parseSize(f, need(i));
+    else if (f == "-f" || f == "--stepfactor") a.factor = parseNumber(f, need(i));
+    else if (f == "-i" || f == "--stepbytes") a.stepBytes = parseSize(f, need(i)), a.factor = 1;
+    else if (f == "-n" || f == "--iters") a.iters = parseInt(f, need(i)), a.autoIters = a.iters == 0;
+    else if (f == "-w" || f == "--warmup_iters") a.warmup = parseInt(f, need(i));
+    else if (f == "-m" || f == "--agg_iters") a.agg = std::max(1, parseInt(f, need(i)));
+    else if (f == "-c" || f == "--check") a.check = parseInt(f, need(i)) != 0;
+    else if (f == "-a" || f == "--average") a.avgMode = parseInt(f, need(i));
+    else if (f == "-r" || f == "--root") a.root = parseInt(f, need(i));
     else if (f == "-J" || f == "--output_file") a.json = need(i);
-    else if (f == "-T") a.targetMs = atof(need(i));
-    else if (f == "--huge-pages") a.hugePages = atoi(need(i)) != 0;
-    else if (f == "--touch") a.touch = atoi(need(i)) != 0;
-    else if (f == "--timeout") a.timeout = std::chrono::milliseconds(static_cast<int64_t>(atof(need(i)) * 1000));
+    else if (f == "-T") a.targetMs = parseNumber(f, need(i));
+    else if (f == "--huge-pages") a.hugePages = parseInt(f, need(i)) != 0;
+    else if (f == "--touch") a.touch = parseInt(f, need(i)) != 0;
+    else if (f == "--timeout") a.timeout = std::chrono::milliseconds(static_cast<int64_t>(parseNumber(f, need(i)) * 1000));
     else if (f == "-t" || f == "-g") {
-      if (atoi(need(i)) != 1) usage("one thread and one device per rank (use -np for more ranks)");
+      if (parseInt(f, need(i)) != 1) usage("one thread and one device per rank (use -np for more ranks)");
     } else if (f == "-d" || f == "--datatype") {
       const std::string v = need(i);
       a.dtypes.clear();
@@ -230,7 +259,8 @@ Args parseArgs(int argc, char** argv) {
   if (std::none_of(std::begin(kCollectives), std::end(kCollectives), named)) {
     usage(("unknown collective " + a.coll).c_str());
   }
-  if (a.minBytes > a.maxBytes || (a.factor <= 1 && a.stepBytes == 0)) usage("bad size range");
+  if (a.minBytes > a.maxBytes || a.factor < 1 || (a.factor == 1 && a.stepBytes == 0)) usage("bad size range");
+  if (a.iters < 0 || a.warmup < 0 || a.targetMs <= 0 || a.timeout.count() <= 0) usage("bad -n, -w, -T or --timeout");
   return a;
 }
 
@@ -337,6 +367,16 @@ double valueOf(ReduceOp op, DataType dt, int W, int r, size_t i) {
   const bool sums = op == ReduceOp::kSum || op == ReduceOp::kAvg;
   return sums && !carries ? 0 : 1 + static_cast<double>((r + i * 3) % 4);
 }
+// Data that only moves (broadcast, all_gather, all_to_all): element i shows base-4 digit i % 4
+// of the rank, shifted by i, so any two of 256 ranks differ within every 4 consecutive elements
+// (valueOf's pattern repeats every 4 ranks, or 2 for float8: a broadcast that never reached the
+// rank 4 away from its root, which starts with its own data, passed the check). 1..4: exact in
+// every type.
+double movedValueOf(int r, size_t i) { return 1 + static_cast<double>(((r >> (2 * (i % 4))) + i) % 4); }
+// Rank r's input element i for the collective `coll` reduces or moves.
+double inputValueOf(const std::string& coll, ReduceOp op, DataType dt, int W, int r, size_t i) {
+  return reduces(coll) ? valueOf(op, dt, W, r, i) : movedValueOf(r, i);
+}
 // `v` rounded to the nearest value of format `f`, ties to even (within its finite range).
 double roundToMinifloat(double v, Minifloat f) {
   if (v == 0) return v;
@@ -421,10 +461,10 @@ size_t countWrong(const Args& a, const Case& k, const void* out, const Shape& s,
   for (size_t i = 0; i < s.outElems; ++i) {
     double want;
     if (a.coll == "all_reduce") want = reduced(k.op, k.dt, W, i, topo);
-    else if (a.coll == "broadcast") want = valueOf(k.op, k.dt, W, a.root, i);
-    else if (a.coll == "all_gather") want = valueOf(k.op, k.dt, W, static_cast<int>(i / s.inElems), i % s.inElems);
-    else if (a.coll == "all_to_all") want = valueOf(k.op, k.dt, W, static_cast<int>(i / (s.outElems / W)),
-                                                    rank * (s.outElems / W) + i % (s.outElems / W));
+    else if (a.coll == "broadcast") want = movedValueOf(a.root, i);
+    else if (a.coll == "all_gather") want = movedValueOf(static_cast<int>(i / s.inElems), i % s.inElems);
+    else if (a.coll == "all_to_all") want = movedValueOf(static_cast<int>(i / (s.outElems / W)),
+                                                         rank * (s.outElems / W) + i % (s.outElems / W));
     else want = reduced(k.op, k.dt, W, rank * s.outElems + i, topo);
     wrong += !close(k.dt, load(k.dt, out, i), want);
   }
@@ -526,7 +566,7 @@ int rankMain(const Args& a, int rank, Store& store) {
         if (inPlace && a.coll == "reduce_scatter") dst = in.data() + rank * s.outElems * es;
         long wrong = 0;
         if (a.check) {
-          for (size_t i = 0; i < s.inElems; ++i) storeValue(k.dt, src, i, valueOf(k.op, k.dt, W, rank, i));
+          for (size_t i = 0; i < s.inElems; ++i) storeValue(k.dt, src, i, inputValueOf(a.coll, k.op, k.dt, W, rank, i));
           runOp(comm, a, k, src, dst, s, W, scratch.data());
           wrong = static_cast<long>(countWrong(a, k, dst, s, rank, W, comm.topology()));
         }

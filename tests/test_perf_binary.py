@@ -101,9 +101,20 @@ def test_huge_pages_and_cache_placement_lines():
             assert tail == "not measured (a CPU was busy)" or (tail.endswith(" ns") and int(tail[:-3]) > 0), line
 
 
-def test_bad_arguments_fail_with_usage():
-    p = run([BIN / "smddp_perf", "-np", 2, "-d", "complex64"])
-    assert p.returncode == 2 and "unknown datatype complex64" in p.stderr
+@pytest.mark.parametrize("args, why", [
+    (["-d", "complex64"], "unknown datatype complex64"),
+    # Until 2026-12-01 these ran, and printed negative times, or measured 1 byte for "1T" and 0
+    # for "abc", or stepped by 1 MiB for a factor of nan, each ending "OK".
+    (["-n", "-3"], "bad -n, -w, -T or --timeout"),
+    (["-b", "1T", "-e", "1T"], '-b needs a size in bytes (suffix K, M or G), not "1T"'),
+    (["-b", "abc"], '-b needs a size in bytes (suffix K, M or G), not "abc"'),
+    (["-f", "nan"], '-f needs a finite number, not "nan"'),
+    (["-f", "0.5"], "bad size range"),
+    (["-n", "1O"], '-n needs an integer, not "1O"'),
+])
+def test_bad_arguments_fail_with_usage(args, why):
+    p = run([BIN / "smddp_perf", "-np", 2, *args])
+    assert p.returncode == 2 and why in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("hosts, master", [("0000", "127.0.0.1"), ("0011", "127.0.0.1"), ("0011", "::1")],
