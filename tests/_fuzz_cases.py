@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import _util
 from _util import Report, digest
 
 REDUCE_OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
@@ -47,14 +48,11 @@ SIZE_SETTINGS = ["SMDDP_SHM_SLOT_BYTES", "SMDDP_SHM_COPY_STEP_BYTES", "SMDDP_ALL
 
 
 def refused(dtype, op):
-    """Whether smddp refuses to reduce `dtype` with `op` (README, "Reduction semantics")."""
-    if dtype == torch.bool:
-        return op in ("AVG", "PREMUL_SUM")
-    if dtype in INTS:
-        return op == "PREMUL_SUM"
+    """Whether smddp refuses to reduce `dtype` with `op` (README, "Reduction semantics"): the
+    op-by-op tests' rule, and complex tensors' (SUM, AVG and PREMUL_SUM only)."""
     if dtype == torch.complex64:
         return op not in ("SUM", "AVG", "PREMUL_SUM")
-    return op in ("BAND", "BOR", "BXOR")
+    return _util.refused(dtype, op)
 
 
 REDUCIBLE = [(d, op) for d in DTYPES for op in REDUCE_OPS if not refused(d, op)]
