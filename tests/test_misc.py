@@ -515,7 +515,8 @@ def nonpositive_timeout_task(rank, world):
                 dist.new_group(list(range(world)), timeout=td)
                 rep.fail(f"new_group(timeout={td}) succeeded")
             except ValueError as e:
-                rep.expect(f"smddp rank {rank}: the process group's timeout must be positive" in str(e), str(e)[:300])
+                rep.expect(re.match(rf"smddp rank {rank} of group \S+, world rank {rank}: the process group's timeout "
+                                    "must be positive", str(e)) is not None, str(e)[:300])
     with rep.cell("the default group after the refusals"):
         dist.barrier()
     return rep.to_dict()
@@ -564,6 +565,79 @@ def wait_limit_task(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_wait_limit_runs_out(pools, world):
     pools.check(world, wait_limit_task)
+
+
+def subgroup_errors_name_the_group_task(rank, world):
+    """An error in a group other than the default one names the group as torch does (its name,
+    and its description unless torch's "undefined") and the world rank, since group ranks repeat
+    across a job's groups: raised at the call, by a body on the group's thread and by a
+    wait(timeout) (at the group's set-up: test_nonpositive_timeout_refused); the default group's
+    keep "smddp rank N: "."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rep = Report(rank)
+    # Refused as a broadcast's output (its elements share memory), at the call: the op never
+    # starts, so the root does not issue it either.
+    expanded = torch.zeros(1).expand(4)
+    with rep.cell("default group"):
+        if rank != 0:
+            try:
+                dist.broadcast(expanded, src=0)
+                rep.fail("broadcast into an expanded tensor succeeded")
+            except ValueError as e:
+                rep.expect(str(e).startswith(f"smddp rank {rank}: broadcast: the output tensor"), str(e)[:300])
+    tp = dist.new_group([1, 2], group_desc="tp")
+    plain = dist.new_group([0, 2])
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))  # a mesh of the world alone
+    # would reuse the default group
+    with rep.cell("described group, error at the call"):
+        if rank == 2:
+            name = dist._get_process_group_name(tp)
+            try:
+                dist.broadcast(expanded, src=1, group=tp)
+                rep.fail("broadcast into an expanded tensor succeeded")
+            except ValueError as e:
+                want = f"smddp rank 1 of group {name} (tp), world rank 2: broadcast: the output tensor"
+                rep.expect(str(e).startswith(want), f"want {want!r}, got {str(e)[:300]!r}")
+    with rep.cell("undescribed group, wait(timeout) that runs out"):
+        if rank in (0, 2):
+            name = dist._get_process_group_name(plain)
+            if rank == 2:
+                work = dist.broadcast(torch.zeros(4), src=0, group=plain, async_op=True)
+                try:
+                    work.wait(timedelta(milliseconds=100))
+                    rep.fail("wait(100 ms) returned although the root comes 1 s late")
+                except dist.DistBackendError as e:
+                    want = f"smddp rank 1 of group {name}, world rank 2: broadcast: wait(timeout=100 ms) ran out"
+                    rep.expect(str(e).startswith(want), f"want {want!r}, got {str(e)[:300]!r}")
+                work.wait()
+            else:
+                time.sleep(1.0)
+                dist.broadcast(torch.zeros(4), src=0, group=plain)
+    with rep.cell("DeviceMesh group, error in the op's body on the group's thread"):
+        cp = mesh.get_group("cp")
+        name = dist._get_process_group_name(cp)
+        # A sparse all_reduce whose shapes differ across ranks fails inside the op, on every rank.
+        cp_rank = dist.get_rank(cp)
+        t = torch.sparse_coo_tensor([[0]], [1.0], (2 + (cp_rank == 1),))
+        try:
+            dist.all_reduce(t, group=cp, async_op=True).wait()
+            rep.fail("sparse all_reduce of different shapes succeeded")
+        except ValueError as e:
+            want = f"smddp rank {cp_rank} of group {name} (mesh_cp), world rank {rank}: allreduce of sparse tensors"
+            rep.expect(str(e).startswith(want), f"want {want!r}, got {str(e)[:300]!r}")
+    with rep.cell("the groups after the errors"):
+        for g in (tp, plain, mesh.get_group("cp"), None):
+            if g is None or rank in dist.get_process_group_ranks(g):
+                t = torch.ones(3)
+                dist.all_reduce(t, group=g)
+                rep.expect(torch.equal(t, torch.full((3,), float(dist.get_world_size(g)))), f"all_reduce: {t}")
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="smddp's messages")
+def test_subgroup_errors_name_the_group(pools):
+    pools.check(4, subgroup_errors_name_the_group_task)
 
 
 # ---------------------------------------------------------------------------

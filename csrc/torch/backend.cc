@@ -41,14 +41,19 @@ std::string describeTensors(const std::vector<at::Tensor>& inputs, const std::ve
 }  // namespace
 
 SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                           std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks)
-    : c10d::Backend(rank, size), timeoutMs_(timeout.count()), globalRanks_(std::move(globalRanks)) {
-  // Every rank refuses it alike, before waiting for any other (0 would be a deadline of now).
-  TORCH_CHECK_VALUE(timeout.count() > 0, "smddp rank ", rank, ": the process group's timeout must be positive, got ",
-                    timeout.count(), " ms");
+                           std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks,
+                           const std::string& groupUid)
+    : c10d::Backend(rank, size),
+      timeoutMs_(timeout.count()),
+      globalRanks_(std::move(globalRanks)),
+      defaultGroup_(globalRanks_.empty()) {
   if (globalRanks_.empty()) {
     for (int r = 0; r < size; ++r) globalRanks_.push_back(r);
   }
+  if (!groupUid.empty()) setGroupUid(groupUid);
+  // Every rank refuses it alike, before waiting for any other (0 would be a deadline of now).
+  TORCH_CHECK_VALUE(timeout.count() > 0, who(), ": the process group's timeout must be positive, got ",
+                    timeout.count(), " ms");
   pgId_ = FlightRecorder::get().addGroup(globalRanks_);
   c10dStore_ = store;
   store_ = std::make_shared<C10dStore>(store, timeout);
@@ -58,7 +63,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     comm_ = settingUp(*groupStore_,
                       [&] { return std::make_unique<algo::Communicator>(*bootstrap_, rank, size, timeout); });
   } catch (const Error& e) {
-    std::rethrow_exception(toTorchError(e, rank));
+    std::rethrow_exception(toTorchError(e, who()));
   }
   // After the set-up, which checked every integer setting on every rank alike (read before it,
   // a malformed SMDDP_DEBUG_CHECKS failed this rank alone, its peers waiting out the timeout).
@@ -79,7 +84,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
                                                  comm_->netLanes(), p2pLinger, "smddp-np2p" + std::to_string(rank));
     } catch (const Error& e) {
       bootstrap_->publishFailure(engine::NetP2p::keysOwedBy(rank), rank, e.what());
-      std::rethrow_exception(toTorchError(e, rank));
+      std::rethrow_exception(toTorchError(e, who()));
     }
   }
   stallInterval_ = std::chrono::milliseconds(env::desyncCheckMs());
@@ -101,6 +106,19 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   SMDDP_INFO(kInit, "rank %d/%d: process group ready", rank, size);
 }
 
+std::shared_ptr<const std::string> SmddpBackend::whoShared() const {
+  if (whoSettled_.load(std::memory_order_acquire)) return who_;
+  std::lock_guard<std::mutex> lock(whoMutex_);
+  if (!who_ || whoUid_ != getGroupUid() || whoDesc_ != getGroupDesc()) {
+    if (who_) whoBefore_.push_back(std::move(who_));
+    whoUid_ = getGroupUid();
+    whoDesc_ = getGroupDesc();
+    who_ = std::make_shared<const std::string>(rankName(rank_, defaultGroup_, whoUid_, whoDesc_, globalRanks_[rank_]));
+  }
+  if (!whoDesc_.empty()) whoSettled_.store(true, std::memory_order_release);
+  return who_;
+}
+
 SmddpBackend::~SmddpBackend() {
   if (inForkedChild()) {
     abandonInForkedChild();
@@ -117,7 +135,7 @@ bool SmddpBackend::agreeOnDebugChecks() {
   try {
     group = rank0Value(*bootstrap_, rank_, "smddp/debug_checks", mine ? "1" : "0");
   } catch (const Error& e) {
-    std::rethrow_exception(toTorchError(e, rank_));
+    std::rethrow_exception(toTorchError(e, who()));
   }
   const bool on = group == "1";
   if (on != mine) {
@@ -146,7 +164,7 @@ void SmddpBackend::abandonInForkedChild() {
 }
 
 void SmddpBackend::throwIfForked(const char* op) const {
-  if (inForkedChild()) TORCH_CHECK(false, "smddp rank ", rank_, ": ", opName(op), ": ", forkedWhy(ownerPid_));
+  if (inForkedChild()) TORCH_CHECK(false, who(), ": ", opName(op), ": ", forkedWhy(ownerPid_));
 }
 
 void SmddpBackend::shutdown() {
@@ -233,7 +251,7 @@ c10::intrusive_ptr<c10d::Backend> SmddpBackend::shrink(const std::vector<int64_t
   throwIfForked("shrink");
   // torch.distributed.shrink_group checks the same; a direct call on the backend may not have.
   const auto refuse = [&](const std::string& why) {
-    TORCH_CHECK_VALUE(false, "smddp rank ", rank_, ": shrink: ", why);
+    TORCH_CHECK_VALUE(false, who(), ": shrink: ", why);
   };
   std::vector<bool> excluded(size_, false);
   for (int64_t r : ranksToExclude) {
@@ -267,7 +285,7 @@ c10::intrusive_ptr<c10d::Backend> SmddpBackend::shrink(const std::vector<int64_t
   } catch (const c10::DistBackendError& e) {
     // The set-up's error names ranks of the new group; the caller knows this group's.
     std::string why = e.what_without_backtrace();
-    const std::string named = "smddp rank " + std::to_string(childRank) + ": ";
+    const std::string named = rankPrefix(rankName(childRank, false, "", "", globalRanks_[rank_]));
     if (why.rfind(named, 0) == 0) why.erase(0, named.size());
     std::string remaining;
     constexpr int kNamed = 16;  // a large group's list would bury the cause
@@ -277,7 +295,7 @@ c10::intrusive_ptr<c10d::Backend> SmddpBackend::shrink(const std::vector<int64_t
       if (++k == kNamed + 1) remaining += ", ...";
     }
     C10_THROW_ERROR(DistBackendError,
-                    c10::str("smddp rank ", rank_, ": shrink: the group of ranks ", remaining,
+                    c10::str(who(), ": shrink: the group of ranks ", remaining,
                              " did not form: ", why,
                              ". Every remaining rank must call shrink with the same ranks to exclude: ranks "
                              "that exclude others wait for each other in vain"));
@@ -328,7 +346,7 @@ c10::intrusive_ptr<SmddpWork> SmddpBackend::newWork(c10d::OpType opType, const c
   const bool p2p = opType == c10d::OpType::SEND || opType == c10d::OpType::RECV || opType == c10d::OpType::RECVANYSOURCE;
   const int64_t traceId = FlightRecorder::get().record(pgId_, *this, p2p, title, inputs, outputs, timeout, peer);
   if (log::enabled(log::kInfo, p2p ? log::kP2p : log::kColl)) logIssue(p2p, opType, title, outputs, inputs, peer);
-  auto work = c10::make_intrusive<SmddpWork>(rank_, opType, title, std::move(outputs),
+  auto work = c10::make_intrusive<SmddpWork>(rank_, whoShared(), opType, title, std::move(outputs),
                                              std::optional<Tensors>(std::move(inputs)), handOffLinger_);
   work->setTrace(pgId_, traceId);
   return work;
@@ -360,14 +378,13 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
   body = describedBody(opType, title, outputs, inputs, std::move(body));
   auto work = newWork(opType, title, std::move(outputs), std::move(inputs), timeout);
   algo::Communicator* comm = comm_.get();
-  const int rank = rank_;
-  auto task = [work, comm, rank, size = size_, title, timeout, body = std::move(body)]() {
+  auto task = [work, comm, size = size_, title, timeout, body = std::move(body)]() {
     std::exception_ptr error;
     work->traceStarted();
     try {
       body(*comm, timeout);
     } catch (...) {
-      error = bodyError(*comm, rank, size, title);
+      error = bodyError(*comm, work->who(), size, title);
     }
     work->complete(error);
   };
@@ -379,14 +396,15 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
     progress_->enqueue(std::move(task));
   } catch (const std::logic_error& e) {
     C10_THROW_ERROR(DistBackendError,
-                    c10::str("smddp rank ", rank_, ": ", opName(title), ": the process group has been shut down"));
+                    c10::str(who(), ": ", opName(title), ": the process group has been shut down"));
   }
   return work;
 }
 
 c10::intrusive_ptr<c10d::Backend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks) {
-  return c10::make_intrusive<SmddpBackend>(store, rank, size, timeout, std::move(globalRanks));
+                                                std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks,
+                                                const std::string& groupUid) {
+  return c10::make_intrusive<SmddpBackend>(store, rank, size, timeout, std::move(globalRanks), groupUid);
 }
 
 }  // namespace smddp::torchext

@@ -36,9 +36,10 @@ class SmddpBackend : public c10d::Backend {
  public:
   // Collective over the group: checks the ranks share a host and maps the shared memory.
   // `globalRanks`: the world rank of each of the group's ranks (empty: the group is the world),
-  // for the flight recorder's dumps.
+  // for the flight recorder's dumps and the rank's name in messages; `groupUid`: torch's name
+  // for the group where it is known before the group is made (else torch sets it afterwards).
   SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
-               std::vector<int64_t> globalRanks = {});
+               std::vector<int64_t> globalRanks = {}, const std::string& groupUid = "");
   // In a process forked from the one that made the group (a child that ends without os._exit:
   // Python's finalisation destroys the group there), its parts are left as they are: its threads
   // are not in the child, and its connections and shared memory are the parent's, still in use.
@@ -139,6 +140,12 @@ class SmddpBackend : public c10d::Backend {
   using Work = c10::intrusive_ptr<c10d::Work>;
   using Tensors = std::vector<at::Tensor>;
 
+  // This rank as messages name it (rankName()), with the group's name and description as torch
+  // has set them by now (it sets them after the constructor, name first). The reference lasts
+  // as long as the group; the shared form, for a Work or a queued body, as long as they need it.
+  const std::string& who() const { return *whoShared(); }
+  std::shared_ptr<const std::string> whoShared() const;
+
   // ---- CUDA tensors (backend_cuda.cc): staged through pinned host memory ----
   // True when every tensor is a CUDA tensor, false when every one is a CPU tensor; a mix is a
   // ValueError.
@@ -238,6 +245,14 @@ class SmddpBackend : public c10d::Backend {
   std::atomic<uint64_t> issued_{0};
   std::atomic<uint32_t> monitoredBarriers_{0};  // calls so far: each takes a tag of its own
   std::vector<int64_t> globalRanks_;  // see the constructor
+  const bool defaultGroup_;           // torch's default group (made with no globalRanks)
+  // who(): the name and what it was made from; settled once torch has described the group,
+  // which it does once, last, so that later calls read it without the lock.
+  mutable std::mutex whoMutex_;
+  mutable std::shared_ptr<const std::string> who_;
+  mutable std::vector<std::shared_ptr<const std::string>> whoBefore_;  // names who() has handed out
+  mutable std::string whoUid_, whoDesc_;
+  mutable std::atomic<bool> whoSettled_{false};
   int pgId_ = 0;                      // this group in the flight recorder
   c10::intrusive_ptr<c10d::Store> c10dStore_;  // the store the group was created with (for shrink)
   int shrinks_ = 0;                              // shrink() calls so far: each child's key prefix
@@ -282,6 +297,7 @@ class SmddpBackend : public c10d::Backend {
 };
 
 c10::intrusive_ptr<c10d::Backend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks);
+                                                std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks,
+                                                const std::string& groupUid);
 
 }  // namespace smddp::torchext

@@ -18,23 +18,23 @@ namespace smddp::torchext {
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::AllreduceOptions& opts) {
-  const at::Tensor& t = onlyTensor(tensors, rank_, "allreduce");
-  if (Tensors reals = complexAsReals(tensors, opts.reduceOp, rank_, "allreduce"); !reals.empty()) {
+  const at::Tensor& t = onlyTensor(tensors, who(), "allreduce");
+  if (Tensors reals = complexAsReals(tensors, opts.reduceOp, who(), "allreduce"); !reals.empty()) {
     return allreduce(reals, opts);  // a caller of the ProcessGroup itself (torch's all_reduce converts)
   }
   if (t.defined() && t.layout() == at::kSparse) {
     return enqueue(c10d::OpType::ALLREDUCE, "smddp:all_reduce", tensors, tensors, resolveTimeout(opts.timeout),
-                   opts.asyncOp, sparseAllreduce(t, opts.reduceOp, rank_, size_, sparseScratch_));
+                   opts.asyncOp, sparseAllreduce(t, opts.reduceOp, rank_, whoShared(), size_, sparseScratch_));
   }
-  const DataType dtype = checkTensor(t, rank_, "allreduce");
-  const Reduction red = toReduction(opts.reduceOp, dtype, size_, rank_, "allreduce");
+  const DataType dtype = checkTensor(t, who(), "allreduce");
+  const Reduction red = toReduction(opts.reduceOp, dtype, size_, who(), "allreduce");
   if (isCudaOp(tensors, "allreduce")) {
     return cudaFlat(c10d::OpType::ALLREDUCE, "smddp:all_reduce", tensors, resolveTimeout(opts.timeout),
                     {{t, true, true, [dtype, red](algo::Communicator& c, std::chrono::milliseconds to, void* p, size_t n) {
                         c.allreduce({dtype, red, n, p, p, -1}, to);
                       }}});
   }
-  Staged s = stageInOut(t, rank_, "allreduce");
+  Staged s = stageInOut(t, who(), "allreduce");
   return enqueue(c10d::OpType::ALLREDUCE, "smddp:all_reduce", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, dtype, red](algo::Communicator& c, std::chrono::milliseconds to) mutable {
                    s.ready();
@@ -46,14 +46,14 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce(std::vector<at::Tensor>& 
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                  const c10d::AllreduceCoalescedOptions& opts) {
-  if (auto reals = complexItemsAsReals(tensors, {}, opts.reduceOp, rank_, "allreduce_coalesced")) {
+  if (auto reals = complexItemsAsReals(tensors, {}, opts.reduceOp, who(), "allreduce_coalesced")) {
     return allreduce_coalesced(reals->first, opts);
   }
   std::vector<Staged> staged;
   std::vector<std::pair<DataType, Reduction>> kinds;
   for (const at::Tensor& t : tensors) {
-    const DataType dtype = checkTensor(t, rank_, "allreduce_coalesced");
-    kinds.emplace_back(dtype, toReduction(opts.reduceOp, dtype, size_, rank_, "allreduce_coalesced"));
+    const DataType dtype = checkTensor(t, who(), "allreduce_coalesced");
+    kinds.emplace_back(dtype, toReduction(opts.reduceOp, dtype, size_, who(), "allreduce_coalesced"));
   }
   if (isCudaOp(tensors, "allreduce_coalesced")) {
     std::vector<FlatPart> parts;
@@ -75,17 +75,18 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
   // (Packed tensors are copied as the op starts anyway.)
   const std::vector<bool> shares = sharesWithEarlier(tensors);
   for (size_t i = 0; i < tensors.size(); ++i) {
-    Staged s = stageInOut(tensors[i], rank_, "allreduce_coalesced");
+    Staged s = stageInOut(tensors[i], who(), "allreduce_coalesced");
     if (!s.copyBack && shares[i]) s = {tensors[i], Staged::Way::kCopyIn, true};
     staged.push_back(std::move(s));
   }
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors, tensors,
                  resolveTimeout(opts.timeout), opts.asyncOp,
-                 [staged, kinds, items, rank = rank_](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                 [staged, kinds, items, who = whoShared()](algo::Communicator& c,
+                                                          std::chrono::milliseconds to) mutable {
                    // Every input is read before any result is written (a packed tensor may share
                    // memory with another of the list).
                    std::vector<at::Tensor> flats(items.size());
-                   locally(rank, "all_reduce_coalesced", "copying the tensors as the op starts", [&] {
+                   locally(*who, "all_reduce_coalesced", "copying the tensors as the op starts", [&] {
                      for (size_t k = 0; k < items.size(); ++k) {
                        if (items[k].count == 1) {
                          staged[items[k].first].ready();
@@ -111,14 +112,14 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::ReduceOptions& opts) {
-  const at::Tensor& t = onlyTensor(tensors, rank_, "reduce");
-  if (Tensors reals = complexAsReals(tensors, opts.reduceOp, rank_, "reduce"); !reals.empty()) {
+  const at::Tensor& t = onlyTensor(tensors, who(), "reduce");
+  if (Tensors reals = complexAsReals(tensors, opts.reduceOp, who(), "reduce"); !reals.empty()) {
     return reduce(reals, opts);
   }
-  const DataType dtype = checkTensor(t, rank_, "reduce");
-  const Reduction red = toReduction(opts.reduceOp, dtype, size_, rank_, "reduce");
+  const DataType dtype = checkTensor(t, who(), "reduce");
+  const Reduction red = toReduction(opts.reduceOp, dtype, size_, who(), "reduce");
   const int root = static_cast<int>(opts.rootRank);
-  TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp rank ", rank_, ": reduce: root ", root,
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, who(), ": reduce: root ", root,
                     " is not a rank of this group of size ", size_);
   if (isCudaOp(tensors, "reduce")) {  // only the root's tensor changes, as with NCCL
     return cudaFlat(c10d::OpType::REDUCE, "smddp:reduce", tensors, resolveTimeout(opts.timeout),
@@ -127,7 +128,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce(std::vector<at::Tensor>& ten
                         c.allreduce({dtype, red, n, p, p, root}, to);
                       }}});
   }
-  Staged s = rank_ == root ? stageInOut(t, rank_, "reduce") : stageIn(t);
+  Staged s = rank_ == root ? stageInOut(t, who(), "reduce") : stageIn(t);
   return enqueue(c10d::OpType::REDUCE, "smddp:reduce", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, dtype, red, root](algo::Communicator& c, std::chrono::milliseconds to) mutable {
                    s.ready();
@@ -139,10 +140,10 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce(std::vector<at::Tensor>& ten
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                        const c10d::BroadcastOptions& opts) {
-  const at::Tensor& t = onlyTensor(tensors, rank_, "broadcast");
-  const DataType dtype = checkMovedTensor(t, rank_, "broadcast");
+  const at::Tensor& t = onlyTensor(tensors, who(), "broadcast");
+  const DataType dtype = checkMovedTensor(t, who(), "broadcast");
   const int root = static_cast<int>(opts.rootRank);
-  TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp rank ", rank_, ": broadcast: root ", root,
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, who(), ": broadcast: root ", root,
                     " is not a rank of this group of size ", size_);
   if (isCudaOp(tensors, "broadcast")) {
     return cudaFlat(c10d::OpType::BROADCAST, "smddp:broadcast", tensors, resolveTimeout(opts.timeout),
@@ -151,7 +152,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::broadcast(std::vector<at::Tensor>& 
                         c.broadcast({dtype, n, p, root}, to);
                       }}});
   }
-  Staged s = rank_ == root ? stageIn(t) : stageOut(t, rank_, "broadcast");
+  Staged s = rank_ == root ? stageIn(t) : stageOut(t, who(), "broadcast");
   return enqueue(c10d::OpType::BROADCAST, "smddp:broadcast", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, dtype, root](algo::Communicator& c, std::chrono::milliseconds to) mutable {
                    s.ready();
@@ -169,19 +170,19 @@ struct ListGather {
   DataType dtype;
 };
 
-ListGather prepareListGather(const std::vector<at::Tensor>& outs, const at::Tensor& in, int rank, int size,
-                             const char* op) {
-  const DataType dtype = checkMovedTensor(in, rank, op);
+ListGather prepareListGather(const std::vector<at::Tensor>& outs, const at::Tensor& in, int rank,
+                             const std::string& who, int size, const char* op) {
+  const DataType dtype = checkMovedTensor(in, who, op);
   ListGather g{{}, {}, stageIn(in), dtype};
-  TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == size, "smddp rank ", rank, ": ", op, ": the output list has ",
+  TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == size, who, ": ", op, ": the output list has ",
                     outs.size(), " tensors but the group has ", size, " ranks");
   for (const at::Tensor& o : outs) {
-    checkMovedTensor(o, rank, op);
-    checkSameType(o, in, rank, op);
-    g.staged.push_back(stageOut(o, rank, op));
+    checkMovedTensor(o, who, op);
+    checkSameType(o, in, who, op);
+    g.staged.push_back(stageOut(o, who, op));
     g.counts.push_back(static_cast<size_t>(o.numel()));
   }
-  TORCH_CHECK_VALUE(g.counts[rank] == static_cast<size_t>(in.numel()), "smddp rank ", rank, ": ", op, ": output ",
+  TORCH_CHECK_VALUE(g.counts[rank] == static_cast<size_t>(in.numel()), who, ": ", op, ": output ",
                     rank, " has ", g.counts[rank], " elements but the input has ", in.numel());
   // Pieces are written while the input is still being staged chunk by chunk: an input that
   // overlaps an output (other than being exactly this rank's own output) goes through a copy.
@@ -227,10 +228,10 @@ void runListGather(algo::Communicator& c, ListGather& g, std::chrono::millisecon
 c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllgatherOptions& opts) {
-  const at::Tensor& in = onlyTensor(inputs, rank_, "allgather");
-  TORCH_CHECK_VALUE(outputs.size() == 1, "smddp rank ", rank_, ": allgather takes one output list, got ",
+  const at::Tensor& in = onlyTensor(inputs, who(), "allgather");
+  TORCH_CHECK_VALUE(outputs.size() == 1, who(), ": allgather takes one output list, got ",
                     outputs.size());
-  checkMovedTensor(in, rank_, "allgather");
+  checkMovedTensor(in, who(), "allgather");
   std::vector<at::Tensor>& outs = outputs[0];
   if (isCudaOp(concatTensors({in}, outs), "allgather")) {
     return cudaWhole("allgather", {in}, outs, [&](const Tensors& hostIn, const Tensors& hostOut) {
@@ -239,7 +240,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather(std::vector<std::vector<a
       return allgather(o, i, opts);
     });
   }
-  ListGather g = prepareListGather(outs, in, rank_, size_, "allgather");
+  ListGather g = prepareListGather(outs, in, rank_, who(), size_, "allgather");
   return enqueue(c10d::OpType::ALLGATHER, "smddp:all_gather", outs, inputs, resolveTimeout(opts.timeout), opts.asyncOp,
                  [g](algo::Communicator& c, std::chrono::milliseconds to) mutable { runListGather(c, g, to); });
 }
@@ -249,16 +250,16 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather(std::vector<std::vector<a
 c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
                                                                  std::vector<at::Tensor>& inputs,
                                                                  const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK_VALUE(static_cast<int>(outputLists.size()) == size_, "smddp rank ", rank_,
+  TORCH_CHECK_VALUE(static_cast<int>(outputLists.size()) == size_, who(),
                     ": allgather_coalesced: got ", outputLists.size(), " output lists but the group has ", size_,
                     " ranks");
   Tensors outs;  // rank-major: rank r's outputs for every input, then rank r + 1's
   for (const std::vector<at::Tensor>& list : outputLists) {
-    TORCH_CHECK_VALUE(list.size() == inputs.size(), "smddp rank ", rank_, ": allgather_coalesced: an output list has ",
+    TORCH_CHECK_VALUE(list.size() == inputs.size(), who(), ": allgather_coalesced: an output list has ",
                       list.size(), " tensors for ", inputs.size(), " inputs");
     outs.insert(outs.end(), list.begin(), list.end());
   }
-  for (const at::Tensor& in : inputs) checkMovedTensor(in, rank_, "allgather_coalesced");
+  for (const at::Tensor& in : inputs) checkMovedTensor(in, who(), "allgather_coalesced");
   if (isCudaOp(concatTensors(inputs, outs), "allgather_coalesced")) {
     return cudaWhole("allgather_coalesced", inputs, outs, [&](const Tensors& hostIn, const Tensors& hostOut) {
       std::vector<std::vector<at::Tensor>> lists;
@@ -273,7 +274,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_coalesced(std::vector<std
   for (size_t i = 0; i < inputs.size(); ++i) {
     std::vector<at::Tensor> perRank;
     for (const std::vector<at::Tensor>& list : outputLists) perRank.push_back(list[i]);
-    gathers.push_back(prepareListGather(perRank, inputs[i], rank_, size_, "allgather_coalesced"));
+    gathers.push_back(prepareListGather(perRank, inputs[i], rank_, who(), size_, "allgather_coalesced"));
   }
   const std::vector<bool> early = planEarlyReads(gathers, inputs, outs);
   return enqueue(c10d::OpType::ALLGATHER_COALESCED, "smddp:all_gather_coalesced", outs, inputs,
@@ -293,18 +294,20 @@ struct FlatGather {
   DataType dtype;
 };
 
-DataType checkFlatGather(const at::Tensor& output, const at::Tensor& input, int rank, int size, const char* op) {
-  const DataType dtype = checkMovedTensor(input, rank, op);
-  checkMovedTensor(output, rank, op);
-  checkSameType(output, input, rank, op);
-  TORCH_CHECK_VALUE(output.numel() == input.numel() * size, "smddp rank ", rank, ": ", op, ": the output has ",
+DataType checkFlatGather(const at::Tensor& output, const at::Tensor& input, const std::string& who, int size,
+                         const char* op) {
+  const DataType dtype = checkMovedTensor(input, who, op);
+  checkMovedTensor(output, who, op);
+  checkSameType(output, input, who, op);
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * size, who, ": ", op, ": the output has ",
                     output.numel(), " elements but must have world size (", size, ") x input (", input.numel(),
                     ") = ", input.numel() * size);
   return dtype;
 }
 
-FlatGather prepareFlatGather(const at::Tensor& output, const at::Tensor& input, int rank, int size, const char* op) {
-  FlatGather g{stageOut(output, rank, op), stageIn(input), checkFlatGather(output, input, rank, size, op)};
+FlatGather prepareFlatGather(const at::Tensor& output, const at::Tensor& input, int rank, const std::string& who,
+                             int size, const char* op) {
+  FlatGather g{stageOut(output, who, op), stageIn(input), checkFlatGather(output, input, who, size, op)};
   // The input may be this rank's own slice of the output (FSDP2); any other overlap would be
   // overwritten while still being read, so go through a copy.
   if (overlaps(g.in, g.out) && bytePtr(g.in.user) != bytePtr(g.out.user) + static_cast<size_t>(rank) * g.in.user.nbytes()) {
@@ -357,11 +360,11 @@ void runGatherItem(algo::Communicator& c, std::vector<FlatGather>& gathers, cons
 c10::intrusive_ptr<c10d::Work> SmddpBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                              const c10d::AllgatherOptions& opts) {
   if (isCudaOp({output, input}, "all_gather_into_tensor")) {
-    const DataType dtype = checkFlatGather(output, input, rank_, size_, "all_gather_into_tensor");
+    const DataType dtype = checkFlatGather(output, input, who(), size_, "all_gather_into_tensor");
     return cudaColumns(c10d::OpType::_ALLGATHER_BASE, "smddp:all_gather_into_tensor", {output}, {input},
                        resolveTimeout(opts.timeout), true, {{input, output, dtype, {}}});
   }
-  FlatGather g = prepareFlatGather(output, input, rank_, size_, "all_gather_into_tensor");
+  FlatGather g = prepareFlatGather(output, input, rank_, who(), size_, "all_gather_into_tensor");
   const int size = size_;
   return enqueue(c10d::OpType::_ALLGATHER_BASE, "smddp:all_gather_into_tensor", {output}, {input},
                  resolveTimeout(opts.timeout), opts.asyncOp, [g, size](algo::Communicator& c, std::chrono::milliseconds to) mutable {
@@ -372,13 +375,13 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::_allgather_base(at::Tensor& output,
 c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                              std::vector<at::Tensor>& inputs,
                                                                              const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "smddp rank ", rank_,
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), who(),
                     ": allgather_into_tensor_coalesced: got ", outputs.size(), " outputs for ", inputs.size(),
                     " inputs");
   if (isCudaOp(concatTensors(outputs, inputs), "allgather_into_tensor_coalesced")) {
     std::vector<ColumnPart> parts;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      const DataType dtype = checkFlatGather(outputs[i], inputs[i], rank_, size_, "allgather_into_tensor_coalesced");
+      const DataType dtype = checkFlatGather(outputs[i], inputs[i], who(), size_, "allgather_into_tensor_coalesced");
       parts.push_back({inputs[i], outputs[i], dtype, {}});
     }
     return cudaColumns(c10d::OpType::COALESCED, "smddp:all_gather_into_tensor_coalesced", outputs, inputs,
@@ -386,7 +389,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std
   }
   std::vector<FlatGather> gathers;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    gathers.push_back(prepareFlatGather(outputs[i], inputs[i], rank_, size_, "allgather_into_tensor_coalesced"));
+    gathers.push_back(prepareFlatGather(outputs[i], inputs[i], rank_, who(), size_, "allgather_into_tensor_coalesced"));
   }
   // Runs of small tensors of one dtype go as one all-gather, as all_reduce_coalesced's do (one
   // dtype, so that ranks whose dtypes differ still fail as mismatched).
@@ -404,22 +407,22 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allgather_into_tensor_coalesced(std
 c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                             std::vector<std::vector<at::Tensor>>& inputs,
                                                             const c10d::ReduceScatterOptions& opts) {
-  const at::Tensor& out = onlyTensor(outputs, rank_, "reduce_scatter");
-  TORCH_CHECK_VALUE(inputs.size() == 1, "smddp rank ", rank_, ": reduce_scatter takes one input list, got ",
+  const at::Tensor& out = onlyTensor(outputs, who(), "reduce_scatter");
+  TORCH_CHECK_VALUE(inputs.size() == 1, who(), ": reduce_scatter takes one input list, got ",
                     inputs.size());
-  if (Tensors reals = complexAsReals(concatTensors({out}, inputs[0]), opts.reduceOp, rank_, "reduce_scatter");
+  if (Tensors reals = complexAsReals(concatTensors({out}, inputs[0]), opts.reduceOp, who(), "reduce_scatter");
       !reals.empty()) {
     Tensors o{reals[0]};
     std::vector<Tensors> i{Tensors(reals.begin() + 1, reals.end())};
     return reduce_scatter(o, i, opts);
   }
-  const DataType dtype = checkTensor(out, rank_, "reduce_scatter");
-  const Reduction red = toReduction(opts.reduceOp, dtype, size_, rank_, "reduce_scatter");
+  const DataType dtype = checkTensor(out, who(), "reduce_scatter");
+  const Reduction red = toReduction(opts.reduceOp, dtype, size_, who(), "reduce_scatter");
   const std::vector<at::Tensor>& ins = inputs[0];
-  TORCH_CHECK_VALUE(static_cast<int>(ins.size()) == size_, "smddp rank ", rank_, ": reduce_scatter: the input list has ",
+  TORCH_CHECK_VALUE(static_cast<int>(ins.size()) == size_, who(), ": reduce_scatter: the input list has ",
                     ins.size(), " tensors but the group has ", size_, " ranks");
   if (isCudaOp(concatTensors({out}, ins), "reduce_scatter")) {
-    for (const at::Tensor& b : ins) checkSameType(out, b, rank_, "reduce_scatter");
+    for (const at::Tensor& b : ins) checkSameType(out, b, who(), "reduce_scatter");
     return cudaWhole("reduce_scatter", ins, {out}, [&](const Tensors& hostIn, const Tensors& hostOut) {
       Tensors o = hostOut;
       std::vector<std::vector<at::Tensor>> i{hostIn};
@@ -427,8 +430,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter(std::vector<at::Tens
     });
   }
   // Blocks may differ in size (block p is rank p's output; reduce_scatter_v), as NCCL allows.
-  Staged s = stageOut(out, rank_, "reduce_scatter");
-  std::vector<Staged> srcs = stageBlocks(ins, s, rank_, "reduce_scatter", /*uneven=*/true);
+  Staged s = stageOut(out, who(), "reduce_scatter");
+  std::vector<Staged> srcs = stageBlocks(ins, s, rank_, who(), "reduce_scatter", /*uneven=*/true);
   std::vector<size_t> counts;
   for (const at::Tensor& t : ins) counts.push_back(static_cast<size_t>(t.numel()));
   if (std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; })) counts.clear();
@@ -454,20 +457,21 @@ struct FlatScatter {
 
 // The checks of a flat reduce-scatter (dtype, sizes, reduce op), on CPU and CUDA alike.
 std::pair<DataType, Reduction> checkFlatScatter(const at::Tensor& output, const at::Tensor& input,
-                                                const c10d::ReduceOp& op, int rank, int size, const char* name) {
-  const DataType dtype = checkTensor(input, rank, name);
-  checkTensor(output, rank, name);
-  checkSameType(output, input, rank, name);
-  TORCH_CHECK_VALUE(input.numel() == output.numel() * size, "smddp rank ", rank, ": ", name, ": the input has ",
+                                                const c10d::ReduceOp& op, const std::string& who, int size,
+                                                const char* name) {
+  const DataType dtype = checkTensor(input, who, name);
+  checkTensor(output, who, name);
+  checkSameType(output, input, who, name);
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * size, who, ": ", name, ": the input has ",
                     input.numel(), " elements but must have world size (", size, ") x output (", output.numel(),
                     ") = ", output.numel() * size);
-  return {dtype, toReduction(op, dtype, size, rank, name)};
+  return {dtype, toReduction(op, dtype, size, who, name)};
 }
 
 FlatScatter prepareFlatScatter(const at::Tensor& output, const at::Tensor& input, const c10d::ReduceOp& op, int rank,
-                               int size, const char* name) {
-  const auto [dtype, red] = checkFlatScatter(output, input, op, rank, size, name);
-  FlatScatter f{stageOut(output, rank, name), stageIn(input), dtype, red};
+                               const std::string& who, int size, const char* name) {
+  const auto [dtype, red] = checkFlatScatter(output, input, op, who, size, name);
+  FlatScatter f{stageOut(output, who, name), stageIn(input), dtype, red};
   // The output may be this rank's own block of the input (DeepSpeed ZeRO-3 passes a view of it):
   // that block is staged before the output is written. Any other overlap goes through a copy, as
   // another rank's block may still be read (a rank alone on its host sends its blocks straight
@@ -522,16 +526,16 @@ void runScatterItem(algo::Communicator& c, std::vector<FlatScatter>& scatters, c
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                   const c10d::ReduceScatterOptions& opts) {
-  if (Tensors reals = complexAsReals({output, input}, opts.reduceOp, rank_, "reduce_scatter_tensor");
+  if (Tensors reals = complexAsReals({output, input}, opts.reduceOp, who(), "reduce_scatter_tensor");
       !reals.empty()) {
     return _reduce_scatter_base(reals[0], reals[1], opts);
   }
   if (isCudaOp({output, input}, "reduce_scatter_tensor")) {
-    const auto [dtype, red] = checkFlatScatter(output, input, opts.reduceOp, rank_, size_, "reduce_scatter_tensor");
+    const auto [dtype, red] = checkFlatScatter(output, input, opts.reduceOp, who(), size_, "reduce_scatter_tensor");
     return cudaColumns(c10d::OpType::_REDUCE_SCATTER_BASE, "smddp:reduce_scatter_tensor", {output}, {input},
                        resolveTimeout(opts.timeout), false, {{output, input, dtype, red}});
   }
-  FlatScatter f = prepareFlatScatter(output, input, opts.reduceOp, rank_, size_, "reduce_scatter_tensor");
+  FlatScatter f = prepareFlatScatter(output, input, opts.reduceOp, rank_, who(), size_, "reduce_scatter_tensor");
   const int size = size_;
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "smddp:reduce_scatter_tensor", {output}, {input},
                  resolveTimeout(opts.timeout), opts.asyncOp, [f, size](algo::Communicator& c, std::chrono::milliseconds to) mutable {
@@ -542,16 +546,16 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::_reduce_scatter_base(at::Tensor& ou
 c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                              std::vector<at::Tensor>& inputs,
                                                                              const c10d::ReduceScatterOptions& opts) {
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "smddp rank ", rank_,
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), who(),
                     ": reduce_scatter_tensor_coalesced: got ", outputs.size(), " outputs for ", inputs.size(),
                     " inputs");
-  if (auto reals = complexItemsAsReals(outputs, inputs, opts.reduceOp, rank_, "reduce_scatter_tensor_coalesced")) {
+  if (auto reals = complexItemsAsReals(outputs, inputs, opts.reduceOp, who(), "reduce_scatter_tensor_coalesced")) {
     return reduce_scatter_tensor_coalesced(reals->first, reals->second, opts);
   }
   if (isCudaOp(concatTensors(outputs, inputs), "reduce_scatter_tensor_coalesced")) {
     std::vector<ColumnPart> parts;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      const auto [dtype, red] = checkFlatScatter(outputs[i], inputs[i], opts.reduceOp, rank_, size_,
+      const auto [dtype, red] = checkFlatScatter(outputs[i], inputs[i], opts.reduceOp, who(), size_,
                                                  "reduce_scatter_tensor_coalesced");
       parts.push_back({outputs[i], inputs[i], dtype, red});
     }
@@ -561,7 +565,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
   std::vector<FlatScatter> scatters;
   for (size_t i = 0; i < inputs.size(); ++i) {
     scatters.push_back(
-        prepareFlatScatter(outputs[i], inputs[i], opts.reduceOp, rank_, size_, "reduce_scatter_tensor_coalesced"));
+        prepareFlatScatter(outputs[i], inputs[i], opts.reduceOp, rank_, who(), size_,
+                           "reduce_scatter_tensor_coalesced"));
   }
   // Runs of small tensors of one dtype go as one reduce-scatter, as all_reduce_coalesced's do.
   const std::vector<CoalescedItem> items = planCoalesced(inputs, packBytesSetting());
@@ -576,8 +581,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce_scatter_tensor_coalesced(std
 }
 
 namespace {
-int checkRoot(int64_t root, int rank, int size, const char* op) {
-  TORCH_CHECK_VALUE(root >= 0 && root < size, "smddp rank ", rank, ": ", op, ": root ", root,
+int checkRoot(int64_t root, const std::string& who, int size, const char* op) {
+  TORCH_CHECK_VALUE(root >= 0 && root < size, who, ": ", op, ": root ", root,
                     " is not a rank of this group of size ", size);
   return static_cast<int>(root);
 }
@@ -585,9 +590,9 @@ int checkRoot(int64_t root, int rank, int size, const char* op) {
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                     std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
-  const at::Tensor& in = onlyTensor(inputs, rank_, "gather");
-  const DataType dtype = checkMovedTensor(in, rank_, "gather");
-  const int root = checkRoot(opts.rootRank, rank_, size_, "gather");
+  const at::Tensor& in = onlyTensor(inputs, who(), "gather");
+  const DataType dtype = checkMovedTensor(in, who(), "gather");
+  const int root = checkRoot(opts.rootRank, who(), size_, "gather");
   const Tensors rootOuts = rank_ == root && outputs.size() == 1 ? outputs[0] : Tensors{};
   if (isCudaOp(concatTensors({in}, rootOuts), "gather")) {
     return cudaWhole("gather", {in}, rootOuts, [&](const Tensors& hostIn, const Tensors& hostOut) {
@@ -600,18 +605,18 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
   std::vector<Staged> staged;
   std::vector<at::Tensor> outs;
   if (rank_ == root) {
-    TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_, "smddp rank ", rank_,
+    TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_, who(),
                       ": gather: the root needs one output list of ", size_, " tensors");
     outs = outputs[0];
     for (const at::Tensor& o : outs) {
-      checkMovedTensor(o, rank_, "gather");
-      checkSameType(o, in, rank_, "gather");
-      TORCH_CHECK_VALUE(o.numel() == in.numel(), "smddp rank ", rank_, ": gather: every output must have the input's ",
+      checkMovedTensor(o, who(), "gather");
+      checkSameType(o, in, who(), "gather");
+      TORCH_CHECK_VALUE(o.numel() == in.numel(), who(), ": gather: every output must have the input's ",
                         in.numel(), " elements, got one with ", o.numel());
-      staged.push_back(stageOut(o, rank_, "gather"));
+      staged.push_back(stageOut(o, who(), "gather"));
     }
   } else {
-    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "smddp rank ", rank_,
+    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), who(),
                       ": gather: only the root (rank ", root, ") takes an output list");
   }
   Staged src = stageIn(in);
@@ -637,9 +642,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
 c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& outputs,
                                                      std::vector<std::vector<at::Tensor>>& inputs,
                                                      const c10d::ScatterOptions& opts) {
-  const at::Tensor& out = onlyTensor(outputs, rank_, "scatter");
-  const DataType dtype = checkMovedTensor(out, rank_, "scatter");
-  const int root = checkRoot(opts.rootRank, rank_, size_, "scatter");
+  const at::Tensor& out = onlyTensor(outputs, who(), "scatter");
+  const DataType dtype = checkMovedTensor(out, who(), "scatter");
+  const int root = checkRoot(opts.rootRank, who(), size_, "scatter");
   const Tensors rootIns = rank_ == root && inputs.size() == 1 ? inputs[0] : Tensors{};
   if (isCudaOp(concatTensors({out}, rootIns), "scatter")) {
     return cudaWhole("scatter", rootIns, {out}, [&](const Tensors& hostIn, const Tensors& hostOut) {
@@ -649,16 +654,16 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& ou
       return scatter(o, i, opts);
     });
   }
-  Staged s = stageOut(out, rank_, "scatter");
+  Staged s = stageOut(out, who(), "scatter");
   std::vector<Staged> srcs;
   Tensors ins;
   if (rank_ == root) {
-    TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_, "smddp rank ", rank_,
+    TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_, who(),
                       ": scatter: the root needs one input list of ", size_, " tensors");
-    srcs = stageBlocks(inputs[0], s, rank_, "scatter");
+    srcs = stageBlocks(inputs[0], s, rank_, who(), "scatter");
     ins = inputs[0];
   } else {
-    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "smddp rank ", rank_,
+    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), who(),
                       ": scatter: only the root (rank ", root, ") takes an input list");
   }
   return enqueue(c10d::OpType::SCATTER, "smddp:scatter", outputs, ins, resolveTimeout(opts.timeout), opts.asyncOp,
@@ -674,26 +679,26 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& ou
 
 namespace {
 // Element counts of the dim-0 blocks of `t`: `splits` rows each, or an even split when empty.
-std::vector<size_t> blockCounts(const at::Tensor& t, const std::vector<int64_t>& splits, int rank, int size,
-                                const char* what) {
+std::vector<size_t> blockCounts(const at::Tensor& t, const std::vector<int64_t>& splits, const std::string& who,
+                                int size, const char* what) {
   const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
   const int64_t rowElems = rows == 0 ? 0 : t.numel() / rows;
   std::vector<size_t> counts(size);
   if (splits.empty()) {
-    TORCH_CHECK_VALUE(rows % size == 0, "smddp rank ", rank, ": all_to_all_single: the ", what, "'s first dimension (",
+    TORCH_CHECK_VALUE(rows % size == 0, who, ": all_to_all_single: the ", what, "'s first dimension (",
                       rows, ") is not divisible by the group size (", size, ") and no split sizes were given");
     for (int p = 0; p < size; ++p) counts[p] = static_cast<size_t>(rows / size * rowElems);
     return counts;
   }
-  TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == size, "smddp rank ", rank, ": all_to_all_single: ", what,
+  TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == size, who, ": all_to_all_single: ", what,
                     " split sizes have ", splits.size(), " entries for a group of ", size);
   int64_t sum = 0;
   for (int p = 0; p < size; ++p) {
-    TORCH_CHECK_VALUE(splits[p] >= 0, "smddp rank ", rank, ": all_to_all_single: negative ", what, " split size");
+    TORCH_CHECK_VALUE(splits[p] >= 0, who, ": all_to_all_single: negative ", what, " split size");
     sum += splits[p];
     counts[p] = static_cast<size_t>(splits[p] * rowElems);
   }
-  TORCH_CHECK_VALUE(sum == rows, "smddp rank ", rank, ": all_to_all_single: ", what, " split sizes add up to ", sum,
+  TORCH_CHECK_VALUE(sum == rows, who, ": all_to_all_single: ", what, " split sizes add up to ", sum,
                     " but the ", what, " has ", rows, " rows");
   return counts;
 }
@@ -709,12 +714,12 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall_base(at::Tensor& output, a
       return alltoall_base(o, i, outputSplitSizes, inputSplitSizes, opts);
     });
   }
-  const DataType dtype = checkMovedTensor(input, rank_, "all_to_all_single");
-  checkMovedTensor(output, rank_, "all_to_all_single");
-  checkSameType(output, input, rank_, "all_to_all_single");
-  const std::vector<size_t> inCounts = blockCounts(input, inputSplitSizes, rank_, size_, "input");
-  const std::vector<size_t> outCounts = blockCounts(output, outputSplitSizes, rank_, size_, "output");
-  Staged out = stageOut(output, rank_, "all_to_all_single");
+  const DataType dtype = checkMovedTensor(input, who(), "all_to_all_single");
+  checkMovedTensor(output, who(), "all_to_all_single");
+  checkSameType(output, input, who(), "all_to_all_single");
+  const std::vector<size_t> inCounts = blockCounts(input, inputSplitSizes, who(), size_, "input");
+  const std::vector<size_t> outCounts = blockCounts(output, outputSplitSizes, who(), size_, "output");
+  Staged out = stageOut(output, who(), "all_to_all_single");
   Staged in = stageIn(input);
   if (overlaps(in, out)) in.copyAtStart();
   const size_t es = input.element_size();
@@ -741,7 +746,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& o
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllToAllOptions& opts) {
   TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_ && static_cast<int>(inputs.size()) == size_,
-                    "smddp rank ", rank_, ": all_to_all takes ", size_, " inputs and ", size_, " outputs, got ",
+                    who(), ": all_to_all takes ", size_, " inputs and ", size_, " outputs, got ",
                     inputs.size(), " and ", outputs.size());
   if (isCudaOp(concatTensors(outputs, inputs), "all_to_all")) {
     return cudaWhole("all_to_all", inputs, outputs, [&](const Tensors& hostIn, const Tensors& hostOut) {
@@ -749,15 +754,15 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& o
       return alltoall(o, i, opts);
     });
   }
-  const DataType dtype = checkMovedTensor(inputs[0], rank_, "all_to_all");
+  const DataType dtype = checkMovedTensor(inputs[0], who(), "all_to_all");
   std::vector<Staged> outs, ins;
   std::vector<size_t> inCounts, outCounts;
   for (int p = 0; p < size_; ++p) {
-    checkMovedTensor(inputs[p], rank_, "all_to_all");
-    checkMovedTensor(outputs[p], rank_, "all_to_all");
-    checkSameType(outputs[p], inputs[0], rank_, "all_to_all");
-    checkSameType(inputs[p], inputs[0], rank_, "all_to_all");
-    outs.push_back(stageOut(outputs[p], rank_, "all_to_all"));
+    checkMovedTensor(inputs[p], who(), "all_to_all");
+    checkMovedTensor(outputs[p], who(), "all_to_all");
+    checkSameType(outputs[p], inputs[0], who(), "all_to_all");
+    checkSameType(inputs[p], inputs[0], who(), "all_to_all");
+    outs.push_back(stageOut(outputs[p], who(), "all_to_all"));
     ins.push_back(stageIn(inputs[p]));
     inCounts.push_back(static_cast<size_t>(inputs[p].numel()));
     outCounts.push_back(static_cast<size_t>(outputs[p].numel()));

@@ -18,14 +18,14 @@ namespace {
 // Pinned host memory of its own for one op (torch's caching host allocator). A failure (the
 // host's locked-memory limit, a CUDA error) raises torch's error with this rank and op named,
 // keeping its type: an out-of-memory stays torch.OutOfMemoryError.
-at::Tensor pinnedBytes(size_t bytes, int rank, const char* op) {
+at::Tensor pinnedBytes(size_t bytes, const std::string& who, const char* op) {
   try {
     return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   } catch (const c10::OutOfMemoryError& e) {
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "smddp rank ", rank, ": ", op, ": allocating ", bytes,
+    TORCH_CHECK_WITH(OutOfMemoryError, false, who, ": ", op, ": allocating ", bytes,
                      " bytes of pinned host memory failed: ", e.what_without_backtrace());
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "smddp rank ", rank, ": ", op, ": allocating ", bytes, " bytes of pinned host memory failed: ",
+    TORCH_CHECK(false, who, ": ", op, ": allocating ", bytes, " bytes of pinned host memory failed: ",
                 e.what_without_backtrace());
   }
 }
@@ -45,12 +45,12 @@ bool SmddpBackend::isCudaOp(const Tensors& tensors, const char* op) const {
   size_t cudaCount = 0;
   for (const at::Tensor& t : tensors) cudaCount += t.defined() && t.is_cuda();
   if (cudaCount == 0) return false;
-  TORCH_CHECK_VALUE(cudaCount == tensors.size(), "smddp rank ", rank_, ": ", op,
+  TORCH_CHECK_VALUE(cudaCount == tensors.size(), who(), ": ", op,
                     ": got both CUDA and CPU tensors; all tensors of one op must be on the same device");
   for (const at::Tensor& t : tensors) {
-    TORCH_CHECK_VALUE(t.device() == tensors[0].device(), "smddp rank ", rank_, ": ", op, ": tensors on ",
+    TORCH_CHECK_VALUE(t.device() == tensors[0].device(), who(), ": ", op, ": tensors on ",
                       tensors[0].device(), " and ", t.device(), "; all tensors of one op must be on the same device");
-    TORCH_CHECK_VALUE(t.is_contiguous(), "smddp rank ", rank_, ": ", op,
+    TORCH_CHECK_VALUE(t.is_contiguous(), who(), ": ", op,
                       ": CUDA tensors must be contiguous (as with NCCL); call .contiguous() first");
   }
   return true;
@@ -58,8 +58,8 @@ bool SmddpBackend::isCudaOp(const Tensors& tensors, const char* op) const {
 
 CudaPath& SmddpBackend::cudaPathFor(const Tensors& tensors, const char* op) {
   const c10::Device device = tensors.at(0).device();
-  if (!cuda_) cuda_ = std::make_shared<CudaPath>(rank_, device);
-  TORCH_CHECK_VALUE(cuda_->device() == device, "smddp rank ", rank_, ": ", op, ": this process group uses ",
+  if (!cuda_) cuda_ = std::make_shared<CudaPath>(rank_, who(), device);
+  TORCH_CHECK_VALUE(cuda_->device() == device, who(), ": ", op, ": this process group uses ",
                     cuda_->device(), " and got a tensor on ", device,
                     "; use one CUDA device per process (torch.cuda.set_device(local_rank))");
   return *cuda_;
@@ -70,7 +70,7 @@ void SmddpBackend::eagerConnectSingleDevice(at::Device device) {
   std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
   if (cuda_) return;
   try {
-    cuda_ = std::make_shared<CudaPath>(rank_, device);
+    cuda_ = std::make_shared<CudaPath>(rank_, who(), device);
   } catch (const std::exception& e) {
     SMDDP_WARN(kInit, "rank %d: setting up CUDA staging on %s at init failed (the first CUDA op will retry): %s",
                rank_, device.str().c_str(), messageOf(e).c_str());
@@ -114,17 +114,16 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
   std::vector<CudaStep> steps = makeSteps(launch);
   for (CudaStep& s : steps) s = describedBody(opType, title, outputs, inputs, std::move(s));
   algo::Communicator* comm = comm_.get();
-  const int rank = rank_;
   // A send that fails fails itself, as on the CPU path; a collective's failure breaks the group.
   const bool send = opType == c10d::OpType::SEND;
-  auto task = [this, work, comm, path, launch, steps = std::move(steps), keep = std::move(keep), timeout, rank,
+  auto task = [this, work, comm, path, launch, steps = std::move(steps), keep = std::move(keep), timeout,
                size = size_, title, send]() mutable {
     std::exception_ptr error;
     work->traceStarted();
     try {
       path->runHost(launch, steps, *comm, timeout);
     } catch (...) {
-      error = send ? asTorchError(std::current_exception(), rank) : bodyError(*comm, rank, size, title);
+      error = send ? asTorchError(std::current_exception(), work->who()) : bodyError(*comm, work->who(), size, title);
     }
     if (error) recordCudaFailure(error);
     // The Work and the tensors go to the completion thread: dropping the last reference to a
@@ -135,7 +134,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
     progress_->enqueue(std::move(task));
   } catch (const std::logic_error&) {
     path->release(launch);
-    TORCH_CHECK(false, "smddp rank ", rank_, ": ", title, ": the process group has been shut down");
+    TORCH_CHECK(false, who(), ": ", title, ": the process group has been shut down");
   }
   return work;
 }
@@ -239,7 +238,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaWhole(const char* op, const Ten
   for (const at::Tensor& t : writes) place(t, round.toDevice);
   uint8_t* base = path.nextStaging();
   if (round.stagingBytes > path.roundCapacity()) {
-    whole.ownStaging = pinnedBytes(round.stagingBytes, rank_, op);
+    whole.ownStaging = pinnedBytes(round.stagingBytes, who(), op);
     base = round.host = bytePtr(whole.ownStaging);
   }
   auto mirror = [&](const at::Tensor& t, const cuda::Copy& c) {
@@ -254,7 +253,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaWhole(const char* op, const Ten
     ~Reset() { tlsWholeOp = nullptr; }
   } reset;
   Work work = cpuTwin(hostReads, hostWrites);
-  TORCH_CHECK(whole.used, "smddp rank ", rank_, ": ", op, ": internal error: the CUDA op was not staged");
+  TORCH_CHECK(whole.used, who(), ": ", op, ": internal error: the CUDA op was not staged");
   return work;
 }
 
@@ -275,14 +274,13 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int p
   // The copy engine moves the tensor straight into the message, pinned memory of its own that
   // the engine may send from later; the host copies nothing. One round: the engine takes the
   // message whole anyway, and the staging stream still orders the copy among the group's ops.
-  at::Tensor message = pinnedBytes(bytes, rank_, "send");
+  at::Tensor message = pinnedBytes(bytes, who(), "send");
   std::vector<cuda::Round> rounds = cuda::planFlat(bytePtr(t), bytes, 1, SIZE_MAX, true, false);  // one round
   rounds[0].host = bytePtr(message);
   engine::P2pOp o = p2pOp(true, peer, tag, message);
-  const int rank = rank_;
-  o.done = [this, message, rank, peer](std::exception_ptr error, int) {
+  o.done = [this, message, rank = rank_, who = whoShared(), peer](std::exception_ptr error, int) {
     if (!error) return;
-    error = asTorchError(error, rank);
+    error = asTorchError(error, *who);
     try {
       std::rethrow_exception(error);
     } catch (const std::exception& e) {
@@ -309,7 +307,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
   cudaPathFor({t}, "recv");  // created at the group's first CUDA tensor; checks the device
   const std::shared_ptr<CudaPath> path = cuda_;
   const size_t bytes = t.nbytes();
-  at::Tensor message = pinnedBytes(bytes, rank_, "recv");
+  at::Tensor message = pinnedBytes(bytes, who(), "recv");
   auto work = newWork(c10d::OpType::RECV, "smddp:recv", Tensors{t}, Tensors{t}, std::chrono::milliseconds(timeoutMs_.load()),
                       {peer, tag});
   work->traceStarted();
@@ -321,10 +319,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
     throw;
   }
   engine::P2pOp o = p2pOp(false, peer, tag, message);
-  const int rank = rank_;
   const std::chrono::milliseconds timeout(timeoutMs_.load());
-  o.done = [this, path, work, message, number, rank, peer, timeout](std::exception_ptr error, int source) mutable {
-    error = asTorchError(error, rank);
+  o.done = [this, path, work, message, number, peer, timeout](std::exception_ptr error, int source) mutable {
+    error = asTorchError(error, work->who());
     work->setSourceRank(peer >= 0 ? peer : source);
     path->received(number);  // the receive stream copies it now (or, after a failure, moves on)
     if (error) recordCudaFailure(error);
@@ -333,11 +330,11 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
     // CudaPath finishes its queued completions before it goes, and a shared one dropped last on
     // the completion thread would make that thread join itself. The Work moves there: dropped
     // last on this thread, its future's CUDA event would be destroyed here.
-    path->completeLater([p = path.get(), work = std::move(work), message, number, timeout, error, rank]() mutable {
+    path->completeLater([p = path.get(), work = std::move(work), message, number, timeout, error]() mutable {
       try {
         p->awaitDelivered(number, timeout);
       } catch (const Error& e) {
-        if (!error) error = toTorchError(e, rank);
+        if (!error) error = toTorchError(e, work->who());
       }
       work->complete(error);
     });

@@ -13,23 +13,22 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
                                                  bool background) {
   const char* op = isSend ? "send" : "recv";
   throwIfForked(op);
-  const at::Tensor& t = onlyTensor(tensors, rank_, op);
-  checkMovedTensor(t, rank_, op);
-  TORCH_CHECK_VALUE((peer == -1 && !isSend) || (peer >= 0 && peer < size_ && peer != rank_), "smddp rank ", rank_,
+  const at::Tensor& t = onlyTensor(tensors, who(), op);
+  checkMovedTensor(t, who(), op);
+  TORCH_CHECK_VALUE((peer == -1 && !isSend) || (peer >= 0 && peer < size_ && peer != rank_), who(),
                     ": ", op,
                     ": peer ", peer, " is not another rank of this group of size ", size_);
-  TORCH_CHECK_VALUE(size_ > 1, "smddp rank ", rank_, ": ", op, ": a group of one rank has no peer");
+  TORCH_CHECK_VALUE(size_ > 1, who(), ": ", op, ": a group of one rank has no peer");
   if (isCudaOp(tensors, op)) return isSend ? cudaSend(t, peer, tag) : cudaRecv(t, peer, tag);
   // Posted at once (a send's data is read from here on): staged now.
-  Staged s = isSend ? stageIn(t) : stageOut(t, rank_, op);
+  Staged s = isSend ? stageIn(t) : stageOut(t, who(), op);
   s.ready();
   auto work = newWork(isSend ? c10d::OpType::SEND : c10d::OpType::RECV, isSend ? "smddp:send" : "smddp:recv", tensors,
                       tensors, std::chrono::milliseconds(timeoutMs_.load()), {peer, tag});
   work->traceStarted();  // posted: from here on it moves as soon as its peer is there
   engine::P2pOp o = p2pOp(isSend, peer, tag, s.work, background);
-  const int rank = rank_;
-  o.done = [work, s, rank, peer](std::exception_ptr error, int source) {
-    error = asTorchError(error, rank);
+  o.done = [work, s, peer](std::exception_ptr error, int source) {
+    error = asTorchError(error, work->who());
     if (!error) {
       try {
         finishStaged(s);
@@ -55,7 +54,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::p2p(bool isSend, std::vector<at::Te
       progress_->enqueue(std::move(submit));
     } catch (const std::logic_error&) {
       C10_THROW_ERROR(DistBackendError,
-                      c10::str("smddp rank ", rank_, ": send to rank ", peer, ": the process group has been shut down"));
+                      c10::str(who(), ": send to rank ", peer, ": the process group has been shut down"));
     }
   } else {
     submitP2p(o, work.get());
@@ -109,7 +108,7 @@ void SmddpBackend::submitP2p(engine::P2pOp o, SmddpWork* driven) {
       p2p_->submit(std::move(o));
     }
   } catch (const Error& e) {  // e.g. /dev/shm too small for the mailboxes
-    std::rethrow_exception(toTorchError(e, rank_));
+    std::rethrow_exception(toTorchError(e, who()));
   }
 }
 

@@ -17,20 +17,20 @@ namespace smddp::torchext {
 namespace {
 
 // libsmddp_cuda.so sits next to this extension module.
-cuda::DeviceOps* loadDeviceOps(int rank) {
+cuda::DeviceOps* loadDeviceOps(const std::string& who) {
   Dl_info self{};
-  TORCH_CHECK(dladdr(reinterpret_cast<void*>(&loadDeviceOps), &self) != 0 && self.dli_fname, "smddp rank ", rank,
+  TORCH_CHECK(dladdr(reinterpret_cast<void*>(&loadDeviceOps), &self) != 0 && self.dli_fname, who,
               ": cannot locate the smddp extension module");
   std::string dir(self.dli_fname);
   dir = dir.substr(0, dir.rfind('/') + 1);
   const std::string path = dir + "libsmddp_cuda.so";
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  TORCH_CHECK_NOT_IMPLEMENTED(lib != nullptr, "smddp rank ", rank,
+  TORCH_CHECK_NOT_IMPLEMENTED(lib != nullptr, who,
                               ": CUDA tensors need libsmddp_cuda.so, which this build of smddp does not have (",
                               dlerror(), "); rebuild smddp on a machine where nvcc is on PATH");
   using Factory = cuda::DeviceOps* (*)(int);
   auto factory = reinterpret_cast<Factory>(dlsym(lib, "smddp_cuda_device_ops"));
-  TORCH_CHECK(factory != nullptr, "smddp rank ", rank, ": ", path, " has no smddp_cuda_device_ops");
+  TORCH_CHECK(factory != nullptr, who, ": ", path, " has no smddp_cuda_device_ops");
   const std::string& mode = env::cudaFlags();
   int m = kSmddpFlagsAuto;
   if (mode == "kernel") {
@@ -38,23 +38,24 @@ cuda::DeviceOps* loadDeviceOps(int rank) {
   } else if (mode == "memops") {
     m = kSmddpFlagsMemOps;
   } else {
-    TORCH_CHECK_VALUE(mode == "auto", "smddp rank ", rank, ": SMDDP_CUDA_FLAGS=", mode,
+    TORCH_CHECK_VALUE(mode == "auto", who, ": SMDDP_CUDA_FLAGS=", mode,
                       " is not one of auto, memops, kernel");
   }
   try {
     return factory(m);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "smddp rank ", rank, ": ", e.what());
+    TORCH_CHECK(false, who, ": ", e.what());
   }
 }
 
 }  // namespace
 
-CudaPath::CudaPath(int rank, c10::Device device) : rank_(rank), device_(device) {
-  ops_ = loadDeviceOps(rank);
+CudaPath::CudaPath(int rank, std::string who, c10::Device device)
+    : rank_(rank), who_(std::move(who)), device_(device) {
+  ops_ = loadDeviceOps(who_);
   c10::DeviceGuard guard(device_);
   const int64_t bytes = env::cudaStagingBytes();
-  TORCH_CHECK_VALUE(bytes >= 4096, "smddp rank ", rank, ": SMDDP_CUDA_STAGING_BYTES=", bytes, " is too small");
+  TORCH_CHECK_VALUE(bytes >= 4096, who_, ": SMDDP_CUDA_STAGING_BYTES=", bytes, " is too small");
   try {
     stream_ = ops_->createStream();
     receiveStream_ = ops_->createStream();
@@ -77,7 +78,7 @@ CudaPath::CudaPath(int rank, c10::Device device) : rank_(rank), device_(device) 
     if (callerReady_) ops_->destroyEvent(callerReady_);
     if (receiveStream_) ops_->destroyStream(receiveStream_);
     if (stream_) ops_->destroyStream(stream_);
-    TORCH_CHECK(false, "smddp rank ", rank, ": setting up CUDA staging on ", device_, ": ", e.what());
+    TORCH_CHECK(false, who_, ": setting up CUDA staging on ", device_, ": ", e.what());
   }
   SMDDP_INFO(kInit, "rank %d: CUDA staging on %s: %lld bytes pinned, flags by %s", rank, device_.str().c_str(),
              static_cast<long long>(bytes), ops_->flagMechanism());
@@ -131,10 +132,10 @@ CudaPath::Launch CudaPath::launch(const std::vector<cuda::Round>& rounds) {
     l.ticket = pipeline_->enqueue(rounds, stream_);
     for (size_t i = 0; i < rounds.size(); ++i) l.bases.push_back(pipeline_->stagingOf(l.ticket, rounds, i));
   } catch (const std::length_error& e) {
-    TORCH_CHECK_VALUE(false, "smddp rank ", rank_, ": ", e.what(), "; raise SMDDP_CUDA_STAGING_BYTES");
+    TORCH_CHECK_VALUE(false, who_, ": ", e.what(), "; raise SMDDP_CUDA_STAGING_BYTES");
   } catch (const std::exception& e) {
     if (l.ticket.rounds > 0) pipeline_->releaseAll(l.ticket);
-    TORCH_CHECK(false, "smddp rank ", rank_, ": ", e.what());
+    TORCH_CHECK(false, who_, ": ", e.what());
   }
   return l;
 }
@@ -145,7 +146,7 @@ uint64_t CudaPath::launchReceive(uint8_t* device, const uint8_t* host, size_t by
     followCaller(receiveStream_);
     return receives_->enqueue(device, host, bytes, receiveStream_);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "smddp rank ", rank_, ": ", e.what());
+    TORCH_CHECK(false, who_, ": ", e.what());
   }
 }
 

@@ -27,7 +27,8 @@ class CudaPath {
  public:
   // One per process group, bound to the first CUDA device it sees. Creates a dedicated stream
   // and allocates SMDDP_CUDA_STAGING_BYTES of pinned staging.
-  CudaPath(int rank, c10::Device device);
+  // `who`: this rank as messages name it (rankName()).
+  CudaPath(int rank, std::string who, c10::Device device);
   ~CudaPath();  // releases every waiting stream, then frees the staging once the stream is idle
 
   c10::Device device() const { return device_; }
@@ -91,6 +92,7 @@ class CudaPath {
   }
 
   int rank_;
+  std::string who_;
   c10::Device device_;
   cuda::DeviceOps* ops_ = nullptr;
   cuda::Stream stream_ = nullptr;

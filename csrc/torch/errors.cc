@@ -9,13 +9,35 @@ namespace smddp::torchext {
 
 const char* opName(const char* title) { return std::strncmp(title, "smddp:", 6) == 0 ? title + 6 : title; }
 
-std::string rankPrefix(int rank) { return "smddp rank " + std::to_string(rank) + ": "; }
+std::string rankName(int rank, bool defaultGroup, const std::string& groupUid, const std::string& groupDesc,
+                     int64_t worldRank) {
+  std::string name = "smddp rank " + std::to_string(rank);
+  if (defaultGroup) return name;
+  if (groupUid.empty()) return name + " (world rank " + std::to_string(worldRank) + ")";
+  name += " of group " + groupUid;
+  if (!groupDesc.empty() && groupDesc != "undefined") name += " (" + groupDesc + ")";
+  return name + ", world rank " + std::to_string(worldRank);
+}
 
-std::exception_ptr toTorchError(const Error& e, int rank) {
-  // Messages from code that knows the rank already start with rankPrefix().
-  const std::string prefix = rankPrefix(rank);
+std::string rankPrefix(const std::string& who) { return who + ": "; }
+
+namespace {
+// `what` less a leading "smddp rank <digits>: ", the core's way of naming the rank.
+std::string withoutCorePrefix(const std::string& what) {
+  constexpr char kStart[] = "smddp rank ";
+  if (what.rfind(kStart, 0) != 0) return what;
+  size_t end = sizeof(kStart) - 1;
+  while (end < what.size() && what[end] >= '0' && what[end] <= '9') ++end;
+  if (end == sizeof(kStart) - 1 || what.compare(end, 2, ": ") != 0) return what;
+  return what.substr(end + 2);
+}
+}  // namespace
+
+std::exception_ptr toTorchError(const Error& e, const std::string& who) {
+  // Messages from this layer's code that knows the rank already start with rankPrefix(who).
+  const std::string prefix = rankPrefix(who);
   const std::string what = e.what();
-  const std::string msg = what.rfind(prefix, 0) == 0 ? what : prefix + what;
+  const std::string msg = what.rfind(prefix, 0) == 0 ? what : prefix + withoutCorePrefix(what);
   const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
   switch (e.code()) {
     case ErrorCode::kInvalidUsage: return std::make_exception_ptr(c10::ValueError(loc, msg));
@@ -25,7 +47,7 @@ std::exception_ptr toTorchError(const Error& e, int rank) {
   }
 }
 
-std::exception_ptr bodyError(algo::Communicator& c, int rank, int size, const char* title) {
+std::exception_ptr bodyError(algo::Communicator& c, const std::string& who, int size, const char* title) {
   const std::exception_ptr original = std::current_exception();
   try {  // under memory pressure the message itself may fail: the error then goes as it came
     std::string message;
@@ -36,13 +58,13 @@ std::exception_ptr bodyError(algo::Communicator& c, int rank, int size, const ch
       // core's other errors outside one (a CUDA round the device did not stage in time) are told
       // here. Not a usage error every rank raises alike (the group stays usable), nor a shutdown.
       if (size > 1 && e.code() != ErrorCode::kInvalidUsage && e.code() != ErrorCode::kAborted) c.abandon(e.what());
-      return toTorchError(e, rank);
+      return toTorchError(e, who);
     } catch (const std::exception& e) {
       message = messageOf(e);
     } catch (...) {
       message = "an exception of unknown type";
     }
-    const std::string prefix = rankPrefix(rank);
+    const std::string prefix = rankPrefix(who);
     if (message.rfind(prefix, 0) == 0) {  // ours (locally()'s, a check's): names the op, has its type
       if (size > 1) c.abandon(message.substr(prefix.size()));
       return original;
@@ -62,12 +84,12 @@ std::string messageOf(const std::exception& e) {
   return e.what();
 }
 
-std::exception_ptr asTorchError(std::exception_ptr error, int rank) {
+std::exception_ptr asTorchError(std::exception_ptr error, const std::string& who) {
   if (!error) return error;
   try {
     std::rethrow_exception(error);
   } catch (const Error& e) {
-    return toTorchError(e, rank);
+    return toTorchError(e, who);
   } catch (...) {
     return error;
   }

@@ -27,12 +27,13 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-         const std::chrono::duration<float>& timeout, std::vector<int64_t> globalRanks) {
+         const std::chrono::duration<float>& timeout, std::vector<int64_t> globalRanks, const std::string& groupUid) {
         return smddp::torchext::createBackend(store, rank, size,
                                               std::chrono::duration_cast<std::chrono::milliseconds>(timeout),
-                                              std::move(globalRanks));
+                                              std::move(globalRanks), groupUid);
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("global_ranks"),
+      py::arg("group_uid") = "",
       // Bootstrap blocks on the store: let other Python threads run meanwhile.
       py::call_guard<py::gil_scoped_release>());
 

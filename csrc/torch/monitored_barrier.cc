@@ -47,7 +47,7 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
   auto left = [&](Clock::time_point deadline) {
     return std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   };
-  const std::string who = "smddp rank " + std::to_string(rank_) + ": monitored_barrier: ";
+  const std::string me = rankPrefix(this->who()) + "monitored_barrier: ";
   const std::string within = "within " + std::to_string(timeout.count()) + " ms";
   const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
   // Rank 0's answer: one byte per rank, 1 for each rank that reached the barrier in time.
@@ -59,12 +59,12 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
     for (const Work& w : {sent, answered}) {
       const std::optional<std::string> error = waitWithin(w, left(start + timeout + kMonitoredBarrierAnswerGrace));
       if (!error) {
-        throw c10::DistBackendError(loc, who + "this rank reached it, but rank 0 did not answer " + within +
+        throw c10::DistBackendError(loc, me + "this rank reached it, but rank 0 did not answer " + within +
                                              " (and " + std::to_string(kMonitoredBarrierAnswerGrace.count()) +
                                              " s more); rank 0's own error names the ranks it missed");
       }
       if (!error->empty()) {
-        throw c10::DistBackendError(loc, who + "this rank reached it, but its exchange with rank 0 failed: " + *error);
+        throw c10::DistBackendError(loc, me + "this rank reached it, but its exchange with rank 0 failed: " + *error);
       }
     }
     const uint8_t* came = answer[0].data_ptr<uint8_t>();
@@ -73,7 +73,7 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
       if (!came[r]) missing.push_back(r);
     }
     if (!missing.empty()) {
-      throw c10::DistBackendError(loc, who + "rank 0 reports that rank(s) " + joinRanks(missing) +
+      throw c10::DistBackendError(loc, me + "rank 0 reports that rank(s) " + joinRanks(missing) +
                                            " did not reach it " + within);
     }
     return;
@@ -121,14 +121,14 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
   }
   if (!missing.empty()) {
     throw c10::DistBackendError(
-        loc, who + "rank(s) " + joinRanks(missing) + " did not reach it " + within +
+        loc, me + "rank(s) " + joinRanks(missing) + " did not reach it " + within +
                  (waitAllRanks ? "" : " (the first one missed; wait_all_ranks=True waits for every rank)") + causes);
   }
   for (const Work& w : answers) w->wait();
 }
 
 void SmddpBackend::checkUserTag(int tag, const char* op) const {
-  TORCH_CHECK_VALUE(tag >= kMonitoredBarrierTags + static_cast<int>(kMonitoredBarrierTagSpan), "smddp rank ", rank_,
+  TORCH_CHECK_VALUE(tag >= kMonitoredBarrierTags + static_cast<int>(kMonitoredBarrierTagSpan), who(),
                     ": ", op, ": tag ", tag, " is reserved (tags below ",
                     kMonitoredBarrierTags + static_cast<int>(kMonitoredBarrierTagSpan), " are monitored_barrier's)");
 }

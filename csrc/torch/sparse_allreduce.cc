@@ -76,13 +76,13 @@ const char* redOpName(c10d::ReduceOp::RedOpType op) {
 // The strides of the row-major linear index over `t`'s sparse dims, which sorts indices as
 // coalesce() does. They fit in int64: torch refuses a tensor whose element count does not, but
 // for one with a dense dim of size 0.
-std::vector<int64_t> sparseStrides(const at::Tensor& t, int rank) {
+std::vector<int64_t> sparseStrides(const at::Tensor& t, const std::string& who) {
   std::vector<int64_t> strides(t.sparse_dim());
   int64_t stride = 1;
   for (int64_t d = t.sparse_dim(); d-- > 0;) {
     strides[d] = stride;
     TORCH_CHECK_NOT_IMPLEMENTED(t.size(d) == 0 || stride <= std::numeric_limits<int64_t>::max() / t.size(d),
-                                "smddp rank ", rank, ": allreduce of sparse tensors: the sparse dims of a tensor of "
+                                who, ": allreduce of sparse tensors: the sparse dims of a tensor of "
                                 "size ", t.sizes(), " hold more than 2^63 elements");
     stride *= t.size(d);
   }
@@ -118,14 +118,14 @@ uint8_t* reserve(at::Tensor& slot, int64_t bytes) {
   return slot.data_ptr<uint8_t>();
 }
 
-void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides, int rank, int size,
-         SparseScratch& scratch, algo::Communicator& c, std::chrono::milliseconds timeout) {
+void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides, int rank, const std::string& who,
+         int size, SparseScratch& scratch, algo::Communicator& c, std::chrono::milliseconds timeout) {
   at::NoGradGuard noGrad;
   // The op makes the sum `t`'s own data: a tensor made under torch.inference_mode() takes that
   // only under it, which the thread running the op may not be in (writeUser, staged.h).
   std::optional<c10::InferenceMode> inference;
   if (t.is_inference()) inference.emplace();
-  const at::Tensor in = locally(rank, kOp, "coalescing this rank's tensor", [&] { return t.coalesce(); });
+  const at::Tensor in = locally(who, kOp, "coalescing this rank's tensor", [&] { return t.coalesce(); });
   const int64_t nnz = in._nnz();
   const int64_t sparseDim = in.sparse_dim();
   const at::Tensor values = in._values();
@@ -146,7 +146,7 @@ void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides,
   for (int p = 0; p < size; ++p) {
     if (sameKind(records[p], records[0])) continue;
     throw Error(ErrorCode::kInvalidUsage,
-                c10::str("smddp rank ", rank, ": allreduce of sparse tensors: every rank must pass a tensor of the "
+                c10::str(who, ": allreduce of sparse tensors: every rank must pass a tensor of the "
                          "same size, sparse/dense split and dtype, but rank ", p, " passed one of ",
                          describe(records[p]), " and rank 0 one of ", describe(records[0])));
   }
@@ -169,7 +169,7 @@ void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides,
   };
   uint8_t* packed = nullptr;
   uint8_t* gathered = nullptr;
-  locally(rank, kOp, "staging every rank's nonzeros (" + std::to_string(offsets[size]) + " bytes)", [&] {
+  locally(who, kOp, "staging every rank's nonzeros (" + std::to_string(offsets[size]) + " bytes)", [&] {
     packed = reserve(scratch.packed, static_cast<int64_t>(counts[rank]));
     gathered = reserve(scratch.gathered, offsets[size]);
     indicesAt(packed, nnz).copy_(in._indices().t());
@@ -210,12 +210,13 @@ void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides,
 
 }  // namespace
 
-SparseAllreduceBody sparseAllreduce(const at::Tensor& t, const c10d::ReduceOp& op, int rank, int size,
+SparseAllreduceBody sparseAllreduce(const at::Tensor& t, const c10d::ReduceOp& op, int rank,
+                                    std::shared_ptr<const std::string> who, int size,
                                     std::shared_ptr<SparseScratch> scratch) {
-  TORCH_CHECK_NOT_IMPLEMENTED(t.device().is_cpu(), "smddp rank ", rank,
+  TORCH_CHECK_NOT_IMPLEMENTED(t.device().is_cpu(), *who,
                               ": allreduce of sparse tensors is supported on CPU tensors only, got one on ",
                               t.device());
-  TORCH_CHECK_VALUE(t.dim() <= static_cast<int64_t>(kMaxDims), "smddp rank ", rank,
+  TORCH_CHECK_VALUE(t.dim() <= static_cast<int64_t>(kMaxDims), *who,
                     ": allreduce of sparse tensors supports at most ", kMaxDims, " dimensions, got ", t.dim());
   // The sum is torch's own (coalesce, index_add_), which its CPU kernels do not provide for
   // every dtype (uint16-64, float8): refused here, at the call, rather than failing inside the op
@@ -225,17 +226,17 @@ SparseAllreduceBody sparseAllreduce(const at::Tensor& t, const c10d::ReduceOp& o
                                                         dtype == at::kHalf || dtype == at::kBFloat16
                                                   : dtype == at::kBool || dtype == at::kByte || dtype == at::kChar ||
                                                         dtype == at::kShort || dtype == at::kInt || dtype == at::kLong;
-  TORCH_CHECK_NOT_IMPLEMENTED(summable, "smddp rank ", rank, ": allreduce of sparse tensors: dtype ", dtype,
+  TORCH_CHECK_NOT_IMPLEMENTED(summable, *who, ": allreduce of sparse tensors: dtype ", dtype,
                               " is not supported (torch's sparse CPU kernels do not sum it; supported: float32, "
                               "float64, float16, bfloat16, int8, uint8, int16, int32, int64, bool)");
   const bool average = op.op_ == c10d::ReduceOp::AVG;
   TORCH_CHECK_NOT_IMPLEMENTED(op.op_ == c10d::ReduceOp::SUM || (average && at::isFloatingType(t.scalar_type())),
-                              "smddp rank ", rank, ": allreduce of sparse tensors: ", redOpName(op.op_), " on ",
+                              *who, ": allreduce of sparse tensors: ", redOpName(op.op_), " on ",
                               t.scalar_type(), " is not supported (supported: SUM, and AVG on floating-point "
                               "tensors; the implicit zeros make MIN, MAX and PRODUCT ill-defined)");
-  return [t, average, strides = sparseStrides(t, rank), rank, size, scratch = std::move(scratch)](
+  return [t, average, strides = sparseStrides(t, *who), rank, who, size, scratch = std::move(scratch)](
              algo::Communicator& c, std::chrono::milliseconds timeout) {
-    run(t, average, strides, rank, size, *scratch, c, timeout);
+    run(t, average, strides, rank, *who, size, *scratch, c, timeout);
   };
 }
 

@@ -38,7 +38,9 @@ struct SparseScratch {
 // call; the body runs the op on the group's thread. A rank whose tensor's shape,
 // sparse/dense split or dtype differs from rank 0's makes the op fail with a ValueError on every
 // rank alike (each sees every rank's description), and leaves the group usable.
-SparseAllreduceBody sparseAllreduce(const at::Tensor& t, const c10d::ReduceOp& op, int rank, int size,
+// `who`: this rank as messages name it (rankName()).
+SparseAllreduceBody sparseAllreduce(const at::Tensor& t, const c10d::ReduceOp& op, int rank,
+                                    std::shared_ptr<const std::string> who, int size,
                                     std::shared_ptr<SparseScratch> scratch);
 
 }  // namespace smddp::torchext

@@ -17,15 +17,15 @@ void ready(std::vector<Staged>& staged) {
   for (Staged& s : staged) s.ready();
 }
 
-Staged stageInOut(const at::Tensor& t, int rank, const char* op) {
+Staged stageInOut(const at::Tensor& t, const std::string& who, const char* op) {
   if (t.is_contiguous()) return {t};
-  checkWritable(t, rank, op);
+  checkWritable(t, who, op);
   return {t, Staged::Way::kCopyIn, true};
 }
 
-Staged stageOut(const at::Tensor& t, int rank, const char* op) {
+Staged stageOut(const at::Tensor& t, const std::string& who, const char* op) {
   if (t.is_contiguous()) return {t};
-  checkWritable(t, rank, op);
+  checkWritable(t, who, op);
   return {t, Staged::Way::kFresh, true};
 }
 
@@ -55,14 +55,14 @@ bool overlaps(const Staged& a, const Staged& b) {
   return a0 < b0 + b.user.nbytes() && b0 < a0 + a.user.nbytes();
 }
 
-std::vector<Staged> stageBlocks(const std::vector<at::Tensor>& blocks, const Staged& out, int rank, const char* op,
-                                bool uneven) {
+std::vector<Staged> stageBlocks(const std::vector<at::Tensor>& blocks, const Staged& out, int rank,
+                                const std::string& who, const char* op, bool uneven) {
   std::vector<Staged> srcs;
   for (const at::Tensor& b : blocks) {
-    checkMovedTensor(b, rank, op);
-    checkSameType(out.user, b, rank, op);
+    checkMovedTensor(b, who, op);
+    checkSameType(out.user, b, who, op);
     const bool own = static_cast<int>(srcs.size()) == rank;
-    TORCH_CHECK_VALUE(b.numel() == out.user.numel() || (uneven && !own), "smddp rank ", rank, ": ", op,
+    TORCH_CHECK_VALUE(b.numel() == out.user.numel() || (uneven && !own), who, ": ", op,
                       uneven ? ": this rank's own input block must have the output's " : ": every input must have "
                       "the output's ", out.user.numel(), " elements, got one with ", b.numel());
     Staged c = stageIn(b);

@@ -50,8 +50,8 @@ void ready(std::vector<Staged>& staged);
 // The three ways an op uses a tensor: read and written (allreduce, reduce's root), only
 // written, only read. One written that is not contiguous is checked (checkWritable) and gets a
 // copy, copied back after the op (finishStaged).
-Staged stageInOut(const at::Tensor& t, int rank, const char* op);
-Staged stageOut(const at::Tensor& t, int rank, const char* op);
+Staged stageInOut(const at::Tensor& t, const std::string& who, const char* op);
+Staged stageOut(const at::Tensor& t, const std::string& who, const char* op);
 Staged stageIn(const at::Tensor& t);
 
 // Copies a written copy's results back into the user's tensor (writeUser).
@@ -69,8 +69,8 @@ bool overlaps(const Staged& a, const Staged& b);
 // A list of per-rank input blocks (reduce_scatter, scatter): each checked against the output
 // (dtype, element count: every block's, or with `uneven` only this rank's own), made contiguous,
 // and copied if it overlaps the output, which the op writes while the blocks are still being read.
-std::vector<Staged> stageBlocks(const std::vector<at::Tensor>& blocks, const Staged& out, int rank, const char* op,
-                                bool uneven = false);
+std::vector<Staged> stageBlocks(const std::vector<at::Tensor>& blocks, const Staged& out, int rank,
+                                const std::string& who, const char* op, bool uneven = false);
 
 // Which tensors of a list may share memory with an earlier one of it: those whose byte span
 // (first to last element) overlaps another's, except the first in list order of each run of

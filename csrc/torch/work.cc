@@ -9,9 +9,11 @@
 
 namespace smddp::torchext {
 
-SmddpWork::SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, std::vector<at::Tensor> outputs,
+SmddpWork::SmddpWork(int rank, std::shared_ptr<const std::string> who, c10d::OpType opType,
+                     const char* profilingTitle, std::vector<at::Tensor> outputs,
                      const std::optional<std::vector<at::Tensor>>& inputs, std::chrono::microseconds spin)
     : c10d::Work(rank, opType, profilingTitle, inputs),
+      who_(std::move(who)),
       title_(opName(profilingTitle)),
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
@@ -28,7 +30,7 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
   if (currentPid() != ownerPid_ && !isCompleted()) {
     // Its thread is the parent's: it would never complete here, and running it here (the
     // drivers below) would work on the parent's shared memory.
-    TORCH_CHECK(false, "smddp rank ", rank_, ": ", title_, ": wait(): ", forkedWhy(ownerPid_));
+    TORCH_CHECK(false, *who_, ": ", title_, ": wait(): ", forkedWhy(ownerPid_));
   }
   if (cuda_ && env::cudaBlockingWait() == 0) {
     // An error already known is raised here; a later one by the next call on the group.
@@ -49,7 +51,7 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
     if (isCompleted()) throw;  // the op's own error
     // The base class says only "Operation timed out!".
     const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
-    throw c10::DistBackendError(loc, "smddp rank " + std::to_string(rank_) + ": " + title_ + ": wait(timeout=" +
+    throw c10::DistBackendError(loc, rankPrefix(*who_) + title_ + ": wait(timeout=" +
                                          std::to_string(timeout.count()) +
                                          " ms) ran out before the op completed; the op is still pending (the "
                                          "group's timeout ends it if its peers never come)");
@@ -141,13 +143,13 @@ c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFutureResult() {
 
 float SmddpWork::getDuration() const {
   const int64_t ns = durationNs_.load(std::memory_order_acquire);
-  TORCH_CHECK(ns != kNotDone, "smddp rank ", rank_, ": ", title_, ": _get_duration() before the op completed");
-  TORCH_CHECK(FlightRecorder::get().enabled(), "smddp rank ", rank_, ": ", title_,
+  TORCH_CHECK(ns != kNotDone, *who_, ": ", title_, ": _get_duration() before the op completed");
+  TORCH_CHECK(FlightRecorder::get().enabled(), *who_, ": ", title_,
               ": _get_duration() needs the flight recorder, which times each op (TORCH_FR_BUFFER_SIZE is 0)");
-  TORCH_CHECK(ns != FlightRecorder::kOverwritten, "smddp rank ", rank_, ": ", title_,
+  TORCH_CHECK(ns != FlightRecorder::kOverwritten, *who_, ": ", title_,
               ": _get_duration(): later ops took the op's flight recorder entry before it completed (TORCH_FR_BUFFER_SIZE=",
               FlightRecorder::get().capacity(), " entries), so it was not timed");
-  TORCH_CHECK(ns >= 0, "smddp rank ", rank_, ": ", title_, ": _get_duration(): the op failed, so it was not timed");
+  TORCH_CHECK(ns >= 0, *who_, ": ", title_, ": _get_duration(): the op failed, so it was not timed");
   return static_cast<float>(ns) / 1e6f;
 }
 

@@ -19,8 +19,10 @@ namespace smddp::torchext {
 
 class SmddpWork : public c10d::Work {
  public:
-  SmddpWork(int rank, c10d::OpType opType, const char* profilingTitle, std::vector<at::Tensor> outputs,
-            const std::optional<std::vector<at::Tensor>>& inputs, std::chrono::microseconds spin);
+  // `who`: the issuing rank as messages name it (rankName()).
+  SmddpWork(int rank, std::shared_ptr<const std::string> who, c10d::OpType opType, const char* profilingTitle,
+            std::vector<at::Tensor> outputs, const std::optional<std::vector<at::Tensor>>& inputs,
+            std::chrono::microseconds spin);
 
   // A CUDA op, just launched: the results are in device memory where `doneOn` (smddp's staging
   // or receive stream) stands now. Completes the future there and then, stream-ordered as
@@ -37,6 +39,8 @@ class SmddpWork : public c10d::Work {
   // thread), and ops that the future's callbacks issue keep their place in issue order
   // (getFuture()).
   void setRunner(std::shared_ptr<engine::ProgressThread> thread) { runner_ = std::move(thread); }
+  // The issuing rank as messages name it (rankName()).
+  const std::string& who() const { return *who_; }
 
   // CPU ops: polls for the group's linger budget before blocking (an async op is often waited on
   // right after a short op, and a sleep plus wake-up costs microseconds; none where the cores are
@@ -84,7 +88,8 @@ class SmddpWork : public c10d::Work {
   void setSourceRank(int rank) { sourceRank_.store(rank); }
 
  private:
-  std::string title_;  // "smddp:allreduce", for errors
+  std::shared_ptr<const std::string> who_;  // for errors, as the group's: see the constructor
+  std::string title_;                      // "allreduce", for errors
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::chrono::microseconds spin_;

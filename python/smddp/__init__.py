@@ -18,9 +18,11 @@ BACKEND_NAME = "smddp"
 
 def _create_backend(dist_options, backend_options):
     # torch's extended creator API: the only one that says which world ranks the group holds
-    # (for the flight recorder's dumps); an empty list means the world.
+    # (for the flight recorder's dumps and the rank's name in messages; an empty list means the
+    # default group) and the group's name (torch sets it on the group only once it is made).
     return _C._create_backend(dist_options.store, dist_options.group_rank, dist_options.group_size,
-                              dist_options.timeout, list(dist_options.global_ranks_in_group))
+                              dist_options.timeout, list(dist_options.global_ranks_in_group),
+                              dist_options.group_id or "")
 
 
 def _register():
