@@ -48,7 +48,9 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
   try {
     return c10d::Work::wait(timeout);  // then synchronize()
   } catch (const c10::Error&) {
-    if (isCompleted()) throw;  // the op's own error
+    // The op's own error; or the op completed just after the base class gave up waiting, whose
+    // "Operation timed out!" would then be wrong: the results are there.
+    if (isCompleted()) return c10d::Work::wait(kNoTimeout);
     // The base class says only "Operation timed out!".
     const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
     throw c10::DistBackendError(loc, rankPrefix(*who_) + title_ + ": wait(timeout=" +
