@@ -165,7 +165,6 @@ constexpr Param kParams[] = {
      "1: work.wait() on a CUDA collective blocks the calling thread until the op has finished and "
      "raises its error there (like TORCH_NCCL_BLOCKING_WAIT). 0: wait() only makes the current stream "
      "wait; an error surfaces at the next call on the group."},
-    {"SMDDP_MAX_CTAS", "8", "Most thread blocks any smddp GPU kernel (copy, reduce) is launched with."},
     {"SMDDP_SIMD", "auto",
      "Reduce-kernel instruction set: auto, avx512, avx2 or scalar (x86-64; aarch64 builds have scalar only)."},
     {"SMDDP_DEBUG", "WARN",
@@ -274,8 +273,7 @@ std::vector<ParamInfo> allParams() {
   X(netOneShotBytes, "SMDDP_NET_ONESHOT_BYTES") \
   X(cudaStagingBytes, "SMDDP_CUDA_STAGING_BYTES") \
   X(cudaRoundBytes, "SMDDP_CUDA_ROUND_BYTES") \
-  X(cudaBlockingWait, "SMDDP_CUDA_BLOCKING_WAIT") \
-  X(maxCtas, "SMDDP_MAX_CTAS")
+  X(cudaBlockingWait, "SMDDP_CUDA_BLOCKING_WAIT")
 SMDDP_INT_PARAMS(SMDDP_INT_PARAM)
 SMDDP_STRING_PARAM(stageStream, "SMDDP_STAGE_STREAM")
 SMDDP_STRING_PARAM(debugLevel, "SMDDP_DEBUG")

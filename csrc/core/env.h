@@ -99,6 +99,5 @@ const std::string& cudaFlags();
 // CUDA: 1 = Work::wait blocks the host until the op is done.
 int64_t cudaBlockingWait();
 // Thread-block cap of smddp's GPU kernels.
-int64_t maxCtas();
 
 }  // namespace smddp::env
