@@ -306,6 +306,9 @@ def test_timeout_says_where_the_waited_for_ranks_stand():
         assert "DistBackendError" in out and "where the ranks it waited for stand" in out, out[-2000:]
     assert "rank 1 has not waited in any collective of this group, nor in a point-to-point op (busy elsewhere" \
         in outs[0], outs[0][-2000:]
+    # which a rank that began waiting within the interval would look like too (its post comes later)
+    assert "or waiting in this group for less than SMDDP_DESYNC_CHECK_MS, 1000 ms, after which a waiting rank posts" \
+        in outs[0], outs[0][-2000:]
     assert re.search(r"rank 0 waits in allreduce #\d+ \(float32, sum\)", outs[1]), outs[1][-2000:]
 
 

@@ -58,7 +58,11 @@ std::string describeRank(Store& store, int p, uint64_t mySeq, std::chrono::milli
                                 : " last waited in " + OpSignature::unpack(signature).describe(seq) + " " +
                                       std::to_string((wallMs() - postedMs) / 1000) +
                                       " s ago and is not waiting in a collective of this group now";
-  return out + ", nor in a point-to-point op (busy elsewhere: computing, another group's op, or blocked outside smddp)";
+  // A rank posts only once it has waited an interval: one that began waiting here later than
+  // that before this look is not busy elsewhere, and nothing tells the two apart.
+  return out + ", nor in a point-to-point op (busy elsewhere: computing, another group's op, or blocked outside " +
+         "smddp; or waiting in this group for less than SMDDP_DESYNC_CHECK_MS, " + std::to_string(interval.count()) +
+         " ms, after which a waiting rank posts where it waits)";
 }
 
 // What a store that has not answered for kPatience says of `what`.
