@@ -661,7 +661,8 @@ def work_result_and_duration_task(rank, world):
                 work._get_duration()
                 rep.expect(False, "_get_duration() answered before the op completed")
             except RuntimeError as e:
-                rep.expect("smddp rank 0: recv: _get_duration() before the op completed" in str(e), str(e))
+                rep.expect(re.match(r"smddp rank 0 of group \S+, world rank 0: recv: _get_duration\(\) before the op "
+                                    "completed", str(e)) is not None, str(e))
             store.set("work_result/posted", "1")
             work.wait()
             rep.expect(result.wait() == 0 and work.get_future_result().value() == 0,
