@@ -280,6 +280,44 @@ def test_large_ring_costs_nothing_up_front(pools):
     pools.check(1, large_ring_task, env=(("TORCH_FR_BUFFER_SIZE", "10000000"),))
 
 
+def destroyed_groups_task(rank, world):
+    """Groups made and destroyed without end (an elastic or shrink loop) leave the recorder once
+    its ring (8 entries here) holds none of their ops; a live group without ops in the ring stays
+    (until 2026-12-01 every group ever made stayed: 2000 groups, 161 KB in every dump). A
+    1000-tensor coalesced op's entry holds its shapes flat, 2 x 1000 sizes and dtypes (until then
+    a vector per tensor, 112 KB an entry, kept by the ring's slot after smaller ops took it), and
+    a tensor of 300 dimensions its 300 sizes."""
+    import smddp
+
+    rep = Report(rank)
+    live = dist.new_group(list(range(world)))
+    dist.all_reduce(torch.ones(2), group=live)
+    for _ in range(40):
+        g = dist.new_group(list(range(world)))
+        dist.all_reduce(torch.ones(2), group=g)
+        dist.destroy_process_group(g)
+    dump = pickle.loads(smddp.dump_flight_recorder())
+    names = {e["process_group"][0] for e in dump["entries"]}
+    rep.expect(len(dump["entries"]) == 8, f"{len(dump['entries'])} entries")
+    # the default group is there once it has recorded an op (its name is read at the first)
+    rep.expect(set(dump["pg_config"]) - {"0"} == names | {dist._get_process_group_name(live)},
+               f"pg_config {sorted(dump['pg_config'])}, groups in the ring {sorted(names)}")
+    tensors = [torch.ones(1) for _ in range(1000)]
+    dist.all_reduce_coalesced(tensors)
+    dump = pickle.loads(smddp.dump_flight_recorder())
+    last = dump["entries"][-1]
+    rep.expect(last["input_sizes"] == [[1]] * 1000 and last["output_dtypes"] == ["Float"] * 1000,
+               f"{last['profiling_name']}: {len(last['input_sizes'])} input sizes")
+    dist.all_reduce(torch.zeros([1] * 300, dtype=torch.int16))  # torch sets no limit on dimensions
+    last = pickle.loads(smddp.dump_flight_recorder())["entries"][-1]
+    rep.expect(last["input_sizes"] == [[1] * 300] and last["input_dtypes"] == ["Short"], str(last)[:300])
+    return rep.to_dict()
+
+
+def test_destroyed_groups_leave_the_recorder(pools):
+    pools.check(2, destroyed_groups_task, env=(("TORCH_FR_BUFFER_SIZE", "8"),))
+
+
 def test_analyzer_names_counts_that_differ_where_rings_dropped_the_ops():
     """Synthetic dumps: ranks 0 and 2 keep none of a group's entries, their group status says they
     issued 3 and 2 collectives; the report must say the counts differ, not that they agree."""

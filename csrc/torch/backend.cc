@@ -54,7 +54,6 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   // Every rank refuses it alike, before waiting for any other (0 would be a deadline of now).
   TORCH_CHECK_VALUE(timeout.count() > 0, who(), ": the process group's timeout must be positive, got ",
                     timeout.count(), " ms");
-  pgId_ = FlightRecorder::get().addGroup(globalRanks_);
   c10dStore_ = store;
   store_ = std::make_shared<C10dStore>(store, timeout);
   try {
@@ -103,6 +102,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     if (p2p_) p2p_->setStallBoard(board);
     if (netP2p_) netP2p_->setStallBoard(board);
   }
+  pgId_ = FlightRecorder::get().addGroup(globalRanks_);  // last: a set-up that fails has no destructor to remove it
   SMDDP_INFO(kInit, "rank %d/%d: process group ready", rank, size);
 }
 
@@ -125,6 +125,7 @@ SmddpBackend::~SmddpBackend() {
     return;
   }
   shutdown();
+  FlightRecorder::get().removeGroup(pgId_);
 }
 
 bool SmddpBackend::agreeOnDebugChecks() {

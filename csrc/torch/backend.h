@@ -253,7 +253,7 @@ class SmddpBackend : public c10d::Backend {
   mutable std::vector<std::shared_ptr<const std::string>> whoBefore_;  // names who() has handed out
   mutable std::string whoUid_, whoDesc_;
   mutable std::atomic<bool> whoSettled_{false};
-  int pgId_ = 0;                      // this group in the flight recorder
+  int pgId_ = -1;                     // this group in the flight recorder (-1: none, recording off)
   c10::intrusive_ptr<c10d::Store> c10dStore_;  // the store the group was created with (for shrink)
   int shrinks_ = 0;                              // shrink() calls so far: each child's key prefix
   std::shared_ptr<Store> store_;  // c10dStore_ as the core sees it, kept for the communicator (see there)

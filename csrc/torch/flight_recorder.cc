@@ -37,26 +37,11 @@ size_t threadHash() {
   return hash;
 }
 
-void setShapes(const std::vector<at::Tensor>& tensors, std::vector<std::vector<int64_t>>& sizes,
-               std::vector<at::ScalarType>& types) {
-  sizes.resize(tensors.size());  // the slot's vectors keep their memory from entry to entry
-  types.clear();
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    sizes[i].assign(tensors[i].sizes().begin(), tensors[i].sizes().end());
-    types.push_back(tensors[i].scalar_type());
-  }
-}
-
-c10::IValue sizesOf(const std::vector<std::vector<int64_t>>& all) {
-  c10::impl::GenericList out(c10::ListType::create(c10::ListType::ofInts()));
-  for (const auto& sizes : all) out.push_back(c10::List<int64_t>(sizes));
-  return out;
-}
-
-c10::IValue typesOf(const std::vector<at::ScalarType>& all) {
-  c10::List<std::string> out;
-  for (at::ScalarType t : all) out.push_back(c10::toString(t));
-  return out;
+// A slot's vector keeps its memory from entry to entry (no allocation per op), but not much
+// more than the entry needs: one large op does not pin its size in the slot for good.
+template <class T>
+void fitted(std::vector<T>& v) {
+  if (v.capacity() > 2 * v.size() + 64) v.shrink_to_fit();
 }
 
 c10::IValue optionalNs(const std::optional<int64_t>& t) { return t ? c10::IValue(*t) : c10::IValue(); }
@@ -72,21 +57,68 @@ std::string ranksText(const std::vector<int64_t>& ranks) {
 
 }  // namespace
 
+c10::IValue FlightRecorder::sizesOf(const Shapes& s) {
+  c10::impl::GenericList out(c10::ListType::create(c10::ListType::ofInts()));
+  auto next = s.sizes.begin();
+  for (const Shapes::Tensor& t : s.tensors) {
+    out.push_back(c10::List<int64_t>(std::vector<int64_t>(next, next + t.dims)));
+    next += t.dims;
+  }
+  return out;
+}
+
+c10::IValue FlightRecorder::typesOf(const Shapes& s) {
+  c10::List<std::string> out;
+  for (const Shapes::Tensor& t : s.tensors) out.push_back(c10::toString(t.type));
+  return out;
+}
+
+void FlightRecorder::setShapes(const std::vector<at::Tensor>& tensors, Shapes& s) {
+  s.sizes.clear();
+  s.tensors.clear();
+  for (const at::Tensor& t : tensors) {
+    s.sizes.insert(s.sizes.end(), t.sizes().begin(), t.sizes().end());
+    s.tensors.push_back({static_cast<uint32_t>(t.dim()), t.scalar_type()});
+  }
+  fitted(s.sizes);
+  fitted(s.tensors);
+}
+
 FlightRecorder& FlightRecorder::get() {
   static FlightRecorder* instance = new FlightRecorder();  // outlives every group, as torch's does
   return *instance;
 }
 
 // The ring grows as ops come, up to its capacity, as torch's does: a large TORCH_FR_BUFFER_SIZE
-// costs memory only as a job runs that many ops (about 225 bytes each), not all at once at the
-// first group's set-up (1e7 took 2 GiB there, 1e8 the OOM killer, 1e12 a bare bad_alloc).
+// costs memory only as a job runs that many ops (about 350 bytes for a one-tensor op, and 8 more
+// per tensor and 8 per dimension of its inputs and of its outputs), not all at once at the first
+// group's set-up (1e7 took 2 GiB there, 1e8 the OOM killer, 1e12 a bare bad_alloc).
 FlightRecorder::FlightRecorder() : capacity_(capacityFromEnv()) {}
 
 int FlightRecorder::addGroup(std::vector<int64_t> globalRanks) {
+  if (!enabled()) return -1;
   std::lock_guard<std::mutex> lock(mutex_);
-  groups_.push_back(Group{});
-  groups_.back().globalRanks = std::move(globalRanks);
-  return static_cast<int>(groups_.size()) - 1;
+  const int pgId = nextPgId_++;
+  groups_[pgId].globalRanks = std::move(globalRanks);
+  return pgId;
+}
+
+void FlightRecorder::removeGroup(int pgId) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Group* g = group(pgId);
+  if (g == nullptr) return;
+  g->destroyed = true;
+  if (g->inRing == 0) groups_.erase(pgId);
+}
+
+FlightRecorder::Group* FlightRecorder::group(int pgId) {
+  const auto it = groups_.find(pgId);
+  return it == groups_.end() ? nullptr : &it->second;
+}
+
+void FlightRecorder::leftRing(int pgId) {
+  Group* g = group(pgId);
+  if (g != nullptr && --g->inRing == 0 && g->destroyed) groups_.erase(pgId);
 }
 
 int64_t FlightRecorder::record(int pgId, const c10d::Backend& backend, bool p2p, const char* profilingName,
@@ -94,14 +126,16 @@ int64_t FlightRecorder::record(int pgId, const c10d::Backend& backend, bool p2p,
                                std::chrono::milliseconds timeout, P2pPeer peer) {
   if (!enabled()) return -1;
   std::lock_guard<std::mutex> lock(mutex_);
-  Group& g = groups_[pgId];
+  const int64_t id = nextId_++;
+  if (entries_.size() < capacity_) entries_.emplace_back();  // ids come in order: this is id's place
+  Entry& e = entries_[static_cast<size_t>(id) % capacity_];
+  if (e.id >= 0) leftRing(e.pgId);  // the entry it takes
+  Group& g = *group(pgId);  // a group that records ops is not destroyed yet
   if (g.name.empty()) {  // torch names a group after creating its backend
     g.name = backend.getGroupUid();
     g.desc = backend.getGroupDesc();
   }
-  const int64_t id = nextId_++;
-  if (entries_.size() < capacity_) entries_.emplace_back();  // ids come in order: this is id's place
-  Entry& e = entries_[static_cast<size_t>(id) % capacity_];
+  ++g.inRing;
   e.id = id;
   e.pgId = pgId;
   e.p2p = p2p;
@@ -118,8 +152,8 @@ int64_t FlightRecorder::record(int pgId, const c10d::Backend& backend, bool p2p,
   e.timeoutMs = timeout.count();
   e.startedAt.reset();
   e.completedAt.reset();
-  setShapes(inputs, e.inSizes, e.inTypes);
-  setShapes(outputs, e.outSizes, e.outTypes);
+  setShapes(inputs, e.in);
+  setShapes(outputs, e.out);
   e.thread = threadHash();  // formatted at dump time: no string per op
   return id;
 }
@@ -137,7 +171,10 @@ void FlightRecorder::started(int64_t id) {
   if (!e || e->state != State::kScheduled) return;
   e->state = State::kStarted;
   e->startedAt = nowNs();
-  if (!e->p2p) groups_[e->pgId].lastStarted = std::max(groups_[e->pgId].lastStarted, e->collectiveSeq);
+  if (!e->p2p) {
+    Group& g = *group(e->pgId);  // held while the ring holds its entry
+    g.lastStarted = std::max(g.lastStarted, e->collectiveSeq);
+  }
 }
 
 int64_t FlightRecorder::finished(int64_t id, bool ok) {
@@ -147,13 +184,13 @@ int64_t FlightRecorder::finished(int64_t id, bool ok) {
   if (!e) return ok ? kOverwritten : kNotTimed;
   e->retired = true;
   if (!ok) return kNotTimed;
-  groups_[e->pgId].dumped = false;
+  Group& g = *group(e->pgId);  // held while the ring holds its entry
+  g.dumped = false;
   const int64_t now = nowNs();  // one clock read per op here, under the recorder's lock
   if (!e->startedAt) e->startedAt = now;
   e->state = State::kCompleted;
   e->completedAt = now;
   if (!e->p2p) {
-    Group& g = groups_[e->pgId];
     g.lastStarted = std::max(g.lastStarted, e->collectiveSeq);
     g.lastCompleted = std::max(g.lastCompleted, e->collectiveSeq);
   }
@@ -166,8 +203,7 @@ std::string FlightRecorder::dump() {
   out.insert("version", kDumpVersion);
   out.insert("comm_lib_version", "smddp");
   c10::impl::GenericDict config = newDict(), status = newDict();
-  for (size_t i = 0; i < groups_.size(); ++i) {
-    const Group& g = groups_[i];
+  for (const auto& [i, g] : groups_) {
     if (g.name.empty()) continue;  // no op recorded yet (its name is read at the first)
     c10::impl::GenericDict c = newDict();
     c.insert("name", g.name);
@@ -198,7 +234,7 @@ std::string FlightRecorder::dump() {
   const int64_t first = nextId_ > static_cast<int64_t>(capacity_) ? nextId_ - static_cast<int64_t>(capacity_) : 0;
   for (int64_t id = first; id < nextId_; ++id) {
     const Entry& e = entries_[static_cast<size_t>(id) % capacity_];
-    const Group& g = groups_[e.pgId];
+    const Group& g = *group(e.pgId);  // held while the ring holds its entry
     c10::impl::GenericDict d = newDict();
     d.insert("frames", c10::impl::GenericList(c10::AnyType::get()));  // no Python stacks are captured
     d.insert("record_id", e.id);
@@ -211,10 +247,10 @@ std::string FlightRecorder::dump() {
     d.insert("op_id", e.opId);
     d.insert("profiling_name", profilingName(e));
     d.insert("time_created_ns", e.created);
-    d.insert("input_sizes", sizesOf(e.inSizes));
-    d.insert("input_dtypes", typesOf(e.inTypes));
-    d.insert("output_sizes", sizesOf(e.outSizes));
-    d.insert("output_dtypes", typesOf(e.outTypes));
+    d.insert("input_sizes", sizesOf(e.in));
+    d.insert("input_dtypes", typesOf(e.in));
+    d.insert("output_sizes", sizesOf(e.out));
+    d.insert("output_dtypes", typesOf(e.out));
     d.insert("state", e.state == State::kCompleted ? "completed" : e.state == State::kStarted ? "started" : "scheduled");
     d.insert("time_discovered_started_ns", optionalNs(e.startedAt));
     d.insert("time_discovered_completed_ns", optionalNs(e.completedAt));
@@ -236,10 +272,10 @@ void FlightRecorder::dumpOnError(int pgId, int rank) noexcept {
     int64_t global = rank;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      Group& g = groups_[pgId];
-      if (g.dumped) return;
-      g.dumped = true;
-      if (rank < static_cast<int>(g.globalRanks.size())) global = g.globalRanks[rank];
+      Group* g = group(pgId);
+      if (g == nullptr || g->dumped) return;  // null: destroyed, and its ops gone from the ring
+      g->dumped = true;
+      if (rank < static_cast<int>(g->globalRanks.size())) global = g->globalRanks[rank];
     }
     const std::string path = prefix + std::to_string(global);
     const std::string bytes = dump();

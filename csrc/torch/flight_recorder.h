@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -37,8 +38,11 @@ class FlightRecorder {
   bool enabled() const { return capacity_ > 0; }
 
   // A new group; `globalRanks` maps its ranks to the world's (empty: they are the same).
-  // Returns its id in the dumps (pg_id).
+  // Returns its id in the dumps (pg_id), -1 when recording is off.
   int addGroup(std::vector<int64_t> globalRanks);
+  // The group is destroyed: its record goes once the ring holds none of its ops (the dumps then
+  // leave it out), so a job that makes and destroys groups without end does not grow the recorder.
+  void removeGroup(int pgId);
 
   // An op issued on group `pgId` (whose torch name and description `backend` knows by then);
   // `peer` for a send or recv. Returns the entry's id, or -1 when recording is off.
@@ -70,6 +74,19 @@ class FlightRecorder {
     // Dumped for a failure since the group's last completed op: the ops queued behind a failure
     // fail with it, and the first dump already shows where the ranks stood.
     bool dumped = false;
+    size_t inRing = 0;       // entries of the ring that are its ops
+    bool destroyed = false;  // removeGroup(): erased once inRing is 0
+  };
+  // A list of tensors' sizes and dtypes, flat as torch's recorder keeps them: a few allocations
+  // per entry whatever the tensor count (a vector per tensor cost an entry of a 1000-tensor
+  // coalesced op 112 KB, and the ring's slots kept that after smaller ops took them).
+  struct Shapes {
+    struct Tensor {
+      uint32_t dims;  // how many of `sizes` are its (torch sets no limit below that)
+      at::ScalarType type;
+    };
+    std::vector<int64_t> sizes;  // every tensor's, one tensor after another
+    std::vector<Tensor> tensors;
   };
   struct Entry {
     int64_t id = -1;
@@ -83,19 +100,25 @@ class FlightRecorder {
     bool retired = false;
     int64_t created = 0, timeoutMs = 0;
     std::optional<int64_t> startedAt, completedAt;
-    std::vector<std::vector<int64_t>> inSizes, outSizes;
-    std::vector<at::ScalarType> inTypes, outTypes;
+    Shapes in, out;
     size_t thread = 0;  // std::hash of the issuing thread's id
   };
 
   FlightRecorder();
   Entry* find(int64_t id);  // under mutex_; null once overwritten
+  Group* group(int pgId);   // under mutex_; null once erased
+  static void setShapes(const std::vector<at::Tensor>& tensors, Shapes& s);
+  static c10::IValue sizesOf(const Shapes& s);  // as the dump has them: a list per tensor
+  static c10::IValue typesOf(const Shapes& s);
+  // Under mutex_: the ring no longer holds one of group `pgId`'s entries.
+  void leftRing(int pgId);
 
   size_t capacity_ = 0;
   std::mutex mutex_;
   std::vector<Entry> entries_;  // a ring: entry id lives at id % capacity_ (grown up to it as ops come)
   int64_t nextId_ = 0;
-  std::vector<Group> groups_;
+  std::map<int, Group> groups_;  // by pg_id, which counts every group of the process
+  int nextPgId_ = 0;
 };
 
 }  // namespace smddp::torchext
