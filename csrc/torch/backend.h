@@ -143,7 +143,10 @@ class SmddpBackend : public c10d::Backend {
   // This rank as messages name it (rankName()), with the group's name and description as torch
   // has set them by now (it sets them after the constructor, name first). The reference lasts
   // as long as the group; the shared form, for a Work or a queued body, as long as they need it.
-  const std::string& who() const { return *whoShared(); }
+  // Once settled, who() is one load: an op's checks call it several times.
+  const std::string& who() const {
+    return whoSettled_.load(std::memory_order_acquire) ? *who_ : *whoShared();
+  }
   std::shared_ptr<const std::string> whoShared() const;
 
   // ---- CUDA tensors (backend_cuda.cc): staged through pinned host memory ----
