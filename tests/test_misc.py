@@ -641,6 +641,37 @@ def test_subgroup_errors_name_the_group(pools):
 
 
 # ---------------------------------------------------------------------------
+def size_mismatch_names_what_each_runs_task(rank, world):
+    """Host-mates whose ops differ only in size fail with each side's op as its signature says it:
+    a reduce op where the op reduces, a root where it has one, nothing else ("allgather (float32,
+    sum, root -1)" until 2026-12-01)."""
+    rep = Report(rank)
+    cases = [("allreduce #1 (float32, sum)", lambda g, n: dist.all_reduce(torch.ones(n), group=g)),
+             ("allgather #1 (float32)",
+              lambda g, n: dist.all_gather_into_tensor(torch.empty(2 * n), torch.ones(n), group=g)),
+             ("broadcast #1 (float32, root 1)", lambda g, n: dist.broadcast(torch.ones(n), 1, group=g))]
+    mine, theirs = (4, 8) if rank == 0 else (8, 4)
+    for described, op in cases:
+        group = dist.new_group()  # a mismatch breaks its group
+        with rep.cell(described):
+            try:
+                op(group, mine)
+                rep.expect(False, "ops of different sizes completed")
+            except ValueError as e:  # a caller's mistake, as torch's own argument errors
+                want = (f"this rank runs {described}, expecting {mine} elements from rank {1 - rank}, but rank "
+                        f"{1 - rank} runs {described} with {theirs} elements")
+                rep.expect(want in str(e), f"wanted '{want}' in: {e}")
+        dist.destroy_process_group(group)
+    rep.group_still_works("default group after the mismatches", world, rank)
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="smddp's messages")
+def test_size_mismatch_names_what_each_runs(pools):
+    pools.check(2, size_mismatch_names_what_each_runs_task)
+
+
+# ---------------------------------------------------------------------------
 def work_result_and_duration_task(rank, world):
     """Work.get_future_result() completes with torch's WorkResult as the op does (SUCCESS 0,
     TIMEOUT 1, COMM_ERROR 2), asked before or after; Work._get_duration() gives the op's time

@@ -88,16 +88,14 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
         d.redop == static_cast<uint32_t>(e.redop) && d.root == e.root && d.count == countOf(p)) {
       continue;
     }
+    // Described as the signatures describe themselves: an op's reduce op and root only where it has them.
     throwError(ErrorCode::kInvalidUsage,
-               "collectives do not match across ranks: this rank runs %s #%llu (%s, %s, root %d, expecting %llu "
-               "elements from rank %d) but rank %d runs %s #%llu (%s, %s, root %d, %llu elements). Every rank must "
-               "issue the same collectives in the same order with matching sizes and dtypes",
-               opKindName(e.kind), static_cast<unsigned long long>(ctx.seq), dataTypeName(e.dtype),
-               reduceOpName(e.redop), e.root, static_cast<unsigned long long>(countOf(p)), who, who,
-               opKindName(static_cast<OpKind>(d.kind)), static_cast<unsigned long long>(d.seq),
-               d.dtype < kNumDataTypes ? dataTypeName(static_cast<DataType>(d.dtype)) : "?",
-               d.redop < kNumReduceOps ? reduceOpName(static_cast<ReduceOp>(d.redop)) : "?", d.root,
-               static_cast<unsigned long long>(d.count));
+               "collectives do not match across ranks: this rank runs %s, expecting %llu elements from rank %d, but "
+               "rank %d runs %s with %llu elements. Every rank must issue the same collectives in the same order "
+               "with matching sizes and dtypes",
+               OpSignature::unpack(ctx.signature).describe(ctx.seq).c_str(),
+               static_cast<unsigned long long>(countOf(p)), who, who,
+               OpSignature::unpack(d.signature).describe(d.seq).c_str(), static_cast<unsigned long long>(d.count));
   }
   for (int p = 0; p < ctx.size; ++p) {
     if (p == ctx.rank || ctx.domain->descriptor(p, phase).layout == layout) continue;
