@@ -116,9 +116,8 @@ FlightRecorder::Group* FlightRecorder::group(int pgId) {
   return it == groups_.end() ? nullptr : &it->second;
 }
 
-void FlightRecorder::leftRing(int pgId) {
-  Group* g = group(pgId);
-  if (g != nullptr && --g->inRing == 0 && g->destroyed) groups_.erase(pgId);
+void FlightRecorder::leftRing(const Entry& e) {
+  if (--e.group->inRing == 0 && e.group->destroyed) groups_.erase(e.pgId);
 }
 
 int64_t FlightRecorder::record(int pgId, const c10d::Backend& backend, bool p2p, const char* profilingName,
@@ -129,7 +128,7 @@ int64_t FlightRecorder::record(int pgId, const c10d::Backend& backend, bool p2p,
   const int64_t id = nextId_++;
   if (entries_.size() < capacity_) entries_.emplace_back();  // ids come in order: this is id's place
   Entry& e = entries_[static_cast<size_t>(id) % capacity_];
-  if (e.id >= 0) leftRing(e.pgId);  // the entry it takes
+  if (e.id >= 0) leftRing(e);  // the entry it takes
   Group& g = *group(pgId);  // a group that records ops is not destroyed yet
   if (g.name.empty()) {  // torch names a group after creating its backend
     g.name = backend.getGroupUid();
@@ -138,6 +137,7 @@ int64_t FlightRecorder::record(int pgId, const c10d::Backend& backend, bool p2p,
   ++g.inRing;
   e.id = id;
   e.pgId = pgId;
+  e.group = &g;
   e.p2p = p2p;
   e.rank = backend.getRank();
   e.peer = peer;
@@ -172,7 +172,7 @@ void FlightRecorder::started(int64_t id) {
   e->state = State::kStarted;
   e->startedAt = nowNs();
   if (!e->p2p) {
-    Group& g = *group(e->pgId);  // held while the ring holds its entry
+    Group& g = *e->group;
     g.lastStarted = std::max(g.lastStarted, e->collectiveSeq);
   }
 }
@@ -184,7 +184,7 @@ int64_t FlightRecorder::finished(int64_t id, bool ok) {
   if (!e) return ok ? kOverwritten : kNotTimed;
   e->retired = true;
   if (!ok) return kNotTimed;
-  Group& g = *group(e->pgId);  // held while the ring holds its entry
+  Group& g = *e->group;
   g.dumped = false;
   const int64_t now = nowNs();  // one clock read per op here, under the recorder's lock
   if (!e->startedAt) e->startedAt = now;
@@ -234,7 +234,7 @@ std::string FlightRecorder::dump() {
   const int64_t first = nextId_ > static_cast<int64_t>(capacity_) ? nextId_ - static_cast<int64_t>(capacity_) : 0;
   for (int64_t id = first; id < nextId_; ++id) {
     const Entry& e = entries_[static_cast<size_t>(id) % capacity_];
-    const Group& g = *group(e.pgId);  // held while the ring holds its entry
+    const Group& g = *e.group;
     c10::impl::GenericDict d = newDict();
     d.insert("frames", c10::impl::GenericList(c10::AnyType::get()));  // no Python stacks are captured
     d.insert("record_id", e.id);

@@ -91,6 +91,7 @@ class FlightRecorder {
   struct Entry {
     int64_t id = -1;
     int pgId = 0;
+    Group* group = nullptr;  // groups_'s node for pgId: kept while the ring holds the entry
     int64_t collectiveSeq = 0, p2pSeq = 0, opId = 0;
     const char* name = "";
     bool p2p = false;
@@ -111,7 +112,7 @@ class FlightRecorder {
   static c10::IValue sizesOf(const Shapes& s);  // as the dump has them: a list per tensor
   static c10::IValue typesOf(const Shapes& s);
   // Under mutex_: the ring no longer holds one of group `pgId`'s entries.
-  void leftRing(int pgId);
+  void leftRing(const Entry& e);
 
   size_t capacity_ = 0;
   std::mutex mutex_;
