@@ -272,7 +272,8 @@ def trainer_loss_task(rank, world, family, comm, balance):
     step, by which transformers then divides the summed token losses instead of this batch's
     count: the Trainer passes it to models whose forward takes **kwargs and then skips its own
     division by the accumulation steps); and return_dict=False, where transformers returns a
-    tuple with the loss first. The CP group's mean must be the unsplit model's loss in every
+    tuple with the loss first; a batch without a labelled token gives NaN, as transformers' mean
+    of no tokens does. The CP group's mean must be the unsplit model's loss in every
     case (float64 here; transformers' own loss is float32, compared with float32 tolerance)."""
     rep = Report(rank)
     tag = f"{family} {comm}{' load-balanced' if balance else ''} Trainer-style loss"
@@ -301,6 +302,11 @@ def trainer_loss_task(rank, world, family, comm, balance):
             hf = ref(tokens, labels=labels, **kw).loss.detach()  # transformers' own (float32)
             _close(rep, f"{tag}: num_items_in_batch={items}: against transformers' loss", got, hf.to(got.dtype),
                    rtol=1e-6, atol=1e-6)
+    with rep.cell(f"{tag}: no labelled token"):
+        ignored = torch.full_like(labels, -100)
+        hf = ref(tokens, labels=ignored).loss
+        got = model(tokens, labels=ignored).loss
+        rep.expect(torch.isnan(hf) and torch.isnan(got), f"{tag}: no labelled token: loss {got}, transformers' {hf}")
     with rep.cell(f"{tag}: return_dict=False"):
         got = model(tokens, labels=labels, return_dict=False)
         # CP runs without a key/value cache: the reference neither (its tuple would hold the cache).

@@ -228,12 +228,12 @@ def _split_forward(model, degree, rank):
             logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
             summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, mine].reshape(-1),
                                      ignore_index=-100, reduction="sum")
+            # A batch without a labelled token gives NaN (0 / 0), as transformers' mean does.
             if num_items_in_batch is None:
-                loss = summed / (max(int((targets != -100).sum()), 1) / degree)
-            else:
-                if torch.is_tensor(num_items_in_batch):
-                    num_items_in_batch = num_items_in_batch.to(summed.device)
-                loss = summed * degree / num_items_in_batch
+                num_items_in_batch = (targets != -100).sum().to(summed.dtype)  # on the device: no sync
+            elif torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(summed.device)
+            loss = summed * degree / num_items_in_batch
             if balance:
                 loss = loss + model.router_aux_loss_coef * out.aux_loss
             # A new output rather than out.loss = ...: a field that was None is not among a
