@@ -482,6 +482,64 @@ def test_pending_op_released_by_destroy_abort_shutdown(how, op, hosts):
 
 
 
+PEER_ENDS = r"""
+import sys, time, torch, torch.distributed as dist
+import smddp
+rank, world, url, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world)
+store = dist.distributed_c10d._get_default_store()
+dist.all_reduce(torch.ones(1))
+print("ready", flush=True)
+n = 16 << 20  # 64 MiB: more than the outboxes and the receiver's unexpected-message room hold
+if rank == 0:
+    small = dist.isend(torch.arange(256, dtype=torch.float32), 1, tag=1)
+    big = dist.isend(torch.ones(n), 1, tag=2)
+    time.sleep(0.5)  # as much as rank 1 takes before it posts its receives
+    if how == "destroy":
+        dist.destroy_process_group()
+    else:
+        dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).abort()
+    store.set("peer_ends/ended", "1")
+    time.sleep(30)  # alive: only its group ended
+else:
+    store.wait(["peer_ends/ended"])
+    small = torch.zeros(256)
+    try:
+        dist.recv(small, 0, tag=1)  # sent before rank 0 ended its group: still delivered
+        print("small:", "right" if torch.equal(small, torch.arange(256, dtype=torch.float32)) else small, flush=True)
+    except Exception as e:
+        print(f"small raised: {e}", flush=True)
+    t0 = time.monotonic()
+    try:
+        dist.recv(torch.zeros(n), 0, tag=2)
+        print("big completed", flush=True)
+    except Exception as e:
+        print(f"big raised after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["destroy", "abort"])
+def test_host_mate_ending_its_group_fails_receives_from_it(how):
+    """On one host, rank 0 ends its group (destroy_process_group or abort) while a 64 MiB message
+    to rank 1 is under way, and stays alive: rank 1's receive of it fails at once, saying so and
+    how much had arrived (it waited out the group's timeout, 30 min by default, and then said no
+    send was posted); a small message rank 0 sent before is still delivered."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = Job(PEER_ENDS, 2, [how], SMDDP_P2P_SINGLE_COPY_BYTES="0")  # through the outboxes, chunk by chunk
+    procs.wait_ready()
+    out = procs.finish(40, ranks=[1])[0]
+    procs.kill(0)
+    assert "small: right" in out, out[-3000:]
+    m = re.search(r"big raised after ([0-9.]+)s: (\w+): (.*)", out)
+    assert m, out[-3000:]
+    assert m.group(2) == "DistBackendError" and float(m.group(1)) < 5, out[-3000:]
+    assert re.search(r"recv from rank 0 \(tag 2, 67108864 bytes\): rank 0 shut down or aborted the process group "
+                     r"after \d+ of the message's 67108864 bytes had arrived", m.group(3)), out[-3000:]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("hosts", ["0011", None], ids=["across-hosts", "one-host"])
 def test_peer_killed_during_send_recv(hosts):

@@ -83,6 +83,7 @@ P2pEngine::~P2pEngine() { shutdown(); }
 
 void P2pEngine::abort() {
   aborted_.store(true);
+  domain_->markP2pClosed();  // host-mates' receives from this rank fail now, not at their timeout
   domain_->ringDoorbell(rank_);  // wakes a driver, or the thread asleep with ops pending
   std::lock_guard<std::mutex> lock(mutex_);
   kicked_ = true;
@@ -423,8 +424,13 @@ void P2pEngine::checkDeadlinesAndPeers() {
   auto expire = [&](std::deque<P2pOp>& q, int peer) {
     if (q.empty()) return;
     const bool dead = peer >= 0 && !domain_->peerAlive(peer);
+    // The peer's group shut down or aborted: a receive fails once it has taken every chunk the
+    // peer published before (closed is ordered after them), a send at once.
+    const bool closed = !dead && peer >= 0 && domain_->p2pClosed(peer) &&
+                        (q.front().isSend || domain_->sentTo(peer, rank_).load(std::memory_order_acquire) <=
+                                                 domain_->consumedFrom(rank_, peer).load(std::memory_order_acquire));
     const auto late = [&](const P2pOp& op) { return now >= op.deadline; };
-    const auto it = dead ? q.begin() : std::find_if(q.begin(), q.end(), late);
+    const auto it = dead || closed ? q.begin() : std::find_if(q.begin(), q.end(), late);
     if (it == q.end()) return;
     // Failing any send fails the front one too (breakPair). If that one's receiver has claimed its
     // buffer, it is being read, which ends soon: the send completes then instead.
@@ -433,16 +439,28 @@ void P2pEngine::checkDeadlinesAndPeers() {
     q.erase(it);
     const std::string who = peer >= 0 ? std::to_string(domain_->groupRank(peer)) : "";
     const std::string what = describeOp(op, peer >= 0 ? domain_->groupRank(peer) : -1);
-    std::string why = what + (dead ? ": rank " + who + " exited" : " timed out: ");
-    if (!dead && op.isSend) why += "no matching recv was posted";
-    if (!dead && !op.isSend) {
-      why += peer >= 0 ? recvTimeoutReason(unexpected_[peer], domain_->groupRank(peer)) : "no matching send was posted";
+    // Part of a message in: its send was posted, and stopped (its sender exited, gave up, stalls).
+    const std::string partly =
+        !op.isSend && op.offset > 0 ? formatString(" after %zu of the message's %zu bytes had arrived", op.offset, op.bytes)
+                                    : "";
+    std::string why = what;
+    if (dead) {
+      why += ": rank " + who + " exited" + partly;
+    } else if (closed) {
+      why += ": rank " + who + " shut down or aborted the process group" + partly;
+    } else if (op.isSend) {
+      why += " timed out: no matching recv was posted";
+    } else if (!partly.empty()) {
+      why += " timed out: the message stopped arriving" + partly;
+    } else {
+      why += " timed out: " + (peer >= 0 ? recvTimeoutReason(unexpected_[peer], domain_->groupRank(peer))
+                                         : std::string("no matching send was posted"));
     }
     for (int s = 0; !dead && peer < 0 && s < size_; ++s) {  // a receive from any source: every sender's
       why += unexpectedSummary(unexpected_[s], domain_->groupRank(s));
     }
-    if (!dead && peer >= 0) why += board_.where(domain_->groupRank(peer));
-    complete(std::move(op), errorOf(dead ? ErrorCode::kRemoteError : ErrorCode::kTimeout, why), peer);
+    if (!dead && !closed && peer >= 0) why += board_.where(domain_->groupRank(peer));
+    complete(std::move(op), errorOf(dead || closed ? ErrorCode::kRemoteError : ErrorCode::kTimeout, why), peer);
     // Part of a message may have moved: the stream can no longer be trusted.
     if (peer >= 0) breakPair(peer, "an earlier point-to-point failure with rank " + who + ": " + why);
   };

@@ -62,6 +62,9 @@ struct Domain::Control {
   // fail at once with its reason instead of waiting out the timeout.
   alignas(64) std::atomic<uint32_t> failed;
   char failure[1024];  // room for a reason relayed from another host (a farewell, nested)
+  // Set when the owner's point-to-point engine stopped, so that a peer's receive from it fails
+  // once it has taken what the owner sent, instead of waiting out its timeout.
+  alignas(64) std::atomic<uint32_t> p2pClosed;
   // Single-copy reads: a random token, where the owner keeps a copy of it in its own memory;
   // whether the owner could read every peer's copy (0: not checked yet, 1: yes, 2: no, 3: not
   // tried), and whether it also takes point-to-point messages by address (the same, and
@@ -344,6 +347,16 @@ bool Domain::peerAlive(int rank) const {
   const char* close = strrchr(buf, ')');  // the state follows the command name, which may hold spaces
   return !(close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X'));
 }
+
+void Domain::markP2pClosed() {
+  if (segments_.empty()) return;
+  control(rank_)->p2pClosed.store(1, std::memory_order_seq_cst);
+  for (int p = 0; p < size_; ++p) {
+    if (p != rank_) ringDoorbell(p);
+  }
+}
+
+bool Domain::p2pClosed(int rank) const { return control(rank)->p2pClosed.load(std::memory_order_seq_cst) != 0; }
 
 void Domain::markFailed(const std::string& why) {
   if (segments_.empty()) return;

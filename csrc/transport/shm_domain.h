@@ -128,6 +128,11 @@ class Domain {
   // Sleeps until this rank's doorbell differs from `seen` (or `max` passes).
   void sleepOnDoorbell(uint32_t seen, std::chrono::nanoseconds max);
   bool peerAlive(int rank) const;
+  // This rank's point-to-point engine stopped (the group shut down or aborted): nothing more
+  // comes from it, and it takes nothing more. Ordered after every message it published (a full
+  // fence), and rings every peer's doorbell.
+  void markP2pClosed();
+  bool p2pClosed(int rank) const;
 
   // ---- single-copy reads between processes (process_vm_readv) ----
   // Whether `rank` found, when the domain was made, that it may read every other rank's memory
