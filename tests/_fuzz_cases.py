@@ -10,7 +10,9 @@ MIN/MAX (NaN propagates), ops that only move data, and sums and products of smal
 accumulating in float32 (float64 for float64) costs, and across hosts by one more rounding of each
 host's partial for the 16-bit floats and float8 (AVG and PREMUL_SUM scale it first): a bound of a
 few ulps of the inputs' magnitudes, so that a wrong element, a wrong scale or a lost contribution
-still fails. Results that every rank of a group holds must also be the same on every rank, bit for
+still fails; where that bound reaches the value from which the type rounds to infinity, the
+largest finite value and infinity (of the exact value's sign) are both right, since a host's
+rounded partial may land either side of it. Results that every rank of a group holds must also be the same on every rank, bit for
 bit. Outputs placed at an offset or with a stride have sentinels around them that must survive.
 
 Refused combinations (bitwise ops on floats, AVG and PREMUL_SUM on bool, PREMUL_SUM on integers,
@@ -38,6 +40,9 @@ EPS = {torch.float32: 2.0 ** -23, torch.float64: 2.0 ** -52, torch.float16: 2.0 
 # The spacing of the smallest subnormals: what a result near zero may lose to its last rounding.
 TINY = {torch.float16: 2.0 ** -24, torch.bfloat16: 2.0 ** -133, torch.float8_e4m3fn: 2.0 ** -9,
         torch.float8_e5m2: 2.0 ** -16}
+# Where rounding to the type gives infinity: its largest value plus half its last ulp there.
+OVERFLOW_AT = {torch.float16: 65520.0, torch.bfloat16: 3.3895313892515355e38 + 2.0 ** 119,
+               torch.float8_e5m2: 61440.0}
 PREMUL_FACTORS = [0.5, 0.25, 3.0, 0.3, -1.5]
 DATA_KINDS = ["small", "small", "random", "special", "big"]
 SENTINEL = 7
@@ -193,8 +198,13 @@ def mismatch(got, want, dtype, bound=None, shown=4):
             g_nan, w_nan = np.isnan(g), np.isnan(w_shown)
             ok = (g == w_shown) | (g_nan & w_nan)
             if bound is not None:
+                slack = bound + 2 * EPS[dtype] * np.abs(w_shown)
                 finite = np.isfinite(g) & np.isfinite(w_shown)
-                ok |= finite & (np.abs(g - w_shown) <= bound + 2 * EPS[dtype] * np.abs(w_shown))
+                ok |= finite & (np.abs(g - w_shown) <= slack)
+                if dtype in OVERFLOW_AT:  # the exact value within the bound of overflowing
+                    largest = float(torch.finfo(dtype).max)
+                    edge = np.isfinite(w) & (np.abs(w) + np.where(np.isfinite(slack), slack, 0) >= OVERFLOW_AT[dtype])
+                    ok |= edge & (np.sign(g) == np.sign(w)) & ((np.abs(g) == largest) | np.isinf(g))
             bad = ~ok | (g_nan != w_nan)
     nbad = int(bad.sum())
     if nbad == 0:
