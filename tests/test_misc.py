@@ -200,6 +200,53 @@ def test_callbacks_issue_ops(pools, world):
     pools.check(world, callbacks_issue_ops_task)
 
 
+# ---------------------------------------------------------------------------
+def callbacks_waiting_in_a_cycle_task(rank, world):
+    """Two groups, each with an async all_reduce whose callback runs a blocking all_reduce on the
+    other group: each callback's op is queued behind the other group's callback, and a group runs
+    its ops and callbacks one at a time, so neither returns (gloo, with two threads per group,
+    runs both). On every rank one of the blocking calls raises once a callback has held its
+    group's thread for longer than the op's timeout (until 2026-12-01 both waited forever: an
+    op's timeout counts from its start); its callback returns, the other group's queued op runs,
+    and the other call completes or fails at its own timeout, the ranks having broken the cycle
+    at different moments. No call waits for ever; the default group stays usable."""
+    rep = Report(rank)
+    g1, g2 = (dist.new_group(timeout=timedelta(seconds=2)) for _ in range(2))
+    a, b, c, d = (torch.full((8,), float(v)) for v in (1, 2, 3, 4))
+    raised = {}
+
+    def waits_on(other, t, name):
+        def then(fut):
+            try:
+                dist.all_reduce(t, group=other)
+            except dist.DistBackendError as e:
+                raised[name] = str(e)
+            return fut.value()[0]
+        return then
+
+    t0 = time.monotonic()
+    fa = dist.all_reduce(a, group=g1, async_op=True).get_future().then(waits_on(g2, c, "c"))
+    fb = dist.all_reduce(b, group=g2, async_op=True).get_future().then(waits_on(g1, d, "d"))
+    fa.wait()
+    fb.wait()
+    elapsed = time.monotonic() - t0
+    with rep.cell("the cycle ends in an error"):
+        rep.expect(2 <= elapsed < 30, f"the callbacks returned after {elapsed:.1f} s (timeout 2 s)")
+        held = [n for n, e in raised.items() if re.search(
+            r"all_reduce: the op has not started: it is queued behind a future's callback that has run on the "
+            r"group's thread for \d+ ms, longer than the op's timeout \(2000 ms\)", e)]
+        rep.expect(len(held) >= 1, f"no call named the callback that held it: {raised}")
+    for g in (g1, g2):
+        dist.destroy_process_group(g)
+    rep.group_still_works("default group after the cycle", world, rank)
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="gloo runs both callbacks, on its two threads per group")
+def test_callbacks_waiting_in_a_cycle_raise(pools):
+    pools.check(2, callbacks_waiting_in_a_cycle_task)
+
+
 def callbacks_chained_late_task(rank, world):
     """Callbacks chained to an op's future after later ops were issued, on ranks at different
     paces: on the last rank the op has completed when its callback is chained (the callback runs

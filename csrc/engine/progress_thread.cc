@@ -35,6 +35,17 @@ ProgressThread::~ProgressThread() { stop(); }
 
 bool ProgressThread::runningHere() const { return tlsRunning == this; }
 
+ProgressThread::InCallbacks::InCallbacks(ProgressThread& thread)
+    : thread_(thread), outer_(thread.callbacksSince_.load(std::memory_order_relaxed)) {
+  if (outer_ == 0) {
+    const auto now = std::chrono::steady_clock::now().time_since_epoch();
+    thread_.callbacksSince_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count(),
+                                  std::memory_order_release);
+  }
+}
+
+ProgressThread::InCallbacks::~InCallbacks() { thread_.callbacksSince_.store(outer_, std::memory_order_release); }
+
 void ProgressThread::runAsOwn(const Task& task) {
   const ProgressThread* outer = tlsRunning;
   tlsRunning = this;

@@ -63,6 +63,21 @@ class ProgressThread {
   // Whether the calling thread is running a task of this thread (then a wait must run the
   // queued ops it waits for itself: runQueuedUntil).
   bool runningHere() const;
+  // While one lives, the task running on this thread runs a future's callbacks (user code, not
+  // bounded by any timeout, which may hold every task queued behind it: callbacksSince()).
+  class InCallbacks {
+   public:
+    explicit InCallbacks(ProgressThread& thread);
+    ~InCallbacks();
+    InCallbacks(const InCallbacks&) = delete;
+    InCallbacks& operator=(const InCallbacks&) = delete;
+
+   private:
+    ProgressThread& thread_;
+    int64_t outer_;
+  };
+  // Since when (steady clock, ns) the running task has been in callbacks; 0: it is not.
+  int64_t callbacksSince() const { return callbacksSince_.load(std::memory_order_acquire); }
   // Stops after the queued tasks have run. Idempotent.
   void stop();
 
@@ -78,6 +93,7 @@ class ProgressThread {
   bool runFrontNested(const std::function<bool(uint64_t)>& take);
   // A task issued nested: the queued ones the calling thread's IssueOrder puts first, then it.
   void runNested(const Task& task);
+  std::atomic<int64_t> callbacksSince_{0};
   // After tasks run on a caller's thread: clears busy_ and wakes the thread if it has work or
   // stop() waits for it.
   void releaseToThread();

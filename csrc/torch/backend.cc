@@ -389,7 +389,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
     }
     work->complete(error);
   };
-  work->setRunner(progress_);
+  work->setRunner(progress_, timeout);
   // A blocking call (async_op=False) is waited at once: when the group is idle, running it here
   // saves two thread hand-offs, which dominate small-message latency.
   if (!async && progress_->tryRunInline(task)) return work;

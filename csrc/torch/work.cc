@@ -2,6 +2,8 @@
 
 #include <c10/core/StreamGuard.h>
 
+#include <algorithm>
+
 #include "core/env.h"
 #include "core/spin.h"
 #include "torch/errors.h"
@@ -44,6 +46,7 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
       ((timeout == kNoTimeout && env::waitRunsOp() != 0) || runner_->runningHere())) {
     runner_->runQueuedUntil([this] { return isCompleted(); });
   }
+  if (runner_ && timeout == kNoTimeout && !started_.load(std::memory_order_acquire)) waitForStart();
   spinUntil(spin_, [this] { return finished_.load(std::memory_order_acquire); });
   try {
     return c10d::Work::wait(timeout);  // then synchronize()
@@ -74,7 +77,32 @@ void SmddpWork::blockCurrentStream() {
   }
 }
 
-void SmddpWork::traceStarted() { FlightRecorder::get().started(traceId_); }
+void SmddpWork::traceStarted() {
+  started_.store(true, std::memory_order_release);
+  FlightRecorder::get().started(traceId_);
+}
+
+void SmddpWork::waitForStart() {
+  using std::chrono::milliseconds;
+  const milliseconds slice = std::clamp(timeout_ / 10, milliseconds(10), milliseconds(1000));
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!completed_ && !started_.load(std::memory_order_acquire)) {
+    const int64_t since = runner_->callbacksSince();
+    const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now().time_since_epoch()).count();
+    const int64_t heldMs = since == 0 ? 0 : (now - since) / 1000000;
+    if (heldMs > timeout_.count()) {
+      const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
+      throw c10::DistBackendError(
+          loc, rankPrefix(*who_) + title_ + ": the op has not started: it is queued behind a future's callback that " +
+                   "has run on the group's thread for " + std::to_string(heldMs) + " ms, longer than the op's " +
+                   "timeout (" + std::to_string(timeout_.count()) + " ms). A group runs its ops and their " +
+                   "callbacks one at a time, so a callback that waits for an op of another group whose own " +
+                   "callback waits for an op of this group never returns; the op stays queued until it does");
+    }
+    cv_.wait_for(lock, slice);  // completion notifies; a start or a callback's end is seen at the next slice
+  }
+}
 
 void SmddpWork::noteCallbacksAfter() {
   if (runner_) callbacksAfter_.store(runner_->issued(), std::memory_order_release);
@@ -86,6 +114,9 @@ c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFuture() {
 }
 
 void SmddpWork::complete(std::exception_ptr error) {
+  // The future's callbacks run below, on the thread that holds the group (waitForStart()).
+  std::optional<engine::ProgressThread::InCallbacks> inCallbacks;
+  if (runner_ && runner_->runningHere()) inCallbacks.emplace(*runner_);
   // The ops the future's callbacks issue here go after those issued before getFuture().
   std::optional<engine::ProgressThread::IssueOrder> order;
   if (runner_) order.emplace(runner_.get(), callbacksAfter_.load(std::memory_order_acquire));

@@ -38,7 +38,12 @@ class SmddpWork : public c10d::Work {
   // (ProgressThread::runQueuedUntil; SMDDP_WAIT_RUNS_OP, or always from inside a task of that
   // thread), and ops that the future's callbacks issue keep their place in issue order
   // (getFuture()).
-  void setRunner(std::shared_ptr<engine::ProgressThread> thread) { runner_ = std::move(thread); }
+  // `timeout`: the op's, after which a wait() for it gives up if it has not started because a
+  // future's callback holds the thread (waitForStart()).
+  void setRunner(std::shared_ptr<engine::ProgressThread> thread, std::chrono::milliseconds timeout) {
+    runner_ = std::move(thread);
+    timeout_ = timeout;
+  }
   // The issuing rank as messages name it (rankName()).
   const std::string& who() const { return *who_; }
 
@@ -109,6 +114,13 @@ class SmddpWork : public c10d::Work {
   bool resultMarked_ = false;
   std::shared_ptr<engine::P2pDriver> p2pDriver_;
   std::shared_ptr<engine::ProgressThread> runner_;
+  std::chrono::milliseconds timeout_{0};
+  std::atomic<bool> started_{false};  // traceStarted()
+  // A wait without a limit for an op not started yet: an op's timeout counts from its start, and
+  // the task ahead of it may be a future's callback that never returns (two groups' callbacks
+  // each waiting for an op queued behind the other's). Raises once one has held the thread for
+  // longer than the op's timeout; returns once the op has started or completed.
+  void waitForStart();
   std::atomic<uint64_t> callbacksAfter_{0};  // runner_'s issued() at the last getFuture*()
   void noteCallbacksAfter();  // a future is handed out: its callbacks' ops go after what is issued
   int pgId_ = 0;
