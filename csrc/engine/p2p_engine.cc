@@ -440,9 +440,10 @@ void P2pEngine::checkDeadlinesAndPeers() {
     const std::string who = peer >= 0 ? std::to_string(domain_->groupRank(peer)) : "";
     const std::string what = describeOp(op, peer >= 0 ? domain_->groupRank(peer) : -1);
     // Part of a message in: its send was posted, and stopped (its sender exited, gave up, stalls).
-    const std::string partly =
-        !op.isSend && op.offset > 0 ? formatString(" after %zu of the message's %zu bytes had arrived", op.offset, op.bytes)
-                                    : "";
+    std::string partly;
+    if (!op.isSend && op.offset > 0) {
+      partly = formatString(" after %zu of the message's %zu bytes had arrived", op.offset, op.bytes);
+    }
     std::string why = what;
     if (dead) {
       why += ": rank " + who + " exited" + partly;
