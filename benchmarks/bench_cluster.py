@@ -28,7 +28,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import netcluster  # noqa: E402
 
-OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv", "pingpong")  # cluster_worker.make
+OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "gather", "scatter", "alltoall", "sendrecv",
+       "pingpong")  # cluster_worker.make
 IMPLS = {
     "mesh": ("smddp", {"SMDDP_NET_ALGO": "mesh"}),
     "naive": ("smddp", {"SMDDP_NET_ALGO": "naive"}),

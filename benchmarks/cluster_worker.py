@@ -72,6 +72,27 @@ def make(op, size, rank, world):
             run()
             return torch.equal(t, torch.full((n,), float(world - 1)))
         return run, verify
+    if op in ("gather", "scatter"):  # `size`: every rank's blocks together, rooted on the last host
+        n = max(1, size // 4 // world)
+        root = world - 1
+        blocks = [torch.full((n,), float(r)) for r in range(world)] if rank == root else None
+        mine = torch.empty(n)
+
+        def run():
+            if op == "gather":
+                dist.gather(torch.full((n,), float(rank)), blocks, dst=root)
+            else:
+                dist.scatter(mine, blocks, src=root)
+
+        def verify():
+            for r, b in enumerate(blocks or []):  # the root's: to be filled (gather) or sent (scatter)
+                b.fill_(-1.0 if op == "gather" else float(r))
+            mine.fill_(-1.0)
+            run()
+            if op == "scatter":
+                return torch.equal(mine, torch.full((n,), float(rank)))
+            return rank != root or all(torch.equal(b, torch.full((n,), float(r))) for r, b in enumerate(blocks))
+        return run, verify
     if op == "alltoall":
         n = max(1, size // 4 // world)  # elements per block; rank r's block for p holds r * world + p
         inp, out = torch.empty(n * world), torch.empty(n * world)

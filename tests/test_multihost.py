@@ -668,6 +668,9 @@ def _collective(kind, rank, world, n=1000):
         dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * world))
     elif kind == "broadcast":
         dist.broadcast(torch.ones(n), src=world - 1)
+    elif kind == "scatter":
+        dist.scatter(torch.empty(n), [torch.ones(n) for _ in range(world)] if rank == world - 1 else None,
+                     src=world - 1)
     else:
         raise AssertionError(kind)
 
@@ -731,7 +734,8 @@ def test_premul_factors_that_differ_are_an_error(pools, topo, odd, op):
     ("0011", 3, "all_gather", "gather"), ("012", 1, "all_gather", "all_reduce"),
     ("012", 1, "reduce_scatter", "all_gather"), ("001", 2, "gather", "reduce_scatter"),
     ("001", 0, "all_reduce", "all_reduce_max"), ("0011", 1, "broadcast", "gather"), ("0011", 3, "broadcast", "gather"),
-    ("0011", 0, "gather", "broadcast"),
+    ("0011", 0, "gather", "broadcast"), ("0011", 0, "scatter", "broadcast"), ("0011", 3, "gather", "scatter"),
+    ("001", 1, "scatter", "all_gather"), ("001", 2, "scatter", "gather"),
 ])
 def test_different_collectives_are_an_error(pools, topo, odd, mine, theirs):
     try:

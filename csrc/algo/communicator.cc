@@ -317,47 +317,14 @@ void Communicator::broadcast(const BroadcastOptions& opts, std::chrono::millisec
 
 void Communicator::allgather(const AllgatherOptions& opts, std::chrono::milliseconds timeout) {
   const OpSignature op{opts.root >= 0 ? OpKind::kGather : OpKind::kAllgather, opts.dtype, ReduceOp::kSum, opts.root};
-  run(op, timeout, [&](OpContext& ctx) {
-    if (!mesh_) {
-      algo::allgather(ctx, opts);
-      return;
-    }
-    // Across hosts a gather is an all-gather whose non-root ranks keep nothing.
-    AllgatherOptions all = opts;
-    all.root = -1;
-    std::vector<std::vector<uint8_t>> discard;
-    if (opts.root >= 0 && opts.root != rank_) {  // a non-root rank of a gather has no outputs
-      all.outputs.assign(size_, nullptr);
-      discard.resize(size_);
-      for (int p = 0; p < size_; ++p) {
-        if (p == rank_) continue;
-        discard[p].resize(opts.counts[p] * elementSize(opts.dtype));
-        all.outputs[p] = discard[p].data();
-      }
-      all.outputs[rank_] = const_cast<void*>(opts.input);
-    }
-    HierContext h = hier(ctx);
-    hierAllgather(h, all);
-  });
+  runEither(op, timeout, [&](OpContext& ctx) { algo::allgather(ctx, opts); },
+            [&](HierContext& hc) { opts.root >= 0 ? hierGather(hc, opts) : hierAllgather(hc, opts); });
 }
 
 void Communicator::scatter(const ScatterOptions& opts, std::chrono::milliseconds timeout) {
-  run({OpKind::kScatter, opts.dtype, ReduceOp::kSum, opts.root}, timeout, [&](OpContext& ctx) {
-    if (!mesh_) {
-      algo::scatter(ctx, opts);
-      return;
-    }
-    // Across hosts: one broadcast per block (scatter is rare: DTensor's distribute at start-up).
-    std::vector<uint8_t> other(opts.count * elementSize(opts.dtype));
-    for (int p = 0; p < size_; ++p) {
-      void* buf = rank_ == opts.root ? const_cast<void*>(opts.inputs[p]) : p == rank_ ? opts.output : other.data();
-      HierContext h = hier(ctx);
-      hierBroadcast(h, BroadcastOptions{opts.dtype, opts.count, buf, opts.root});
-    }
-    if (rank_ == opts.root && opts.output != opts.inputs[rank_] && opts.count > 0) {
-      std::memmove(opts.output, opts.inputs[rank_], opts.count * elementSize(opts.dtype));
-    }
-  });
+  runEither({OpKind::kScatter, opts.dtype, ReduceOp::kSum, opts.root}, timeout,
+            [&](OpContext& ctx) { algo::scatter(ctx, opts); },
+            [&](HierContext& hc) { hierScatter(hc, opts); });
 }
 
 void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::milliseconds timeout) {

@@ -64,6 +64,8 @@ std::vector<int> alltoallPeers(const Topology& topo);
 void hierAllreduce(HierContext& ctx, const AllreduceOptions& opts);  // root >= 0: a reduce
 void hierBroadcast(HierContext& ctx, const BroadcastOptions& opts);
 void hierAllgather(HierContext& ctx, const AllgatherOptions& opts);  // root must be -1
+void hierGather(HierContext& ctx, const AllgatherOptions& opts);     // root >= 0
+void hierScatter(HierContext& ctx, const ScatterOptions& opts);
 void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& opts);
 void hierAlltoall(HierContext& ctx, const AlltoallOptions& opts, const std::vector<int>& remote);  // alltoallPeers()
 void hierBarrier(HierContext& ctx);
