@@ -387,6 +387,57 @@ void checkHalfNanBitsAgree() {
   (bad == 0 ? passed : failed)++;
 }
 
+// Integer AVG divides by a multiplication (InvariantDivisor): compared with the compiler's
+// division for every int8/uint8 value, and for each type's edge values (0, +-1, powers of two and
+// their neighbours, min, max) plus random ones, by divisors from 1 up to 2^31 - 1 (AVG's divisor is
+// the group size, an int).
+void checkIntAvgDivision(Isa isa, std::mt19937_64& rng) {
+  std::vector<int> divisors;
+  for (int d = 1; d <= 300; ++d) divisors.push_back(d);
+  for (int b = 9; b < 31; ++b) {
+    for (int d : {(1 << b) - 1, 1 << b, (1 << b) + 1}) divisors.push_back(d);
+  }
+  divisors.push_back(2147483647);
+  for (int k = 0; k < 40; ++k) divisors.push_back(1 + static_cast<int>(rng() % 2147483647u));
+  for (DataType dt : {DataType::kInt8, DataType::kUInt8, DataType::kInt16, DataType::kUInt16, DataType::kInt32,
+                      DataType::kUInt32, DataType::kInt64, DataType::kUInt64}) {
+    const size_t es = elementSize(dt);
+    const bool isSigned = dt == DataType::kInt8 || dt == DataType::kInt16 || dt == DataType::kInt32 ||
+                          dt == DataType::kInt64;
+    std::vector<uint64_t> values;  // bit patterns, truncated to the element's width below
+    if (es == 1) {
+      for (uint64_t v = 0; v < 256; ++v) values.push_back(v);
+    } else {
+      for (int b = 0; b < 64; ++b) {
+        for (uint64_t v : {uint64_t{1} << b, (uint64_t{1} << b) - 1, (uint64_t{1} << b) + 1}) {
+          values.push_back(v);
+          values.push_back(0 - v);
+        }
+      }
+      for (int k = 0; k < 500; ++k) values.push_back(rng());
+    }
+    std::vector<uint8_t> in(values.size() * es), out(values.size() * es);
+    for (size_t i = 0; i < values.size(); ++i) std::memcpy(in.data() + i * es, &values[i], es);  // little-endian
+    const void* src = in.data();
+    size_t bad = 0;
+    for (int d : divisors) {
+      reduceWithIsa(isa, dt, Reduction{ReduceOp::kAvg, 1.0, d}, out.data(), &src, 1, values.size());
+      for (size_t i = 0; i < values.size(); ++i) {
+        const int64_t x = loadAsInt(dt, in.data(), i);
+        const int64_t want = isSigned || dt != DataType::kUInt64
+                                 ? x / d
+                                 : static_cast<int64_t>(static_cast<uint64_t>(x) / static_cast<uint64_t>(d));
+        const int64_t got = loadAsInt(dt, out.data(), i);
+        if (got != want && bad++ < 3) {
+          printf("FAIL %s %s avg of %lld by %d gave %lld, want %lld\n", isaName(isa), dataTypeName(dt),
+                 static_cast<long long>(x), d, static_cast<long long>(got), static_cast<long long>(want));
+        }
+      }
+    }
+    (bad == 0 ? passed : failed)++;
+  }
+}
+
 // Flush-to-zero and denormals-are-zero set on the calling thread (torch.set_flush_denormal(True)
 // does) must not change a result: a blocking op reduces on the caller's thread, an async one on
 // the progress thread, and ranks would disagree. The thread's mode is back as it was afterwards.
@@ -428,6 +479,7 @@ void checkFlushToZeroIgnored() {
 
 int main() {
   std::mt19937 rng(12345);
+  std::mt19937_64 rng64(12345);
   const size_t counts[] = {0, 1, 5, 63, 64, 65, 1000, 4099};
   for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
     if (!isaSupported(isa)) {
@@ -450,6 +502,7 @@ int main() {
     checkHalfRoundTrip(isa);
     checkFloat8(isa);
     checkHalfRounding(isa);
+    checkIntAvgDivision(isa, rng64);
   }
   checkHalfNanBitsAgree();
   checkFlushToZeroIgnored();
