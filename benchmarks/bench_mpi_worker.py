@@ -15,6 +15,7 @@ MPI pays no torch dispatch:
   ``dist.all_reduce``)
 * allgather:      ``comm.Allgather(inp, out)``
 * reduce_scatter: ``comm.Reduce_scatter_block(inp, out, op)``
+* alltoall:       ``comm.Alltoall(inp, out)``
 
 Correctness: the same rank-dependent input pattern and the same reference as
 the torch workers (a numpy port of ``Patterns`` / ``_reduce_ref``), ``#wrong``
@@ -180,6 +181,9 @@ class MpiWorker:
             i, o = [inp, dt], [out, dt]
             nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
             return lambda: comm.Sendrecv(i, dest=nxt, recvbuf=o, source=prv)
+        if op == "alltoall":
+            i, o = [inp, dt], [out, dt]
+            return lambda: comm.Alltoall(i, o)
         if op == "pingpong":
             i, o, peer = [inp, dt], [out, dt], self.rank ^ 1
             if self.rank % 2 == 0:
@@ -202,6 +206,8 @@ class MpiWorker:
             return self.pat.get((r - 1) % w, count)
         if op == "pingpong":
             return self.pat.get(r ^ 1, count)
+        if op == "alltoall":
+            return self.np.concatenate([self.pat.get(q, count, start=r * count) for q in range(w)])
         return None
 
     def count_wrong(self, op, out, ref, count) -> int:

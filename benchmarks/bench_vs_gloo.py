@@ -76,7 +76,8 @@ OPS = ("allreduce", "allgather", "reduce_scatter")  # the default set
 # previous one at once (torch: batch_isend_irecv, then wait; MPI: Sendrecv).
 # pingpong (OSU-style latency): ranks 2k and 2k+1 pair up; the even one sends, then receives the
 # odd one's message (blocking send and recv); time = one round trip; even world sizes only.
-ALL_OPS = OPS + ("sendrecv", "pingpong")
+# alltoall (nccl-tests' alltoall_perf): all_to_all_single, every rank sends each rank one block.
+ALL_OPS = OPS + ("sendrecv", "pingpong", "alltoall")
 
 # busbw = algbw * factor(n)  (nccl-tests PERFORMANCE.md)
 BUSBW_FACTOR = {
@@ -85,6 +86,7 @@ BUSBW_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "sendrecv": lambda n: 1.0,
     "pingpong": lambda n: 2.0,  # a round trip moves the message twice
+    "alltoall": lambda n: (n - 1) / n,
 }
 
 KIB, MIB = 1024, 1024 * 1024
@@ -133,6 +135,7 @@ def geometry(op: str, size: int, world: int, esize: int):
     allgather:      size = total output bytes,      count = elements per rank
     reduce_scatter: size = total input bytes,       count = output elements per rank
     sendrecv, pingpong: size = bytes each rank sends, count = elements
+    alltoall:       size = each rank's input bytes,  count = elements per block (one per rank)
     eff_size is the size actually moved after rounding down to whole elements.
     """
     if op in ("allreduce", "sendrecv", "pingpong"):
@@ -143,6 +146,8 @@ def geometry(op: str, size: int, world: int, esize: int):
         return count, count, count * world, count * world * esize
     if op == "reduce_scatter":
         return count, count * world, count, count * world * esize
+    if op == "alltoall":
+        return count, count * world, count * world, count * world * esize
     raise ValueError(op)
 
 
@@ -156,6 +161,8 @@ def buffer_numels(op: str, count: int, world: int):
         return count * world, count
     if op == "reduce_scatter":
         return count, count * world
+    if op == "alltoall":
+        return count * world, count * world
     raise ValueError(op)
 
 
@@ -261,6 +268,9 @@ class Backend:
     def ping_pong(self, out, inp) -> None:  # inp to the partner (rank ^ 1), out from it
         raise NotImplementedError
 
+    def all_to_all(self, out, inp) -> None:  # inp's block q to rank q, out's block q from it
+        raise NotImplementedError
+
     def teardown(self) -> None:
         pass
 
@@ -275,7 +285,8 @@ class Backend:
         if op == "reduce_scatter":
             f = self.reduce_scatter
             return lambda: f(out, inp, redop)
-        f = {"allgather": self.all_gather, "sendrecv": self.send_recv, "pingpong": self.ping_pong}.get(op)
+        f = {"allgather": self.all_gather, "sendrecv": self.send_recv, "pingpong": self.ping_pong,
+             "alltoall": self.all_to_all}.get(op)
         if f is None:
             raise ValueError(op)
         return lambda: f(out, inp)
@@ -315,6 +326,9 @@ class TorchDistBackend(Backend):
     def reduce_scatter(self, out, inp, redop):
         fn = getattr(self._dist, "reduce_scatter_single", None) or self._dist.reduce_scatter_tensor
         _wait(fn(out, inp, op=self._ops[redop], group=self.group, async_op=self._async))
+
+    def all_to_all(self, out, inp):
+        _wait(self._dist.all_to_all_single(out, inp, group=self.group, async_op=self._async))
 
     def send_recv(self, out, inp):
         d = self._dist
@@ -617,6 +631,8 @@ class Worker:
             return self.pat.get((r - 1) % w, count)
         if op == "pingpong":
             return self.pat.get(r ^ 1, count)
+        if op == "alltoall":  # rank q's input is its pattern; its block r lands in block q here
+            return self.torch.cat([self.pat.get(q, count, start=r * count) for q in range(w)])
         return None
 
     def count_wrong(self, op, out, ref, count) -> int:
@@ -625,7 +641,7 @@ class Worker:
                 _count_wrong(self.torch, out.narrow(0, q * count, count), self.pat.get(q, count), "sum")
                 for q in range(self.world)
             )
-        return _count_wrong(self.torch, out, ref, self.redop if op not in ("sendrecv", "pingpong") else "sum")
+        return _count_wrong(self.torch, out, ref, self.redop if op not in ("sendrecv", "pingpong", "alltoall") else "sum")
 
     def check(self, backend, op, out, inp, ref, count):
         """Run once on known data.  Returns (#wrong summed over ranks, error or None).
@@ -685,7 +701,7 @@ class Worker:
                 del out, inp
                 self.send(
                     type="row", world=w, op=op, size=eff, count=count, dtype=cfg["dtype"],
-                    redop=self.redop if op not in ("allgather", "sendrecv", "pingpong") else "none",
+                    redop=self.redop if op not in ("allgather", "sendrecv", "pingpong", "alltoall") else "none",
                     results=[results[b.label] for b in self.backends],
                 )
             self.send(type="table_end", world=w, op=op)
@@ -934,7 +950,8 @@ class Reporter:
         for note in self.notes:
             self.out(note)
         self.notes = []
-        factor = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n", "sendrecv": "1", "pingpong": "2"}[op]
+        factor = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n", "sendrecv": "1", "pingpong": "2",
+                  "alltoall": "(n-1)/n"}[op]
         self.out(f"# world {world}  {op}  dtype {self.args.dtype}  busbw factor {factor} = {BUSBW_FACTOR[op](world):.3f}")
         for j in self.jobs:
             if self.world_status.get(j.label):

@@ -112,6 +112,17 @@ def test_alltoall_large(pools, world):
     pools.check(world, alltoall_cases, 1 << 17, ["float32"], timeout=300)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("single_copy", ["1", "0"], ids=["read-in-place", "staged"])
+def test_alltoall_single_copy_setting(pools, world, single_copy):
+    """SMDDP_SHM_SINGLE_COPY_BYTES=1: every all_to_all reads each block straight from its sender's
+    input (where the kernel lets ranks read each other's memory), even and uneven splits, empty
+    blocks among them, small and large; 0: never, in the same cases."""
+    env = (("SMDDP_SHM_SINGLE_COPY_BYTES", single_copy),)
+    pools.check(world, alltoall_cases, 5, ["float32", "bfloat16", "int8", "bool"], env=env, timeout=240)
+    pools.check(world, alltoall_cases, 1 << 16, ["float32"], env=env, timeout=300)
+
+
 def test_alltoall_split_mismatch_is_an_error(pools):
     try:
         pools.check(2, alltoall_split_mismatch)

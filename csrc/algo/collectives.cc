@@ -191,10 +191,9 @@ void copyOwnInPieces(OpContext& ctx, void* dst, const void* src, size_t n, bool 
   }
 }
 
-// Copies `n` bytes of host-mate `peer`'s buffer, announced in phase `k`, to `dst`, in parts across
-// the helpers (process_vm_readv copies in the calling thread), each in pieces.
-void readFromPeer(OpContext& ctx, uint64_t k, int peer, void* dst, size_t n) {
-  const uint64_t address = ctx.domain->descriptor(peer, k).address;
+// Copies `n` bytes at `address` in host-mate `peer`'s memory to `dst`, in parts across the
+// helpers (process_vm_readv copies in the calling thread), each in pieces.
+void readFromPeer(OpContext& ctx, int peer, uint64_t address, void* dst, size_t n) {
   std::atomic<int> failure{0};
   forEachPart(ctx.helpers, n, 1, kAlignBytes, [&](size_t b, size_t m) {
     for (size_t at = b; at < b + m && failure.load(std::memory_order_relaxed) == 0; at += kPieceBytes) {
@@ -222,6 +221,19 @@ void readFromPeer(OpContext& ctx, uint64_t k, int peer, void* dst, size_t n) {
     throwError(ErrorCode::kRemoteError, "cannot read rank %d's %zu bytes in its memory: %s",
                ctx.domain->groupRank(peer), n, strerror(err));
   }
+}
+
+// After this rank's reads of its peers' inputs (those where `read(peer)`): trusts them, and
+// holds its own input until every peer has read it. A peer that gave up (its timeout, an abort)
+// while this rank read its input may have returned and let its caller write that input: what
+// was read cannot be trusted. It marks the failure before it returns, so a peer not marked now
+// held its input through the reads.
+template <class Read>
+void endReadsInPlace(OpContext& ctx, const Expect& e, Read read) {
+  for (int p = 0; p < ctx.size; ++p) {
+    if (p != ctx.rank && read(p)) throwIfPeerLeft(ctx, p);
+  }
+  step(ctx, false, e, 0, [](int) { return uint64_t{0}; }, noStaging);
 }
 
 void allreduceOneShot(OpContext& ctx, const AllreduceOptions& o, const Expect& e) {
@@ -362,15 +374,9 @@ void allgather(OpContext& ctx, const AllgatherOptions& o) {
       if (ownCopy) copyOwnInPieces(ctx, o.outputs[ctx.rank], o.input, mine, stream);
       for (int i = 1; i < ctx.size; ++i) {
         const int p = (ctx.rank + i) % ctx.size;  // host-mates start on different peers
-        if (o.counts[p] > 0) readFromPeer(ctx, k, p, o.outputs[p], o.counts[p] * es);
+        if (o.counts[p] > 0) readFromPeer(ctx, p, d.descriptor(p, k).address, o.outputs[p], o.counts[p] * es);
       }
-      // A peer that gave up (its timeout, an abort) while this rank read its input may have
-      // returned and let its caller write that input: what was read cannot be trusted. It marks
-      // the failure before it returns, so a peer not marked now held its input through the reads.
-      for (int p = 0; p < ctx.size; ++p) {
-        if (p != ctx.rank && o.counts[p] > 0) throwIfPeerLeft(ctx, p);
-      }
-      step(ctx, false, e, o.counts[ctx.rank], countOf, noStaging);
+      endReadsInPlace(ctx, e, [&](int p) { return o.counts[p] > 0; });
       return;
     }
     static std::once_flag said;
@@ -532,6 +538,47 @@ void checkAlltoallBuffers(const AlltoallOptions& o, int rank) {
   }
 }
 
+// Single copy (see the header), for an alltoall whose largest block between two ranks every rank
+// found to be at least singleCopyBytes: a phase announces where each of this rank's blocks is,
+// every rank reads its block from each peer's input, and a last phase holds the inputs until all
+// reads are done. False, having read nothing, where some rank's block may not be read by other
+// processes: every rank sees the missing address, and all stage instead. `sends[q * W + p]`:
+// elements q sends p.
+bool alltoallInPlace(OpContext& ctx, const AlltoallOptions& o, const Expect& e, const std::vector<uint64_t>& sends) {
+  shm::Domain& d = *ctx.domain;
+  const int W = ctx.size;
+  const size_t es = elementSize(o.dtype);
+  const uint64_t k = step(ctx, false, e, 0, [](int) { return uint64_t{0}; }, [&](uint8_t* slot) {
+    for (int p = 0; p < W; ++p) {
+      const size_t n = o.inCounts[p] * es;
+      const bool offer = p != ctx.rank && n > 0 && d.readableByPeers(o.inputs[p], n);
+      const uint64_t at = offer ? reinterpret_cast<uintptr_t>(o.inputs[p]) : 0;
+      std::memcpy(slot + p * sizeof(uint64_t), &at, sizeof(at));
+    }
+  });
+  std::vector<uint64_t> at(static_cast<size_t>(W) * W);  // at[q * W + p]: where q's block for p is
+  for (int q = 0; q < W; ++q) std::memcpy(&at[static_cast<size_t>(q) * W], d.slot(q, k), W * sizeof(uint64_t));
+  for (size_t i = 0; i < at.size(); ++i) {
+    const int q = static_cast<int>(i / W), p = static_cast<int>(i % W);
+    if (q != p && sends[i] > 0 && at[i] == 0) {
+      static std::once_flag said;
+      std::call_once(said, [&] {
+        SMDDP_INFO(kColl, "rank %d: alltoall #%llu: rank %d's block for rank %d may not be read by other processes "
+                   "(memory a driver pinned, or memfd_secret's): staged instead of read in place",
+                   d.groupRank(ctx.rank), static_cast<unsigned long long>(ctx.seq), d.groupRank(q), d.groupRank(p));
+      });
+      return false;
+    }
+  }
+  for (int i = 1; i < W; ++i) {
+    const int q = (ctx.rank + W - i) % W;  // host-mates start on different peers
+    const size_t n = sends[static_cast<size_t>(q) * W + ctx.rank] * es;
+    if (n > 0) readFromPeer(ctx, q, at[static_cast<size_t>(q) * W + ctx.rank], o.outputs[q], n);
+  }
+  endReadsInPlace(ctx, e, [&](int q) { return sends[static_cast<size_t>(q) * W + ctx.rank] > 0; });
+  return true;
+}
+
 void alltoall(OpContext& ctx, const AlltoallOptions& o) {
   const size_t es = elementSize(o.dtype);
   const int W = ctx.size;
@@ -565,14 +612,18 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
     std::memcpy(&c, d.slot(owner, k0) + index * sizeof(uint64_t), sizeof(c));
     return c;
   };
-  size_t maxBytes = 0;
+  size_t maxBytes = 0, maxCrossing = 0;  // the largest block, and of those between two ranks
+  std::vector<uint64_t> sends(static_cast<size_t>(W) * W);  // sends[q * W + p]: elements q sends p
   for (int q = 0; q < W; ++q) {
     for (int p = 0; p < W; ++p) {
-      const uint64_t sends = countAt(q, p), expects = countAt(p, W + q);
-      maxBytes = std::max<size_t>(maxBytes, sends * es);
-      if (sends != expects) throwSplitMismatch(d.groupRank(q), sends, d.groupRank(p), expects);
+      const uint64_t n = countAt(q, p), expects = countAt(p, W + q);
+      maxBytes = std::max<size_t>(maxBytes, n * es);
+      if (p != q) maxCrossing = std::max<size_t>(maxCrossing, n * es);
+      if (n != expects) throwSplitMismatch(d.groupRank(q), n, d.groupRank(p), expects);
+      sends[static_cast<size_t>(q) * W + p] = n;
     }
   }
+  if (maxCrossing >= ctx.singleCopyBytes && alltoallInPlace(ctx, o, e, sends)) return;
   const size_t region = regionBytes(d, W);
   size_t inputBytes = 0;
   for (int p = 0; p < W; ++p) inputBytes += o.inCounts[p] * es;

@@ -19,6 +19,8 @@
 // every peer's part straight from that peer's memory (process_vm_readv), and a second phase keeps
 // every input unchanged until all reads are done. One copy per part instead of two (the owner's
 // in, the reader's out), and none of the caller's own part when it is gathered in place (FSDP).
+// An alltoall whose largest block is that large does the same, once the counts' phase has shown
+// every rank the size: one more phase announces where each rank's blocks are.
 // Not for broadcast or gather, where only some ranks read: staged, the owner's copy in runs on
 // another core at the same time as the readers' (2 ranks on 2 cores: single copy 0.77x at 16 MiB).
 #pragma once
@@ -63,7 +65,7 @@ struct OpContext {
   const std::string* text = nullptr;
   size_t oneShotMaxBytes = 0;
   size_t copyStepBytes = 0;  // allgather/gather/broadcast: bytes per rank per step (<= the slot)
-  size_t singleCopyBytes = SIZE_MAX;  // allgather: parts this large are read in place
+  size_t singleCopyBytes = SIZE_MAX;  // allgather, alltoall: parts this large are read in place
   HelperPool* helpers = nullptr;  // splits large copies and reductions (SMDDP_CPU_THREADS > 1)
   StagingChoice* staging = nullptr;  // shared by the copies of this context an op makes; null: through the cache
 };
