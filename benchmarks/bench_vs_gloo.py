@@ -641,7 +641,8 @@ class Worker:
                 _count_wrong(self.torch, out.narrow(0, q * count, count), self.pat.get(q, count), "sum")
                 for q in range(self.world)
             )
-        return _count_wrong(self.torch, out, ref, self.redop if op not in ("sendrecv", "pingpong", "alltoall") else "sum")
+        moves = op in ("sendrecv", "pingpong", "alltoall")  # only moves data: compared exactly
+        return _count_wrong(self.torch, out, ref, "sum" if moves else self.redop)
 
     def check(self, backend, op, out, inp, ref, count):
         """Run once on known data.  Returns (#wrong summed over ranks, error or None).
@@ -950,8 +951,8 @@ class Reporter:
         for note in self.notes:
             self.out(note)
         self.notes = []
-        factor = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n", "sendrecv": "1", "pingpong": "2",
-                  "alltoall": "(n-1)/n"}[op]
+        factor = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n", "sendrecv": "1",
+                  "pingpong": "2", "alltoall": "(n-1)/n"}[op]
         self.out(f"# world {world}  {op}  dtype {self.args.dtype}  busbw factor {factor} = {BUSBW_FACTOR[op](world):.3f}")
         for j in self.jobs:
             if self.world_status.get(j.label):
