@@ -27,9 +27,10 @@ constexpr Param kParams[] = {
      "Allgather, gather and broadcast stage at most this many bytes per rank per step (and at most a "
      "slot): small steps are still in the writer's cache when the readers copy them."},
     {"SMDDP_SHM_SINGLE_COPY_BYTES", "-1",
-     "Allgathers between ranks of one host whose largest per-rank part is at least this many "
-     "bytes copy each part once, every rank straight from its owner's input (process_vm_readv), "
-     "instead of twice through the staging slots (the owner's copy in, the reader's copy out). "
+     "Allgathers (and all_to_alls) between ranks of one host whose largest per-rank part (block) is "
+     "at least this many bytes copy each part once, every rank straight from its owner's input "
+     "(process_vm_readv), instead of twice through the staging slots (the owner's copy in, the "
+     "reader's copy out). "
      "Used only where every rank of the host checked at set-up that it may read the others' "
      "memory. -1 = 2 MiB where every rank of the machine has a core of its own, else never; 0 = "
      "never. Rank 0's value holds for the group."},
