@@ -591,14 +591,16 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
   }
   if (W == 1) return;
   shm::Domain& d = *ctx.domain;
-  if (2 * static_cast<size_t>(W) * sizeof(uint64_t) > d.slotBytes()) {
+  if ((2 * static_cast<size_t>(W) + 1) * sizeof(uint64_t) > d.slotBytes()) {
     throwError(ErrorCode::kNotSupported, "alltoall: SMDDP_SHM_SLOT_BYTES=%zu is too small for %d ranks",
                d.slotBytes(), W);
   }
   const Expect e{OpKind::kAlltoall, o.dtype, ReduceOp::kSum, -1};
   // Step 1 publishes every rank's send and receive counts. Every rank checks the whole matrix,
   // so a mismatch fails on all ranks alike (not as a hang on some), and all agree on how many
-  // data steps the largest block needs.
+  // data steps the largest block needs. Each rank also gives the block size from which it would
+  // read in place, which is not the same on every rank (a rank whose tensors are CUDA's never
+  // does: its staging is pinned by the driver), so all agree on the largest.
   const uint64_t k0 = step(ctx, true, e, static_cast<uint64_t>(W), [&](int) { return static_cast<uint64_t>(W); },
                            [&](uint8_t* slot) {
                              for (int p = 0; p < W; ++p) {
@@ -606,6 +608,8 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
                                std::memcpy(slot + p * sizeof(uint64_t), &counts[0], sizeof(uint64_t));
                                std::memcpy(slot + (W + p) * sizeof(uint64_t), &counts[1], sizeof(uint64_t));
                              }
+                             const uint64_t threshold = ctx.singleCopyBytes;
+                             std::memcpy(slot + 2 * W * sizeof(uint64_t), &threshold, sizeof(uint64_t));
                            });
   auto countAt = [&](int owner, int index) {
     uint64_t c;
@@ -613,8 +617,10 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
     return c;
   };
   size_t maxBytes = 0, maxCrossing = 0;  // the largest block, and of those between two ranks
+  uint64_t readsFrom = 0;  // the block size from which every rank would read in place
   std::vector<uint64_t> sends(static_cast<size_t>(W) * W);  // sends[q * W + p]: elements q sends p
   for (int q = 0; q < W; ++q) {
+    readsFrom = std::max(readsFrom, countAt(q, 2 * W));
     for (int p = 0; p < W; ++p) {
       const uint64_t n = countAt(q, p), expects = countAt(p, W + q);
       maxBytes = std::max<size_t>(maxBytes, n * es);
@@ -623,7 +629,7 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
       sends[static_cast<size_t>(q) * W + p] = n;
     }
   }
-  if (maxCrossing >= ctx.singleCopyBytes && alltoallInPlace(ctx, o, e, sends)) return;
+  if (maxCrossing >= readsFrom && alltoallInPlace(ctx, o, e, sends)) return;
   const size_t region = regionBytes(d, W);
   size_t inputBytes = 0;
   for (int p = 0; p < W; ++p) inputBytes += o.inCounts[p] * es;

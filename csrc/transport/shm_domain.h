@@ -35,8 +35,8 @@ struct alignas(64) OpDescriptor {
   int32_t root;
   uint64_t count;  // elements this rank contributes or expects
   // The caller's collective (OpSignature::packed()): kind, dtype, etc. above describe the step
-  // the algorithm runs, which is the same for some different collectives (across hosts a gather
-  // runs the all-gather's steps).
+  // the algorithm runs, which is the same for some different collectives (across hosts the
+  // ranks of a gather's or scatter's other hosts run a barrier's step).
   uint64_t signature;
   // A digest of the element count this rank takes every rank's part to have. Each rank checks
   // the count its peers announce for themselves; this catches the rest: with uneven
