@@ -419,6 +419,14 @@ void acknowledged(HierContext& ctx, const std::vector<net::Recv>& recvs) {
   ctx.mesh->exchange(ctx.tag(0), acks, recvs, ctx.local.wait, ctx.schedule(), [&](size_t i) { arrived[i] = true; });
 }
 
+// The other end of acknowledged(): sends `sends`, each to another host, and waits for each answer.
+void sendAcknowledged(HierContext& ctx, const std::vector<net::Send>& sends) {
+  if (sends.empty()) return;
+  std::vector<net::Recv> answers;
+  for (const net::Send& m : sends) answers.push_back({m.peer, nullptr, 0});
+  ctx.mesh->exchange(ctx.tag(0), sends, answers, ctx.local.wait, ctx.schedule());
+}
+
 size_t roundsOf(const std::vector<std::vector<int>>& blocks) {
   size_t rounds = 0;
   for (const auto& b : blocks) rounds = std::max(rounds, b.size());
@@ -438,9 +446,7 @@ void hierGather(HierContext& ctx, const AllgatherOptions& o) {
   const int me = t.rank, rootHost = t.hostOf[o.root];
   if (t.host() != rootHost) {
     barrier(ctx.local);  // see acknowledged()
-    const int partner = partnerOn(t, me, rootHost);
-    ctx.mesh->exchange(ctx.tag(0), {{partner, o.input, o.counts[me] * es}}, {{partner, nullptr, 0}}, ctx.local.wait,
-                       ctx.schedule());
+    sendAcknowledged(ctx, {{partnerOn(t, me, rootHost), o.input, o.counts[me] * es}});
     return;
   }
   const bool root = me == o.root;
@@ -500,12 +506,8 @@ void hierScatter(HierContext& ctx, const ScatterOptions& o) {
     scatter(ctx.local, round);
   }
   std::vector<net::Send> sends;
-  std::vector<net::Recv> acks;
-  for (size_t k = 1; k < mine.size(); ++k) {
-    sends.push_back({mine[k], part(k), each});
-    acks.push_back({mine[k], nullptr, 0});
-  }
-  if (!sends.empty()) ctx.mesh->exchange(ctx.tag(0), sends, acks, ctx.local.wait, ctx.schedule());
+  for (size_t k = 1; k < mine.size(); ++k) sends.push_back({mine[k], part(k), each});
+  sendAcknowledged(ctx, sends);
 }
 
 void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
