@@ -542,12 +542,18 @@ void checkAlltoallBuffers(const AlltoallOptions& o, int rank) {
 // found to be at least singleCopyBytes: a phase announces where each of this rank's blocks is,
 // every rank reads its block from each peer's input, and a last phase holds the inputs until all
 // reads are done. False, having read nothing, where some rank's block may not be read by other
-// processes: every rank sees the missing address, and all stage instead. `sends[q * W + p]`:
-// elements q sends p.
-bool alltoallInPlace(OpContext& ctx, const AlltoallOptions& o, const Expect& e, const std::vector<uint64_t>& sends) {
+// processes: every rank sees the missing address, and all stage instead. `countAt(q, p)`:
+// elements q sends p, as the counts' phase published them.
+template <class CountAt>
+bool alltoallInPlace(OpContext& ctx, const AlltoallOptions& o, const Expect& e, CountAt countAt) {
   shm::Domain& d = *ctx.domain;
   const int W = ctx.size;
   const size_t es = elementSize(o.dtype);
+  // Copied before the next phase: its slot is the counts' phase's a step later (two slots rotate).
+  std::vector<uint64_t> sends(static_cast<size_t>(W) * W);  // sends[q * W + p]: elements q sends p
+  for (int q = 0; q < W; ++q) {
+    for (int p = 0; p < W; ++p) sends[static_cast<size_t>(q) * W + p] = countAt(q, p);
+  }
   const uint64_t k = step(ctx, false, e, 0, [](int) { return uint64_t{0}; }, [&](uint8_t* slot) {
     for (int p = 0; p < W; ++p) {
       const size_t n = o.inCounts[p] * es;
@@ -618,7 +624,6 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
   };
   size_t maxBytes = 0, maxCrossing = 0;  // the largest block, and of those between two ranks
   uint64_t readsFrom = 0;  // the block size from which every rank would read in place
-  std::vector<uint64_t> sends(static_cast<size_t>(W) * W);  // sends[q * W + p]: elements q sends p
   for (int q = 0; q < W; ++q) {
     readsFrom = std::max(readsFrom, countAt(q, 2 * W));
     for (int p = 0; p < W; ++p) {
@@ -626,10 +631,9 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
       maxBytes = std::max<size_t>(maxBytes, n * es);
       if (p != q) maxCrossing = std::max<size_t>(maxCrossing, n * es);
       if (n != expects) throwSplitMismatch(d.groupRank(q), n, d.groupRank(p), expects);
-      sends[static_cast<size_t>(q) * W + p] = n;
     }
   }
-  if (maxCrossing >= readsFrom && alltoallInPlace(ctx, o, e, sends)) return;
+  if (maxCrossing >= readsFrom && alltoallInPlace(ctx, o, e, countAt)) return;
   const size_t region = regionBytes(d, W);
   size_t inputBytes = 0;
   for (int p = 0; p < W; ++p) inputBytes += o.inCounts[p] * es;
