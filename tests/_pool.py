@@ -18,13 +18,23 @@ Robustness rules:
     the pool is never reused after a failure;
   * workers watch their parent and exit if it goes away.
 
-This file doubles as the worker's entry point (``python _pool.py worker ...``).
+Ranks are forked from a zygote, a process that has imported torch once (gloo's tests fork
+theirs too): started fresh, each rank spent about 2 s of CPU importing torch, and the suite
+starts some 200 pools (a failed task kills its pool), 4-5 s each on 2 cores, a quarter of CI's
+time. See `_Zygote` for what a zygote may share with its ranks; SMDDP_TEST_ZYGOTE=0 starts every
+rank fresh instead.
+
+This file doubles as the worker's and the zygote's entry point (``python _pool.py worker ...``,
+``python _pool.py zygote FD``).
 """
 
+import atexit
 import os
 import pickle
 import random
+import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -120,19 +130,22 @@ class Pool:
         if extra_env:
             env.update(extra_env)
         deadline = time.monotonic() + init_timeout
+        rank_env = rank_env or {}
+        zygote = _Zygote.for_env(env) if all(_zygote_sets(k) for k in rank_env) else None
         try:
             for r in range(world):
-                logf = open(self.logs[r], "wb")
                 renv = dict(env)
-                for name, values in (rank_env or {}).items():  # e.g. SMDDP_HOST_ID per rank
+                for name, values in rank_env.items():  # e.g. SMDDP_HOST_ID per rank
                     renv[name] = values[r]
-                p = subprocess.Popen(
-                    [sys.executable, "-u", os.path.abspath(__file__), "worker", sock_path,
-                     str(r), str(world), self.backend, init_method, str(os.getpid())],
-                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                    env=renv, cwd=TESTS_DIR,
-                )
-                logf.close()
+                # the worker's parent: the test process, or the zygote (0: its parent at start)
+                argv = [sock_path, str(r), str(world), self.backend, init_method]
+                p = zygote and zygote.fork(argv + ["0"], {k: v for k, v in renv.items() if _zygote_sets(k)},
+                                           self.logs[r], os.path.join(self.tmpdir, f"rank{r}.exit"))
+                if p is None:
+                    with open(self.logs[r], "wb") as logf:
+                        p = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), "worker", *argv,
+                                              str(os.getpid())], stdin=subprocess.DEVNULL, stdout=logf,
+                                             stderr=subprocess.STDOUT, env=renv, cwd=TESTS_DIR)
                 self.procs.append(p)
             # accept the control connections; each worker first says hello with its rank
             for _ in range(world):
@@ -323,6 +336,174 @@ class Pool:
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
+# ---------------------------------------------------------------------------
+# zygotes: ranks forked from a process that has imported torch
+# ---------------------------------------------------------------------------
+class _Zygote:
+    """A process that has imported torch and forks ranks on request. It imports neither smddp
+    nor the tests: smddp reads each SMDDP_* variable once and caches it, so every rank imports
+    smddp after the fork, with its own SMDDP_* variables set. Any other variable may be read by
+    torch as it is imported, so a zygote serves only ranks whose environment outside SMDDP_* is
+    the one it was started with (`for_env` keeps one zygote per such environment)."""
+
+    MAX = 4  # zygotes alive at once (each holds torch's memory); more environments start fresh
+    live = {}  # environment outside SMDDP_* (sorted items) -> _Zygote
+
+    @classmethod
+    def for_env(cls, env):
+        """The zygote for ranks with environment `env`, started if need be; None where
+        SMDDP_TEST_ZYGOTE=0, or too many are alive."""
+        if os.environ.get("SMDDP_TEST_ZYGOTE", "1") == "0":
+            return None
+        key = tuple(sorted((k, v) for k, v in env.items() if not _zygote_sets(k)))
+        z = cls.live.get(key)
+        if z is not None and z.proc.poll() is None:
+            return z
+        if len(cls.live) >= cls.MAX:
+            return None
+        z = cls.live[key] = cls(dict(key))
+        return z
+
+    def __init__(self, env):
+        from multiprocessing.connection import Connection
+
+        mine, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), "zygote",
+                                     str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                                    stdin=subprocess.DEVNULL, env=env, cwd=TESTS_DIR)
+        theirs.close()
+        self.conn = Connection(mine.detach())
+
+    def fork(self, argv, rank_env, log, exit_path):
+        """Forks a rank that runs `_worker_main(argv)` with the SMDDP_* variables `rank_env`,
+        stdout and stderr to `log`; the zygote writes its exit code to `exit_path`. Returns
+        its handle, or None where the zygote is gone (the caller starts the rank fresh)."""
+        try:
+            self.conn.send((argv, rank_env, log, exit_path))
+            return _ForkedRank(self.conn.recv(), exit_path)
+        except (EOFError, OSError):
+            print(f"_pool: zygote {self.proc.pid} is gone (exit code {self.proc.poll()}); ranks "
+                  "start fresh", file=sys.stderr)
+            for key, z in list(_Zygote.live.items()):
+                if z is self:
+                    del _Zygote.live[key]
+            return None
+
+
+def _zygote_sets(name):
+    """Whether a rank forked from a zygote gets variable `name` set after the fork (see
+    _Zygote), rather than from the zygote's environment. PYTEST_CURRENT_TEST changes with each
+    test and no rank reads it."""
+    return name.startswith("SMDDP_") or name == "PYTEST_CURRENT_TEST"
+
+
+class _ForkedRank:
+    """A rank forked by a zygote, so not this process's child: the parts of subprocess.Popen
+    that Pool uses, with the exit code read from the file the zygote writes as it reaps the
+    rank."""
+
+    def __init__(self, pid, exit_path):
+        self.pid = pid
+        self.exit_path = exit_path
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None:
+            try:
+                with open(self.exit_path) as f:
+                    self.returncode = int(f.read())
+            except (OSError, ValueError):
+                pass
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self):
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _zygote_main(fd):
+    """The zygote: imports torch, then forks a rank for each request on `fd` and reaps the
+    ranks, writing each one's exit code to the file the request named. Returns None when the
+    test process has gone (`fd` closed) and, in a forked rank only, the rank's worker argv."""
+    from multiprocessing.connection import Connection
+
+    import torch  # noqa: F401  (what every rank imports first, and the point of a zygote)
+    import torch.distributed  # noqa: F401
+
+    conn = Connection(fd)
+    wake_r, wake_w = os.pipe()
+    for f in (wake_r, wake_w):
+        os.set_blocking(f, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake select() through wake_w
+    exit_paths = {}
+    while True:
+        ready, _, _ = select.select([conn.fileno(), wake_r], [], [])
+        if wake_r in ready:
+            while True:
+                try:
+                    if not os.read(wake_r, 512):
+                        break
+                except BlockingIOError:
+                    break
+        _reap(exit_paths)
+        if conn.fileno() not in ready:
+            continue
+        try:
+            argv, rank_env, log, exit_path = conn.recv()
+        except (EOFError, OSError):
+            return None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for f in (wake_r, wake_w):
+                os.close(f)
+            conn.close()
+            for name in [k for k in os.environ if _zygote_sets(k)]:
+                del os.environ[name]
+            os.environ.update(rank_env)
+            out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            os.close(out)
+            return argv
+        exit_paths[pid] = exit_path
+        conn.send(pid)
+
+
+def _reap(exit_paths):
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        path = exit_paths.pop(pid, None)
+        if path is None:
+            continue
+        try:  # written whole, then renamed: a reader never sees a part
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.waitstatus_to_exitcode(status)))
+            os.rename(path + ".tmp", path)
+        except OSError:  # the pool gave up on the rank and removed its directory
+            pass
+
+
 def _indent(text, prefix):
     return "\n".join(prefix + line for line in str(text).rstrip().splitlines())
 
@@ -355,7 +536,7 @@ def _worker_main(argv):
     from multiprocessing.connection import Connection
 
     sock_path, rank, world, backend, init_method, ppid = argv
-    rank, world, ppid = int(rank), int(world), int(ppid)
+    rank, world, ppid = int(rank), int(world), int(ppid) or os.getppid()
     if TESTS_DIR not in sys.path:
         sys.path.insert(0, TESTS_DIR)
     _watch_parent(ppid)
@@ -398,11 +579,18 @@ def _worker_main(argv):
         if msg[0] == "shutdown":
             try:
                 dist.destroy_process_group()
-                conn.send(("ok", None))
             except BaseException as e:  # noqa: BLE001
                 conn.send(_err_msg(e))
+                conn.close()
+                return 0
+            conn.send(("ok", None))
             conn.close()
-            return 0
+            # The interpreter's teardown with torch loaded takes 0.5-0.7 s of CPU and checks
+            # nothing the group's destruction did not (its atexit callbacks still run).
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         _, modname, qualname, args = msg
         print(f"[rank {rank}] task {modname}.{qualname}{_short_args(args)}", file=sys.stderr,
               flush=True)
@@ -420,6 +608,10 @@ def _worker_main(argv):
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "worker":
         sys.exit(_worker_main(sys.argv[2:]))
-    print("usage: _pool.py worker <sock> <rank> <world> <backend> <init_method> <ppid>",
-          file=sys.stderr)
+    if len(sys.argv) == 3 and sys.argv[1] == "zygote":
+        worker_argv = _zygote_main(int(sys.argv[2]))
+        # the zygote itself returns None; a rank it forked goes on as a worker started fresh would
+        sys.exit(0 if worker_argv is None else _worker_main(worker_argv))
+    print("usage: _pool.py worker <sock> <rank> <world> <backend> <init_method> <ppid>\n"
+          "       _pool.py zygote <fd>", file=sys.stderr)
     sys.exit(2)
