@@ -131,7 +131,7 @@ class Pool:
             env.update(extra_env)
         deadline = time.monotonic() + init_timeout
         rank_env = rank_env or {}
-        zygote = _Zygote.for_env(env) if all(_zygote_sets(k) for k in rank_env) else None
+        forks = all(_zygote_sets(k) for k in rank_env)
         try:
             for r in range(world):
                 renv = dict(env)
@@ -139,6 +139,7 @@ class Pool:
                     renv[name] = values[r]
                 # the worker's parent: the test process, or the zygote (0: its parent at start)
                 argv = [sock_path, str(r), str(world), self.backend, init_method]
+                zygote = _Zygote.for_rank(env, r) if forks else None
                 p = zygote and zygote.fork(argv + ["0"], {k: v for k, v in renv.items() if _zygote_sets(k)},
                                            self.logs[r], os.path.join(self.tmpdir, f"rank{r}.exit"))
                 if p is None:
@@ -344,24 +345,29 @@ class _Zygote:
     nor the tests: smddp reads each SMDDP_* variable once and caches it, so every rank imports
     smddp after the fork, with its own SMDDP_* variables set. Any other variable may be read by
     torch as it is imported, so a zygote serves only ranks whose environment outside SMDDP_* is
-    the one it was started with (`for_env` keeps one zygote per such environment)."""
+    the one it was started with (`for_rank` keeps zygotes per such environment).
 
-    MAX = 4  # zygotes alive at once (each holds torch's memory); more environments start fresh
-    live = {}  # environment outside SMDDP_* (sorted items) -> _Zygote
+    Forked ranks share their zygote's string hash seed. Ranks started fresh each had their own,
+    as ranks under torchrun do, which the tests need to see Python code that goes through a set
+    or dict of strings in an order some ranks do not share: odd and even ranks come from two
+    zygotes, each with a seed of its own."""
+
+    MAX = 8  # zygotes alive at once (each holds torch's memory); more environments start fresh
+    live = {}  # (environment outside SMDDP_* as sorted items, rank parity) -> _Zygote
 
     @classmethod
-    def for_env(cls, env):
-        """The zygote for ranks with environment `env`, started if need be; None where
+    def for_rank(cls, env, rank):
+        """The zygote for a rank `rank` with environment `env`, started if need be; None where
         SMDDP_TEST_ZYGOTE=0, or too many are alive."""
         if os.environ.get("SMDDP_TEST_ZYGOTE", "1") == "0":
             return None
-        key = tuple(sorted((k, v) for k, v in env.items() if not _zygote_sets(k)))
+        key = (tuple(sorted((k, v) for k, v in env.items() if not _zygote_sets(k))), rank % 2)
         z = cls.live.get(key)
         if z is not None and z.proc.poll() is None:
             return z
         if len(cls.live) >= cls.MAX:
             return None
-        z = cls.live[key] = cls(dict(key))
+        z = cls.live[key] = cls(dict(key[0]))
         return z
 
     def __init__(self, env):

@@ -74,3 +74,21 @@ def test_pool_task_timeout(pool2):
     msg = str(ei.value)
     assert "no answer before the deadline" in msg, msg
     assert pool2.dead and all(p.poll() is not None for p in pool2.procs)
+
+
+def hash_seed_task(rank, world):
+    return hash("smddp"), os.environ.get("SMDDP_HOST_ID")
+
+
+@pytest.mark.timeout(240)
+def test_ranks_have_their_own_hash_seed_and_environment():
+    """Ranks forked from zygotes (tests/_pool.py) must not all share one string hash seed, or
+    code that goes through a set of strings in an order other ranks do not share would pass
+    here and hang under torchrun; and each gets its own SMDDP_* variables."""
+    pool = _pool.Pool(2, rank_env={"SMDDP_HOST_ID": ["a", "b"]})
+    try:
+        (h0, host0), (h1, host1) = pool.run(hash_seed_task)
+    finally:
+        pool.close()
+    assert h0 != h1, "ranks 0 and 1 hash strings alike: one hash seed for both"
+    assert (host0, host1) == ("a", "b")
