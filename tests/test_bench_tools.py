@@ -207,3 +207,21 @@ def test_staging_benchmark_sorts_rounds_by_placement():
     assert all(float(r[2]) > 0 and r[-1] in ("shared", "separate", "changed", "unknown") for r in rows), p.stdout
     summary = [line for line in p.stdout.splitlines() if line.startswith(("# all_gather", "# reduce_scatter"))]
     assert len(summary) == 4 and all("shared L3:" in line for line in summary), p.stdout
+
+
+@pytest.mark.skipif(not (ROOT / "python" / "smddp" / "bin" / "smddp_perf").exists(), reason="smddp_perf not built")
+def test_perf_rounds_interleaves_configurations():
+    """Every configuration runs in every round with its own environment; each cell's ratio is to
+    the first configuration's median, and a configuration that fails stops the run, named."""
+    script = [sys.executable, str(ROOT / "benchmarks" / "perf_rounds.py"), "--np", "2", "--rounds", "2"]
+    perf = ["--", "--collective", "all_to_all", "-b", "1K", "-e", "4K", "-f", "4"]
+    p = subprocess.run([*script, "staged=SMDDP_SHM_SINGLE_COPY_BYTES=0", "read=SMDDP_SHM_SINGLE_COPY_BYTES=1", *perf],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    table = p.stdout.split("# raw")[0]
+    assert "# read: " in table and "SMDDP_SHM_SINGLE_COPY_BYTES=1" in table, table
+    rows = [line.split() for line in table.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert len(rows) == 4 and all(r[1].endswith("(1.00x)") for r in rows), table  # 2 sizes x 2 placements
+    assert len([line for line in p.stdout.split("# raw")[1].splitlines() if line.startswith("read np=2")]) == 4
+    p = subprocess.run([*script, "ok=", "bad=SMDDP_SHM_SLOT_BYTES=5", *perf], capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "bad (np 2) failed" in p.stderr, p.stderr[-2000:]

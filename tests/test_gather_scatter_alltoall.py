@@ -47,22 +47,24 @@ def alltoall_cases(rank, world, rows_per_peer, dtypes):
             dist.all_to_all_single(out, ins[rank].clone())
             ref = torch.cat([ins[q][rank * rows_per_peer:(rank + 1) * rows_per_peer] for q in range(world)])
             rep.check(label, out, ref, cross_rank=False)
-        # Uneven: rank q sends (q + p) % 3 * rows_per_peer + p rows to rank p.
-        def rows(q, p):
-            return (q + p) % 3 * rows_per_peer + p
-        label = f"all_to_all_single uneven dtype={dname(dtype)} world={world} rows/peer={rows_per_peer}"
-        with rep.cell(label):
-            src = [gen(f"a2u|{q}", q, sum(rows(q, p) for p in range(world)) * cols, dtype).reshape(-1, cols)
-                   for q in range(world)]
-            in_splits = [rows(rank, p) for p in range(world)]
-            out_splits = [rows(q, rank) for q in range(world)]
-            out = torch.empty(sum(out_splits), cols, dtype=dtype)
-            dist.all_to_all_single(out, src[rank].clone(), out_splits, in_splits)
-            pieces = []
-            for q in range(world):
-                start = sum(rows(q, p) for p in range(rank))
-                pieces.append(src[q][start:start + rows(q, rank)])
-            rep.check(label, out, torch.cat(pieces), cross_rank=False)
+        # Uneven: rank q sends (q + p) % 3 * rows_per_peer + p rows to rank p. Lopsided: rank 0
+        # sends nothing (an expert no token was routed to), so where the others read in place it
+        # gives no addresses with the split sizes, and they take a phase of their own.
+        for name, rows in (("uneven", lambda q, p: (q + p) % 3 * rows_per_peer + p),
+                           ("lopsided", lambda q, p: 0 if q == 0 else rows_per_peer + q)):
+            label = f"all_to_all_single {name} dtype={dname(dtype)} world={world} rows/peer={rows_per_peer}"
+            with rep.cell(label):
+                src = [gen(f"a2u|{name}|{q}", q, sum(rows(q, p) for p in range(world)) * cols, dtype).reshape(-1, cols)
+                       for q in range(world)]
+                in_splits = [rows(rank, p) for p in range(world)]
+                out_splits = [rows(q, rank) for q in range(world)]
+                out = torch.empty(sum(out_splits), cols, dtype=dtype)
+                dist.all_to_all_single(out, src[rank].clone(), out_splits, in_splits)
+                pieces = []
+                for q in range(world):
+                    start = sum(rows(q, p) for p in range(rank))
+                    pieces.append(src[q][start:start + rows(q, rank)])
+                rep.check(label, out, torch.cat(pieces), cross_rank=False)
         label = f"all_to_all (lists) dtype={dname(dtype)} world={world}"
         with rep.cell(label):
             lists = [[gen(f"a2l|{q}|{p}", q, rows_per_peer + p, dtype) for p in range(world)] for q in range(world)]
@@ -117,7 +119,7 @@ def test_alltoall_large(pools, world):
 def test_alltoall_single_copy_setting(pools, world, single_copy):
     """SMDDP_SHM_SINGLE_COPY_BYTES=1: every all_to_all reads each block straight from its sender's
     input (where the kernel lets ranks read each other's memory), even and uneven splits, empty
-    blocks among them, small and large; 0: never, in the same cases."""
+    blocks among them, a rank that sends nothing, small and large; 0: never, in the same cases."""
     env = (("SMDDP_SHM_SINGLE_COPY_BYTES", single_copy),)
     pools.check(world, alltoall_cases, 5, ["float32", "bfloat16", "int8", "bool"], env=env, timeout=240)
     pools.check(world, alltoall_cases, 1 << 16, ["float32"], env=env, timeout=300)

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "core/slices.h"
@@ -538,32 +539,45 @@ void checkAlltoallBuffers(const AlltoallOptions& o, int rank) {
   }
 }
 
+// Where each of this rank's blocks for its peers is, as W words (0 for a block that is empty, is
+// this rank's own, or may not be read by other processes).
+void publishBlockAddresses(const OpContext& ctx, const AlltoallOptions& o, uint8_t* words) {
+  const size_t es = elementSize(o.dtype);
+  for (int p = 0; p < ctx.size; ++p) {
+    const size_t n = o.inCounts[p] * es;
+    const bool offer = p != ctx.rank && n > 0 && ctx.domain->readableByPeers(o.inputs[p], n);
+    const uint64_t at = offer ? reinterpret_cast<uintptr_t>(o.inputs[p]) : 0;
+    std::memcpy(words + p * sizeof(uint64_t), &at, sizeof(at));
+  }
+}
+
 // Single copy (see the header), for an alltoall whose largest block between two ranks every rank
-// found to be at least singleCopyBytes: a phase announces where each of this rank's blocks is,
-// every rank reads its block from each peer's input, and a last phase holds the inputs until all
-// reads are done. False, having read nothing, where some rank's block may not be read by other
-// processes: every rank sees the missing address, and all stage instead. `countAt(q, p)`:
-// elements q sends p, as the counts' phase published them.
-template <class CountAt>
-bool alltoallInPlace(OpContext& ctx, const AlltoallOptions& o, const Expect& e, CountAt countAt) {
+// found to be at least singleCopyBytes: every rank reads its block from each peer's input, and a
+// last phase holds the inputs until all reads are done. Where each block is came with the counts
+// (`addressAt(q, p)`, when every rank gave them there), or takes a phase of its own. False,
+// having read nothing, where some rank's block may not be read by other processes: every rank
+// sees the missing address, and all stage instead. `countAt(q, p)`: elements q sends p, as the
+// counts' phase published them.
+template <class CountAt, class AddressAt>
+bool alltoallInPlace(OpContext& ctx, const AlltoallOptions& o, const Expect& e, CountAt countAt,
+                     std::optional<AddressAt> addressAt) {
   shm::Domain& d = *ctx.domain;
   const int W = ctx.size;
   const size_t es = elementSize(o.dtype);
-  // Copied before the next phase: its slot is the counts' phase's a step later (two slots rotate).
+  // Copied before any next phase: its slot is the counts' phase's a step later (two slots rotate).
   std::vector<uint64_t> sends(static_cast<size_t>(W) * W);  // sends[q * W + p]: elements q sends p
+  std::vector<uint64_t> at(static_cast<size_t>(W) * W);     // at[q * W + p]: where q's block for p is
   for (int q = 0; q < W; ++q) {
-    for (int p = 0; p < W; ++p) sends[static_cast<size_t>(q) * W + p] = countAt(q, p);
-  }
-  const uint64_t k = step(ctx, false, e, 0, [](int) { return uint64_t{0}; }, [&](uint8_t* slot) {
     for (int p = 0; p < W; ++p) {
-      const size_t n = o.inCounts[p] * es;
-      const bool offer = p != ctx.rank && n > 0 && d.readableByPeers(o.inputs[p], n);
-      const uint64_t at = offer ? reinterpret_cast<uintptr_t>(o.inputs[p]) : 0;
-      std::memcpy(slot + p * sizeof(uint64_t), &at, sizeof(at));
+      sends[static_cast<size_t>(q) * W + p] = countAt(q, p);
+      if (addressAt) at[static_cast<size_t>(q) * W + p] = (*addressAt)(q, p);
     }
-  });
-  std::vector<uint64_t> at(static_cast<size_t>(W) * W);  // at[q * W + p]: where q's block for p is
-  for (int q = 0; q < W; ++q) std::memcpy(&at[static_cast<size_t>(q) * W], d.slot(q, k), W * sizeof(uint64_t));
+  }
+  if (!addressAt) {
+    const uint64_t k = step(ctx, false, e, 0, [](int) { return uint64_t{0}; },
+                            [&](uint8_t* slot) { publishBlockAddresses(ctx, o, slot); });
+    for (int q = 0; q < W; ++q) std::memcpy(&at[static_cast<size_t>(q) * W], d.slot(q, k), W * sizeof(uint64_t));
+  }
   for (size_t i = 0; i < at.size(); ++i) {
     const int q = static_cast<int>(i / W), p = static_cast<int>(i % W);
     if (q != p && sends[i] > 0 && at[i] == 0) {
@@ -597,7 +611,10 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
   }
   if (W == 1) return;
   shm::Domain& d = *ctx.domain;
-  if ((2 * static_cast<size_t>(W) + 1) * sizeof(uint64_t) > d.slotBytes()) {
+  // The counts' phase's words: W sends, W receives, the block size from which this rank would
+  // read in place, whether it gives where its blocks are, and W addresses.
+  const size_t threshold = 2 * static_cast<size_t>(W), givesAddresses = threshold + 1, addresses = threshold + 2;
+  if ((addresses + W) * sizeof(uint64_t) > d.slotBytes()) {
     throwError(ErrorCode::kNotSupported, "alltoall: SMDDP_SHM_SLOT_BYTES=%zu is too small for %d ranks",
                d.slotBytes(), W);
   }
@@ -606,34 +623,50 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
   // so a mismatch fails on all ranks alike (not as a hang on some), and all agree on how many
   // data steps the largest block needs. Each rank also gives the block size from which it would
   // read in place, which is not the same on every rank (a rank whose tensors are CUDA's never
-  // does: its staging is pinned by the driver), so all agree on the largest.
+  // does: its staging is pinned by the driver), so all agree on the largest. A rank whose own
+  // blocks are that large gives their addresses too: where all did, reading in place takes no
+  // phase more than staging (the usual even split); otherwise a phase of its own.
+  size_t myLargest = 0;
+  for (int p = 0; p < W; ++p) {
+    if (p != ctx.rank) myLargest = std::max(myLargest, o.inCounts[p] * es);
+  }
+  const bool gives = myLargest >= ctx.singleCopyBytes;
   const uint64_t k0 = step(ctx, true, e, static_cast<uint64_t>(W), [&](int) { return static_cast<uint64_t>(W); },
                            [&](uint8_t* slot) {
+                             auto put = [&](size_t word, uint64_t v) {
+                               std::memcpy(slot + word * sizeof(uint64_t), &v, sizeof(v));
+                             };
                              for (int p = 0; p < W; ++p) {
-                               const uint64_t counts[2] = {o.inCounts[p], o.outCounts[p]};
-                               std::memcpy(slot + p * sizeof(uint64_t), &counts[0], sizeof(uint64_t));
-                               std::memcpy(slot + (W + p) * sizeof(uint64_t), &counts[1], sizeof(uint64_t));
+                               put(p, o.inCounts[p]);
+                               put(W + p, o.outCounts[p]);
                              }
-                             const uint64_t threshold = ctx.singleCopyBytes;
-                             std::memcpy(slot + 2 * W * sizeof(uint64_t), &threshold, sizeof(uint64_t));
+                             put(threshold, ctx.singleCopyBytes);
+                             put(givesAddresses, gives ? 1 : 0);
+                             if (gives) publishBlockAddresses(ctx, o, slot + addresses * sizeof(uint64_t));
                            });
-  auto countAt = [&](int owner, int index) {
+  auto wordAt = [&](int owner, size_t word) {  // of the counts' phase; words 0..2W-1 are counts
     uint64_t c;
-    std::memcpy(&c, d.slot(owner, k0) + index * sizeof(uint64_t), sizeof(c));
+    std::memcpy(&c, d.slot(owner, k0) + word * sizeof(uint64_t), sizeof(c));
     return c;
   };
   size_t maxBytes = 0, maxCrossing = 0;  // the largest block, and of those between two ranks
   uint64_t readsFrom = 0;  // the block size from which every rank would read in place
+  bool allGave = true;
   for (int q = 0; q < W; ++q) {
-    readsFrom = std::max(readsFrom, countAt(q, 2 * W));
+    readsFrom = std::max(readsFrom, wordAt(q, threshold));
+    allGave = allGave && wordAt(q, givesAddresses) == 1;
     for (int p = 0; p < W; ++p) {
-      const uint64_t n = countAt(q, p), expects = countAt(p, W + q);
+      const uint64_t n = wordAt(q, p), expects = wordAt(p, W + q);
       maxBytes = std::max<size_t>(maxBytes, n * es);
       if (p != q) maxCrossing = std::max<size_t>(maxCrossing, n * es);
       if (n != expects) throwSplitMismatch(d.groupRank(q), n, d.groupRank(p), expects);
     }
   }
-  if (maxCrossing >= readsFrom && alltoallInPlace(ctx, o, e, countAt)) return;
+  auto addressAt = [&](int q, int p) { return wordAt(q, addresses + p); };
+  if (maxCrossing >= readsFrom &&
+      alltoallInPlace(ctx, o, e, wordAt, allGave ? std::optional(addressAt) : std::nullopt)) {
+    return;
+  }
   const size_t region = regionBytes(d, W);
   size_t inputBytes = 0;
   for (int p = 0; p < W; ++p) inputBytes += o.inCounts[p] * es;

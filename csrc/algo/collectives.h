@@ -19,8 +19,10 @@
 // every peer's part straight from that peer's memory (process_vm_readv), and a second phase keeps
 // every input unchanged until all reads are done. One copy per part instead of two (the owner's
 // in, the reader's out), and none of the caller's own part when it is gathered in place (FSDP).
-// An alltoall whose largest block is that large does the same, once the counts' phase has shown
-// every rank the size: one more phase announces where each rank's blocks are.
+// An alltoall whose largest block between two ranks is large enough (its own threshold, lower:
+// algo/communicator.cc) does the same: the phase that shows every rank the split sizes also
+// carries where each rank's blocks are (a rank whose own blocks are all smaller leaves them out,
+// and then one more phase announces them).
 // Not for broadcast or gather, where only some ranks read: staged, the owner's copy in runs on
 // another core at the same time as the readers' (2 ranks on 2 cores: single copy 0.77x at 16 MiB).
 #pragma once

@@ -59,6 +59,19 @@ size_t singleCopyBytesFor(const CpuShare& machine) {
   return machine.oversubscribed() ? SIZE_MAX : kDefaultSingleCopyBytes;
 }
 
+// all_to_all's own default, lower than the all-gathers': its staged path copies a whole block per
+// step (no small steps read while still in the writer's cache), and reading in place costs it no
+// phase more (the addresses come with the split sizes). smddp_perf --touch 1 (each rank rewrites
+// its input before every op), 5 interleaved rounds, medians, against staged
+// (benchmarks/results/alltoall-single-copy-2cpu-xeon.txt): 2 ranks on 2 cores, blocks of 512 KiB
+// to 4 MiB 0.77-0.85x the time, 64-256 KiB 0.94-1.25x (a block just written on the other core
+// reads slower through process_vm_readv than through a slot its writer filled); 4 ranks on 2
+// cores, blocks of 512 KiB-2 MiB 0.79-0.90x, 256 KiB 0.97x. An explicit setting holds for both.
+size_t alltoallSingleCopyBytesFor(const CpuShare& machine) {
+  if (env::shmSingleCopyBytes() >= 0) return singleCopyBytesFor(machine);
+  return machine.oversubscribed() ? (256u << 10) : (512u << 10);
+}
+
 const std::string kScheduleKey = "smddp/schedule";
 
 // The keys of the group's set-up that peers wait for from `rank`, but the host's shared-memory
@@ -111,6 +124,7 @@ Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chron
       oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))),
       copyStepBytes_(copyStepBytesFromEnv()),
       singleCopyBytes_(singleCopyBytesFor(machine_)),
+      alltoallSingleCopyBytes_(alltoallSingleCopyBytesFor(machine_)),
       cpuThreads_(cpuThreadsFor(machine_)) {
   logParamsOnce();
   try {
@@ -132,8 +146,9 @@ void Communicator::setUp(std::chrono::milliseconds timeout) {
   const size_t slotBytes = static_cast<size_t>(env::shmSlotBytes());
   agreeOnSchedule(store_);
   // Whether this rank would read its host-mates' memory at all: for the all-gathers (the group's
-  // setting, the same on every rank) or for its own point-to-point receives.
-  const bool probeReads = singleCopyBytes_ != SIZE_MAX || env::p2pSingleCopyBytes() != 0;
+  // setting, the same on every rank), the all_to_alls or its own point-to-point receives.
+  const bool probeReads = singleCopyBytes_ != SIZE_MAX || alltoallSingleCopyBytes_ != SIZE_MAX ||
+                          env::p2pSingleCopyBytes() != 0;
   if (topo_.hosts() == 1) {
     domain_ = shm::Domain::create(store_, rank_, size_, slotBytes, machine_, probeReads);
     return;
@@ -330,7 +345,11 @@ void Communicator::scatter(const ScatterOptions& opts, std::chrono::milliseconds
 void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::milliseconds timeout) {
   checkAlltoallBuffers(opts, rank_);
   runEither({OpKind::kAlltoall, opts.dtype}, timeout,
-            [&](OpContext& ctx) { algo::alltoall(ctx, opts); },
+            [&](OpContext& ctx) {
+              // Not agreed with rank 0 as the all-gathers' is: every op takes the largest of its ranks'.
+              ctx.singleCopyBytes = peerReads_ ? alltoallSingleCopyBytes() : SIZE_MAX;
+              algo::alltoall(ctx, opts);
+            },
             [&](HierContext& hc) {
               // Only all_to_all needs every rank of the other hosts connected: groups that never
               // run one never hold those connections.

@@ -52,6 +52,11 @@ class Communicator {
   // SMDDP_SHM_SINGLE_COPY_BYTES as the group agreed (SIZE_MAX: never), whether or not the ranks
   // may read each other.
   size_t singleCopyBytesSetting() const { return singleCopyBytes_; }
+  // All_to_alls between host-mates read blocks of at least this many bytes in place (SIZE_MAX:
+  // never, as singleCopyBytes()); this rank's own value: an op goes by the largest of its ranks'.
+  size_t alltoallSingleCopyBytes() const {
+    return domain_ != nullptr && domain_->allReadPeers() ? alltoallSingleCopyBytes_ : SIZE_MAX;
+  }
   // While alive, the ops run on this communicator read nothing in place: their buffers are host
   // memory a driver pinned (CUDA's staging), which the kernel may not let other processes read.
   // Ops run one at a time, so a plain flag does.
@@ -138,6 +143,7 @@ class Communicator {
   size_t oneShotMaxBytes_;
   size_t copyStepBytes_;
   size_t singleCopyBytes_;  // SIZE_MAX: never
+  size_t alltoallSingleCopyBytes_;  // this rank's own (not agreed)
   bool peerReads_ = true;   // NoPeerReads
   int cpuThreads_;
   std::mutex helpersMutex_;

@@ -32,8 +32,10 @@ constexpr Param kParams[] = {
      "(process_vm_readv), instead of twice through the staging slots (the owner's copy in, the "
      "reader's copy out). "
      "Used only where every rank of the host checked at set-up that it may read the others' "
-     "memory. -1 = 2 MiB where every rank of the machine has a core of its own, else never; 0 = "
-     "never. Rank 0's value holds for the group."},
+     "memory. -1 = for all-gathers 2 MiB where every rank of the machine has a core of its own, "
+     "else never; for all_to_alls 512 KiB, or 256 KiB where ranks outnumber cores; 0 = never. For "
+     "all-gathers rank 0's value holds for the group; an all_to_all goes by the largest of its "
+     "ranks' values."},
     {"SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES", "65536",
      "Allreduces up to this size use the one-shot algorithm (every rank reads every input); larger "
      "ones use reduce-scatter + all-gather."},

@@ -207,6 +207,10 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
                                   : comm_->singleCopyBytesSetting() == SIZE_MAX ? "off"
                                   : t.localSize() == 1 ? "off (no host-mates)"
                                                        : "off (a rank may not read its host-mates' memory)";
+  const size_t alltoallSingleCopy = comm_->alltoallSingleCopyBytes();
+  info["alltoall_single_copy"] = alltoallSingleCopy != SIZE_MAX
+                                     ? "from " + std::to_string(alltoallSingleCopy) + " bytes (this rank's)"
+                                     : "off";
   if (p2p_) {
     // Whether messages to this rank from its host-mates may be read from their memory, and from what size.
     const bool reads = comm_->domain()->readsPeers(t.localRank());
