@@ -62,11 +62,13 @@ size_t singleCopyBytesFor(const CpuShare& machine) {
 // all_to_all's own default, lower than the all-gathers': its staged path copies a whole block per
 // step (no small steps read while still in the writer's cache), and reading in place costs it no
 // phase more (the addresses come with the split sizes). smddp_perf --touch 1 (each rank rewrites
-// its input before every op), 5 interleaved rounds, medians, against staged
+// its input before every op), interleaved rounds, medians, against staged
 // (benchmarks/results/alltoall-single-copy-2cpu-xeon.txt): 2 ranks on 2 cores, blocks of 512 KiB
-// to 4 MiB 0.77-0.85x the time, 64-256 KiB 0.94-1.25x (a block just written on the other core
-// reads slower through process_vm_readv than through a slot its writer filled); 4 ranks on 2
-// cores, blocks of 512 KiB-2 MiB 0.79-0.90x, 256 KiB 0.97x. An explicit setting holds for both.
+// to 1 MiB 0.82-0.87x the time (A/A 0.94-1.00x), 64-256 KiB 0.94-1.25x (a block just written on
+// the other core reads slower through process_vm_readv than through a slot its writer filled);
+// 4 ranks on 2 cores, where each staged step waits for a core per rank, 5 rounds: blocks of
+// 512 KiB-1 MiB 0.79-0.85x, 256 KiB 0.97x (a 9-round run with an A/A control could not tell
+// 0.70-1.09x from its noise, 0.79-1.05x). An explicit setting holds for both.
 size_t alltoallSingleCopyBytesFor(const CpuShare& machine) {
   if (env::shmSingleCopyBytes() >= 0) return singleCopyBytesFor(machine);
   return machine.oversubscribed() ? (256u << 10) : (512u << 10);
