@@ -3,7 +3,6 @@ env:// (what torchrun sets up), tcp:// and file://; plus the SageMaker-style ali
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -65,14 +64,14 @@ def _run(method, module):
 
 
 @pytest.mark.parametrize("method", ["env://", "tcp://", "file://"])
-def test_init_method(method):
+def test_init_method(method, tmp_path):
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
     _run.port = free_port()
     if method == "tcp://":
         method = f"tcp://127.0.0.1:{free_port()}"
     elif method == "file://":
-        method = "file://" + os.path.join(tempfile.mkdtemp(prefix="smddp-init-"), "store")
+        method = f"file://{tmp_path}/store"  # pytest removes the directory, not the ranks
     _run(method, "smddp")
 
 
