@@ -45,6 +45,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -119,8 +120,14 @@ def _kill(p):
 
 
 def _run(script, nproc, extra, backend):
+    # Without --log-dir torchrun makes its workers' log tree in a /tmp directory it never removes.
+    with tempfile.TemporaryDirectory(prefix="smddp-torchrun-") as logs:
+        return _launch(script, nproc, extra, backend, logs)
+
+
+def _launch(script, nproc, extra, backend, logs):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--log-dir", logs,
            os.path.join("examples", script), "--backend", backend, "--steps", str(STEPS), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
     t0 = time.monotonic()
