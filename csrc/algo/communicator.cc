@@ -268,7 +268,11 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
   }
   ctx.oneShotMaxBytes = oneShotMaxBytes_;
   ctx.copyStepBytes = copyStepBytes_;
-  ctx.singleCopyBytes = peerReads_ ? singleCopyBytes() : SIZE_MAX;
+  // all_to_all's threshold is this rank's own, not agreed with rank 0 as the all-gathers' is:
+  // every op takes the largest of its ranks'.
+  ctx.singleCopyBytes = !peerReads_                 ? SIZE_MAX
+                        : kind == OpKind::kAlltoall ? alltoallSingleCopyBytes()
+                                                    : singleCopyBytes();
   ctx.fingerprint = opFingerprint_;
   ctx.text = &opText_;
   StagingChoice staging;
@@ -347,11 +351,7 @@ void Communicator::scatter(const ScatterOptions& opts, std::chrono::milliseconds
 void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::milliseconds timeout) {
   checkAlltoallBuffers(opts, rank_);
   runEither({OpKind::kAlltoall, opts.dtype}, timeout,
-            [&](OpContext& ctx) {
-              // Not agreed with rank 0 as the all-gathers' is: every op takes the largest of its ranks'.
-              ctx.singleCopyBytes = peerReads_ ? alltoallSingleCopyBytes() : SIZE_MAX;
-              algo::alltoall(ctx, opts);
-            },
+            [&](OpContext& ctx) { algo::alltoall(ctx, opts); },
             [&](HierContext& hc) {
               // Only all_to_all needs every rank of the other hosts connected: groups that never
               // run one never hold those connections.
