@@ -73,6 +73,15 @@ def ptrace_allowed():
         return True
 
 
+def topology_states(rank, world, key, wants):
+    """Each rank's _topology()[key] (of the default group's backend) must be wants[rank]."""
+    import torch.distributed as dist
+    rep = Report(rank)
+    got = dist.group.WORLD._get_backend(torch.device("cpu"))._topology().get(key)
+    rep.expect(got == wants[rank], f"rank {rank}: {key} is {got!r}, not {wants[rank]!r}")
+    return rep.to_dict()
+
+
 def dname(dtype):
     return str(dtype).replace("torch.", "")
 

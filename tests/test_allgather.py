@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _util import DTYPES, IS_SMDDP, SMALL_SIZES, Report, backend_skip, dname, gen, gen_all, large_elems, ptrace_allowed
+from _util import DTYPES, IS_SMDDP, SMALL_SIZES, Report, backend_skip, dname, gen, gen_all, large_elems, ptrace_allowed, topology_states
 
 WORLDS = [1, 2, 3, 4]
 
@@ -169,14 +169,6 @@ def test_copy_step_smaller_than_slot(pools):
     pools.check(3, copy_steps_uneven, env=env)
 
 
-def single_copy_states(rank, world, wants):
-    """Each rank's _topology()["allgather_single_copy"] must be wants[rank]."""
-    rep = Report(rank)
-    got = dist.group.WORLD._get_backend(torch.device("cpu"))._topology().get("allgather_single_copy")
-    rep.expect(got == wants[rank], f"rank {rank}: allgather_single_copy is {got!r}, not {wants[rank]!r}")
-    return rep.to_dict()
-
-
 def gather_beside_single_copy(rank, world):
     """gather (the root alone reads) keeps to the staging slots under SMDDP_SHM_SINGLE_COPY_BYTES."""
     rep = Report(rank)
@@ -202,7 +194,7 @@ def test_all_gather_single_copy_setting(pools, world, single_copy):
     if IS_SMDDP:
         want = ("from 1 bytes" if ptrace_allowed() else "off (a rank may not read its host-mates' memory)"
                 ) if single_copy == "1" else "off"
-        pools.check(world, single_copy_states, [want] * world, env=env)
+        pools.check(world, topology_states, "allgather_single_copy", [want] * world, env=env)
     pools.check(world, all_gather_list, [1, 1001], ["float32", "float16", "int8", "bool"], env=env, timeout=240)
     pools.check(world, all_gather_tensor_forms, [0, 7, 1001, "large"], ["float32", "bfloat16"], env=env,
                 timeout=300)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _util import DTYPES, SMALL_SIZES, Report, dname, gen, gen_all, large_elems
+from _util import DTYPES, IS_SMDDP, SMALL_SIZES, Report, dname, gen, gen_all, large_elems, ptrace_allowed, topology_states
 
 WORLDS = [1, 2, 3, 4]
 ALL = [dname(d) for d in DTYPES]
@@ -121,6 +121,10 @@ def test_alltoall_single_copy_setting(pools, world, single_copy):
     input (where the kernel lets ranks read each other's memory), even and uneven splits, empty
     blocks among them, a rank that sends nothing, small and large; 0: never, in the same cases."""
     env = (("SMDDP_SHM_SINGLE_COPY_BYTES", single_copy),)
+    if IS_SMDDP:
+        want = ("from 1 bytes (this rank's)" if ptrace_allowed() else "off (a rank may not read its host-mates' memory)"
+                ) if single_copy == "1" else "off"
+        pools.check(world, topology_states, "alltoall_single_copy", [want] * world, env=env)
     pools.check(world, alltoall_cases, 5, ["float32", "bfloat16", "int8", "bool"], env=env, timeout=240)
     pools.check(world, alltoall_cases, 1 << 16, ["float32"], env=env, timeout=300)
 

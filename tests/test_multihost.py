@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import _pool
-from _util import DTYPES, IS_SMDDP, REDOPS, SMALL_SIZES, Report, assert_reports, dname, ptrace_allowed
-from test_allgather import all_gather_coalesced, all_gather_list, all_gather_tensor_forms, single_copy_states
+from _util import DTYPES, IS_SMDDP, REDOPS, SMALL_SIZES, Report, assert_reports, dname, ptrace_allowed, topology_states
+from test_allgather import all_gather_coalesced, all_gather_list, all_gather_tensor_forms
 from test_allreduce import allreduce_matrix
 from test_broadcast_reduce import broadcast_all_roots, reduce_all_roots
 from test_clients import ddp_task, fsdp2_task, pipeline_task
@@ -529,7 +529,13 @@ def test_disagreeing_shm_settings_take_rank_0s(hosts):
     # state saying "a rank may not read its host-mates' memory").
     readable = "from 1 bytes" if ptrace_allowed() else "off (a rank may not read its host-mates' memory)"
     wants = [readable, readable, readable if hosts[2] == "0" else "off (no host-mates)"]
-    reports, _ = run_in_own_pool(rank_env, single_copy_states, wants, world=3)
+    reports, _ = run_in_own_pool(rank_env, topology_states, "allgather_single_copy", wants, world=3)
+    assert_reports(reports, 3)
+    # all_to_all's threshold is each rank's own (an op goes by the largest), so rank 1's 0 stays.
+    own = (lambda v: f"from {v} bytes (this rank's)") if ptrace_allowed() else (
+        lambda v: "off (a rank may not read its host-mates' memory)")
+    wants = [own(1), "off", own(4096) if hosts[2] == "0" else "off (no host-mates)"]
+    reports, _ = run_in_own_pool(rank_env, topology_states, "alltoall_single_copy", wants, world=3)
     assert_reports(reports, 3)
     reports, logs = run_in_own_pool(rank_env, allreduce_matrix, [7, 1001, 70_000], ["float32"], ["SUM"], world=3)
     assert_reports(reports, 3)

@@ -57,6 +57,7 @@ class Communicator {
   size_t alltoallSingleCopyBytes() const {
     return domain_ != nullptr && domain_->allReadPeers() ? alltoallSingleCopyBytes_ : SIZE_MAX;
   }
+  size_t alltoallSingleCopyBytesSetting() const { return alltoallSingleCopyBytes_; }
   // While alive, the ops run on this communicator read nothing in place: their buffers are host
   // memory a driver pinned (CUDA's staging), which the kernel may not let other processes read.
   // Ops run one at a time, so a plain flag does.

@@ -202,15 +202,15 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
                                               {"machine_cpus", std::to_string(comm_->machineShare().cpus)},
                                               {"wait_spin_us", std::to_string(comm_->domain()->spin().count())},
                                               {"linger_us", std::to_string(handOffLinger_.count())}};
-  const size_t singleCopy = comm_->singleCopyBytes();
-  info["allgather_single_copy"] = singleCopy != SIZE_MAX ? "from " + std::to_string(singleCopy) + " bytes"
-                                  : comm_->singleCopyBytesSetting() == SIZE_MAX ? "off"
-                                  : t.localSize() == 1 ? "off (no host-mates)"
-                                                       : "off (a rank may not read its host-mates' memory)";
-  const size_t alltoallSingleCopy = comm_->alltoallSingleCopyBytes();
-  info["alltoall_single_copy"] = alltoallSingleCopy != SIZE_MAX
-                                     ? "from " + std::to_string(alltoallSingleCopy) + " bytes (this rank's)"
-                                     : "off";
+  // "from N bytes", or why not.
+  auto singleCopy = [&](size_t from, size_t setting, const char* whose) -> std::string {
+    if (from != SIZE_MAX) return "from " + std::to_string(from) + " bytes" + whose;
+    if (setting == SIZE_MAX) return "off";
+    return t.localSize() == 1 ? "off (no host-mates)" : "off (a rank may not read its host-mates' memory)";
+  };
+  info["allgather_single_copy"] = singleCopy(comm_->singleCopyBytes(), comm_->singleCopyBytesSetting(), "");
+  info["alltoall_single_copy"] =
+      singleCopy(comm_->alltoallSingleCopyBytes(), comm_->alltoallSingleCopyBytesSetting(), " (this rank's)");
   if (p2p_) {
     // Whether messages to this rank from its host-mates may be read from their memory, and from what size.
     const bool reads = comm_->domain()->readsPeers(t.localRank());
