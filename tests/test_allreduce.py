@@ -71,6 +71,11 @@ def _views(base_shape_kind, n):
         return (5, n), lambda b: b.t(), f"(5,{n}).t()"
     if base_shape_kind == "colslice":
         return (6, n + 4), lambda b: b[:, 2:2 + n], f"(6,{n + 4})[:, 2:{2 + n}]"
+    if base_shape_kind == "transposed_wide":  # both sides >= 16: copied in and out cache-blocked
+        m = max(16, n // 17)
+        return (17, m), lambda b: b.t(), f"(17,{m}).t()"
+    if base_shape_kind == "channels_last":  # dense, in another order: written back through its own order
+        return (1, n, 2, 3), lambda b: b.permute(0, 3, 1, 2), f"(1,{n},2,3).permute(0,3,1,2)"
     raise ValueError(base_shape_kind)
 
 
@@ -81,7 +86,7 @@ def allreduce_noncontig(rank, world, n, dtypes=None, opnames=None):
         for opname in ops:
             if refused(dtype, opname):
                 continue
-            for kind in ("stride2", "transposed", "colslice"):
+            for kind in ("stride2", "transposed", "transposed_wide", "colslice", "channels_last"):
                 shape, view, desc = _views(kind, n)
                 label = (f"all_reduce in-place on non-contiguous view {desc} dtype={dname(dtype)} "
                          f"op={opname} world={world}")
@@ -108,6 +113,40 @@ def allreduce_noncontig(rank, world, n, dtypes=None, opnames=None):
                     view(mask).fill_(False)
                     rep.check(label + " [elements outside the view]", base[mask], before[mask],
                               cross_rank=False)
+    return rep.to_dict()
+
+
+def allreduce_mixed_layouts(rank, world, n):
+    """Ranks hold the same logical tensor in different memory orders (even ranks row-major, odd
+    ranks column-major, and a channels-last 4-D one beside a contiguous one): elements must meet
+    by index, not by position in memory. (gloo reduces the memory as it lies, and gets this wrong.)"""
+    rep = Report(rank)
+    for dtype in (torch.float32, torch.int64):
+        # Sides of 16 or more in both orders take copyStrided, shorter ones torch's copy.
+        for shape, order in (((7, n), (1, 0)), ((20, n), (1, 0)), ((2, 3, n, 5), (0, 2, 3, 1)),
+                             ((2, 20, max(2, n // 100), 18), (0, 2, 3, 1))):
+            label = f"all_reduce SUM, layouts differ across ranks, shape {shape} dtype={dname(dtype)} world={world}"
+            with rep.cell(label):
+                numel = 1
+                for s in shape:
+                    numel *= s
+                ins = [x.reshape(shape) for x in gen_all(f"mixed|{len(shape)}|{n}", world, numel, dtype, "SUM")]
+                inverse = [order.index(d) for d in range(len(order))]
+                # Odd ranks: the same values in memory ordered by `order`.
+                t = ins[rank].permute(order).contiguous().permute(inverse) if rank % 2 else ins[rank].clone()
+                assert t.is_contiguous() == (rank % 2 == 0)
+                dist.all_reduce(t)
+                rep.check(label, t, reduce_ref(ins, dtype, "SUM"), exact=exact_op(dtype, "SUM"), inputs=ins)
+            label = f"broadcast, layouts differ across ranks, shape {shape} dtype={dname(dtype)} world={world}"
+            with rep.cell(label):
+                src = gen(f"mixedb|{len(shape)}|{n}", 0, numel, dtype).reshape(shape)
+                t = torch.zeros(shape, dtype=dtype)
+                if rank % 2:
+                    t = t.permute(order).contiguous().permute(inverse)
+                if rank == 0:
+                    t.copy_(src)
+                dist.broadcast(t, src=0)
+                rep.check(label, t, src)
     return rep.to_dict()
 
 
@@ -515,6 +554,13 @@ def test_all_reduce_refused_async(pools, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_all_reduce_noncontiguous(pools, world):
     pools.check(world, allreduce_noncontig, 13)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.skipif(not IS_SMDDP, reason="gloo reduces tensors in memory order, whatever their layout")
+def test_layouts_differ_across_ranks(pools, world):
+    pools.check(world, allreduce_mixed_layouts, 11)
+    pools.check(world, allreduce_mixed_layouts, 40_001, timeout=300)
 
 
 @pytest.mark.parametrize("world", [2, 3])

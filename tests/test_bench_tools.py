@@ -225,3 +225,17 @@ def test_perf_rounds_interleaves_configurations():
     assert len([line for line in p.stdout.split("# raw")[1].splitlines() if line.startswith("read np=2")]) == 4
     p = subprocess.run([*script, "ok=", "bad=SMDDP_SHM_SLOT_BYTES=5", *perf], capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "bad (np 2) failed" in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_layouts_benchmark_checks_and_compares_backends():
+    # Small tensors, one round, smddp beside gloo: every layout and op is checked before it is
+    # timed, and each backend gets a column with its ratio to the first.
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_layouts.py"), "--sizes", "32",
+                        "--rounds", "1", "smddp=smddp", "gloo=gloo"], capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines() if line.startswith("    32 ")]
+    assert [(r[1], r[2]) for r in rows] == [(layout, op) for layout in ("transposed", "chlast_c4", "chlast_c64",
+                                                                          "contiguous")
+                                             for op in ("all_reduce", "broadcast")], p.stdout
+    assert all(float(r[3]) > 0 and r[4] == "1.00" and float(r[5]) > 0 for r in rows), p.stdout

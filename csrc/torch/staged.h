@@ -12,6 +12,14 @@
 
 namespace smddp::torchext {
 
+// dst.copy_(src) for CPU tensors of one dtype and shape whose elements lie in different orders
+// (a transposed or channels-last tensor and its contiguous copy), cache-blocked (copyStrided),
+// without autograd; false, having copied nothing, where torch's copy does as well (both walk
+// their innermost dimension in order) or must (conjugate or negative views, other devices).
+bool copyLayout(const at::Tensor& dst, const at::Tensor& src);
+// A contiguous copy of `t`'s values (by copyLayout where it pays).
+at::Tensor contiguousCopy(const at::Tensor& t);
+
 // A tensor as the core sees it: `work` is contiguous, the user's tensor itself or a copy (results
 // are copied back after the op where `copyBack`). The copy is made by ready(), as the op starts,
 // not when it is issued: an op queued behind another that writes the same memory must read what
@@ -30,7 +38,7 @@ struct Staged {
   void ready() {  // once: an input read as its op starts is not read again by its item
     if (work.defined()) return;
     if (way == Way::kCopyIn) {
-      work = user.clone(at::MemoryFormat::Contiguous);
+      work = contiguousCopy(user);
     } else if (way == Way::kFresh) {
       work = at::empty(user.sizes(), user.options().memory_format(at::MemoryFormat::Contiguous));
     } else {

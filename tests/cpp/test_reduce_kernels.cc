@@ -17,6 +17,7 @@
 
 #include "core/copy.h"
 #include "core/reduce.h"
+#include "core/strided_copy.h"
 #include "core/types.h"
 
 using namespace smddp;
@@ -344,6 +345,67 @@ void checkStreamingCopy() {
   (bad == 0 ? passed : failed)++;
 }
 
+// copyStrided against an element-by-element reference: random boxes of 1-5 sides (some of size
+// 1 or 0, large enough to be cut into pieces), each side's stride in src and in dst from its own
+// random order of the sides, some sides strided with gaps, every element size; dst's gaps and
+// the bytes around it must stay untouched.
+void checkStridedCopy(std::mt19937& rng) {
+  size_t bad = 0, cases = 0;
+  for (size_t es : {1, 2, 4, 8, 16}) {
+    for (int trial = 0; trial < 60; ++trial) {
+      const int dims = 1 + static_cast<int>(rng() % 5);
+      std::vector<int64_t> sizes(dims);
+      for (int64_t& n : sizes) n = rng() % 9 == 0 ? static_cast<int64_t>(rng() % 2) : 1 + static_cast<int64_t>(rng() % 40);
+      if (trial % 10 == 0) sizes[rng() % dims] = 300;  // big enough to be halved more than once
+      // Strides: the sides in a random order, each with an optional gap (as a slice t[:, ::2]).
+      auto layout = [&](std::vector<int64_t>& strides) {
+        std::vector<int> order(dims);
+        for (int k = 0; k < dims; ++k) order[k] = k;
+        std::shuffle(order.begin(), order.end(), rng);
+        int64_t next = 1;
+        strides.assign(dims, 0);
+        for (int k = dims - 1; k >= 0; --k) {
+          strides[order[k]] = next * (rng() % 4 == 0 ? 2 : 1);
+          next = strides[order[k]] * std::max<int64_t>(sizes[order[k]], 1);
+        }
+        return next;  // elements spanned
+      };
+      std::vector<int64_t> ds, ss;
+      const int64_t dstSpan = layout(ds), srcSpan = layout(ss);
+      std::vector<uint8_t> src(static_cast<size_t>(srcSpan) * es), dst(static_cast<size_t>(dstSpan) * es + 64, 0xEE),
+          want(dst);
+      for (uint8_t& b : src) b = static_cast<uint8_t>(rng());
+      // Reference: every index in turn.
+      int64_t total = 1;
+      for (int64_t n : sizes) total *= n;
+      std::vector<int64_t> idx(dims, 0);
+      for (int64_t e = 0; e < total; ++e) {
+        int64_t so = 0, dO = 0, rest = e;
+        for (int k = dims - 1; k >= 0; --k) {
+          idx[k] = rest % sizes[k];
+          rest /= sizes[k];
+          so += idx[k] * ss[k];
+          dO += idx[k] * ds[k];
+        }
+        std::memcpy(want.data() + 32 + dO * es, src.data() + so * es, es);
+      }
+      const bool took = copyStrided(dst.data() + 32, ds.data(), src.data(), ss.data(), sizes.data(), dims, es);
+      ++cases;
+      if (!took || dst != want) {
+        if (bad++ < 3) printf("FAIL strided copy: element size %zu, %d sides, %s\n", es, dims, took ? "wrong bytes" : "refused");
+      }
+    }
+  }
+  // Element sizes it does not copy are refused, not copied wrong.
+  int64_t one = 1;
+  uint8_t a[3] = {1, 2, 3}, b[3] = {0, 0, 0};
+  if (copyStrided(b, &one, a, &one, &one, 1, 3) || b[0] != 0) {
+    printf("FAIL strided copy: a 3-byte element was not refused\n");
+    ++bad;
+  }
+  (bad == 0 && cases == 300 ? passed : failed)++;
+}
+
 }  // namespace
 
 // float16 NaNs: every instruction set, and a block's elements and its tail's alike, give the same
@@ -507,6 +569,7 @@ int main() {
   checkHalfNanBitsAgree();
   checkFlushToZeroIgnored();
   checkStreamingCopy();
+  checkStridedCopy(rng);
   printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }
