@@ -1,6 +1,5 @@
 #include "torch/staged.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
 
@@ -44,20 +43,9 @@ bool copyLayout(const at::Tensor& dst, const at::Tensor& src) {
       (es != 1 && es != 2 && es != 4 && es != 8 && es != 16)) {
     return false;
   }
-  // Over torch's threads, as its copy would be: slabs of the largest dimension.
-  int64_t outer = 0;
-  for (int64_t d = 1; d < dst.dim(); ++d) {
-    if (dst.size(d) > dst.size(outer)) outer = d;
-  }
-  const int64_t perSlab = dst.numel() / dst.size(outer);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / perSlab);
-  at::parallel_for(0, dst.size(outer), grain, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> sizes(dst.sizes().begin(), dst.sizes().end());
-    sizes[static_cast<size_t>(outer)] = end - begin;
-    uint8_t* d = bytePtr(dst) + begin * dst.stride(outer) * static_cast<int64_t>(es);
-    const uint8_t* s = static_cast<const uint8_t*>(src.data_ptr()) + begin * src.stride(outer) * static_cast<int64_t>(es);
-    copyStrided(d, dst.strides().data(), s, src.strides().data(), sizes.data(), static_cast<int>(dst.dim()), es);
-  });
+  // One thread: at::parallel_for runs serially in code built without OpenMP, as this is.
+  copyStrided(bytePtr(dst), dst.strides().data(), src.data_ptr(), src.strides().data(), dst.sizes().data(),
+              static_cast<int>(dst.dim()), es);
   return true;
 }
 
