@@ -412,6 +412,14 @@ def inference_mode_task(rank, world):
                 if async_op:
                     w.wait()
                 rep.check("all_reduce(t.t())", t, torch.full((4, 8), total))
+            with rep.cell(f"all_reduce of a 4 MiB transposed inference tensor, async_op={async_op}"):
+                t = torch.full((1024, 1024), float(rank + 1)).t()  # copied cache-blocked (copyLayout)
+                ahead = dist.all_reduce(torch.ones(1 << 20), async_op=True)
+                w = dist.all_reduce(t, async_op=async_op)
+                ahead.wait()
+                if async_op:
+                    w.wait()
+                rep.check("all_reduce(t.t()) 4 MiB", t, torch.full((1024, 1024), total))
             with rep.cell(f"all_gather_into_tensor into a strided output, async_op={async_op}"):
                 out = torch.zeros(2 * world * 4)[::2]
                 ahead = dist.all_reduce(torch.ones(1 << 20), async_op=True)
