@@ -403,23 +403,16 @@ def inference_mode_task(rank, world):
     total = float(world * (world + 1) // 2)
     with torch.inference_mode():
         for async_op in (False, True):
-            with rep.cell(f"all_reduce of a transposed inference tensor, async_op={async_op}"):
-                t = torch.full((8, 4), float(rank + 1)).t()
-                # a large op ahead keeps the group busy: the blocking one queues behind it too
-                ahead = dist.all_reduce(torch.ones(1 << 20), async_op=True)
-                w = dist.all_reduce(t, async_op=async_op)
-                ahead.wait()
-                if async_op:
-                    w.wait()
-                rep.check("all_reduce(t.t())", t, torch.full((4, 8), total))
-            with rep.cell(f"all_reduce of a 4 MiB transposed inference tensor, async_op={async_op}"):
-                t = torch.full((1024, 1024), float(rank + 1)).t()  # copied cache-blocked (copyLayout)
-                ahead = dist.all_reduce(torch.ones(1 << 20), async_op=True)
-                w = dist.all_reduce(t, async_op=async_op)
-                ahead.wait()
-                if async_op:
-                    w.wait()
-                rep.check("all_reduce(t.t()) 4 MiB", t, torch.full((1024, 1024), total))
+            for rows, cols in ((8, 4), (1024, 1024)):  # 4 MiB: copied in and out cache-blocked
+                with rep.cell(f"all_reduce of a transposed {rows}x{cols} inference tensor, async_op={async_op}"):
+                    t = torch.full((rows, cols), float(rank + 1)).t()
+                    # a large op ahead keeps the group busy: the blocking one queues behind it too
+                    ahead = dist.all_reduce(torch.ones(1 << 20), async_op=True)
+                    w = dist.all_reduce(t, async_op=async_op)
+                    ahead.wait()
+                    if async_op:
+                        w.wait()
+                    rep.check("all_reduce(t.t())", t, torch.full((cols, rows), total))
             with rep.cell(f"all_gather_into_tensor into a strided output, async_op={async_op}"):
                 out = torch.zeros(2 * world * 4)[::2]
                 ahead = dist.all_reduce(torch.ones(1 << 20), async_op=True)
