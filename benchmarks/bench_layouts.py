@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 SHAPES = {  # name: (memory shape, the permutation viewing it as the logical tensor)
     "transposed": (lambda n: (n, n), (1, 0)),
@@ -61,10 +62,10 @@ def worker(rank, world, backend, port, sizes, threads, out_path):
                     raise SystemExit(f"rank {rank}: {backend} {op} of {name} n={n}: wrong result")
                 iters = max(3, min(200, int(2e7 / t.numel())))  # the same on every rank
                 dist.barrier()
-                start = __import__("time").perf_counter()
+                start = time.perf_counter()
                 for _ in range(iters):
                     call()
-                ms = (__import__("time").perf_counter() - start) / iters * 1e3
+                ms = (time.perf_counter() - start) / iters * 1e3
                 rows.append({"n": n, "layout": name, "op": op, "ms": ms, "bytes": t.numel() * 4})
     if rank == 0:
         with open(out_path, "w") as f:
@@ -109,7 +110,7 @@ def main(argv=None):
         configs.append((label, backend, path))
     sizes = [int(s) for s in args.sizes.split(",")]
     results = {label: [] for label, _, _ in configs}
-    for r in range(args.rounds):
+    for _ in range(args.rounds):
         for label, backend, path in configs:
             results[label].append(run_backend(backend, path, args.world, sizes, args.threads))
     first = configs[0][0]
