@@ -16,7 +16,6 @@ tensor.cpu(), the exchange, a copy back into the CUDA tensor. busbw = algbw for 
 """
 import argparse
 import os
-import socket
 import sys
 import time
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_setup import free_port  # noqa: E402
 from bench_vs_gloo import BUSBW_FACTOR, fmt_bytes, parse_size, size_list  # noqa: E402
 
 # torch's names for the ops -> bench_vs_gloo's (for its nccl-tests bus factors)
@@ -149,12 +149,6 @@ def worker(rank, world, port, backend, ops, sizes, repeat, queue, host_ids):
             if rank == 0:
                 queue.put((backend, op, nbytes, cell))
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():

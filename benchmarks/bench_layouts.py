@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_setup import free_port  # noqa: E402
 
 SHAPES = {  # name: (memory shape, the permutation viewing it as the logical tensor)
     "transposed": (lambda n: (n, n), (1, 0)),
@@ -71,12 +73,6 @@ def worker(rank, world, backend, port, sizes, threads, out_path):
         with open(out_path, "w") as f:
             json.dump(rows, f)
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_backend(backend, pythonpath, world, sizes, threads):

@@ -38,19 +38,14 @@ bool copyLayout(const at::Tensor& dst, const at::Tensor& src) {
     if (dstInner < 0 || dst.stride(d) < dst.stride(dstInner)) dstInner = d;
     if (srcInner < 0 || src.stride(d) < src.stride(srcInner)) srcInner = d;
   }
-  const size_t es = dst.element_size();
-  if (dstInner == srcInner || std::min(dst.size(dstInner), dst.size(srcInner)) < kMinTransposeSide ||
-      (es != 1 && es != 2 && es != 4 && es != 8 && es != 16)) {
-    return false;
-  }
-  // One thread: at::parallel_for runs serially in code built without OpenMP, as this is.
-  copyStrided(bytePtr(dst), dst.strides().data(), src.data_ptr(), src.strides().data(), dst.sizes().data(),
-              static_cast<int>(dst.dim()), es);
-  return true;
+  if (dstInner == srcInner || std::min(dst.size(dstInner), dst.size(srcInner)) < kMinTransposeSide) return false;
+  // One thread: at::parallel_for runs serially in code built without OpenMP, as this is. False
+  // for an element size it does not copy (none here: torch's dtypes are 1-16 bytes).
+  return copyStrided(bytePtr(dst), dst.strides().data(), src.data_ptr(), src.strides().data(), dst.sizes().data(),
+                     static_cast<int>(dst.dim()), dst.element_size());
 }
 
 at::Tensor contiguousCopy(const at::Tensor& t) {
-  if (t.nbytes() < kMinBytes || !t.is_cpu()) return t.clone(at::MemoryFormat::Contiguous);
   at::Tensor c = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
   if (!copyLayout(c, t)) c.copy_(t);
   return c;
