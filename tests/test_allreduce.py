@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 import _pool
 from _util import (DTYPES, FC_OPS, FLOAT_DTYPES, IS_SMDDP, REDOPS, SMALL_SIZES, Report, assert_reports, backend_skip,
-                   dname, exact_op, gen, gen_all, is_float, large_elems, make_op, reduce_ref, refused)
+                   dname, exact_op, gen, gen_all, is_float, large_elems, make_op, ptrace_allowed, reduce_ref, refused,
+                   topology_states)
 
 WORLDS = [1, 2, 3, 4]
 
@@ -539,6 +540,25 @@ def test_all_reduce_every_dtype_op_size(pools, world):
 def test_all_reduce_large(pools, world):
     pools.check(world, allreduce_matrix, ["large"], ["float32", "bfloat16", "int64"],
                 ["SUM", "MAX", "AVG"], "arL", timeout=300)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("reads", ["1", "0"], ids=["read-in-place", "staged"])
+def test_all_reduce_single_copy_setting(pools, world, reads):
+    """SMDDP_SHM_ALLREDUCE_SINGLE_COPY=1: every all_reduce whose slice per rank is at least 1 MiB
+    reads its peers' inputs and reduced slices in place (where the kernel lets ranks read each
+    other's memory): sums, maxima, averages and products of float, bfloat16 and int64 tensors whose
+    slices are none aligned must land right, bit for bit on every rank; 0: never, in the same cases
+    (the C++ test counts the steps to tell which path ran)."""
+    env = (("SMDDP_SHM_ALLREDUCE_SINGLE_COPY", reads),)
+    if IS_SMDDP:
+        readable = ("from 1048576 bytes per rank" if ptrace_allowed()
+                    else "off (a rank may not read its host-mates' memory)")
+        want = readable if reads == "1" else "off"
+        pools.check(world, topology_states, "allreduce_single_copy", [want] * world, env=env)
+    # 2 bytes x 2^19 elements per rank: 1 MiB slices for bfloat16, more for the others.
+    pools.check(world, allreduce_matrix, [world * (1 << 19) + 77], ["float32", "bfloat16", "int64"],
+                ["SUM", "MAX", "AVG", "PRODUCT"], "arS", env=env, timeout=300)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

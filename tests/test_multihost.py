@@ -478,8 +478,9 @@ def test_disagreeing_net_settings_take_rank_0s():
     reports, logs = run_in_own_pool(rank_env, allreduce_matrix, [1, 1001, "large"], ["float32"], ["SUM", "MAX"])
     assert_reports(reports, 2)
     assert ('rank 1: SMDDP_NET_ALGO, SMDDP_NET_BUFFER_BYTES, SMDDP_NET_ONESHOT_BYTES, SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES, '
-            'SMDDP_SHM_COPY_STEP_BYTES, SMDDP_SHM_SINGLE_COPY_BYTES come to "ring 131072 1073741824 65536 262144 0" '
-            'here, but rank 0\'s "mesh 65536 0 65536 262144 0" hold') in logs[1], logs[1][-2000:]
+            'SMDDP_SHM_COPY_STEP_BYTES, SMDDP_SHM_SINGLE_COPY_BYTES, SMDDP_SHM_ALLREDUCE_SINGLE_COPY come to '
+            '"ring 131072 1073741824 65536 262144 0 0" here, but rank 0\'s "mesh 65536 0 65536 262144 0 0" hold'
+            ) in logs[1], logs[1][-2000:]
     assert "hold for the group" not in logs[0], logs[0][-2000:]
 
 
@@ -517,13 +518,16 @@ def test_disagreeing_debug_checks_take_rank_0s(rank0):
 @pytest.mark.parametrize("hosts", [["0", "0", "0"], ["0", "0", "1"]])
 def test_disagreeing_shm_settings_take_rank_0s(hosts):
     """How a host's ranks cut a message into steps must agree too: rank 1 asks for the one-shot
-    allreduce never, for 128-byte copy steps and for staged all-gathers (rank 2 for one-shot
-    always, and for reading in place from 4 KiB), is told that rank 0's values hold (one-shot to
-    64 KiB, 256 KiB steps, every all-gather read in place), and every result is right. Until
-    2026-11-29 each rank used its own, and the allreduce and broadcast came out wrong, silently."""
+    allreduce never, for 128-byte copy steps and for staged all-gathers and all_reduces (rank 2 for
+    one-shot always, for reading in place from 4 KiB, and for all_reduces reading in place as
+    learnt, which with 3 ranks on 2 cores is never), is told that rank 0's values hold (one-shot to
+    64 KiB, 256 KiB steps, every all-gather and every all_reduce of 1 MiB slices read in place),
+    and every result is right. Until 2026-11-29 each rank used its own, and the allreduce and
+    broadcast came out wrong, silently."""
     rank_env = {"SMDDP_HOST_ID": hosts, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES": ["65536", "0", str(1 << 30)],
                 "SMDDP_SHM_COPY_STEP_BYTES": ["262144", "128", "262144"],
-                "SMDDP_SHM_SINGLE_COPY_BYTES": ["1", "0", "4096"], "SMDDP_P2P_SINGLE_COPY_BYTES": ["-1", "0", "-1"]}
+                "SMDDP_SHM_SINGLE_COPY_BYTES": ["1", "0", "4096"], "SMDDP_P2P_SINGLE_COPY_BYTES": ["-1", "0", "-1"],
+                "SMDDP_SHM_ALLREDUCE_SINGLE_COPY": ["1", "0", "auto"]}
     # Rank 1 would read its host-mates' memory neither way, by its own settings: it must still
     # check that it may (until 2026-11-29 it did not, and the group's all-gathers staged, the
     # state saying "a rank may not read its host-mates' memory").
@@ -537,14 +541,20 @@ def test_disagreeing_shm_settings_take_rank_0s(hosts):
     wants = [own(1), "off", own(4096) if hosts[2] == "0" else "off (no host-mates)"]
     reports, _ = run_in_own_pool(rank_env, topology_states, "alltoall_single_copy", wants, world=3)
     assert_reports(reports, 3)
-    reports, logs = run_in_own_pool(rank_env, allreduce_matrix, [7, 1001, 70_000], ["float32"], ["SUM"], world=3)
+    readable = ("from 1048576 bytes per rank" if ptrace_allowed()
+                else "off (a rank may not read its host-mates' memory)")
+    wants = [readable, readable, readable if hosts[2] == "0" else "off (no host-mates)"]
+    reports, _ = run_in_own_pool(rank_env, topology_states, "allreduce_single_copy", wants, world=3)
+    assert_reports(reports, 3)
+    reports, logs = run_in_own_pool(rank_env, allreduce_matrix, [7, 1001, 70_000, 3 * (1 << 18) + 77], ["float32"],
+                                    ["SUM"], world=3)
     assert_reports(reports, 3)
     reports, logs = run_in_own_pool(rank_env, broadcast_all_roots, [1001, 70_000], ["float32", "int8"], world=3)
     assert_reports(reports, 3)
     reports, logs = run_in_own_pool(rank_env, all_gather_tensor_forms, [7, 70_000], ["float32"], world=3)
     assert_reports(reports, 3)
-    assert ('SMDDP_SHM_SINGLE_COPY_BYTES come to "mesh 16777216 65536 0 128 0" here, but rank 0\'s '
-            '"mesh 16777216 65536 65536 262144 1" hold') in logs[1], logs[1][-2000:]
+    assert ('SMDDP_SHM_ALLREDUCE_SINGLE_COPY come to "mesh 16777216 65536 0 128 0 2" here, but rank 0\'s '
+            '"mesh 16777216 65536 65536 262144 1 1" hold') in logs[1], logs[1][-2000:]
     assert "hold for the group" not in logs[0], logs[0][-2000:]
 
 

@@ -20,14 +20,9 @@ namespace {
 
 // Whether this op stages with streaming stores (staging_policy.h); only large ones may.
 bool stagesStreamed(OpContext& ctx, size_t bytesPerRank) {
-  StagingChoice* c = ctx.staging;
+  WayChoice* c = ctx.staging;
   if (c == nullptr || !isLargeStaging(bytesPerRank, ctx.size)) return false;
-  if (c->streamed < 0) {  // timed from here, so that small ops never read the clock
-    c->hostBytes = bytesPerRank * static_cast<size_t>(ctx.size);
-    c->streamed = c->policy->choose(c->kind, c->hostBytes) ? 1 : 0;
-    c->asked = std::chrono::steady_clock::now();
-  }
-  return c->streamed == 1;
+  return c->take(bytesPerRank * static_cast<size_t>(ctx.size));
 }
 
 struct Expect {
@@ -36,6 +31,7 @@ struct Expect {
   ReduceOp redop;
   int root;
   bool readsInPlace = false;  // single copy (see the header)
+  uint32_t way = 0;  // an all_reduce that may read in place: the host's first rank's choice
 };
 
 // FNV-1a over the element count this rank expects of each rank (OpDescriptor::layout).
@@ -54,6 +50,7 @@ void writeDescriptor(OpContext& ctx, uint64_t phase, const Expect& e, uint64_t c
   shm::OpDescriptor& d = ctx.domain->descriptor(ctx.rank, phase);
   d.address = reinterpret_cast<uint64_t>(address);
   d.readsInPlace = e.readsInPlace ? 1 : 0;
+  d.way = e.way;
   d.seq = ctx.seq;
   d.kind = static_cast<uint32_t>(e.kind);
   d.dtype = static_cast<uint32_t>(e.dtype);
@@ -109,16 +106,20 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
                opKindName(e.kind), static_cast<unsigned long long>(ctx.seq), mine.c_str(),
                ctx.size > 16 ? ", ..." : "", ctx.domain->groupRank(p));
   }
-  // Only an all-gather may read in place (other kinds always announce 0): the loop, and the
-  // descriptor line it reads, stay off every other op's first step.
-  for (int p = 0; e.kind == OpKind::kAllgather && p < ctx.size; ++p) {
+  // Only all-gathers and all_reduces may read in place (other kinds always announce 0): the loop,
+  // and the descriptor line it reads, stay off every other op's first step. All_reduce ranks
+  // agree on it (the group's setting), so a mismatch there is smddp's own bug, told all the same.
+  const bool mayRead = e.kind == OpKind::kAllgather || e.kind == OpKind::kAllreduce;
+  for (int p = 0; mayRead && p < ctx.size; ++p) {
     if (p == ctx.rank || (ctx.domain->descriptor(p, phase).readsInPlace != 0) == e.readsInPlace) continue;
     throwError(ErrorCode::kInvalidUsage,
-               "collectives do not match across ranks: at %s #%llu this rank %s, rank %d %s (an all_gather of CUDA "
-               "tensors on some ranks and CPU tensors on others?)",
+               "collectives do not match across ranks: at %s #%llu this rank %s, rank %d %s%s",
                opKindName(e.kind), static_cast<unsigned long long>(ctx.seq),
                e.readsInPlace ? "reads its host-mates' parts in place" : "stages its part",
-               ctx.domain->groupRank(p), e.readsInPlace ? "stages its part" : "reads its host-mates' parts in place");
+               ctx.domain->groupRank(p), e.readsInPlace ? "stages its part" : "reads its host-mates' parts in place",
+               e.kind == OpKind::kAllgather ? " (an all_gather of CUDA tensors on some ranks and CPU tensors on "
+                                              "others?)"
+                                            : "");
   }
   // Debug checks: the callers' full descriptions must agree too (shapes, API), where both sides
   // have them on.
@@ -149,7 +150,8 @@ void throwIfAborted(const OpContext& ctx) {
 
 // One step of the protocol in shm_domain.h: stage, announce (first phase only), publish, wait,
 // verify. A template, not std::function: it runs once per chunk on every op's hot path.
-// `address`: this rank's buffer, announced for peers that read it in place (single copy).
+// `address`: this rank's buffer, announced for peers that read it in place (single copy), in
+// the step's descriptor (any step's: an all_reduce announces its output in its second).
 template <class CountOf, class Stage>
 uint64_t step(OpContext& ctx, bool first, const Expect& e, uint64_t myCount, CountOf countOf, Stage stage,
               const void* address = nullptr) {
@@ -157,7 +159,11 @@ uint64_t step(OpContext& ctx, bool first, const Expect& e, uint64_t myCount, Cou
   const uint64_t k = ctx.domain->nextPhase();
   stage(ctx.domain->slot(ctx.rank, k));
   const uint64_t layout = first ? layoutOf(ctx.size, countOf) : 0;
-  if (first) writeDescriptor(ctx, k, e, myCount, layout, address);
+  if (first) {
+    writeDescriptor(ctx, k, e, myCount, layout, address);
+  } else if (address != nullptr) {
+    ctx.domain->descriptor(ctx.rank, k).address = reinterpret_cast<uint64_t>(address);
+  }
   ctx.domain->publish(k);
   ctx.domain->waitAll(k, ctx.wait);
   if (first) checkDescriptors(ctx, k, e, countOf, layout);
@@ -192,6 +198,19 @@ void copyOwnInPieces(OpContext& ctx, void* dst, const void* src, size_t n, bool 
   }
 }
 
+// Throws why reading `n` bytes of `peer`'s failed with `err` (ECANCELED: an abort here), if it did.
+void throwIfReadFailed(OpContext& ctx, int peer, int err, size_t n) {
+  if (err == ECANCELED) {
+    throwError(ErrorCode::kAborted, "the process group was shut down or aborted while this rank read rank %d's part",
+               ctx.domain->groupRank(peer));
+  }
+  if (err != 0) {
+    throwIfPeerLeft(ctx, peer, err);  // a read fails once a peer that gave up frees its input: say so
+    throwError(ErrorCode::kRemoteError, "cannot read rank %d's %zu bytes in its memory: %s",
+               ctx.domain->groupRank(peer), n, strerror(err));
+  }
+}
+
 // Copies `n` bytes at `address` in host-mate `peer`'s memory to `dst`, in parts across the
 // helpers (process_vm_readv copies in the calling thread), each in pieces.
 void readFromPeer(OpContext& ctx, int peer, uint64_t address, void* dst, size_t n) {
@@ -212,16 +231,7 @@ void readFromPeer(OpContext& ctx, int peer, uint64_t address, void* dst, size_t 
       }
     }
   });
-  const int err = failure.load();
-  if (err == ECANCELED) {
-    throwError(ErrorCode::kAborted, "the process group was shut down or aborted while this rank read rank %d's part",
-               ctx.domain->groupRank(peer));
-  }
-  if (err != 0) {
-    throwIfPeerLeft(ctx, peer, err);  // a read fails once a peer that gave up frees its input: say so
-    throwError(ErrorCode::kRemoteError, "cannot read rank %d's %zu bytes in its memory: %s",
-               ctx.domain->groupRank(peer), n, strerror(err));
-  }
+  throwIfReadFailed(ctx, peer, failure.load(), n);
 }
 
 // After this rank's reads of its peers' inputs (those where `read(peer)`): trusts them, and
@@ -309,6 +319,75 @@ void allreducePipelined(OpContext& ctx, const AllreduceOptions& o, const Expect&
   }
 }
 
+// Single copy (see the header): returns false, with only its first step taken, where the host's
+// first rank chose to stage or some rank's buffers may not be read; the caller then stages.
+bool allreduceReadsInPlace(OpContext& ctx, const AllreduceOptions& o, Expect e) {
+  shm::Domain& d = *ctx.domain;
+  const int W = ctx.size;
+  const size_t es = elementSize(o.dtype);
+  const size_t nbytes = o.count * es;
+  if (ctx.rank == 0) e.way = ctx.allreduceReads->take(nbytes * W) ? 1 : 0;
+  const bool offer = ctx.buffersReadable && d.readableByPeers(o.input, nbytes) &&
+                     (o.output == o.input || d.readableByPeers(o.output, nbytes));
+  auto countOf = [&](int) { return uint64_t{o.count}; };
+  const uint64_t k = step(ctx, true, e, o.count, countOf, noStaging, offer ? o.input : nullptr);
+  if (d.descriptor(0, k).way == 0) return false;
+  std::vector<uint64_t> at(W);  // the inputs, then the outputs
+  for (int p = 0; p < W; ++p) {
+    at[p] = d.descriptor(p, k).address;
+    if (at[p] != 0) continue;
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      SMDDP_INFO(kColl, "rank %d: %s #%llu: rank %d's buffers may not be read by other processes (memory a "
+                 "driver pinned, or memfd_secret's): staged instead of read in place",
+                 d.groupRank(ctx.rank), opKindName(e.kind), static_cast<unsigned long long>(ctx.seq), d.groupRank(p));
+    });
+    return false;
+  }
+  // Reduce-scatter: this rank's slice, from its own input and every peer's, read a piece at a
+  // time into scratch that stays in cache for the reduction (W - 1 pieces of up to 256 KiB,
+  // about 1 MiB in all: 256 KiB pieces beat 64 KiB and 1 MiB ones at 2-16 MiB).
+  const Slices sl = slicesOf(o.count, W, kAlignBytes / es);
+  const size_t piece = std::clamp<size_t>((1 << 20) / (W - 1), 16 << 10, 256 << 10) / kAlignBytes * kAlignBytes / es;
+  std::atomic<int> failure{0};
+  std::atomic<int> failedPeer{0};
+  forEachPart(ctx.helpers, sl.size(ctx.rank), es, kAlignBytes / es, [&](size_t pb, size_t pn) {
+    thread_local std::vector<uint8_t> scratch;  // the progress thread's and each helper's, kept
+    if (scratch.size() < (W - 1) * piece * es) scratch.resize((W - 1) * piece * es);
+    std::vector<const void*> srcs(W);
+    const size_t end = sl.begin(ctx.rank) + pb + pn;
+    for (size_t i = sl.begin(ctx.rank) + pb; i < end && failure.load(std::memory_order_relaxed) == 0; i += piece) {
+      const size_t m = std::min(piece, end - i);
+      for (int j = 1; j < W; ++j) {
+        const int p = (ctx.rank + j) % W;  // host-mates start on different peers
+        uint8_t* dst = scratch.data() + (j - 1) * piece * es;
+        int err = abortedIn(ctx) ? ECANCELED : d.gaveUp(p, nullptr) ? ECONNABORTED : 0;
+        if (err == 0) err = d.readFromPeer(p, dst, at[p] + i * es, m * es);
+        if (err != 0) {
+          failedPeer.store(p);
+          failure.store(err);
+          return;
+        }
+        srcs[p] = dst;
+      }
+      srcs[ctx.rank] = bytes(o.input) + i * es;
+      reduce(o.dtype, o.reduction, bytes(o.output) + i * es, srcs.data(), W, m);
+    }
+  });
+  throwIfReadFailed(ctx, failedPeer.load(), failure.load(), sl.size(ctx.rank) * es);
+  // Every slice is reduced and no input is read any more: the outputs' slices may be written
+  // (in place, a peer's slice of this rank's output is the part of its input that peer read).
+  const uint64_t k2 = step(ctx, false, e, 0, countOf, noStaging, o.output);
+  for (int p = 0; p < W; ++p) at[p] = d.descriptor(p, k2).address;
+  for (int j = 1; j < W; ++j) {
+    const int p = (ctx.rank + j) % W;
+    const size_t b = sl.begin(p) * es;
+    if (sl.size(p) > 0) readFromPeer(ctx, p, at[p] + b, bytes(o.output) + b, sl.size(p) * es);
+  }
+  endReadsInPlace(ctx, e, [&](int p) { return sl.size(p) > 0 || sl.size(ctx.rank) > 0; });
+  return true;
+}
+
 }  // namespace
 
 void allreduce(OpContext& ctx, const AllreduceOptions& o) {
@@ -322,6 +401,10 @@ void allreduce(OpContext& ctx, const AllreduceOptions& o) {
   const size_t nbytes = o.count * elementSize(o.dtype);
   if (nbytes <= ctx.oneShotMaxBytes && nbytes <= ctx.domain->slotBytes()) {
     allreduceOneShot(ctx, o, e);
+  } else if (o.root < 0 && ctx.allreduceReads != nullptr && nbytes / ctx.size >= kAllreduceSingleCopyMinBytes) {
+    Expect reads = e;
+    reads.readsInPlace = true;
+    if (!allreduceReadsInPlace(ctx, o, reads)) allreducePipelined(ctx, o, reads);
   } else {
     allreducePipelined(ctx, o, e);
   }

@@ -12,9 +12,21 @@
 // copy-only ops (allgather, broadcast) take smaller steps than a slot (SMDDP_SHM_COPY_STEP_BYTES):
 // on a 2-core EPYC VM, 256 KiB steps made a 4-rank allgather of 4 MiB 1.7-2.4x faster than 1 MiB
 // steps (other sizes within noise): readers copy a piece while it is still in the writer's cache.
-// Large ops may stage with streaming stores instead, as the group's StagingPolicy decides.
+// Large ops may stage with streaming stores instead, as the group's WayPolicy decides.
 //
-// Single copy. Where every rank of the host may read the others' memory, an allgather of large
+// Single copy. Where every rank of the host may read the others' memory, an allreduce whose
+// slice per rank is at least kAllreduceSingleCopyMinBytes may read in place, as the host's first
+// rank's WayPolicy decides (way_policy.h): the op's first step announces every rank's input and
+// the decision; each rank reduces its slice from its own input and its peers' (read in pieces
+// into a scratch buffer that stays in cache), a second step announces the outputs and holds the
+// inputs until all are read, each rank reads every peer's reduced slice into its output, and a
+// last step holds the outputs. Two copies and one reduction per byte instead of three copies:
+// staged, a rank copies its input into a slot, its reduced slice out of one and every peer's out
+// of theirs. 2 ranks on 2 cores, inputs rewritten before each op: on huge pages it took
+// 0.51-0.88x the staged time at 2-64 MiB; on 4 KiB pages, where process_vm_readv copies slower,
+// 0.64-0.72x at 2-8 MiB and 0.90-1.00x at 16-64 MiB (1.2-1.4x at 16-32 MiB in an earlier, noisier
+// run): so it learns rather than follows a threshold.
+// An allgather of large
 // parts skips the slots: each rank announces its input's address in the op's first phase, reads
 // every peer's part straight from that peer's memory (process_vm_readv), and a second phase keeps
 // every input unchanged until all reads are done. One copy per part instead of two (the owner's
@@ -34,7 +46,7 @@
 #include <string>
 #include <vector>
 
-#include "algo/staging_policy.h"
+#include "algo/way_policy.h"
 #include "core/parallel.h"
 #include "core/types.h"
 #include "transport/shm_domain.h"
@@ -44,15 +56,30 @@ namespace smddp::algo {
 // SMDDP_SHM_SINGLE_COPY_BYTES=-1: parts of at least this many bytes are read in place (where
 // every rank has a core; see algo/communicator.cc).
 constexpr size_t kDefaultSingleCopyBytes = 2 << 20;
+// SMDDP_SHM_ALLREDUCE_SINGLE_COPY: all_reduces whose slice per rank is smaller always stage (at
+// 1 MiB in all, 2 ranks on 2 cores, reading in place took 0.94-0.98x the staged time: too little to
+// learn from ops this short).
+constexpr size_t kAllreduceSingleCopyMinBytes = 1 << 20;
 
-// One op's use of its group's StagingPolicy: asked when the op first stages a large message (the
-// host-local steps of a multi-host op share it), and fed the op's time from then on afterwards.
-struct StagingChoice {
-  StagingPolicy* policy = nullptr;
+// One op's use of one of its group's WayPolicys: asked when the op first needs the choice (for
+// staging: when it first stages a large message; the host-local steps of a multi-host op share
+// it), and fed the op's time from then on afterwards.
+struct WayChoice {
+  WayPolicy* policy = nullptr;
   OpKind kind = OpKind::kBarrier;
-  int streamed = -1;     // -1: not asked (nothing large was staged)
+  int way = -1;          // -1: not asked
   size_t hostBytes = 0;  // the data of the host's ranks, when asked
   std::chrono::steady_clock::time_point asked;
+
+  // The policy's way for this op (asked once; timed from here, so small ops never read the clock).
+  bool take(size_t bytes) {
+    if (way < 0) {
+      hostBytes = bytes;
+      way = policy->choose(kind, bytes) ? 1 : 0;
+      asked = std::chrono::steady_clock::now();
+    }
+    return way == 1;
+  }
 };
 
 // Per-op state shared by the algorithms.
@@ -69,7 +96,11 @@ struct OpContext {
   size_t copyStepBytes = 0;  // allgather/gather/broadcast: bytes per rank per step (<= the slot)
   size_t singleCopyBytes = SIZE_MAX;  // allgather, alltoall: parts this large are read in place
   HelperPool* helpers = nullptr;  // splits large copies and reductions (SMDDP_CPU_THREADS > 1)
-  StagingChoice* staging = nullptr;  // shared by the copies of this context an op makes; null: through the cache
+  WayChoice* staging = nullptr;  // shared by the copies of this context an op makes; null: through the cache
+  // All_reduces of large slices: whether they read in place (the host's first rank asks); null:
+  // never (by setting, or a host-mate may not read the others' memory). The host's ranks agree.
+  WayChoice* allreduceReads = nullptr;
+  bool buffersReadable = true;  // false: peers may not read this rank's buffers (CUDA's pinned staging)
 };
 
 struct AllreduceOptions {

@@ -114,10 +114,16 @@ Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chron
       // integer, SMDDP_STAGE_STREAM, SMDDP_SOCKET_IFNAME, SMDDP_SOCKET_FAMILY) then fails every
       // rank alike, instead of failing rank 0 first and taking the store its process hosts from
       // ranks still using it, or leaving a rank's host-mates waiting for its shared memory.
-      stagingPolicy_(tellingPeers(store, rank, [] {
-        env::checkIntegers();
-        return StagingPolicy::modeFromEnv();
+      stagingPolicy_(tellingPeers(store, rank,
+                                  [] {
+                                    env::checkIntegers();
+                                    return WayPolicy::parseMode("SMDDP_STAGE_STREAM", env::stageStream());
+                                  }),
+                     "staging", "cached", "streamed"),
+      allreduceReads_(tellingPeers(store, rank, [] {
+        return WayPolicy::parseMode("SMDDP_SHM_ALLREDUCE_SINGLE_COPY", env::shmAllreduceSingleCopy());
       })),
+      allreduceReadPolicy_(WayPolicy::Mode::kNever, "single copy", "staged", "read in place"),
       netAddrs_(size > 1 ? tellingPeers(store, rank, [] { return net::chooseLocalAddresses(); })
                          : std::vector<net::LocalAddress>{}),
       topo_(tellingPeers(store, rank, [&] { return discoverAfterShmCheck(store, rank, size); })),
@@ -150,7 +156,7 @@ void Communicator::setUp(std::chrono::milliseconds timeout) {
   // Whether this rank would read its host-mates' memory at all: for the all-gathers (the group's
   // setting, the same on every rank), the all_to_alls or its own point-to-point receives.
   const bool probeReads = singleCopyBytes_ != SIZE_MAX || alltoallSingleCopyBytes_ != SIZE_MAX ||
-                          env::p2pSingleCopyBytes() != 0;
+                          allreduceReads_ != WayPolicy::Mode::kNever || env::p2pSingleCopyBytes() != 0;
   if (topo_.hosts() == 1) {
     domain_ = shm::Domain::create(store_, rank_, size_, slotBytes, machine_, probeReads);
     return;
@@ -172,26 +178,36 @@ void Communicator::agreeOnSchedule(Store& store) {
   netAlgo_ = netAlgoFromName(algo);  // this rank's own value must be valid too
   netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
   netOneShotBytes_ = static_cast<size_t>(std::max<int64_t>(0, env::netOneShotBytes()));
+  // auto reads in place only where every rank has a core: 4 ranks on 2 cores, 4 KiB pages, it
+  // took 1.4-1.8x the staged time at 2-8 MiB (0.86x at 32 MiB), whose pipelined steps let the
+  // ranks that share a core take turns.
+  if (allreduceReads_ == WayPolicy::Mode::kAuto && machine_.oversubscribed()) allreduceReads_ = WayPolicy::Mode::kNever;
   std::ostringstream mine;
   mine << algo << ' ' << netBufferBytes_ << ' ' << netOneShotBytes_ << ' ' << oneShotMaxBytes_ << ' ' << copyStepBytes_
-       << ' ' << (singleCopyBytes_ == SIZE_MAX ? 0 : singleCopyBytes_);  // as the setting says never
+       << ' ' << (singleCopyBytes_ == SIZE_MAX ? 0 : singleCopyBytes_)  // as the setting says never
+       << ' ' << static_cast<int>(allreduceReads_);
   const std::string group = rank0Value(store, rank_, kScheduleKey, mine.str());
-  if (group == mine.str()) return;
-  SMDDP_WARN(kInit,
-             "rank %d: SMDDP_NET_ALGO, SMDDP_NET_BUFFER_BYTES, SMDDP_NET_ONESHOT_BYTES, "
-             "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES, SMDDP_SHM_COPY_STEP_BYTES, SMDDP_SHM_SINGLE_COPY_BYTES come to \"%s\" "
-             "here, but rank 0's \"%s\" hold for the group",
-             rank_, mine.str().c_str(), group.c_str());
-  std::istringstream fields(group);
-  std::string groupAlgo;
-  if (!(fields >> groupAlgo >> netBufferBytes_ >> netOneShotBytes_ >> oneShotMaxBytes_ >> copyStepBytes_ >>
-        singleCopyBytes_)) {
-    throwError(ErrorCode::kRemoteError, "rank 0 published malformed settings \"%s\"", group.c_str());
+  if (group != mine.str()) {
+    SMDDP_WARN(kInit,
+               "rank %d: SMDDP_NET_ALGO, SMDDP_NET_BUFFER_BYTES, SMDDP_NET_ONESHOT_BYTES, "
+               "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES, SMDDP_SHM_COPY_STEP_BYTES, SMDDP_SHM_SINGLE_COPY_BYTES, "
+               "SMDDP_SHM_ALLREDUCE_SINGLE_COPY come to \"%s\" here, but rank 0's \"%s\" hold for the group",
+               rank_, mine.str().c_str(), group.c_str());
+    std::istringstream fields(group);
+    std::string groupAlgo;
+    int reads = 0;
+    if (!(fields >> groupAlgo >> netBufferBytes_ >> netOneShotBytes_ >> oneShotMaxBytes_ >> copyStepBytes_ >>
+          singleCopyBytes_ >> reads) ||
+        reads < 0 || reads > static_cast<int>(WayPolicy::Mode::kNever)) {
+      throwError(ErrorCode::kRemoteError, "rank 0 published malformed settings \"%s\"", group.c_str());
+    }
+    if (singleCopyBytes_ == 0) singleCopyBytes_ = SIZE_MAX;
+    allreduceReads_ = static_cast<WayPolicy::Mode>(reads);
+    // A step fits a slot, whose size host-mates share (shm::Domain checks) but hosts need not.
+    copyStepBytes_ = std::min(copyStepBytes_, static_cast<size_t>(env::shmSlotBytes()));
+    netAlgo_ = netAlgoFromName(groupAlgo);
   }
-  if (singleCopyBytes_ == 0) singleCopyBytes_ = SIZE_MAX;
-  // A step fits a slot, whose size host-mates share (shm::Domain checks) but hosts need not.
-  copyStepBytes_ = std::min(copyStepBytes_, static_cast<size_t>(env::shmSlotBytes()));
-  netAlgo_ = netAlgoFromName(groupAlgo);
+  allreduceReadPolicy_ = WayPolicy(allreduceReads_, "single copy", "staged", "read in place");
 }
 
 template <class Flat, class Hier>
@@ -275,10 +291,17 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
                                                     : singleCopyBytes();
   ctx.fingerprint = opFingerprint_;
   ctx.text = &opText_;
-  StagingChoice staging;
+  WayChoice staging;
   staging.policy = &stagingPolicy_;
   staging.kind = kind;
   ctx.staging = &staging;
+  WayChoice reads;
+  if (kind == OpKind::kAllreduce && allreduceReads() != WayPolicy::Mode::kNever) {
+    reads.policy = &allreduceReadPolicy_;
+    reads.kind = kind;
+    ctx.allreduceReads = &reads;
+  }
+  ctx.buffersReadable = peerReads_;
   // Held through the op, so stopHelpers() cannot take the pool away from under it (the pool
   // itself relies on this: one run() at a time, none while it is destroyed).
   std::unique_lock<std::mutex> helpersLock(helpersMutex_, std::defer_lock);
@@ -290,10 +313,10 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
     }
     if (domain_) domain_->commitSlots();
     fn(ctx);
-    if (staging.streamed >= 0) {
-      const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - staging.asked;
-      stagingPolicy_.record(kind, staging.hostBytes, staging.streamed == 1,
-                            took.count() / static_cast<double>(staging.hostBytes));
+    for (const WayChoice* c : {&staging, &reads}) {
+      if (c->way < 0) continue;
+      const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - c->asked;
+      c->policy->record(kind, c->hostBytes, c->way == 1, took.count() / static_cast<double>(c->hostBytes));
     }
   } catch (const Error& e) {
     std::string what = e.what();

@@ -58,6 +58,12 @@ class Communicator {
     return domain_ != nullptr && domain_->allReadPeers() ? alltoallSingleCopyBytes_ : SIZE_MAX;
   }
   size_t alltoallSingleCopyBytesSetting() const { return alltoallSingleCopyBytes_; }
+  // How all_reduces of large slices between host-mates choose to read in place (kNever: never,
+  // by setting or because a host-mate may not read the others' memory; kAuto: learnt).
+  WayPolicy::Mode allreduceReads() const {
+    return domain_ != nullptr && domain_->allReadPeers() ? allreduceReads_ : WayPolicy::Mode::kNever;
+  }
+  WayPolicy::Mode allreduceReadsSetting() const { return allreduceReads_; }
   // While alive, the ops run on this communicator read nothing in place: their buffers are host
   // memory a driver pinned (CUDA's staging), which the kernel may not let other processes read.
   // Ops run one at a time, so a plain flag does.
@@ -121,7 +127,7 @@ class Communicator {
   // The store keys this rank's set-up sets that its peers wait for.
   std::vector<std::string> keysOwed() const;
   // Sets netAlgo_, netBufferBytes_, netOneShotBytes_, oneShotMaxBytes_, copyStepBytes_,
-  // singleCopyBytes_: rank 0's values (collective, store).
+  // singleCopyBytes_, allreduceReads_: rank 0's values (collective, store).
   void agreeOnSchedule(Store& store);
   std::unique_ptr<HelperPool> startHelpers();
 
@@ -129,7 +135,10 @@ class Communicator {
   std::shared_ptr<StoreErrands> storeErrands_;
   int rank_;
   int size_;
-  StagingPolicy stagingPolicy_;  // a local choice, made before any exchange; one op at a time uses it
+  WayPolicy stagingPolicy_;  // a local choice, made before any exchange; one op at a time uses it
+  // SMDDP_SHM_ALLREDUCE_SINGLE_COPY as the group agreed (auto: kNever where ranks outnumber cores).
+  WayPolicy::Mode allreduceReads_;
+  WayPolicy allreduceReadPolicy_;   // the host's first rank's; one op at a time uses it
   std::vector<net::LocalAddress> netAddrs_;  // where the TCP mesh listens, should the group span hosts
   Topology topo_;
   CpuShareClaim cpuClaim_;

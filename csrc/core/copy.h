@@ -14,7 +14,7 @@ bool shouldStream(size_t outputBytes, int ranksOnHost);
 
 // True when an op that handles `bytesPerRank` on each of `ranksOnHost` ranks is large enough that
 // how it stages its data for the other ranks matters (SMDDP_STAGE_STREAM_MIN_BYTES, by default the
-// last-level cache size): algo/staging_policy.h then picks ordinary or streaming stores.
+// last-level cache size): algo/way_policy.h then picks ordinary or streaming stores.
 bool isLargeStaging(size_t bytesPerRank, int ranksOnHost);
 
 // memcpy, with streaming stores when `stream` is set and the CPU supports them.

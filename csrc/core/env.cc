@@ -36,6 +36,18 @@ constexpr Param kParams[] = {
      "else never; for all_to_alls 512 KiB, or 256 KiB where ranks outnumber cores; 0 = never. For "
      "all-gathers rank 0's value holds for the group; an all_to_all goes by the largest of its "
      "ranks' values."},
+    {"SMDDP_SHM_ALLREDUCE_SINGLE_COPY", "auto",
+     "All_reduces between ranks of one host whose slice per rank (the message over the host's "
+     "ranks) is at least 1 MiB may read their peers' buffers in place (process_vm_readv): each "
+     "rank reduces its slice straight from the peers' inputs and copies the others' reduced slices "
+     "straight from their outputs, two copies and a reduction per byte where staging takes three "
+     "copies. Whether that is faster depends on the pages under the buffers (process_vm_readv "
+     "copies 4 KiB pages slower than huge ones) and the machine. auto = where every rank of the "
+     "machine has a core of its own, the host's first rank learns per size (a power of two) from "
+     "the ops' own times which way is faster here and tries the other now and then (as "
+     "SMDDP_STAGE_STREAM=auto), else never; 1 = always; 0 = never. Used only where every rank of "
+     "the host checked at set-up that it may read the others' memory, and not for CUDA tensors; "
+     "rank 0's value holds for the group."},
     {"SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES", "65536",
      "Allreduces up to this size use the one-shot algorithm (every rank reads every input); larger "
      "ones use reduce-scatter + all-gather."},
@@ -279,6 +291,7 @@ std::vector<ParamInfo> allParams() {
   X(cudaBlockingWait, "SMDDP_CUDA_BLOCKING_WAIT")
 SMDDP_INT_PARAMS(SMDDP_INT_PARAM)
 SMDDP_STRING_PARAM(stageStream, "SMDDP_STAGE_STREAM")
+SMDDP_STRING_PARAM(shmAllreduceSingleCopy, "SMDDP_SHM_ALLREDUCE_SINGLE_COPY")
 SMDDP_STRING_PARAM(debugLevel, "SMDDP_DEBUG")
 SMDDP_STRING_PARAM(debugSubsys, "SMDDP_DEBUG_SUBSYS")
 SMDDP_STRING_PARAM(debugFile, "SMDDP_DEBUG_FILE")

@@ -38,6 +38,8 @@ int64_t allreduceOneShotMaxBytes();
 int64_t streamMinBytes();
 // How large collectives stage for peers: auto (learn per kind of op), 1 (streaming stores), 0.
 const std::string& stageStream();
+// Whether large all_reduces read host-mates' buffers in place: auto (learn per size), 1, 0.
+const std::string& shmAllreduceSingleCopy();
 // SMDDP_STAGE_STREAM applies where the host's data adds up to this; -1 = the LLC (see copy.h).
 int64_t stageStreamMinBytes();
 int64_t p2pSingleCopyBytes();

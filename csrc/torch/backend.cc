@@ -211,6 +211,13 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
   info["allgather_single_copy"] = singleCopy(comm_->singleCopyBytes(), comm_->singleCopyBytesSetting(), "");
   info["alltoall_single_copy"] =
       singleCopy(comm_->alltoallSingleCopyBytes(), comm_->alltoallSingleCopyBytesSetting(), " (this rank's)");
+  // "off" also where auto found the machine's ranks outnumbering its cores.
+  const size_t slice = algo::kAllreduceSingleCopyMinBytes;
+  const bool learnt = comm_->allreduceReads() == algo::WayPolicy::Mode::kAuto;
+  info["allreduce_single_copy"] =
+      singleCopy(comm_->allreduceReads() != algo::WayPolicy::Mode::kNever ? slice : SIZE_MAX,
+                 comm_->allreduceReadsSetting() != algo::WayPolicy::Mode::kNever ? slice : SIZE_MAX,
+                 learnt ? " per rank, when learnt faster" : " per rank");
   if (p2p_) {
     // Whether messages to this rank from its host-mates may be read from their memory, and from what size.
     const bool reads = comm_->domain()->readsPeers(t.localRank());

@@ -50,7 +50,7 @@ struct alignas(64) OpDescriptor {
   // and where its buffer for the op is, in its own address space.
   uint64_t address;
   uint32_t readsInPlace;
-  uint32_t unused;
+  uint32_t way;  // an all_reduce's first step: whether the host's first rank chose to read in place
   char text[kOpTextBytes];
 };
 
@@ -99,6 +99,7 @@ class Domain {
 
   // The next phase number this rank will publish.
   uint64_t nextPhase() { return ++phase_; }
+  uint64_t lastPhase() const { return phase_; }  // the steps this rank has taken (tests count them)
   uint8_t* slot(int rank, uint64_t phase) const { return slots_[rank][phase & 1]; }
   OpDescriptor& descriptor(int rank, uint64_t phase) const;
 

@@ -2,9 +2,9 @@
 #include "expect.h"
 
 int main() {
-  stagingPolicyTests();
+  wayPolicyTests();
   alltoallBufferTests();
-  allgatherSingleCopyTests();
+  singleCopyTests();
   yieldGateTests();
   return smddp::test::report();
 }

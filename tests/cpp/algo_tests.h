@@ -3,7 +3,7 @@
 // turn by algo_tests.cc.
 #pragma once
 
-void stagingPolicyTests();   // test_staging_policy.cc
+void wayPolicyTests();   // test_way_policy.cc
 void alltoallBufferTests();  // test_alltoall_buffers.cc
-void allgatherSingleCopyTests();  // test_allgather_single_copy.cc
+void singleCopyTests();  // test_single_copy.cc
 void yieldGateTests();            // test_yield_gate.cc

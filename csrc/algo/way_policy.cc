@@ -1,35 +1,33 @@
-#include "algo/staging_policy.h"
+#include "algo/way_policy.h"
 
 #include <algorithm>
 #include <cmath>
 
-#include "core/env.h"
 #include "core/error.h"
 #include "core/log.h"
 
 namespace smddp::algo {
 
-StagingPolicy::Mode StagingPolicy::modeFromEnv() {
-  const std::string& v = env::stageStream();
-  if (v == "auto") return Mode::kAuto;
-  if (v == "1") return Mode::kAlways;
-  if (v == "0") return Mode::kNever;
-  throwError(ErrorCode::kInvalidUsage, "SMDDP_STAGE_STREAM=%s: expected auto, 1 or 0", v.c_str());
+WayPolicy::Mode WayPolicy::parseMode(const char* name, const std::string& value) {
+  if (value == "auto") return Mode::kAuto;
+  if (value == "1") return Mode::kAlways;
+  if (value == "0") return Mode::kNever;
+  throwError(ErrorCode::kInvalidUsage, "%s=%s: expected auto, 1 or 0", name, value.c_str());
 }
 
-bool StagingPolicy::startTrial(PerKind& k, bool way) {
+bool WayPolicy::startTrial(PerKind& k, bool way) {
   k.trialOps = kTrialOps;
   k.trialWay = way;
   k.trialBest = 0;
   return way;
 }
 
-StagingPolicy::PerKind& StagingPolicy::of(OpKind kind, size_t hostBytes) {
+WayPolicy::PerKind& WayPolicy::of(OpKind kind, size_t hostBytes) {
   const uint32_t sizeClass = hostBytes == 0 ? 0 : 64 - __builtin_clzll(hostBytes);
   return kinds_[static_cast<uint32_t>(kind) << 8 | sizeClass];
 }
 
-bool StagingPolicy::choose(OpKind kind, size_t hostBytes) {
+bool WayPolicy::choose(OpKind kind, size_t hostBytes) {
   if (mode_ != Mode::kAuto) return mode_ == Mode::kAlways;
   PerKind& k = of(kind, hostBytes);
   if (k.largeOps++ == 0) return false;  // the warm-up op (record() skips it)
@@ -43,22 +41,21 @@ bool StagingPolicy::choose(OpKind kind, size_t hostBytes) {
   return startTrial(k, !best);
 }
 
-void StagingPolicy::record(OpKind kind, size_t hostBytes, bool streamed, double nsPerByte) {
+void WayPolicy::record(OpKind kind, size_t hostBytes, bool way, double nsPerByte) {
   if (mode_ != Mode::kAuto) return;
   PerKind& k = of(kind, hostBytes);
   // The first large op of a kind and size also faults in its buffers' pages and warms the caches:
   // it would judge its way unfairly.
   // An op of no bytes has no time per byte (infinite): it would poison the averages for good.
   if (!(nsPerByte > 0) || !std::isfinite(nsPerByte) || k.largeOps <= 1) return;
-  Way& w = k.ways[streamed ? 1 : 0];
-  if (k.trialOps > 0 && streamed == k.trialWay) {
+  Way& w = k.ways[way ? 1 : 0];
+  if (k.trialOps > 0 && way == k.trialWay) {
     k.trialBest = k.trialBest > 0 ? std::min(k.trialBest, nsPerByte) : nsPerByte;
     if (--k.trialOps == 0) {
       w.avg = k.trialBest;
       w.seen = true;
-      SMDDP_INFO(kColl, "staging of %s over %zu bytes: %s trial %.4f ns/B, %s %.4f ns/B", opKindName(kind),
-                 hostBytes, streamed ? "streamed" : "cached", w.avg, streamed ? "cached" : "streamed",
-                 k.ways[!streamed].avg);
+      SMDDP_INFO(kColl, "%s of %s over %zu bytes: %s trial %.4f ns/B, %s %.4f ns/B", what_, opKindName(kind),
+                 hostBytes, wayNames_[way], w.avg, wayNames_[!way], k.ways[!way].avg);
     }
     return;
   }
@@ -66,11 +63,11 @@ void StagingPolicy::record(OpKind kind, size_t hostBytes, bool streamed, double 
   // average by at most kWeight * (kMaxStep - 1); a lasting change moves it on every op.
   w.avg = w.seen ? (1 - kWeight) * w.avg + kWeight * std::min(nsPerByte, kMaxStep * w.avg) : nsPerByte;
   w.seen = true;
-  SMDDP_TRACE(kColl, "staging of %s over %zu bytes: %s op %.4f ns/B, average %.4f (the other way %.4f)",
-              opKindName(kind), hostBytes, streamed ? "streamed" : "cached", nsPerByte, w.avg, k.ways[!streamed].avg);
+  SMDDP_TRACE(kColl, "%s of %s over %zu bytes: %s op %.4f ns/B, average %.4f (the other way %.4f)", what_,
+              opKindName(kind), hostBytes, wayNames_[way], nsPerByte, w.avg, k.ways[!way].avg);
 }
 
-uint64_t StagingPolicy::explorePeriod(double ratio) {
+uint64_t WayPolicy::explorePeriod(double ratio) {
   // Trying a way that took `ratio` times as long costs ratio - 1 ops' time: spread it out to
   // kExploreCost of the time.
   const double ops = std::ceil((ratio - 1) / kExploreCost);

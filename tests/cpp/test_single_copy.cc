@@ -1,4 +1,4 @@
-// The all-gather's single-copy path (algo/collectives.h), ranks as threads of this process with
+// The single-copy paths (algo/collectives.h). The all-gather's: ranks as threads of this process with
 // shared-memory domains bootstrapped through a FileStore: uneven parts (one empty), out of place
 // and gathered in place, land whole; ranks that disagree on reading in place (a CUDA rank's
 // pinned staging beside a CPU rank's tensor) fail with a message naming both, instead of one
@@ -7,6 +7,10 @@
 // peer may have reused that input); a rank whose input other processes may not read (here
 // memfd_secret's memory, as a driver's pinned memory may be) makes every rank stage the op, with
 // the right result. Skipped, saying so, where the kernel forbids the reads.
+// The all_reduce's single-copy path likewise: sums in place and out of place over slices none
+// aligned, read in place where the host's first rank chooses to (three steps) and staged where it
+// chooses not to; a rank whose buffers may not be read (memfd_secret's, or a rank that says so,
+// as one whose buffers are CUDA's pinned staging) makes every rank stage, with the right sums.
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -22,6 +26,7 @@
 #include <vector>
 
 #include "algo/collectives.h"
+#include "algo/way_policy.h"
 #include "algo_tests.h"
 #include "core/error.h"
 #include "core/file_store.h"
@@ -265,11 +270,77 @@ void testAbortEndsTheOpBetweenSteps(const std::string& dir) {
   }
 }
 
+// Small integers, so that float sums are exact in any order.
+float addend(int rank, size_t i) { return static_cast<float>((rank + 1) * (i % 1000 + 1)); }
+
+void testAllreduceReadsInPlace(const std::string& dir) {
+  constexpr int kWorld = 3;
+  constexpr size_t kCount = kWorld * (algo::kAllreduceSingleCopyMinBytes / sizeof(float)) + 77;
+  FileStore store(dir, std::chrono::seconds(30));
+  auto d = domains(store, kWorld);
+  if (!d[0]->allReadPeers()) return;  // said above
+  float* secret = secretFloats(kCount);
+  enum class Case { kRead, kStage, kRankSaysUnreadable, kSecretInput };
+  std::atomic<bool> abort{false};
+  uint64_t seq = 0;
+  for (Case c : {Case::kRead, Case::kStage, Case::kRankSaysUnreadable, Case::kSecretInput}) {
+    if (c == Case::kSecretInput && secret == nullptr) {
+      std::printf("all_reduce of an input other processes may not read: skipped, no memfd_secret here\n");
+      continue;
+    }
+    for (int inPlace = 0; inPlace < 2; ++inPlace) {
+      const std::string what = std::string(c == Case::kRead                 ? "read in place"
+                                           : c == Case::kStage              ? "staged by rank 0's choice"
+                                           : c == Case::kRankSaysUnreadable ? "rank 2's buffers unreadable"
+                                                                            : "rank 1's input memfd_secret's") +
+                               (inPlace ? ", in place" : ", out of place");
+      std::vector<std::vector<float>> ins(kWorld, std::vector<float>(kCount)), outs(kWorld, std::vector<float>(kCount));
+      for (int r = 0; r < kWorld; ++r) {
+        for (size_t i = 0; i < kCount; ++i) ins[r][i] = addend(r, i);
+      }
+      if (c == Case::kSecretInput) std::copy(ins[1].begin(), ins[1].end(), secret);
+      std::vector<uint64_t> steps(kWorld);
+      std::vector<int> ways(kWorld);
+      ++seq;
+      const auto errors = onEveryRank(kWorld, [&](int r) {
+        algo::WayPolicy policy(c == Case::kStage ? algo::WayPolicy::Mode::kNever : algo::WayPolicy::Mode::kAlways,
+                               "single copy", "staged", "read in place");
+        algo::WayChoice reads;
+        reads.policy = &policy;
+        reads.kind = OpKind::kAllreduce;
+        algo::OpContext ctx = contextFor(*d[r], seq, abort);
+        ctx.allreduceReads = &reads;
+        ctx.buffersReadable = !(c == Case::kRankSaysUnreadable && r == 2);
+        float* in = c == Case::kSecretInput && r == 1 ? secret : ins[r].data();
+        algo::AllreduceOptions o{DataType::kFloat32, Reduction{}, kCount, in, inPlace ? in : outs[r].data(), -1};
+        const uint64_t before = d[r]->lastPhase();
+        algo::allreduce(ctx, o);
+        steps[r] = d[r]->lastPhase() - before;
+        ways[r] = reads.way;
+        if (inPlace) std::copy(in, in + kCount, outs[r].begin());
+      });
+      for (int r = 0; r < kWorld; ++r) {
+        size_t wrong = 0;
+        for (size_t i = 0; i < kCount; ++i) wrong += outs[r][i] != 6.0f * static_cast<float>(i % 1000 + 1);
+        const std::string who = "all_reduce, " + what + ": rank " + std::to_string(r);
+        expect(errors[r].empty(), who + " failed: " + errors[r]);
+        expect(wrong == 0, who + " has " + std::to_string(wrong) + " wrong elements");
+        const bool reads = c == Case::kRead;
+        expect(reads ? steps[r] == 3 : steps[r] > 3, who + " took " + std::to_string(steps[r]) + " steps (" +
+                                                         (reads ? "read in place: 3" : "staged: more than 3") + ")");
+      }
+      expect(ways[0] == (c == Case::kStage ? 0 : 1) && ways[1] == -1 && ways[2] == -1,
+             "all_reduce, " + what + ": the host's first rank alone asks its policy");
+    }
+  }
+  if (secret != nullptr) munmap(secret, kCount * sizeof(float));
+}
+
 }  // namespace
 
-void allgatherSingleCopyTests() {
-  expect(test::runInOwnDirs("smddp_allgather_single_copy",
+void singleCopyTests() {
+  expect(test::runInOwnDirs("smddp_single_copy",
                             {testUnevenPartsInAndOutOfPlace, testRanksThatDisagreeFail, testOwnerThatGaveUpFailsTheReader,
-                             testUnreadableInputIsStaged, testAbortEndsTheOpBetweenSteps}),
+                             testUnreadableInputIsStaged, testAbortEndsTheOpBetweenSteps, testAllreduceReadsInPlace}),
          "could not make a directory for the test's FileStore");
 }
