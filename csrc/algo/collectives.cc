@@ -336,6 +336,7 @@ bool allreduceReadsInPlace(OpContext& ctx, const AllreduceOptions& o, Expect e) 
   for (int p = 0; p < W; ++p) {
     at[p] = d.descriptor(p, k).address;
     if (at[p] != 0) continue;
+    if (ctx.rank == 0) ctx.allreduceReads->way = -1;  // the op cannot go the way asked: its time teaches nothing
     static std::once_flag said;
     std::call_once(said, [&] {
       SMDDP_INFO(kColl, "rank %d: %s #%llu: rank %d's buffers may not be read by other processes (memory a "

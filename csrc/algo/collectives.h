@@ -67,7 +67,7 @@ constexpr size_t kAllreduceSingleCopyMinBytes = 1 << 20;
 struct WayChoice {
   WayPolicy* policy = nullptr;
   OpKind kind = OpKind::kBarrier;
-  int way = -1;          // -1: not asked
+  int way = -1;          // -1: not asked, or the op could not go the way asked (nothing to learn)
   size_t hostBytes = 0;  // the data of the host's ranks, when asked
   std::chrono::steady_clock::time_point asked;
 
