@@ -18,7 +18,7 @@
 namespace smddp::algo {
 namespace {
 
-// Whether this op stages with streaming stores (staging_policy.h); only large ones may.
+// Whether this op stages with streaming stores (way_policy.h); only large ones may.
 bool stagesStreamed(OpContext& ctx, size_t bytesPerRank) {
   WayChoice* c = ctx.staging;
   if (c == nullptr || !isLargeStaging(bytesPerRank, ctx.size)) return false;
@@ -274,7 +274,7 @@ void allreducePipelined(OpContext& ctx, const AllreduceOptions& o, const Expect&
   const size_t chunks = (o.count + chunkElems - 1) / chunkElems;
   const bool gathers = o.root < 0 || o.root == ctx.rank;
   // Streamed, the staged input and the reduced slice stay out of this rank's cache, where readers
-  // on another L3 would fetch them slowly (staging_policy.h). The slice is then reduced straight
+  // on another L3 would fetch them slowly (way_policy.h). The slice is then reduced straight
   // into the output, its final place here, and streamed from there to the slot; where only the
   // root has an output, the others reduce into the slot as when staging through the cache.
   const bool stage = stagesStreamed(ctx, o.count * es);
