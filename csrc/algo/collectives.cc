@@ -211,22 +211,21 @@ void throwIfReadFailed(OpContext& ctx, int peer, int err, size_t n) {
   }
 }
 
+// One piece of a read from `peer`'s memory, unless the op was aborted (ECANCELED) or the peer
+// gave up on it (ECONNABORTED): 0 or the errno that ends the read (throwIfReadFailed tells why).
+int readPiece(OpContext& ctx, int peer, void* dst, uint64_t address, size_t n) {
+  if (abortedIn(ctx)) return ECANCELED;
+  if (ctx.domain->gaveUp(peer, nullptr)) return ECONNABORTED;
+  return ctx.domain->readFromPeer(peer, dst, address, n);
+}
+
 // Copies `n` bytes at `address` in host-mate `peer`'s memory to `dst`, in parts across the
 // helpers (process_vm_readv copies in the calling thread), each in pieces.
 void readFromPeer(OpContext& ctx, int peer, uint64_t address, void* dst, size_t n) {
   std::atomic<int> failure{0};
   forEachPart(ctx.helpers, n, 1, kAlignBytes, [&](size_t b, size_t m) {
     for (size_t at = b; at < b + m && failure.load(std::memory_order_relaxed) == 0; at += kPieceBytes) {
-      if (abortedIn(ctx)) {
-        failure.store(ECANCELED);
-        return;
-      }
-      if (ctx.domain->gaveUp(peer, nullptr)) {
-        failure.store(ECONNABORTED);
-        return;
-      }
-      const size_t len = std::min(kPieceBytes, b + m - at);
-      if (const int err = ctx.domain->readFromPeer(peer, bytes(dst) + at, address + at, len); err != 0) {
+      if (const int err = readPiece(ctx, peer, bytes(dst) + at, address + at, std::min(kPieceBytes, b + m - at))) {
         failure.store(err);
       }
     }
@@ -362,9 +361,7 @@ bool allreduceReadsInPlace(OpContext& ctx, const AllreduceOptions& o, Expect e) 
       for (int j = 1; j < W; ++j) {
         const int p = (ctx.rank + j) % W;  // host-mates start on different peers
         uint8_t* dst = scratch.data() + (j - 1) * piece * es;
-        int err = abortedIn(ctx) ? ECANCELED : d.gaveUp(p, nullptr) ? ECONNABORTED : 0;
-        if (err == 0) err = d.readFromPeer(p, dst, at[p] + i * es, m * es);
-        if (err != 0) {
+        if (const int err = readPiece(ctx, p, dst, at[p] + i * es, m * es); err != 0) {
           failedPeer.store(p);
           failure.store(err);
           return;
