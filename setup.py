@@ -21,23 +21,31 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
-PERF_ALIASES = ["all_reduce_perf", "all_gather_perf", "reduce_scatter_perf", "broadcast_perf", "alltoall_perf"]
+# nccl-tests' binary names, each running one collective of smddp_perf.
+PERF_ALIASES = {"all_reduce_perf": "all_reduce", "all_gather_perf": "all_gather",
+                "reduce_scatter_perf": "reduce_scatter", "broadcast_perf": "broadcast",
+                "alltoall_perf": "all_to_all"}
 
 
 class CMakeBuild(build_ext):
     @staticmethod
     def install_perf(build_dir, out_dir):
-        """smddp_perf (and its nccl-tests names, as links) into the package's bin/, where the
-        `smddp_perf` console command finds it; also into the source tree for editable installs."""
+        """smddp_perf (and its nccl-tests names) into the package's bin/, where the `smddp_perf`
+        console command finds it; also into the source tree for editable installs. The names are
+        two-line scripts, not links: a wheel stores a link as a copy of its target, which made
+        six copies of the binary in every wheel."""
         for pkg in {out_dir, ROOT / "python" / "smddp"}:
             bin_dir = pkg / "bin"
             bin_dir.mkdir(exist_ok=True)
             shutil.copy2(build_dir / "smddp_perf", bin_dir / "smddp_perf")
-            for alias in PERF_ALIASES:
-                link = bin_dir / alias
-                if not link.is_symlink():
-                    link.unlink(missing_ok=True)
-                    link.symlink_to("smddp_perf")
+            for alias, collective in PERF_ALIASES.items():
+                script = bin_dir / alias
+                text = (f"#!/bin/sh\n# nccl-tests' name for smddp_perf --collective {collective}\n"
+                        f'exec "$(dirname "$(readlink -f "$0")")/smddp_perf" --collective {collective} "$@"\n')
+                if script.is_symlink() or not script.exists() or script.read_text() != text:
+                    script.unlink(missing_ok=True)
+                    script.write_text(text)
+                    script.chmod(0o755)
 
     @staticmethod
     def check_error_path(build_dir, ext_path):

@@ -7,7 +7,8 @@
 //              [-w warmup] [-m agg] [-c 0/1] [-a 0..3] [-J file.json] [-T target_ms] [--timeout seconds]
 //
 // Invoked as all_reduce_perf, all_gather_perf, reduce_scatter_perf, broadcast_perf or alltoall_perf
-// (a link to this binary), the name picks the collective, as with nccl-tests. -np forks that many ranks on
+// (a link to this binary; the package's bin/ has scripts of those names that pass --collective),
+// the name picks the collective, as with nccl-tests. -np forks that many ranks on
 // this host; they bootstrap through a temporary directory. Without -np, under torchrun-style
 // variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the process is one rank of a job that
 // may span hosts (torchrun --nproc-per-node 8 --nnodes 2 ... smddp_perf ...), bootstrapped
@@ -177,7 +178,7 @@ std::string baseName(const char* path) {
   return slash ? slash + 1 : path;
 }
 
-// The collectives, each with the name of the nccl-tests binary (a link to this one) that runs it.
+// The collectives, each with the name of the nccl-tests binary that runs it (a link to this one).
 constexpr std::pair<const char*, const char*> kCollectives[] = {{"all_reduce", "all_reduce_perf"},
                                                                 {"all_gather", "all_gather_perf"},
                                                                 {"reduce_scatter", "reduce_scatter_perf"},
