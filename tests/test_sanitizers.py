@@ -93,19 +93,25 @@ def test_cpp_tests(sanitized, binary):
 def test_collectives(sanitized, hosts, collective):
     """smddp_perf checks every element of every datatype (and reduce op) it runs; a layout of
     emulated hosts runs the hierarchical algorithms over the TCP mesh. The all-gathers of parts
-    from 4 KiB read them in place (SMDDP_SHM_SINGLE_COPY_BYTES), the smaller ones stage them."""
+    from 4 KiB read them in place (SMDDP_SHM_SINGLE_COPY_BYTES), the smaller ones stage them. On one
+    host a second run has all_reduce of 4 and 16 MiB read in place (1 and 4 MiB per rank), its
+    reduce-scatter split over a helper thread; its code is the same for every datatype."""
     sanitizer, build = sanitized
     env = dict(RUNTIME_OPTIONS, **({"SMDDP_SHM_SINGLE_COPY_BYTES": "4096"} if collective == "all_gather" else {}))
     reduces = collective in ("all_reduce", "reduce_scatter")
     # Every kernel under the address sanitizers; the threads do the same whatever the data.
     kinds = ["-d", "all", *(["-o", "all"] if reduces else [])] if sanitizer == "address" else ["-d", "float"]
     root = [] if reduces else ["-r", str(len(hosts) - 1)]
-    procs, outs = run_ranks([build / "smddp_perf", "--collective", collective, "-b", "8", "-e", "2M", "-f", "8",
-                             "-n", "2", "-w", "1", *kinds, *root, "--timeout", "120"],
-                            len(hosts), hosts, timeout=600, env=env)
-    for p, (out, err) in zip(procs, outs):
-        _no_report(p.returncode, out, err)
-    assert "# Out of bounds values : 0 OK" in outs[0][0], outs[0][0][-3000:]
+    runs = [(["-b", "8", "-e", "2M", "-f", "8", *kinds], env)]
+    if collective == "all_reduce" and len(set(hosts)) == 1:
+        runs.append((["-b", "4M", "-e", "16M", "-f", "4", "-d", "float"],
+                     dict(RUNTIME_OPTIONS, SMDDP_SHM_ALLREDUCE_SINGLE_COPY="1", SMDDP_CPU_THREADS="2")))
+    for sizes, run_env in runs:
+        procs, outs = run_ranks([build / "smddp_perf", "--collective", collective, *sizes, "-n", "2", "-w", "1",
+                                 *root, "--timeout", "120"], len(hosts), hosts, timeout=600, env=run_env)
+        for p, (out, err) in zip(procs, outs):
+            _no_report(p.returncode, out, err)
+        assert "# Out of bounds values : 0 OK" in outs[0][0], outs[0][0][-3000:]
 
 
 # The torch layer (csrc/torch: Works, futures, the flight recorder, sparse all_reduce, the p2p
