@@ -32,7 +32,7 @@ class CMakeBuild(build_ext):
     def install_perf(build_dir, out_dir):
         """smddp_perf (and its nccl-tests names) into the package's bin/, where the `smddp_perf`
         console command finds it; also into the source tree for editable installs. The names are
-        two-line scripts, not links: a wheel stores a link as a copy of its target, which made
+        three-line shell scripts, not links: a wheel stores a link as a copy of its target, which made
         six copies of the binary in every wheel."""
         for pkg in {out_dir, ROOT / "python" / "smddp"}:
             bin_dir = pkg / "bin"
