@@ -170,17 +170,16 @@ def error_bound(inputs, dtype, op, factor, kind, multi_host):
             magnitude *= abs(factor)
         if op == "AVG":
             magnitude /= len(inputs)
-    magnitude = np.where(np.isfinite(magnitude), magnitude, 0.0)
+        # A host's partial product, rounded to the type, may be subnormal: its absolute error (half
+        # the smallest subnormal at most) is then multiplied by the other hosts' factors, whose
+        # product is at most that of max(1, |x|); at most ranks // 2 hosts hold two ranks or more,
+        # and only their partials are rounded.
+        partials = (TINY[dtype] / 2 * (len(inputs) // 2) * np.maximum(mags, 1.0).prod(0)
+                    if op == "PRODUCT" and multi_host and dtype in NARROW_FLOATS else 0.0)
+    magnitude, partials = (np.where(np.isfinite(x), x, 0.0) for x in (magnitude, partials))
     bound = 8 * (2.0 ** -52 if dtype == torch.float64 else 2.0 ** -23) * magnitude
     if dtype in NARROW_FLOATS:
-        bound += TINY[dtype] + (2 * EPS[dtype] * magnitude if multi_host else 0.0)
-        if op == "PRODUCT" and multi_host:
-            # A host's partial product, rounded to the type, may be subnormal: its absolute error
-            # (half the smallest subnormal at most) is then multiplied by the other hosts' factors,
-            # none of whose products passes the product of max(1, |x|); at most half the ranks
-            # share a host with another, so at most that many partials are rounded.
-            scaled = TINY[dtype] / 2 * (len(inputs) // 2) * np.maximum(mags, 1.0).prod(0)
-            bound += np.where(np.isfinite(scaled), scaled, 0.0)
+        bound += TINY[dtype] + (2 * EPS[dtype] * magnitude if multi_host else 0.0) + partials
     return bound
 
 
