@@ -307,6 +307,8 @@ class TorchDistBackend(Backend):
         # --async 1: each call async_op=True, its Work waited at once (functional collectives,
         # DTensor and FSDP's unsharding issue ops that way)
         self._async = bool(ctx.cfg.get("async"))
+        # --work-us N: the caller works N us (a busy loop) between issuing an op and waiting for it
+        self._work_s = ctx.cfg.get("work_us", 0.0) * 1e-6
         self._ops = {
             "sum": dist.ReduceOp.SUM,
             "avg": dist.ReduceOp.AVG,
@@ -316,19 +318,26 @@ class TorchDistBackend(Backend):
         }
 
     def all_reduce(self, t, redop):
-        _wait(self._dist.all_reduce(t, op=self._ops[redop], group=self.group, async_op=self._async))
+        self._settle(self._dist.all_reduce(t, op=self._ops[redop], group=self.group, async_op=self._async))
 
     def all_gather(self, out, inp):
         # torch 2.13's names; the deprecated ones cost a filtered FutureWarning on every call.
         fn = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
-        _wait(fn(out, inp, group=self.group, async_op=self._async))
+        self._settle(fn(out, inp, group=self.group, async_op=self._async))
 
     def reduce_scatter(self, out, inp, redop):
         fn = getattr(self._dist, "reduce_scatter_single", None) or self._dist.reduce_scatter_tensor
-        _wait(fn(out, inp, op=self._ops[redop], group=self.group, async_op=self._async))
+        self._settle(fn(out, inp, op=self._ops[redop], group=self.group, async_op=self._async))
 
     def all_to_all(self, out, inp):
-        _wait(self._dist.all_to_all_single(out, inp, group=self.group, async_op=self._async))
+        self._settle(self._dist.all_to_all_single(out, inp, group=self.group, async_op=self._async))
+
+    def _settle(self, work):
+        if self._work_s:
+            until = time.perf_counter() + self._work_s
+            while time.perf_counter() < until:
+                pass
+        _wait(work)
 
     def send_recv(self, out, inp):
         d = self._dist
@@ -666,7 +675,10 @@ class Worker:
     def measure(self, backend, op, out, inp):
         first = backend.label not in self.measured
         self.measured.add(backend.label)
-        return measure_call(self, backend.make_call(op, out, inp, self.redop), first)
+        per_op, iters = measure_call(self, backend.make_call(op, out, inp, self.redop), first)
+        if op in ("allreduce", "allgather", "reduce_scatter", "alltoall"):
+            per_op -= self.cfg.get("work_us", 0.0) * 1e-6  # --work-us: the op's own share
+        return per_op, iters
 
     # -- main loop --
     def run(self):
@@ -931,7 +943,9 @@ class Reporter:
                  + (" (MPI: a Dup of COMM_WORLD)" if any(j.name == "mpich" for j in self.jobs) else ""))
         loop = "blocking ops"
         if a.async_op:
-            loop = "torch backends: ops issued with async_op=True, each Work waited at once" + (
+            waited = (f"each Work waited after {a.work_us:g} us of the caller's own work (a busy loop), which the "
+                      "time leaves out") if a.work_us else "each Work waited at once"
+            loop = "torch backends: ops issued with async_op=True, " + waited + (
                 "; MPICH: blocking ops" if any(j.name == "mpich" for j in self.jobs) else "")
         self.out(f"# time = per-op time in us (loop of {loop} / iters; median of {a.reps} reps per rank), " + {
             "avg": "averaged over ranks", "max": "max over ranks", "min": "min over ranks", "rank0": "of rank 0"}[a.time_agg]
@@ -1533,6 +1547,10 @@ def parse_args(argv):
     p.add_argument("--async", dest="async_op", default=0, type=int, choices=(0, 1),
                    help="1: torch backends issue every op with async_op=True and wait for its Work at once (as "
                         "functional collectives, DTensor and FSDP do); MPICH's calls stay blocking")
+    p.add_argument("--work-us", dest="work_us", default=0.0, type=float,
+                   help="with --async 1: the caller works this many us (a busy loop) between issuing each "
+                        "collective and waiting for it, as a layer's compute between FSDP's prefetch and its "
+                        "use; the times leave it out (what the op adds to the loop)")
     p.add_argument("--variant", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE...]",
                    help="also run the candidate in a job of its own with these environment variables, as a "
                         "column of its own, var1, var2, ... (e.g. SMDDP_LINGER_US=50: two settings side by side); "
@@ -1576,6 +1594,10 @@ def parse_args(argv):
         p.error("world sizes must be >= 1")
     if args.minbytes > args.maxbytes:
         p.error("--minbytes > --maxbytes")
+    if args.work_us and not args.async_op:
+        p.error("--work-us needs --async 1 (a blocking call cannot overlap the caller's work)")
+    if args.work_us < 0:
+        p.error("--work-us must be >= 0")
     if args.min_iters < 1 or args.max_iters < args.min_iters:
         p.error("need 1 <= --min-iters <= --max-iters")
     if args.rounds < 1:
@@ -1603,7 +1625,7 @@ def main(argv=None) -> int:
         "job_warmup_ms": args.job_warmup_ms, "target_ms": args.target_ms,
         "min_iters": args.min_iters, "max_iters": args.max_iters, "time_agg": args.time_agg, "reps": args.reps,
         "check": bool(args.check), "threads": args.threads, "idle_seconds": args.idle_seconds,
-        "huge_pages": args.huge_pages, "async": bool(args.async_op),
+        "huge_pages": args.huge_pages, "async": bool(args.async_op), "work_us": args.work_us,
     }
     jobs = [JOB_BASELINES[b](args) for b in args.baselines if b in JOB_BASELINES]
     jobs += [CandidateVariant(args, label, env) for label, env in args.variants.items()]

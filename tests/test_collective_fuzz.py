@@ -73,6 +73,7 @@ DEEP_SETTINGS = {
     "SMDDP_DEBUG_CHECKS": [0, 1],
     "SMDDP_SPIN_US": [0, 2, 500],
     "SMDDP_LINGER_US": [0, 50],
+    "SMDDP_DEFER_WAKE_US": [0, 50, 1000],
 }
 
 

@@ -154,6 +154,36 @@ def async_task(rank, world):
         dist.barrier()  # runs after every callback of the ops before it
         want = [(i, float(sum(r + i for r in range(world)))) for i in range(300) if i % 3]
         rep.expect(ran == want, f"{label}: callbacks saw {ran[:5]}..., expected {want[:5]}...")
+    # an async op nobody waits for still runs: its peers' blocking ops need it (smddp may let it
+    # wait for its group's thread up to SMDDP_DEFER_WAKE_US, hoping for a wait() that runs it)
+    label = f"async ops never waited, their peers blocking on them, world={world}"
+    with rep.cell(label):
+        for i in range(20):
+            x = torch.full((3,), float(rank + i))
+            want = float(sum(r + i for r in range(world)))
+            if rank == i % world:
+                w = dist.all_reduce(x, async_op=True)
+                deadline = time.monotonic() + 60
+                while not w.is_completed() and time.monotonic() < deadline:
+                    time.sleep(0.0002)
+                rep.expect(w.is_completed(), f"{label}: op {i} not completed after 60 s without a wait()")
+            else:
+                dist.all_reduce(x)
+            rep.expect(bool(torch.all(x == want)), f"{label}: op {i} gave {x.tolist()}, expected {want}")
+        if world > 1:
+            # rank 0's op completes only once rank 1 has run its own, which rank 0 waits for by a
+            # message that rank 1 sends after it
+            x = torch.full((2,), float(rank + 1))
+            flag = torch.zeros(1)
+            if rank == 0:
+                w = dist.all_reduce(x, async_op=True)
+                dist.recv(flag, src=1)
+                w.wait()
+            else:
+                dist.all_reduce(x)
+                if rank == 1:
+                    dist.send(torch.ones(1), dst=0)
+            rep.expect(bool(torch.all(x == world * (world + 1) / 2)), f"{label}: op then message gave {x.tolist()}")
     return rep.to_dict()
 
 

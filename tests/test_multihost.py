@@ -66,7 +66,19 @@ def topology_task(rank, world, hosts):
         want_linger = os.environ.get("SMDDP_LINGER_US") or ("0" if 2 * world > cpus else str(min(int(want_spin), 50)))
         rep.expect(info["linger_us"] == want_linger,
                    f"rank {rank}: lingers {info['linger_us']} us, expected {want_linger}")
+        # ...and where they may not, an op issued wakes the progress thread only if no wait() runs it first.
+        want_defer = defer_wake_us(crowded=2 * world > cpus)
+        rep.expect(info["defer_wake_us"] == want_defer,
+                   f"rank {rank}: defers wake-ups {info['defer_wake_us']} us, expected {want_defer}")
     return rep.to_dict()
+
+
+def defer_wake_us(crowded):
+    """The progress thread's wake delay that `_topology()` should report: SMDDP_DEFER_WAKE_US, or
+    1000 us where the machine has fewer than two cores per rank and a wait() runs its op."""
+    if os.environ.get("SMDDP_DEFER_WAKE_US"):
+        return os.environ["SMDDP_DEFER_WAKE_US"]
+    return "1000" if crowded and os.environ.get("SMDDP_WAIT_RUNS_OP", "1") != "0" else "0"
 
 
 def machine_share_task(rank, world, subgroups=()):
@@ -77,7 +89,7 @@ def machine_share_task(rank, world, subgroups=()):
         if rank in ranks:
             group = made
     info = group._get_backend(torch.device("cpu"))._topology()
-    return {k: info[k] for k in ("machine_ranks", "machine_cpus", "wait_spin_us", "linger_us")}
+    return {k: info[k] for k in ("machine_ranks", "machine_cpus", "wait_spin_us", "linger_us", "defer_wake_us")}
 
 
 def any_source_timeout_task(rank, world):
@@ -237,7 +249,8 @@ def test_ranks_pinned_apart_are_not_oversubscribed(hosts):
     if hosts:
         rank_env["SMDDP_HOST_ID"] = list(hosts)
     got, _ = run_in_own_pool(rank_env, machine_share_task)
-    assert got == [{"machine_ranks": "2", "machine_cpus": "2", "wait_spin_us": "500", "linger_us": "0"}] * 2, got
+    assert got == [{"machine_ranks": "2", "machine_cpus": "2", "wait_spin_us": "500", "linger_us": "0",
+                    "defer_wake_us": defer_wake_us(crowded=True)}] * 2, got
 
 
 def shared_cpu_task(rank, world, cpu=None, ops=100, warmup=10):
@@ -315,9 +328,10 @@ def test_linger_budget():
     sets that budget whatever the cores (here 2 ranks on 2 CPUs, where it would be 0)."""
     cpus = sorted(os.sched_getaffinity(0))[:2]
     got, _ = run_in_own_pool({"SMDDP_TEST_CPUS": [",".join(map(str, cpus))]}, machine_share_task, world=1)
-    assert got == [{"machine_ranks": "1", "machine_cpus": "2", "wait_spin_us": "500", "linger_us": "50"}], got
-    got, _ = run_in_own_pool({"SMDDP_LINGER_US": ["7", "7"]}, machine_share_task)
-    assert [g["linger_us"] for g in got] == ["7", "7"], got
+    assert got == [{"machine_ranks": "1", "machine_cpus": "2", "wait_spin_us": "500", "linger_us": "50",
+                    "defer_wake_us": defer_wake_us(crowded=False)}], got
+    got, _ = run_in_own_pool({"SMDDP_LINGER_US": ["7", "7"], "SMDDP_DEFER_WAKE_US": ["9", "9"]}, machine_share_task)
+    assert [(g["linger_us"], g["defer_wake_us"]) for g in got] == [("7", "9")] * 2, got
 
 
 
@@ -357,12 +371,13 @@ def test_async_wait_polls_without_sleeping():
     assert got[0]["sleeps"] < ops // 40, f"the waiting thread slept {got[0]['sleeps']} times in {ops} async ops"
 
 def test_poll_budgets_are_bounded():
-    """SMDDP_SPIN_US and SMDDP_LINGER_US above 0.1 s are clamped to it: a poll looks at no
+    """SMDDP_SPIN_US and SMDDP_LINGER_US above 0.1 s are clamped to it (and SMDDP_DEFER_WAKE_US, the
+    longest an op may wait for its group's thread): a poll looks at no
     deadline, abort or failed peer, so until 2026-11-29 SMDDP_SPIN_US=20000000 delayed a 3 s
     timeout and a killed peer's report to 20 s, and a larger one hung destroy_process_group."""
-    got, _ = run_in_own_pool({"SMDDP_SPIN_US": ["20000000"] * 2, "SMDDP_LINGER_US": ["99999999999"] * 2},
-                             machine_share_task)
-    assert [(g["wait_spin_us"], g["linger_us"]) for g in got] == [("100000", "100000")] * 2, got
+    got, _ = run_in_own_pool({"SMDDP_SPIN_US": ["20000000"] * 2, "SMDDP_LINGER_US": ["99999999999"] * 2,
+                              "SMDDP_DEFER_WAKE_US": ["3000000"] * 2}, machine_share_task)
+    assert [(g["wait_spin_us"], g["linger_us"], g["defer_wake_us"]) for g in got] == [("100000",) * 3] * 2, got
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin ranks")
@@ -374,7 +389,8 @@ def test_subgroup_of_a_crowded_world_is_crowded():
     cpus = sorted(os.sched_getaffinity(0))[:2]
     rank_env = {"SMDDP_TEST_CPUS": [str(cpus[0])] * 2 + [str(cpus[1])] * 2}
     got, _ = run_in_own_pool(rank_env, machine_share_task, [[0, 2], [1, 3]], world=4)
-    assert got == [{"machine_ranks": "4", "machine_cpus": "2", "wait_spin_us": "2", "linger_us": "0"}] * 4, got
+    assert got == [{"machine_ranks": "4", "machine_cpus": "2", "wait_spin_us": "2", "linger_us": "0",
+                    "defer_wake_us": defer_wake_us(crowded=True)}] * 4, got
 
 
 @pytest.mark.parametrize("topo", TOPOS)

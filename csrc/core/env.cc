@@ -78,6 +78,18 @@ constexpr Param kParams[] = {
      "progress thread to take it (a wake-up each way; where ranks outnumber cores, each waits for a "
      "core). 0: async ops run on the progress thread (except one that a callback running there "
      "waits for: that wait runs it, as it would otherwise wait forever)."},
+    {"SMDDP_DEFER_WAKE_US", "-1",
+     "Microseconds an op issued on the CPU and queued for its group's progress thread "
+     "(async_op=True, or a blocking op issued while another runs) may wait for that thread, where "
+     "the group's last 3 ops queued were waited for within that time of their issue. Their issuer "
+     "will then most likely wait() for it soon and run it on its own thread (SMDDP_WAIT_RUNS_OP), "
+     "so issuing it wakes no thread; meanwhile the thread, while ops keep coming (until 50 ms pass "
+     "without one), sleeps in slices this long and takes what is queued after each. An op waited "
+     "for later ends the deferral (the next ops wake the thread at once, to overlap the caller's "
+     "work). get_future(), a wait() with a time limit and a wait() that cannot run the op (another "
+     "is running) wake the thread at once. -1 picks 1000 where the machine's cores are fewer than "
+     "twice its ranks (there a woken thread takes a core that the waiting caller or a peer rank "
+     "needs) and SMDDP_WAIT_RUNS_OP=1, else 0: every op wakes the thread. At most 100000."},
     {"SMDDP_COALESCE_PACK_BYTES", "4096",
      "Coalesced ops of CPU tensors (all_reduce_coalesced, the all-gathers and reduce-scatters of "
      "_coalescing_manager and of the functional collectives): consecutive tensors of one dtype, "
@@ -279,6 +291,7 @@ std::vector<ParamInfo> allParams() {
   X(yieldMicros, "SMDDP_YIELD_US") \
   X(lingerMicros, "SMDDP_LINGER_US") \
   X(waitRunsOp, "SMDDP_WAIT_RUNS_OP") \
+  X(deferWakeMicros, "SMDDP_DEFER_WAKE_US") \
   X(coalescePackBytes, "SMDDP_COALESCE_PACK_BYTES") \
   X(debugChecks, "SMDDP_DEBUG_CHECKS") \
   X(desyncCheckMs, "SMDDP_DESYNC_CHECK_MS") \

@@ -91,4 +91,17 @@ std::chrono::microseconds handOffLinger(const CpuShare& share) {
   return lingerBudget(share);
 }
 
+// Ops waited for within it (functional collectives, DTensor; a short layer between FSDP's
+// prefetch and its use) are run by their waiter, none woken; one nobody waits for starts at
+// most this late; the dozing thread wakes a thousand times a second while ops keep coming (a
+// few microseconds of a core each).
+constexpr int64_t kDefaultWakeDelayMicros = 1000;
+
+std::chrono::microseconds progressWakeDelay(const CpuShare& share) {
+  const int64_t us = env::deferWakeMicros();
+  if (us >= 0) return pollBudget(us);
+  if (int64_t{share.ranks} * 2 <= share.cpus || env::waitRunsOp() == 0) return std::chrono::microseconds(0);
+  return std::chrono::microseconds(kDefaultWakeDelayMicros);
+}
+
 }  // namespace smddp

@@ -63,6 +63,12 @@ std::chrono::microseconds lingerBudget(const CpuShare& share);
 // once (the caller's, in wait() or computing, and the progress thread running the op), so
 // there a polling thread takes the core that the other, or a peer's, needs.
 std::chrono::microseconds handOffLinger(const CpuShare& share);
+// How long an op queued for a group's progress thread may wait for it, where the group's ops are
+// waited for that soon (ProgressThread's wakeDelay): SMDDP_DEFER_WAKE_US when set (>= 0), else
+// 1000 us where the machine has fewer than two cores per rank and a wait() runs a queued op
+// itself (SMDDP_WAIT_RUNS_OP), else 0. There the wake-up of a thread that then finds its op
+// taken, or takes it while the caller sleeps, costs a core that the caller or a peer needs.
+std::chrono::microseconds progressWakeDelay(const CpuShare& share);
 
 // Whether a waiter that yields its core (where ranks outnumber cores) should. With nothing else
 // running, a yield hands the core to a rank of the job, which soon blocks or yields it back.

@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "core/spin.h"
@@ -26,12 +27,31 @@ ProgressThread::IssueOrder::~IssueOrder() {
   tlsOrderBefore = outerBefore_;
 }
 
-ProgressThread::ProgressThread(std::string name, std::chrono::microseconds linger)
-    : name_(std::move(name)), linger_(linger) {
+ProgressThread::ProgressThread(std::string name, std::chrono::microseconds linger,
+                               std::chrono::microseconds wakeDelay)
+    : name_(std::move(name)),
+      linger_(linger),
+      wakeDelay_(wakeDelay),
+      dozes_(wakeDelay.count() > 0 ? std::max<int64_t>(1, kDozeWindow / wakeDelay) : 0) {
   thread_ = std::thread([this] { loop(); });
 }
 
 ProgressThread::~ProgressThread() { stop(); }
+
+bool ProgressThread::wakeNeededLocked() const {
+  if (!sleeping_) return false;  // it looks at the queue before it sleeps again
+  if (stopping_) return true;
+  if (busy_ || queue_.empty()) return false;  // whoever runs a task wakes it at the end (releaseToThread)
+  return hurried_ || !dozing_;
+}
+
+ProgressThread::Task ProgressThread::popFrontLocked() {
+  Task task = std::move(queue_.front().task);
+  queue_.pop_front();
+  queued_.store(queue_.size(), std::memory_order_release);
+  if (queue_.empty()) hurried_ = false;
+  return task;
+}
 
 bool ProgressThread::runningHere() const { return tlsRunning == this; }
 
@@ -58,9 +78,7 @@ bool ProgressThread::runFrontNested(const std::function<bool(uint64_t)>& take) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (queue_.empty() || !take(queue_.front().number)) return false;
-    task = std::move(queue_.front().task);
-    queue_.pop_front();
-    queued_.store(queue_.size(), std::memory_order_release);
+    task = popFrontLocked();
   }
   runAsOwn(task);
   return true;
@@ -73,7 +91,7 @@ void ProgressThread::runNested(const Task& task) {
   task();
 }
 
-void ProgressThread::enqueue(Task task) {
+void ProgressThread::enqueue(Task task, bool deferWake) {
   if (runningHere()) {
     runNested(task);
     return;
@@ -85,7 +103,26 @@ void ProgressThread::enqueue(Task task) {
     queue_.push_back({issued_.load(std::memory_order_relaxed), std::move(task)});
     issued_.fetch_add(1, std::memory_order_release);
     queued_.store(queue_.size(), std::memory_order_release);
-    wake = sleeping_;
+    if (!deferWake || !deferring()) hurried_ = true;
+    wake = wakeNeededLocked();
+  }
+  if (wake) cv_.notify_one();
+}
+
+void ProgressThread::noteWait(std::chrono::nanoseconds sinceIssue) {
+  if (wakeDelay_.count() == 0) return;
+  const int soon = soonWaits_.load(std::memory_order_relaxed);
+  // Racing waiters of one group may lose a count: it only delays or hastens the switch.
+  soonWaits_.store(sinceIssue <= wakeDelay_ ? std::min(soon + 1, kDeferAfter) : 0, std::memory_order_relaxed);
+}
+
+void ProgressThread::hurry() {
+  bool wake;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (queue_.empty()) return;  // what the caller waits for has been taken already
+    hurried_ = true;
+    wake = wakeNeededLocked();
   }
   if (wake) cv_.notify_one();
 }
@@ -111,7 +148,7 @@ void ProgressThread::releaseToThread() {
     std::lock_guard<std::mutex> lock(mutex_);
     busy_ = false;
     // Something was queued meanwhile, or stop() waits for the thread to see the task end.
-    wake = sleeping_ && (stopping_ || !queue_.empty());
+    wake = wakeNeededLocked();
   }
   if (wake) cv_.notify_one();
 }
@@ -132,9 +169,7 @@ bool ProgressThread::runQueuedUntil(const std::function<bool()>& done) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (queue_.empty()) break;
-      task = std::move(queue_.front().task);
-      queue_.pop_front();
-      queued_.store(queue_.size(), std::memory_order_release);
+      task = popFrontLocked();
     }
     runAsOwn(task);
   } while (!done());
@@ -153,18 +188,34 @@ void ProgressThread::stop() {
 
 void ProgressThread::loop() {
   pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
+  uint64_t seen = 0;  // issued() when the thread last looked
+  int64_t dozesLeft = 0;
   while (true) {
     Task task;
     spinUntil(linger_, [this] { return queued_.load(std::memory_order_acquire) != 0; });
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      sleeping_ = true;
-      cv_.wait(lock, [this] { return !busy_ && (stopping_ || !queue_.empty()); });
-      sleeping_ = false;
+      while (busy_ || (!stopping_ && queue_.empty())) {
+        // Ops keep coming, waited for soon: doze, so that a deferrable one needs no wake-up
+        // (wakeNeededLocked), until kDozeWindow passes without one.
+        const uint64_t issued = issued_.load(std::memory_order_relaxed);
+        if (issued != seen) {
+          seen = issued;
+          dozesLeft = dozes_;
+        }
+        dozing_ = dozesLeft > 0 && deferring();
+        sleeping_ = true;
+        if (dozing_) {
+          --dozesLeft;
+          cv_.wait_for(lock, wakeDelay_);
+        } else {
+          cv_.wait(lock);
+        }
+        sleeping_ = false;
+        dozing_ = false;
+      }
       if (queue_.empty()) return;  // stopping and drained
-      task = std::move(queue_.front().task);
-      queue_.pop_front();
-      queued_.store(queue_.size(), std::memory_order_release);
+      task = popFrontLocked();
       busy_ = true;
     }
     runAsOwn(task);

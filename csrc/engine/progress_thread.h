@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -20,7 +21,22 @@ class ProgressThread {
 
   // After a task, the thread polls for the next one for `linger` before sleeping: a burst of
   // async ops then avoids a wake-up per op.
-  ProgressThread(std::string name, std::chrono::microseconds linger);
+  // `wakeDelay`: where the tasks' issuers have been waiting for them within wakeDelay of issuing
+  // them (kDeferAfter times in a row, as noteWait() reports), a task queued with
+  // enqueue(task, true) wakes nobody: its issuer, about to wait, runs it itself
+  // (runQueuedUntil). Meanwhile the thread sleeps in slices of wakeDelay and takes what is
+  // queued after each (for kDozeWindow after the last task queued), so such a task waits for it
+  // at most that long. Where a rank's threads share a core, waking the thread for a task its
+  // issuer is about to run costs that core (the woken thread takes it from the caller or a peer,
+  // or runs the op while the caller sleeps: two hand-offs where none was needed); a task waited
+  // for later is better started at once, and is. A timer armed per task would cost as much as
+  // the wake-up: arming one due within microseconds reprograms the CPU's timer, a VM exit
+  // (7 us on this project's VM). 0: every task wakes the thread, which sleeps until woken.
+  ProgressThread(std::string name, std::chrono::microseconds linger,
+                 std::chrono::microseconds wakeDelay = std::chrono::microseconds(0));
+  static constexpr std::chrono::milliseconds kDozeWindow{50};
+  static constexpr int kDeferAfter = 3;
+  std::chrono::microseconds wakeDelay() const { return wakeDelay_; }
   ~ProgressThread();  // runs what is queued, then joins
 
   // Tasks must not throw: each one reports its own outcome (the torch layer completes a Work).
@@ -32,7 +48,15 @@ class ProgressThread {
   // callback is chained, the callback runs on the caller's thread and its op is queued behind
   // those same tasks, so the op takes the same place on every rank either way, wherever the
   // caller's thread has got to meanwhile.
-  void enqueue(Task task);
+  // `deferWake`: the thread, asleep, may take it only after the wake delay (for a task that its
+  // issuer will likely wait for, and then run, soon); otherwise it is woken now.
+  void enqueue(Task task, bool deferWake = false);
+  // A task's issuer waits for it, `sinceIssue` after queuing it (first wait only).
+  void noteWait(std::chrono::nanoseconds sinceIssue);
+  // Ends the wake delay of what is queued: the thread is woken now if it sleeps, or as soon as
+  // the task running on a caller's thread ends, and so until the queue is empty. For a caller
+  // about to wait for a queued task without running it (a wait with a time limit, a future's).
+  void hurry();
   // How many tasks have been queued so far: the number the next one gets.
   uint64_t issued() const { return issued_.load(std::memory_order_acquire); }
   // While one lives, tasks that the calling thread issues nested (above) first run the queued
@@ -91,6 +115,11 @@ class ProgressThread {
   void runAsOwn(const Task& task);
   // Nested in a running task: takes the front of the queue if `take(its number)` and runs it.
   bool runFrontNested(const std::function<bool(uint64_t)>& take);
+  // Under mutex_: takes the front task; the queue emptied, nothing is owed a wake-up any more.
+  Task popFrontLocked();
+  // Under mutex_, after a change that may need the sleeping thread: whether the caller must
+  // notify it (after unlocking: the woken thread takes mutex_ first thing).
+  bool wakeNeededLocked() const;
   // A task issued nested: the queued ones the calling thread's IssueOrder puts first, then it.
   void runNested(const Task& task);
   std::atomic<int64_t> callbacksSince_{0};
@@ -106,8 +135,15 @@ class ProgressThread {
   bool stopping_ = false;
   bool busy_ = false;      // a task is running, on the thread or inline
   bool sleeping_ = false;  // the thread waits on cv_ (only then is a notify needed)
+  bool dozing_ = false;    // ...for at most wakeDelay_
+  bool hurried_ = false;   // a task queued is owed a wake-up now, until the queue is empty
   std::atomic<size_t> queued_{0};
   std::chrono::microseconds linger_;
+  std::chrono::microseconds wakeDelay_;
+  int64_t dozes_;  // slices of wakeDelay_ in kDozeWindow
+  // Waits that came within wakeDelay_ of their task's issue, in a row (noteWait(); capped).
+  std::atomic<int> soonWaits_{0};
+  bool deferring() const { return soonWaits_.load(std::memory_order_relaxed) >= kDeferAfter; }
   std::thread thread_;
 };
 

@@ -68,7 +68,8 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   // a malformed SMDDP_DEBUG_CHECKS failed this rank alone, its peers waiting out the timeout).
   debugChecks_ = agreeOnDebugChecks();
   handOffLinger_ = handOffLinger(comm_->machineShare());
-  progress_ = std::make_shared<engine::ProgressThread>("smddp-r" + std::to_string(rank), handOffLinger_);
+  progress_ = std::make_shared<engine::ProgressThread>("smddp-r" + std::to_string(rank), handOffLinger_,
+                                                       progressWakeDelay(comm_->machineShare()));
   // A blocking point-to-point wait runs its engine on the caller's thread: no second thread of
   // this rank is busy meanwhile, so the engines keep the plain linger budget.
   const std::chrono::microseconds p2pLinger = lingerBudget(comm_->machineShare());
@@ -201,7 +202,8 @@ std::map<std::string, std::string> SmddpBackend::topologySummary() const {
                                               {"machine_ranks", std::to_string(comm_->machineShare().ranks)},
                                               {"machine_cpus", std::to_string(comm_->machineShare().cpus)},
                                               {"wait_spin_us", std::to_string(comm_->domain()->spin().count())},
-                                              {"linger_us", std::to_string(handOffLinger_.count())}};
+                                              {"linger_us", std::to_string(handOffLinger_.count())},
+                                              {"defer_wake_us", std::to_string(progress_->wakeDelay().count())}};
   // "from N bytes", or why not.
   auto singleCopy = [&](size_t from, size_t setting, const char* whose) -> std::string {
     if (from != SIZE_MAX) return "from " + std::to_string(from) + " bytes" + whose;
@@ -404,8 +406,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
   // A blocking call (async_op=False) is waited at once: when the group is idle, running it here
   // saves two thread hand-offs, which dominate small-message latency.
   if (!async && progress_->tryRunInline(task)) return work;
+  work->setQueued();
   try {
-    progress_->enqueue(std::move(task));
+    progress_->enqueue(std::move(task), /*deferWake=*/true);  // its wait() may come soon and run it
   } catch (const std::logic_error& e) {
     C10_THROW_ERROR(DistBackendError,
                     c10::str(who(), ": ", opName(title), ": the process group has been shut down"));

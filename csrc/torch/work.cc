@@ -40,12 +40,19 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
     synchronize();
     return true;
   }
+  // How soon its issuer waits for an op tells the group's thread whether to wake for the next.
+  if (queuedAt_ != std::chrono::steady_clock::time_point{} && !waited_.exchange(true, std::memory_order_relaxed)) {
+    runner_->noteWait(std::chrono::steady_clock::now() - queuedAt_);
+  }
   // Without a time limit only: the engine's own deadlines end the drive, not the caller's.
   if (p2pDriver_ && timeout == kNoTimeout) p2pDriver_->driveUntil([this] { return isCompleted(); });
   if (runner_ && !isCompleted() &&
       ((timeout == kNoTimeout && env::waitRunsOp() != 0) || runner_->runningHere())) {
     runner_->runQueuedUntil([this] { return isCompleted(); });
   }
+  // Not run here (a time limit, SMDDP_WAIT_RUNS_OP=0, or another op running): the group's thread
+  // takes it, now rather than after its wake delay.
+  if (runner_ && !started_.load(std::memory_order_acquire)) runner_->hurry();
   if (runner_ && timeout == kNoTimeout && !started_.load(std::memory_order_acquire)) waitForStart();
   spinUntil(spin_, [this] { return finished_.load(std::memory_order_acquire); });
   try {
@@ -104,12 +111,15 @@ void SmddpWork::waitForStart() {
   }
 }
 
-void SmddpWork::noteCallbacksAfter() {
-  if (runner_) callbacksAfter_.store(runner_->issued(), std::memory_order_release);
+void SmddpWork::futureHandedOut() {
+  if (!runner_) return;
+  callbacksAfter_.store(runner_->issued(), std::memory_order_release);
+  // Whoever waits for the future cannot run the op: the group's thread must, without delay.
+  if (!started_.load(std::memory_order_acquire)) runner_->hurry();
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFuture() {
-  noteCallbacksAfter();
+  futureHandedOut();
   return future_;
 }
 
@@ -157,7 +167,7 @@ void SmddpWork::complete(std::exception_ptr error) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFutureResult() {
-  noteCallbacksAfter();
+  futureHandedOut();
   c10::intrusive_ptr<c10::ivalue::Future> f;
   bool markNow = false;
   {

@@ -44,6 +44,8 @@ class SmddpWork : public c10d::Work {
     runner_ = std::move(thread);
     timeout_ = timeout;
   }
+  // The op was queued for that thread (not run inline): wait() then tells it how soon it came.
+  void setQueued() { queuedAt_ = std::chrono::steady_clock::now(); }
   // The issuing rank as messages name it (rankName()).
   const std::string& who() const { return *who_; }
 
@@ -116,13 +118,17 @@ class SmddpWork : public c10d::Work {
   std::shared_ptr<engine::ProgressThread> runner_;
   std::chrono::milliseconds timeout_{0};
   std::atomic<bool> started_{false};  // traceStarted()
+  std::chrono::steady_clock::time_point queuedAt_{};  // setQueued(); the epoch: not queued
+  std::atomic<bool> waited_{false};  // wait() was called (runner_->noteWait())
   // A wait without a limit for an op not started yet: an op's timeout counts from its start, and
   // the task ahead of it may be a future's callback that never returns (two groups' callbacks
   // each waiting for an op queued behind the other's). Raises once one has held the thread for
   // longer than the op's timeout; returns once the op has started or completed.
   void waitForStart();
   std::atomic<uint64_t> callbacksAfter_{0};  // runner_'s issued() at the last getFuture*()
-  void noteCallbacksAfter();  // a future is handed out: its callbacks' ops go after what is issued
+  // A future is handed out: its callbacks' ops go after what is issued so far, and its waiter
+  // cannot run the op, so the group's thread is hurried.
+  void futureHandedOut();
   int pgId_ = 0;
   int64_t traceId_ = -1;
 };

@@ -7,6 +7,7 @@
 // returns at once; of the receives a message matches, the first posted takes it; a message
 // handed over by address whose send failed before it was read fails its recv instead of
 // delivering the reused buffer, and a send whose message is being read waits for the read.
+// The same binary tests a group's progress thread (test_progress_thread.cc).
 // tests/test_core_cpp.py also builds it under ThreadSanitizer when clang can.
 // Prints "N passed, N failed".
 #include <algorithm>
@@ -14,7 +15,6 @@
 #include <chrono>
 #include <cstdio>
 #include <deque>
-#include <future>
 #include <memory>
 #include <string>
 #include <thread>
@@ -25,7 +25,6 @@
 #include "core/spin.h"
 #include "domains.h"
 #include "engine/p2p_engine.h"
-#include "engine/progress_thread.h"
 #include "expect.h"
 #include "p2p_harness.h"
 #include "transport/shm_domain.h"
@@ -247,29 +246,9 @@ void testSendBeingRead(const std::string& dir, bool byShutdown) {
 
 }  // namespace
 
-// stop() from another thread while a caller runs a task on its own thread (a blocking op run
-// inline, or a wait() that took its queued op) returns once that task ends: the progress thread,
-// asleep until then, must be woken to see it end.
-void testProgressThreadStopsWhileACallerRunsATask(const std::string&) {
-  engine::ProgressThread progress("smddp-test-pt", std::chrono::microseconds(0));
-  std::atomic<bool> started{false};
-  std::thread caller([&] {
-    progress.tryRunInline([&] {
-      started = true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    });
-  });
-  while (!started) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  auto stopped = std::async(std::launch::async, [&] { progress.stop(); });
-  const bool ok = stopped.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
-  test::expect(ok, "progress thread: stop() while a caller runs a task returns once the task ends");
-  if (!ok) {  // the stop() left hanging cannot be joined
-    const int rc = test::report();
-    std::fflush(stdout);
-    std::_Exit(rc);
-  }
-  caller.join();
-}
+// test_progress_thread.cc
+void testProgressThreadStopsWhileACallerRunsATask(const std::string&);
+void progressThreadTests();
 
 int main() {
   const std::vector<test::DirTest> tests = {
@@ -299,5 +278,6 @@ int main() {
       [](const std::string& dir) { testSendBeingRead(dir, true); },
   };
   if (!test::runInOwnDirs("smddp_p2p_tests", tests)) return 1;
+  progressThreadTests();
   return test::report();
 }
