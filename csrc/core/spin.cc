@@ -87,7 +87,7 @@ std::chrono::microseconds handOffLinger(const CpuShare& share) {
   // Measured on 2 ranks sharing 2 cores: all_reduce(async_op=True).wait() of 8 bytes took 111 us
   // with both threads polling 50 us, 11 us sleeping at once (the wake-ups cost less than the
   // polls steal).
-  if (int64_t{share.ranks} * 2 > share.cpus) return std::chrono::microseconds(0);
+  if (share.underTwoCoresPerRank()) return std::chrono::microseconds(0);
   return lingerBudget(share);
 }
 
@@ -100,7 +100,7 @@ constexpr int64_t kDefaultWakeDelayMicros = 1000;
 std::chrono::microseconds progressWakeDelay(const CpuShare& share) {
   const int64_t us = env::deferWakeMicros();
   if (us >= 0) return pollBudget(us);
-  if (int64_t{share.ranks} * 2 <= share.cpus || env::waitRunsOp() == 0) return std::chrono::microseconds(0);
+  if (!share.underTwoCoresPerRank() || env::waitRunsOp() == 0) return std::chrono::microseconds(0);
   return std::chrono::microseconds(kDefaultWakeDelayMicros);
 }
 

@@ -26,6 +26,8 @@ struct CpuShare {
   int ranks = 1;
   int cpus = 1;
   bool oversubscribed() const { return ranks > cpus; }
+  // A rank's two busy threads (the caller's and its group's progress thread) share a core.
+  bool underTwoCoresPerRank() const { return int64_t{ranks} * 2 > cpus; }
 };
 
 // A group sees only its own ranks, but a subgroup of a job whose ranks outnumber the cores is

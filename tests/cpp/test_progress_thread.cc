@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <future>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -46,6 +47,20 @@ void warmUp(engine::ProgressThread& progress) {
   Probe first;
   progress.enqueue(first.task());
   test::expect(first.waitFor(kSoon), "progress thread: a task queued without delay runs promptly");
+}
+
+// Starts a thread that runs a task of `progress` inline (as a blocking op does) for `busy`;
+// returns once that task has started.
+std::thread callerRunningATask(engine::ProgressThread& progress, std::chrono::milliseconds busy) {
+  auto started = std::make_shared<std::atomic<bool>>(false);
+  std::thread caller([&progress, started, busy] {
+    progress.tryRunInline([&] {
+      *started = true;
+      std::this_thread::sleep_for(busy);
+    });
+  });
+  while (!*started) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return caller;
 }
 
 // A deferrable task queued while the thread dozes wakes nobody: the caller that waits for it
@@ -124,14 +139,7 @@ void hurryWakesTheThread(bool byHurry) {
 void hurryWhileACallerRunsATask() {
   engine::ProgressThread progress("smddp-test-pt", std::chrono::microseconds(0), kLong);
   warmUp(progress);
-  std::atomic<bool> started{false};
-  std::thread caller([&] {
-    progress.tryRunInline([&] {
-      started = true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    });
-  });
-  while (!started) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::thread caller = callerRunningATask(progress, std::chrono::milliseconds(100));
   Probe p;
   progress.enqueue(p.task(), /*deferWake=*/true);
   progress.hurry();
@@ -160,14 +168,7 @@ void stopRunsDeferredTasks() {
 // asleep until then, must be woken to see it end.
 void testProgressThreadStopsWhileACallerRunsATask(const std::string&) {
   engine::ProgressThread progress("smddp-test-pt", std::chrono::microseconds(0));
-  std::atomic<bool> started{false};
-  std::thread caller([&] {
-    progress.tryRunInline([&] {
-      started = true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    });
-  });
-  while (!started) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::thread caller = callerRunningATask(progress, std::chrono::milliseconds(300));
   auto stopped = std::async(std::launch::async, [&] { progress.stop(); });
   const bool ok = stopped.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
   test::expect(ok, "progress thread: stop() while a caller runs a task returns once the task ends");
