@@ -67,6 +67,32 @@ def test_setup_benchmark_runs_each_build():
     assert all(float(r[2]) > 0 and float(r[3]) > 0 and r[4].endswith("x") for r in rows), p.stdout
 
 
+def run_progress_cost_benchmark(*args):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_progress_cost.py"), "--world", "2",
+                           "--rounds", "1", "--seconds", "0.2", *args], capture_output=True, text=True, timeout=280)
+
+
+def test_progress_cost_benchmark_counts_the_threads_wake_ups():
+    # Two ranks on this machine's 2 cores defer the wake-up of ops waited for at once
+    # (SMDDP_DEFER_WAKE_US): var1, waking the thread for every op, must show far more wake-ups.
+    p = run_progress_cost_benchmark("--gaps-us", "0,500", "--backends", "smddp,gloo",
+                                    "--variant", "SMDDP_DEFER_WAKE_US=0")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "# var1: smddp with SMDDP_DEFER_WAKE_US=0" in p.stdout, p.stdout
+    rows = [line.split() for line in p.stdout.splitlines() if line.split() and line.split()[0][0].isdigit()]
+    assert [r[:2] for r in rows] == [[g, j] for g in ("0", "500") for j in ("smddp", "gloo", "var1")], p.stdout
+    assert all(float(r[2]) > 0 and float(r[3]) >= 0 and r[5].endswith("x") for r in rows), p.stdout
+    wakes = {(r[0], r[1]): float(r[4]) for r in rows}
+    assert wakes[("500", "var1")] > 0.3 and wakes[("500", "smddp")] < wakes[("500", "var1")] / 3, p.stdout
+    assert float(next(r for r in rows if r[:2] == ["500", "smddp"])[2]) >= 500, p.stdout  # the gap's work counted
+
+
+def test_progress_cost_benchmark_names_a_failed_job():
+    p = run_progress_cost_benchmark("--gaps-us", "0", "--variant", "SMDDP_SOCKET_FAMILY=AF_BOGUS")
+    assert p.returncode != 0, p.stdout[-3000:]
+    assert "var1 rank 0 failed" in p.stderr and "SMDDP_SOCKET_FAMILY" in p.stderr, p.stderr[-3000:]
+
+
 def run_training_benchmark(*args):
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--worlds", "2", "--rounds",
                            "1", "--steps", "2", "--warmup", "1", "--vocab", "128", "--dim", "32", "--heads", "2",

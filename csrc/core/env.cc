@@ -84,10 +84,11 @@ constexpr Param kParams[] = {
      "the group's last 3 ops queued were waited for within that time of their issue. Their issuer "
      "will then most likely wait() for it soon and run it on its own thread (SMDDP_WAIT_RUNS_OP), "
      "so issuing it wakes no thread; meanwhile the thread, while ops keep coming (until 50 ms pass "
-     "without one), sleeps in slices this long and takes what is queued after each. An op waited "
-     "for later ends the deferral (the next ops wake the thread at once, to overlap the caller's "
-     "work). get_future(), a wait() with a time limit and a wait() that cannot run the op (another "
-     "is running) wake the thread at once. -1 picks 1000 where the machine's cores are fewer than "
+     "without one), sleeps in slices and takes what is queued after each: a slice starts this long "
+     "and doubles, up to 8 times this, each time nothing was queued. An op waited for later, or "
+     "one the thread finds queued for this long, ends the deferral (the next ops wake the thread "
+     "at once, to overlap the caller's work). get_future(), a wait() with a time limit and a "
+     "wait() that cannot run the op (another is running) wake the thread at once. -1 picks 1000 where the machine's cores are fewer than "
      "twice its ranks (there a woken thread takes a core that the waiting caller or a peer rank "
      "needs) and SMDDP_WAIT_RUNS_OP=1, else 0: every op wakes the thread. At most 100000."},
     {"SMDDP_COALESCE_PACK_BYTES", "4096",

@@ -32,7 +32,7 @@ ProgressThread::ProgressThread(std::string name, std::chrono::microseconds linge
     : name_(std::move(name)),
       linger_(linger),
       wakeDelay_(wakeDelay),
-      dozes_(wakeDelay.count() > 0 ? std::max<int64_t>(1, kDozeWindow / wakeDelay) : 0) {
+      sliceMicros_(wakeDelay.count()) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -100,10 +100,12 @@ void ProgressThread::enqueue(Task task, bool deferWake) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_) throw std::logic_error("smddp: operation issued after the process group was shut down");
-    queue_.push_back({issued_.load(std::memory_order_relaxed), std::move(task)});
+    const bool deferred = deferWake && deferring();
+    queue_.push_back({issued_.load(std::memory_order_relaxed), std::move(task),
+                      deferred ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{}});
     issued_.fetch_add(1, std::memory_order_release);
     queued_.store(queue_.size(), std::memory_order_release);
-    if (!deferWake || !deferring()) hurried_ = true;
+    if (!deferred) hurried_ = true;
     wake = wakeNeededLocked();
   }
   if (wake) cv_.notify_one();
@@ -186,10 +188,25 @@ void ProgressThread::stop() {
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
 }
 
+void ProgressThread::afterDozeLocked(bool timedOut) {
+  if (!timedOut) return;  // woken for a task owed a wake-up, or by stop()
+  const int64_t slice = sliceMicros_.load(std::memory_order_relaxed);
+  if (busy_ || queue_.empty()) {  // nothing for the thread: its issuers ran everything
+    sliceMicros_.store(std::min(slice * 2, wakeDelay_.count() * kMaxSliceFactor), std::memory_order_relaxed);
+    return;
+  }
+  const auto deferredAt = queue_.front().deferredAt;
+  if (deferredAt != std::chrono::steady_clock::time_point{} &&
+      std::chrono::steady_clock::now() - deferredAt >= wakeDelay_) {
+    soonWaits_.store(0, std::memory_order_relaxed);
+    sliceMicros_.store(wakeDelay_.count(), std::memory_order_relaxed);
+  }
+}
+
 void ProgressThread::loop() {
   pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
   uint64_t seen = 0;  // issued() when the thread last looked
-  int64_t dozesLeft = 0;
+  auto dozeUntil = std::chrono::steady_clock::time_point::min();
   while (true) {
     Task task;
     spinUntil(linger_, [this] { return queued_.load(std::memory_order_acquire) != 0; });
@@ -199,16 +216,24 @@ void ProgressThread::loop() {
         // Ops keep coming, waited for soon: doze, so that a deferrable one needs no wake-up
         // (wakeNeededLocked), until kDozeWindow passes without one.
         const uint64_t issued = issued_.load(std::memory_order_relaxed);
-        if (issued != seen) {
-          seen = issued;
-          dozesLeft = dozes_;
+        bool doze = false;
+        if (deferring()) {
+          const auto now = std::chrono::steady_clock::now();
+          if (issued != seen) {
+            seen = issued;
+            dozeUntil = now + kDozeWindow;
+          }
+          doze = now < dozeUntil;
         }
-        dozing_ = dozesLeft > 0 && deferring();
+        dozing_ = doze;
         sleeping_ = true;
         if (dozing_) {
-          --dozesLeft;
-          cv_.wait_for(lock, wakeDelay_);
+          const bool timedOut =
+              cv_.wait_for(lock, std::chrono::microseconds(sliceMicros_.load(std::memory_order_relaxed))) ==
+              std::cv_status::timeout;
+          afterDozeLocked(timedOut);
         } else {
+          sliceMicros_.store(wakeDelay_.count(), std::memory_order_relaxed);
           cv_.wait(lock);
         }
         sleeping_ = false;

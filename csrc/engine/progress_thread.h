@@ -24,19 +24,30 @@ class ProgressThread {
   // `wakeDelay`: where the tasks' issuers have been waiting for them within wakeDelay of issuing
   // them (kDeferAfter times in a row, as noteWait() reports), a task queued with
   // enqueue(task, true) wakes nobody: its issuer, about to wait, runs it itself
-  // (runQueuedUntil). Meanwhile the thread sleeps in slices of wakeDelay and takes what is
-  // queued after each (for kDozeWindow after the last task queued), so such a task waits for it
-  // at most that long. Where a rank's threads share a core, waking the thread for a task its
-  // issuer is about to run costs that core (the woken thread takes it from the caller or a peer,
-  // or runs the op while the caller sleeps: two hand-offs where none was needed); a task waited
-  // for later is better started at once, and is. A timer armed per task would cost as much as
+  // (runQueuedUntil). Meanwhile the thread sleeps in slices and takes what is queued after
+  // each (for kDozeWindow after the last task queued), so such a task waits for it at most a
+  // slice. A slice starts at wakeDelay and doubles, up to kMaxSliceFactor x wakeDelay, each time
+  // it ends with nothing queued: while the issuers run every task, the thread wakes rarely (with
+  // 1 ms slices throughout, its wake-ups cost 67 us of CPU per op where ops came 5 ms apart;
+  // README, "Async ops"). A deferred task the thread finds queued for wakeDelay or longer was
+  // waited for by nobody: the deferral ends there (kDeferAfter soon waits restart it) and the
+  // slices start again from wakeDelay. Where a rank's threads share a core, waking the thread
+  // for a task its issuer is about to run costs that core (the woken thread takes it from the
+  // caller or a peer, or runs the op while the caller sleeps: two hand-offs where none was
+  // needed); a task waited for later is better started at once, and is. A timer armed per task would cost as much as
   // the wake-up: arming one due within microseconds reprograms the CPU's timer, a VM exit
   // (7 us on this project's VM). 0: every task wakes the thread, which sleeps until woken.
   ProgressThread(std::string name, std::chrono::microseconds linger,
                  std::chrono::microseconds wakeDelay = std::chrono::microseconds(0));
   static constexpr std::chrono::milliseconds kDozeWindow{50};
   static constexpr int kDeferAfter = 3;
+  static constexpr int kMaxSliceFactor = 8;
   std::chrono::microseconds wakeDelay() const { return wakeDelay_; }
+  // The thread's next (or current) doze slice; whether a deferrable task would wake nobody now.
+  std::chrono::microseconds dozeSlice() const {
+    return std::chrono::microseconds(sliceMicros_.load(std::memory_order_relaxed));
+  }
+  bool deferring() const { return soonWaits_.load(std::memory_order_relaxed) >= kDeferAfter; }
   ~ProgressThread();  // runs what is queued, then joins
 
   // Tasks must not throw: each one reports its own outcome (the torch layer completes a Work).
@@ -110,6 +121,7 @@ class ProgressThread {
   struct Queued {
     uint64_t number;
     Task task;
+    std::chrono::steady_clock::time_point deferredAt;  // queued without a wake-up (else: epoch)
   };
   // Runs `task` as this thread's, marking the calling thread as running one (for nested issues).
   void runAsOwn(const Task& task);
@@ -140,10 +152,12 @@ class ProgressThread {
   std::atomic<size_t> queued_{0};
   std::chrono::microseconds linger_;
   std::chrono::microseconds wakeDelay_;
-  int64_t dozes_;  // slices of wakeDelay_ in kDozeWindow
   // Waits that came within wakeDelay_ of their task's issue, in a row (noteWait(); capped).
   std::atomic<int> soonWaits_{0};
-  bool deferring() const { return soonWaits_.load(std::memory_order_relaxed) >= kDeferAfter; }
+  std::atomic<int64_t> sliceMicros_;  // written by the thread only
+  // Under mutex_, the thread after a doze slice: lengthens the next one when nothing came, or
+  // ends the deferral when the task queued first has waited wakeDelay_ for anyone to run it.
+  void afterDozeLocked(bool timedOut);
   std::thread thread_;
 };
 

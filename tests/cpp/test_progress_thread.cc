@@ -98,6 +98,38 @@ void threadTakesAnUnwaitedTask() {
                    std::to_string(took.count()) + " ms (wake delay 20 ms)");
 }
 
+// While the callers run every deferred task, the thread's doze slices lengthen to
+// kMaxSliceFactor x the wake delay. A deferred task left queued for longer than the wake delay
+// (behind a task a caller runs inline) ends the deferral: the thread runs it.
+void slicesLengthenUntilATaskIsLeft() {
+  const auto delay = std::chrono::milliseconds(2);
+  engine::ProgressThread progress("smddp-test-pt", std::chrono::microseconds(0), delay);
+  warmUp(progress);
+  const auto longest = delay * engine::ProgressThread::kMaxSliceFactor;
+  const auto until = Clock::now() + kSoon;
+  int tasks = 0;
+  while (progress.dozeSlice() < longest && Clock::now() < until) {
+    Probe p;
+    progress.enqueue(p.task(), /*deferWake=*/true);
+    progress.runQueuedUntil([&] { return p.ran.load(); });
+    p.waitFor(kSoon);
+    progress.noteWait(std::chrono::microseconds(5));  // as SmddpWork::wait() reports it
+    ++tasks;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  test::expect(progress.dozeSlice() == longest, "progress thread: doze slices lengthen to " +
+                                                    std::to_string(longest.count()) + " ms while callers run "
+                                                    "every task (" + std::to_string(tasks) + " tasks)");
+  test::expect(progress.deferring(), "progress thread: ...and deferral stays on");
+  std::thread caller = callerRunningATask(progress, 10 * delay);
+  Probe left;
+  progress.enqueue(left.task(), /*deferWake=*/true);
+  caller.join();
+  test::expect(left.waitFor(kSoon) && left.by != std::this_thread::get_id(),
+               "progress thread: a deferred task nobody runs runs on the thread");
+  test::expect(!progress.deferring(), "progress thread: a deferred task left queued past the wake delay ends the deferral");
+}
+
 // Where a task was waited for late, the next deferrable one wakes the thread at once; a few
 // waits soon after issue turn the deferral back on.
 void lateWaitsEndTheDeferral() {
@@ -183,6 +215,7 @@ void testProgressThreadStopsWhileACallerRunsATask(const std::string&) {
 void progressThreadTests() {
   callerRunsADeferredTask();
   threadTakesAnUnwaitedTask();
+  slicesLengthenUntilATaskIsLeft();
   lateWaitsEndTheDeferral();
   hurryWakesTheThread(true);
   hurryWakesTheThread(false);
