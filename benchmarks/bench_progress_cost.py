@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def free_port():
 
 def helper_threads():
     """{tid: (cpu seconds, voluntary switches)} of this process's threads but the calling one."""
-    me = __import__("threading").get_native_id()
+    me = threading.get_native_id()
     out = {}
     for tid in os.listdir("/proc/self/task"):
         if int(tid) == me:

@@ -73,17 +73,20 @@ def run_progress_cost_benchmark(*args):
 
 
 def test_progress_cost_benchmark_counts_the_threads_wake_ups():
-    # Two ranks on this machine's 2 cores defer the wake-up of ops waited for at once
-    # (SMDDP_DEFER_WAKE_US): var1, waking the thread for every op, must show far more wake-ups.
+    # var1 wakes the progress thread for every op; var2 defers the wake-up of ops waited for at
+    # once (the thread dozing in slices that lengthen): var1 must show far more wake-ups. Neither
+    # polls (SMDDP_LINGER_US=0), whatever this machine's cores.
     p = run_progress_cost_benchmark("--gaps-us", "0,500", "--backends", "smddp,gloo",
-                                    "--variant", "SMDDP_DEFER_WAKE_US=0")
+                                    "--variant", "SMDDP_DEFER_WAKE_US=0,SMDDP_LINGER_US=0",
+                                    "--variant", "SMDDP_DEFER_WAKE_US=1000,SMDDP_LINGER_US=0")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "# var1: smddp with SMDDP_DEFER_WAKE_US=0" in p.stdout, p.stdout
+    assert "# var1: smddp with SMDDP_DEFER_WAKE_US=0 SMDDP_LINGER_US=0" in p.stdout, p.stdout
     rows = [line.split() for line in p.stdout.splitlines() if line.split() and line.split()[0][0].isdigit()]
-    assert [r[:2] for r in rows] == [[g, j] for g in ("0", "500") for j in ("smddp", "gloo", "var1")], p.stdout
+    jobs = ("smddp", "gloo", "var1", "var2")
+    assert [r[:2] for r in rows] == [[g, j] for g in ("0", "500") for j in jobs], p.stdout
     assert all(float(r[2]) > 0 and float(r[3]) >= 0 and r[5].endswith("x") for r in rows), p.stdout
     wakes = {(r[0], r[1]): float(r[4]) for r in rows}
-    assert wakes[("500", "var1")] > 0.3 and wakes[("500", "smddp")] < wakes[("500", "var1")] / 3, p.stdout
+    assert wakes[("500", "var1")] > 0.3 and wakes[("500", "var2")] < wakes[("500", "var1")] / 3, p.stdout
     assert float(next(r for r in rows if r[:2] == ["500", "smddp"])[2]) >= 500, p.stdout  # the gap's work counted
 
 

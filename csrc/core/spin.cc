@@ -92,9 +92,9 @@ std::chrono::microseconds handOffLinger(const CpuShare& share) {
 }
 
 // Ops waited for within it (functional collectives, DTensor; a short layer between FSDP's
-// prefetch and its use) are run by their waiter, none woken; one nobody waits for starts at
-// most this late; the dozing thread wakes a thousand times a second while ops keep coming (a
-// few microseconds of a core each).
+// prefetch and its use) are run by their waiter, none woken; one nobody waits for starts
+// within a doze slice (1-8 times this); the dozing thread wakes at most a thousand times a
+// second while ops keep coming, 125 times once its slices find nothing to take (ProgressThread).
 constexpr int64_t kDefaultWakeDelayMicros = 1000;
 
 std::chrono::microseconds progressWakeDelay(const CpuShare& share) {

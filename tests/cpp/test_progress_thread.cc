@@ -127,7 +127,8 @@ void slicesLengthenUntilATaskIsLeft() {
   caller.join();
   test::expect(left.waitFor(kSoon) && left.by != std::this_thread::get_id(),
                "progress thread: a deferred task nobody runs runs on the thread");
-  test::expect(!progress.deferring(), "progress thread: a deferred task left queued past the wake delay ends the deferral");
+  test::expect(!progress.deferring(),
+               "progress thread: a deferred task left queued past the wake delay ends the deferral");
 }
 
 // Where a task was waited for late, the next deferrable one wakes the thread at once; a few
