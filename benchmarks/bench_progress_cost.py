@@ -1,10 +1,10 @@
 """What the backend's own threads cost a rank while it issues async ops: jobs of W ranks on this
 machine, each rank issuing all_reduces of 16 bytes with async_op=True for about --seconds, each
 waited for at once, with G us of the caller's work after each (its thread's CPU time, as a
-tensor-parallel layer's compute between its collectives). Per job: us per op (wall time over ops, the work included), and
-per rank and op the
-CPU time and the wake-ups (voluntary context switches) of every thread of the rank but the
-caller's: the backend's progress and helper threads. Each backend and --variant runs as a job of
+tensor-parallel layer's compute between its collectives). Per job: us per op (wall time over
+ops, the work included), and per rank and op the CPU time and the wake-ups (voluntary context
+switches) of every thread of the rank but the caller's: the backend's progress and helper
+threads. Each backend and --variant runs as a job of
 its own, in turn within each round; each keeps its best round (by us per op).
 
     python benchmarks/bench_progress_cost.py --world 2 --gaps-us 0,500,5000 \\
@@ -18,7 +18,6 @@ wake-ups from /proc/<pid>/task/<tid>/status.
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -26,13 +25,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_ranks import start_ranks  # noqa: E402
 from variants import parse_variants  # noqa: E402
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def helper_threads():
@@ -91,13 +85,8 @@ def worker(backend, seconds, gap_us):
 def run_job(label, env_extra, world, seconds, gap_us, timeout):
     """The ranks' results averaged: {us_per_op, cpu_us_per_op, wakes_per_op}."""
     backend = "gloo" if label == "gloo" else "smddp"
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   **env_extra)
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", backend, str(seconds), str(gap_us)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    procs = start_ranks([sys.executable, __file__, "--worker", backend, str(seconds), str(gap_us)], world,
+                        lambda r: env_extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = []
     for r, p in enumerate(procs):
         out, err = p.communicate(timeout=timeout)
@@ -134,8 +123,9 @@ def main():
     jobs.update(variants)
     print(f"# {' '.join(sys.argv)}")
     print(f"# {os.cpu_count()} CPUs, world {args.world}; per op: 16-byte all_reduce(async_op=True).wait(), then the "
-          "gap's CPU work (the thread's CPU time); us/op = wall time per op (work included); threads = every thread of a rank but the "
-          f"caller's: CPU us and wake-ups per op, averaged over ranks; best of {args.rounds} rounds by us/op")
+          "gap's CPU work (the thread's CPU time); us/op = wall time per op (work included); threads = every "
+          f"thread of a rank but the caller's: CPU us and wake-ups per op, averaged over ranks; best of {args.rounds} "
+          "rounds by us/op")
     for label, env in variants.items():
         print(f"# {label}: smddp with {' '.join(f'{k}={v}' for k, v in env.items())}")
     print(f"{'gap us':>7} {'job':>6} {'us/op':>9} {'thread CPU us/op':>17} {'wake-ups/op':>12} {'us/op vs first':>15}")
@@ -149,8 +139,8 @@ def main():
         first = best[next(iter(jobs))]["us_per_op"]
         for label in jobs:
             r = best[label]
-            print(f"{gap:>7.0f} {label:>6} {r['us_per_op']:>9.1f} {r['cpu_us_per_op']:>17.2f} {r['wakes_per_op']:>12.3f} "
-                  f"{r['us_per_op'] / first:>14.2f}x", flush=True)
+            print(f"{gap:>7.0f} {label:>6} {r['us_per_op']:>9.1f} {r['cpu_us_per_op']:>17.2f} "
+                  f"{r['wakes_per_op']:>12.3f} {r['us_per_op'] / first:>14.2f}x", flush=True)
 
 
 if __name__ == "__main__":

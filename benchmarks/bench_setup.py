@@ -14,32 +14,23 @@ machine's cores are shared by all ranks, so the times include waiting for a core
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from local_ranks import start_ranks  # noqa: E402
 
 
 def run_job(binary, world, hosts, timeout):
     """Wall seconds of one job, or an error text."""
-    port = free_port()
-    procs = []
     start = time.perf_counter()
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   SMDDP_HOST_ID=str(r if hosts == "each" else 0), SMDDP_DEBUG="NONE")
-        procs.append(subprocess.Popen([binary, "--collective", "all_reduce", "-b", "8", "-e", "8", "-n", "1", "-w", "0",
-                                       "--timeout", str(timeout)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+    procs = start_ranks([binary, "--collective", "all_reduce", "-b", "8", "-e", "8", "-n", "1", "-w", "0",
+                         "--timeout", str(timeout)], world,
+                        lambda r: {"SMDDP_HOST_ID": str(r if hosts == "each" else 0), "SMDDP_DEBUG": "NONE"},
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     outs = [p.communicate(timeout=timeout + 60)[0] for p in procs]
     wall = time.perf_counter() - start
     failed = [r for r, p in enumerate(procs) if p.returncode != 0]

@@ -88,9 +88,10 @@ constexpr Param kParams[] = {
      "and doubles, up to 8 times this, each time nothing was queued. An op waited for later, or "
      "one the thread finds queued for this long, ends the deferral (the next ops wake the thread "
      "at once, to overlap the caller's work). get_future(), a wait() with a time limit and a "
-     "wait() that cannot run the op (another is running) wake the thread at once. -1 picks 1000 where the machine's cores are fewer than "
-     "twice its ranks (there a woken thread takes a core that the waiting caller or a peer rank "
-     "needs) and SMDDP_WAIT_RUNS_OP=1, else 0: every op wakes the thread. At most 100000."},
+     "wait() that cannot run the op (another is running) wake the thread at once. -1 picks 1000 "
+     "where the machine's cores are fewer than twice its ranks (there a woken thread takes a core "
+     "that the waiting caller or a peer rank needs) and SMDDP_WAIT_RUNS_OP=1, else 0: every op "
+     "wakes the thread. At most 100000."},
     {"SMDDP_COALESCE_PACK_BYTES", "4096",
      "Coalesced ops of CPU tensors (all_reduce_coalesced, the all-gathers and reduce-scatters of "
      "_coalescing_manager and of the functional collectives): consecutive tensors of one dtype, "

@@ -34,9 +34,10 @@ class ProgressThread {
   // slices start again from wakeDelay. Where a rank's threads share a core, waking the thread
   // for a task its issuer is about to run costs that core (the woken thread takes it from the
   // caller or a peer, or runs the op while the caller sleeps: two hand-offs where none was
-  // needed); a task waited for later is better started at once, and is. A timer armed per task would cost as much as
-  // the wake-up: arming one due within microseconds reprograms the CPU's timer, a VM exit
-  // (7 us on this project's VM). 0: every task wakes the thread, which sleeps until woken.
+  // needed); a task waited for later is better started at once, and is. A timer armed per task
+  // would cost as much as the wake-up: arming one due within microseconds reprograms the CPU's
+  // timer, a VM exit (7 us on this project's VM). 0: every task wakes the thread, which sleeps
+  // until woken.
   ProgressThread(std::string name, std::chrono::microseconds linger,
                  std::chrono::microseconds wakeDelay = std::chrono::microseconds(0));
   static constexpr std::chrono::milliseconds kDozeWindow{50};

@@ -1,0 +1,23 @@
+"""Jobs whose ranks are processes on this machine, bootstrapped as torchrun's are (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT: env:// and smddp_perf read them): for the benchmarks that
+start their own ranks one process each."""
+
+import os
+import socket
+import subprocess
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(cmd, world, env_of=lambda rank: {}, **popen_kw):
+    """Starts `cmd` once per rank of a job of `world` ranks meeting at a free port on 127.0.0.1,
+    each with this process's environment plus env_of(rank); `popen_kw` goes to Popen. Returns the
+    processes, rank order."""
+    port = free_port()
+    return [subprocess.Popen(cmd, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                           MASTER_PORT=str(port), **env_of(r)), **popen_kw)
+            for r in range(world)]
