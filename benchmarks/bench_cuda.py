@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_setup import free_port  # noqa: E402
+from local_ranks import free_port  # noqa: E402
 from bench_vs_gloo import BUSBW_FACTOR, fmt_bytes, parse_size, size_list  # noqa: E402
 
 # torch's names for the ops -> bench_vs_gloo's (for its nccl-tests bus factors)

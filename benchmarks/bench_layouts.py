@@ -26,7 +26,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_setup import free_port  # noqa: E402
+from local_ranks import free_port  # noqa: E402
 
 SHAPES = {  # name: (memory shape, the permutation viewing it as the logical tensor)
     "transposed": (lambda n: (n, n), (1, 0)),
