@@ -18,15 +18,14 @@ wake-ups from /proc/<pid>/task/<tid>/status.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_ranks import start_ranks  # noqa: E402
-from variants import parse_variants  # noqa: E402
+from local_ranks import run_json_job  # noqa: E402
+from variants import add_job_args, best_of_rounds, jobs_of  # noqa: E402
 
 
 def helper_threads():
@@ -85,17 +84,8 @@ def worker(backend, seconds, gap_us):
 def run_job(label, env_extra, world, seconds, gap_us, timeout):
     """The ranks' results averaged: {us_per_op, cpu_us_per_op, wakes_per_op}."""
     backend = "gloo" if label == "gloo" else "smddp"
-    procs = start_ranks([sys.executable, __file__, "--worker", backend, str(seconds), str(gap_us)], world,
-                        lambda r: env_extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    results = []
-    for r, p in enumerate(procs):
-        out, err = p.communicate(timeout=timeout)
-        if p.returncode != 0:
-            for q in procs:
-                q.kill()
-            sys.exit(f"bench_progress_cost: {label} rank {r} failed: {(err.strip() or '(no output)').splitlines()[-1]}")
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return {k: sum(x[k] for x in results) / world for k in results[0]}
+    return run_json_job([sys.executable, __file__, "--worker", backend, str(seconds), str(gap_us)], world,
+                        lambda r: env_extra, timeout, f"bench_progress_cost: {label}")
 
 
 def main():
@@ -107,35 +97,19 @@ def main():
     ap.add_argument("--gaps-us", default="0,500,5000", help="comma list: us of the caller's CPU work after each op")
     ap.add_argument("--seconds", type=float, default=2.0,
                     help="about how long each job's timed loop runs (its op count set from its warm-up's pace)")
-    ap.add_argument("--backends", default="smddp", help="comma list of smddp, gloo")
-    ap.add_argument("--variant", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE...]",
-                    help="smddp again with these environment settings (repeatable)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--timeout", type=int, default=300, help="seconds a job may take")
+    add_job_args(ap, "smddp")
     args = ap.parse_args()
-    try:
-        variants = parse_variants(args.variant)
-    except ValueError as e:
-        ap.error(str(e))
-    jobs = {b: {} for b in args.backends.split(",")}
-    if not set(jobs) <= {"smddp", "gloo"}:
-        ap.error(f"--backends {args.backends!r}: expected a comma list of smddp, gloo")
-    jobs.update(variants)
     print(f"# {' '.join(sys.argv)}")
     print(f"# {os.cpu_count()} CPUs, world {args.world}; per op: 16-byte all_reduce(async_op=True).wait(), then the "
           "gap's CPU work (the thread's CPU time); us/op = wall time per op (work included); threads = every "
           f"thread of a rank but the caller's: CPU us and wake-ups per op, averaged over ranks; best of {args.rounds} "
           "rounds by us/op")
-    for label, env in variants.items():
-        print(f"# {label}: smddp with {' '.join(f'{k}={v}' for k, v in env.items())}")
+    jobs = jobs_of(ap, args)
     print(f"{'gap us':>7} {'job':>6} {'us/op':>9} {'thread CPU us/op':>17} {'wake-ups/op':>12} {'us/op vs first':>15}")
     for gap in [float(g) for g in args.gaps_us.split(",")]:
-        best = {}
-        for _ in range(args.rounds):
-            for label, env in jobs.items():
-                r = run_job(label, env, args.world, args.seconds, gap, args.timeout)
-                if label not in best or r["us_per_op"] < best[label]["us_per_op"]:
-                    best[label] = r
+        best = best_of_rounds(jobs, args.rounds,
+                              lambda label, env: run_job(label, env, args.world, args.seconds, gap, args.timeout),
+                              "us_per_op")
         first = best[next(iter(jobs))]["us_per_op"]
         for label in jobs:
             r = best[label]

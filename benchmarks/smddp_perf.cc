@@ -506,8 +506,9 @@ class Buffer {
 };
 
 int rankMain(const Args& a, int rank, Store& store) {
-  // Set up as the backend sets a group up.
-  PrefixStore groupStore(store, freshNamespace(store, rank, a.ranks, a.timeout));
+  // Set up as the backend sets a group up (its keys left in the store: the job is the group).
+  std::vector<std::string> namespaceKeys;
+  PrefixStore groupStore(store, freshNamespace(store, rank, a.ranks, a.timeout, namespaceKeys));
   BootstrapStore bootstrap(groupStore);
   const std::unique_ptr<algo::Communicator> owned = settingUp(
       groupStore, [&] { return std::make_unique<algo::Communicator>(bootstrap, rank, a.ranks, a.timeout); });

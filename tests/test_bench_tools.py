@@ -96,6 +96,19 @@ def test_progress_cost_benchmark_names_a_failed_job():
     assert "var1 rank 0 failed" in p.stderr and "SMDDP_SOCKET_FAMILY" in p.stderr, p.stderr[-3000:]
 
 
+def test_group_churn_benchmark_counts_the_keys_left():
+    # gloo leaves its address key per rank of each group; smddp none, a variant too.
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_group_churn.py"), "--world", "2",
+                        "--hosts", "one,each", "--groups", "3", "--rounds", "1", "--variant", "SMDDP_LINGER_US=0"],
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines() if not line.startswith("#")][1:]
+    assert [r[:2] for r in rows] == [[h, j] for h in ("one", "each") for j in ("smddp", "gloo", "var1")], p.stdout
+    assert all(float(r[5]) > 0 and r[7].endswith("x") for r in rows), p.stdout
+    keys = {(r[0], r[1]): float(r[6]) for r in rows}
+    assert keys[("one", "gloo")] >= 1 and keys[("one", "smddp")] == 0 and keys[("each", "var1")] == 0, p.stdout
+
+
 def run_training_benchmark(*args):
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--worlds", "2", "--rounds",
                            "1", "--steps", "2", "--warmup", "1", "--vocab", "128", "--dim", "32", "--heads", "2",

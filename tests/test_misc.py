@@ -1000,6 +1000,55 @@ def test_dev_shm_clean(pools, world):
     pools.check(world, shm_task)
 
 
+def store_keys_task(rank, world):
+    """Groups destroyed leave no keys in the job's store, whether they ran collectives, only
+    point-to-point ops or nothing at all (until 2026-12-03 each left about nine keys per rank:
+    a job making groups as it went filled its store; gloo leaves one per rank)."""
+    rep = Report(rank)
+    store = dist.distributed_c10d._get_default_store()
+
+    def keys():
+        gc.collect()  # a group's keys go when its backend is destroyed
+        dist.barrier()
+        n = store.num_keys()
+        dist.barrier()
+        return n
+
+    before = keys()
+    uses = ("all_reduce", "all_gather", "send/recv", "nothing", "a subgroup's all_reduce")
+    for use in uses:
+        with rep.cell(f"a group that ran {use}, destroyed, world={world}"):
+            members = list(range(world)) if use != "a subgroup's all_reduce" else list(range(0, world, 2))
+            g = dist.new_group(members)
+            if rank in members:
+                t = torch.ones(3)
+                if use in ("all_reduce", "a subgroup's all_reduce"):
+                    dist.all_reduce(t, group=g)
+                    rep.check(use, t, torch.full((3,), float(len(members))))
+                elif use == "all_gather":
+                    out = torch.empty(3 * world)
+                    dist.all_gather_into_tensor(out, t, group=g)
+                    rep.check(use, out, torch.ones(3 * world))
+                elif use == "send/recv" and world > 1:
+                    ops = [dist.P2POp(dist.isend, t * rank, (rank + 1) % world, g),
+                           dist.P2POp(dist.irecv, t, (rank - 1) % world, g)]
+                    for w in dist.batch_isend_irecv(ops):
+                        w.wait()
+                    rep.expect(torch.equal(t, torch.full((3,), float((rank - 1) % world))), f"{use}: {t}")
+                dist.destroy_process_group(g)
+            del g
+    left = keys() - before
+    rep.expect(left == 0, f"{left} keys left in the store by {len(uses)} groups destroyed "
+                          f"(world {world})")
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="gloo leaves a key per rank of each group")
+@pytest.mark.parametrize("world, hosts", [(1, None), (2, None), (4, None), (3, "001"), (4, "0011")])
+def test_destroyed_groups_leave_no_store_keys(pools, world, hosts):
+    pools.check(world, store_keys_task, hosts=hosts)
+
+
 # ---------------------------------------------------------------------------
 def errors_task(rank, world):
     rep = Report(rank)

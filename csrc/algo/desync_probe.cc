@@ -108,6 +108,10 @@ std::string DesyncProbe::whereIs(StoreErrands& errands, int peer, std::chrono::m
 
 void DesyncProbe::announce(Store& store, int rank) { store.set(keyOf(rank), position(0, 0)); }
 
+std::string DesyncProbe::positionKeyOf(int rank) { return keyOf(rank); }
+
+std::string DesyncProbe::p2pPostKeyOf(int rank) { return p2pKeyOf(rank); }
+
 DesyncProbe::DesyncProbe(StoreErrands& errands, int rank, uint64_t seq, uint64_t signature,
                          std::chrono::milliseconds interval)
     : errands_(errands), rank_(rank), seq_(seq), signature_(signature), interval_(interval) {}

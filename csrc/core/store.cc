@@ -20,6 +20,10 @@ const std::string& unlessFailed(const std::string& value) {
 }
 }  // namespace
 
+int64_t Store::add(const std::string& key, int64_t /*delta*/) {
+  throwError(ErrorCode::kInvalidUsage, "this store cannot add to a key (%s)", key.c_str());
+}
+
 void BootstrapStore::set(const std::string& key, const std::string& value) {
   inner_.set(key, value);
   set_.insert(key);
@@ -68,13 +72,16 @@ std::optional<Error> namingLateRanks(Store& groupStore, const Error& e) {
                                                  late.c_str(), e.what()));
 }
 
-std::string freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout) {
+std::string freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout,
+                           std::vector<std::string>& keysSet) {
   auto ticketKey = [](int r) { return "smddp/ticket/" + std::to_string(r); };
   auto answerKey = [](const std::string& ticket) { return "smddp/answer/" + ticket; };
   auto confirmKey = [](const std::string& ns, int r) { return "smddp/confirm/" + ns + "/" + std::to_string(r); };
   if (rank != 0) {
     const std::string ticket = randomHex(8);
     store.set(ticketKey(rank), ticket);
+    // This rank's, though rank 0 set the answer: only this rank knows which answer it read.
+    keysSet.insert(keysSet.end(), {ticketKey(rank), answerKey(ticket)});
     std::string ns;
     try {
       ns = store.get(answerKey(ticket));
@@ -86,6 +93,7 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
                  e.what());
     }
     store.set(confirmKey(ns, rank), "1");
+    keysSet.push_back(confirmKey(ns, rank));
     return ns + "/";
   }
   const std::string ns = randomHex(8);
@@ -93,6 +101,8 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
   std::vector<int> pending;
   for (int r = 1; r < size; ++r) pending.push_back(r);
   std::string waiting;  // the ranks not come yet, as last published under kNotArrivedKey
+  const std::string notArrivedKey = ns + "/" + kNotArrivedKey;
+  bool notArrivedSet = false;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::milliseconds(1);
   while (true) {
@@ -106,12 +116,16 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
       const std::string ticket = store.get(ticketKey(r));
       if (ticket != answered[r]) {
         store.set(answerKey(ticket), ns);
+        // The rank that drew a ticket answered before never reads that answer now.
+        if (!answered[r].empty()) keysSet.push_back(answerKey(answered[r]));
         answered[r] = ticket;
       }
     }
     if (std::string now = joinRanks(absent); now != waiting) {
       waiting = std::move(now);
-      store.set(ns + "/" + kNotArrivedKey, waiting);
+      store.set(notArrivedKey, waiting);
+      if (!notArrivedSet) keysSet.push_back(notArrivedKey);
+      notArrivedSet = true;
     }
     pending.erase(std::remove_if(pending.begin(), pending.end(),
                                  [&](int r) { return store.check(confirmKey(ns, r)); }),

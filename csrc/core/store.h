@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <set>
@@ -21,6 +22,11 @@ class Store {
   virtual std::string get(const std::string& key) = 0;
   // Whether `key` is set now; never blocks.
   virtual bool check(const std::string& key) = 0;
+  // Removes `key`; false when it was not set, or when this store cannot remove keys.
+  virtual bool deleteKey(const std::string& /*key*/) { return false; }
+  // Adds `delta` to the integer under `key` (0 when not set), atomically; returns the sum.
+  // Throws kInvalidUsage where the store has no such operation.
+  virtual int64_t add(const std::string& key, int64_t delta);
   // get() of every key, in order. A set-up reads a record of every peer: a store that answers
   // them in a few round trips (c10d's TCPStore, TcpStore) spares a job of W ranks W round trips
   // per rank, and its server W^2 requests in all.
@@ -66,6 +72,8 @@ class PrefixStore : public Store {
   void set(const std::string& key, const std::string& value) override { inner_.set(prefix_ + key, value); }
   std::string get(const std::string& key) override { return inner_.get(prefix_ + key); }
   bool check(const std::string& key) override { return inner_.check(prefix_ + key); }
+  bool deleteKey(const std::string& key) override { return inner_.deleteKey(prefix_ + key); }
+  int64_t add(const std::string& key, int64_t delta) override { return inner_.add(prefix_ + key, delta); }
   std::vector<std::string> multiGet(const std::vector<std::string>& keys) override {
     std::vector<std::string> full;
     full.reserve(keys.size());
@@ -91,7 +99,10 @@ class PrefixStore : public Store {
 // re-reads the tickets of the ranks that have not confirmed, and answers again when one changes.
 // Rank 0 polls the tickets, so every rank that has come is answered whoever is late, and
 // publishes the ranks it has not heard from in the new namespace (namingLateRanks).
-std::string freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout);
+// `keysSet` gets the keys of `store` this rank is to remove once every rank has set up the group
+// (no rank reads them then).
+std::string freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout,
+                           std::vector<std::string>& keysSet);
 
 // `e` reworded to name the ranks rank 0 had not heard from at its latest look, read from a
 // group's namespace (freshNamespace's prefix): they are why the key a rank's set-up waited for
@@ -128,6 +139,8 @@ class BootstrapStore : public Store {
   // Publishes "rank `rank` could not set up the process group: `why`" under each of `keys` this
   // rank has not set itself. Never throws: the store may be what failed.
   void publishFailure(const std::vector<std::string>& keys, int rank, const std::string& why) noexcept;
+  // The keys set through this store so far.
+  const std::set<std::string>& keysSet() const { return set_; }
 
  private:
   Store& inner_;

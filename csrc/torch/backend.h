@@ -221,6 +221,15 @@ class SmddpBackend : public c10d::Backend {
   // all_to_all without the split-size round trip its peers wait for, which failed the first one
   // across hosts as collectives that do not match). Collective over the group, at set-up.
   bool agreeOnDebugChecks();
+  // A job that makes groups as it goes (new_group, DeviceMesh's, a group per evaluation) would
+  // otherwise leave about ten keys per rank of each group in its store, as long as the job runs.
+  // countSetUp(), last in the constructor, counts this rank past its set-up in the group's store;
+  // releaseKeys(), as the group is destroyed, removes the set-up's keys of this rank once every
+  // rank is past its set-up, and the last rank to destroy the group removes the rest.
+  void countSetUp();
+  void releaseKeys();
+  // The keys `rank` set in the group's store that peers may read as long as the group lives.
+  std::vector<std::string> keysReadLaterOf(int rank) const;
   // A ValueError for a tag of the range monitoredBarrier keeps to itself.
   void checkUserTag(int tag, const char* op) const;
   // A message to or from `peer` (-1: any rank) in `buffer`, due within the group's timeout; its done
@@ -261,9 +270,16 @@ class SmddpBackend : public c10d::Backend {
   int shrinks_ = 0;                              // shrink() calls so far: each child's key prefix
   std::shared_ptr<Store> store_;  // c10dStore_ as the core sees it, kept for the communicator (see there)
   std::shared_ptr<Store> groupStore_;  // store_'s namespace for this group alone (freshNamespace)
-  // Requests to groupStore_ made while an op waits: where a stalled op or p2p waits, where peers
-  // stand when one times out (DesyncProbe). Null when SMDDP_DESYNC_CHECK_MS is 0 or size is 1.
+  // Requests to groupStore_ that no op's thread waits for: where a stalled op or p2p waits, where
+  // peers stand when one times out (DesyncProbe, where SMDDP_DESYNC_CHECK_MS is not 0 and size
+  // is not 1), the removal of the set-up's keys (releaseSetUpKeys).
   std::shared_ptr<StoreErrands> storeErrands_;
+  std::string groupPrefix_;  // groupStore_'s keys in store_ (freshNamespace)
+  // Of store_: those this rank removes once every rank is past its set-up (releaseKeys).
+  std::vector<std::string> spentKeys_;
+  // Whether this rank's p2p engines posted where they wait (DesyncProbe::postP2p): a key to remove.
+  std::shared_ptr<std::atomic<bool>> postedP2p_ = std::make_shared<std::atomic<bool>>(false);
+  bool setUpCounted_ = false;  // this rank is counted past its set-up (countSetUp)
   std::unique_ptr<BootstrapStore> bootstrap_;  // groupStore_ as the set-up uses it
   std::unique_ptr<algo::Communicator> comm_;
   std::shared_ptr<engine::ProgressThread> progress_;  // shared with the Works of queued ops

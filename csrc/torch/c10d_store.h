@@ -41,6 +41,16 @@ class C10dStore : public Store {
     guarded("checking", key, [&] { found = store_->check({key}); });
     return found;
   }
+  bool deleteKey(const std::string& key) override {
+    bool deleted = false;
+    guarded("deleting", key, [&] { deleted = store_->deleteKey(key); });
+    return deleted;
+  }
+  int64_t add(const std::string& key, int64_t delta) override {
+    int64_t sum = 0;
+    guarded("adding to", key, [&] { sum = store_->add(key, delta); });
+    return sum;
+  }
   // c10d's TCPStore waits for them all in one request, then reads them in another.
   std::vector<std::string> multiGet(const std::vector<std::string>& keys) override {
     std::vector<std::string> values;

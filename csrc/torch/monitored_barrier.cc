@@ -101,7 +101,7 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
     } else {
       // A rank that stalls in an op of the group posts where it waits (stallInterval_).
       const std::string where =
-          storeErrands_ ? algo::DesyncProbe::whereIs(*storeErrands_, r, stallInterval_) : "";
+          stallInterval_.count() > 0 ? algo::DesyncProbe::whereIs(*storeErrands_, r, stallInterval_) : "";
       causes += "\n  rank " + std::to_string(r) + ": not heard from" + where;
     }
     if (!waitAllRanks) break;

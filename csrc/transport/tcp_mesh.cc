@@ -175,6 +175,8 @@ std::vector<std::string> TcpMesh::keysOwedBy(int rank) {
   return keys;
 }
 
+std::vector<std::string> TcpMesh::keysReadLater(int rank) { return {addrKey(rank)}; }
+
 std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, const std::vector<LocalAddress>& addrs,
                                          const std::vector<int>& peers, std::chrono::milliseconds timeout) {
   const int rank = topo.rank;

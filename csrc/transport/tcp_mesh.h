@@ -56,6 +56,9 @@ class TcpMesh {
                                          const std::vector<int>& peers, std::chrono::milliseconds timeout);
   // The keys create() sets for `rank`, which its peers wait for (BootstrapStore::publishFailure).
   static std::vector<std::string> keysOwedBy(int rank);
+  // Those of them read after the set-up too (connect() reads addresses at a group's first
+  // all_to_all), which must stay in the store as long as the group lives.
+  static std::vector<std::string> keysReadLater(int rank);
   ~TcpMesh();
 
   // Connects to those of `peers` not connected yet; they call it too, at the same point of their
