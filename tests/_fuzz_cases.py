@@ -39,7 +39,8 @@ EPS = {torch.float32: 2.0 ** -23, torch.float64: 2.0 ** -52, torch.float16: 2.0 
        torch.complex64: 2.0 ** -23}
 # The spacing of the smallest subnormals: what a result near zero may lose to its last rounding.
 TINY = {torch.float16: 2.0 ** -24, torch.bfloat16: 2.0 ** -133, torch.float8_e4m3fn: 2.0 ** -9,
-        torch.float8_e5m2: 2.0 ** -16}
+        torch.float8_e5m2: 2.0 ** -16, torch.float32: 2.0 ** -149, torch.float64: 2.0 ** -1074,
+        torch.complex64: 2.0 ** -149}
 # Where rounding to the type gives infinity: its largest value plus half its last ulp there.
 OVERFLOW_AT = {torch.float16: 65520.0, torch.bfloat16: 3.3895313892515355e38 + 2.0 ** 119,
                torch.float8_e5m2: 61440.0}
@@ -170,16 +171,17 @@ def error_bound(inputs, dtype, op, factor, kind, multi_host):
             magnitude *= abs(factor)
         if op == "AVG":
             magnitude /= len(inputs)
-        # A host's partial product, rounded to the type, may be subnormal: its absolute error (half
-        # the smallest subnormal at most) is then multiplied by the other hosts' factors, whose
-        # product is at most that of max(1, |x|); at most ranks // 2 hosts hold two ranks or more,
-        # and only their partials are rounded.
-        partials = (TINY[dtype] / 2 * (len(inputs) // 2) * np.maximum(mags, 1.0).prod(0)
-                    if op == "PRODUCT" and multi_host and dtype in NARROW_FLOATS else 0.0)
+        # A partial product rounded to the type may be subnormal: its absolute error (half the
+        # smallest subnormal at most) is then multiplied by the factors still to come, whose
+        # product is at most that of max(1, |x|). The 16-bit floats and float8 round only the
+        # partials of hosts (at most ranks // 2 hold two ranks or more); the wider types, which
+        # accumulate in their own precision, each of the ranks - 1 products of a reduction.
+        rounded = (len(inputs) // 2 if multi_host else 0) if dtype in NARROW_FLOATS else len(inputs) - 1
+        partials = TINY[dtype] * rounded * np.maximum(mags, 1.0).prod(0) / 2 if op == "PRODUCT" else 0.0
     magnitude, partials = (np.where(np.isfinite(x), x, 0.0) for x in (magnitude, partials))
-    bound = 8 * (2.0 ** -52 if dtype == torch.float64 else 2.0 ** -23) * magnitude
+    bound = 8 * (2.0 ** -52 if dtype == torch.float64 else 2.0 ** -23) * magnitude + partials
     if dtype in NARROW_FLOATS:
-        bound += TINY[dtype] + (2 * EPS[dtype] * magnitude if multi_host else 0.0) + partials
+        bound += TINY[dtype] + (2 * EPS[dtype] * magnitude if multi_host else 0.0)
     return bound
 
 
