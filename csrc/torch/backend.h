@@ -272,7 +272,7 @@ class SmddpBackend : public c10d::Backend {
   std::shared_ptr<Store> groupStore_;  // store_'s namespace for this group alone (freshNamespace)
   // Requests to groupStore_ that no op's thread waits for: where a stalled op or p2p waits, where
   // peers stand when one times out (DesyncProbe, where SMDDP_DESYNC_CHECK_MS is not 0 and size
-  // is not 1), the removal of the set-up's keys (releaseSetUpKeys).
+  // is not 1), the removal of the group's keys (releaseKeys).
   std::shared_ptr<StoreErrands> storeErrands_;
   std::string groupPrefix_;  // groupStore_'s keys in store_ (freshNamespace)
   // Of store_: those this rank removes once every rank is past its set-up (releaseKeys).
