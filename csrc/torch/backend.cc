@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <sstream>
-#include <thread>
 
 #include "algo/desync_probe.h"
+#include "algo/group_keys.h"
 #include "core/env.h"
 #include "core/log.h"
 #include "core/spin.h"
@@ -106,7 +106,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     if (p2p_) p2p_->setStallBoard(board);
     if (netP2p_) netP2p_->setStallBoard(board);
   }
-  countSetUp();
+  endSetUpInStore();
   pgId_ = FlightRecorder::get().addGroup(globalRanks_);  // last: a set-up that fails has no destructor to remove it
   SMDDP_INFO(kInit, "rank %d/%d: process group ready", rank, size);
 }
@@ -133,18 +133,6 @@ SmddpBackend::~SmddpBackend() {
   FlightRecorder::get().removeGroup(pgId_);
 }
 
-namespace {
-// In a group's namespace: how many ranks are past their set-up, plus (size + 1) times how many
-// have destroyed the group. One key, so that one request tells a rank that destroys the group
-// both.
-constexpr char kRanksDoneKey[] = "smddp/ranks-done";
-// How long a rank that destroys a group waits for its peers to end their set-ups before it
-// leaves its set-up keys in the store (within the errands' own patience, StoreErrands).
-constexpr std::chrono::milliseconds kPeersSetUpPatience{800};
-// How long a rank spends removing keys as it destroys a group.
-constexpr std::chrono::milliseconds kRemovalBudget{200};
-}  // namespace
-
 std::vector<std::string> SmddpBackend::keysReadLaterOf(int rank) const {
   std::vector<std::string> keys = {algo::DesyncProbe::positionKeyOf(rank)};
   if (comm_->multiHost()) {
@@ -153,14 +141,13 @@ std::vector<std::string> SmddpBackend::keysReadLaterOf(int rank) const {
   return keys;
 }
 
-void SmddpBackend::countSetUp() {
+void SmddpBackend::endSetUpInStore() {
   const std::vector<std::string> later = keysReadLaterOf(rank_);
   for (const std::string& k : bootstrap_->keysSet()) {
     if (std::find(later.begin(), later.end(), k) == later.end()) spentKeys_.push_back(groupPrefix_ + k);
   }
-  if (size_ == 1) return;  // no peer reads its keys: they go when it is destroyed
   try {
-    groupStore_->add(kRanksDoneKey, 1);
+    algo::group_keys::countSetUp(*groupStore_, size_);
     setUpCounted_ = true;
   } catch (const Error& e) {  // the group works without: its keys stay in the store
     SMDDP_WARN(kInit, "rank %d: %s; the group's keys will stay in the store", rank_, e.what());
@@ -168,59 +155,24 @@ void SmddpBackend::countSetUp() {
 }
 
 void SmddpBackend::releaseKeys() {
-  if (size_ > 1 && !setUpCounted_) return;
+  if (!setUpCounted_) return;
+  algo::group_keys::Release plan;
+  plan.size = size_;
+  plan.spent = std::move(spentKeys_);
   // Peers look for it before they read it (DesyncProbe::p2pPostKeyOf).
-  if (postedP2p_->load()) spentKeys_.push_back(groupPrefix_ + algo::DesyncProbe::p2pPostKeyOf(rank_));
-  std::vector<std::string> lasting;  // every rank's, removed by the last rank to destroy the group
+  if (postedP2p_->load()) plan.spent.push_back(groupPrefix_ + algo::DesyncProbe::p2pPostKeyOf(rank_));
   for (int r = 0; r < size_; ++r) {
-    for (const std::string& k : keysReadLaterOf(r)) lasting.push_back(k);
+    for (const std::string& k : keysReadLaterOf(r)) plan.lasting.push_back(k);
   }
-  lasting.push_back(kRanksDoneKey);
   // On a thread of its own (StoreErrands): a store whose host is stopped holds up no destroy for
   // longer than the errands' patience.
-  storeErrands_->start([store = store_, spent = std::move(spentKeys_), lasting = std::move(lasting), size = size_,
-                        rank = rank_](Store& group) {
-    bool allSetUp = true, last = true;
-    if (size > 1) {
-      const int64_t stride = size + 1;
-      int64_t done = group.add(kRanksDoneKey, stride);
-      last = done / stride == size;
-      // A peer may still read this rank's set-up keys: a group destroyed as soon as it is made
-      // waits a moment for it (ranks end their set-ups within milliseconds of each other).
-      const auto deadline = std::chrono::steady_clock::now() + kPeersSetUpPatience;
-      auto pause = std::chrono::milliseconds(1);
-      while (done % stride < size && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(pause);
-        pause = std::min(pause * 2, std::chrono::milliseconds(50));
-        const int64_t now = group.add(kRanksDoneKey, 0);
-        if (now < done) {
-          // Removed meanwhile by the last rank to destroy the group, so every rank is past its
-          // set-up; this look made the key again, and goes after it.
-          group.deleteKey(kRanksDoneKey);
-          done = size;
-          break;
-        }
-        done = now;
-      }
-      allSetUp = done % stride == size;
-    }
-    // The first failure ends it: the store is gone, or its host is. So does the budget: at the
-    // end of a large job every rank destroys its groups at once, and its store goes with it.
-    const auto budget = std::chrono::steady_clock::now() + kRemovalBudget;
-    size_t removed = 0;
-    auto remove = [&](Store& from, const std::vector<std::string>& keys) {
-      for (const std::string& k : keys) {
-        if (std::chrono::steady_clock::now() > budget) return;
-        from.deleteKey(k);
-        ++removed;
-      }
-    };
-    if (allSetUp) remove(*store, spent);
-    if (last) remove(group, lasting);
-    SMDDP_INFO(kInit, "rank %d: %zu of the group's store keys removed (%s)", rank, removed,
-               last       ? "the last rank to destroy the group"
-               : allSetUp ? "this rank's set-up's"
-                          : "none: a rank had not finished its set-up");
+  storeErrands_->start([store = store_, plan = std::move(plan), rank = rank_](Store& group) {
+    const algo::group_keys::Released r = algo::group_keys::release(*store, group, plan);
+    SMDDP_INFO(kInit, "rank %d: %zu of the group's store keys removed (%s)%s%s", rank, r.removed,
+               r.last       ? "the last rank to destroy the group"
+               : r.allSetUp ? "this rank's set-up's"
+                            : "none: a rank had not finished its set-up",
+               r.failure.empty() ? "" : "; the store failed: ", r.failure.c_str());
     return std::string();
   });
 }

@@ -221,12 +221,11 @@ class SmddpBackend : public c10d::Backend {
   // all_to_all without the split-size round trip its peers wait for, which failed the first one
   // across hosts as collectives that do not match). Collective over the group, at set-up.
   bool agreeOnDebugChecks();
-  // A job that makes groups as it goes (new_group, DeviceMesh's, a group per evaluation) would
-  // otherwise leave about ten keys per rank of each group in its store, as long as the job runs.
-  // countSetUp(), last in the constructor, counts this rank past its set-up in the group's store;
-  // releaseKeys(), as the group is destroyed, removes the set-up's keys of this rank once every
-  // rank is past its set-up, and the last rank to destroy the group removes the rest.
-  void countSetUp();
+  // A job that makes groups as it goes would otherwise leave about ten keys per rank of each
+  // group in its store (algo/group_keys.h). endSetUpInStore(), last in the constructor, sorts the
+  // keys this rank's set-up set into spentKeys_ and counts the rank past its set-up;
+  // releaseKeys(), as the group is destroyed, removes what algo::group_keys::release allows.
+  void endSetUpInStore();
   void releaseKeys();
   // The keys `rank` set in the group's store that peers may read as long as the group lives.
   std::vector<std::string> keysReadLaterOf(int rank) const;
@@ -279,7 +278,7 @@ class SmddpBackend : public c10d::Backend {
   std::vector<std::string> spentKeys_;
   // Whether this rank's p2p engines posted where they wait (DesyncProbe::postP2p): a key to remove.
   std::shared_ptr<std::atomic<bool>> postedP2p_ = std::make_shared<std::atomic<bool>>(false);
-  bool setUpCounted_ = false;  // this rank is counted past its set-up (countSetUp)
+  bool setUpCounted_ = false;  // this rank is counted past its set-up (endSetUpInStore)
   std::unique_ptr<BootstrapStore> bootstrap_;  // groupStore_ as the set-up uses it
   std::unique_ptr<algo::Communicator> comm_;
   std::shared_ptr<engine::ProgressThread> progress_;  // shared with the Works of queued ops

@@ -6,5 +6,6 @@ int main() {
   alltoallBufferTests();
   singleCopyTests();
   yieldGateTests();
+  groupKeysTests();
   return smddp::test::report();
 }

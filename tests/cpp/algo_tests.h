@@ -6,4 +6,5 @@
 void wayPolicyTests();   // test_way_policy.cc
 void alltoallBufferTests();  // test_alltoall_buffers.cc
 void singleCopyTests();  // test_single_copy.cc
-void yieldGateTests();            // test_yield_gate.cc
+void yieldGateTests();   // test_yield_gate.cc
+void groupKeysTests();   // test_group_keys.cc
