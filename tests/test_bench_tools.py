@@ -239,20 +239,23 @@ def test_side_by_side_benchmark_work_between_issue_and_wait(tmp_path):
     # --work-us: the caller busy-loops between issuing an op and waiting for it; the times leave
     # that out. Without --async 1 it is refused.
     bench = [sys.executable, str(ROOT / "benchmarks" / "bench_vs_gloo.py"), "--ops", "allreduce", "--worlds", "2",
-             "-b", "8", "-e", "4K", "-f", "512", "--rounds", "1", "--baselines", "gloo", "--work-us", "300",
+             "-b", "8", "-e", "4K", "-f", "512", "--rounds", "1", "--baselines", "gloo", "--work-us", "20000",
              "--target-ms", "5", "--warmup-ms", "1", "--job-warmup-ms", "1", "--idle-seconds", "0"]
     p = subprocess.run(bench, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "--work-us needs --async 1" in p.stderr, p.stderr[-2000:]
     out = tmp_path / "rows.jsonl"
     p = subprocess.run(bench + ["--async", "1", "-J", str(out)], capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "each Work waited after 300 us of the caller's own work" in p.stdout, p.stdout[:3000]
+    assert "each Work waited after 20000 us of the caller's own work" in p.stdout, p.stdout[:3000]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert {(r["size"], r["backend"]) for r in rows} == {(s, b) for s in (8, 4096) for b in ("smddp", "gloo")}, rows
-    # the 300 us are left out: what remains is the op's own time, above 0 and (for smddp's 8 B,
-    # which takes tens of us alone) well under the work
+    # the 20000 us are left out: what remains is the op's own time, above 0 and (for smddp's 8 B,
+    # which takes tens of us alone) well under the work. The work is long so that on a loaded
+    # machine, where a rank's progress thread or its peer may wait scheduler slices behind the busy
+    # callers, the op still ends inside it (with 300 us, a CI run measured 333 us left; with 20 ms
+    # beside four spinning processes on two cores, under 6 ms)
     assert all(r["error"] is None and r["wrong"] == 0 and r["time_us"] > 0 for r in rows), rows
-    assert min(r["time_us"] for r in rows if r["backend"] == "smddp") < 250, rows
+    assert min(r["time_us"] for r in rows if r["backend"] == "smddp") < 10000, rows
 
 
 def test_staging_benchmark_sorts_rounds_by_placement():
