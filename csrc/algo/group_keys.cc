@@ -45,12 +45,13 @@ Released release(Store& root, Store& group, const Release& plan) noexcept {
     }
   };
   try {
-    out.allSetUp = out.last = true;
     if (plan.size > 1) {
       const int64_t stride = plan.size + 1;
       const int64_t done = group.add(kRanksDoneKey, stride);
       out.last = done / stride == plan.size;
       out.allSetUp = awaitSetUps(group, done, plan.size, plan.peersSetUpPatience) == plan.size;
+    } else {
+      out.allSetUp = out.last = true;
     }
     const auto budget = std::chrono::steady_clock::now() + plan.removalBudget;
     if (out.allSetUp) removeWithin(root, plan.spent, budget);

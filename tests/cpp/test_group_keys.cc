@@ -23,7 +23,7 @@ using smddp::test::expect;
 namespace {
 
 // Thread-safe, with add and deleteKey as c10d's stores have them; deleteKey can be made slow
-// (a store far away) or to fail (a store whose host is gone).
+// (a store far away), and deleteKey or add to fail (a store whose host is gone).
 class MemoryStore : public Store {
  public:
   void set(const std::string& key, const std::string& value) override {
@@ -47,6 +47,7 @@ class MemoryStore : public Store {
     return values_.erase(key) != 0;
   }
   int64_t add(const std::string& key, int64_t delta) override {
+    if (failAdds) throwError(ErrorCode::kRemoteError, "the store's host is gone");
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = values_.find(key);
     const int64_t sum = (it == values_.end() ? 0 : std::stoll(it->second)) + delta;
@@ -61,6 +62,7 @@ class MemoryStore : public Store {
   }
   std::chrono::milliseconds deleteDelay{0};
   bool failDeletes = false;
+  bool failAdds = false;
 
  private:
   std::mutex mutex_;
@@ -252,6 +254,18 @@ void storeFailureEndsIt() {
   const group_keys::Released r = group_keys::release(root, group, plan);
   expect(r.removed == 0 && r.failure.find("host is gone") != std::string::npos,
          "the store's failure is reported: '" + r.failure + "'");
+
+  // Failing at the count, in a group of two: nothing is removed, and the rank claims neither
+  // that every rank was set up nor that it was the last.
+  MemoryStore root2;
+  PrefixStore group2(root2, kPrefix);
+  const group_keys::Release plan2 = setUpRank(root2, 0, 2, std::chrono::milliseconds(100));
+  const size_t before = root2.keys().size();
+  root2.failAdds = true;
+  const group_keys::Released r2 = group_keys::release(root2, group2, plan2);
+  expect(!r2.allSetUp && !r2.last && r2.removed == 0 && r2.failure.find("host is gone") != std::string::npos,
+         "a failed count: nothing claimed or removed ('" + r2.failure + "')");
+  expect(root2.keys().size() == before, "a failed count leaves every key");
 }
 
 }  // namespace
