@@ -20,6 +20,8 @@ anything but SUM, AVG and PREMUL_SUM on complex) must raise NotImplementedError 
 the call and leave the group usable.
 """
 
+import os
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -341,8 +343,13 @@ class Case:
 
     def data_kind(self, dtype, op, multi_host):
         kind = self.kind
+        # Across hosts each host's partial is rounded to the type, scaled to stay within its inputs'
+        # range (SUM's is not); the ring schedule also rounds each running sum of hosts' partials,
+        # which stays in range only while |factor| x ranks <= 1.
+        ring = os.environ.get("SMDDP_NET_ALGO") == "ring"
         if kind == "big" and (op not in ("SUM", "AVG", "PREMUL_SUM", "MIN", "MAX") or (op == "SUM" and multi_host)
-                              or (op == "PREMUL_SUM" and abs(self.factor) > 1)):
+                              or (op == "PREMUL_SUM" and abs(self.factor) > 1)
+                              or (op == "PREMUL_SUM" and multi_host and ring and abs(self.factor) * self.G > 1)):
             kind = "random"
         if dtype in FLOAT8 and kind not in ("small", "big") and op in ("SUM", "AVG", "PREMUL_SUM", "PRODUCT"):
             kind = "small"

@@ -42,7 +42,9 @@ def reference(inputs, opname, dtype, hosts=None, factor=None):
     (PREMUL_SUM's factor: `factor`, else FACTOR's). `hosts` (each rank's host, host_layout()):
     AVG and PREMUL_SUM scale each host's partial sum and round it to the type before it travels
     (where an unscaled partial could saturate or overflow), then add the hosts' partials: two
-    roundings."""
+    roundings. A PREMUL_SUM factor past 1 / (the largest host's rank count) would scale a partial
+    past its inputs' range: there each host scales by 1 / that count, and the hosts' sum is
+    scaled by factor x that count."""
     scales = opname == "AVG" or opname.startswith("PREMUL")
     factor = factor or FACTOR.get(opname, 1.0)
 
@@ -50,8 +52,12 @@ def reference(inputs, opname, dtype, hosts=None, factor=None):
         return acc / len(inputs) if opname == "AVG" else acc * factor if scales else acc
 
     if hosts is not None and scales:
-        parts = [finish(functools.reduce(torch.add, [t.float() for t, h in zip(inputs, hosts) if h == host]))
-                 .to(dtype).float() for host in sorted(set(hosts))]
+        members = [[t.float() for t, h in zip(inputs, hosts) if h == host] for host in sorted(set(hosts))]
+        widest = max(len(m) for m in members)
+        if opname != "AVG" and abs(factor) * widest > 1:
+            parts = [(functools.reduce(torch.add, m) * (1.0 / widest)).to(dtype).float() for m in members]
+            return (functools.reduce(torch.add, parts) * (factor * widest)).to(dtype)
+        parts = [finish(functools.reduce(torch.add, m)).to(dtype).float() for m in members]
         return functools.reduce(torch.add, parts).to(dtype)
     return finish(functools.reduce(torch.add if scales else COMBINE[opname], [t.float() for t in inputs])).to(dtype)
 
@@ -157,20 +163,27 @@ def collectives_task(rank, world, n, device="cpu"):
 
 
 def large_partials_task(rank, world):
-    """AVG and PREMUL_SUM(1/world) of values near the top of float16 and float8, the same on every
-    rank: a host's unscaled partial sum would overflow (float16, e5m2) or saturate (e4m3fn), the
-    scaled result does not. Until 2026-11-29 hosts of two or more ranks got inf or a saturated
-    value (e4m3fn: 224 for 300) where one host got the right result."""
+    """Values near the top of float16 and float8 whose hosts' partial sums, scaled as the op
+    scales, would overflow (float16, e5m2) or saturate (e4m3fn) where the result does not:
+    - AVG and PREMUL_SUM(1/world), the same value on every rank. Until 2026-11-29 hosts of two or
+      more ranks got inf or a saturated value (e4m3fn: 224 for 300) where one host got the right
+      result.
+    - PREMUL_SUM(0.5), rank 0 holding -v and the others v: on a host of three ranks, half their
+      sum is 1.5 v. Until 2026-12-04 hosts scaled by the factor whatever it was, and float16
+      gave inf for 4 ranks on hosts 0111 where the result is v."""
     rep = Report(rank)
     hosts = host_layout()
-    for dtype, v in ((torch.float16, 40000.0), (torch.float8_e4m3fn, 300.0), (torch.float8_e5m2, 40000.0)):
-        for opname in ("AVG", "PREMUL_SUM_W"):
-            op = dist.ReduceOp.AVG if opname == "AVG" else dist._make_nccl_premul_sum(1.0 / world)
-            ins = [torch.full((1001,), v).to(dtype) for _ in range(world)]
-            want = reference(ins, opname, dtype, hosts, factor=1.0 / world)
-            label = f"{str(dtype)[6:]} {opname} of {v} on every rank, world={world}"
-            rep.expect(want.float().isfinite().all() and abs(float(want[0]) - float(ins[0][0])) <= 0.125 * v,
-                       f"{label}: the reference itself is off ({float(want[0])})")
+    for dtype, v in ((torch.float16, 50000.0), (torch.float8_e4m3fn, 300.0), (torch.float8_e5m2, 40000.0)):
+        for opname in ("AVG", "PREMUL_SUM_W", "PREMUL_SUM_HALF"):
+            factor = 0.5 if opname == "PREMUL_SUM_HALF" else 1.0 / world
+            op = dist.ReduceOp.AVG if opname == "AVG" else dist._make_nccl_premul_sum(factor)
+            signs = [-1.0 if r == 0 and opname == "PREMUL_SUM_HALF" else 1.0 for r in range(world)]
+            ins = [torch.full((1001,), s * v).to(dtype) for s in signs]
+            want = reference(ins, opname, dtype, hosts, factor=factor)
+            exact = factor * sum(float(t[0]) for t in ins)
+            label = f"{str(dtype)[6:]} {opname} of {signs} x {v}, world={world}"
+            rep.expect(want.float().isfinite().all() and abs(float(want[0]) - exact) <= 0.125 * v,
+                       f"{label}: the reference itself is off ({float(want[0])}, exactly {exact})")
             with rep.cell(f"all_reduce {label}"):
                 t = ins[rank].clone()
                 dist.all_reduce(t, op=op)
@@ -178,7 +191,7 @@ def large_partials_task(rank, world):
                 rep.expect(not why, f"all_reduce {label}: " + why)
             with rep.cell(f"reduce_scatter_tensor {label}"):
                 out = torch.zeros(1001, dtype=dtype)
-                dist.reduce_scatter_tensor(out, torch.cat(ins).clone(), op=op)
+                dist.reduce_scatter_tensor(out, torch.cat([ins[rank]] * world), op=op)
                 why = mismatch(out, want, ins)
                 rep.expect(not why, f"reduce_scatter_tensor {label}: " + why)
     return rep.to_dict()

@@ -1,6 +1,7 @@
 #include "algo/hierarchical.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -74,16 +75,26 @@ Reduction partialOf(const Reduction& r) {
 // and PREMUL_SUM scale once, at the last stage, except on the narrow floats (float16, float8),
 // where a host's partial sum, rounded to the type before it travels, could lie past its range
 // (float16 overflows past 65504, e4m3fn saturates at 448) while the scaled result does not: there
-// each host scales its partial, and the hosts add. bfloat16 has float32's range.
+// each host scales its partial, and the hosts add. bfloat16 has float32's range. The op's own
+// scale (1/W for AVG, the factor for PREMUL_SUM) keeps a partial within its inputs' range while
+// |scale| x the largest host's rank count is at most 1; a larger PREMUL_SUM factor would not (0.5
+// with 4 ranks on a host: up to twice the range), so there each host scales by 1 / that count and
+// the hosts' sum by factor x that count.
 struct Stages {
   Reduction local, net;
   bool hostsScale = false;  // the local stage scales (then it must run even where it copies nothing)
 };
-Stages stagesOf(DataType dt, const Reduction& r) {
+Stages stagesOf(DataType dt, const Reduction& r, int maxLocalSize) {
   if (r.op != ReduceOp::kAvg && r.op != ReduceOp::kPremulSum) return {r, r};
   const bool narrow = dt == DataType::kFloat16 || dt == DataType::kFloat8E4M3 || dt == DataType::kFloat8E5M2;
-  if (narrow) return {r, Reduction{ReduceOp::kSum}, true};
-  return {Reduction{ReduceOp::kSum}, r};
+  if (!narrow) return {Reduction{ReduceOp::kSum}, r};
+  if (r.op == ReduceOp::kPremulSum && std::abs(r.premulFactor) * maxLocalSize > 1.0) {
+    Reduction local{ReduceOp::kPremulSum}, net{ReduceOp::kPremulSum};
+    local.premulFactor = 1.0 / maxLocalSize;
+    net.premulFactor = r.premulFactor * maxLocalSize;
+    return {local, net, true};
+  }
+  return {r, Reduction{ReduceOp::kSum}, true};
 }
 
 // Segments of an allreduce: S = the largest host's rank count; on a host of `Lh` ranks, local
@@ -310,7 +321,7 @@ void hierAllreduce(HierContext& ctx, const AllreduceOptions& o) {
   auto rangeBegin = [&](int li) { return segs.begin(firstSegment(S, L, li)); };
   auto rangeEnd = [&](int li) { return segs.begin(firstSegment(S, L, li + 1)); };
 
-  const Stages stages = stagesOf(o.dtype, o.reduction);
+  const Stages stages = stagesOf(o.dtype, o.reduction, t.maxLocalSize());
   ReduceScatterOptions rs{o.dtype, stages.local, {}, bytes(out) + rangeBegin(l) * es, 0, {}};
   for (int li = 0; li < L; ++li) {
     rs.inputs.push_back(bytes(o.input) + rangeBegin(li) * es);
@@ -527,7 +538,7 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
   }
   // A rank alone on its host sends its input blocks as they are: there is nothing to reduce
   // locally, unless the hosts scale their partials (stagesOf).
-  const Stages stages = stagesOf(o.dtype, o.reduction);
+  const Stages stages = stagesOf(o.dtype, o.reduction, t.maxLocalSize());
   const bool asTheyAre = L == 1 && !stages.hostsScale;
   const size_t recvAt = asTheyAre ? 0 : total;
   // The network stage is one streamed exchange: every partial goes to its owner in pieces, and
