@@ -89,6 +89,8 @@ Stages stagesOf(DataType dt, const Reduction& r, int maxLocalSize) {
   const bool narrow = dt == DataType::kFloat16 || dt == DataType::kFloat8E4M3 || dt == DataType::kFloat8E5M2;
   if (!narrow) return {Reduction{ReduceOp::kSum}, r};
   if (r.op == ReduceOp::kPremulSum && std::abs(r.premulFactor) * maxLocalSize > 1.0) {
+    // Ranks alone on their hosts round no partial: their inputs travel as they are (no copy).
+    if (maxLocalSize == 1) return {Reduction{ReduceOp::kSum}, r};
     Reduction local{ReduceOp::kPremulSum}, net{ReduceOp::kPremulSum};
     local.premulFactor = 1.0 / maxLocalSize;
     net.premulFactor = r.premulFactor * maxLocalSize;
