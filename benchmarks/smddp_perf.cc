@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "algo/communicator.h"
+#include "core/env.h"
 #include "core/error.h"
 #include "core/file_store.h"
 #include "core/spin.h"
@@ -386,17 +387,23 @@ double roundToMinifloat(double v, Minifloat f) {
   return std::nearbyint(v / step) * step;
 }
 // What an op leaves in element i, before the final rounding to its type (close()). A float8
-// AVG across hosts scales each host's partial sum and rounds it before the hosts add
-// (hierarchical.cc's stagesOf): rounded twice.
-double reduced(ReduceOp op, DataType dt, int W, size_t i, const Topology& topo) {
-  if (op == ReduceOp::kAvg && isFloat8(dt) && topo.hosts() > 1) {
-    double acc = 0;
+// AVG across hosts rounds twice (hierarchical.cc's stagesOf): each host's partial sum is scaled
+// and rounded before the hosts add. Hosts scale by 1 / the largest host's rank count L, and the
+// sum of their partials by L / W, in float as the kernels do; under the ring schedule (whose
+// running sums round too) an allreduce's hosts scale by 1/W and add. With one rank per host
+// (and no ring) nothing rounds before the end.
+double reduced(ReduceOp op, DataType dt, int W, size_t i, const Topology& topo, bool ringRounds) {
+  const int L = topo.maxLocalSize();
+  if (op == ReduceOp::kAvg && isFloat8(dt) && topo.hosts() > 1 && (ringRounds || L > 1)) {
+    const Minifloat f = dt == DataType::kFloat8E4M3 ? kE4M3 : kE5M2;
+    float acc = 0;
     for (const std::vector<int>& host : topo.members) {
-      double partial = 0;
-      for (int r : host) partial += valueOf(op, dt, W, r, i);
-      acc += roundToMinifloat(partial / W, dt == DataType::kFloat8E4M3 ? kE4M3 : kE5M2);
+      float partial = 0;
+      for (int r : host) partial += static_cast<float>(valueOf(op, dt, W, r, i));
+      const float scaled = ringRounds ? partial / static_cast<float>(W) : partial * static_cast<float>(1.0 / L);
+      acc += static_cast<float>(roundToMinifloat(scaled, f));
     }
-    return acc;
+    return ringRounds ? acc : acc * static_cast<float>(static_cast<double>(L) / W);
   }
   double acc = valueOf(op, dt, W, 0, i);
   for (int r = 1; r < W; ++r) {
@@ -459,14 +466,15 @@ void runOp(algo::Communicator& c, const Args& a, const Case& k, void* in, void* 
 size_t countWrong(const Args& a, const Case& k, const void* out, const Shape& s, int rank, int W,
                   const Topology& topo) {
   size_t wrong = 0;
+  const bool ringRounds = a.coll == "all_reduce" && env::netAlgo() == "ring";  // reduce_scatter has no ring
   for (size_t i = 0; i < s.outElems; ++i) {
     double want;
-    if (a.coll == "all_reduce") want = reduced(k.op, k.dt, W, i, topo);
+    if (a.coll == "all_reduce") want = reduced(k.op, k.dt, W, i, topo, ringRounds);
     else if (a.coll == "broadcast") want = movedValueOf(a.root, i);
     else if (a.coll == "all_gather") want = movedValueOf(static_cast<int>(i / s.inElems), i % s.inElems);
     else if (a.coll == "all_to_all") want = movedValueOf(static_cast<int>(i / (s.outElems / W)),
                                                          rank * (s.outElems / W) + i % (s.outElems / W));
-    else want = reduced(k.op, k.dt, W, rank * s.outElems + i, topo);
+    else want = reduced(k.op, k.dt, W, rank * s.outElems + i, topo, false);
     wrong += !close(k.dt, load(k.dt, out, i), want);
   }
   return wrong;

@@ -11,7 +11,7 @@ rounds once per reduction step, like the 16-bit floats.
   NCCL does), so inputs come from domains where every partial result is exact: then the result
   must equal the single-rounding reference bit for bit. AVG and PREMUL_SUM scale each host's
   partial sum before that rounding (unscaled, it could saturate or overflow where the result does
-  not): their reference rounds each host's scaled partial, then the sum."""
+  not): their reference rounds each host's scaled partial, then the scaled sum."""
 import functools
 import os
 
@@ -40,11 +40,11 @@ def _op(opname, dtype):
 def reference(inputs, opname, dtype, hosts=None, factor=None):
     """The ranks' values combined in float32 in rank order, finalised, converted by torch
     (PREMUL_SUM's factor: `factor`, else FACTOR's). `hosts` (each rank's host, host_layout()):
-    AVG and PREMUL_SUM scale each host's partial sum and round it to the type before it travels
-    (where an unscaled partial could saturate or overflow), then add the hosts' partials: two
-    roundings. A PREMUL_SUM factor past 1 / (the largest host's rank count) would scale a partial
-    past its inputs' range: there each host scales by 1 / that count, and the hosts' sum is
-    scaled by factor x that count."""
+    where a host holds two ranks or more, AVG and PREMUL_SUM scale each host's partial sum by
+    1 / (the largest host's rank count, L) and round it to the type before it travels (unscaled
+    it could saturate or overflow), then add the hosts' partials and scale that sum by the op's
+    scale x L: two roundings. With one rank per host, one rounding. (The ring schedule, which
+    scales partials otherwise, is not run here.)"""
     scales = opname == "AVG" or opname.startswith("PREMUL")
     factor = factor or FACTOR.get(opname, 1.0)
 
@@ -54,11 +54,10 @@ def reference(inputs, opname, dtype, hosts=None, factor=None):
     if hosts is not None and scales:
         members = [[t.float() for t, h in zip(inputs, hosts) if h == host] for host in sorted(set(hosts))]
         widest = max(len(m) for m in members)
-        if opname != "AVG" and abs(factor) * widest > 1:
+        if widest > 1:
             parts = [(functools.reduce(torch.add, m) * (1.0 / widest)).to(dtype).float() for m in members]
-            return (functools.reduce(torch.add, parts) * (factor * widest)).to(dtype)
-        parts = [finish(functools.reduce(torch.add, m)).to(dtype).float() for m in members]
-        return functools.reduce(torch.add, parts).to(dtype)
+            scale = widest / len(inputs) if opname == "AVG" else factor * widest
+            return (functools.reduce(torch.add, parts) * scale).to(dtype)
     return finish(functools.reduce(torch.add if scales else COMBINE[opname], [t.float() for t in inputs])).to(dtype)
 
 
@@ -162,6 +161,21 @@ def collectives_task(rank, world, n, device="cpu"):
     return rep.to_dict()
 
 
+def check_reductions(rep, rank, world, ins, want, op, label):
+    """all_reduce of each rank's `ins[rank]`, and reduce_scatter_tensor of it repeated once per
+    rank, must both give `want`."""
+    with rep.cell(f"all_reduce {label}"):
+        t = ins[rank].clone()
+        dist.all_reduce(t, op=op)
+        why = mismatch(t, want, ins)
+        rep.expect(not why, f"all_reduce {label}: " + why)
+    with rep.cell(f"reduce_scatter_tensor {label}"):
+        out = torch.zeros_like(ins[rank])
+        dist.reduce_scatter_tensor(out, torch.cat([ins[rank]] * world), op=op)
+        why = mismatch(out, want, ins)
+        rep.expect(not why, f"reduce_scatter_tensor {label}: " + why)
+
+
 def large_partials_task(rank, world):
     """Values near the top of float16 and float8 whose hosts' partial sums, scaled as the op
     scales, would overflow (float16, e5m2) or saturate (e4m3fn) where the result does not:
@@ -184,17 +198,37 @@ def large_partials_task(rank, world):
             label = f"{str(dtype)[6:]} {opname} of {signs} x {v}, world={world}"
             rep.expect(want.float().isfinite().all() and abs(float(want[0]) - exact) <= 0.125 * v,
                        f"{label}: the reference itself is off ({float(want[0])}, exactly {exact})")
-            with rep.cell(f"all_reduce {label}"):
-                t = ins[rank].clone()
-                dist.all_reduce(t, op=op)
-                why = mismatch(t, want, ins)
-                rep.expect(not why, f"all_reduce {label}: " + why)
-            with rep.cell(f"reduce_scatter_tensor {label}"):
-                out = torch.zeros(1001, dtype=dtype)
-                dist.reduce_scatter_tensor(out, torch.cat([ins[rank]] * world), op=op)
-                why = mismatch(out, want, ins)
-                rep.expect(not why, f"reduce_scatter_tensor {label}: " + why)
+            check_reductions(rep, rank, world, ins, want, op, label)
     return rep.to_dict()
+
+
+def small_partials_task(rank, world):
+    """Values just below twice the smallest normal of float16 and float8, every mantissa bit set,
+    on every rank: AVG and PREMUL_SUM(1/world) of them are the value itself. Until 2026-12-04 hosts
+    scaled their partial sums by the op's scale, 1/world, which made them subnormal and cut their
+    last bits (float16 on hosts 0011: 2v / 4 rounded, twice, is v minus one ulp). A host's partial
+    is now scaled by 1 / the largest host's rank count: on hosts of equal size, the mean of its
+    ranks, exact here. (On uneven hosts a smaller host's scaled partial is still below the value.)"""
+    rep = Report(rank)
+    hosts = host_layout()
+    even = hosts is None or len({hosts.count(h) for h in hosts}) == 1
+    for dtype in (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
+        info = torch.finfo(dtype)
+        v = info.smallest_normal * (2 - info.eps)  # the largest value below twice the smallest normal
+        for opname in ("AVG", "PREMUL_SUM_W"):
+            op = dist.ReduceOp.AVG if opname == "AVG" else dist._make_nccl_premul_sum(1.0 / world)
+            ins = [torch.full((257,), v).to(dtype) for _ in range(world)]
+            want = reference(ins, opname, dtype, hosts, factor=1.0 / world)
+            label = f"{str(dtype)[6:]} {opname} of {v!r} on every rank, world={world}"
+            if even:
+                rep.expect(bool((want.float() == v).all()), f"{label}: the reference is not the value itself")
+            check_reductions(rep, rank, world, ins, want, op, label)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("hosts", [None, "01", "0011", "001", "0111"])
+def test_small_partials_across_hosts(pools, hosts):
+    pools.check(len(hosts) if hosts else 3, small_partials_task, hosts=hosts)
 
 
 @pytest.mark.parametrize("hosts", [None, "01", "0011", "001", "0111"])

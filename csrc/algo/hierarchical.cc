@@ -74,29 +74,32 @@ Reduction partialOf(const Reduction& r) {
 // The reductions of a hierarchical op's two stages: among a host's ranks, then among hosts. AVG
 // and PREMUL_SUM scale once, at the last stage, except on the narrow floats (float16, float8),
 // where a host's partial sum, rounded to the type before it travels, could lie past its range
-// (float16 overflows past 65504, e4m3fn saturates at 448) while the scaled result does not: there
-// each host scales its partial, and the hosts add. bfloat16 has float32's range. The op's own
-// scale (1/W for AVG, the factor for PREMUL_SUM) keeps a partial within its inputs' range while
-// |scale| x the largest host's rank count is at most 1; a larger PREMUL_SUM factor would not (0.5
-// with 4 ranks on a host: up to twice the range), so there each host scales by 1 / that count and
-// the hosts' sum by factor x that count.
+// (float16 overflows past 65504, e4m3fn saturates at 448) while the scaled result does not.
+// There each host scales its partial by 1 / the largest host's rank count (L) before rounding it,
+// which keeps it within its inputs' range, and the hosts' sum, added in float32, is scaled by
+// the op's scale x L. Scaling a partial by the op's own scale (1/W for AVG, FSDP's 1/W factor)
+// would round it far below its inputs' magnitude: float16 gradients of 1e-4 summed on a host of
+// 8 and scaled by 1/64 are subnormal, with 8 of float16's 11 significant bits. With one rank per
+// host no partial is rounded: inputs travel as they are (no copy) and the op scales once.
+// The ring (`ringRounds`) rounds each running sum of hosts' partials to the type too, as NCCL's
+// ring does: a partial scaled by the op's own scale keeps those sums within the result's range,
+// so there hosts scale by it while |scale| x L is at most 1.
 struct Stages {
   Reduction local, net;
   bool hostsScale = false;  // the local stage scales (then it must run even where it copies nothing)
 };
-Stages stagesOf(DataType dt, const Reduction& r, int maxLocalSize) {
+Stages stagesOf(DataType dt, const Reduction& r, int maxLocalSize, bool ringRounds) {
   if (r.op != ReduceOp::kAvg && r.op != ReduceOp::kPremulSum) return {r, r};
   const bool narrow = dt == DataType::kFloat16 || dt == DataType::kFloat8E4M3 || dt == DataType::kFloat8E5M2;
   if (!narrow) return {Reduction{ReduceOp::kSum}, r};
-  if (r.op == ReduceOp::kPremulSum && std::abs(r.premulFactor) * maxLocalSize > 1.0) {
-    // Ranks alone on their hosts round no partial: their inputs travel as they are (no copy).
-    if (maxLocalSize == 1) return {Reduction{ReduceOp::kSum}, r};
-    Reduction local{ReduceOp::kPremulSum}, net{ReduceOp::kPremulSum};
-    local.premulFactor = 1.0 / maxLocalSize;
-    net.premulFactor = r.premulFactor * maxLocalSize;
-    return {local, net, true};
-  }
-  return {r, Reduction{ReduceOp::kSum}, true};
+  const double scale = r.op == ReduceOp::kAvg ? 1.0 / r.avgDivisor : r.premulFactor;
+  if (ringRounds && std::abs(scale) * maxLocalSize <= 1.0) return {r, Reduction{ReduceOp::kSum}, true};
+  if (maxLocalSize == 1) return {Reduction{ReduceOp::kSum}, r};
+  Reduction local{ReduceOp::kPremulSum}, net{ReduceOp::kPremulSum};
+  local.premulFactor = 1.0 / maxLocalSize;
+  net.premulFactor = r.op == ReduceOp::kAvg ? static_cast<double>(maxLocalSize) / r.avgDivisor
+                                            : r.premulFactor * maxLocalSize;
+  return {local, net, true};
 }
 
 // Segments of an allreduce: S = the largest host's rank count; on a host of `Lh` ranks, local
@@ -323,7 +326,7 @@ void hierAllreduce(HierContext& ctx, const AllreduceOptions& o) {
   auto rangeBegin = [&](int li) { return segs.begin(firstSegment(S, L, li)); };
   auto rangeEnd = [&](int li) { return segs.begin(firstSegment(S, L, li + 1)); };
 
-  const Stages stages = stagesOf(o.dtype, o.reduction, t.maxLocalSize());
+  const Stages stages = stagesOf(o.dtype, o.reduction, t.maxLocalSize(), ctx.algo == NetAlgo::kRing);
   ReduceScatterOptions rs{o.dtype, stages.local, {}, bytes(out) + rangeBegin(l) * es, 0, {}};
   for (int li = 0; li < L; ++li) {
     rs.inputs.push_back(bytes(o.input) + rangeBegin(li) * es);
@@ -539,8 +542,8 @@ void hierReduceScatter(HierContext& ctx, const ReduceScatterOptions& o) {
     total += cnt(mine[k]) * es;
   }
   // A rank alone on its host sends its input blocks as they are: there is nothing to reduce
-  // locally, unless the hosts scale their partials (stagesOf).
-  const Stages stages = stagesOf(o.dtype, o.reduction, t.maxLocalSize());
+  // locally, unless the hosts scale their partials (stagesOf; the owners add all hosts' at once).
+  const Stages stages = stagesOf(o.dtype, o.reduction, t.maxLocalSize(), false);
   const bool asTheyAre = L == 1 && !stages.hostsScale;
   const size_t recvAt = asTheyAre ? 0 : total;
   // The network stage is one streamed exchange: every partial goes to its owner in pieces, and
