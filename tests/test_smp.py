@@ -286,6 +286,37 @@ class _Positions(torch.nn.Module):
         return self.lin(x) * self.scale
 
 
+class _Scaled(torch.nn.Module):
+    """A parameter its constructor sets (as a Hugging Face RMSNorm's weight) and no
+    reset_parameters() refills."""
+
+    def __init__(self, n=6):
+        super().__init__()
+        self.lin = torch.nn.Linear(n, n)
+        self.gain = torch.nn.Parameter(torch.ones(n))
+
+
+def test_materialize_refuses_parameters_nothing_fills():
+    """Without init_fn, a parameter whose module has no reset_parameters() kept the memory
+    to_empty() gave it, silently (until 2026-12-04: a meta Llama's RMSNorm weights, non-finite
+    logits). Now an error naming it, before anything is allocated; an init_fn fills it."""
+    with torch.device("meta"):
+        model = _Scaled()
+    with pytest.raises(ValueError, match=r"nothing would fill parameter\(s\) gain \(_Scaled\): their module has "
+                                         r"no reset_parameters\(\)"):
+        tsm.materialize(model)
+    assert model.gain.is_meta and model.lin.weight.is_meta  # refused before anything changed
+
+    def fill(module):
+        if isinstance(module, _Scaled):
+            module.gain.fill_(1.0)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    tsm.materialize(model, init_fn=fill)
+    assert torch.equal(model.gain, torch.ones(6)) and model.lin.weight.isfinite().all()
+
+
 def test_materialize_refuses_buffers_it_cannot_fill():
     """A non-persistent buffer on the meta device that no state dict holds and no twin can be
     built for (the module has no .config): an error naming it, not the garbage to_empty() leaves;

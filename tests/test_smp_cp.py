@@ -130,8 +130,9 @@ def cp_task(rank, world, family, cp, hsd, overrides, opts=None):
         ref_aux.append(m(tokens).get("aux_loss"))
         return _reference(m, tokens)
 
+    # With expert parallelism the experts lie on a mesh of their own: smddp.smp's clip_grad_norm_.
     train_against_reference(rep, tag, model, ref, batches, rows, run=run, ref_run=ref_run,
-                            part=lambda logits: logits[:, mine])
+                            part=lambda logits: logits[:, mine], clip=tsm.clip_grad_norm_)
     # The routers' balance loss: over the CP group's tokens, which are the reference's batch when
     # there is one data-parallel group (its float32 sums in another order: float32 tolerance).
     for step, (got, want) in enumerate(zip(aux, ref_aux)):

@@ -46,7 +46,7 @@ import torch.nn as nn
 
 __all__ = ["CONFIG_KEYS", "SMPConfig", "init", "state", "apply_hybrid_sharding", "validate", "materialize",
            "save_checkpoint", "load_checkpoint", "apply_activation_checkpointing", "apply_activation_offloading",
-           "ActivationOffloader", "CacheFlushWatch", "transform", "context_parallel_shard"]
+           "ActivationOffloader", "CacheFlushWatch", "transform", "context_parallel_shard", "clip_grad_norm_"]
 
 # key -> (default, meaning); the README's table is this dict.
 CONFIG_KEYS = {
@@ -454,6 +454,20 @@ def _initialise_whole(model, init_fn):
             _init_module_whole(module, init)
 
 
+def _refuse_unresettable(model):
+    """Without init_fn only modules' reset_parameters() fill parameters: one whose modules have
+    none (a Hugging Face RMSNorm's weight, set to ones by its constructor) would keep whatever
+    memory it was given. Raises ValueError naming them, before anything is allocated."""
+    reset = {id(p) for m in model.modules() if hasattr(m, "reset_parameters") for p in m.parameters(recurse=False)}
+    left = [f"{name}.{n}".lstrip(".") + f" ({type(m).__name__})" for name, m in model.named_modules()
+            for n, p in m.named_parameters(recurse=False) if id(p) not in reset]
+    if left:
+        shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        raise ValueError(f"smddp.smp.materialize: nothing would fill parameter(s) {shown}: their module has no "
+                         "reset_parameters(); pass init_fn (for a Hugging Face model, model._init_weights) or "
+                         "rank0_state_dict")
+
+
 def _buffers_to_restore(model):
     """What to_empty() would lose: each buffer not on the meta device (a model built with its
     buffers off it), as (module, name, tensor); to_empty() puts new tensors in their places and
@@ -518,7 +532,9 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     (a floating-point one it leaves unfilled is an error too).
 
     The shards go to the device of init()'s mesh (the CPU without init()). Raises RuntimeError if
-    a meta tensor or an unfillable buffer is left or the parameter count changed. Returns the
+    a meta tensor or an unfillable buffer is left or the parameter count changed, ValueError
+    without init_fn or rank0_state_dict where a parameter's module has no reset_parameters() (it
+    would keep uninitialised memory; an init_fn must fill every parameter itself). Returns the
     model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -531,6 +547,8 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     def described(buffers):
         return ", ".join(f"{names[id(m)]}.{n}".lstrip(".") for m, n in buffers)
 
+    if rank0_state_dict is _UNSET and init_fn is None:
+        _refuse_unresettable(model)
     if unfilled and (init_fn is None or rank0_state_dict is not _UNSET):
         raise RuntimeError(f"smddp.smp.materialize: non-persistent buffer(s) {described(unfilled)} are on the meta "
                            "device, in no state dict, and their module has no .config to construct a twin from: "
@@ -554,8 +572,10 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
             full = rank0_state_dict
         else:
             full = {}
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
-                                                                   broadcast_from_rank0=distributed))
+        # A copy: set_model_state_dict replaces the dict's tensors with this rank's parts.
+        set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True,
+                                                                         broadcast_from_rank0=distributed))
+        _broadcast_cut_unevenly(model, full, distributed)
     else:
         _initialise_whole(model, init_fn)
     missed = [(m, n) for m, n in unfilled if m._buffers[n].is_floating_point() and m._buffers[n].isnan().all()]
@@ -576,6 +596,45 @@ def _is_strided(t):
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+def _cut_unevenly(t):
+    """Whether DTensor `t` is split by a _StridedShard that no later placement splits further:
+    transform()'s split of GPT-2's fused [q | k | v] weight, whose local shard is several pieces
+    of the global tensor. (FSDP2's _StridedShard over tensor parallelism, which Shard splits
+    again, leaves one contiguous piece.)"""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(t, DTensor):
+        return False
+    places = t.placements
+    return any(isinstance(p, _StridedShard) and not any(isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim
+                                                        for q in places[i + 1:])
+               for i, p in enumerate(places))
+
+
+def _broadcast_cut_unevenly(model, full, distributed):
+    """set_model_state_dict's broadcast of a full state dict cuts each rank's part of a DTensor
+    out of rank 0's tensor as one contiguous piece, which a parameter _cut_unevenly is not: it
+    filled GPT-2's fused weight with the wrong columns. Those are filled again here from `full`
+    (rank 0's state dict as passed): broadcast whole, one at a time, laid out as plain shards and
+    redistributed to their own placements, as load_checkpoint does."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for name, p in model.named_parameters():
+        if not _cut_unevenly(p):
+            continue
+        local = p.to_local()
+        if distributed and dist.get_rank() != 0:
+            whole = torch.empty(p.shape, dtype=p.dtype, device=local.device)
+        else:
+            whole = full[name].detach().to(device=local.device, dtype=p.dtype)
+        if distributed:
+            dist.broadcast(whole, 0)
+        plain = distribute_tensor(whole, p.device_mesh, _plain_layout(p).placements, src_data_rank=None)
+        with torch.no_grad():
+            local.copy_(plain.redistribute(placements=p.placements).to_local())
 
 
 def _plain_layout(t):
@@ -631,6 +690,33 @@ def load_checkpoint(path, model, optimizer=None):
                            else got, plain, state_dict)
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state_dict["model"],
                    optim_state_dict=state_dict.get("optimizer", {}))
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """torch.nn.utils.clip_grad_norm_ for a model whose parameters lie on several device meshes
+    (expert parallelism: the experts on the (edp, ep) mesh, the rest on FSDP2's), where torch's
+    refuses to combine them ("All operands ... must have the same mesh"). The gradients' norm is
+    taken mesh by mesh (plain tensors together), the partial norms are combined into the total,
+    and every gradient is scaled by max_norm / total where that is below 1, as torch's does.
+    Collective over every rank holding a DTensor gradient. Returns the total norm (a plain
+    tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    by_mesh = {}  # torch's scaling, too, refuses gradients of several meshes in one call
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, error_if_nonfinite, foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.nn.utils.get_total_norm(norms, norm_type, error_if_nonfinite, foreach)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
+    return total
 
 
 def apply_activation_checkpointing(model, blocks=None):

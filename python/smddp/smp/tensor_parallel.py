@@ -171,7 +171,7 @@ def _retie(groups):
 
 def _styles():
     """The parallel styles, defined on first use so that importing smddp.smp needs no DTensor."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
     from torch.distributed.tensor.parallel import ParallelStyle
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -202,6 +202,22 @@ def _styles():
                 raise TypeError("smddp.smp.transform: with sequence parallelism a block's input must be the "
                                 f"sequence-split DTensor of the previous block, got {type(x).__name__}")
             return x.redistribute(placements=(Replicate(),))
+
+    class Replicated(ParallelStyle):
+        """Without sequence parallelism, a module every TP rank runs whole on the same activations
+        (the norms, GPT-2's position embedding): its parameters become replicated DTensors, so that
+        every parameter of the model is a DTensor on the TP mesh (clip_grad_norm_ refuses plain
+        tensors beside DTensors, and beside FSDP2's 2-D ones), and it computes on its inputs as
+        replicated DTensors, returning plain tensors, as before."""
+
+        def _apply(self, module, mesh):
+            def inputs(mod, args, mesh):
+                return tuple(replicated(a, mesh) if isinstance(a, torch.Tensor) else a for a in args)
+
+            def output(mod, out, mesh):
+                return out.to_local() if isinstance(out, DTensor) else out
+
+            return distribute_module(module, mesh, None, inputs, output)
 
     class Conv1DParallel(ParallelStyle):
         """Column- or row-wise split of a transformers Conv1D (GPT-2's Linear with the weight stored
@@ -268,7 +284,7 @@ def _styles():
                 y = y + module.bias
             return y.to_local() if self.use_local_output else y
 
-    return GatherSequence, Conv1DParallel
+    return GatherSequence, Conv1DParallel, Replicated
 
 
 def _plan(model, family, sequence_parallel):
@@ -276,7 +292,7 @@ def _plan(model, family, sequence_parallel):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    GatherSequence, Conv1DParallel = _styles()
+    GatherSequence, Conv1DParallel, Replicated = _styles()
     sp = sequence_parallel
     between = Shard(1) if sp else Replicate()  # the layout of the activations between blocks
 
@@ -322,11 +338,11 @@ def _plan(model, family, sequence_parallel):
             for name, parts in columns:
                 plan[f"{base}.{name}"] = column(f"{base}.{name}", parts)
             plan[f"{base}.{out}"] = row(f"{base}.{out}")
-        if sp:
-            for name in family.norms:
-                plan[f"{prefix}.{name}"] = SequenceParallel()
-    if sp:
-        plan[family.final_norm] = SequenceParallel()
+        for name in family.norms:
+            plan[f"{prefix}.{name}"] = SequenceParallel() if sp else Replicated()
+    plan[family.final_norm] = SequenceParallel() if sp else Replicated()
+    if family.positions and not sp:
+        plan[family.positions] = Replicated()
     if not isinstance(_module(model, family.head), nn.Linear):
         raise NotImplementedError(f"smddp.smp.transform: the LM head {family.head} is a "
                                   f"{type(_module(model, family.head)).__name__}, not an nn.Linear")
