@@ -206,9 +206,10 @@ def small_partials_task(rank, world):
     """Values just below twice the smallest normal of float16 and float8, every mantissa bit set,
     on every rank: AVG and PREMUL_SUM(1/world) of them are the value itself. Until 2026-12-04 hosts
     scaled their partial sums by the op's scale, 1/world, which made them subnormal and cut their
-    last bits (float16 on hosts 0011: 2v / 4 rounded, twice, is v minus one ulp). A host's partial
-    is now scaled by 1 / the largest host's rank count: on hosts of equal size, the mean of its
-    ranks, exact here. (On uneven hosts a smaller host's scaled partial is still below the value.)"""
+    last bits (float16 on hosts 0011: 2v / 4 rounds to the smallest normal, and twice that is v
+    plus one ulp). A host's partial is now scaled by 1 / the largest host's rank count: on hosts of
+    equal size, the mean of its ranks, exact here. (On uneven hosts a smaller host's scaled partial
+    is still below the value.)"""
     rep = Report(rank)
     hosts = host_layout()
     even = hosts is None or len({hosts.count(h) for h in hosts}) == 1
