@@ -388,22 +388,24 @@ double roundToMinifloat(double v, Minifloat f) {
 }
 // What an op leaves in element i, before the final rounding to its type (close()). A float8
 // AVG across hosts rounds twice (hierarchical.cc's stagesOf): each host's partial sum is scaled
-// and rounded before the hosts add. Hosts scale by 1 / the largest host's rank count L, and the
-// sum of their partials by L / W, in float as the kernels do; under the ring schedule (whose
-// running sums round too) an allreduce's hosts scale by 1/W and add. With one rank per host
-// (and no ring) nothing rounds before the end.
+// and rounded before the hosts add. Hosts scale by 1/P (P the smallest power of two at least the
+// largest host's rank count L), and the sum of their partials by P / W, in float as the kernels
+// do; under the ring schedule (whose running sums round too) an allreduce's hosts scale by 1/W
+// and add. With one rank per host (and no ring) nothing rounds before the end.
 double reduced(ReduceOp op, DataType dt, int W, size_t i, const Topology& topo, bool ringRounds) {
   const int L = topo.maxLocalSize();
+  int P = 1;
+  while (P < L) P *= 2;
   if (op == ReduceOp::kAvg && isFloat8(dt) && topo.hosts() > 1 && (ringRounds || L > 1)) {
     const Minifloat f = dt == DataType::kFloat8E4M3 ? kE4M3 : kE5M2;
     float acc = 0;
     for (const std::vector<int>& host : topo.members) {
       float partial = 0;
       for (int r : host) partial += static_cast<float>(valueOf(op, dt, W, r, i));
-      const float scaled = ringRounds ? partial / static_cast<float>(W) : partial * static_cast<float>(1.0 / L);
+      const float scaled = ringRounds ? partial / static_cast<float>(W) : partial * static_cast<float>(1.0 / P);
       acc += static_cast<float>(roundToMinifloat(scaled, f));
     }
-    return ringRounds ? acc : acc * static_cast<float>(static_cast<double>(L) / W);
+    return ringRounds ? acc : acc * static_cast<float>(static_cast<double>(P) / W);
   }
   double acc = valueOf(op, dt, W, 0, i);
   for (int r = 1; r < W; ++r) {

@@ -41,10 +41,10 @@ def reference(inputs, opname, dtype, hosts=None, factor=None):
     """The ranks' values combined in float32 in rank order, finalised, converted by torch
     (PREMUL_SUM's factor: `factor`, else FACTOR's). `hosts` (each rank's host, host_layout()):
     where a host holds two ranks or more, AVG and PREMUL_SUM scale each host's partial sum by
-    1 / (the largest host's rank count, L) and round it to the type before it travels (unscaled
-    it could saturate or overflow), then add the hosts' partials and scale that sum by the op's
-    scale x L: two roundings. With one rank per host, one rounding. (The ring schedule, which
-    scales partials otherwise, is not run here.)"""
+    1/P (P the smallest power of two at least the largest host's rank count) and round it to the
+    type before it travels (unscaled it could saturate or overflow), then add the hosts' partials
+    and scale that sum by the op's scale x P: two roundings. With one rank per host, one rounding.
+    (The ring schedule, which scales partials otherwise, is not run here.)"""
     scales = opname == "AVG" or opname.startswith("PREMUL")
     factor = factor or FACTOR.get(opname, 1.0)
 
@@ -55,8 +55,9 @@ def reference(inputs, opname, dtype, hosts=None, factor=None):
         members = [[t.float() for t, h in zip(inputs, hosts) if h == host] for host in sorted(set(hosts))]
         widest = max(len(m) for m in members)
         if widest > 1:
-            parts = [(functools.reduce(torch.add, m) * (1.0 / widest)).to(dtype).float() for m in members]
-            scale = widest / len(inputs) if opname == "AVG" else factor * widest
+            p = 1 << (widest - 1).bit_length()
+            parts = [(functools.reduce(torch.add, m) * (1.0 / p)).to(dtype).float() for m in members]
+            scale = p / len(inputs) if opname == "AVG" else factor * p
             return (functools.reduce(torch.add, parts) * scale).to(dtype)
     return finish(functools.reduce(torch.add if scales else COMBINE[opname], [t.float() for t in inputs])).to(dtype)
 
@@ -196,7 +197,8 @@ def large_partials_task(rank, world):
             want = reference(ins, opname, dtype, hosts, factor=factor)
             exact = factor * sum(float(t[0]) for t in ins)
             label = f"{str(dtype)[6:]} {opname} of {signs} x {v}, world={world}"
-            rep.expect(want.float().isfinite().all() and abs(float(want[0]) - exact) <= 0.125 * v,
+            # two roundings, each within half an ulp: within eps x v (e5m2: a quarter of v)
+            rep.expect(want.float().isfinite().all() and abs(float(want[0]) - exact) <= torch.finfo(dtype).eps * v,
                        f"{label}: the reference itself is off ({float(want[0])}, exactly {exact})")
             check_reductions(rep, rank, world, ins, want, op, label)
     return rep.to_dict()
@@ -207,12 +209,14 @@ def small_partials_task(rank, world):
     on every rank: AVG and PREMUL_SUM(1/world) of them are the value itself. Until 2026-12-04 hosts
     scaled their partial sums by the op's scale, 1/world, which made them subnormal and cut their
     last bits (float16 on hosts 0011: 2v / 4 rounds to the smallest normal, and twice that is v
-    plus one ulp). A host's partial is now scaled by 1 / the largest host's rank count: on hosts of
-    equal size, the mean of its ranks, exact here. (On uneven hosts a smaller host's scaled partial
-    is still below the value.)"""
+    plus one ulp). A host's partial is now scaled by 1/P, P the smallest power of two at least the
+    largest host's rank count: on hosts of 2 + 2, the mean of its ranks, exact here. (On uneven
+    hosts a smaller host's scaled partial is still below the value.)"""
     rep = Report(rank)
     hosts = host_layout()
-    even = hosts is None or len({hosts.count(h) for h in hosts}) == 1
+    sizes = {hosts.count(h) for h in hosts} if hosts else set()
+    # one host (one rounding), or equal hosts of a power of two ranks each (exact scaling)
+    even = not sizes or (len(sizes) == 1 and min(sizes).bit_count() == 1)
     for dtype in (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
         info = torch.finfo(dtype)
         v = info.smallest_normal * (2 - info.eps)  # the largest value below twice the smallest normal
@@ -225,6 +229,28 @@ def small_partials_task(rank, world):
                 rep.expect(bool((want.float() == v).all()), f"{label}: the reference is not the value itself")
             check_reductions(rep, rank, world, ins, want, op, label)
     return rep.to_dict()
+
+
+def exact_means_task(rank, world):
+    """Multiples of world, k x world for k in [-8, 8]: every partial sum is an integer within 256
+    and the mean is the ks' sum, exact in float16 and bfloat16, and AVG and PREMUL_SUM(1/world)
+    must return it exactly (no reference model). A build of 2026-12-04 scaled a float16 partial by
+    1 / the largest host's rank count, 1/3 here, which rounds it, and the mean came back an ulp
+    off (test_soak[1+3] caught it in CI); a power of two scales exactly."""
+    rep = Report(rank)
+    for dtype in (torch.float16, torch.bfloat16):
+        ks = [torch.randint(-8, 9, (4099,), generator=_gen(f"means|{r}")) for r in range(world)]
+        ins = [(k * world).to(dtype) for k in ks]
+        want = functools.reduce(torch.add, ks).to(dtype)
+        for opname in ("AVG", "PREMUL_SUM_W"):
+            op = dist.ReduceOp.AVG if opname == "AVG" else dist._make_nccl_premul_sum(1.0 / world)
+            check_reductions(rep, rank, world, ins, want, op, f"{str(dtype)[6:]} {opname} of k x {world}")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("hosts", ["0111", "01112", "000111", "0001111"])
+def test_exact_means_across_hosts(pools, hosts):
+    pools.check(len(hosts), exact_means_task, hosts=hosts)
 
 
 @pytest.mark.parametrize("hosts", [None, "01", "0011", "001", "0111"])

@@ -75,12 +75,14 @@ Reduction partialOf(const Reduction& r) {
 // and PREMUL_SUM scale once, at the last stage, except on the narrow floats (float16, float8),
 // where a host's partial sum, rounded to the type before it travels, could lie past its range
 // (float16 overflows past 65504, e4m3fn saturates at 448) while the scaled result does not.
-// There each host scales its partial by 1 / the largest host's rank count (L) before rounding it,
-// which keeps it within its inputs' range, and the hosts' sum, added in float32, is scaled by
-// the op's scale x L. Scaling a partial by the op's own scale (1/W for AVG, FSDP's 1/W factor)
-// would round it far below its inputs' magnitude: float16 gradients of 1e-4 summed on a host of
-// 8 and scaled by 1/64 are subnormal, with 8 of float16's 11 significant bits. With one rank per
-// host no partial is rounded: inputs travel as they are (no copy) and the op scales once.
+// There each host scales its partial by 1/P before rounding it, P the smallest power of two at
+// least the largest host's rank count: that keeps it within its inputs' range, and a power of
+// two scales without rounding (1/3 would round every partial: a float16 AVG of integers on hosts
+// of 1 and 3 ranks came back off their integer mean). The hosts' sum, added in float32, is
+// scaled by the op's scale x P. Scaling a partial by the op's own scale (1/W for AVG, FSDP's 1/W
+// factor) would round it far below its inputs' magnitude: float16 gradients of 1e-4 summed on a
+// host of 8 and scaled by 1/64 are subnormal, with 8 of float16's 11 significant bits. With one
+// rank per host no partial is rounded: inputs travel as they are (no copy) and the op scales once.
 // The ring (`ringRounds`) rounds each running sum of hosts' partials to the type too, as NCCL's
 // ring does: a partial scaled by the op's own scale keeps those sums within the result's range,
 // so there hosts scale by it while |scale| x L is at most 1.
@@ -95,10 +97,11 @@ Stages stagesOf(DataType dt, const Reduction& r, int maxLocalSize, bool ringRoun
   const double scale = r.op == ReduceOp::kAvg ? 1.0 / r.avgDivisor : r.premulFactor;
   if (ringRounds && std::abs(scale) * maxLocalSize <= 1.0) return {r, Reduction{ReduceOp::kSum}, true};
   if (maxLocalSize == 1) return {Reduction{ReduceOp::kSum}, r};
+  double P = 1;
+  while (P < maxLocalSize) P *= 2;
   Reduction local{ReduceOp::kPremulSum}, net{ReduceOp::kPremulSum};
-  local.premulFactor = 1.0 / maxLocalSize;
-  net.premulFactor = r.op == ReduceOp::kAvg ? static_cast<double>(maxLocalSize) / r.avgDivisor
-                                            : r.premulFactor * maxLocalSize;
+  local.premulFactor = 1.0 / P;
+  net.premulFactor = r.op == ReduceOp::kAvg ? P / r.avgDivisor : r.premulFactor * P;
   return {local, net, true};
 }
 
