@@ -317,6 +317,73 @@ def test_materialize_refuses_parameters_nothing_fills():
     assert torch.equal(model.gain, torch.ones(6)) and model.lin.weight.isfinite().all()
 
 
+class _Mid(torch.nn.Linear):
+    pass
+
+
+class _Tied(torch.nn.Module):
+    """An embedding whose weight the output layer shares (as a language model's tied head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.mid = _Mid(8, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.mid(self.embed(tokens)))
+
+
+def materialize_leftovers_task(rank, world):
+    """materialize(init_fn=...) on a sharded model: a tied weight that only its embedding's call
+    fills keeps those values when the head's call leaves it alone (before 2026-12-04 the head's
+    call overwrote it with the unwritten memory of its full-size copy, silently); an init_fn
+    that skips a parameter, or fills part of one, raises naming it, on every rank."""
+    rep = Report(rank)
+    tsm.init({}, device_type="cpu")
+
+    def fill(module, rows=16, mid=True):
+        if isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight[:rows])
+        elif isinstance(module, _Mid) and mid:
+            module.reset_parameters()
+
+    def sharded():
+        with torch.device("meta"):
+            model = _Tied()
+        tsm.apply_hybrid_sharding(model, blocks=[model.mid])  # the root holds the tied weight
+        return model
+
+    eager = _Tied()
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for m in eager.modules():
+            fill(m)
+    model = sharded()
+    torch.manual_seed(7)
+    tsm.materialize(model, init_fn=fill)
+    rep.expect(model.head.weight is model.embed.weight, "sharding untied the head's weight")
+    for name, want in eager.state_dict().items():
+        rep.check(f"tied model filled by init_fn: {name}", model.state_dict()[name].full_tensor(), want)
+
+    for label, init_fn, named in (("skips mid", lambda m: fill(m, mid=False), "mid.weight, mid.bias"),
+                                  ("fills half the embedding", lambda m: fill(m, rows=8), "embed.weight")):
+        model = sharded()
+        with rep.cell(f"an init_fn that {label}"):
+            try:
+                tsm.materialize(model, init_fn=init_fn)
+                rep.fail(f"an init_fn that {label}: no error")
+            except RuntimeError as e:
+                rep.expect(f"init_fn left parameter(s) {named} wholly or partly unwritten" in str(e),
+                           f"an init_fn that {label}: {e}")
+    return rep.to_dict()
+
+
+def test_materialize_finds_what_init_fn_leaves(pools):
+    pools.check(2, materialize_leftovers_task, timeout=300)
+
+
 def test_materialize_refuses_buffers_it_cannot_fill():
     """A non-persistent buffer on the meta device that no state dict holds and no twin can be
     built for (the module has no .config): an error naming it, not the garbage to_empty() leaves;

@@ -411,17 +411,31 @@ def _rank0_rng_state():
     return shared[0], bool(same.item())
 
 
-def _init_module_whole(module, init):
+def _unfilled_like(t):
+    """t's memory marked unwritten: NaN where t is floating point (no initialisation writes NaN)."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    return t
+
+
+def _unwritten(t):
+    """How many of t's elements still hold _unfilled_like's mark (0 where t is not floating point)."""
+    return int(t.isnan().sum()) if t.is_floating_point() else 0
+
+
+def _init_module_whole(module, init, filled):
     """init(module) on the module's whole parameters: each sharded parameter (a DTensor) it owns
     directly is swapped for a full-size plain tensor for the call, then this rank's shard of it
-    is copied into the DTensor's local tensor."""
+    is copied into the DTensor's local tensor, unless the call left it untouched (a tied weight
+    whose other owner fills it). filled[id(parameter)]: whether the last call that wrote the
+    parameter wrote all of it, decided on the full tensor, the same on every rank."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     sharded = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
     full = {}
     for name, p in sharded.items():
-        full[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device),
-                                  requires_grad=p.requires_grad)
+        blank = _unfilled_like(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device))
+        full[name] = nn.Parameter(blank, requires_grad=p.requires_grad)
         module._parameters[name] = full[name]
     try:
         init(module)
@@ -429,13 +443,21 @@ def _init_module_whole(module, init):
         for name, p in sharded.items():
             module._parameters[name] = p
     for name, p in sharded.items():
+        whole = full[name].detach()
+        left = _unwritten(whole)
+        if left and left == whole.numel():
+            continue
+        filled[id(p)] = left == 0
         # No communication (src_data_rank=None): every rank holds the same full tensor.
-        mine = distribute_tensor(full[name].detach(), p.device_mesh, p.placements, src_data_rank=None)
+        mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
         p.to_local().copy_(mine.to_local())
 
 
 def _initialise_whole(model, init_fn):
-    """materialize()'s initialisation without a state dict (see its docstring)."""
+    """materialize()'s initialisation without a state dict (see its docstring). Returns the names
+    of the floating-point parameters it left wholly or partly unwritten (NaN)."""
+    from torch.distributed.tensor import DTensor
+
     def init(module):
         if init_fn is not None:
             init_fn(module)
@@ -445,13 +467,22 @@ def _initialise_whole(model, init_fn):
     # Modules with nothing to run: no full-size copies for them.
     modules = [m for m in model.modules() if init_fn is not None or hasattr(m, "reset_parameters")]
     shared, same = _rank0_rng_state()
+    filled = {}
     # Seeded alike, the RNG runs on as in the eager build; else rank 0's stream for the model, and
     # each rank's own state back afterwards.
     with torch.no_grad(), contextlib.nullcontext() if same else torch.random.fork_rng(devices=[]):
+        for p in model.parameters():
+            _unfilled_like(p.to_local() if isinstance(p, DTensor) else p)
         if not same:
             torch.set_rng_state(shared)
         for module in modules:
-            _init_module_whole(module, init)
+            _init_module_whole(module, init, filled)
+
+        def written(p):  # a plain parameter is whole on every rank: it is looked at where it ends
+            return filled.get(id(p), False) if isinstance(p, DTensor) else _unwritten(p) == 0
+
+        return [name for name, p in model.named_parameters()
+                if p.is_floating_point() and p.numel() > 0 and not written(p)]
 
 
 def _refuse_unresettable(model):
@@ -531,8 +562,13 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     constructed from its .config, and any other is an error unless init_fn is given to fill it
     (a floating-point one it leaves unfilled is an error too).
 
+    The memory initialised starts as NaN, so that what the initialisation leaves unwritten shows;
+    a module's call that leaves a sharded parameter untouched keeps what an earlier call wrote (a
+    tied weight that only its other owner's init_fn call fills).
+
     The shards go to the device of init()'s mesh (the CPU without init()). Raises RuntimeError if
-    a meta tensor or an unfillable buffer is left or the parameter count changed, ValueError
+    a meta tensor or an unfillable buffer is left, a floating-point parameter is left wholly or
+    partly unwritten by init_fn / reset_parameters(), or the parameter count changed, ValueError
     without init_fn or rank0_state_dict where a parameter's module has no reset_parameters() (it
     would keep uninitialised memory; an init_fn must fill every parameter itself). Returns the
     model."""
@@ -564,6 +600,7 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
         for m, n in unfilled:
             if m._buffers[n].is_floating_point():
                 m._buffers[n].fill_(float("nan"))  # what init_fn does not fill shows
+    unwritten = []
     if rank0_state_dict is not _UNSET:
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         if not distributed or dist.get_rank() == 0:
@@ -577,11 +614,16 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
                                                                          broadcast_from_rank0=distributed))
         _broadcast_cut_unevenly(model, full, distributed)
     else:
-        _initialise_whole(model, init_fn)
+        unwritten = _initialise_whole(model, init_fn)
     missed = [(m, n) for m, n in unfilled if m._buffers[n].is_floating_point() and m._buffers[n].isnan().all()]
     if missed:
         raise RuntimeError(f"smddp.smp.materialize: init_fn left the non-persistent buffer(s) {described(missed)} "
                            "unfilled")
+    if unwritten:
+        shown = ", ".join(unwritten[:4]) + (f" and {len(unwritten) - 4} more" if len(unwritten) > 4 else "")
+        by = "init_fn" if init_fn is not None else "reset_parameters()"
+        raise RuntimeError(f"smddp.smp.materialize: {by} left parameter(s) {shown} wholly or partly unwritten "
+                           "(they hold NaN there): it must fill every element of every parameter")
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"smddp.smp.materialize: still on the meta device: {', '.join(left)}")
