@@ -19,6 +19,6 @@ start=$(date +%s)
 echo "build: $(( $(date +%s) - start )) s"
 if [ $# -eq 0 ]; then
   set -- tests/test_cuda.py tests/test_smp.py::test_activation_offloading_on_cuda \
-    tests/test_smp.py::test_cache_flush_watch_on_cuda
+    tests/test_smp.py::test_cache_flush_watch_on_cuda tests/test_smp.py::test_meshes_on_the_models_device
 fi
 PYTHONUNBUFFERED=1 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=30 "$@"
