@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -394,9 +395,8 @@ double roundToMinifloat(double v, Minifloat f) {
 // and add. With one rank per host (and no ring) nothing rounds before the end.
 double reduced(ReduceOp op, DataType dt, int W, size_t i, const Topology& topo, bool ringRounds) {
   const int L = topo.maxLocalSize();
-  int P = 1;
-  while (P < L) P *= 2;
   if (op == ReduceOp::kAvg && isFloat8(dt) && topo.hosts() > 1 && (ringRounds || L > 1)) {
+    const unsigned P = std::bit_ceil(static_cast<unsigned>(L));
     const Minifloat f = dt == DataType::kFloat8E4M3 ? kE4M3 : kE5M2;
     float acc = 0;
     for (const std::vector<int>& host : topo.members) {

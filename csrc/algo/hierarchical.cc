@@ -1,6 +1,7 @@
 #include "algo/hierarchical.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -97,8 +98,7 @@ Stages stagesOf(DataType dt, const Reduction& r, int maxLocalSize, bool ringRoun
   const double scale = r.op == ReduceOp::kAvg ? 1.0 / r.avgDivisor : r.premulFactor;
   if (ringRounds && std::abs(scale) * maxLocalSize <= 1.0) return {r, Reduction{ReduceOp::kSum}, true};
   if (maxLocalSize == 1) return {Reduction{ReduceOp::kSum}, r};
-  double P = 1;
-  while (P < maxLocalSize) P *= 2;
+  const double P = std::bit_ceil(static_cast<unsigned>(maxLocalSize));
   Reduction local{ReduceOp::kPremulSum}, net{ReduceOp::kPremulSum};
   local.premulFactor = 1.0 / P;
   net.premulFactor = r.op == ReduceOp::kAvg ? P / r.avgDivisor : r.premulFactor * P;

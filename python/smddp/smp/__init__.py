@@ -471,8 +471,9 @@ def _initialise_whole(model, init_fn):
     # Seeded alike, the RNG runs on as in the eager build; else rank 0's stream for the model, and
     # each rank's own state back afterwards.
     with torch.no_grad(), contextlib.nullcontext() if same else torch.random.fork_rng(devices=[]):
-        for p in model.parameters():
-            _unfilled_like(p.to_local() if isinstance(p, DTensor) else p)
+        for p in model.parameters():  # a sharded one is judged on its full-size copies
+            if not isinstance(p, DTensor):
+                _unfilled_like(p)
         if not same:
             torch.set_rng_state(shared)
         for module in modules:
@@ -562,9 +563,10 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     constructed from its .config, and any other is an error unless init_fn is given to fill it
     (a floating-point one it leaves unfilled is an error too).
 
-    The memory initialised starts as NaN, so that what the initialisation leaves unwritten shows;
-    a module's call that leaves a sharded parameter untouched keeps what an earlier call wrote (a
-    tied weight that only its other owner's init_fn call fills).
+    The memory initialised (full-size copies, plain parameters) starts as NaN, so that what the
+    initialisation leaves unwritten shows; a module's call that leaves a sharded parameter
+    untouched keeps what an earlier call wrote (a tied weight that only its other owner's init_fn
+    call fills).
 
     The shards go to the device of init()'s mesh (the CPU without init()). Raises RuntimeError if
     a meta tensor or an unfillable buffer is left, a floating-point parameter is left wholly or
@@ -598,8 +600,7 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
         for (m, n), value in rebuilt.items():
             m._buffers[n].copy_(value)
         for m, n in unfilled:
-            if m._buffers[n].is_floating_point():
-                m._buffers[n].fill_(float("nan"))  # what init_fn does not fill shows
+            _unfilled_like(m._buffers[n])  # what init_fn does not fill shows
     unwritten = []
     if rank0_state_dict is not _UNSET:
         distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -615,7 +616,8 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
         _broadcast_cut_unevenly(model, full, distributed)
     else:
         unwritten = _initialise_whole(model, init_fn)
-    missed = [(m, n) for m, n in unfilled if m._buffers[n].is_floating_point() and m._buffers[n].isnan().all()]
+    missed = [(m, n) for m, n in unfilled
+              if m._buffers[n].is_floating_point() and _unwritten(m._buffers[n]) == m._buffers[n].numel()]
     if missed:
         raise RuntimeError(f"smddp.smp.materialize: init_fn left the non-persistent buffer(s) {described(missed)} "
                            "unfilled")
