@@ -81,6 +81,47 @@ def test_sagemaker_alias_import():
     _run(f"tcp://127.0.0.1:{free_port()}", "smddp.torch_smddp")
 
 
+QUIET_END_CHILD = r"""
+import os, sys, time, torch, torch.distributed as dist
+import smddp
+rank, world, url = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world)
+t = torch.ones(4)
+dist.all_reduce(t)
+g = dist.new_group(list(range(world)))
+dist.all_reduce(t, group=g)
+dist.barrier()
+assert torch.equal(t, torch.full((4,), float(world * world))), t
+if rank != 0:
+    time.sleep(1.0)  # rank 0, whose process hosts the store, exits first
+dist.destroy_process_group()
+print("rank", rank, "ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("hosts", ["one", "each"])
+def test_a_job_ends_quietly_when_rank_0_exits_first(hosts):
+    """The usual end of a tcp:// or env:// job without torchrun: every rank destroys its groups and
+    exits, rank 0 (whose process hosts the TCPStore) first. Until 2026-12-04 the other ranks'
+    destroys removed keys from the store, and c10d's client printed a stack trace for each
+    request that found the store gone: a page of warnings at the end of every such job."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    world = 3
+    url = f"tcp://127.0.0.1:{free_port()}"
+    envs = []
+    for r in range(world):
+        e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
+        if hosts == "each":
+            e["SMDDP_HOST_ID"] = f"host{r}"
+        envs.append(e)
+    procs, outs = _run_ranks([[sys.executable, "-c", QUIET_END_CHILD, str(r), str(world), url] for r in range(world)],
+                             envs, 180)
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{outs[r][-3000:]}"
+        assert outs[r].strip() == f"rank {r} ok", f"rank {r} printed more than its result:\n{outs[r][-3000:]}"
+
+
 MISSING_CHILD = r"""
 import datetime, sys, time, torch.distributed as dist
 import smddp

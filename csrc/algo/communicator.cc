@@ -99,7 +99,6 @@ auto tellingPeers(BootstrapStore& store, int rank, Fn&& fn) -> decltype(fn()) {
 Topology discoverAfterShmCheck(Store& store, int rank, int size) {
   if (size == 1) return Topology::singleHost(rank, size);
   shm::Domain::checkCapacity(rank, static_cast<size_t>(env::shmSlotBytes()));
-  DesyncProbe::announce(store, rank);  // before the topology's keys: see DesyncProbe::announce
   return Topology::discover(store, rank, size);
 }
 

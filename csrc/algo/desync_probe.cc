@@ -23,7 +23,10 @@ long long wallMs() {
       .count();
 }
 
-// "<op number> <collective> <posted at, wall ms>"; op number 0: no op yet.
+// "<op number> <collective> <posted at, wall ms>", under keyOf(rank) once the rank has waited an
+// interval in a collective; no key: it has not. Peers look for a key before they read it (a read
+// of an absent one would wait), and the keys stay in the store with the group's other lasting
+// keys (algo/group_keys.h).
 std::string position(uint64_t seq, uint64_t signature) {
   return std::to_string(seq) + " " + std::to_string(signature) + " " + std::to_string(wallMs());
 }
@@ -40,7 +43,9 @@ bool fresh(long long postedMs, std::chrono::milliseconds interval) {
 std::string describeRank(Store& store, int p, uint64_t mySeq, std::chrono::milliseconds interval) {
   unsigned long long seq = 0, signature = 0;
   long long postedMs = 0;
-  const int fields = std::sscanf(store.get(keyOf(p)).c_str(), "%llu %llu %lld", &seq, &signature, &postedMs);
+  const int fields = store.check(keyOf(p))
+                         ? std::sscanf(store.get(keyOf(p)).c_str(), "%llu %llu %lld", &seq, &signature, &postedMs)
+                         : 0;
   std::string out = "rank " + std::to_string(p);
   if (fields == 3 && seq != 0 && fresh(postedMs, interval)) {
     out += " waits in " + OpSignature::unpack(signature).describe(seq);
@@ -106,12 +111,6 @@ std::string DesyncProbe::whereIs(StoreErrands& errands, int peer, std::chrono::m
   });
 }
 
-void DesyncProbe::announce(Store& store, int rank) { store.set(keyOf(rank), position(0, 0)); }
-
-std::string DesyncProbe::positionKeyOf(int rank) { return keyOf(rank); }
-
-std::string DesyncProbe::p2pPostKeyOf(int rank) { return p2pKeyOf(rank); }
-
 DesyncProbe::DesyncProbe(StoreErrands& errands, int rank, uint64_t seq, uint64_t signature,
                          std::chrono::milliseconds interval)
     : errands_(errands), rank_(rank), seq_(seq), signature_(signature), interval_(interval) {}
@@ -164,7 +163,8 @@ void DesyncProbe::stalled(std::chrono::steady_clock::time_point since,
     store.set(keyOf(rank), position(seq, signature));
     for (int p : peers) {
       unsigned long long theirSeq = 0, theirSignature = 0;
-      if (std::sscanf(store.get(keyOf(p)).c_str(), "%llu %llu", &theirSeq, &theirSignature) == 2 &&
+      if (store.check(keyOf(p)) &&
+          std::sscanf(store.get(keyOf(p)).c_str(), "%llu %llu", &theirSeq, &theirSignature) == 2 &&
           theirSeq == seq && theirSignature != signature) {
         return std::to_string(p) + " " + std::to_string(theirSeq) + " " + std::to_string(theirSignature);
       }

@@ -40,17 +40,6 @@ namespace smddp::algo {
 
 class DesyncProbe : public shm::StallProbe {
  public:
-  // Sets `rank`'s position to "no op yet": call before the group's first exchange through the
-  // store (the topology's), so that every rank that has been through it finds the key of every
-  // other, and a read never waits.
-  static void announce(Store& store, int rank);
-  // The key of `rank`'s position (announce(), stalled()), which peers read as long as the group
-  // lives: a rank past its set-up expects every peer's.
-  static std::string positionKeyOf(int rank);
-  // The key postP2p() sets for `rank`, which peers look for before they read it: its rank may
-  // remove it whenever it likes.
-  static std::string p2pPostKeyOf(int rank);
-
   // How long report() and whereIs() wait for the store's answer (it takes milliseconds when
   // its host runs).
   static constexpr std::chrono::seconds kPatience{2};

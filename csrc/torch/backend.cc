@@ -57,8 +57,9 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
                     timeout.count(), " ms");
   c10dStore_ = store;
   store_ = std::make_shared<C10dStore>(store, timeout);
+  std::vector<std::string> spentKeys;  // of store_: those this rank removes as its set-up ends
   try {
-    groupPrefix_ = freshNamespace(*store_, rank, size, timeout, spentKeys_);
+    groupPrefix_ = freshNamespace(*store_, rank, size, timeout, spentKeys);
     groupStore_ = std::make_shared<PrefixStore>(store_, groupPrefix_);
     bootstrap_ = std::make_unique<BootstrapStore>(*groupStore_);
     comm_ = settingUp(*groupStore_,
@@ -96,8 +97,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     comm_->setStoreErrands(storeErrands_);
     engine::StallBoard board;
     board.interval = stallInterval_;
-    board.post = [errands = storeErrands_, rank, posted = postedP2p_](const std::string& what) {
-      posted->store(true);
+    board.post = [errands = storeErrands_, rank](const std::string& what) {
       algo::DesyncProbe::postP2p(*errands, rank, what);
     };
     board.whereIs = [errands = storeErrands_, interval = stallInterval_](int peer) {
@@ -106,7 +106,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     if (p2p_) p2p_->setStallBoard(board);
     if (netP2p_) netP2p_->setStallBoard(board);
   }
-  endSetUpInStore();
+  endSetUpInStore(std::move(spentKeys));
   pgId_ = FlightRecorder::get().addGroup(globalRanks_);  // last: a set-up that fails has no destructor to remove it
   SMDDP_INFO(kInit, "rank %d/%d: process group ready", rank, size);
 }
@@ -133,48 +133,23 @@ SmddpBackend::~SmddpBackend() {
   FlightRecorder::get().removeGroup(pgId_);
 }
 
-std::vector<std::string> SmddpBackend::keysReadLaterOf(int rank) const {
-  std::vector<std::string> keys = {algo::DesyncProbe::positionKeyOf(rank)};
-  if (comm_->multiHost()) {
-    for (const std::string& k : net::TcpMesh::keysReadLater(rank)) keys.push_back(k);
-  }
-  return keys;
-}
-
-void SmddpBackend::endSetUpInStore() {
-  const std::vector<std::string> later = keysReadLaterOf(rank_);
+void SmddpBackend::endSetUpInStore(std::vector<std::string> spent) {
+  // Its mesh address stays: peers read it as long as the group lives (TcpMesh::connect).
+  const std::vector<std::string> later =
+      comm_->multiHost() ? net::TcpMesh::keysReadLater(rank_) : std::vector<std::string>();
   for (const std::string& k : bootstrap_->keysSet()) {
-    if (std::find(later.begin(), later.end(), k) == later.end()) spentKeys_.push_back(groupPrefix_ + k);
+    if (std::find(later.begin(), later.end(), k) == later.end()) spent.push_back(groupPrefix_ + k);
   }
+  algo::group_keys::SetUpEnd end;
   try {
-    algo::group_keys::countSetUp(*groupStore_, size_);
-    setUpCounted_ = true;
-  } catch (const Error& e) {  // the group works without: its keys stay in the store
-    SMDDP_WARN(kInit, "rank %d: %s; the group's keys will stay in the store", rank_, e.what());
+    end = algo::group_keys::endSetUp(*store_, *groupStore_, size_, spent);
+  } catch (const Error& e) {
+    std::rethrow_exception(toTorchError(e, who()));
   }
-}
-
-void SmddpBackend::releaseKeys() {
-  if (!setUpCounted_) return;
-  algo::group_keys::Release plan;
-  plan.size = size_;
-  plan.spent = std::move(spentKeys_);
-  // Peers look for it before they read it (DesyncProbe::p2pPostKeyOf).
-  if (postedP2p_->load()) plan.spent.push_back(groupPrefix_ + algo::DesyncProbe::p2pPostKeyOf(rank_));
-  for (int r = 0; r < size_; ++r) {
-    for (const std::string& k : keysReadLaterOf(r)) plan.lasting.push_back(k);
+  if (!end.failure.empty()) {
+    SMDDP_WARN(kInit, "rank %d: removing the set-up's keys from the store failed (%s); %zu of %zu removed, the rest "
+               "stay", rank_, end.failure.c_str(), end.removed, spent.size());
   }
-  // On a thread of its own (StoreErrands): a store whose host is stopped holds up no destroy for
-  // longer than the errands' patience.
-  storeErrands_->start([store = store_, plan = std::move(plan), rank = rank_](Store& group) {
-    const algo::group_keys::Released r = algo::group_keys::release(*store, group, plan);
-    SMDDP_INFO(kInit, "rank %d: %zu of the group's store keys removed (%s)%s%s", rank, r.removed,
-               r.last       ? "the last rank to destroy the group"
-               : r.allSetUp ? "this rank's set-up's"
-                            : "none: a rank had not finished its set-up",
-               r.failure.empty() ? "" : "; the store failed: ", r.failure.c_str());
-    return std::string();
-  });
 }
 
 bool SmddpBackend::agreeOnDebugChecks() {
@@ -233,7 +208,6 @@ void SmddpBackend::shutdown() {
     // a send or recv issued after this, on another thread too, fails in their submit().
     if (p2p_) p2p_->shutdown();
     if (netP2p_) netP2p_->shutdown();  // a Work may still hold it: its sockets and thread go now
-    if (storeErrands_) releaseKeys();
   });
 }
 

@@ -221,14 +221,11 @@ class SmddpBackend : public c10d::Backend {
   // all_to_all without the split-size round trip its peers wait for, which failed the first one
   // across hosts as collectives that do not match). Collective over the group, at set-up.
   bool agreeOnDebugChecks();
-  // A job that makes groups as it goes would otherwise leave about ten keys per rank of each
-  // group in its store (algo/group_keys.h). endSetUpInStore(), last in the constructor, sorts the
-  // keys this rank's set-up set into spentKeys_ and counts the rank past its set-up;
-  // releaseKeys(), as the group is destroyed, removes what algo::group_keys::release allows.
-  void endSetUpInStore();
-  void releaseKeys();
-  // The keys `rank` set in the group's store that peers may read as long as the group lives.
-  std::vector<std::string> keysReadLaterOf(int rank) const;
+  // Last in the constructor (collective): once every rank is past its set-up, removes the keys
+  // this rank's set-up set that no peer reads any more, `spent` (freshNamespace's) and
+  // bootstrap_'s, so that a job making groups as it goes does not fill its store
+  // (algo/group_keys.h).
+  void endSetUpInStore(std::vector<std::string> spent);
   // A ValueError for a tag of the range monitoredBarrier keeps to itself.
   void checkUserTag(int tag, const char* op) const;
   // A message to or from `peer` (-1: any rank) in `buffer`, due within the group's timeout; its done
@@ -271,14 +268,9 @@ class SmddpBackend : public c10d::Backend {
   std::shared_ptr<Store> groupStore_;  // store_'s namespace for this group alone (freshNamespace)
   // Requests to groupStore_ that no op's thread waits for: where a stalled op or p2p waits, where
   // peers stand when one times out (DesyncProbe, where SMDDP_DESYNC_CHECK_MS is not 0 and size
-  // is not 1), the removal of the group's keys (releaseKeys).
+  // is not 1).
   std::shared_ptr<StoreErrands> storeErrands_;
   std::string groupPrefix_;  // groupStore_'s keys in store_ (freshNamespace)
-  // Of store_: those this rank removes once every rank is past its set-up (releaseKeys).
-  std::vector<std::string> spentKeys_;
-  // Whether this rank's p2p engines posted where they wait (DesyncProbe::postP2p): a key to remove.
-  std::shared_ptr<std::atomic<bool>> postedP2p_ = std::make_shared<std::atomic<bool>>(false);
-  bool setUpCounted_ = false;  // this rank is counted past its set-up (endSetUpInStore)
   std::unique_ptr<BootstrapStore> bootstrap_;  // groupStore_ as the set-up uses it
   std::unique_ptr<algo::Communicator> comm_;
   std::shared_ptr<engine::ProgressThread> progress_;  // shared with the Works of queued ops

@@ -358,7 +358,6 @@ void testStallProbe(const std::string& dir) {
   auto shared = std::make_shared<FileStore>(dir, std::chrono::seconds(30));
   FileStore& store = *shared;
   StoreErrands errands(shared);
-  for (int r = 0; r < 2; ++r) algo::DesyncProbe::announce(store, r);
   auto meshes = meshPair(store);
   const uint64_t broadcast = OpSignature{OpKind::kBroadcast, DataType::kFloat32, ReduceOp::kSum, 3}.packed();
   const uint64_t gather = OpSignature{OpKind::kGather, DataType::kFloat32, ReduceOp::kSum, 3}.packed();
