@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _util import Report
-from test_clients import TOL64, _adamw, _batches, _close, _local, _loss, _mlp
+from test_clients import DOUT, TOL64, _adamw, _batches, _close, _local, _loss, _mlp
 
 import smddp.smp as tsm
 
@@ -459,6 +459,80 @@ def test_checkpoint_across_degrees(pools, tmp_path, save_degree, load_degree):
     pools.check(4, checkpoint_task, str(tmp_path / "ckpt"), save_degree, load_degree, timeout=300)
 
 
+class _LateHead(torch.nn.Module):
+    """An MLP with a head that training starts using late (`use_head`): the optimizer holds no
+    state for the head's parameters until then."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.body = _mlp(seed=seed)
+        torch.manual_seed(seed + 1)
+        self.head = torch.nn.Linear(DOUT, DOUT).double()
+        self.use_head = False
+
+    def forward(self, x):
+        y = self.body(x)
+        return self.head(y) if self.use_head else y
+
+
+def checkpoint_resume_task(rank, world, path, how):
+    """A checkpoint loaded into a fresh model and optimizer: training continues exactly as without
+    the break. `how`: "fresh", the checkpoint saved before the head had optimizer state, whose
+    first step comes after the load; "grads held", the same after a forward and backward (a sanity
+    check before resuming); "partly trained", the head trained from the start, loaded into an
+    optimizer that holds state for the body only. Until 2026-12-04 the first raised "Missing key
+    in checkpoint state_dict: optimizer.state.head.weight.step", and the other two loaded the
+    optimizer state of no parameter and of the body only, silently (torch makes an empty
+    optimizer's state only where no gradient is held, and asks a non-empty one's for what it
+    holds)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    rep = Report(rank)
+    tag = f"checkpoint resumed ({how}), world {world}"
+    batches = _batches(world, key=13, steps=3)
+    head_from = 0 if how == "partly trained" else 2
+
+    def step(model, opt, i, head=None):
+        x, y = batches[i]
+        model.use_head = i >= head_from if head is None else head
+        opt.zero_grad()
+        _loss(model, _local(x, rank), _local(y, rank)).backward()
+        opt.step()
+
+    tsm.init({}, device_type="cpu")
+    model = tsm.apply_hybrid_sharding(_LateHead(seed=5))
+    opt = _adamw(model.parameters())
+    step(model, opt, 0)
+    tsm.save_checkpoint(path, model, opt)
+    saved = {n for n, p in model.named_parameters() if p in opt.state}
+    step(model, opt, 1)
+    step(model, opt, 2)
+    want = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    other = tsm.apply_hybrid_sharding(_LateHead(seed=99))
+    other_opt = _adamw(other.parameters())
+    if how == "grads held":
+        x, y = batches[2]
+        _loss(other, _local(x, rank), _local(y, rank)).backward()
+    elif how == "partly trained":
+        step(other, other_opt, 2, head=False)
+    tsm.load_checkpoint(path, other, other_opt)
+    loaded = {n for n, p in other.named_parameters() if p in other_opt.state}
+    rep.expect(loaded == saved, f"{tag}: optimizer state after the load for {sorted(loaded)}; saved for "
+                                f"{sorted(saved)}")
+    step(other, other_opt, 1)
+    step(other, other_opt, 2)
+    got = get_model_state_dict(other, options=StateDictOptions(full_state_dict=True))
+    for name, w in want.items():
+        _close(rep, f"{tag}: {name} after resuming", got[name], w, **TOL64)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("how", ["fresh", "grads held", "partly trained"])
+def test_checkpoint_resumes_exactly(pools, tmp_path, how):
+    pools.check(2, checkpoint_resume_task, str(tmp_path / "ckpt"), how, timeout=300)
+
+
 def activation_checkpointing_task(rank, world, degree):
     """Checkpointed blocks under hybrid sharding: gradients and parameters equal to the same
     model without checkpointing, step after step."""
@@ -661,6 +735,104 @@ def test_activation_offloading_events_stay_bounded():
     for _ in range(20):  # 9 events a step
         model(x).sum().backward()
     assert 10 <= len(off.events) <= 20 and off.events[-1] == ("release", 0), off.events
+
+
+def test_activation_offloading_when_the_forward_reads_a_saved_tensor():
+    """A block whose forward reads a tensor autograd saved (grad_fn._saved_result) and saves more
+    after: the read is served from the host copy and leaves the call's record alone, so the
+    backward gets every tensor and the gradients are those without offloading (until 2026-12-04
+    the read froze the record, and the backward raised IndexError)."""
+    class Peeks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            assert torch.equal(h.grad_fn._saved_result, h)
+            return x + self.b(torch.sigmoid(h))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Peeks() for _ in range(3)]).double()
+    ref = copy.deepcopy(model)
+    off = tsm.apply_activation_offloading(model, blocks=list(model), horizon=2)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    for _ in range(2):
+        for m in (model, ref):
+            m.zero_grad()
+            m(x).pow(2).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+    assert off.max_resident <= 2, off.events
+
+
+@pytest.mark.parametrize("wrap", ["checkpointing", "offloading", "both"])
+def test_wrapped_blocks_survive_deepcopy(wrap):
+    """copy.deepcopy of a model whose blocks are checkpointed or offloaded (an EMA, a teacher, a
+    reference copy) computes with the copy's parameters and gives them the gradients (until
+    2026-12-04 the copy's blocks called the original's forward: the copy computed with the
+    original's parameters and never got a gradient, silently)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    if wrap in ("checkpointing", "both"):
+        tsm.apply_activation_checkpointing(model, blocks=[model[0], model[2]])
+    if wrap in ("offloading", "both"):
+        tsm.apply_activation_offloading(model, blocks=[model[0], model[2]], horizon=1)
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    want = model(x).detach()
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(2)
+    twin(x).sum().backward()
+    assert torch.equal(model(x), want), "the original's output changed"
+    assert all(p.grad is None for p in model.parameters()), "the copy's backward reached the original"
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    plain.load_state_dict(twin.state_dict())
+    plain(x).sum().backward()
+    assert torch.equal(twin(x), plain(x))
+    for (name, p), q in zip(twin.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_layer_shared_across_positions_is_one_block():
+    """nn.ModuleList([layer] * 3) (ALBERT): one block, wrapped once, called three times per
+    forward (until 2026-12-04 apply_hybrid_sharding raised torch's "fully_shard has already been
+    applied", and checkpointing nested three checkpoints). Checkpointing twice is one
+    checkpoint; offloading twice is refused."""
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())] * 3)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Shared().double()
+    ref = copy.deepcopy(model)
+    assert tsm._blocks(model) == [model.layers[0]]
+    calls = [0]
+    inner = model.layers[0][0].forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    model.layers[0][0].forward = counted
+    tsm.apply_activation_checkpointing(model)
+    tsm.apply_activation_checkpointing(model)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    assert calls[0] == 6, f"the layer ran {calls[0]} times: 3 in the forward, 3 recomputed"
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    tsm.apply_activation_offloading(model, horizon=1)
+    with pytest.raises(ValueError, match="offloaded already"):
+        tsm.apply_activation_offloading(model, horizon=1)
 
 
 def test_checkpointing_after_offloading_refused():

@@ -36,6 +36,7 @@ under another hybrid_shard_degree), warnings when the CUDA caching allocator flu
 import contextlib
 import json
 import os
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field, fields
@@ -325,11 +326,13 @@ def _take_rank0_state(model):
 
 
 def _blocks(model):
-    """The repeated blocks of a model: the children of its largest nn.ModuleList (transformer
-    layers), else its direct children that hold parameters."""
+    """The repeated blocks of a model: the distinct children of its largest nn.ModuleList
+    (transformer layers), else its direct children that hold parameters."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if lists:
-        return list(max(lists, key=len))
+        # Once each: a layer shared across positions (ALBERT's nn.ModuleList([layer] * n)) is one
+        # block, called n times per forward.
+        return list(dict.fromkeys(max(lists, key=len)))
     return [m for m in model.children() if any(True for _ in m.parameters())]
 
 
@@ -723,17 +726,50 @@ def save_checkpoint(path, model, optimizer=None):
 
 def load_checkpoint(path, model, optimizer=None):
     """Loads a checkpoint written by save_checkpoint into `model` (and `optimizer`), whatever the
-    sharding each was saved with. Collective."""
+    sharding each was saved with. Collective. The optimizer's state becomes the saved one: a
+    parameter that had none when saved (not yet trained) has none after, and gradients the
+    parameters hold are left as they are."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    state_dict = _checkpoint_state(model, optimizer)
+    held = []
+    if optimizer is not None:
+        # torch's get_state_dict makes an empty optimizer's state for every parameter (a step at
+        # lr 0), which tells dcp what to load; it makes none where a parameter holds a gradient
+        # (it takes the optimizer for a stateless one then: the saved state was silently not
+        # loaded), and one whose state covers some parameters is asked for those only. The load
+        # replaces the whole state anyway.
+        optimizer.state.clear()
+        held = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        for p, _ in held:
+            p.grad = None
+    try:
+        state_dict = _checkpoint_state(model, optimizer)
+    finally:
+        for p, grad in held:
+            p.grad = grad
+    if optimizer is not None:
+        _keep_saved_optimizer_state(state_dict["optimizer"], dcp.FileSystemReader(str(path)).read_metadata())
     plain = _map_tree(_plain_layout, state_dict)
     dcp.load(plain, checkpoint_id=str(path))  # fills `plain` in place
     state_dict = _map_tree(lambda got, want: got.redistribute(placements=want.placements) if _is_strided(want)
                            else got, plain, state_dict)
-    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state_dict["model"],
-                   optim_state_dict=state_dict.get("optimizer", {}))
+    set_model_state_dict(model, state_dict["model"])
+    if optimizer is not None:
+        # Not strict: a parameter the checkpoint holds no state for gets none (load_state_dict
+        # replaces the whole state), as when it was saved.
+        set_optimizer_state_dict(model, optimizer, state_dict["optimizer"], options=StateDictOptions(strict=False))
+
+
+def _keep_saved_optimizer_state(optim_sd, metadata):
+    """Drops from `optim_sd` (get_state_dict's, keyed by parameter name) the state of parameters
+    the checkpoint holds none for: they had none when it was saved (no step had updated them, e.g.
+    a branch not used yet), while torch made state for every parameter here, which dcp.load would
+    look for in vain ("Missing key in checkpoint state_dict")."""
+    saved = metadata.state_dict_metadata
+    for name in list(optim_sd["state"]):
+        if not all(f"optimizer.state.{name}.{key}" in saved for key in optim_sd["state"][name]):
+            del optim_sd["state"][name]
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
@@ -769,22 +805,33 @@ def apply_activation_checkpointing(model, blocks=None):
     before or after apply_hybrid_sharding; gradients are unchanged. Offloading the checkpointed
     inputs is not implemented (apply_activation_offloading handles blocks that are not
     checkpointed). Returns the model."""
-    from torch.utils.checkpoint import checkpoint
-
-    for block in blocks if blocks is not None else _blocks(model):
-        forward = block.forward
-        if getattr(forward, "_smddp_offloaded", False):
+    for block in dict.fromkeys(blocks if blocks is not None else _blocks(model)):
+        if hasattr(block, "_smddp_checkpointed"):
+            continue  # checkpointed already
+        if hasattr(block, "_smddp_offloaded_by"):
             # The offloader's hooks, inside, would take every tensor before the checkpoint saw one:
             # no recomputation, silently.
             raise ValueError("smddp.smp.apply_activation_checkpointing: the block's activations are offloaded "
                              "already; apply activation checkpointing first, then offloading")
-
-        def checkpointed(*args, _forward=forward, **kwargs):
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-
-        # An instance attribute: nn.Module.__call__ (and FSDP2's hooks around it) still run first.
-        block.forward = checkpointed
+        _wrap_forward(block, "_smddp_checkpointed", _checkpointed_forward, None)
     return model
+
+
+def _wrap_forward(block, slot, wrapper, context):
+    """Makes `wrapper` the block's forward: a method bound to the block (an instance attribute, so
+    nn.Module.__call__ and FSDP2's hooks around it still run first), which finds the forward it
+    wraps, and `context`, under the block's attribute `slot`. Bound methods and attributes, not a
+    closure: copy.deepcopy(model) binds the copy's to the copy (a closure kept calling the
+    original's forward, on the original's parameters, silently)."""
+    setattr(block, slot, (block.forward, context))
+    block.forward = types.MethodType(wrapper, block)
+
+
+def _checkpointed_forward(block, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    forward, _ = block._smddp_checkpointed
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 class _Saved:
@@ -856,6 +903,11 @@ class ActivationOffloader:
         self._resident = {}   # seq -> weak reference to _Saved: calls whose tensors are loaded
         self._stream = None
         self._end_queued_for = -1  # the backward (graph task id) whose end releases what is still loaded
+
+    def __deepcopy__(self, memo):
+        # A copy of an offloaded model (copy.deepcopy: an EMA or teacher) gets an offloader of its
+        # own, one for all its blocks (memo): it shares no graph with this one.
+        return ActivationOffloader(self.horizon)
 
     def _event(self, kind, block):
         # Bounded: a training run records three events per block and step.
@@ -970,8 +1022,8 @@ class ActivationOffloader:
     def _queue_end_of_backward(self):
         """What the backward never took (the first block's tensor saved for an output the loss
         does not use) goes when the backward ends, not when its graph does."""
-        task = torch._C._current_graph_task_id()  # -1 outside a backward (a saved tensor read in forward)
-        if task < 0 or task == self._end_queued_for:
+        task = torch._C._current_graph_task_id()
+        if task == self._end_queued_for:
             return
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._end_queued_for = task
@@ -986,7 +1038,10 @@ class ActivationOffloader:
             return handle[1]
         saved, index = handle.saved, handle.index
         copy = saved.host[index]
-        if saved.released or saved.taken[index]:  # asked for again: a load of its own
+        # Asked for again, or outside a backward (the forward itself reading a saved tensor,
+        # grad_fn._saved_result): a load of its own, which leaves the call's record as it is
+        # (loaded in the forward, the record missed the tensors saved after).
+        if saved.released or saved.taken[index] or torch._C._current_graph_task_id() < 0:
             return self._ready(copy, self._to_device(copy))
         self._queue_end_of_backward()
         # The backward has reached this block: later blocks of this forward pass are behind it.
@@ -1013,15 +1068,17 @@ def apply_activation_offloading(model, blocks=None, horizon=None):
     are not checkpointed (checkpointed blocks save only their inputs). Returns the
     ActivationOffloader, whose `events` and `max_resident` show what happened."""
     off = ActivationOffloader(horizon if horizon is not None else state.config.activation_loading_horizon)
-    for index, block in enumerate(blocks if blocks is not None else _blocks(model)):
-        forward = block.forward
-
-        def offloaded(*args, _forward=forward, _index=index, **kwargs):
-            saved = off.begin(_index)  # this call's tensors, owned by the graph it builds
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: off.pack(saved, t), off.unpack):
-                return _forward(*args, **kwargs)
-
-        offloaded._smddp_offloaded = True
-        block.forward = offloaded
+    blocks = list(dict.fromkeys(blocks if blocks is not None else _blocks(model)))
+    if any(hasattr(block, "_smddp_offloaded_by") for block in blocks):
+        raise ValueError("smddp.smp.apply_activation_offloading: a block's activations are offloaded already")
+    for index, block in enumerate(blocks):
+        _wrap_forward(block, "_smddp_offloaded_by", _offloaded_forward, (off, index))
     return off
+
+
+def _offloaded_forward(block, *args, **kwargs):
+    forward, (off, index) = block._smddp_offloaded_by
+    saved = off.begin(index)  # this call's tensors, owned by the graph it builds
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: off.pack(saved, t), off.unpack):
+        return forward(*args, **kwargs)
 
