@@ -60,6 +60,7 @@ def _reference(model, tokens):
 
 
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+QWEN2_MOE_SLIDING = {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2}
 
 
 def _model(family, overrides):
@@ -144,7 +145,11 @@ def cp_task(rank, world, family, cp, hsd, overrides, opts=None):
 
 @pytest.mark.parametrize("comm", ["p2p", "all_gather"])
 @pytest.mark.parametrize("family, overrides", [("llama", None), ("mistral", None), ("gpt_neox", None),
-                                               ("mistral", {"sliding_window": 5})])
+                                               ("mistral", {"sliding_window": 5}),
+                                               # its first layer slides, the second does not; its attention
+                                               # passes no window (until 2026-12-04 every layer saw the whole
+                                               # prefix under CP)
+                                               ("qwen2_moe", QWEN2_MOE_SLIDING)])
 def test_cp2_matches_single_process(pools, family, overrides, comm):
     pools.check(2, cp_task, family, 2, 0, overrides, {"comm": comm}, timeout=300)
 

@@ -80,11 +80,24 @@ class _GatherSequence(torch.autograd.Function):
         return mine, None
 
 
-def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
+_UNSAID = object()
+
+
+def _window(module, sliding_window):
+    """The layer's sliding window: what its attention passed, else its module's attribute. Most
+    models pass it (Mistral, Mixtral, Qwen3-MoE); Qwen2-MoE keeps it on its sliding layers'
+    attention modules only and applies it through the mask, which context parallelism replaces
+    (until 2026-12-04 its sliding layers attended to the whole prefix, silently)."""
+    return getattr(module, "sliding_window", None) if sliding_window is _UNSAID else sliding_window
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=_UNSAID,
+               **kwargs):
     """transformers' attention interface, on this rank's queries and the CP group's keys and
     values: query [batch, heads, local tokens, dim], key / value [batch, kv heads, local tokens, dim]."""
     from . import state
 
+    sliding_window = _window(module, sliding_window)
     group, rank, degree, balanced = state.cp_group, state.cp_rank, state.cp_size, _balanced()
     keys, values = _GatherSequence.apply(key, group), _GatherSequence.apply(value, group)
     if keys.shape[1] != query.shape[1]:  # grouped-query attention
@@ -101,7 +114,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     return out.transpose(1, 2).contiguous(), None
 
 
-def _ring_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+def _ring_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=_UNSAID,
                     **kwargs):
     """transformers' attention interface for cp_comm_type "p2p": this rank's queries, keys and
     values, the others' keys and values passed round the CP group's ring."""
@@ -112,7 +125,7 @@ def _ring_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         raise NotImplementedError("smddp.smp: attention dropout with cp_comm_type='p2p' is not supported; use "
                                   "cp_comm_type='all_gather' or an attention_dropout of 0")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = RingAttention.apply(query, key, value, state.cp_group, scale, sliding_window, _balanced())
+    out = RingAttention.apply(query, key, value, state.cp_group, scale, _window(module, sliding_window), _balanced())
     return out.transpose(1, 2).contiguous(), None
 
 
