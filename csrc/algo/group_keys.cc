@@ -1,6 +1,8 @@
 #include "algo/group_keys.h"
 
+#include <algorithm>
 #include <exception>
+#include <thread>
 
 #include "core/error.h"
 
@@ -21,7 +23,8 @@ void removeAll(Store& from, const std::vector<std::string>& keys, SetUpEnd& out)
 
 }  // namespace
 
-SetUpEnd endSetUp(Store& root, Store& group, int size, const std::vector<std::string>& spent) {
+SetUpEnd endSetUp(Store& root, Store& group, int rank, int size, const std::vector<std::string>& spent,
+                  std::chrono::milliseconds removalPatience) {
   SetUpEnd out;
   if (size > 1) {
     int64_t done = 0;
@@ -49,16 +52,25 @@ SetUpEnd endSetUp(Store& root, Store& group, int size, const std::vector<std::st
     }
   }
   removeAll(root, spent, out);
-  if (size > 1 && out.failure.empty()) {
-    try {
-      if (group.add(kRemovedKey, 1) == size) {
-        SetUpEnd counters;
-        removeAll(group, {kSetUpDoneKey, kAllSetUpKey, kRemovedKey}, counters);
-        out.failure = counters.failure;
-      }
-    } catch (const std::exception& e) {
-      out.failure = e.what();
+  if (size == 1) return out;
+  try {
+    // Counted whether or not its removal went: rank 0 waits for every rank's count.
+    int64_t removed = group.add(kRemovedKey, 1);
+    if (rank != 0) return out;
+    const auto deadline = std::chrono::steady_clock::now() + removalPatience;
+    auto pause = std::chrono::milliseconds(1);
+    while (removed < size && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(20));
+      removed = group.add(kRemovedKey, 0);
     }
+    if (removed == size) {
+      SetUpEnd counters;
+      removeAll(group, {kSetUpDoneKey, kAllSetUpKey, kRemovedKey}, counters);
+      if (out.failure.empty()) out.failure = counters.failure;
+    }
+  } catch (const std::exception& e) {
+    if (out.failure.empty()) out.failure = e.what();
   }
   return out;
 }

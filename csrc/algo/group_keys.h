@@ -11,6 +11,7 @@
 // then, which c10d's client reports with a stack trace on every rank that still asks.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -19,7 +20,7 @@
 
 namespace smddp::algo::group_keys {
 
-// In the group's namespace, removed by the last rank through endSetUp: ranks past their set-up
+// In the group's namespace, removed by rank 0 through endSetUp: ranks past their set-up
 // (counter), "every rank is" (set by the last to count), ranks past their removal (counter).
 inline constexpr char kSetUpDoneKey[] = "smddp/set-up/done";
 inline constexpr char kAllSetUpKey[] = "smddp/set-up/all";
@@ -33,12 +34,16 @@ struct SetUpEnd {
 // Last in a group's set-up, on every rank of it (collective). Waits until every rank has counted
 // itself past its set-up in the group's namespace `group` (as long as the store's get() waits:
 // the group's timeout), then removes `spent`, keys of the job's store `root` that no peer reads
-// any more. The last rank past its removal removes the counters and the flag: no rank reads
-// them after its own count.
+// any more, and counts itself past its removal. Rank 0 then waits, up to `removalPatience`, for
+// every rank's count and removes the counters and the flag: no other rank touches the store after
+// its count, so where rank 0's process hosts it (tcp://, env:// without torchrun) none asks
+// after rank 0 has returned and perhaps exited (c10d's client prints a stack trace per request
+// that finds the store gone).
 // Throws kTimeout, naming how many ranks came, when a peer does not (it failed or died after its
 // own set-up), and what the store throws where a count or the wait fails (its host is gone); a
 // store that cannot add (kInvalidUsage, on every rank alike) skips it all, reported in `failure`,
 // and so does a failed removal: the group works as well with its keys left in the store.
-SetUpEnd endSetUp(Store& root, Store& group, int size, const std::vector<std::string>& spent);
+SetUpEnd endSetUp(Store& root, Store& group, int rank, int size, const std::vector<std::string>& spent,
+                  std::chrono::milliseconds removalPatience = std::chrono::seconds(5));
 
 }  // namespace smddp::algo::group_keys

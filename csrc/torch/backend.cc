@@ -142,7 +142,7 @@ void SmddpBackend::endSetUpInStore(std::vector<std::string> spent) {
   }
   algo::group_keys::SetUpEnd end;
   try {
-    end = algo::group_keys::endSetUp(*store_, *groupStore_, size_, spent);
+    end = algo::group_keys::endSetUp(*store_, *groupStore_, rank_, size_, spent);
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, who()));
   }

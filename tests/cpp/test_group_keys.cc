@@ -1,9 +1,10 @@
 // When a group's set-up keys leave the job's store (algo/group_keys.h), with ranks as threads
 // over one in-memory store: every set-up key and the counters go once every rank has ended its
 // set-up, the keys peers read later stay; a rank waits for a peer still setting up and keeps its
-// keys while it does; a peer that never comes is a timeout naming how many came; a store that
-// cannot add, or fails.
+// keys while it does; rank 0 is the last to touch the store; a peer that never comes is a timeout
+// naming how many came; a store that cannot add, or fails.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <map>
@@ -109,7 +110,7 @@ void everyRankEndsItsSetUp(int size) {
   std::vector<group_keys::SetUpEnd> out(size);
   std::vector<std::thread> ranks;
   for (int r = 0; r < size; ++r) {
-    ranks.emplace_back([&, r] { out[r] = group_keys::endSetUp(root, group, size, {spentKeyOf(r)}); });
+    ranks.emplace_back([&, r] { out[r] = group_keys::endSetUp(root, group, r, size, {spentKeyOf(r)}); });
   }
   for (std::thread& t : ranks) t.join();
   for (int r = 0; r < size; ++r) {
@@ -128,16 +129,59 @@ void waitsForAPeerStillSettingUp() {
   setUpRank(root, 1);
   group_keys::SetUpEnd r0;
   const auto t0 = std::chrono::steady_clock::now();
-  std::thread rank0([&] { r0 = group_keys::endSetUp(root, group, 2, {spentKeyOf(0)}); });
+  std::thread rank0([&] { r0 = group_keys::endSetUp(root, group, 0, 2, {spentKeyOf(0)}); });
   std::this_thread::sleep_for(std::chrono::milliseconds(60));
   expect(root.check(spentKeyOf(0)), "rank 0's set-up key stays while rank 1 sets up");
-  const group_keys::SetUpEnd r1 = group_keys::endSetUp(root, group, 2, {spentKeyOf(1)});
+  const group_keys::SetUpEnd r1 = group_keys::endSetUp(root, group, 1, 2, {spentKeyOf(1)});
   rank0.join();
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   expect(r0.removed == 1 && r1.removed == 1, "both removed their set-up keys once both had come");
   expect(waited > 0.05 && waited < 2.0, "rank 0 waited until rank 1 came (" + std::to_string(waited) + " s)");
   expect(root.keys() == std::vector<std::string>{lastingKeyOf(0), lastingKeyOf(1)},
          "only the keys read later stay: " + joined(root.keys()));
+}
+
+// A view of a store whose removals take `delay` (a rank far from the store), recording when the
+// last one ended.
+class SlowRemovals : public Store {
+ public:
+  SlowRemovals(Store& inner, std::chrono::milliseconds delay) : inner_(inner), delay_(delay) {}
+  void set(const std::string& key, const std::string& value) override { inner_.set(key, value); }
+  std::string get(const std::string& key) override { return inner_.get(key); }
+  bool check(const std::string& key) override { return inner_.check(key); }
+  int64_t add(const std::string& key, int64_t delta) override { return inner_.add(key, delta); }
+  bool deleteKey(const std::string& key) override {
+    std::this_thread::sleep_for(delay_);
+    const bool removed = inner_.deleteKey(key);
+    lastRemoval = std::chrono::steady_clock::now();
+    return removed;
+  }
+  std::atomic<std::chrono::steady_clock::time_point> lastRemoval{};
+
+ private:
+  Store& inner_;
+  std::chrono::milliseconds delay_;
+};
+
+// Rank 0 is the last to touch the store: it returns only once every other rank has removed its
+// keys (its process may host the store and exit as soon as it returns), and removes the counters.
+void rank0IsTheLastToTouchTheStore() {
+  MemoryStore root;
+  PrefixStore group(root, kPrefix);
+  SlowRemovals far(root, std::chrono::milliseconds(80));
+  setUpRank(root, 0);
+  setUpRank(root, 1);
+  std::chrono::steady_clock::time_point rank0Returned;
+  std::thread rank0([&] {
+    group_keys::endSetUp(root, group, 0, 2, {spentKeyOf(0)});
+    rank0Returned = std::chrono::steady_clock::now();
+  });
+  const group_keys::SetUpEnd r1 = group_keys::endSetUp(far, group, 1, 2, {spentKeyOf(1)});
+  rank0.join();
+  expect(r1.removed == 1, "rank 1 removed its key");
+  expect(rank0Returned >= far.lastRemoval.load(), "rank 0 returned after rank 1's removal");
+  expect(root.keys() == std::vector<std::string>{lastingKeyOf(0), lastingKeyOf(1)},
+         "rank 0 removed the counters: " + joined(root.keys()));
 }
 
 // A peer that never ends its set-up (it failed or died after its own): the store's wait times
@@ -149,7 +193,7 @@ void aPeerThatNeverComesIsATimeout() {
   setUpRank(root, 0);
   std::string what;
   try {
-    group_keys::endSetUp(root, group, 3, {spentKeyOf(0)});
+    group_keys::endSetUp(root, group, 0, 3, {spentKeyOf(0)});
   } catch (const Error& e) {
     expect(e.code() == ErrorCode::kTimeout, "a timeout");
     what = e.what();
@@ -166,7 +210,7 @@ void storesThatCannot() {
   PrefixStore group(noAdd, kPrefix);
   setUpRank(noAdd, 0);
   noAdd.addFails = ErrorCode::kInvalidUsage;
-  const group_keys::SetUpEnd r = group_keys::endSetUp(noAdd, group, 2, {spentKeyOf(0)});
+  const group_keys::SetUpEnd r = group_keys::endSetUp(noAdd, group, 0, 2, {spentKeyOf(0)});
   expect(r.removed == 0 && r.failure.find("cannot add") != std::string::npos,
          "a store without add: reported, nothing removed ('" + r.failure + "')");
   expect(noAdd.check(spentKeyOf(0)), "a store without add keeps the set-up key");
@@ -176,7 +220,7 @@ void storesThatCannot() {
   gone.addFails = ErrorCode::kRemoteError;
   bool thrown = false;
   try {
-    group_keys::endSetUp(gone, group2, 2, {spentKeyOf(0)});
+    group_keys::endSetUp(gone, group2, 0, 2, {spentKeyOf(0)});
   } catch (const Error& e) {
     thrown = e.code() == ErrorCode::kRemoteError;
   }
@@ -186,7 +230,7 @@ void storesThatCannot() {
   PrefixStore group3(noDelete, kPrefix);
   setUpRank(noDelete, 0);
   noDelete.failDeletes = true;
-  const group_keys::SetUpEnd d = group_keys::endSetUp(noDelete, group3, 1, {spentKeyOf(0)});
+  const group_keys::SetUpEnd d = group_keys::endSetUp(noDelete, group3, 0, 1, {spentKeyOf(0)});
   expect(d.removed == 0 && d.failure.find("host is gone") != std::string::npos,
          "a failed removal is reported: '" + d.failure + "'");
 }
@@ -196,6 +240,7 @@ void storesThatCannot() {
 void groupKeysTests() {
   for (int size : {1, 2, 5}) everyRankEndsItsSetUp(size);
   waitsForAPeerStillSettingUp();
+  rank0IsTheLastToTouchTheStore();
   aPeerThatNeverComesIsATimeout();
   storesThatCannot();
 }
