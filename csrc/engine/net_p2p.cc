@@ -412,10 +412,31 @@ void NetP2p::introduce(Incoming& in) {
   in.fd = -1;  // now the lane's
 }
 
+bool NetP2p::peerLeft(Peer& p, const P2pOp& op) {
+  for (Lane& l : p.lanes) {
+    if (const std::optional<std::string> why = farewellOn(l)) {
+      peerGaveUp(p, describeOp(op, op.peer), *why);
+      return true;
+    }
+    char byte;
+    if (recv(l.fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0) {
+      failPeer(p, ErrorCode::kRemoteError,
+               describeOp(op, op.peer) + ": the connection to rank " + std::to_string(p.rank) + " on " +
+                   topo_.describeHost(topo_.hostOf[p.rank]) + " was closed: that rank exited, crashed or aborted");
+      return true;
+    }
+  }
+  return false;
+}
+
 bool NetP2p::progressSends(Peer& p) {
   bool moved = false;
   while (p.ready() && !p.sends.empty()) {
     P2pOp& op = p.sends.front();
+    // A peer gone for a while (its farewell or close waiting unread) fails the send; one that
+    // goes later fails the next (as on a TCP socket: a write that fits is not a delivery).
+    const bool begun = std::any_of(p.lanes.begin(), p.lanes.end(), [](const Lane& l) { return l.sendOff != 0; });
+    if (!begun && peerLeft(p, op)) return true;
     bool left = false;
     for (size_t lane = 0; lane < p.lanes.size(); ++lane) {
       Lane& l = p.lanes[lane];

@@ -110,6 +110,9 @@ class NetP2p : public P2pDriver {
   void connectLane(Peer& p, Lane& l, short revents);
   void introduce(Incoming& in);
   bool progressSends(Peer& p);
+  // Before `op`, a message to p, begins: whether p has said farewell or closed a connection, so
+  // that the send fails (p failed) rather than completing into a socket whose reader is gone.
+  bool peerLeft(Peer& p, const P2pOp& op);
   bool progressRecvs(Peer& p);
   bool serve(Peer& p);  // waiting receives that an unexpected message of p's fits
   ssize_t recvSome(Peer& p, Lane& l, void* at, size_t want, const P2pOp* op);

@@ -226,6 +226,9 @@ void P2pEngine::failEverything() {
 
 bool P2pEngine::progressSend(P2pOp& op) {
   const int d = op.peer;
+  // A peer whose group has shut down takes nothing more: the send stays queued for
+  // checkDeadlinesAndPeers to fail, instead of completing into a slot no one reads.
+  if (!op.started && domain_->p2pClosed(d)) return false;
   bool moved = false;
   while (!op.started || op.offset < op.bytes) {
     const uint64_t i = sendNext_[d];
