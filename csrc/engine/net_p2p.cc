@@ -414,15 +414,19 @@ void NetP2p::introduce(Incoming& in) {
 
 bool NetP2p::peerLeft(Peer& p, const P2pOp& op) {
   for (Lane& l : p.lanes) {
-    if (const std::optional<std::string> why = farewellOn(l)) {
-      peerGaveUp(p, describeOp(op, op.peer), *why);
-      return true;
-    }
+    // One peek for the usual case, nothing waiting (every message start pays it); a farewell is
+    // looked for only where something is.
     char byte;
-    if (recv(l.fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0) {
+    const ssize_t k = recv(l.fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (k == 0) {
       failPeer(p, ErrorCode::kRemoteError,
                describeOp(op, op.peer) + ": the connection to rank " + std::to_string(p.rank) + " on " +
                    topo_.describeHost(topo_.hostOf[p.rank]) + " was closed: that rank exited, crashed or aborted");
+      return true;
+    }
+    if (k < 0 && l.recvHdrGot == 0) continue;
+    if (const std::optional<std::string> why = farewellOn(l)) {
+      peerGaveUp(p, describeOp(op, op.peer), *why);
       return true;
     }
   }

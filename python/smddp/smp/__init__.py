@@ -1019,10 +1019,9 @@ class ActivationOffloader:
                 best = (seq, ref)
         return best[1]() if best is not None else None
 
-    def _queue_end_of_backward(self):
+    def _queue_end_of_backward(self, task):
         """What the backward never took (the first block's tensor saved for an output the loss
-        does not use) goes when the backward ends, not when its graph does."""
-        task = torch._C._current_graph_task_id()
+        does not use) goes when backward `task` (its graph task id) ends, not when its graph does."""
         if task == self._end_queued_for:
             return
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -1041,9 +1040,10 @@ class ActivationOffloader:
         # Asked for again, or outside a backward (the forward itself reading a saved tensor,
         # grad_fn._saved_result): a load of its own, which leaves the call's record as it is
         # (loaded in the forward, the record missed the tensors saved after).
-        if saved.released or saved.taken[index] or torch._C._current_graph_task_id() < 0:
+        task = torch._C._current_graph_task_id()  # -1 outside a backward
+        if saved.released or saved.taken[index] or task < 0:
             return self._ready(copy, self._to_device(copy))
-        self._queue_end_of_backward()
+        self._queue_end_of_backward(task)
         # The backward has reached this block: later blocks of this forward pass are behind it.
         for later in [s for s in (r() for r in list(self._resident.values()))
                       if s is not None and s.seq > saved.seq and s.block > saved.block]:
