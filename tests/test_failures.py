@@ -52,13 +52,15 @@ if mode == "p2p":  # ranks 0 and 2 (other hosts with hosts="0011") stream messag
         dist.destroy_process_group()
         sys.exit(0)
     op = (lambda: dist.recv(t, 2)) if rank == 0 else (lambda: dist.send(t, 0))
-if mode == "send_to_gone":  # rank 1 takes one message and leaves; rank 0's first send after that must fail
-    small, sent = torch.ones(16), []
+if mode.startswith("send_to_gone"):  # rank 1 leaves (after one message, unless "_unmet"); rank 0's next send must fail
+    small, sent, met = torch.ones(16), [], not mode.endswith("_unmet")
     if rank == 1:
-        dist.recv(small, 0)
+        if met:
+            dist.recv(small, 0)
         dist.destroy_process_group()
         sys.exit(0)
-    dist.send(small, 1)
+    if met:
+        dist.send(small, 1)
     time.sleep(1.5)
 
     def op():
@@ -578,18 +580,20 @@ def test_peer_killed_during_send_recv(hosts):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("hosts", ["01", None], ids=["across-hosts", "one-host"])
-def test_send_to_a_rank_that_left_fails(hosts):
+@pytest.mark.parametrize("mode", ["send_to_gone", "send_to_gone_unmet"], ids=["after a message", "first message"])
+def test_send_to_a_rank_that_left_fails(hosts, mode):
     """Rank 1 destroys its group and exits; 1.5 s later rank 0 sends it 64 bytes. That send fails,
-    naming rank 1 (across hosts it completed into the socket until 2026-12-04, and only the next
-    send failed: the message was lost silently)."""
+    naming the send and rank 1 (across hosts it completed into the socket until 2026-12-04, and
+    only the next send failed: the message was lost silently). Where the two had not exchanged a
+    message yet, across hosts the send finds rank 1's listener gone, and says so."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
-    procs = _job(2, "send_to_gone", 10, hosts=hosts)
+    procs = _job(2, mode, 10, hosts=hosts)
     procs.wait_ready()
     out = procs.finish(30, ranks=[0])[0]
     assert procs[0].returncode == 3, f"rank 0: exit {procs[0].returncode}\n{out[-2000:]}"
     assert "send #1" in out and "send #2" not in out, out[-2000:]
-    assert "rank 1" in out and "send to rank 1" in out, out[-2000:]
+    assert "rank 1" in out and "send to rank 1 (tag 0, 64 bytes)" in out, out[-2000:]
     assert "backend threads left: 0" in out, out[-2000:]
 
 

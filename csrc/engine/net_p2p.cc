@@ -37,6 +37,8 @@ std::exception_ptr errorOf(ErrorCode code, const std::string& msg) {
 // A fresh socket's buffer is empty, but under the kernel's TCP memory pressure even the one byte
 // that admits a connection can be refused for a moment: the engine's thread waits that out.
 constexpr auto kAckTimeout = std::chrono::seconds(1);
+// A peer's listener refuses once that rank has exited or destroyed the group.
+constexpr const char* kGoneHint = " (has that rank exited, or destroyed the group?)";
 
 bool wouldBlock(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
 
@@ -283,6 +285,11 @@ void NetP2p::failPeer(Peer& p, ErrorCode code, const std::string& why, const std
   failQueued(p, code, why);
 }
 
+void NetP2p::failDial(Peer& p, ErrorCode code, const std::string& why) {
+  failQueued(p, code, why, /*nameOps=*/true);
+  failPeer(p, code, why);
+}
+
 std::optional<std::string> NetP2p::farewellOn(Lane& l) {
   using net::wire::kFarewellTag;
   using net::wire::kMaxFarewellBytes;
@@ -370,15 +377,15 @@ void NetP2p::dial(Peer& p) {
       l.fd = net::laneSocket(peerAddrs, addrs_, static_cast<int>(lane), rank_, &to);
       net::tuneSocket(l.fd);
       if (connect(l.fd, to->get(), to->len) != 0 && errno != EINPROGRESS) {
-        throwError(ErrorCode::kRemoteError, "cannot connect to rank %d at %s: %s", p.rank,
-                   net::addressText(*to).c_str(), errnoString(errno).c_str());
+        throwError(ErrorCode::kRemoteError, "cannot connect to rank %d at %s: %s%s", p.rank,
+                   net::addressText(*to).c_str(), errnoString(errno).c_str(), kGoneHint);
       }
       l.hello = net::wire::makeHello(secret_, rank_, p.rank, static_cast<int>(lane));
       l.helloSent = 0;
       l.state = Lane::State::kDialling;
     }
   } catch (const Error& e) {
-    failPeer(p, e.code(), e.what());
+    failDial(p, e.code(), e.what());
   }
 }
 
@@ -638,9 +645,9 @@ void NetP2p::connectLane(Peer& p, Lane& l, short revents) {
                                       sizeof(l.hello) - l.helloSent, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (k < 0 && err == 0 && wouldBlock(errno)) return;
     if (k < 0) {
-      failPeer(p, ErrorCode::kRemoteError,
+      failDial(p, ErrorCode::kRemoteError,
                "cannot connect to rank " + std::to_string(p.rank) + " at " + p.address + ": " +
-                   errnoString(err != 0 ? err : errno));
+                   errnoString(err != 0 ? err : errno) + kGoneHint);
       return;
     }
     l.helloSent += static_cast<size_t>(k);
@@ -650,7 +657,7 @@ void NetP2p::connectLane(Peer& p, Lane& l, short revents) {
     const ssize_t k = recv(l.fd, &ack, 1, MSG_DONTWAIT);
     if (k < 0 && wouldBlock(errno)) return;
     if (k != 1 || ack != net::wire::kHelloAccepted) {
-      failPeer(p, ErrorCode::kRemoteError,
+      failDial(p, ErrorCode::kRemoteError,
                "rank " + std::to_string(p.rank) + " at " + p.address + " did not accept the connection");
       return;
     }

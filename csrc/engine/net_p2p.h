@@ -121,6 +121,8 @@ class NetP2p : public P2pDriver {
   void failQueued(Peer& p, ErrorCode code, const std::string& why, bool nameOps = false);
   // And the connection; `farewell`: this rank gives up on p for that reason, and tells it.
   void failPeer(Peer& p, ErrorCode code, const std::string& why, const std::string& farewell = {});
+  // Connecting to p failed: the ops that called for the connection fail, each named.
+  void failDial(Peer& p, ErrorCode code, const std::string& why);
   // The reason p gave on lane l, if it said farewell there: a farewell header just read, or one
   // waiting unread at a message boundary.
   std::optional<std::string> farewellOn(Lane& l);
