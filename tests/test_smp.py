@@ -407,7 +407,7 @@ def test_materialize_refuses_buffers_it_cannot_fill():
     assert torch.equal(model.scale, eager.scale)
     with torch.device("meta"):
         model = _Positions()
-    with pytest.raises(RuntimeError, match=r"init_fn left the non-persistent buffer\(s\) scale unfilled"):
+    with pytest.raises(RuntimeError, match=r"init_fn left buffer\(s\) scale wholly or partly unfilled"):
         tsm.materialize(model, init_fn=lambda m: None)
 
     # Buffers built off the meta device keep their values (to_empty() alone would replace them).
@@ -417,6 +417,48 @@ def test_materialize_refuses_buffers_it_cannot_fill():
     assert "scale" in model._non_persistent_buffers_set
     tsm.materialize(model, rank0_state_dict=eager.state_dict())
     assert torch.equal(model.scale, eager.scale) and torch.equal(model.lin.weight, eager.lin.weight)
+
+
+class _Constants(torch.nn.Module):
+    """Persistent buffers only the constructor fills (a fixed scale, a position table), beside a
+    BatchNorm whose reset_parameters() fills its own."""
+
+    def __init__(self, n=6):
+        super().__init__()
+        self.lin = torch.nn.Linear(n, n)
+        self.norm = torch.nn.BatchNorm1d(n)
+        self.register_buffer("scale", torch.full((n,), 2.0))
+        self.register_buffer("pos", torch.arange(n))
+
+
+def test_materialize_refuses_persistent_buffers_nothing_fills():
+    """A persistent buffer a constructor fills, built on the meta device: reset_parameters() or an
+    init_fn that leaves it alone raised nothing and left it holding to_empty()'s memory (until
+    2026-12-04, found by a review helper: scale [0, 0, 0, 5e-324 ...] instead of 2.0). Now an
+    error naming each, floating point or not (an int64 one too), also where only part is filled;
+    BatchNorm's running statistics, which its reset_parameters() fills, pass; rank0_state_dict
+    fills them."""
+    def meta():
+        with torch.device("meta"):
+            return _Constants()
+
+    with pytest.raises(RuntimeError, match=r"reset_parameters\(\) left buffer\(s\) scale, pos wholly or partly "
+                                           r"unfilled: built on the meta device"):
+        tsm.materialize(meta())
+
+    def fill(module, rows=6):
+        if isinstance(module, _Constants):
+            module.scale[:rows] = 2.0
+            module.pos.copy_(torch.arange(6))
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    with pytest.raises(RuntimeError, match=r"init_fn left buffer\(s\) scale wholly or partly unfilled"):
+        tsm.materialize(meta(), init_fn=lambda m: fill(m, rows=3))
+    eager = _Constants()
+    for model in (tsm.materialize(meta(), init_fn=fill), tsm.materialize(meta(), rank0_state_dict=eager.state_dict())):
+        for name, want in eager.named_buffers():
+            assert torch.equal(model.get_buffer(name), want), name
 
 
 def checkpoint_task(rank, world, path, save_degree, load_degree):

@@ -510,10 +510,15 @@ def _buffers_to_restore(model):
     return [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta]
 
 
+def _meta_buffers(model):
+    """(module, name) of each buffer on the meta device, each once (a module may sit at several
+    places in the tree)."""
+    return [(m, n) for m in model.modules() for n, b in m._buffers.items() if b is not None and b.is_meta]
+
+
 def _meta_nonpersistent_buffers(model):
     """(module, name) of each non-persistent buffer on the meta device: no state dict holds it."""
-    return [(m, n) for m in model.modules() for n in sorted(m._non_persistent_buffers_set)
-            if m._buffers.get(n) is not None and m._buffers[n].is_meta]
+    return [(m, n) for m, n in _meta_buffers(model) if n in m._non_persistent_buffers_set]
 
 
 def _twin_buffers(pending):
@@ -561,10 +566,11 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
       token embedding's vocabulary x hidden size), on every rank.
 
     Buffers: those built off the meta device keep their values; persistent ones on it are filled
-    as parameters are; non-persistent ones on it (no state dict holds them, e.g. a Hugging Face
-    rotary embedding's inverse frequencies) are built again from a twin of their module
-    constructed from its .config, and any other is an error unless init_fn is given to fill it
-    (a floating-point one it leaves unfilled is an error too).
+    as parameters are (from rank0_state_dict, or by init_fn / reset_parameters(): one that call
+    leaves unwritten, such as a constant a constructor made, is an error); non-persistent ones
+    on it (no state dict holds them, e.g. a Hugging Face rotary embedding's inverse frequencies)
+    are built again from a twin of their module constructed from its .config, and any other is
+    an error unless init_fn is given to fill it (one it leaves unfilled is an error too).
 
     The memory initialised (full-size copies, plain parameters) starts as NaN, so that what the
     initialisation leaves unwritten shows; a module's call that leaves a sharded parameter
@@ -595,6 +601,10 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
                            "device, in no state dict, and their module has no .config to construct a twin from: "
                            "build the model with its buffers off the meta device, or fill them in init_fn (without "
                            "rank0_state_dict)")
+    # Without a state dict only the initialisation can fill these: a constructor's constant
+    # (register_buffer("scale", torch.full(...))) was lost on the meta device.
+    to_fill = unfilled + ([(m, n) for m, n in _meta_buffers(model) if n not in m._non_persistent_buffers_set]
+                          if rank0_state_dict is _UNSET else [])
     kept = _buffers_to_restore(model)
     model.to_empty(device=state.mesh.device_type if state.initialized else "cpu")
     with torch.no_grad():
@@ -602,8 +612,9 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
             m._buffers[n].copy_(value)
         for (m, n), value in rebuilt.items():
             m._buffers[n].copy_(value)
-        for m, n in unfilled:
-            _unfilled_like(m._buffers[n])  # what init_fn does not fill shows
+        for m, n in to_fill:
+            _unfilled_like(m._buffers[n])  # what the initialisation does not fill shows
+    blank = {(m, n): (m._buffers[n], m._buffers[n]._version) for m, n in to_fill}
     unwritten = []
     if rank0_state_dict is not _UNSET:
         distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -619,11 +630,14 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
         _broadcast_cut_unevenly(model, full, distributed)
     else:
         unwritten = _initialise_whole(model, init_fn)
-    missed = [(m, n) for m, n in unfilled
-              if m._buffers[n].is_floating_point() and _unwritten(m._buffers[n]) == m._buffers[n].numel()]
+    # Written: replaced, or changed in place (its version counts in-place writes, whatever the dtype).
+    missed = [(m, n) for (m, n), (t, version) in blank.items()
+              if m._buffers[n] is t and (t._version == version or _unwritten(t) > 0)]
     if missed:
-        raise RuntimeError(f"smddp.smp.materialize: init_fn left the non-persistent buffer(s) {described(missed)} "
-                           "unfilled")
+        by = "init_fn" if init_fn is not None else "reset_parameters()"
+        raise RuntimeError(f"smddp.smp.materialize: {by} left buffer(s) {described(missed)} wholly or partly unfilled: "
+                           "built on the meta device, they hold no values; fill them in init_fn, build them off the "
+                           "meta device (they keep their values), or pass rank0_state_dict")
     if unwritten:
         shown = ", ".join(unwritten[:4]) + (f" and {len(unwritten) - 4} more" if len(unwritten) > 4 else "")
         by = "init_fn" if init_fn is not None else "reset_parameters()"
