@@ -120,9 +120,20 @@ def hybrid_task(rank, world, degree, zero2):
     batches = _batches(world, key=5)
     model = _mlp()
     ref = copy.deepcopy(model)
-    tsm.apply_hybrid_sharding(model, zero2=zero2)
+    # "kwarg": ZeRO-2 asked for through fully_shard's own keyword (ignored until 2026-12-04).
+    tsm.apply_hybrid_sharding(model, **({"reshard_after_forward": False} if zero2 == "kwarg" else {"zero2": zero2}))
+    gathered = [m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None
+                for m in model.modules() if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group]
+    rep.expect(gathered == [bool(zero2)] * len(gathered), f"{tag}: kept gathered after forward: {gathered}")
     watches = [h for h in model._forward_pre_hooks.values() if isinstance(h, tsm.CacheFlushWatch)]
     rep.expect(len(watches) == (0 if zero2 else 1), f"{tag}: {len(watches)} allocator watch(es) on the root")
+    for kw, error in (({"mesh": st.dp_mesh}, TypeError), ({"zero2": True, "reshard_after_forward": True}, ValueError)):
+        with rep.cell(f"{tag}: apply_hybrid_sharding({', '.join(kw)})"):
+            try:
+                tsm.apply_hybrid_sharding(_mlp(), **kw)
+                rep.fail(f"{tag}: apply_hybrid_sharding({', '.join(kw)}): no error")
+            except error:
+                pass
     opt, ref_opt = _adamw(model.parameters()), _adamw(ref.parameters())
     refp = dict(ref.named_parameters())
     for step, (x, y) in enumerate(batches):
@@ -142,7 +153,7 @@ def hybrid_task(rank, world, degree, zero2):
 
 
 @pytest.mark.parametrize("world, degree, zero2", [(2, 0, False), (2, 1, False), (4, 0, False), (4, 1, False),
-                                                  (4, 2, False), (4, 2, True), (4, 4, False)])
+                                                  (4, 2, False), (4, 2, True), (4, 2, "kwarg"), (4, 4, False)])
 def test_hybrid_sharding_matches_single_process(pools, world, degree, zero2):
     pools.check(world, hybrid_task, degree, zero2, timeout=300)
 

@@ -340,7 +340,8 @@ def apply_hybrid_sharding(model, blocks=None, zero2=False, mp_policy=None, **ful
     """FSDP2 `fully_shard` on each block (default: see _blocks) and on the root, over
     state.dp_mesh: parameters sharded within groups of hybrid_shard_degree ranks and replicated
     across groups. zero2=True keeps parameters gathered after forward (reshard_after_forward=False,
-    SMP's _HYBRID_SHARD_ZERO2). mp_policy: an FSDP2 MixedPrecisionPolicy, passed through.
+    SMP's _HYBRID_SHARD_ZERO2). mp_policy and fully_shard's other keyword arguments (e.g.
+    reshard_after_forward) are passed through, except mesh: the mesh is init()'s.
 
     After expert parallelism (transform() with expert_parallel_degree > 1) each experts module is
     sharded first, over state.ep_mesh["edp"] (the ranks holding the same experts), which averages
@@ -349,7 +350,13 @@ def apply_hybrid_sharding(model, blocks=None, zero2=False, mp_policy=None, **ful
 
     if not state.initialized:
         raise RuntimeError("smddp.smp: call smddp.smp.init() before apply_hybrid_sharding()")
-    kw = dict(fully_shard_kwargs, mesh=state.dp_mesh, reshard_after_forward=not zero2)
+    if "mesh" in fully_shard_kwargs:
+        raise TypeError("smddp.smp.apply_hybrid_sharding: the mesh is init()'s (state.dp_mesh, shaped by "
+                        "hybrid_shard_degree); it takes no mesh")
+    if zero2 and "reshard_after_forward" in fully_shard_kwargs:
+        raise ValueError("smddp.smp.apply_hybrid_sharding: zero2=True is reshard_after_forward=False; pass one of them")
+    kw = dict(fully_shard_kwargs, mesh=state.dp_mesh)
+    kw.setdefault("reshard_after_forward", not zero2)
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
     if state.ep_size > 1:
