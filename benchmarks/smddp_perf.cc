@@ -60,8 +60,10 @@
 #include "core/spin.h"
 #include "core/tcp_store.h"
 #include "core/types.h"
+#include "perf_check.h"
 
 using namespace smddp;
+using namespace smddp::perf;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -267,167 +269,6 @@ Args parseArgs(int argc, char** argv) {
   return a;
 }
 
-bool reduces(const std::string& coll) { return coll == "all_reduce" || coll == "reduce_scatter"; }
-
-// nccl-tests semantics: size is the larger of send and receive bytes; count is per rank for
-// all_gather (input) and reduce_scatter (output); all_to_all sends size / ranks to each rank.
-struct Shape {
-  size_t inElems, outElems, countCol;
-  double busFactor;
-};
-Shape shapeOf(const std::string& coll, size_t bytes, size_t es, int W) {
-  const size_t n = bytes / es;
-  if (coll == "all_reduce") return {n, n, n, 2.0 * (W - 1) / W};
-  if (coll == "broadcast") return {n, n, n, 1.0};
-  if (coll == "all_gather") return {n / W, n / W * W, n / W, double(W - 1) / W};
-  if (coll == "all_to_all") return {n / W * W, n / W * W, n / W * W, double(W - 1) / W};
-  return {n / W * W, n / W, n / W, double(W - 1) / W};
-}
-
-// ---- element values: small integers, exact in every type, stored in the type's encoding ----
-// A binary float of `mantBits` mantissa bits and exponent bias `bias` (float16: 10, 15;
-// float8_e4m3fn: 3, 7; float8_e5m2: 2, 15), finite values only; `signBit` is the top bit.
-struct Minifloat {
-  int mantBits, bias;
-  uint32_t signBit;
-};
-constexpr Minifloat kHalf{10, 15, 0x8000}, kE4M3{3, 7, 0x80}, kE5M2{2, 15, 0x80};
-uint32_t minifloatBits(double v, Minifloat f) {  // exact for the small integers used here
-  if (v == 0) return 0;
-  double m = std::fabs(v);
-  int e = 0;
-  while (m >= 2) m /= 2, ++e;
-  while (m < 1) m *= 2, --e;
-  return (v < 0 ? f.signBit : 0) | static_cast<uint32_t>((e + f.bias) << f.mantBits) |
-         static_cast<uint32_t>(std::lround((m - 1) * (1 << f.mantBits)));
-}
-double minifloatValue(uint32_t b, Minifloat f) {
-  const int e = static_cast<int>((b & (f.signBit - 1)) >> f.mantBits);
-  const double m = static_cast<double>(b & ((1u << f.mantBits) - 1)) / (1 << f.mantBits);
-  const double v = e == 0 ? m * std::ldexp(1.0, 1 - f.bias) : (1 + m) * std::ldexp(1.0, e - f.bias);
-  return (b & f.signBit) ? -v : v;
-}
-void storeValue(DataType dt, void* base, size_t i, double v) {
-  switch (dt) {
-    case DataType::kFloat32: static_cast<float*>(base)[i] = static_cast<float>(v); break;
-    case DataType::kFloat64: static_cast<double*>(base)[i] = v; break;
-    case DataType::kFloat16: static_cast<uint16_t*>(base)[i] = static_cast<uint16_t>(minifloatBits(v, kHalf)); break;
-    case DataType::kFloat8E4M3: static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(minifloatBits(v, kE4M3)); break;
-    case DataType::kFloat8E5M2: static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(minifloatBits(v, kE5M2)); break;
-    case DataType::kBFloat16: {
-      const float f = static_cast<float>(v);
-      uint32_t u;
-      std::memcpy(&u, &f, 4);
-      static_cast<uint16_t*>(base)[i] = static_cast<uint16_t>(u >> 16);
-      break;
-    }
-    case DataType::kInt32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v); break;
-    case DataType::kInt8: static_cast<int8_t*>(base)[i] = static_cast<int8_t>(v); break;
-    case DataType::kUInt8: static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(v); break;
-    case DataType::kInt64: static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v); break;
-    case DataType::kUInt32: static_cast<uint32_t*>(base)[i] = static_cast<uint32_t>(v); break;
-    case DataType::kUInt64: static_cast<uint64_t*>(base)[i] = static_cast<uint64_t>(v); break;
-    default: break;
-  }
-}
-double load(DataType dt, const void* base, size_t i) {
-  switch (dt) {
-    case DataType::kFloat32: return static_cast<const float*>(base)[i];
-    case DataType::kFloat64: return static_cast<const double*>(base)[i];
-    case DataType::kFloat16: return minifloatValue(static_cast<const uint16_t*>(base)[i], kHalf);
-    case DataType::kFloat8E4M3: return minifloatValue(static_cast<const uint8_t*>(base)[i], kE4M3);
-    case DataType::kFloat8E5M2: return minifloatValue(static_cast<const uint8_t*>(base)[i], kE5M2);
-    case DataType::kBFloat16: {
-      const uint32_t u = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
-      float f;
-      std::memcpy(&f, &u, 4);
-      return f;
-    }
-    case DataType::kInt32: return static_cast<const int32_t*>(base)[i];
-    case DataType::kInt8: return static_cast<const int8_t*>(base)[i];
-    case DataType::kUInt8: return static_cast<const uint8_t*>(base)[i];
-    case DataType::kInt64: return static_cast<double>(static_cast<const int64_t*>(base)[i]);
-    case DataType::kUInt32: return static_cast<const uint32_t*>(base)[i];
-    case DataType::kUInt64: return static_cast<double>(static_cast<const uint64_t*>(base)[i]);
-    default: return NAN;
-  }
-}
-bool isFloat8(DataType dt) { return dt == DataType::kFloat8E4M3 || dt == DataType::kFloat8E5M2; }
-// Rank r's element i: 1..4, or 1..2 for prod. Sums and products take them from at most 8 ranks
-// (the carriers, a different 8 for each i), the other ranks giving 0 (sums) or 1 (products), so
-// that any partial sum or product, in any order, is an integer every type holds exactly, int8
-// included (a sum at most 8 x 4, a product at most 2^5), whatever the world size (with every rank contributing, 16 ranks
-// multiplied eight 2s and wrapped int8 and uint8 around). MIN and MAX take every rank's 1..4.
-// float8 holds fewer integers exactly (e5m2 up to 8, e4m3 up to 16) and rounds every partial sum,
-// so there only the carriers give anything but 0 (1 or 2), for every op, and e5m2 has 4 of them
-// but for products.
-double valueOf(ReduceOp op, DataType dt, int W, int r, size_t i) {
-  const bool product = op == ReduceOp::kProduct;
-  const int carriers = isFloat8(dt) && !product && dt == DataType::kFloat8E5M2 ? 4 : 8;
-  const bool carries = (static_cast<size_t>(r) + i) % static_cast<size_t>(W) < static_cast<size_t>(carriers);
-  if (product) return carries ? 1 + static_cast<double>((r + i) % 2) : 1;
-  if (isFloat8(dt)) return carries ? 1 + static_cast<double>((r + i * 3) % 2) : 0;
-  const bool sums = op == ReduceOp::kSum || op == ReduceOp::kAvg;
-  return sums && !carries ? 0 : 1 + static_cast<double>((r + i * 3) % 4);
-}
-// Data that only moves (broadcast, all_gather, all_to_all): element i shows base-4 digit i % 4
-// of the rank, shifted by i, so any two of 256 ranks differ within every 4 consecutive elements
-// (valueOf's pattern repeats every 4 ranks, or 2 for float8: a broadcast that never reached the
-// rank 4 away from its root, which starts with its own data, passed the check). 1..4: exact in
-// every type.
-double movedValueOf(int r, size_t i) { return 1 + static_cast<double>(((r >> (2 * (i % 4))) + i) % 4); }
-// Rank r's input element i for the collective `coll` reduces or moves.
-double inputValueOf(const std::string& coll, ReduceOp op, DataType dt, int W, int r, size_t i) {
-  return reduces(coll) ? valueOf(op, dt, W, r, i) : movedValueOf(r, i);
-}
-// `v` rounded to the nearest value of format `f`, ties to even (within its finite range).
-double roundToMinifloat(double v, Minifloat f) {
-  if (v == 0) return v;
-  const int e = std::max(std::ilogb(v), 1 - f.bias);  // subnormals share the smallest normal's step
-  const double step = std::ldexp(1.0, e - f.mantBits);
-  return std::nearbyint(v / step) * step;
-}
-// What an op leaves in element i, before the final rounding to its type (close()). A float8
-// AVG across hosts rounds twice (hierarchical.cc's stagesOf): each host's partial sum is scaled
-// and rounded before the hosts add. Hosts scale by 1/P (P the smallest power of two at least the
-// largest host's rank count L), and the sum of their partials by P / W, in float as the kernels
-// do; under the ring schedule (whose running sums round too) an allreduce's hosts scale by 1/W
-// and add. With one rank per host (and no ring) nothing rounds before the end.
-double reduced(ReduceOp op, DataType dt, int W, size_t i, const Topology& topo, bool ringRounds) {
-  const int L = topo.maxLocalSize();
-  if (op == ReduceOp::kAvg && isFloat8(dt) && topo.hosts() > 1 && (ringRounds || L > 1)) {
-    const unsigned P = std::bit_ceil(static_cast<unsigned>(L));
-    const Minifloat f = dt == DataType::kFloat8E4M3 ? kE4M3 : kE5M2;
-    float acc = 0;
-    for (const std::vector<int>& host : topo.members) {
-      float partial = 0;
-      for (int r : host) partial += static_cast<float>(valueOf(op, dt, W, r, i));
-      const float scaled = ringRounds ? partial / static_cast<float>(W) : partial * static_cast<float>(1.0 / P);
-      acc += static_cast<float>(roundToMinifloat(scaled, f));
-    }
-    return ringRounds ? acc : acc * static_cast<float>(static_cast<double>(P) / W);
-  }
-  double acc = valueOf(op, dt, W, 0, i);
-  for (int r = 1; r < W; ++r) {
-    const double v = valueOf(op, dt, W, r, i);
-    if (op == ReduceOp::kProduct) acc *= v;
-    else if (op == ReduceOp::kMin) acc = std::min(acc, v);
-    else if (op == ReduceOp::kMax) acc = std::max(acc, v);
-    else acc += v;
-  }
-  if (op == ReduceOp::kAvg) acc = isFloatingPoint(dt) ? acc / W : std::trunc(acc / W);
-  return acc;
-}
-// float8 is checked exactly (an AVG rounds once, at its division, and across hosts also each
-// host's scaled partial: reduced()). Elsewhere sums past the types'
-// exact integers round, at most once per reduction step, by half a unit in the last place.
-bool close(DataType dt, double got, double want) {
-  if (dt == DataType::kFloat8E4M3) return got == roundToMinifloat(want, kE4M3);
-  if (dt == DataType::kFloat8E5M2) return got == roundToMinifloat(want, kE5M2);
-  const double tol = dt == DataType::kBFloat16 ? 8e-3 : dt == DataType::kFloat16 ? 1e-3 : 1e-6;
-  return std::fabs(got - want) <= tol * std::max(1.0, std::fabs(want));
-}
-
 struct Case {
   DataType dt;
   ReduceOp op;
@@ -465,29 +306,29 @@ void runOp(algo::Communicator& c, const Args& a, const Case& k, void* in, void* 
   }
 }
 
-size_t countWrong(const Args& a, const Case& k, const void* out, const Shape& s, int rank, int W,
-                  const Topology& topo) {
-  size_t wrong = 0;
-  const bool ringRounds = a.coll == "all_reduce" && env::netAlgo() == "ring";  // reduce_scatter has no ring
-  for (size_t i = 0; i < s.outElems; ++i) {
-    double want;
-    if (a.coll == "all_reduce") want = reduced(k.op, k.dt, W, i, topo, ringRounds);
-    else if (a.coll == "broadcast") want = movedValueOf(a.root, i);
-    else if (a.coll == "all_gather") want = movedValueOf(static_cast<int>(i / s.inElems), i % s.inElems);
-    else if (a.coll == "all_to_all") want = movedValueOf(static_cast<int>(i / (s.outElems / W)),
-                                                         rank * (s.outElems / W) + i % (s.outElems / W));
-    else want = reduced(k.op, k.dt, W, rank * s.outElems + i, topo, false);
-    wrong += !close(k.dt, load(k.dt, out, i), want);
-  }
-  return wrong;
-}
-
-// Combines one double per rank (a time or a count) the way -a asks, through the collective under
-// test (as float32 hi/lo pairs, so no precision is lost to float32).
+// Combines one double per rank (a time) the way -a asks, through the collective under test (as
+// float32 hi/lo pairs, so no precision is lost to float32).
 double combine(algo::Communicator& c, const Args& a, double v, int W, ReduceOp op) {
   float pair[2] = {static_cast<float>(v), static_cast<float>(v - static_cast<float>(v))};
   c.allreduce({DataType::kFloat32, Reduction{op, 1.0, W}, 2, pair, pair, -1}, a.timeout);
   return static_cast<double>(pair[0]) + pair[1];
+}
+
+// Rank 0's total of the ranks' #wrong counts (the others get their own): summed through the
+// store, not the collective under test, which could lose its own errors on the way (until
+// 2026-12-04 it did the summing). `measurement` numbers the keys, which rank 0 removes.
+long sumWrong(Store& store, int rank, int W, long mine, long measurement) {
+  const std::string prefix = "smddp_perf/wrong/" + std::to_string(measurement) + "/";
+  if (rank != 0) {
+    store.set(prefix + std::to_string(rank), std::to_string(mine));
+    return mine;
+  }
+  long total = mine;
+  for (int r = 1; r < W; ++r) {
+    total += std::stol(store.get(prefix + std::to_string(r)));
+    store.deleteKey(prefix + std::to_string(r));
+  }
+  return total;
 }
 
 // nccl-tests prints time with 2, 1 or 0 decimals so that it fits 7 characters.
@@ -560,6 +401,8 @@ int rankMain(const Args& a, int rank, Store& store) {
   for (DataType dt : a.dtypes) {
     for (ReduceOp op : reduces(a.coll) ? a.ops : std::vector<ReduceOp>{ReduceOp::kSum}) cases.push_back({dt, op});
   }
+  const bool ringRounds = a.coll == "all_reduce" && env::netAlgo() == "ring";  // reduce_scatter has no ring
+  long measurements = 0;
   for (const Case& k : cases) {
     const size_t es = elementSize(k.dt);
     for (size_t bytes = a.minBytes; bytes <= a.maxBytes;
@@ -580,7 +423,8 @@ int rankMain(const Args& a, int rank, Store& store) {
         if (a.check) {
           for (size_t i = 0; i < s.inElems; ++i) storeValue(k.dt, src, i, inputValueOf(a.coll, k.op, k.dt, W, rank, i));
           runOp(comm, a, k, src, dst, s, W, scratch.data());
-          wrong = static_cast<long>(countWrong(a, k, dst, s, rank, W, comm.topology()));
+          const Check c{a.coll, k.dt, k.op, a.root, ringRounds};
+          wrong = static_cast<long>(countWrong(c, dst, s, rank, comm.topology()));
         }
         for (int i = 0; i < a.warmup; ++i) runOp(comm, a, k, src, dst, s, W, scratch.data());
         int iters = a.iters;
@@ -615,7 +459,7 @@ int rankMain(const Args& a, int rank, Store& store) {
         const double combined = a.avgMode == 0 ? us : combine(comm, a, us, W, timeOp[a.avgMode]);
         times[inPlace] = a.avgMode == 1 ? combined / W : combined;
         if (a.avgMode == 0) comm.broadcast({DataType::kFloat64, 1, &times[inPlace], 0}, a.timeout);
-        wrongs[inPlace] = std::lround(combine(comm, a, static_cast<double>(wrong), W, ReduceOp::kSum));
+        wrongs[inPlace] = a.check ? sumWrong(store, rank, W, wrong, measurements++) : 0;
       }
       if (rank == 0) {
         printf("%12zu  %12zu  %8s  %6s  %6d", sizeCol, s.countCol, typeName(k.dt),
@@ -626,14 +470,17 @@ int rankMain(const Args& a, int rank, Store& store) {
           bwSum += busbw;
           ++bwCount;
           totalWrong += wrongs[m];
-          printf("  %7s  %6.2f  %6.2f  %5ld", timeStr(times[m]).c_str(), algbw, busbw, wrongs[m]);
+          // Unchecked (-c 0): N/A, as nccl-tests prints, and null in the JSON, never a 0 that reads as checked.
+          const std::string wrongText = a.check ? std::to_string(wrongs[m]) : "N/A";
+          printf("  %7s  %6.2f  %6.2f  %5s", timeStr(times[m]).c_str(), algbw, busbw, wrongText.c_str());
           if (json) {
             fprintf(json,
                     "%s  {\"collective\": \"%s\", \"size\": %zu, \"count\": %zu, \"type\": \"%s\", \"redop\": \"%s\", "
                     "\"root\": %d, \"in_place\": %s, \"time_us\": %.3f, \"algbw\": %.4f, \"busbw\": %.4f, "
-                    "\"wrong\": %ld}",
+                    "\"wrong\": %s}",
                     firstJson ? "" : ",\n", a.coll.c_str(), sizeCol, s.countCol, typeName(k.dt), opName(k.op),
-                    a.coll == "broadcast" ? a.root : -1, m ? "true" : "false", times[m], algbw, busbw, wrongs[m]);
+                    a.coll == "broadcast" ? a.root : -1, m ? "true" : "false", times[m], algbw, busbw,
+                    a.check ? wrongText.c_str() : "null");
             firstJson = false;
           }
         }
@@ -645,7 +492,8 @@ int rankMain(const Args& a, int rank, Store& store) {
   int rc = totalWrong == 0 ? 0 : 3;
   if (rank == 0) {
     const double avg = bwCount ? bwSum / bwCount : 0.0;
-    printf("# Out of bounds values : %ld %s\n", totalWrong, totalWrong == 0 ? "OK" : "FAILED");
+    if (a.check) printf("# Out of bounds values : %ld %s\n", totalWrong, totalWrong == 0 ? "OK" : "FAILED");
+    else printf("# Out of bounds values : N/A (not checked: -c 0)\n");
     printf("# Avg bus bandwidth    : %g \n#\n", avg);
     if (json) {
       fprintf(json, "\n]\n");

@@ -545,6 +545,10 @@ void checkFlushToZeroIgnored() {
   }
 }
 
+namespace smddp {
+void checkPerfDataCheck(int& passed, int& failed);  // test_perf_check.cc
+}
+
 int main() {
   std::mt19937 rng(12345);
   std::mt19937_64 rng64(12345);
@@ -576,6 +580,7 @@ int main() {
   checkFlushToZeroIgnored();
   checkStreamingCopy();
   checkStridedCopy(rng);
+  smddp::checkPerfDataCheck(passed, failed);
   printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }
