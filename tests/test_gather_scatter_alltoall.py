@@ -134,3 +134,48 @@ def test_alltoall_split_mismatch_is_an_error(pools):
         pools.check(2, alltoall_split_mismatch)
     finally:
         pools.discard(2)  # the group refuses further ops after a failed collective
+
+
+def overlapping_output_lists(rank, world, n):
+    """all_gather, gather and all_to_all into a list of outputs that overlap each other (views of
+    one buffer, each starting n // 2 elements after the last): every rank ends with the buffer
+    that writing the outputs in list order gives, as gloo leaves it. Written in place, an
+    overlapped element kept the block this rank received last, which differed from rank to rank
+    (until 2026-12-04, found by a review helper)."""
+    rep = Report(rank)
+    step = n // 2
+    ins = gen_all("overlap", world, world * n, torch.float32)
+
+    def views(buf):
+        return [buf[p * step:p * step + n] for p in range(world)]
+
+    def in_list_order(blocks):
+        want = torch.zeros(step * (world - 1) + n)
+        for o, b in zip(views(want), blocks):
+            o.copy_(b)
+        return want
+
+    with rep.cell(f"all_gather into overlapping outputs, n={n}"):
+        buf = torch.zeros(step * (world - 1) + n)
+        dist.all_gather(views(buf), ins[rank][:n].clone())
+        rep.check(f"all_gather into overlapping outputs, n={n}", buf, in_list_order([x[:n] for x in ins]))
+    with rep.cell(f"gather into overlapping outputs, n={n}"):
+        buf = torch.zeros(step * (world - 1) + n)
+        dist.gather(ins[rank][:n].clone(), views(buf) if rank == 0 else None, dst=0)
+        if rank == 0:
+            rep.check(f"gather into overlapping outputs, n={n}", buf, in_list_order([x[:n] for x in ins]),
+                      cross_rank=False)
+    with rep.cell(f"all_to_all into overlapping outputs, n={n}"):
+        buf = torch.zeros(step * (world - 1) + n)
+        dist.all_to_all(views(buf), [b.clone() for b in ins[rank].split(n)])
+        rep.check(f"all_to_all into overlapping outputs, n={n}", buf,
+                  in_list_order([ins[p].split(n)[rank] for p in range(world)]), cross_rank=False)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("each_a_host", [False, True], ids=["one-host", "a-host-each"])
+def test_overlapping_output_lists_end_in_list_order(pools, world, each_a_host):
+    hosts = "".join(str(r) for r in range(world)) if each_a_host else None
+    for n in (8, 1 << 16):
+        pools.check(world, overlapping_output_lists, n, hosts=hosts)

@@ -184,6 +184,7 @@ ListGather prepareListGather(const std::vector<at::Tensor>& outs, const at::Tens
   }
   TORCH_CHECK_VALUE(g.counts[rank] == static_cast<size_t>(in.numel()), who, ": ", op, ": output ",
                     rank, " has ", g.counts[rank], " elements but the input has ", in.numel());
+  writeOverlapsInListOrder(g.staged, outs);
   // Pieces are written while the input is still being staged chunk by chunk: an input that
   // overlaps an output (other than being exactly this rank's own output) goes through a copy.
   for (int p = 0; p < size; ++p) {
@@ -615,6 +616,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
                         in.numel(), " elements, got one with ", o.numel());
       staged.push_back(stageOut(o, who(), "gather"));
     }
+    writeOverlapsInListOrder(staged, outs);
   } else {
     TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), who(),
                       ": gather: only the root (rank ", root, ") takes an output list");
@@ -767,6 +769,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& o
     inCounts.push_back(static_cast<size_t>(inputs[p].numel()));
     outCounts.push_back(static_cast<size_t>(outputs[p].numel()));
   }
+  writeOverlapsInListOrder(outs, outputs);
   for (Staged& i : ins) {
     for (const Staged& o : outs) {
       if (overlaps(i, o)) {

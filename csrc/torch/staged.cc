@@ -155,6 +155,13 @@ std::vector<bool> sharesWithEarlier(const std::vector<at::Tensor>& tensors) {
   return shares;
 }
 
+void writeOverlapsInListOrder(std::vector<Staged>& outs, const std::vector<at::Tensor>& users) {
+  const std::vector<bool> later = sharesWithEarlier(users);
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (later[i] && !outs[i].copyBack) outs[i] = {users[i], Staged::Way::kFresh, true};
+  }
+}
+
 std::vector<bool> readsOthersOutputs(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs) {
   if (inputs.empty()) return {};
   std::vector<Span> outs;

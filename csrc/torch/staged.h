@@ -87,6 +87,13 @@ std::vector<Staged> stageBlocks(const std::vector<at::Tensor>& blocks, const Sta
 // tensors compared pair by pair took most of the op's time.
 std::vector<bool> sharesWithEarlier(const std::vector<at::Tensor>& tensors);
 
+// A list of outputs (all_gather's, gather's, all_to_all's) whose tensors overlap each other ends
+// as gloo leaves it, each written in list order: every one but the first of a run of overlapping
+// ones is written to memory of its own and copied back as the op ends (finishStaged, in list
+// order). Written in place, an overlapped element kept whichever block this rank received last,
+// which differs from rank to rank. `users`: the list, as staged in `outs`.
+void writeOverlapsInListOrder(std::vector<Staged>& outs, const std::vector<at::Tensor>& users);
+
 // For a coalesced gather or scatter, whose items run one after another: which inputs (input i is
 // item i's) overlap an output of another item (output k is item k % inputs.size()'s: one per item,
 // or a list form's rank-major outputs), so that an earlier item could write it before it is read.
