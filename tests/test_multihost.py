@@ -169,9 +169,11 @@ def run_in_own_pool(rank_env, fn, *args, world=2):
         pool.close()
 
 
-def farewell_task(rank, world, case, a=0, b=2):
-    """Rank `a` gives up on rank `b` (on another host) for a reason of its own; `b` must then fail
-    with that reason, at once (well inside the subgroup's 2 s timeout), not with a bare "closed".
+def farewell_task(rank, world, case, a=0, b=2, across=True):
+    """Rank `a` gives up on rank `b` (on another host, or on its own with across=False) for a
+    reason of its own; `b` must then fail with that reason, at once (well inside the subgroup's
+    2 s timeout), not with a bare "closed" (across hosts), nor wait out its timeout and blame
+    rank a for not receiving (one host, until 2026-12-04).
     timeout: a's recv from b times out; mismatch: b's message has another size than a's recv;
     shutdown: a destroys the subgroup; send: after a's timeout, b only sends (a send that finds
     the connection closed reads the farewell that came before the close)."""
@@ -218,7 +220,8 @@ def farewell_task(rank, world, case, a=0, b=2):
                 rep.expect(False, f"rank {b}'s op on the pair completed")
             except Exception as e:  # noqa: BLE001
                 text = str(e)
-                rep.expect(f"rank {a} on " in text and "gave up point-to-point with this rank" in text and want in text,
+                gave_up = f"rank {a} on " if across else f"rank {a} gave up"
+                rep.expect(gave_up in text and "gave up point-to-point with this rank" in text and want in text,
                            f"unexpected error: {e}")
             rep.expect(time.monotonic() - t0 < 1.5, f"took {time.monotonic() - t0:.2f} s: the farewell was not read")
     if case != "shutdown" or rank != a:
@@ -840,6 +843,16 @@ def test_send_recv_peer_gives_up_with_its_reason(pools, case):
     """A rank that gives up on a peer of another host (timeout, mismatched message, group shut
     down) ends their connection with a farewell; the peer's next op with it reports that reason."""
     check(pools, "0011", farewell_task, case)
+
+
+@pytest.mark.parametrize("case", ["timeout", "mismatch", "send"])
+def test_send_recv_peer_on_the_host_gives_up_with_its_reason(pools, case):
+    """The same on one host (through shared memory): the peer's ops with the rank that gave up
+    fail at once with its reason."""
+    try:
+        pools.check(4, farewell_task, case, 0, 2, False, timeout=120)
+    finally:
+        pools.discard(4)
 
 
 @pytest.mark.parametrize("topo", ["0011", "001"])

@@ -356,10 +356,9 @@ void NetP2p::intake() {
     }
     Peer& p = *peers_[op.peer];
     if (p.broken) {
-      complete(std::move(op),
-               errorOf(ErrorCode::kAborted,
-                       "an earlier point-to-point failure with rank " + std::to_string(p.rank) + ": " + p.why),
-               p.rank);
+      const std::string why =
+          describeOp(op, p.rank) + ": an earlier point-to-point failure with rank " + std::to_string(p.rank) + ": " + p.why;
+      complete(std::move(op), errorOf(ErrorCode::kAborted, why), p.rank);
       continue;
     }
     (op.isSend ? p.sends : p.recvs).push_back(std::move(op));

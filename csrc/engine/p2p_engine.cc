@@ -333,18 +333,31 @@ bool P2pEngine::serve(int s) {
       recvs_[s], anyRecvs_, unexpected_[s], s, domain_->groupRank(s),
       [this](P2pOp op, std::exception_ptr error, int source) { complete(std::move(op), std::move(error), source); },
       &sizeError);
-  if (!sizeError.empty()) {
-    breakPair(s,
-              "an earlier point-to-point error with rank " + std::to_string(domain_->groupRank(s)) + ": " + sizeError);
-  }
+  if (!sizeError.empty()) breakPair(s, sizeError);
   return served;
 }
 
-void P2pEngine::breakPair(int peer, const std::string& why) {
+void P2pEngine::breakPair(int peer, const std::string& reason, const char* kind) {
+  const std::string why =
+      std::string("an earlier point-to-point ") + kind + " with rank " + std::to_string(domain_->groupRank(peer)) +
+      ": " + reason;
   broken_[peer] = why;
   fail(recvs_[peer], why);
   fail(sends_[peer], why);
   unexpected_[peer].clear();
+  domain_->markPairGaveUp(peer, reason);
+}
+
+bool P2pEngine::peerGaveUp(int peer) {
+  std::string reason;
+  if (!broken_[peer].empty() || !domain_->pairGaveUp(peer, rank_, &reason)) return false;
+  const std::string why =
+      "rank " + std::to_string(domain_->groupRank(peer)) + " gave up point-to-point with this rank: " + reason;
+  broken_[peer] = why;
+  fail(recvs_[peer], why, true);
+  fail(sends_[peer], why, true);
+  unexpected_[peer].clear();
+  return true;
 }
 
 // A peer's next message when no named receive from it waits: to the oldest receive from any
@@ -368,7 +381,8 @@ bool P2pEngine::progress() {
       incoming_.pop_front();
       if (op.peer >= 0 && !broken_[op.peer].empty()) {
         const int peer = op.peer;
-        complete(std::move(op), errorOf(ErrorCode::kAborted, broken_[peer]), peer);
+        const std::string why = describeOp(op, domain_->groupRank(peer)) + ": " + broken_[peer];
+        complete(std::move(op), errorOf(ErrorCode::kAborted, why), peer);
         continue;
       }
       if (op.isSend) sends_[op.peer].push_back(std::move(op));
@@ -379,6 +393,7 @@ bool P2pEngine::progress() {
   }
   moved |= matchAnySource();
   for (int p = 0; p < size_; ++p) {
+    if ((!sends_[p].empty() || !recvs_[p].empty()) && peerGaveUp(p)) moved = true;
     while (!sends_[p].empty()) {
       P2pOp& op = sends_[p].front();
       moved |= progressSend(op);
@@ -401,8 +416,7 @@ bool P2pEngine::progress() {
         // The stream from p is out of step with what this rank expects: fail everything on it.
         complete(std::move(op), std::make_exception_ptr(e), p);
         recvs_[p].pop_front();
-        breakPair(p, std::string("an earlier point-to-point error with rank ") +
-                         std::to_string(domain_->groupRank(p)) + ": " + e.what());
+        breakPair(p, e.what());
         moved = true;
         break;
       }
@@ -466,7 +480,7 @@ void P2pEngine::checkDeadlinesAndPeers() {
     if (!dead && !closed && peer >= 0) why += board_.where(domain_->groupRank(peer));
     complete(std::move(op), errorOf(dead || closed ? ErrorCode::kRemoteError : ErrorCode::kTimeout, why), peer);
     // Part of a message may have moved: the stream can no longer be trusted.
-    if (peer >= 0) breakPair(peer, "an earlier point-to-point failure with rank " + who + ": " + why);
+    if (peer >= 0) breakPair(peer, why, "failure");
   };
   for (int p = 0; p < size_; ++p) {
     expire(sends_[p], p);

@@ -65,6 +65,7 @@ struct Domain::Control {
   // Set when the owner's point-to-point engine stopped, so that a peer's receive from it fails
   // once it has taken what the owner sent, instead of waiting out its timeout.
   alignas(64) std::atomic<uint32_t> p2pClosed;
+  char p2pFailure[512];  // why the owner last gave up on a point-to-point stream (markPairGaveUp)
   // Single-copy reads: a random token, where the owner keeps a copy of it in its own memory;
   // whether the owner could read every peer's copy (0: not checked yet, 1: yes, 2: no, 3: not
   // tried), and whether it also takes point-to-point messages by address (the same, and
@@ -77,8 +78,10 @@ struct Domain::Control {
 
 namespace {
 // Per-peer point-to-point counters follow the control page: [sentTo peer][consumedFrom peer],
-// each on its own cache line.
+// each on its own cache line; consumedFrom's also holds whether the owner gave up on the pair
+// (written by the owner too, read by the peer).
 constexpr size_t kCounterStride = 64;
+constexpr size_t kGaveUpOffset = 8;  // in consumedFrom's line
 size_t roundUpPage(size_t n) { return (n + 4095) / 4096 * 4096; }
 
 const std::string kTokenKey = "smddp/shm/token";
@@ -160,6 +163,7 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   for (int p = 0; p < size; ++p) {
     new (&d->sentTo(rank, p)) std::atomic<uint64_t>(0);
     new (&d->consumedFrom(rank, p)) std::atomic<uint64_t>(0);
+    new (reinterpret_cast<uint8_t*>(&d->consumedFrom(rank, p)) + kGaveUpOffset) std::atomic<uint32_t>(0);
   }
   mine->magic = kMagic;
   store.set(createdKey(rank), std::to_string(slotBytes));
@@ -357,6 +361,27 @@ void Domain::markP2pClosed() {
 }
 
 bool Domain::p2pClosed(int rank) const { return control(rank)->p2pClosed.load(std::memory_order_seq_cst) != 0; }
+
+namespace {
+std::atomic<uint32_t>& gaveUpWord(std::atomic<uint64_t>& consumed) {
+  return *reinterpret_cast<std::atomic<uint32_t>*>(reinterpret_cast<uint8_t*>(&consumed) + kGaveUpOffset);
+}
+}  // namespace
+
+void Domain::markPairGaveUp(int peer, const std::string& why) {
+  if (segments_.empty()) return;
+  Control* c = control(rank_);
+  snprintf(c->p2pFailure, sizeof(c->p2pFailure), "%s", why.c_str());
+  gaveUpWord(consumedFrom(rank_, peer)).store(1, std::memory_order_release);  // after the reason
+  ringDoorbell(peer);
+}
+
+bool Domain::pairGaveUp(int owner, int peer, std::string* why) const {
+  if (gaveUpWord(consumedFrom(owner, peer)).load(std::memory_order_acquire) == 0) return false;
+  const Control* c = control(owner);
+  if (why != nullptr) *why = std::string(c->p2pFailure, strnlen(c->p2pFailure, sizeof(c->p2pFailure)));
+  return true;
+}
 
 void Domain::markFailed(const std::string& why) {
   if (segments_.empty()) return;

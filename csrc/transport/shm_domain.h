@@ -134,6 +134,12 @@ class Domain {
   // fence), and rings every peer's doorbell.
   void markP2pClosed();
   bool p2pClosed(int rank) const;
+  // This rank gave up on its point-to-point stream with `peer` (a size mismatch, a timeout):
+  // `why` for the peer, whose ops with this rank then fail too (as a farewell does across hosts),
+  // and the peer's doorbell rung. Whether `owner` gave up on its stream with `peer`, and why
+  // (the owner's latest reason: one with several peers at once may show another's).
+  void markPairGaveUp(int peer, const std::string& why);
+  bool pairGaveUp(int owner, int peer, std::string* why) const;
 
   // ---- single-copy reads between processes (process_vm_readv) ----
   // Whether `rank` found, when the domain was made, that it may read every other rank's memory
