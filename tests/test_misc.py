@@ -294,6 +294,32 @@ def test_callbacks_waiting_in_a_cycle_raise(pools):
     pools.check(2, callbacks_waiting_in_a_cycle_task)
 
 
+def callback_longer_than_the_timeout_task(rank, world):
+    """A callback that sleeps a little longer than its group's timeout (2 s), no cycle: the caller
+    waits for the callback's future, then for the group's next op, which must complete. Until
+    2026-12-04 that wait raised "queued behind a future's callback ... longer than the op's
+    timeout" at once (in 3 of 3 tries, found by a review helper): the callback had returned, but
+    its thread, waiting for the GIL to let the callback go, had not yet left the callbacks."""
+    rep = Report(rank)
+    g = dist.new_group(timeout=timedelta(seconds=2))
+    for trial in range(2):
+        with rep.cell(f"the next op after a callback of 2.2 s, try {trial}"):
+            a, b = torch.ones(1 << 16), torch.ones(8)
+            fa = dist.all_reduce(a, group=g, async_op=True).get_future().then(
+                lambda f: time.sleep(2.2) or f.value())
+            wb = dist.all_reduce(b, group=g, async_op=True)
+            fa.wait()
+            wb.wait()
+            rep.expect(b.eq(world).all(), f"try {trial}: the next op summed to {b[0].item()}")
+    dist.destroy_process_group(g)
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="the error it must not raise is smddp's")
+def test_a_callback_longer_than_the_timeout_is_no_cycle(pools):
+    pools.check(2, callback_longer_than_the_timeout_task, timeout=120)
+
+
 def callbacks_chained_late_task(rank, world):
     """Callbacks chained to an op's future after later ops were issued, on ranks at different
     paces: on the last rank the op has completed when its callback is chained (the callback runs

@@ -93,12 +93,21 @@ void SmddpWork::waitForStart() {
   using std::chrono::milliseconds;
   const milliseconds slice = std::clamp(timeout_ / 10, milliseconds(10), milliseconds(1000));
   std::unique_lock<std::mutex> lock(mutex_);
+  // The callbacks' run past the timeout, seen before the last slice: held for a whole slice more,
+  // they are stuck. A callback that has returned can still hold the thread a moment (it waits for
+  // the GIL this caller held to let its Python function go), and a caller that waited for the
+  // callback's own future comes here in that moment: raising at first sight blamed a finished
+  // callback (until 2026-12-04).
+  int64_t lateSince = 0, lateSeenAt = 0;  // the late run's start, and when this wait first saw it late
   while (!completed_ && !started_.load(std::memory_order_acquire)) {
     const int64_t since = runner_->callbacksSince();
     const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                             std::chrono::steady_clock::now().time_since_epoch()).count();
     const int64_t heldMs = since == 0 ? 0 : (now - since) / 1000000;
-    if (heldMs > timeout_.count()) {
+    if (heldMs > timeout_.count() && since != lateSince) {
+      lateSince = since;
+      lateSeenAt = now;
+    } else if (heldMs > timeout_.count() && now - lateSeenAt >= std::chrono::nanoseconds(slice).count()) {
       const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
       throw c10::DistBackendError(
           loc, rankPrefix(*who_) + title_ + ": the op has not started: it is queued behind a future's callback that " +
