@@ -669,7 +669,8 @@ class Worker:
         failed, total_wrong = self.ctrl_allreduce([1.0 if err else 0.0, float(wrong)])
         if failed:
             return None, err or "failed on another rank"
-        return int(total_wrong), None
+        # Unchecked (-c 0): None, printed n/a, never a 0 that reads as checked.
+        return (int(total_wrong) if self.cfg["check"] else None), None
 
     # -- timing --
     def measure(self, backend, op, out, inp):
@@ -1039,7 +1040,8 @@ class Reporter:
             avg = f"{sum(bw) / len(bw):.4g} GB/s" if bw else "n/a"
             self.out(f"# {labels[n].ljust(width)} : {avg}")
         wrong = sum((res[n]["wrong"] or 0) for _, res, _ in self.rows for n in self.names)
-        self.out(f"# {'#wrong (all backends)'.ljust(width)} : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+        verdict = f"{wrong} {'OK' if wrong == 0 else 'FAILED'}" if self.args.check else "n/a (not checked: -c 0)"
+        self.out(f"# {'#wrong (all backends)'.ljust(width)} : {verdict}")
         for b in self.bases:
             parts = []
             for label, lo, hi in SIZE_CLASSES:
@@ -1672,7 +1674,8 @@ def main(argv=None) -> int:
         if json_file:
             json_file.close()
     print("#")
-    print(f"# total #wrong: {reporter.total_wrong}  candidate errors: {reporter.candidate_errors}  "
+    total = reporter.total_wrong if args.check else "n/a (not checked)"
+    print(f"# total #wrong: {total}  candidate errors: {reporter.candidate_errors}  "
           f"elapsed: {time.monotonic() - t0:.1f} s")
     return 2 if (reporter.total_wrong or reporter.candidate_errors) else 0
 
