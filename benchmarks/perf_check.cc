@@ -125,9 +125,9 @@ double valueOf(ReduceOp op, DataType dt, int W, int r, size_t i) {
 }
 // Data that only moves (broadcast, all_gather, all_to_all): element i shows base-4 digit i % 4
 // of the rank, shifted by spread(i), so any two of 256 ranks differ within every 4 consecutive
-// elements (valueOf's pattern repeats every 4 ranks, or 2 for float8: a broadcast that never
-// reached the rank 4 away from its root, which starts with its own data, passed the check).
-// 1..4: exact in every type.
+// elements (valueOf's pattern repeats every 32 ranks: a broadcast that never reached a rank 32
+// away from its root, which starts with its own data, would pass the check). 1..4: exact in
+// every type.
 double movedValueOf(int r, size_t i) { return 1 + static_cast<double>(((r >> (2 * (i % 4))) + spread(i)) % 4); }
 }  // namespace
 

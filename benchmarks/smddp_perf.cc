@@ -472,6 +472,7 @@ int rankMain(const Args& a, int rank, Store& store) {
           totalWrong += wrongs[m];
           // Unchecked (-c 0): N/A, as nccl-tests prints, and null in the JSON, never a 0 that reads as checked.
           const std::string wrongText = a.check ? std::to_string(wrongs[m]) : "N/A";
+          const std::string wrongJson = a.check ? wrongText : "null";
           printf("  %7s  %6.2f  %6.2f  %5s", timeStr(times[m]).c_str(), algbw, busbw, wrongText.c_str());
           if (json) {
             fprintf(json,
@@ -480,7 +481,7 @@ int rankMain(const Args& a, int rank, Store& store) {
                     "\"wrong\": %s}",
                     firstJson ? "" : ",\n", a.coll.c_str(), sizeCol, s.countCol, typeName(k.dt), opName(k.op),
                     a.coll == "broadcast" ? a.root : -1, m ? "true" : "false", times[m], algbw, busbw,
-                    a.check ? wrongText.c_str() : "null");
+                    wrongJson.c_str());
             firstJson = false;
           }
         }

@@ -73,12 +73,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
   // reduce that one's results again: it reduces a copy of its values as they are when the op
   // starts instead, and writes its result back (the same values there), as gloo's flattening does.
   // (Packed tensors are copied as the op starts anyway.)
-  const std::vector<bool> shares = sharesWithEarlier(tensors);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    Staged s = stageInOut(tensors[i], who(), "allreduce_coalesced");
-    if (!s.copyBack && shares[i]) s = {tensors[i], Staged::Way::kCopyIn, true};
-    staged.push_back(std::move(s));
-  }
+  for (const at::Tensor& t : tensors) staged.push_back(stageInOut(t, who(), "allreduce_coalesced"));
+  stageSharersApart(staged, tensors, Staged::Way::kCopyIn);
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors, tensors,
                  resolveTimeout(opts.timeout), opts.asyncOp,
                  [staged, kinds, items, who = whoShared()](algo::Communicator& c,
@@ -184,7 +180,7 @@ ListGather prepareListGather(const std::vector<at::Tensor>& outs, const at::Tens
   }
   TORCH_CHECK_VALUE(g.counts[rank] == static_cast<size_t>(in.numel()), who, ": ", op, ": output ",
                     rank, " has ", g.counts[rank], " elements but the input has ", in.numel());
-  writeOverlapsInListOrder(g.staged, outs);
+  stageSharersApart(g.staged, outs, Staged::Way::kFresh);  // written in list order
   // Pieces are written while the input is still being staged chunk by chunk: an input that
   // overlaps an output (other than being exactly this rank's own output) goes through a copy.
   for (int p = 0; p < size; ++p) {
@@ -616,7 +612,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
                         in.numel(), " elements, got one with ", o.numel());
       staged.push_back(stageOut(o, who(), "gather"));
     }
-    writeOverlapsInListOrder(staged, outs);
+    stageSharersApart(staged, outs, Staged::Way::kFresh);  // written in list order
   } else {
     TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), who(),
                       ": gather: only the root (rank ", root, ") takes an output list");
@@ -769,7 +765,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::alltoall(std::vector<at::Tensor>& o
     inCounts.push_back(static_cast<size_t>(inputs[p].numel()));
     outCounts.push_back(static_cast<size_t>(outputs[p].numel()));
   }
-  writeOverlapsInListOrder(outs, outputs);
+  stageSharersApart(outs, outputs, Staged::Way::kFresh);  // written in list order
   for (Staged& i : ins) {
     for (const Staged& o : outs) {
       if (overlaps(i, o)) {

@@ -155,10 +155,10 @@ std::vector<bool> sharesWithEarlier(const std::vector<at::Tensor>& tensors) {
   return shares;
 }
 
-void writeOverlapsInListOrder(std::vector<Staged>& outs, const std::vector<at::Tensor>& users) {
+void stageSharersApart(std::vector<Staged>& staged, const std::vector<at::Tensor>& users, Staged::Way way) {
   const std::vector<bool> later = sharesWithEarlier(users);
-  for (size_t i = 0; i < outs.size(); ++i) {
-    if (later[i] && !outs[i].copyBack) outs[i] = {users[i], Staged::Way::kFresh, true};
+  for (size_t i = 0; i < staged.size(); ++i) {
+    if (later[i] && !staged[i].copyBack) staged[i] = {users[i], way, true};
   }
 }
 

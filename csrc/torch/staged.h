@@ -87,12 +87,14 @@ std::vector<Staged> stageBlocks(const std::vector<at::Tensor>& blocks, const Sta
 // tensors compared pair by pair took most of the op's time.
 std::vector<bool> sharesWithEarlier(const std::vector<at::Tensor>& tensors);
 
-// A list of outputs (all_gather's, gather's, all_to_all's) whose tensors overlap each other ends
-// as gloo leaves it, each written in list order: every one but the first of a run of overlapping
-// ones is written to memory of its own and copied back as the op ends (finishStaged, in list
-// order). Written in place, an overlapped element kept whichever block this rank received last,
-// which differs from rank to rank. `users`: the list, as staged in `outs`.
-void writeOverlapsInListOrder(std::vector<Staged>& outs, const std::vector<at::Tensor>& users);
+// Each tensor of `staged` (the list `users`, staged) that may share memory with an earlier one
+// (sharesWithEarlier) and works in place goes through memory of its own, `way` (kCopyIn for one
+// read and written, kFresh for an output), copied back as the op ends (finishStaged, in list
+// order): the list then ends as gloo leaves it, each tensor written in list order. In place, an
+// all_reduce_coalesced tensor would reduce an earlier one's results again, and an overlapped
+// element of an output list (all_gather's, gather's, all_to_all's) kept whichever block this
+// rank received last, which differs from rank to rank.
+void stageSharersApart(std::vector<Staged>& staged, const std::vector<at::Tensor>& users, Staged::Way way);
 
 // For a coalesced gather or scatter, whose items run one after another: which inputs (input i is
 // item i's) overlap an output of another item (output k is item k % inputs.size()'s: one per item,
