@@ -845,6 +845,47 @@ def test_send_recv_peer_gives_up_with_its_reason(pools, case):
     check(pools, "0011", farewell_task, case)
 
 
+def sent_before_giving_up_task(rank, world):
+    """Rank 0 sends rank 1 a message (it completes), then gives up on rank 1 (a recv that times
+    out). Rank 1, later, still receives that message, as the farewell comes after it in the
+    stream across hosts; its next recv from rank 0 fails with rank 0's reason. On one host, from
+    2026-12-04 until the review mend, rank 1's recv of the message failed instead."""
+    rep = Report(rank)
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=1))
+    if rank == 0:
+        dist.send(torch.full((4,), 7.0), 1, tag=1, group=group)
+        with rep.cell("rank 0 gives up"):
+            try:
+                dist.recv(torch.empty(4), 1, tag=9, group=group)
+                rep.fail("a recv for a tag never sent completed")
+            except dist.DistBackendError:
+                pass
+    elif rank == 1:
+        time.sleep(2.5)
+        got = torch.empty(4)
+        with rep.cell("the message sent before arrives"):
+            dist.recv(got, 0, tag=1, group=group)
+            rep.expect(got.eq(7).all(), f"got {got.tolist()}")
+        with rep.cell("then rank 0's reason"):
+            try:
+                dist.recv(got, 0, tag=2, group=group)
+                rep.fail("a recv from the rank that gave up completed")
+            except dist.DistBackendError as e:
+                rep.expect("gave up point-to-point with this rank: recv from rank 1 (tag 9, 16 bytes) timed out" in
+                           str(e), f"unexpected error: {e}")
+    dist.barrier()
+    dist.destroy_process_group(group)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("across", [True, False], ids=["across-hosts", "one-host"])
+def test_messages_sent_before_giving_up_still_arrive(pools, across):
+    try:
+        pools.check(2, sent_before_giving_up_task, hosts="01" if across else None, timeout=120)
+    finally:
+        pools.discard(2, "01" if across else None)
+
+
 @pytest.mark.parametrize("case", ["timeout", "mismatch", "send"])
 def test_send_recv_peer_on_the_host_gives_up_with_its_reason(pools, case):
     """The same on one host (through shared memory): the peer's ops with the rank that gave up

@@ -226,9 +226,9 @@ void P2pEngine::failEverything() {
 
 bool P2pEngine::progressSend(P2pOp& op) {
   const int d = op.peer;
-  // A peer whose group has shut down takes nothing more: the send stays queued for
-  // checkDeadlinesAndPeers to fail, instead of completing into a slot no one reads.
-  if (!op.started && domain_->p2pClosed(d)) return false;
+  // A peer whose group has shut down, or that gave up on this pair, takes nothing more: the send
+  // stays queued for checkDeadlinesAndPeers to fail, instead of completing into a slot no one reads.
+  if (!op.started && (domain_->p2pClosed(d) || domain_->pairGaveUp(d, rank_))) return false;
   bool moved = false;
   while (!op.started || op.offset < op.bytes) {
     const uint64_t i = sendNext_[d];
@@ -348,18 +348,6 @@ void P2pEngine::breakPair(int peer, const std::string& reason, const char* kind)
   domain_->markPairGaveUp(peer, reason);
 }
 
-bool P2pEngine::peerGaveUp(int peer) {
-  std::string reason;
-  if (!broken_[peer].empty() || !domain_->pairGaveUp(peer, rank_, &reason)) return false;
-  const std::string why =
-      "rank " + std::to_string(domain_->groupRank(peer)) + " gave up point-to-point with this rank: " + reason;
-  broken_[peer] = why;
-  fail(recvs_[peer], why, true);
-  fail(sends_[peer], why, true);
-  unexpected_[peer].clear();
-  return true;
-}
-
 // A peer's next message when no named receive from it waits: to the oldest receive from any
 // source with its tag, or read aside while any-source receives wait for other tags.
 bool P2pEngine::matchAnySource() {
@@ -393,7 +381,6 @@ bool P2pEngine::progress() {
   }
   moved |= matchAnySource();
   for (int p = 0; p < size_; ++p) {
-    if ((!sends_[p].empty() || !recvs_[p].empty()) && peerGaveUp(p)) moved = true;
     while (!sends_[p].empty()) {
       P2pOp& op = sends_[p].front();
       moved |= progressSend(op);
@@ -441,9 +428,12 @@ void P2pEngine::checkDeadlinesAndPeers() {
   auto expire = [&](std::deque<P2pOp>& q, int peer) {
     if (q.empty()) return;
     const bool dead = peer >= 0 && !domain_->peerAlive(peer);
-    // The peer's group shut down or aborted: a receive fails once it has taken every chunk the
-    // peer published before (closed is ordered after them), a send at once.
-    const bool closed = !dead && peer >= 0 && domain_->p2pClosed(peer) &&
+    // The peer gave up on this pair (breakPair there: its reason, the more specific, is read
+    // first), or its group shut down or aborted: a receive fails once it has taken every chunk the
+    // peer published before (the pair's flag and closed are ordered after them), a send at once.
+    std::string gaveUp;
+    const bool closed = !dead && peer >= 0 &&
+                        (domain_->pairGaveUp(peer, rank_, &gaveUp) || domain_->p2pClosed(peer)) &&
                         (q.front().isSend || domain_->sentTo(peer, rank_).load(std::memory_order_acquire) <=
                                                  domain_->consumedFrom(rank_, peer).load(std::memory_order_acquire));
     const auto late = [&](const P2pOp& op) { return now >= op.deadline; };
@@ -464,6 +454,8 @@ void P2pEngine::checkDeadlinesAndPeers() {
     std::string why = what;
     if (dead) {
       why += ": rank " + who + " exited" + partly;
+    } else if (closed && !gaveUp.empty()) {
+      why += ": rank " + who + " gave up point-to-point with this rank: " + gaveUp;
     } else if (closed) {
       why += ": rank " + who + " shut down or aborted the process group" + partly;
     } else if (op.isSend) {

@@ -105,12 +105,9 @@ class P2pEngine : public P2pDriver {
   bool serve(int src);  // waiting receives that an unexpected message of src's fits
   bool matchAnySource();
   // The stream with `peer` is out of step or gone (`reason`; `kind`: "error" or "failure"):
-  // fails everything queued with it, now and later, and tells the peer, whose ops with this rank
-  // then fail too (a farewell across hosts).
+  // fails everything queued with it, now and later, and tells the peer, which then treats this
+  // rank as closed for the pair (checkDeadlinesAndPeers; a farewell across hosts).
   void breakPair(int peer, const std::string& reason, const char* kind = "error");
-  // Whether `peer` gave up on its stream with this rank (breakPair there); if so, the ops queued
-  // with it fail here too, each named, and later ones likewise.
-  bool peerGaveUp(int peer);
   void complete(P2pOp op, std::exception_ptr error, int source);  // done() after the pass
   // Runs `done`'s callbacks; rings the doorbell if another thread drives (its op may be among them).
   void finish(std::vector<Completion>& done);

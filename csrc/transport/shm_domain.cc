@@ -65,7 +65,6 @@ struct Domain::Control {
   // Set when the owner's point-to-point engine stopped, so that a peer's receive from it fails
   // once it has taken what the owner sent, instead of waiting out its timeout.
   alignas(64) std::atomic<uint32_t> p2pClosed;
-  char p2pFailure[512];  // why the owner last gave up on a point-to-point stream (markPairGaveUp)
   // Single-copy reads: a random token, where the owner keeps a copy of it in its own memory;
   // whether the owner could read every peer's copy (0: not checked yet, 1: yes, 2: no, 3: not
   // tried), and whether it also takes point-to-point messages by address (the same, and
@@ -79,10 +78,15 @@ struct Domain::Control {
 namespace {
 // Per-peer point-to-point counters follow the control page: [sentTo peer][consumedFrom peer],
 // each on its own cache line; consumedFrom's also holds whether the owner gave up on the pair
-// (written by the owner too, read by the peer).
+// (written by the owner too, read by the peer). Then, per peer, why the owner gave up on it: a
+// slot per pair, so that pairs breaking at once each keep their own reason.
 constexpr size_t kCounterStride = 64;
 constexpr size_t kGaveUpOffset = 8;  // in consumedFrom's line
+constexpr size_t kPairReasonBytes = 512;
 size_t roundUpPage(size_t n) { return (n + 4095) / 4096 * 4096; }
+size_t countersBytes(int size) {
+  return roundUpPage(static_cast<size_t>(size) * (2 * kCounterStride + kPairReasonBytes));
+}
 
 const std::string kTokenKey = "smddp/shm/token";
 std::string createdKey(int rank) { return "smddp/shm/created/" + std::to_string(rank); }
@@ -108,7 +112,7 @@ OpDescriptor& Domain::descriptor(int rank, uint64_t phase) const { return contro
 
 // One rank's segment: header, p2p counters, two slots, p2p outboxes (layout in create()).
 size_t Domain::segmentBytes(int size, size_t slotBytes) {
-  return kHeaderBytes + roundUpPage(2 * size * kCounterStride) + 2 * slotBytes +
+  return kHeaderBytes + countersBytes(size) + 2 * slotBytes +
          static_cast<size_t>(size) * 2 * kP2pChunkBytes;
 }
 
@@ -139,7 +143,7 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   auto nameOf = [&](int r) { return "/smddp-" + token + "-" + std::to_string(r); };
 
   d->p2pCountersOffset_ = kHeaderBytes;
-  const size_t slotsOffset = kHeaderBytes + roundUpPage(2 * size * kCounterStride);
+  const size_t slotsOffset = kHeaderBytes + countersBytes(size);
   d->p2pOutboxOffset_ = slotsOffset + 2 * slotBytes;
   const size_t segBytes = segmentBytes(size, slotBytes);
   d->segments_.resize(size);
@@ -368,18 +372,24 @@ std::atomic<uint32_t>& gaveUpWord(std::atomic<uint64_t>& consumed) {
 }
 }  // namespace
 
+char* Domain::pairReason(int owner, int peer) const {
+  return reinterpret_cast<char*>(static_cast<uint8_t*>(segments_[owner].data()) + p2pCountersOffset_ +
+                                 2 * static_cast<size_t>(size_) * kCounterStride +
+                                 static_cast<size_t>(peer) * kPairReasonBytes);
+}
+
 void Domain::markPairGaveUp(int peer, const std::string& why) {
   if (segments_.empty()) return;
-  Control* c = control(rank_);
-  snprintf(c->p2pFailure, sizeof(c->p2pFailure), "%s", why.c_str());
-  gaveUpWord(consumedFrom(rank_, peer)).store(1, std::memory_order_release);  // after the reason
+  std::atomic<uint32_t>& flag = gaveUpWord(consumedFrom(rank_, peer));
+  if (flag.load(std::memory_order_relaxed) != 0) return;  // a pair gives up once: its reason stays
+  snprintf(pairReason(rank_, peer), kPairReasonBytes, "%s", why.c_str());
+  flag.store(1, std::memory_order_release);  // after the reason
   ringDoorbell(peer);
 }
 
 bool Domain::pairGaveUp(int owner, int peer, std::string* why) const {
   if (gaveUpWord(consumedFrom(owner, peer)).load(std::memory_order_acquire) == 0) return false;
-  const Control* c = control(owner);
-  if (why != nullptr) *why = std::string(c->p2pFailure, strnlen(c->p2pFailure, sizeof(c->p2pFailure)));
+  if (why != nullptr) *why = std::string(pairReason(owner, peer), strnlen(pairReason(owner, peer), kPairReasonBytes));
   return true;
 }
 

@@ -135,11 +135,12 @@ class Domain {
   void markP2pClosed();
   bool p2pClosed(int rank) const;
   // This rank gave up on its point-to-point stream with `peer` (a size mismatch, a timeout):
-  // `why` for the peer, whose ops with this rank then fail too (as a farewell does across hosts),
-  // and the peer's doorbell rung. Whether `owner` gave up on its stream with `peer`, and why
-  // (the owner's latest reason: one with several peers at once may show another's).
+  // `why` for the peer, which treats this rank as closed for the pair (its sends fail, its
+  // receives once they have taken what this rank had sent, as a farewell does across hosts), and
+  // the peer's doorbell rung; only the first call per pair counts. Whether `owner` gave up on its
+  // stream with `peer`, and why.
   void markPairGaveUp(int peer, const std::string& why);
-  bool pairGaveUp(int owner, int peer, std::string* why) const;
+  bool pairGaveUp(int owner, int peer, std::string* why = nullptr) const;
 
   // ---- single-copy reads between processes (process_vm_readv) ----
   // Whether `rank` found, when the domain was made, that it may read every other rank's memory
@@ -167,6 +168,7 @@ class Domain {
   struct Control;
   Domain(int rank, int size, size_t slotBytes);
   Control* control(int rank) const;
+  char* pairReason(int owner, int peer) const;  // markPairGaveUp's text
   bool waitFor(int peer, uint64_t phase, const WaitContext& ctx);
   // Reads every peer's probe word (their tokens in their control blocks say what it must hold)
   // and publishes in this rank's control block whether all reads succeeded (not tried: `tryReads`
