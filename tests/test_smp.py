@@ -466,8 +466,16 @@ def test_materialize_refuses_persistent_buffers_nothing_fills():
 
     with pytest.raises(RuntimeError, match=r"init_fn left buffer\(s\) scale wholly or partly unfilled"):
         tsm.materialize(meta(), init_fn=lambda m: fill(m, rows=3))
+    def fill_through_data(module):  # older init code writes .data, which bumps another version counter
+        if isinstance(module, _Constants):
+            module.scale.data.fill_(2.0)
+            module.pos.copy_(torch.arange(6))
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
     eager = _Constants()
-    for model in (tsm.materialize(meta(), init_fn=fill), tsm.materialize(meta(), rank0_state_dict=eager.state_dict())):
+    for model in (tsm.materialize(meta(), init_fn=fill), tsm.materialize(meta(), init_fn=fill_through_data),
+                  tsm.materialize(meta(), rank0_state_dict=eager.state_dict())):
         for name, want in eager.named_buffers():
             assert torch.equal(model.get_buffer(name), want), name
 

@@ -519,13 +519,10 @@ def _buffers_to_restore(model):
 
 def _meta_buffers(model):
     """(module, name) of each buffer on the meta device, each once (a module may sit at several
-    places in the tree)."""
-    return [(m, n) for m in model.modules() for n, b in m._buffers.items() if b is not None and b.is_meta]
-
-
-def _meta_nonpersistent_buffers(model):
-    """(module, name) of each non-persistent buffer on the meta device: no state dict holds it."""
-    return [(m, n) for m, n in _meta_buffers(model) if n in m._non_persistent_buffers_set]
+    places in the tree), as (persistent ones, non-persistent ones: no state dict holds those)."""
+    found = [(m, n) for m in model.modules() for n, b in m._buffers.items() if b is not None and b.is_meta]
+    return ([(m, n) for m, n in found if n not in m._non_persistent_buffers_set],
+            [(m, n) for m, n in found if n in m._non_persistent_buffers_set])
 
 
 def _twin_buffers(pending):
@@ -593,7 +590,7 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     before = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its global size
-    pending = _meta_nonpersistent_buffers(model)
+    persistent, pending = _meta_buffers(model)
     rebuilt = _twin_buffers(pending)
     unfilled = [(m, n) for m, n in pending if (m, n) not in rebuilt]
     names = {id(m): name for name, m in model.named_modules()}
@@ -610,8 +607,7 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
                            "rank0_state_dict)")
     # Without a state dict only the initialisation can fill these: a constructor's constant
     # (register_buffer("scale", torch.full(...))) was lost on the meta device.
-    to_fill = unfilled + ([(m, n) for m, n in _meta_buffers(model) if n not in m._non_persistent_buffers_set]
-                          if rank0_state_dict is _UNSET else [])
+    to_fill = unfilled + (persistent if rank0_state_dict is _UNSET else [])
     kept = _buffers_to_restore(model)
     model.to_empty(device=state.mesh.device_type if state.initialized else "cpu")
     with torch.no_grad():
@@ -637,9 +633,10 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
         _broadcast_cut_unevenly(model, full, distributed)
     else:
         unwritten = _initialise_whole(model, init_fn)
-    # Written: replaced, or changed in place (its version counts in-place writes, whatever the dtype).
-    missed = [(m, n) for (m, n), (t, version) in blank.items()
-              if m._buffers[n] is t and (t._version == version or _unwritten(t) > 0)]
+    # Written: replaced, or, floating point, no NaN mark left (a write through .data bumps another
+    # version counter); else changed in place (its version counts in-place writes).
+    missed = [(m, n) for (m, n), (t, version) in blank.items() if m._buffers[n] is t and
+              (_unwritten(t) > 0 if t.is_floating_point() else t._version == version)]
     if missed:
         by = "init_fn" if init_fn is not None else "reset_parameters()"
         raise RuntimeError(f"smddp.smp.materialize: {by} left buffer(s) {described(missed)} wholly or partly unfilled: "
