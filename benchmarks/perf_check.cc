@@ -111,14 +111,16 @@ size_t spread(size_t i) {  // splitmix64's finaliser: neighbouring i give unrela
 // an integer every type holds exactly, int8 included (at most 8 x 4), whatever the world size;
 // a product has at most 4 factors of 2 (at most 16; with every rank contributing, 16 ranks
 // multiplied eight 2s and wrapped int8 and uint8 around), their count following i. MIN and MAX
-// take every rank's 1..4. float8 holds fewer integers exactly (e5m2 up to 8, e4m3 up to 16) and
+// take 1..4 from 2 carriers, the other ranks giving the value that never wins (4 for MIN, 1 for
+// MAX): with every rank's 1..4, 16 ranks' maximum was 4 at almost every element, and data at
+// another element's place went unseen. float8 holds fewer integers exactly (e5m2 up to 8, e4m3 up to 16) and
 // rounds every partial sum, so there a sum's carriers give 1 or 2, and e5m2 has 4 of them.
 double valueOf(ReduceOp op, DataType dt, int W, int r, size_t i) {
   const size_t h = spread(i);
   const size_t place = (static_cast<size_t>(r) + h) % static_cast<size_t>(W);  // r's among i's ranks
   const unsigned bits = static_cast<unsigned>(h >> (2 * (r % 32))) & 3;         // r's own 2 bits of h
   if (op == ReduceOp::kProduct) return place < (h >> 60) % 5 ? 2 : 1;
-  if (op == ReduceOp::kMin || op == ReduceOp::kMax) return 1 + bits;
+  if (op == ReduceOp::kMin || op == ReduceOp::kMax) return place < 2 ? 1 + bits : op == ReduceOp::kMin ? 4 : 1;
   const size_t carriers = dt == DataType::kFloat8E5M2 ? 4 : 8;
   if (place >= carriers) return 0;
   return 1 + (isFloat8(dt) ? bits & 1 : bits);
@@ -144,23 +146,31 @@ double roundToMinifloat(double v, Minifloat f) {
   const double step = std::ldexp(1.0, e - f.mantBits);
   return std::nearbyint(v / step) * step;
 }
-// What an op leaves in element i, before the final rounding to its type (close()). A float8
-// AVG across hosts rounds twice (hierarchical.cc's stagesOf): each host's partial sum is scaled
-// and rounded before the hosts add. Hosts scale by 1/P (P the smallest power of two at least the
-// largest host's rank count L), and the sum of their partials by P / W, in float as the kernels
-// do; under the ring schedule (whose running sums round too) an allreduce's hosts scale by 1/W
-// and add. With one rank per host (and no ring) nothing rounds before the end.
-double reduced(ReduceOp op, DataType dt, int W, size_t i, const Topology& topo, bool ringRounds) {
-  const int L = topo.maxLocalSize();
-  if (op == ReduceOp::kAvg && isFloat8(dt) && topo.hosts() > 1 && (ringRounds || L > 1)) {
-    const unsigned P = std::bit_ceil(static_cast<unsigned>(L));
-    const Minifloat f = dt == DataType::kFloat8E4M3 ? kE4M3 : kE5M2;
+// Whether an AVG of `dt` across hosts rounds before its end (hierarchical.cc's stagesOf): float8
+// always scales and rounds each host's partial sum before the hosts add, float16 only under the
+// ring schedule (elsewhere its partials are integers, scaled by a power of two).
+bool roundsOnTheWay(ReduceOp op, DataType dt, const Topology& topo, bool ringRounds) {
+  if (op != ReduceOp::kAvg || topo.hosts() == 1) return false;
+  return isFloat8(dt) ? ringRounds || topo.maxLocalSize() > 1 : dt == DataType::kFloat16 && ringRounds;
+}
+// What an op leaves in element i, before the final rounding to its type (close()). Where an AVG
+// rounds on the way (roundsOnTheWay), hosts scale by 1/P (P the smallest power of two at least the
+// largest host's rank count L) and the sum of their partials by P / W, in float as the kernels
+// do. Under the ring schedule an allreduce's hosts scale by 1/W, and each running sum of their
+// partials rounds too, in host order from the host `ringStart` (each part of the message starts
+// its way round the ring at another host).
+double reduced(ReduceOp op, DataType dt, int W, size_t i, const Topology& topo, bool ringRounds, int ringStart) {
+  if (roundsOnTheWay(op, dt, topo, ringRounds)) {
+    const unsigned P = std::bit_ceil(static_cast<unsigned>(topo.maxLocalSize()));
+    const Minifloat f = dt == DataType::kFloat8E4M3 ? kE4M3 : dt == DataType::kFloat8E5M2 ? kE5M2 : kHalf;
+    const int H = topo.hosts();
     float acc = 0;
-    for (const std::vector<int>& host : topo.members) {
+    for (int k = 0; k < H; ++k) {
       float partial = 0;
-      for (int r : host) partial += static_cast<float>(valueOf(op, dt, W, r, i));
+      for (int r : topo.members[ringRounds ? (ringStart + k) % H : k]) partial += static_cast<float>(valueOf(op, dt, W, r, i));
       const float scaled = ringRounds ? partial / static_cast<float>(W) : partial * static_cast<float>(1.0 / P);
       acc += static_cast<float>(roundToMinifloat(scaled, f));
+      if (ringRounds) acc = static_cast<float>(roundToMinifloat(acc, f));
     }
     return ringRounds ? acc : acc * static_cast<float>(static_cast<double>(P) / W);
   }
@@ -176,8 +186,8 @@ double reduced(ReduceOp op, DataType dt, int W, size_t i, const Topology& topo, 
   return acc;
 }
 // float8 is checked exactly (an AVG rounds once, at its division, and across hosts also each
-// host's scaled partial: reduced()). Elsewhere sums past the types'
-// exact integers round, at most once per reduction step, by half a unit in the last place.
+// host's scaled partial, and under the ring each running sum: reduced()). Elsewhere sums past the
+// types' exact integers round, at most once per reduction step, by half a unit in the last place.
 bool close(DataType dt, double got, double want) {
   if (dt == DataType::kFloat8E4M3) return got == roundToMinifloat(want, kE4M3);
   if (dt == DataType::kFloat8E5M2) return got == roundToMinifloat(want, kE5M2);
@@ -192,12 +202,21 @@ size_t countWrong(const Check& c, const void* out, const Shape& s, int rank, con
   size_t wrong = 0;
   for (size_t i = 0; i < s.outElems; ++i) {
     double want;
-    if (c.coll == "all_reduce") want = reduced(c.op, c.dt, W, i, topo, c.ringRounds);
+    if (c.coll == "all_reduce" && c.ringRounds && roundsOnTheWay(c.op, c.dt, topo, true)) {
+      // Which host starts element i's way round the ring follows the ring's cut of the message
+      // into pieces and parts: any start is accepted (its sums still need every host's partial).
+      const double got = load(c.dt, out, i);
+      bool any = false;
+      for (int h = 0; h < topo.hosts() && !any; ++h) any = close(c.dt, got, reduced(c.op, c.dt, W, i, topo, true, h));
+      wrong += !any;
+      continue;
+    }
+    if (c.coll == "all_reduce") want = reduced(c.op, c.dt, W, i, topo, c.ringRounds, 0);
     else if (c.coll == "broadcast") want = movedValueOf(c.root, i);
     else if (c.coll == "all_gather") want = movedValueOf(static_cast<int>(i / s.inElems), i % s.inElems);
     else if (c.coll == "all_to_all") want = movedValueOf(static_cast<int>(i / (s.outElems / W)),
                                                          rank * (s.outElems / W) + i % (s.outElems / W));
-    else want = reduced(c.op, c.dt, W, rank * s.outElems + i, topo, false);
+    else want = reduced(c.op, c.dt, W, rank * s.outElems + i, topo, false, 0);
     wrong += !close(c.dt, load(c.dt, out, i), want);
   }
   return wrong;

@@ -119,6 +119,22 @@ def test_bad_arguments_fail_with_usage(args, why):
     assert p.returncode == 2 and why in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("hosts", ["01234", "0011223"], ids=["5x1", "uneven"])
+def test_ring_float8_average_checks_out(hosts):
+    """Under SMDDP_NET_ALGO=ring a float8 AVG rounds each running sum of the hosts' partials, in
+    host order from whichever host starts that part of the message round the ring; from 5 hosts
+    on, a check that rounded only the hosts' partials counted correct results wrong (until
+    2026-12-05). Every datatype runs, so the other types' checks meet the ring too."""
+    procs, outs = run_ranks([BIN / "smddp_perf", "--collective", "all_reduce", "-b", "8", "-e", "64K", "-f", "64",
+                             "-n", "1", "-w", "0", "-d", "all", "-o", "all", "--timeout", "120"],
+                            len(hosts), hosts, timeout=600, env={"SMDDP_NET_ALGO": "ring"})
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r}: exit {p.returncode}\n{out[-2000:]}\n{err[-2000:]}"
+    body = rows(outs[0][0])
+    assert {"f8e4m3", "f8e5m2"} <= {row[2] for row in body} and "avg" in {row[3] for row in body}, outs[0][0][-3000:]
+    assert_all_checked(body)
+
+
 @pytest.mark.parametrize("hosts, master", [("0000", "127.0.0.1"), ("0011", "127.0.0.1"), ("0011", "::1")],
                          ids=["one_host", "2x2", "2x2_ipv6"])
 def test_torchrun_style_launch(hosts, master):

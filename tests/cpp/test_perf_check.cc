@@ -39,7 +39,10 @@ std::vector<double> rightOutput(const Check& c, const Shape& s, int rank, int W)
     double acc = in(0, i);
     for (int r = 1; r < W; ++r) {
       const double v = in(r, i);
-      acc = c.op == ReduceOp::kMax ? std::max(acc, v) : c.op == ReduceOp::kProduct ? acc * v : acc + v;
+      acc = c.op == ReduceOp::kMax       ? std::max(acc, v)
+            : c.op == ReduceOp::kMin     ? std::min(acc, v)
+            : c.op == ReduceOp::kProduct ? acc * v
+                                         : acc + v;
     }
     return acc;
   };
@@ -103,12 +106,14 @@ void checkPerfDataCheck(int& passed, int& failed) {
   };
   for (const char* coll : {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast"}) {
     const bool reduces = perf::reduces(coll);
-    for (int W : {2, 4}) {
-      for (DataType dt : {DataType::kFloat32, DataType::kInt8, DataType::kFloat8E4M3}) {
-        for (ReduceOp op : reduces ? std::vector<ReduceOp>{ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kProduct}
+    for (int W : {2, 4, 16}) {  // 16: more ranks than a sum's 8 carriers
+      for (DataType dt : {DataType::kFloat32, DataType::kInt8, DataType::kFloat8E4M3, DataType::kFloat8E5M2}) {
+        for (ReduceOp op : reduces ? std::vector<ReduceOp>{ReduceOp::kSum, ReduceOp::kMin, ReduceOp::kMax,
+                                                           ReduceOp::kProduct}
                                    : std::vector<ReduceOp>{ReduceOp::kSum}) {
           const Check c{coll, dt, op, W - 1, false};
-          const Shape s = perf::shapeOf(coll, 1024 * elementSize(dt), elementSize(dt), W);
+          // 1024 elements per block at least: a rotation by 64 must move a reduce_scatter's output.
+          const Shape s = perf::shapeOf(coll, 1024 * W * elementSize(dt), elementSize(dt), W);
           std::vector<std::vector<double>> right;
           for (int r = 0; r < W; ++r) right.push_back(rightOutput(c, s, r, W));
           const std::string what = std::string(coll) + " W=" + std::to_string(W) + " " + dataTypeName(dt) + " " +
