@@ -113,8 +113,8 @@ size_t spread(size_t i) {  // splitmix64's finaliser: neighbouring i give unrela
 // multiplied eight 2s and wrapped int8 and uint8 around), their count following i. MIN and MAX
 // take 1..4 from 2 carriers, the other ranks giving the value that never wins (4 for MIN, 1 for
 // MAX): with every rank's 1..4, 16 ranks' maximum was 4 at almost every element, and data at
-// another element's place went unseen. float8 holds fewer integers exactly (e5m2 up to 8, e4m3 up to 16) and
-// rounds every partial sum, so there a sum's carriers give 1 or 2, and e5m2 has 4 of them.
+// another element's place went unseen. float8 holds fewer integers exactly (e5m2 up to 8, e4m3
+// up to 16) and rounds every partial sum, so there a sum's carriers give 1 or 2, and e5m2 has 4.
 double valueOf(ReduceOp op, DataType dt, int W, int r, size_t i) {
   const size_t h = spread(i);
   const size_t place = (static_cast<size_t>(r) + h) % static_cast<size_t>(W);  // r's among i's ranks
@@ -167,7 +167,8 @@ double reduced(ReduceOp op, DataType dt, int W, size_t i, const Topology& topo, 
     float acc = 0;
     for (int k = 0; k < H; ++k) {
       float partial = 0;
-      for (int r : topo.members[ringRounds ? (ringStart + k) % H : k]) partial += static_cast<float>(valueOf(op, dt, W, r, i));
+      const int host = ringRounds ? (ringStart + k) % H : k;
+      for (int r : topo.members[host]) partial += static_cast<float>(valueOf(op, dt, W, r, i));
       const float scaled = ringRounds ? partial / static_cast<float>(W) : partial * static_cast<float>(1.0 / P);
       acc += static_cast<float>(roundToMinifloat(scaled, f));
       if (ringRounds) acc = static_cast<float>(roundToMinifloat(acc, f));
@@ -207,7 +208,9 @@ size_t countWrong(const Check& c, const void* out, const Shape& s, int rank, con
       // into pieces and parts: any start is accepted (its sums still need every host's partial).
       const double got = load(c.dt, out, i);
       bool any = false;
-      for (int h = 0; h < topo.hosts() && !any; ++h) any = close(c.dt, got, reduced(c.op, c.dt, W, i, topo, true, h));
+      for (int h = 0; h < topo.hosts() && !any; ++h) {
+        any = close(c.dt, got, reduced(c.op, c.dt, W, i, topo, true, h));
+      }
       wrong += !any;
       continue;
     }
