@@ -779,6 +779,47 @@ def test_different_collectives_are_an_error(pools, topo, odd, mine, theirs):
         pools.discard(len(topo), topo, NET_ENV)  # the group refuses further ops after a failed collective
 
 
+def sizes_differ_by_host_task(rank, world, topo, kind, n):
+    """The last host's ranks run `kind` on twice the others' n elements (per rank, where the op
+    has a block per rank), then all run an all_reduce. Streamed, the pieces between hosts have one
+    size either way, and until 2026-12-05 ranks returned with results reduced from the wrong part
+    of their peers' data (all_reduce, reduce_scatter), or waited out the timeout (2+1 hosts): each
+    header now carries the sizes the ranks must agree on, and every rank raises, naming both."""
+    rep = Report(rank)
+    m = 2 * n if topo[rank] == topo[-1] else n
+    t0 = time.monotonic()
+    try:
+        if kind == "all_reduce":
+            dist.all_reduce(torch.arange(m, dtype=torch.float64))
+        elif kind == "reduce_scatter":
+            dist.reduce_scatter_tensor(torch.empty(m, dtype=torch.float64), torch.ones(m * world, dtype=torch.float64))
+        elif kind == "all_gather":
+            dist.all_gather_into_tensor(torch.empty(m * world, dtype=torch.float64), torch.ones(m, dtype=torch.float64))
+        else:
+            dist.broadcast(torch.ones(m, dtype=torch.float64), src=0)
+        dist.all_reduce(torch.ones(1))
+        rep.fail(f"rank {rank}: {kind} on {m} elements where other hosts' ranks have another size did not raise")
+        return rep.to_dict()
+    except Exception as e:  # noqa: BLE001
+        text = str(e)
+    secs = time.monotonic() - t0
+    rep.expect("collectives do not match across ranks" in text and f" on {n} elements" in text and
+               f" on {2 * n} elements" in text, f"rank {rank}: the error does not name both sizes: {text}")
+    rep.expect(secs < 20, f"rank {rank}: took {secs:.1f} s to fail (a timeout, not the mismatch?)")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("topo, kind", [
+    ("01", "all_reduce"), ("0011", "all_reduce"), ("001", "all_reduce"), ("01", "reduce_scatter"),
+    ("0011", "reduce_scatter"), ("001", "all_gather"), ("0011", "broadcast"),
+])
+def test_sizes_that_differ_by_host_are_an_error(pools, topo, kind):
+    try:
+        check(pools, topo, sizes_differ_by_host_task, topo, kind, 32768, timeout=120)
+    finally:
+        pools.discard(len(topo), topo, NET_ENV)  # the group refuses further ops after a failed collective
+
+
 @pytest.mark.parametrize("counts_first", [False, True], ids=["default", "debug_checks"])
 @pytest.mark.parametrize("topo, receiver, sender",
                          [("0011", 0, 2), ("001", 2, 1), ("0101", 1, 2), ("0011", 0, 1), ("000111", 1, 5)])

@@ -89,6 +89,7 @@ struct OpContext {
   int size = 1;
   uint64_t seq = 0;  // the op's sequence number in its group (same on every rank)
   uint64_t signature = 0;  // OpSignature::packed() of the collective the caller runs (0: none)
+  uint64_t shape = 0;      // and its OpSignature::shape
   shm::WaitContext wait;
   uint64_t fingerprint = 0;        // debug checks: hash of `text`, 0 when off
   const std::string* text = nullptr;

@@ -274,6 +274,7 @@ void Communicator::run(const OpSignature& op, std::chrono::milliseconds timeout,
   ctx.size = domain_ ? domain_->size() : size_;
   ctx.seq = seq;
   ctx.signature = op.packed();
+  ctx.shape = op.shape;
   ctx.wait.deadline = std::chrono::steady_clock::now() + timeout;
   ctx.wait.abort = &aborted_;
   std::optional<DesyncProbe> probe;
@@ -347,25 +348,26 @@ void Communicator::abandon(std::string what) {
 
 void Communicator::allreduce(const AllreduceOptions& opts, std::chrono::milliseconds timeout) {
   const OpSignature op{opts.root >= 0 ? OpKind::kReduce : OpKind::kAllreduce, opts.dtype, opts.reduction.op,
-                       opts.root, factorOf(opts.reduction)};
+                       opts.root, factorOf(opts.reduction), OpSignature::shapeOf(opts.count)};
   runEither(op, timeout, [&](OpContext& ctx) { algo::allreduce(ctx, opts); },
             [&](HierContext& hc) { hierAllreduce(hc, opts); });
 }
 
 void Communicator::broadcast(const BroadcastOptions& opts, std::chrono::milliseconds timeout) {
-  runEither({OpKind::kBroadcast, opts.dtype, ReduceOp::kSum, opts.root}, timeout,
+  runEither({OpKind::kBroadcast, opts.dtype, ReduceOp::kSum, opts.root, 0, OpSignature::shapeOf(opts.count)}, timeout,
             [&](OpContext& ctx) { algo::broadcast(ctx, opts); },
             [&](HierContext& hc) { hierBroadcast(hc, opts); });
 }
 
 void Communicator::allgather(const AllgatherOptions& opts, std::chrono::milliseconds timeout) {
-  const OpSignature op{opts.root >= 0 ? OpKind::kGather : OpKind::kAllgather, opts.dtype, ReduceOp::kSum, opts.root};
+  const OpSignature op{opts.root >= 0 ? OpKind::kGather : OpKind::kAllgather, opts.dtype, ReduceOp::kSum, opts.root,
+                       0, OpSignature::shapeOf(opts.counts)};
   runEither(op, timeout, [&](OpContext& ctx) { algo::allgather(ctx, opts); },
             [&](HierContext& hc) { opts.root >= 0 ? hierGather(hc, opts) : hierAllgather(hc, opts); });
 }
 
 void Communicator::scatter(const ScatterOptions& opts, std::chrono::milliseconds timeout) {
-  runEither({OpKind::kScatter, opts.dtype, ReduceOp::kSum, opts.root}, timeout,
+  runEither({OpKind::kScatter, opts.dtype, ReduceOp::kSum, opts.root, 0, OpSignature::shapeOf(opts.count)}, timeout,
             [&](OpContext& ctx) { algo::scatter(ctx, opts); },
             [&](HierContext& hc) { hierScatter(hc, opts); });
 }
@@ -387,7 +389,8 @@ void Communicator::alltoall(const AlltoallOptions& opts, std::chrono::millisecon
 }
 
 void Communicator::reduceScatter(const ReduceScatterOptions& opts, std::chrono::milliseconds timeout) {
-  runEither({OpKind::kReduceScatter, opts.dtype, opts.reduction.op, -1, factorOf(opts.reduction)}, timeout,
+  const uint64_t shape = opts.counts.empty() ? OpSignature::shapeOf(opts.count) : OpSignature::shapeOf(opts.counts);
+  runEither({OpKind::kReduceScatter, opts.dtype, opts.reduction.op, -1, factorOf(opts.reduction), shape}, timeout,
             [&](OpContext& ctx) { algo::reduceScatter(ctx, opts); },
             [&](HierContext& hc) { hierReduceScatter(hc, opts); });
 }

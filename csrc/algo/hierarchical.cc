@@ -706,7 +706,10 @@ void hierAlltoall(HierContext& ctx, const AlltoallOptions& o, const std::vector<
     ctx.mesh->exchange(ctx.tag(1), sends, recvs, ctx.local.wait, ctx.schedule());
   } catch (const net::wire::HeaderMismatch& m) {
     // Same op and step but another size: the sender's split for this rank is not what it expects.
-    if (m.sent().tag != m.expected().tag || m.sent().op != m.expected().op || m.sent().bytes % es != 0) throw;
+    if (m.sent().tag != m.expected().tag || m.sent().op != m.expected().op || m.sent().shape != m.expected().shape ||
+        m.sent().bytes % es != 0) {
+      throw;
+    }
     throwSplitMismatch(m.peer(), m.sent().bytes / es, ctx.topo->rank, m.expected().bytes / es);
   }
   // Blocks between ranks of this host last: a rank that found a wrong size above holds its

@@ -51,7 +51,7 @@ struct HierContext {
   size_t oneShotBytes = 0;                  // SMDDP_NET_ONESHOT_BYTES
   net::Schedule schedule() const { return algo == NetAlgo::kNaive ? net::Schedule::kNaive : net::Schedule::kMesh; }
   // The tag of the op's network step `step`: its sequence number and the caller's collective.
-  net::Tag tag(uint32_t step) const { return {net::makeTag(local.seq, step), local.signature}; }
+  net::Tag tag(uint32_t step) const { return {net::makeTag(local.seq, step), local.signature, local.shape}; }
   uint8_t* scratchBytes(size_t n);
 };
 

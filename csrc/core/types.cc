@@ -1,7 +1,10 @@
 #include "core/types.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+
+#include "core/hash.h"
 
 namespace smddp {
 
@@ -126,6 +129,25 @@ uint16_t OpSignature::factorTag(double factor) {
   std::memcpy(&bits, &factor, sizeof(bits));
   bits *= 0x9e3779b97f4a7c15ull;  // every bit of the factor reaches the top 16
   return static_cast<uint16_t>(bits >> 48);
+}
+
+uint64_t OpSignature::shapeOf(const std::vector<size_t>& counts) {
+  if (std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts.front(); })) {
+    return counts.empty() ? 0 : counts.front();
+  }
+  return fnv1a(kFnv1aBasis, counts.data(), counts.size() * sizeof(size_t)) | 1ull << 63;
+}
+
+std::string OpSignature::describeShape() const {
+  char digest[64];
+  if (shape >> 63) {
+    std::snprintf(digest, sizeof(digest), "uneven per-rank sizes (digest #%016llx)",
+                  static_cast<unsigned long long>(shape));
+    return digest;
+  }
+  const bool perRank = kind == OpKind::kAllgather || kind == OpKind::kGather || kind == OpKind::kScatter ||
+                       kind == OpKind::kReduceScatter;
+  return std::to_string(shape) + (perRank ? " elements per rank" : " elements");
 }
 
 std::string OpSignature::describe(uint64_t seq) const {

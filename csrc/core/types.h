@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace smddp {
 
@@ -77,12 +78,24 @@ struct OpSignature {
   // PREMUL_SUM: a 16-bit hash of the factor (factorTag()), so that ranks passing different
   // factors fail instead of each scaling the sum by its own; 0 otherwise.
   uint16_t factor = 0;
+  // What every rank's sizes must agree on (shapeOf()), carried apart from packed() in each
+  // inter-host message header: the messages of one collective between two hosts may have the
+  // same sizes when the collectives do not (a streamed all_reduce of N elements and one of 2N
+  // both send pieces of the chunk size), so the sizes alone catch no such mismatch. 0: not
+  // compared (all_to_all, whose blocks' own sizes are checked; barrier).
+  uint64_t shape = 0;
 
-  uint64_t packed() const;  // never 0 (0: no signature, e.g. point-to-point)
+  uint64_t packed() const;  // never 0 (0: no signature, e.g. point-to-point); without `shape`
   static OpSignature unpack(uint64_t packed);
   // "reduce #7 (float32, max, root 3)"; "allreduce #2 (float16, premul_sum, factor #3f1c)"
   std::string describe(uint64_t seq) const;
   static uint16_t factorTag(double factor);
+  // `shape` for an op whose ranks each have counts[p] elements (or, one count: all of them):
+  // the count itself when they are equal, else a digest of them with the top bit set.
+  static uint64_t shapeOf(const std::vector<size_t>& counts);
+  static uint64_t shapeOf(size_t count) { return count; }
+  // "65536 elements", "65536 elements per rank", "uneven per-rank sizes (digest #...)"
+  std::string describeShape() const;
 };
 
 // A reduction as the kernels see it: the operator plus the scalars its finalisation needs.

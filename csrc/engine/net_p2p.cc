@@ -452,7 +452,7 @@ bool NetP2p::progressSends(Peer& p) {
       Lane& l = p.lanes[lane];
       const auto stripe = net::wire::stripeOf(op.bytes, lanes_, static_cast<int>(lane));
       while (Peer::partLeft(op, lane, l.sendOff, lanes_)) {
-        if (l.sendOff == 0) l.sendHdr = MsgHeader{wireTag(op.tag), op.bytes, 0};
+        if (l.sendOff == 0) l.sendHdr = MsgHeader{wireTag(op.tag), op.bytes, 0, 0};
         iovec iov[2];
         const int n = net::wire::nextIov(iov, l.sendHdr, l.sendOff, op.buffer + stripe.offset, stripe.length,
                                          stripe.length);

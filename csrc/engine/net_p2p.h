@@ -12,8 +12,8 @@
 // them alike (wire::stripeOf).
 //
 // Messages meet their receives by sender and tag (p2p_matching.h, as the shared-memory engine
-// does); each lane that carries a part of a message starts it with a 24-byte header (tag, the
-// whole message's bytes, an op word of 0), lane 0's picks the receive, and a size that differs
+// does); each lane that carries a part of a message starts it with a 32-byte header (tag, the
+// whole message's bytes, op and shape words of 0), lane 0's picks the receive, and a size that differs
 // from the receive's is an error, never a truncation. A message is read only once a receive
 // waits (for it, or for another tag: then it is read aside), so TCP's flow control holds back a
 // sender that runs ahead (while a recv from any source waits, the next header on lane 0 of every

@@ -595,7 +595,7 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
     size_t total = 0;
     while (p.sending() && !p.sendHeld() && budget > 0) {
       const Conn::SendPart& s = p.sends[p.sendIdx];
-      if (p.sendOff == 0) p.sendHdr = wire::MsgHeader{tag.id, s.msg->bytes, tag.op};
+      if (p.sendOff == 0) p.sendHdr = wire::MsgHeader{tag.id, s.msg->bytes, tag.op, tag.shape};
       iovec iov[2];
       const int n = wire::nextIov(iov, p.sendHdr, p.sendOff, s.data, s.bytes, budget);
       msghdr mh{};

@@ -27,6 +27,15 @@ std::string mismatchText(int peer, const MsgHeader& sent, const MsgHeader& expec
                         peer, OpSignature::unpack(sent.op).describe(seqOf(sent.tag)).c_str(),
                         OpSignature::unpack(expected.op).describe(seqOf(expected.tag)).c_str());
   }
+  if (sent.shape != expected.shape && sent.tag == expected.tag && sent.op == expected.op && sent.op != 0) {
+    OpSignature theirs = OpSignature::unpack(sent.op), ours = theirs;
+    theirs.shape = sent.shape;
+    ours.shape = expected.shape;
+    return formatString("collectives do not match across ranks: rank %d runs %s on %s but this rank runs it on %s. "
+                        "Every rank must issue the same collectives in the same order with matching sizes and dtypes",
+                        peer, theirs.describe(seqOf(sent.tag)).c_str(), theirs.describeShape().c_str(),
+                        ours.describeShape().c_str());
+  }
   return formatString("collectives do not match across ranks: rank %d sent %llu bytes for op/step %llu/%llu but "
                       "this rank expected %llu bytes for op/step %llu/%llu from it. Every rank must issue the same "
                       "collectives in the same order with matching sizes and dtypes",
@@ -75,7 +84,7 @@ Stripe stripeOf(size_t bytes, int lanes, int lane, size_t ordinal) {
 std::string farewellFrame(std::string_view why) {
   if (why.empty()) why = "no reason given";
   const size_t n = std::min(why.size(), kMaxFarewellBytes);
-  const MsgHeader hdr{kFarewellTag, n, 0};
+  const MsgHeader hdr{kFarewellTag, n, 0, 0};
   std::string frame(reinterpret_cast<const char*>(&hdr), kHeaderBytes);
   frame.append(why.substr(0, n));
   return frame;
@@ -147,8 +156,8 @@ const Recv* RecvCursor::advance(size_t k) {
       farewellDone_ = hdr_.bytes == 0;
       return nullptr;
     }
-    if (hdr_.tag != tag_.id || hdr_.op != tag_.op || hdr_.bytes != r.bytes) {
-      throw HeaderMismatch(peer_, hdr_, {tag_.id, r.bytes, tag_.op});
+    if (hdr_.tag != tag_.id || hdr_.op != tag_.op || hdr_.shape != tag_.shape || hdr_.bytes != r.bytes) {
+      throw HeaderMismatch(peer_, hdr_, {tag_.id, r.bytes, tag_.op, tag_.shape});
     }
   }
   if (off_ >= kHeaderBytes && off_ == kHeaderBytes + part.bytes) {

@@ -2,9 +2,10 @@
 // that it can be fuzzed (tests/fuzz/fuzz_wire.cc) and unit-tested without a network.
 //
 // A connection opens with a Hello (magic, the group's secret, the two ranks it links and which of
-// their connections it is), answered by one 'K' byte. After that each message is a 24-byte
-// header (tag, the message's bytes, the collective's signature) and this connection's stripe of the payload (all of it when
-// two ranks have one connection), which lands straight in the receiver's destination buffer.
+// their connections it is), answered by one 'K' byte. After that each message is a 32-byte
+// header (tag, the message's bytes, the collective's signature and shape) and this connection's
+// stripe of the payload (all of it when two ranks have one connection), which lands straight in
+// the receiver's destination buffer.
 // A rank that gives up the group ends each connection that is between messages with a farewell
 // (a header tagged kFarewellTag and the reason as text), so that its peers report why it left.
 #pragma once
@@ -30,14 +31,17 @@ inline uint64_t makeTag(uint64_t seq, uint32_t step) {
   return (seq << kTagStepBits) | (step & ((1u << kTagStepBits) - 1));
 }
 
-// What every message of an exchange carries besides its size: `id` (makeTag) and `op`, the
-// collective's OpSignature::packed() (0 where there is none), so that ranks running different
-// collectives at one sequence number fail at their first message instead of taking each other's
-// data. A bare id converts, with op 0.
+// What every message of an exchange carries besides its size: `id` (makeTag), `op`, the
+// collective's OpSignature::packed() (0 where there is none), and `shape`, its
+// OpSignature::shape, so that ranks running different collectives at one sequence number, or one
+// collective on different sizes, fail at their first message instead of taking each other's
+// data. A bare id converts, with op and shape 0.
 struct Tag {
-  Tag(uint64_t id, uint64_t op = 0) : id(id), op(op) {}  // NOLINT(google-explicit-constructor)
+  Tag(uint64_t id, uint64_t op = 0, uint64_t shape = 0)  // NOLINT(google-explicit-constructor)
+      : id(id), op(op), shape(shape) {}
   uint64_t id;
   uint64_t op;
+  uint64_t shape;
 };
 
 // `ready`, when set, holds the message back until *ready is true, and with it every later
@@ -94,7 +98,8 @@ Stripe stripeOf(size_t bytes, int lanes, int lane, size_t ordinal = 0);
 struct MsgHeader {
   uint64_t tag;
   uint64_t bytes;
-  uint64_t op;  // Tag::op (0 for point-to-point and farewells)
+  uint64_t op;     // Tag::op (0 for point-to-point and farewells)
+  uint64_t shape;  // Tag::shape (likewise)
 };
 constexpr size_t kHeaderBytes = sizeof(MsgHeader);
 

@@ -54,8 +54,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<wire::LanePart> expected;
   for (const Recv& r : recvs) expected.push_back({&r, static_cast<char*>(r.data), r.bytes});
   wire::RecvCursor cursor;
-  // A collective's op word too: a header with another one is described from its arbitrary bits.
-  cursor.start(expected, {makeTag(7, 3), OpSignature{OpKind::kAllreduce, DataType::kFloat32}.packed()}, 0);
+  // A collective's op and shape words too: a header with others is described from their arbitrary bits.
+  cursor.start(expected, {makeTag(7, 3), OpSignature{OpKind::kAllreduce, DataType::kFloat32}.packed(), 4096}, 0);
   const uint8_t* p = data + kPreamble;
   size_t left = size - kPreamble;
   uint32_t seed = data[5];
