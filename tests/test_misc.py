@@ -697,29 +697,29 @@ def subgroup_errors_name_the_group_task(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     rep = Report(rank)
-    # Refused as a broadcast's output (its elements share memory), at the call: the op never
-    # starts, so the root does not issue it either.
+    # Refused as a broadcast's output (its elements share memory), at the call, once the rank has
+    # taken its part: the root, which only reads it, goes through.
     expanded = torch.zeros(1).expand(4)
     with rep.cell("default group"):
-        if rank != 0:
-            try:
-                dist.broadcast(expanded, src=0)
-                rep.fail("broadcast into an expanded tensor succeeded")
-            except ValueError as e:
-                rep.expect(str(e).startswith(f"smddp rank {rank}: broadcast: the output tensor"), str(e)[:300])
+        try:
+            dist.broadcast(expanded, src=0)
+            rep.expect(rank == 0, "broadcast into an expanded tensor succeeded")
+        except ValueError as e:
+            rep.expect(rank != 0 and str(e).startswith(f"smddp rank {rank}: broadcast: the output tensor"),
+                       str(e)[:300])
     tp = dist.new_group([1, 2], group_desc="tp")
     plain = dist.new_group([0, 2])
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))  # a mesh of the world alone
     # would reuse the default group
     with rep.cell("described group, error at the call"):
-        if rank == 2:
+        if rank in (1, 2):
             name = dist._get_process_group_name(tp)
             try:
                 dist.broadcast(expanded, src=1, group=tp)
-                rep.fail("broadcast into an expanded tensor succeeded")
+                rep.expect(rank == 1, "broadcast into an expanded tensor succeeded")
             except ValueError as e:
                 want = f"smddp rank 1 of group {name} (tp), world rank 2: broadcast: the output tensor"
-                rep.expect(str(e).startswith(want), f"want {want!r}, got {str(e)[:300]!r}")
+                rep.expect(rank == 2 and str(e).startswith(want), f"want {want!r}, got {str(e)[:300]!r}")
     with rep.cell("undescribed group, wait(timeout) that runs out"):
         if rank in (0, 2):
             name = dist._get_process_group_name(plain)
@@ -1155,6 +1155,27 @@ def errors_task(rank, world):
         t = torch.full((1,), 7.0).expand(5) if rank == 0 else torch.zeros(5)
         dist.broadcast(t, 0)
         rep.check(label, t, torch.full((5,), 7.0))
+    # Where only some ranks write (a broadcast's receivers, a reduce's or gather's root), those
+    # refuse an expand()ed tensor once they have taken their part: refused before it, as until
+    # 2026-12-05, the others' op went on without them and the group was unusable from then on.
+    root = world - 1
+    for name in ("broadcast", "reduce", "gather"):
+        label = f"{name} with an expand()ed tensor on every rank world={world}"
+        writes = rank != root if name == "broadcast" else rank == root
+        with rep.cell(label):
+            try:
+                if name == "gather":
+                    outs = [torch.zeros(1).expand(2) for _ in range(world)] if rank == root else None
+                    dist.gather(torch.full((2,), float(rank)), outs, dst=root)
+                else:
+                    t = torch.full((1,), float(rank + 1)).expand(4)
+                    dist.broadcast(t, src=root) if name == "broadcast" else dist.reduce(t, dst=root)
+                    rep.expect(torch.equal(t, torch.full((4,), float(rank + 1))), f"{label}: rank {rank}: {t}")
+                rep.expect(not writes, f"{label}: rank {rank} wrote the expand()ed tensor")
+            except ValueError as e:
+                rep.expect(writes and "share memory" in str(e) and "took its part in the op" in str(e),
+                           f"{label}: rank {rank}: {str(e)[:300]}")
+            rep.group_still_works(label + " (after the error)", world, rank)
     return rep.to_dict()
 
 

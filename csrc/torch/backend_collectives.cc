@@ -124,14 +124,17 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce(std::vector<at::Tensor>& ten
                         c.allreduce({dtype, red, n, p, p, root}, to);
                       }}});
   }
-  Staged s = rank_ == root ? stageInOut(t, who(), "reduce") : stageIn(t);
-  return enqueue(c10d::OpType::REDUCE, "smddp:reduce", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
-                 [s, dtype, red, root](algo::Communicator& c, std::chrono::milliseconds to) mutable {
-                   s.ready();
-                   void* p = s.work.data_ptr();
-                   c.allreduce({dtype, red, static_cast<size_t>(s.work.numel()), p, p, root}, to);
-                   finishStaged(s);
-                 });
+  std::string refusal;  // only the root writes: it takes its part before refusing (stageOut)
+  Staged s = rank_ == root ? stageInOut(t, who(), "reduce", &refusal) : stageIn(t);
+  auto work = enqueue(c10d::OpType::REDUCE, "smddp:reduce", tensors, tensors, resolveTimeout(opts.timeout),
+                      opts.asyncOp, [s, dtype, red, root](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                        s.ready();
+                        void* p = s.work.data_ptr();
+                        c.allreduce({dtype, red, static_cast<size_t>(s.work.numel()), p, p, root}, to);
+                        finishStaged(s);
+                      });
+  TORCH_CHECK_VALUE(refusal.empty(), refusal);
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -148,13 +151,16 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::broadcast(std::vector<at::Tensor>& 
                         c.broadcast({dtype, n, p, root}, to);
                       }}});
   }
-  Staged s = rank_ == root ? stageIn(t) : stageOut(t, who(), "broadcast");
-  return enqueue(c10d::OpType::BROADCAST, "smddp:broadcast", tensors, tensors, resolveTimeout(opts.timeout), opts.asyncOp,
-                 [s, dtype, root](algo::Communicator& c, std::chrono::milliseconds to) mutable {
-                   s.ready();
-                   c.broadcast({dtype, static_cast<size_t>(s.work.numel()), s.work.data_ptr(), root}, to);
-                   finishStaged(s);
-                 });
+  std::string refusal;  // only the receivers write: they take their part before refusing (stageOut)
+  Staged s = rank_ == root ? stageIn(t) : stageOut(t, who(), "broadcast", &refusal);
+  auto work = enqueue(c10d::OpType::BROADCAST, "smddp:broadcast", tensors, tensors, resolveTimeout(opts.timeout),
+                      opts.asyncOp, [s, dtype, root](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+                        s.ready();
+                        c.broadcast({dtype, static_cast<size_t>(s.work.numel()), s.work.data_ptr(), root}, to);
+                        finishStaged(s);
+                      });
+  TORCH_CHECK_VALUE(refusal.empty(), refusal);
+  return work;
 }
 
 namespace {
@@ -601,6 +607,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
   }
   std::vector<Staged> staged;
   std::vector<at::Tensor> outs;
+  std::string refusal;  // only the root writes: it takes its part before refusing (stageOut)
   if (rank_ == root) {
     TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_, who(),
                       ": gather: the root needs one output list of ", size_, " tensors");
@@ -610,7 +617,9 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
       checkSameType(o, in, who(), "gather");
       TORCH_CHECK_VALUE(o.numel() == in.numel(), who(), ": gather: every output must have the input's ",
                         in.numel(), " elements, got one with ", o.numel());
-      staged.push_back(stageOut(o, who(), "gather"));
+      std::string why;
+      staged.push_back(stageOut(o, who(), "gather", &why));
+      if (refusal.empty()) refusal = why;
     }
     stageSharersApart(staged, outs, Staged::Way::kFresh);  // written in list order
   } else {
@@ -625,16 +634,19 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
     }
   }
   const int size = size_;
-  return enqueue(c10d::OpType::GATHER, "smddp:gather", outs, inputs, resolveTimeout(opts.timeout), opts.asyncOp,
-                 [staged, src, dtype, root, size](algo::Communicator& c, std::chrono::milliseconds to) mutable {
-                   src.ready();
-                   ready(staged);
-                   const size_t n = static_cast<size_t>(src.work.numel());
-                   algo::AllgatherOptions o{dtype, src.work.data_ptr(), {}, std::vector<size_t>(size, n), root};
-                   for (const Staged& s : staged) o.outputs.push_back(s.work.data_ptr());
-                   c.allgather(o, to);
-                   for (const Staged& s : staged) finishStaged(s);
-                 });
+  auto work = enqueue(
+      c10d::OpType::GATHER, "smddp:gather", outs, inputs, resolveTimeout(opts.timeout), opts.asyncOp,
+      [staged, src, dtype, root, size](algo::Communicator& c, std::chrono::milliseconds to) mutable {
+        src.ready();
+        ready(staged);
+        const size_t n = static_cast<size_t>(src.work.numel());
+        algo::AllgatherOptions o{dtype, src.work.data_ptr(), {}, std::vector<size_t>(size, n), root};
+        for (const Staged& s : staged) o.outputs.push_back(s.work.data_ptr());
+        c.allgather(o, to);
+        for (const Staged& s : staged) finishStaged(s);
+      });
+  TORCH_CHECK_VALUE(refusal.empty(), refusal);
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& outputs,

@@ -55,16 +55,27 @@ void ready(std::vector<Staged>& staged) {
   for (Staged& s : staged) s.ready();
 }
 
-Staged stageInOut(const at::Tensor& t, const std::string& who, const char* op) {
+namespace {
+Staged stageWritten(const at::Tensor& t, const std::string& who, const char* op, std::string* refusal,
+                    Staged::Way way) {
   if (t.is_contiguous()) return {t};
-  checkWritable(t, who, op);
-  return {t, Staged::Way::kCopyIn, true};
+  if (refusal == nullptr) {
+    checkWritable(t, who, op);
+  } else if (!(*refusal = writableRefusal(t, who, op)).empty()) {
+    *refusal += ". This rank took its part in the op, so its peers complete it and the group stays usable, but "
+                "left the tensor unwritten";
+    return {t, way, false};
+  }
+  return {t, way, true};
+}
+}  // namespace
+
+Staged stageInOut(const at::Tensor& t, const std::string& who, const char* op, std::string* refusal) {
+  return stageWritten(t, who, op, refusal, Staged::Way::kCopyIn);
 }
 
-Staged stageOut(const at::Tensor& t, const std::string& who, const char* op) {
-  if (t.is_contiguous()) return {t};
-  checkWritable(t, who, op);
-  return {t, Staged::Way::kFresh, true};
+Staged stageOut(const at::Tensor& t, const std::string& who, const char* op, std::string* refusal) {
+  return stageWritten(t, who, op, refusal, Staged::Way::kFresh);
 }
 
 Staged stageIn(const at::Tensor& t) {
@@ -158,7 +169,7 @@ std::vector<bool> sharesWithEarlier(const std::vector<at::Tensor>& tensors) {
 void stageSharersApart(std::vector<Staged>& staged, const std::vector<at::Tensor>& users, Staged::Way way) {
   const std::vector<bool> later = sharesWithEarlier(users);
   for (size_t i = 0; i < staged.size(); ++i) {
-    if (later[i] && !staged[i].copyBack) staged[i] = {users[i], way, true};
+    if (later[i] && staged[i].inPlace()) staged[i] = {users[i], way, true};
   }
 }
 

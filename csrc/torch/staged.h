@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace smddp::torchext {
@@ -58,8 +59,13 @@ void ready(std::vector<Staged>& staged);
 // The three ways an op uses a tensor: read and written (allreduce, reduce's root), only
 // written, only read. One written that is not contiguous is checked (checkWritable) and gets a
 // copy, copied back after the op (finishStaged).
-Staged stageInOut(const at::Tensor& t, const std::string& who, const char* op);
-Staged stageOut(const at::Tensor& t, const std::string& who, const char* op);
+// With `refusal`, a written tensor whose elements share memory is not refused at once: it gets
+// memory of its own, never copied back, and *refusal the error, which the op raises once it is
+// queued. For ops where only some ranks write (a broadcast's receivers, a reduce's or gather's
+// root): refused there alone before anything moved, the op would leave the others in it without
+// this rank, and the group unusable; this way the rank takes its part, and only it raises.
+Staged stageInOut(const at::Tensor& t, const std::string& who, const char* op, std::string* refusal = nullptr);
+Staged stageOut(const at::Tensor& t, const std::string& who, const char* op, std::string* refusal = nullptr);
 Staged stageIn(const at::Tensor& t);
 
 // Copies a written copy's results back into the user's tensor (writeUser).

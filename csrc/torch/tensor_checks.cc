@@ -151,10 +151,15 @@ Reduction toReduction(const c10d::ReduceOp& op, DataType dtype, int size, const 
   return r;
 }
 
+std::string writableRefusal(const at::Tensor& t, const std::string& who, const char* op) {
+  if (at::has_internal_overlap(t) != at::MemOverlap::Yes) return {};
+  return who + ": " + op + ": the output tensor has elements that share memory (a view made by expand() or "
+         "as_strided()); pass a tensor of its own, e.g. .clone()";
+}
+
 void checkWritable(const at::Tensor& t, const std::string& who, const char* op) {
-  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, who, ": ", op,
-                    ": the output tensor has elements that share memory (a view made by expand() or as_strided()); "
-                    "pass a tensor of its own, e.g. .clone()");
+  const std::string why = writableRefusal(t, who, op);
+  TORCH_CHECK_VALUE(why.empty(), why);
 }
 
 

@@ -57,8 +57,10 @@ Reduction toReduction(const c10d::ReduceOp& op, DataType dtype, int size, const 
 
 // A tensor the op writes must not have elements that share memory (an expand()ed view): ranks'
 // results for those elements could differ, and torch refuses to write such a tensor too, but only
-// after the op has run; refuse it before anything is sent.
+// after the op has run; refuse it before anything is sent (or see stageOut's `refusal`).
 void checkWritable(const at::Tensor& t, const std::string& who, const char* op);
+// checkWritable's error text, or "" for a tensor it accepts.
+std::string writableRefusal(const at::Tensor& t, const std::string& who, const char* op);
 
 
 }  // namespace smddp::torchext
