@@ -710,6 +710,19 @@ def _collective(kind, rank, world, n=1000):
         raise AssertionError(kind)
 
 
+def _mismatch_raised(collective):
+    """Runs a mismatched `collective`, then an all_reduce (a rank that only sends in it, such as a
+    broadcast's root, may learn of the mismatch at its next op). Returns the error's text and the
+    seconds until it was raised, or (None, seconds) if neither raised."""
+    t0 = time.monotonic()
+    try:
+        collective()
+        dist.all_reduce(torch.ones(1))
+    except Exception as e:  # noqa: BLE001
+        return str(e), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
 def different_collectives_task(rank, world, odd, mine, theirs):
     """Rank `odd` runs `theirs` where the others run `mine`, then all run an all_reduce. Across
     hosts these pairs run the same sub-steps with messages of the same sizes, which used to match:
@@ -718,15 +731,10 @@ def different_collectives_task(rank, world, odd, mine, theirs):
     waits for a peer that never sends to it), which used to end at the group's timeout: the stalled
     ranks find each other's op in the store (SMDDP_DESYNC_CHECK_MS, 5 s)."""
     rep = Report(rank)
-    t0 = time.monotonic()
-    try:
-        _collective(theirs if rank == odd else mine, rank, world)
-        dist.all_reduce(torch.ones(1))
+    text, secs = _mismatch_raised(lambda: _collective(theirs if rank == odd else mine, rank, world))
+    if text is None:
         rep.fail(f"rank {rank}: {mine} on some ranks and {theirs} on rank {odd} did not raise")
         return rep.to_dict()
-    except Exception as e:  # noqa: BLE001
-        text = str(e)
-    secs = time.monotonic() - t0
     names = {"all_reduce": "allreduce", "all_reduce_max": "allreduce #1 (float32, max)", "all_gather": "allgather"}
     rep.expect("collectives do not match across ranks" in text and names.get(mine, mine) in text
                and names.get(theirs, theirs) in text, f"rank {rank}: the error does not name both ops: {text}")
@@ -787,8 +795,8 @@ def sizes_differ_by_host_task(rank, world, topo, kind, n):
     header now carries the sizes the ranks must agree on, and every rank raises, naming both."""
     rep = Report(rank)
     m = 2 * n if topo[rank] == topo[-1] else n
-    t0 = time.monotonic()
-    try:
+
+    def run():
         if kind == "all_reduce":
             dist.all_reduce(torch.arange(m, dtype=torch.float64))
         elif kind == "reduce_scatter":
@@ -797,12 +805,11 @@ def sizes_differ_by_host_task(rank, world, topo, kind, n):
             dist.all_gather_into_tensor(torch.empty(m * world, dtype=torch.float64), torch.ones(m, dtype=torch.float64))
         else:
             dist.broadcast(torch.ones(m, dtype=torch.float64), src=0)
-        dist.all_reduce(torch.ones(1))
+
+    text, secs = _mismatch_raised(run)
+    if text is None:
         rep.fail(f"rank {rank}: {kind} on {m} elements where other hosts' ranks have another size did not raise")
         return rep.to_dict()
-    except Exception as e:  # noqa: BLE001
-        text = str(e)
-    secs = time.monotonic() - t0
     rep.expect("collectives do not match across ranks" in text and f" on {n} elements" in text and
                f" on {2 * n} elements" in text, f"rank {rank}: the error does not name both sizes: {text}")
     rep.expect(secs < 20, f"rank {rank}: took {secs:.1f} s to fail (a timeout, not the mismatch?)")
