@@ -14,7 +14,7 @@ from _jobs import Job
 from _util import IS_SMDDP
 
 CHILD = r"""
-import datetime, os, sys, time, torch, torch.distributed as dist
+import datetime, os, signal, sys, time, torch, torch.distributed as dist
 import smddp
 rank, world, url, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 timeout_s = float(sys.argv[5]) + (3 if mode == "idle_chain" and rank == 0 else 0)  # rank 0 times out last
@@ -67,6 +67,19 @@ if mode.startswith("send_to_gone"):  # rank 1 leaves (after one message, unless 
         sent.append(1)
         print(f"send #{len(sent)}", flush=True)
         dist.send(small, 1)
+if mode.startswith("anysrc"):  # rank 0 receives from any rank, in a loop, while the others leave
+    if rank != 0:  # "anysrc_<r>_sends": rank r sends one message 1.5 s from now first
+        if mode == f"anysrc_{rank}_sends":
+            time.sleep(1.5)
+            dist.send(torch.full_like(t, rank), 0)
+        if mode == "anysrc_killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.destroy_process_group()
+        sys.exit(0)
+
+    def op():
+        src = dist.recv(t)
+        print(f"received from rank {src}: {t[0].item():g}", flush=True)
 if mode == "p2p_pair":  # rank 1 receives what rank 0 sends
     op = (lambda: dist.recv(t, 0)) if rank == 1 else (lambda: dist.send(t, 1))
 if mode == "p2p_idle":  # rank 0 blocks in a recv whose sender never comes
@@ -595,6 +608,41 @@ def test_send_to_a_rank_that_left_fails(hosts, mode):
     assert "send #1" in out and "send #2" not in out, out[-2000:]
     assert "rank 1" in out and "send to rank 1 (tag 0, 64 bytes)" in out, out[-2000:]
     assert "backend threads left: 0" in out, out[-2000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts,mode", [(None, "anysrc_left"), (None, "anysrc_killed"), ("001", "anysrc_left"),
+                                        ("011", "anysrc_killed"), (None, "anysrc_2_sends"), ("001", "anysrc_2_sends"),
+                                        ("001", "anysrc_1_sends")])
+def test_recv_from_any_rank_fails_once_no_rank_can_send(hosts, mode):
+    """Rank 0 receives from any rank, in a loop, while ranks 1 and 2 leave (destroy their group, or
+    are killed); with "_<r>_sends" rank r first sends one message, 1.5 s after the other left.
+    That message is received, from rank r (across hosts, one engine's copy of the receive has
+    given up by then: the other takes it); then, with every sender gone, the next receive fails
+    within seconds, naming each rank and why, instead of at the group's 60 s timeout (until
+    2026-12-05 it waited that out)."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(3, mode, 60, hosts=hosts)
+    procs.wait_ready()
+    t0 = time.monotonic()
+    out = procs.finish(30, ranks=[0])[0]
+    elapsed = time.monotonic() - t0
+    assert procs[0].returncode == 3, f"rank 0: exit {procs[0].returncode}\n{out[-2000:]}"
+    received = re.findall(r"received from rank (\d+): (\S+)", out)
+    sender = mode.split("_")[1] if mode.endswith("_sends") else None
+    assert received == ([(sender, f"{sender}")] if sender else []), out[-2000:]
+    m = re.search(r"recv from any rank \(tag 0, 262144 bytes\): no rank can send it any more: (.*)", out)
+    assert m, out[-2000:]
+    for r in (1, 2):
+        assert f"rank {r}" in m.group(1), m.group(1)
+    if hosts is None:
+        gone = "exited" if mode == "anysrc_killed" else "shut down or aborted the process group"
+        assert m.group(1) == f"rank 1 {gone}, rank 2 {gone}", m.group(1)
+    assert "backend threads left: 0" in out, out[-2000:]
+    assert elapsed < 10, f"rank 0 took {elapsed:.1f}s"
+    procs.finish(30)
+    assert not [n for n in os.listdir("/dev/shm") if "smddp" in n]
 
 
 @pytest.mark.timeout(120)

@@ -755,6 +755,23 @@ void NetP2p::checkDeadlines() {
       break;
     }
   }
+  if (!anyRecvs_.empty()) {
+    // Every connection failed or closed: no other host can send a message any more.
+    std::string gone;
+    for (const auto& p : peers_) {
+      if (!p) continue;
+      if (!p->broken) {
+        gone.clear();
+        break;
+      }
+      gone += (gone.empty() ? "" : "; ") + p->why;
+    }
+    if (!gone.empty()) {
+      abandonAnySource(anyRecvs_, gone, [&](P2pOp op, const std::string& why) {
+        complete(std::move(op), errorOf(ErrorCode::kRemoteError, why), -1);
+      });
+    }
+  }
   if (!anyRecvs_.empty() && now >= anyRecvs_.front().deadline) {
     P2pOp op = std::move(anyRecvs_.front());
     anyRecvs_.pop_front();

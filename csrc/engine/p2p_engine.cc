@@ -479,6 +479,13 @@ void P2pEngine::checkDeadlinesAndPeers() {
     expire(recvs_[p], p);
   }
   expire(anyRecvs_, -1);
+  if (!anyRecvs_.empty()) {
+    if (const std::string gone = sendersGone(); !gone.empty()) {
+      abandonAnySource(anyRecvs_, gone, [&](P2pOp op, const std::string& why) {
+        complete(std::move(op), errorOf(ErrorCode::kRemoteError, why), -1);
+      });
+    }
+  }
   // The oldest op still waiting, for the peers' timeout messages.
   if (!board_.due(now)) return;
   const P2pOp* oldest = nullptr;
@@ -497,6 +504,32 @@ void P2pEngine::checkDeadlinesAndPeers() {
   }
   consider(anyRecvs_, -1);
   board_.watch(oldest, oldestPeer, now);
+}
+
+std::string P2pEngine::sendersGone() const {
+  std::string gone;
+  for (int s = 0; s < size_; ++s) {
+    if (s == rank_) continue;
+    const std::string who = "rank " + std::to_string(domain_->groupRank(s));
+    std::string why;
+    if (!broken_[s].empty()) {
+      why = "an earlier point-to-point failure with " + who;
+    } else {
+      // Read before what the peer sent, which it publishes before either (as in expire()).
+      const bool gaveUp = domain_->pairGaveUp(s, rank_);
+      const bool closed = gaveUp || domain_->p2pClosed(s);
+      if (!closed && domain_->peerAlive(s)) return "";  // most calls end here, at the first peer
+      if (domain_->sentTo(s, rank_).load(std::memory_order_acquire) >
+          domain_->consumedFrom(rank_, s).load(std::memory_order_acquire)) {
+        return "";  // left unread: the next pass routes it
+      }
+      why = who + (gaveUp   ? " gave up point-to-point with this rank"
+                   : closed ? " shut down or aborted the process group"
+                            : " exited");
+    }
+    gone += (gone.empty() ? "" : ", ") + why;
+  }
+  return gone.empty() ? "the group has no other rank" : gone;
 }
 
 P2pEngine::Pass P2pEngine::pass(bool tryOnly) {

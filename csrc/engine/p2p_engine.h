@@ -123,6 +123,9 @@ class P2pEngine : public P2pDriver {
   void fail(std::deque<P2pOp>& q, const std::string& why, bool nameOps = false);
   void failEverything();  // after shutdown() or abort()
   void checkDeadlinesAndPeers();
+  // Why no peer can send this rank a message any more ("rank 1 exited, rank 2 ..."), or "" while
+  // one still may: what ends a receive from any source before its timeout.
+  std::string sendersGone() const;
   void handOver();  // wakes the thread to take over pending ops (it steps aside again while a driver runs)
   void shutdownNow();
 

@@ -53,6 +53,24 @@ bool anySourceFirst(const std::deque<P2pOp>& anyRecvs, const P2pOp& named, int t
   return oldest != anyRecvs.end() && oldest->postSeq < named.postSeq;
 }
 
+void abandonAnySource(std::deque<P2pOp>& anyRecvs, const std::string& gone,
+                      const std::function<void(P2pOp, const std::string&)>& fail) {
+  for (P2pOp& op : anyRecvs) {
+    if (op.takenElsewhere()) continue;
+    std::string why = describeOp(op, -1) + ": no rank can send it any more: " + gone;
+    if (SharedAnySource* shared = op.sharedAnySource.get()) {
+      std::lock_guard<std::mutex> lock(shared->mutex);
+      if (shared->hopeful.fetch_sub(1) > 1) {
+        shared->gone = gone;
+        continue;
+      }
+      why += "; " + shared->gone;
+    }
+    fail(std::move(op), why);
+  }
+  anyRecvs.clear();
+}
+
 std::string describeOp(const P2pOp& op, int peerRank) {
   const std::string what = " (tag " + std::to_string(op.tag) + ", " + std::to_string(op.bytes) + " bytes)";
   if (op.into) return "a message from rank " + std::to_string(peerRank) + what + " that no recv has taken yet";

@@ -20,6 +20,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -45,6 +46,18 @@ struct UnexpectedQueue : std::deque<std::unique_ptr<Unexpected>> {
   bool warnedHeld = false;           // warned once per sender
 };
 
+// A receive from any source in a group that spans hosts, posted to both engines (host-mates
+// through shared memory, other hosts through TCP): whichever first matches a message, times the
+// receive out or fails it takes it, and the other engine drops its copy unfinished.
+struct SharedAnySource {
+  std::atomic<bool> taken{false};
+  // Copies that may still match a message. An engine whose every sender is gone drops its copy
+  // and leaves its reason here; the last such fails the receive with both reasons.
+  std::atomic<int> hopeful{2};
+  std::mutex mutex;
+  std::string gone;
+};
+
 struct P2pOp {
   bool isSend = false;
   int peer = -1;  // -1: receive from any source
@@ -60,10 +73,7 @@ struct P2pOp {
   uint64_t postSeq = 0;
   // Called once on the p2p thread: the error (or null) and the rank the message came from.
   std::function<void(std::exception_ptr, int)> done;
-  // A receive from any source in a group that spans hosts is posted to both engines (host-mates
-  // through shared memory, other hosts through TCP); whichever first matches a message, times the
-  // receive out or fails it takes this flag, and the other engine drops its copy unfinished.
-  std::shared_ptr<std::atomic<bool>> sharedAnySource;
+  std::shared_ptr<SharedAnySource> sharedAnySource;  // set where the receive went to both engines
   // Set on the engine's own receive of an unexpected message (routeMessage): it reads into `into`'s
   // memory, has no deadline and nobody waits on it.
   Unexpected* into = nullptr;
@@ -79,16 +89,23 @@ struct P2pOp {
   // already took. After it, this engine owns the op outright.
   bool claim() {
     if (!sharedAnySource) return true;
-    const bool won = !sharedAnySource->exchange(true);
+    const bool won = !sharedAnySource->taken.exchange(true);
     sharedAnySource.reset();
     return won;
   }
   // The other engine has taken this shared receive: drop it without calling done.
-  bool takenElsewhere() const { return sharedAnySource && sharedAnySource->load(); }
+  bool takenElsewhere() const { return sharedAnySource && sharedAnySource->taken.load(); }
   void finish(std::exception_ptr error, int source) {
     if (claim() && done) done(std::move(error), source);
   }
 };
+
+// No rank that `anyRecvs`' engine hears from can send it a message any more (`gone` says why, as
+// "rank 1 exited, rank 2 shut down ..."): each receive still waiting there is passed to `fail`
+// with the whole reason, unless the other engine's copy of it may still match a message (this
+// copy is dropped then, and `gone` left for that engine to tell if it comes to fail it too).
+void abandonAnySource(std::deque<P2pOp>& anyRecvs, const std::string& gone,
+                      const std::function<void(P2pOp, const std::string&)>& fail);
 
 // The next posting sequence number (from 1), from one counter for the whole process, so that the
 // numbers of both engines' receives compare (a receive from any source may go to both,

@@ -85,9 +85,9 @@ void SmddpBackend::submitP2p(engine::P2pOp o, SmddpWork* driven) {
   if (multiHost && peer >= 0 && !remote) o.peer = topo.localOf[peer];
   try {
     if (multiHost && peer < 0) {
-      // Any rank may send it: both engines look, the first match takes it (P2pOp::claim).
-      o.sharedAnySource = std::make_shared<std::atomic<bool>>(false);
       if (p2p_) {  // host-mates (the shared-memory engine exists only where there are some)
+        // Any rank may send it: both engines look, the first match takes it (P2pOp::claim).
+        o.sharedAnySource = std::make_shared<engine::SharedAnySource>();
         engine::P2pOp local = o;
         const std::vector<int> hostMates = topo.members[topo.host()];
         local.done = [done = o.done, hostMates](std::exception_ptr error, int source) {
