@@ -765,22 +765,22 @@ def test_subgroup_errors_name_the_group(pools):
 def size_mismatch_names_what_each_runs_task(rank, world):
     """Host-mates whose ops differ only in size fail with each side's op as its signature says it:
     a reduce op where the op reduces, a root where it has one, nothing else ("allgather (float32,
-    sum, root -1)" until 2026-12-01)."""
+    sum, root -1)" until 2026-12-01), and the sizes the caller passed."""
     rep = Report(rank)
-    cases = [("allreduce #1 (float32, sum)", lambda g, n: dist.all_reduce(torch.ones(n), group=g)),
-             ("allgather #1 (float32)",
+    cases = [("allreduce #1 (float32, sum)", "", lambda g, n: dist.all_reduce(torch.ones(n), group=g)),
+             ("allgather #1 (float32)", " per rank",
               lambda g, n: dist.all_gather_into_tensor(torch.empty(2 * n), torch.ones(n), group=g)),
-             ("broadcast #1 (float32, root 1)", lambda g, n: dist.broadcast(torch.ones(n), 1, group=g))]
+             ("broadcast #1 (float32, root 1)", "", lambda g, n: dist.broadcast(torch.ones(n), 1, group=g))]
     mine, theirs = (4, 8) if rank == 0 else (8, 4)
-    for described, op in cases:
+    for described, per, op in cases:
         group = dist.new_group()  # a mismatch breaks its group
         with rep.cell(described):
             try:
                 op(group, mine)
                 rep.expect(False, "ops of different sizes completed")
             except ValueError as e:  # a caller's mistake, as torch's own argument errors
-                want = (f"this rank runs {described}, expecting {mine} elements from rank {1 - rank}, but rank "
-                        f"{1 - rank} runs {described} with {theirs} elements")
+                want = (f"this rank runs {described} on {mine} elements{per}, but rank {1 - rank} runs {described} "
+                        f"on {theirs} elements{per}")
                 rep.expect(want in str(e), f"wanted '{want}' in: {e}")
         dist.destroy_process_group(group)
     rep.group_still_works("default group after the mismatches", world, rank)

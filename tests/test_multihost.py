@@ -816,6 +816,31 @@ def sizes_differ_by_host_task(rank, world, topo, kind, n):
     return rep.to_dict()
 
 
+def empty_on_one_rank_task(rank, world):
+    """Rank 1 runs its all_reduce on no elements, its host-mate and the other host's rank on 1024,
+    then all run an all_reduce of 1 (_mismatch_raised). Rank 1 returns from the empty one at once (as NCCL and gloo
+    do), so the mismatch shows at its next op, which meets the others' first: every rank raises,
+    naming both ops with the sizes passed (until 2026-12-05 the text gave the counts of the
+    host's first step: "rank 1 runs allreduce #2 (float32, sum) with 0 elements")."""
+    rep = Report(rank)
+    text, secs = _mismatch_raised(lambda: dist.all_reduce(torch.ones(0 if rank == 1 else 1024)))
+    if text is None:
+        rep.fail(f"rank {rank}: all_reduce of 0 elements on rank 1 and 1024 elsewhere did not raise")
+        return rep.to_dict()
+    first = re.search(r"allreduce #(\d+) \(float32, sum\) on 1024 elements", text)
+    second = re.search(r"allreduce #(\d+) \(float32, sum\) on 1 element\b", text)
+    rep.expect(first and second and int(second.group(1)) == int(first.group(1)) + 1, f"rank {rank}: {text}")
+    rep.expect(secs < 20, f"rank {rank}: took {secs:.1f} s to fail (a timeout, not the mismatch?)")
+    return rep.to_dict()
+
+
+def test_empty_op_on_one_rank_is_named_at_its_next_op(pools):
+    try:
+        check(pools, "001", empty_on_one_rank_task, timeout=120)
+    finally:
+        pools.discard(3, "001", NET_ENV)  # the group refuses further ops after a failed collective
+
+
 @pytest.mark.parametrize("topo, kind", [
     ("01", "all_reduce"), ("0011", "all_reduce"), ("001", "all_reduce"), ("01", "reduce_scatter"),
     ("0011", "reduce_scatter"), ("001", "all_gather"), ("0011", "broadcast"),

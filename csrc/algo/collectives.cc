@@ -58,6 +58,7 @@ void writeDescriptor(OpContext& ctx, uint64_t phase, const Expect& e, uint64_t c
   d.root = e.root;
   d.count = count;
   d.signature = ctx.signature;
+  d.shape = ctx.shape;
   d.layout = layout;
   d.fingerprint = ctx.fingerprint;
   if (ctx.fingerprint != 0 && ctx.text != nullptr) {
@@ -86,7 +87,14 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
         d.redop == static_cast<uint32_t>(e.redop) && d.root == e.root && d.count == countOf(p)) {
       continue;
     }
-    // Described as the signatures describe themselves: an op's reduce op and root only where it has them.
+    if (d.seq != ctx.seq || d.shape != ctx.shape) {  // what the caller passed differs: told in its terms
+      OpSignature ours = OpSignature::unpack(ctx.signature), theirs = OpSignature::unpack(d.signature);
+      ours.shape = ctx.shape;
+      theirs.shape = d.shape;
+      throw Error(ErrorCode::kInvalidUsage, OpSignature::mismatchText(ours, ctx.seq, who, theirs, d.seq));
+    }
+    // The algorithm's own step differs (smddp's settings differ between ranks?): told in the
+    // step's terms, as the signatures describe themselves.
     throwError(ErrorCode::kInvalidUsage,
                "collectives do not match across ranks: this rank runs %s, expecting %llu elements from rank %d, but "
                "rank %d runs %s with %llu elements. Every rank must issue the same collectives in the same order "

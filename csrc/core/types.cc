@@ -147,7 +147,18 @@ std::string OpSignature::describeShape() const {
   }
   const bool perRank = kind == OpKind::kAllgather || kind == OpKind::kGather || kind == OpKind::kScatter ||
                        kind == OpKind::kReduceScatter;
-  return std::to_string(shape) + (perRank ? " elements per rank" : " elements");
+  return std::to_string(shape) + (shape == 1 ? " element" : " elements") + (perRank ? " per rank" : "");
+}
+
+std::string OpSignature::mismatchText(const OpSignature& ours, uint64_t ourSeq, int peer, const OpSignature& theirs,
+                                      uint64_t theirSeq) {
+  const auto described = [](const OpSignature& op, uint64_t seq) {
+    const bool sized = op.kind != OpKind::kAlltoall && op.kind != OpKind::kBarrier;  // their `shape` is 0
+    return op.describe(seq) + (sized ? " on " + op.describeShape() : "");
+  };
+  return "collectives do not match across ranks: this rank runs " + described(ours, ourSeq) + ", but rank " +
+         std::to_string(peer) + " runs " + described(theirs, theirSeq) +
+         ". Every rank must issue the same collectives in the same order with matching sizes and dtypes";
 }
 
 std::string OpSignature::describe(uint64_t seq) const {

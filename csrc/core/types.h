@@ -96,6 +96,11 @@ struct OpSignature {
   static uint64_t shapeOf(size_t count) { return count; }
   // "65536 elements", "65536 elements per rank", "uneven per-rank sizes (digest #...)"
   std::string describeShape() const;
+  // "collectives do not match across ranks: this rank runs allreduce #1 (float32, sum) on 4
+  // elements, but rank 1 runs allreduce #2 (float32, sum) on 8 elements. Every rank must ...":
+  // this rank's op `ours` and rank `peer`'s `theirs`, sizes included where the kind has them.
+  static std::string mismatchText(const OpSignature& ours, uint64_t ourSeq, int peer, const OpSignature& theirs,
+                                  uint64_t theirSeq);
 };
 
 // A reduction as the kernels see it: the operator plus the scalars its finalisation needs.

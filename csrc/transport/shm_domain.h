@@ -38,6 +38,7 @@ struct alignas(64) OpDescriptor {
   // the algorithm runs, which is the same for some different collectives (across hosts the
   // ranks of a gather's or scatter's other hosts run a barrier's step).
   uint64_t signature;
+  uint64_t shape;  // and its OpSignature::shape: the sizes told when ranks' ops differ
   // A digest of the element count this rank takes every rank's part to have. Each rank checks
   // the count its peers announce for themselves; this catches the rest: with uneven
   // reduce-scatter blocks, a rank that is wrong about another's block stages a block of the

@@ -31,10 +31,7 @@ std::string mismatchText(int peer, const MsgHeader& sent, const MsgHeader& expec
     OpSignature theirs = OpSignature::unpack(sent.op), ours = theirs;
     theirs.shape = sent.shape;
     ours.shape = expected.shape;
-    return formatString("collectives do not match across ranks: rank %d runs %s on %s but this rank runs it on %s. "
-                        "Every rank must issue the same collectives in the same order with matching sizes and dtypes",
-                        peer, theirs.describe(seqOf(sent.tag)).c_str(), theirs.describeShape().c_str(),
-                        ours.describeShape().c_str());
+    return OpSignature::mismatchText(ours, seqOf(expected.tag), peer, theirs, seqOf(sent.tag));
   }
   return formatString("collectives do not match across ranks: rank %d sent %llu bytes for op/step %llu/%llu but "
                       "this rank expected %llu bytes for op/step %llu/%llu from it. Every rank must issue the same "
