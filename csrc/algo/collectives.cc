@@ -84,7 +84,8 @@ void checkDescriptors(OpContext& ctx, uint64_t phase, const Expect& e, CountOf c
                  OpSignature::unpack(d.signature).describe(d.seq).c_str());
     }
     if (d.seq == ctx.seq && d.kind == static_cast<uint32_t>(e.kind) && d.dtype == static_cast<uint32_t>(e.dtype) &&
-        d.redop == static_cast<uint32_t>(e.redop) && d.root == e.root && d.count == countOf(p)) {
+        d.redop == static_cast<uint32_t>(e.redop) && d.root == e.root && d.count == countOf(p) &&
+        d.shape == ctx.shape) {
       continue;
     }
     if (d.seq != ctx.seq || d.shape != ctx.shape) {  // what the caller passed differs: told in its terms
