@@ -395,6 +395,97 @@ def test_materialize_finds_what_init_fn_leaves(pools):
     pools.check(2, materialize_leftovers_task, timeout=300)
 
 
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 8)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+
+
+def _init_as_gpt2(module):
+    """As Hugging Face's GPT-2 _init_weights: each Linear draws its own weight, then its parent
+    block redraws its submodules' weights: the parameter itself, through .data, through a view."""
+    if isinstance(module, torch.nn.Linear):
+        torch.nn.init.normal_(module.weight, std=0.02)
+        torch.nn.init.zeros_(module.bias)
+    elif isinstance(module, _Block):
+        torch.nn.init.normal_(module.out.weight, std=0.005)
+        module.proj.bias.data.normal_(std=0.001)
+        module.proj.weight[:, :4].normal_(std=0.001)
+
+
+def materialize_parent_writes_task(rank, world):
+    """materialize(init_fn=...) where a parent's call writes its children's sharded parameters
+    (GPT-2 rescales c_proj.weight from its attention and MLP): equal to model.apply(init_fn) run
+    eagerly. Until 2026-12-05 the parent ran before its children (their own draws then won), and
+    its writes went to the DTensor shards, each rank drawing its own: with ranks seeded alike,
+    every shard a copy of the first."""
+    rep = Report(rank)
+    tsm.init({}, device_type="cpu")
+    eager = _Stack()
+    torch.manual_seed(7)
+    with torch.no_grad():
+        eager.apply(_init_as_gpt2)
+    with torch.device("meta"):
+        model = _Stack()
+    tsm.apply_hybrid_sharding(model)
+    torch.manual_seed(7)
+    tsm.materialize(model, init_fn=_init_as_gpt2)
+    for name, want in eager.state_dict().items():
+        rep.check(f"materialize(init_fn) as model.apply(init_fn): {name}", model.state_dict()[name].full_tensor(), want)
+    rep.expect(torch.equal(torch.get_rng_state(), _after_eager_init()), "the RNG did not run on as the eager init's")
+    return rep.to_dict()
+
+
+def _after_eager_init():
+    model = _Stack()
+    torch.manual_seed(7)
+    with torch.no_grad():
+        model.apply(_init_as_gpt2)
+    return torch.get_rng_state()
+
+
+def test_materialize_runs_init_fn_as_apply_does(pools):
+    pools.check(2, materialize_parent_writes_task, timeout=300)
+
+
+def materialize_misfit_task(rank, world):
+    """materialize(rank0_state_dict=...) with a state dict that does not fit the model: every rank
+    raises, naming what does not fit (until 2026-12-05 an unexpected key raised on rank 0 alone,
+    and rank 1 returned as if filled); the group goes on."""
+    rep = Report(rank)
+    tsm.init({}, device_type="cpu")
+    eager = _Stack()
+    good = eager.state_dict()
+    cases = {"unexpected key(s): extra.weight": dict(good, **{"extra.weight": torch.zeros(3)}),
+             "missing key(s): blocks.1.out.bias": {k: v for k, v in good.items() if k != "blocks.1.out.bias"},
+             "other shape(s): blocks.0.proj.weight ([4, 8] where the model's is [8, 8])":
+                 dict(good, **{"blocks.0.proj.weight": torch.zeros(4, 8)}),
+             "rank 0 passed None": None}
+    for want, passed in cases.items():
+        with torch.device("meta"):
+            model = _Stack()
+        tsm.apply_hybrid_sharding(model)
+        with rep.cell(want):
+            try:
+                tsm.materialize(model, rank0_state_dict=passed if rank == 0 else None)
+                rep.fail(f"{want}: no error")
+            except ValueError as e:
+                rep.expect(f"rank 0's rank0_state_dict does not fit the model: {want}" in str(e), f"{want}: {e}")
+    rep.group_still_works("the group after the refusals", world, rank)
+    return rep.to_dict()
+
+
+def test_materialize_refuses_a_state_dict_that_does_not_fit(pools):
+    pools.check(2, materialize_misfit_task, timeout=300)
+
+
 def test_materialize_refuses_buffers_it_cannot_fill():
     """A non-persistent buffer on the meta device that no state dict holds and no twin can be
     built for (the module has no .config): an error naming it, not the garbage to_empty() leaves;

@@ -263,6 +263,78 @@ def test_tp_with_activation_offloading(pools):
     pools.check(2, tp_offloading_task, timeout=300)
 
 
+def tp_dropout_task(rank, world, sequence_parallel):
+    """Dropout under tensor parallelism (GPT-2, every dropout at 0.5): each TP rank draws its own
+    masks where it computes its own share (its heads' attention weights; with sequence
+    parallelism its tokens' residual stream), while the residual stream every rank holds whole
+    (without sequence parallelism) is dropped alike on every rank, and activation checkpointing
+    recomputes the same masks (its gradients equal those without it; until 2026-12-05 it raised
+    there for GPT-2, whose blocks take the key/value cache by position, which the recompute filled
+    a second time). Until 2026-12-05 every
+    rank drew from the one shared RNG stream: rank 1's heads and tokens were dropped exactly
+    where rank 0's were."""
+    rep = Report(rank)
+    sp = sequence_parallel
+    tag = f"gpt2 tp=2 dropout 0.5 sequence_parallel={sp}"
+    tsm.init({"tensor_parallel_degree": 2, "random_seed": 11}, device_type="cpu")
+    overrides = dict(resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5, attn_implementation="eager")
+    built, _ = _build("gpt2", **overrides)
+    models = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(built)
+        tsm.transform(model, sequence_parallel=sp)
+        if checkpointing:
+            tsm.apply_activation_checkpointing(model)
+        models.append(model.train())
+    seq = 16  # split evenly: uneven shards would move the ranks' shared streams apart by themselves
+    tokens = torch.randint(0, 131, (PER_DP_RANK, seq + 1), generator=torch.Generator().manual_seed(3))
+    masks, streams = [], []
+    dropout = F.dropout
+
+    def recorded(x, p=0.5, training=True, inplace=False):
+        y = dropout(x, p, training, inplace)
+        if x.dim() == 4 and not masks:  # the first layer's attention weights, this rank's heads
+            masks.append(((y == 0) & (x != 0)).to(torch.int8))
+        return y
+
+    hook = models[0].transformer.h[0].attn.resid_dropout.register_forward_hook(
+        lambda m, i, out: streams.append(_local(out).detach().clone()))
+    grads = []
+    for model in models:
+        torch.manual_seed(5)
+        F.dropout = recorded
+        try:
+            _logits_and_loss(model, tokens)[1].backward()
+        finally:
+            F.dropout = dropout
+        grads.append({n: _full(p.grad) for n, p in model.named_parameters()})
+    hook.remove()
+    theirs = [torch.zeros_like(masks[0]) for _ in range(world)]
+    dist.all_gather(theirs, masks[0].contiguous())
+    rep.expect(0.2 < masks[0].float().mean() < 0.5, f"{tag}: attention dropout dropped {masks[0].float().mean():.2f}")
+    rep.expect(not torch.equal(theirs[0], theirs[1]), f"{tag}: both ranks' heads were dropped alike")
+    stream = streams[0].contiguous()
+    others = [torch.zeros_like(stream) for _ in range(world)]
+    dist.all_gather(others, stream)
+    if sp:  # each rank's own tokens, dropped independently
+        rep.expect(not torch.equal(others[0] == 0, others[1] == 0), f"{tag}: both ranks' tokens were dropped alike")
+    else:  # the whole residual stream on every rank: it must stay the same everywhere
+        rep.expect(torch.equal(others[0], others[1]), f"{tag}: the replicated residual stream differs between ranks")
+    for name, g in grads[0].items():  # up to summation order (other masks would move them by ~1e-2)
+        rep.expect(torch.allclose(g, grads[1][name], rtol=1e-9, atol=1e-12),
+                   f"{tag}: activation checkpointing changed {name}'s gradient")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp_dropout_draws_per_rank_where_split(pools, sequence_parallel):
+    pools.check(2, tp_dropout_task, sequence_parallel, timeout=300)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def tp_delayed_init_task(rank, world, family):
     """Built on the meta device, split, sharded, then filled from rank 0's state dict: the
     logits are the eager model's (the rotary buffers no state dict holds are built again)."""

@@ -34,6 +34,7 @@ under another hybrid_shard_degree), warnings when the CUDA caching allocator flu
 """
 
 import contextlib
+import inspect
 import json
 import os
 import types
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CONFIG_KEYS", "SMPConfig", "init", "state", "apply_hybrid_sharding", "validate", "materialize",
            "save_checkpoint", "load_checkpoint", "apply_activation_checkpointing", "apply_activation_offloading",
@@ -433,27 +435,49 @@ def _unwritten(t):
     return int(t.isnan().sum()) if t.is_floating_point() else 0
 
 
+def _rng_states(device):
+    """The RNG states an initialisation on `device` may draw from: the CPU's, and the device's own."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_states(states, device):
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
+
+
 def _init_module_whole(module, init, filled):
     """init(module) on the module's whole parameters: each sharded parameter (a DTensor) it owns
     directly is swapped for a full-size plain tensor for the call, then this rank's shard of it
     is copied into the DTensor's local tensor, unless the call left it untouched (a tied weight
-    whose other owner fills it). filled[id(parameter)]: whether the last call that wrote the
+    whose other owner fills it). A call that writes its submodules' sharded parameters too
+    (Hugging Face's GPT-2 redraws its attention's and MLP's c_proj.weight) is stopped at that
+    write, before it lands on the shards (where each rank would draw its own), and run again
+    from the same RNG state with those swapped as well, each full-size copy starting from what
+    its own module's call wrote. filled[id(parameter)]: whether the last call that wrote the
     parameter wrote all of it, decided on the full tensor, the same on every rank."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    sharded = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
-    full = {}
-    for name, p in sharded.items():
-        blank = _unfilled_like(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device))
-        full[name] = nn.Parameter(blank, requires_grad=p.requires_grad)
-        module._parameters[name] = full[name]
+    def sharded_of(m):
+        return [(m, name, p) for name, p in m.named_parameters(recurse=False) if isinstance(p, DTensor)]
+
+    own = sharded_of(module)
+    below = [entry for m in module.modules() if m is not module for entry in sharded_of(m)]
+    device = next((p.to_local().device for *_, p in own + below), torch.device("cpu"))
+    before = _rng_states(device)
+    watch = _WritesTo([p for *_, p in below])
     try:
-        init(module)
-    finally:
-        for name, p in sharded.items():
-            module._parameters[name] = p
-    for name, p in sharded.items():
-        whole = full[name].detach()
+        with watch:
+            written = _run_on_whole(module, init, own)
+    except _WritesTo.Hit:
+        pass
+    if below and _any_rank(watch.hit):
+        _set_rng_states(before, device)
+        # A parameter not written yet starts unwritten (its shard holds no mark); the gathers are
+        # collective, as every rank takes this path.
+        start = {id(p): p.full_tensor().clone() for *_, p in below if id(p) in filled}
+        written = _run_on_whole(module, init, own + below, start)
+    for p, whole in written:
         left = _unwritten(whole)
         if left and left == whole.numel():
             continue
@@ -461,6 +485,80 @@ def _init_module_whole(module, init, filled):
         # No communication (src_data_rank=None): every rank holds the same full tensor.
         mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
         p.to_local().copy_(mine.to_local())
+
+
+class _WritesTo(TorchDispatchMode):
+    """Stops an op that writes one of the DTensors `watched` (raises Hit, before the op runs; a
+    parameter written through .data or a view too: a DTensor whose local tensor is that one's, or
+    a view of it). It looks at DTensor-level ops, which every rank runs alike."""
+
+    class Hit(Exception):
+        pass
+
+    def __init__(self, watched):
+        super().__init__()
+        self.locals_ = {id(p._local_tensor) for p in watched}
+        self.storages = {p._local_tensor.untyped_storage().data_ptr() for p in watched if p._local_tensor.numel()}
+        self.hit = False
+
+    def _watched(self, value):
+        local = getattr(value, "_local_tensor", None)
+        return local is not None and (id(local) in self.locals_ or (
+            local.numel() > 0 and local.untyped_storage().data_ptr() in self.storages))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.locals_ and func._schema.is_mutable:
+            for i, arg in enumerate(func._schema.arguments):
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                if arg.alias_info is not None and arg.alias_info.is_write and self._watched(value):
+                    self.hit = True
+                    raise _WritesTo.Hit()
+        return func(*args, **kwargs)
+
+
+def _any_rank(flag):
+    """Whether `flag` holds on any rank (collective where distributed): a decision that changes
+    how much of the RNG a call draws must be every rank's, or their streams part."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _run_on_whole(module, init, sharded, start=None):
+    """init(module) with each of `sharded` ((owner, name, DTensor)) swapped for a full-size
+    plain parameter: start[id(DTensor)] where given, else marked unwritten. Returns [(DTensor,
+    its full-size copy after the call)]."""
+    full = []
+    for owner, name, p in sharded:
+        whole = (start or {}).get(id(p))
+        if whole is None:
+            whole = _unfilled_like(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device))
+        full.append(nn.Parameter(whole, requires_grad=p.requires_grad))
+        owner._parameters[name] = full[-1]
+    try:
+        init(module)
+    finally:
+        for owner, name, p in sharded:
+            owner._parameters[name] = p
+    return [(p, whole.detach()) for (*_, p), whole in zip(sharded, full)]
+
+
+def _children_first(model):
+    """Every module of `model` once (as model.modules()), each after all of its children."""
+    seen, order = set(), []
+
+    def visit(m):
+        seen.add(id(m))
+        for child in m.children():
+            if id(child) not in seen:
+                visit(child)
+        order.append(m)
+
+    visit(model)
+    return order
 
 
 def _initialise_whole(model, init_fn):
@@ -474,8 +572,11 @@ def _initialise_whole(model, init_fn):
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()
 
+    # Children before their parent, as nn.Module.apply() and Hugging Face's initialisation run
+    # (a parent's call may redo what its children's did: GPT-2 rescales its c_proj weights), and
+    # as a parent's constructor ends after its children's; leaves keep their order either way.
     # Modules with nothing to run: no full-size copies for them.
-    modules = [m for m in model.modules() if init_fn is not None or hasattr(m, "reset_parameters")]
+    modules = [m for m in _children_first(model) if init_fn is not None or hasattr(m, "reset_parameters")]
     shared, same = _rank0_rng_state()
     filled = {}
     # Seeded alike, the RNG runs on as in the eager build; else rank 0's stream for the model, and
@@ -556,9 +657,12 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
       0's full state dict, broadcast shard by shard, so the model equals the one rank 0 built
       eagerly (same seed, same values) without any other rank holding the whole model.
     - otherwise: `init_fn(module)` for every module if given, else each module's own
-      `reset_parameters()`, module by module in model.modules() order, on the module's whole
-      parameters: those it owns directly that are sharded (DTensors) are swapped for temporary
-      full-size tensors while it runs, and each rank then keeps its own shard of them. Collective:
+      `reset_parameters()`, module by module, children before their parent (as model.apply()
+      and Hugging Face's own initialisation run), on the module's whole parameters: those it
+      owns directly that are sharded (DTensors) are swapped for temporary full-size tensors while
+      it runs, and each rank then keeps its own shard of them (a call that writes its
+      submodules' sharded parameters too, as GPT-2's rescaling of c_proj, runs again from the
+      same RNG state with theirs swapped as well). Collective:
       every rank draws from rank 0's CPU RNG state, so every replica of a shard holds the same
       values and the shards of a parameter are parts of one draw (initialising the shards
       themselves would draw each from its own rank's RNG: copies of each other where ranks are
@@ -567,7 +671,8 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
       torch.nn layers' reset_parameters) gets exactly the eager model's values, in the same
       dtype; where the ranks' RNGs differ, each rank's own RNG state is left as it was. Memory:
       besides the shards, one module's directly owned parameters at full size at a time (e.g. a
-      token embedding's vocabulary x hidden size), on every rank.
+      token embedding's vocabulary x hidden size), on every rank; for a call that writes its
+      submodules' too, theirs as well.
 
     Buffers: those built off the meta device keep their values; persistent ones on it are filled
     as parameters are (from rank0_state_dict, or by init_fn / reset_parameters(): one that call
@@ -621,12 +726,15 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     unwritten = []
     if rank0_state_dict is not _UNSET:
         distributed = dist.is_initialized() and dist.get_world_size() > 1
-        if not distributed or dist.get_rank() == 0:
-            if rank0_state_dict is None:
-                raise ValueError("smddp.smp.materialize: rank 0 must pass its full state dict as rank0_state_dict")
-            full = rank0_state_dict
-        else:
-            full = {}
+        judge = not distributed or dist.get_rank() == 0
+        full = rank0_state_dict if judge else {}
+        # Judged on rank 0, raised on every rank: torch's own checks of the keys fail on rank 0
+        # alone (an unexpected key), while the others go on as if filled.
+        misfit = [_state_dict_misfit(model, full) if judge else None]
+        if distributed:
+            dist.broadcast_object_list(misfit, src=0)
+        if misfit[0]:
+            raise ValueError(f"smddp.smp.materialize: rank 0's rank0_state_dict does not fit the model: {misfit[0]}")
         # A copy: set_model_state_dict replaces the dict's tensors with this rank's parts.
         set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True,
                                                                          broadcast_from_rank0=distributed))
@@ -654,6 +762,24 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     if after != before:
         raise RuntimeError(f"smddp.smp.materialize: {before} parameters before, {after} after")
     return model
+
+
+def _state_dict_misfit(model, full):
+    """Why `full` (rank 0's rank0_state_dict) cannot fill `model`, or "": not given, keys the
+    model lacks or it lacks, tensors of other shapes (a sharded one's is its global shape)."""
+    if full is None:
+        return "rank 0 passed None; it must pass its full state dict"
+    want = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+
+    def listed(names):
+        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+    unexpected = [k for k in full if k not in want]
+    missing = [k for k in want if k not in full]
+    reshaped = [f"{k} ({list(full[k].shape)} where the model's is {list(want[k])})" for k in full
+                if k in want and isinstance(full[k], torch.Tensor) and tuple(full[k].shape) != want[k]]
+    return "; ".join(f"{what}: {listed(names)}" for what, names in (
+        ("unexpected key(s)", unexpected), ("missing key(s)", missing), ("other shape(s)", reshaped)) if names)
 
 
 def _is_strided(t):
@@ -849,7 +975,34 @@ def _checkpointed_forward(block, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
 
     forward, _ = block._smddp_checkpointed
+    if torch.is_grad_enabled() and block.training and not getattr(block, "_can_checkpoint_with_cache", False):
+        # A key/value cache the block writes (Hugging Face's past_key_values, GPT-2's and GPT-J's
+        # layer_past) would take the block's keys twice, the recompute's on top of the forward's:
+        # the recomputed attention then saw twice the keys (GPT-2 raised a size mismatch). As
+        # Hugging Face's own gradient checkpointing, the block runs without it while it trains.
+        args, kwargs = _without_cache(forward, args, kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _without_cache(forward, args, kwargs):
+    """`forward`'s arguments with its key/value cache left out (None, use_cache False), whether
+    passed by name or by position (GPT-2's model passes its blocks the cache second)."""
+    try:
+        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):  # no signature to bind to: only what is named
+        bound = None
+    given = bound.arguments if bound is not None else kwargs
+    changed = False
+    for name in ("past_key_values", "layer_past"):
+        if given.get(name) is not None:
+            given[name] = None
+            changed = True
+    if given.get("use_cache"):
+        given["use_cache"] = False
+        changed = True
+    if bound is None or not changed:
+        return args, kwargs
+    return bound.args, bound.kwargs
 
 
 class _Saved:

@@ -367,6 +367,63 @@ def _localise_attention(model, family, tp):
             setattr(attn, name, value // tp)
 
 
+class _SplitRegionRng:
+    """Random draws (dropout) in the parts of the model a TP rank computes its own share of: the
+    heads of its attention, the hidden units of its MLP, and, with sequence parallelism, its
+    tokens between blocks. Drawn from the one RNG state every TP rank shares, their dropout
+    masks were copies of each other: rank 1's heads dropped what rank 0's did, rank 1's tokens
+    what rank 0's did. In such a region each rank draws from a stream of its own, seeded from a
+    number drawn from the shared stream (the same on every TP rank, and again when activation
+    checkpointing recomputes the region from the state it saved), combined with its TP rank;
+    the shared stream is restored as the region ends, so the replicated parts (residual dropout
+    without sequence parallelism) still draw alike on every rank."""
+
+    def __init__(self, tp_rank, device_type):
+        self.tp_rank = tp_rank
+        self.devices = [torch.cuda.current_device()] if device_type == "cuda" else []
+        self.forked = None
+
+    def enter(self, *_):
+        if self.forked is not None:  # already inside (a region's second projection)
+            return
+        seed = int(torch.randint(1 << 62, (1,)).item())
+        self.forked = torch.random.fork_rng(devices=self.devices)
+        self.forked.__enter__()
+        # A 64-bit mix of the two (splitmix64's constant), so that neighbouring ranks' seeds differ widely.
+        mixed = (seed ^ ((self.tp_rank + 1) * 0x9E3779B97F4A7C15)) & ((1 << 63) - 1)
+        torch.random.default_generator.manual_seed(mixed)
+        for d in self.devices:
+            torch.cuda.default_generators[d].manual_seed(mixed)
+
+    def exit(self, *_):
+        if self.forked is not None:
+            forked, self.forked = self.forked, None
+            forked.__exit__(None, None, None)
+
+
+def _fork_rng_in_split_regions(model, family, sequence_parallel, rng):
+    """Hooks that put `rng` (a _SplitRegionRng) around the regions each TP rank computes its own
+    share of: with sequence parallelism the whole forward (everything between the blocks is split
+    over the sequence, and nothing replicated draws), else each attention and MLP from its first
+    column-wise projection to its row-wise one."""
+    if sequence_parallel:
+        regions = [(model, [model], model)]
+    else:
+        regions = []
+        for layer in _module(model, family.layers):
+            for block, columns, out in ((family.attn, family.attn_columns, family.attn_row),
+                                        (family.mlp, family.mlp_columns, family.mlp_row)):
+                module = layer.get_submodule(block)
+                regions.append((module, [module.get_submodule(name) for name, _ in columns],
+                                module.get_submodule(out)))
+    for outer, starts, end in regions:
+        for start in starts:
+            start.register_forward_pre_hook(rng.enter)
+        if end is not outer:
+            end.register_forward_pre_hook(rng.exit)
+        outer.register_forward_hook(rng.exit, always_call=True)  # also where the forward raised
+
+
 def transform(model, sequence_parallel=True):
     """Tensor parallelism of a Hugging Face causal LM over state.mesh["tp"] (see the module
     docstring), in place; returns the model. Call after init() and before apply_hybrid_sharding()
@@ -400,4 +457,5 @@ def transform(model, sequence_parallel=True):
     _localise_attention(model, family, tp)
     parallelize_module(model, mesh, plan)
     _retie(tied)
+    _fork_rng_in_split_regions(model, family, sequence_parallel, _SplitRegionRng(state.tp_rank, mesh.device_type))
     return model
