@@ -27,6 +27,11 @@ using net::wire::MsgHeader;
 constexpr int kActiveTickMs = 50;  // how often deadlines are checked while something is pending
 constexpr int kIdleTickMs = 1000;
 constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client must introduce itself by then
+// Why a connection closes without a farewell: one a rank gives up in the middle of a message
+// (its own timeout, say) cannot carry one, so that case reads like a crash here.
+const std::string kPeerGone =
+    "that rank exited, crashed or aborted, or gave up point-to-point with this rank in the middle of a message (an "
+    "error of its own, such as a timeout: its log says which)";
 
 std::string addrKey(int rank) { return "smddp/p2p/addr/" + std::to_string(rank); }
 
@@ -427,7 +432,7 @@ bool NetP2p::peerLeft(Peer& p, const P2pOp& op) {
     if (k == 0) {
       failPeer(p, ErrorCode::kRemoteError,
                describeOp(op, op.peer) + ": the connection to rank " + std::to_string(p.rank) + " on " +
-                   topo_.describeHost(topo_.hostOf[p.rank]) + " was closed: that rank exited, crashed or aborted");
+                   topo_.describeHost(topo_.hostOf[p.rank]) + " was closed: " + kPeerGone);
       return true;
     }
     if (k < 0 && l.recvHdrGot == 0) continue;
@@ -470,7 +475,7 @@ bool NetP2p::progressSends(Peer& p) {
           failPeer(p, ErrorCode::kRemoteError,
                    describeOp(op, op.peer) + ": the connection to rank " + std::to_string(p.rank) + " on " +
                        topo_.describeHost(topo_.hostOf[p.rank]) + " failed (" + errnoString(err) +
-                       "): that rank exited, crashed or aborted");
+                       "): " + kPeerGone);
           return true;
         }
         moved = true;
@@ -498,7 +503,7 @@ ssize_t NetP2p::recvSome(Peer& p, Lane& l, void* at, size_t want, const P2pOp* o
            (op ? describeOp(*op, op->peer) : std::string("recv from any rank")) + ": the connection to rank " +
                std::to_string(p.rank) + " on " + topo_.describeHost(topo_.hostOf[p.rank]) +
                (k == 0 ? " was closed" : " failed (" + errnoString(errno) + ")") +
-               ": that rank exited, crashed, aborted or gave up on an earlier message");
+               ": " + kPeerGone);
   return -1;
 }
 
