@@ -434,8 +434,7 @@ void P2pEngine::checkDeadlinesAndPeers() {
     std::string gaveUp;
     const bool closed = !dead && peer >= 0 &&
                         (domain_->pairGaveUp(peer, rank_, &gaveUp) || domain_->p2pClosed(peer)) &&
-                        (q.front().isSend || domain_->sentTo(peer, rank_).load(std::memory_order_acquire) <=
-                                                 domain_->consumedFrom(rank_, peer).load(std::memory_order_acquire));
+                        (q.front().isSend || !unreadFrom(peer));
     const auto late = [&](const P2pOp& op) { return now >= op.deadline; };
     const auto it = dead || closed ? q.begin() : std::find_if(q.begin(), q.end(), late);
     if (it == q.end()) return;
@@ -506,28 +505,29 @@ void P2pEngine::checkDeadlinesAndPeers() {
   board_.watch(oldest, oldestPeer, now);
 }
 
+bool P2pEngine::unreadFrom(int peer) const {
+  return domain_->sentTo(peer, rank_).load(std::memory_order_acquire) >
+         domain_->consumedFrom(rank_, peer).load(std::memory_order_acquire);
+}
+
 std::string P2pEngine::sendersGone() const {
   std::string gone;
   for (int s = 0; s < size_; ++s) {
     if (s == rank_) continue;
-    const std::string who = "rank " + std::to_string(domain_->groupRank(s));
-    std::string why;
+    const auto who = [&] { return "rank " + std::to_string(domain_->groupRank(s)); };
     if (!broken_[s].empty()) {
-      why = "an earlier point-to-point failure with " + who;
-    } else {
-      // Read before what the peer sent, which it publishes before either (as in expire()).
-      const bool gaveUp = domain_->pairGaveUp(s, rank_);
-      const bool closed = gaveUp || domain_->p2pClosed(s);
-      if (!closed && domain_->peerAlive(s)) return "";  // most calls end here, at the first peer
-      if (domain_->sentTo(s, rank_).load(std::memory_order_acquire) >
-          domain_->consumedFrom(rank_, s).load(std::memory_order_acquire)) {
-        return "";  // left unread: the next pass routes it
-      }
-      why = who + (gaveUp   ? " gave up point-to-point with this rank"
-                   : closed ? " shut down or aborted the process group"
-                            : " exited");
+      gone += (gone.empty() ? "" : ", ") + ("an earlier point-to-point failure with " + who());
+      continue;
     }
-    gone += (gone.empty() ? "" : ", ") + why;
+    // Read before what the peer sent, which it publishes before either (as in expire()).
+    const bool gaveUp = domain_->pairGaveUp(s, rank_);
+    const bool closed = gaveUp || domain_->p2pClosed(s);
+    if (!closed && domain_->peerAlive(s)) return "";  // most calls end here, at the first peer
+    if (unreadFrom(s)) return "";                      // the next pass routes it
+    gone += (gone.empty() ? "" : ", ") + who() +
+            (gaveUp   ? " gave up point-to-point with this rank"
+             : closed ? " shut down or aborted the process group"
+                      : " exited");
   }
   return gone.empty() ? "the group has no other rank" : gone;
 }

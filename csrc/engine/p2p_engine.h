@@ -126,6 +126,7 @@ class P2pEngine : public P2pDriver {
   // Why no peer can send this rank a message any more ("rank 1 exited, rank 2 ..."), or "" while
   // one still may: what ends a receive from any source before its timeout.
   std::string sendersGone() const;
+  bool unreadFrom(int peer) const;  // chunks `peer` published to this rank that it has not consumed
   void handOver();  // wakes the thread to take over pending ops (it steps aside again while a driver runs)
   void shutdownNow();
 

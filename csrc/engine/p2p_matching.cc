@@ -57,15 +57,16 @@ void abandonAnySource(std::deque<P2pOp>& anyRecvs, const std::string& gone,
                       const std::function<void(P2pOp, const std::string&)>& fail) {
   for (P2pOp& op : anyRecvs) {
     if (op.takenElsewhere()) continue;
-    std::string why = describeOp(op, -1) + ": no rank can send it any more: " + gone;
+    std::string other;  // the other engine's reason, where it gave up first
     if (SharedAnySource* shared = op.sharedAnySource.get()) {
       std::lock_guard<std::mutex> lock(shared->mutex);
       if (shared->hopeful.fetch_sub(1) > 1) {
         shared->gone = gone;
         continue;
       }
-      why += "; " + shared->gone;
+      other = "; " + shared->gone;
     }
+    const std::string why = describeOp(op, -1) + ": no rank can send it any more: " + gone + other;
     fail(std::move(op), why);
   }
   anyRecvs.clear();

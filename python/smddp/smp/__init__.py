@@ -313,9 +313,7 @@ def context_parallel_shard(tensor, dim=1):
 def _take_rank0_state(model):
     """Every parameter and buffer of `model` replaced, in place, by the world's rank 0's."""
     tensors = list(model.parameters()) + list(model.buffers())
-    on_meta = torch.tensor([int(any(t.is_meta for t in tensors))])
-    dist.all_reduce(on_meta, op=dist.ReduceOp.MAX)  # every rank refuses alike, or none does
-    if on_meta.item():
+    if _any_rank(any(t.is_meta for t in tensors)):  # every rank refuses alike, or none does
         raise ValueError("smddp.smp.transform: load_state_dict_from_rank0=True needs the model's parameters "
                          "allocated on every rank (some are on the meta device); for delayed initialisation call "
                          "materialize(model, rank0_state_dict=...) after apply_hybrid_sharding() instead")
@@ -411,6 +409,16 @@ class CacheFlushWatch:
 _UNSET = object()
 
 
+def _any_rank(flag):
+    """Whether `flag` holds on any rank (collective where distributed): for a decision every rank
+    must take alike (a refusal; how much of the RNG a call draws, or the ranks' streams part)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def _rank0_rng_state():
     """(rank 0's CPU RNG state, whether every rank's equals it); collective where distributed."""
     state_now = torch.get_rng_state()
@@ -418,9 +426,7 @@ def _rank0_rng_state():
         return state_now, True
     shared = [state_now]
     dist.broadcast_object_list(shared, src=0)
-    same = torch.tensor([int(torch.equal(shared[0], state_now))])
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    return shared[0], bool(same.item())
+    return shared[0], not _any_rank(not torch.equal(shared[0], state_now))
 
 
 def _unfilled_like(t):
@@ -515,16 +521,6 @@ class _WritesTo(TorchDispatchMode):
                     self.hit = True
                     raise _WritesTo.Hit()
         return func(*args, **kwargs)
-
-
-def _any_rank(flag):
-    """Whether `flag` holds on any rank (collective where distributed): a decision that changes
-    how much of the RNG a call draws must be every rank's, or their streams part."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    t = torch.tensor([int(flag)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def _run_on_whole(module, init, sharded, start=None):
@@ -957,7 +953,7 @@ def apply_activation_checkpointing(model, blocks=None):
             # no recomputation, silently.
             raise ValueError("smddp.smp.apply_activation_checkpointing: the block's activations are offloaded "
                              "already; apply activation checkpointing first, then offloading")
-        _wrap_forward(block, "_smddp_checkpointed", _checkpointed_forward, None)
+        _wrap_forward(block, "_smddp_checkpointed", _checkpointed_forward, _signature_of(block.forward))
     return model
 
 
@@ -974,22 +970,31 @@ def _wrap_forward(block, slot, wrapper, context):
 def _checkpointed_forward(block, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
 
-    forward, _ = block._smddp_checkpointed
+    forward, signature = block._smddp_checkpointed
     if torch.is_grad_enabled() and block.training and not getattr(block, "_can_checkpoint_with_cache", False):
         # A key/value cache the block writes (Hugging Face's past_key_values, GPT-2's and GPT-J's
         # layer_past) would take the block's keys twice, the recompute's on top of the forward's:
         # the recomputed attention then saw twice the keys (GPT-2 raised a size mismatch). As
         # Hugging Face's own gradient checkpointing, the block runs without it while it trains.
-        args, kwargs = _without_cache(forward, args, kwargs)
+        args, kwargs = _without_cache(signature, args, kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def _without_cache(forward, args, kwargs):
-    """`forward`'s arguments with its key/value cache left out (None, use_cache False), whether
-    passed by name or by position (GPT-2's model passes its blocks the cache second)."""
+def _signature_of(forward):
+    """inspect.signature(forward), or None where it has none: taken once, as a block is wrapped."""
     try:
-        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
-    except (TypeError, ValueError):  # no signature to bind to: only what is named
+        return inspect.signature(forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def _without_cache(signature, args, kwargs):
+    """The arguments of a forward with `signature` with its key/value cache left out (None,
+    use_cache False), whether passed by name or by position (GPT-2's model passes its blocks the
+    cache second)."""
+    try:
+        bound = signature.bind_partial(*args, **kwargs) if signature is not None else None
+    except TypeError:  # arguments the signature does not take: only what is named
         bound = None
     given = bound.arguments if bound is not None else kwargs
     changed = False
