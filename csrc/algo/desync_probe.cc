@@ -136,11 +136,11 @@ void DesyncProbe::stalled(std::chrono::steady_clock::time_point since,
     int peer = -1;
     if (std::sscanf(found.c_str(), "%d %llu %llu", &peer, &seq, &signature) == 3) {
       throwError(ErrorCode::kInvalidUsage,
-                 "collectives do not match across ranks: rank %d runs %s but this rank runs %s (found after %lld ms "
-                 "without progress, in the group's store). Every rank must issue the same collectives in the same "
+                 "collectives do not match across ranks: this rank runs %s, but rank %d runs %s (found after %lld "
+                 "ms without progress, in the group's store). Every rank must issue the same collectives in the same "
                  "order with matching sizes and dtypes",
-                 peer, OpSignature::unpack(signature).describe(seq).c_str(),
-                 OpSignature::unpack(signature_).describe(seq_).c_str(),
+                 OpSignature::unpack(signature_).describe(seq_).c_str(), peer,
+                 OpSignature::unpack(signature).describe(seq).c_str(),
                  static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count()));
     }
   }

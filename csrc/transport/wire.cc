@@ -21,23 +21,18 @@ unsigned long long seqOf(uint64_t tag) { return tag >> kTagStepBits; }
 unsigned long long stepOf(uint64_t tag) { return tag & ((1u << kTagStepBits) - 1); }
 
 std::string mismatchText(int peer, const MsgHeader& sent, const MsgHeader& expected) {
-  if (sent.op != expected.op && sent.op != 0 && expected.op != 0) {
-    return formatString("collectives do not match across ranks: rank %d runs %s but this rank runs %s. Every rank must "
-                        "issue the same collectives in the same order with matching sizes and dtypes",
-                        peer, OpSignature::unpack(sent.op).describe(seqOf(sent.tag)).c_str(),
-                        OpSignature::unpack(expected.op).describe(seqOf(expected.tag)).c_str());
-  }
-  if (sent.shape != expected.shape && sent.tag == expected.tag && sent.op == expected.op && sent.op != 0) {
-    OpSignature theirs = OpSignature::unpack(sent.op), ours = theirs;
+  const bool signed_ = sent.op != 0 && expected.op != 0;
+  if (signed_ && (sent.op != expected.op || (sent.shape != expected.shape && sent.tag == expected.tag))) {
+    OpSignature theirs = OpSignature::unpack(sent.op), ours = OpSignature::unpack(expected.op);
     theirs.shape = sent.shape;
     ours.shape = expected.shape;
     return OpSignature::mismatchText(ours, seqOf(expected.tag), peer, theirs, seqOf(sent.tag));
   }
-  return formatString("collectives do not match across ranks: rank %d sent %llu bytes for op/step %llu/%llu but "
-                      "this rank expected %llu bytes for op/step %llu/%llu from it. Every rank must issue the same "
-                      "collectives in the same order with matching sizes and dtypes",
-                      peer, static_cast<unsigned long long>(sent.bytes), seqOf(sent.tag), stepOf(sent.tag),
-                      static_cast<unsigned long long>(expected.bytes), seqOf(expected.tag), stepOf(expected.tag));
+  return formatString("collectives do not match across ranks: this rank expects %llu bytes for op/step %llu/%llu "
+                      "from rank %d, but rank %d sent %llu bytes for op/step %llu/%llu. Every rank must issue the "
+                      "same collectives in the same order with matching sizes and dtypes",
+                      static_cast<unsigned long long>(expected.bytes), seqOf(expected.tag), stepOf(expected.tag), peer,
+                      peer, static_cast<unsigned long long>(sent.bytes), seqOf(sent.tag), stepOf(sent.tag));
 }
 
 }  // namespace

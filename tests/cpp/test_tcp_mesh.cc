@@ -332,21 +332,21 @@ void testCollectiveMismatch(const std::string& dir) {
   const uint64_t allreduce = OpSignature{OpKind::kAllreduce, DataType::kFloat32, ReduceOp::kMax}.packed();
   std::thread a([&] {
     try {
-      meshes[0]->exchange({net::makeTag(9, 1), reduce}, {{1, out.data(), 64}}, {}, waitFor(std::chrono::seconds(5)),
+      meshes[0]->exchange({net::makeTag(9, 1), reduce, 16}, {{1, out.data(), 64}}, {}, waitFor(std::chrono::seconds(5)),
                           net::Schedule::kMesh);
     } catch (const std::exception&) {
     }
   });
   std::string mismatch;
   try {
-    meshes[1]->exchange({net::makeTag(9, 1), allreduce}, {}, {{0, in.data(), 64}}, waitFor(std::chrono::seconds(5)),
+    meshes[1]->exchange({net::makeTag(9, 1), allreduce, 16}, {}, {{0, in.data(), 64}}, waitFor(std::chrono::seconds(5)),
                         net::Schedule::kMesh);
   } catch (const Error& e) {
     mismatch = e.what();
   }
   a.join();
-  expect(mismatch.find("rank 0 runs reduce #9 (float32, max, root 2) but this rank runs allreduce #9 (float32, "
-                       "max)") != std::string::npos,
+  expect(mismatch.find("this rank runs allreduce #9 (float32, max) on 16 elements, but rank 0 runs reduce #9 "
+                       "(float32, max, root 2) on 16 elements") != std::string::npos,
          "another collective with the same sizes is an error naming both: " + mismatch);
 }
 
@@ -393,8 +393,8 @@ void testStallProbe(const std::string& dir) {
       if (c.mismatch) {
         const std::string theirs = r == 0 ? "gather #4" : "broadcast #4";
         expect(code[r] == ErrorCode::kInvalidUsage &&
-                   error[r].find("collectives do not match across ranks: rank " + std::to_string(1 - r) + " runs " +
-                                 theirs) != std::string::npos && secs[r] < 5,
+                   error[r].find(", but rank " + std::to_string(1 - r) + " runs " + theirs) != std::string::npos &&
+                   secs[r] < 5,
                label + "a stalled exchange finds the peer's other collective in the store: " + error[r] + " (" +
                    std::to_string(secs[r]) + " s)");
       } else {
@@ -511,7 +511,7 @@ void testStripedSizeMismatch(const std::string& dir) {
   meshes[1].reset();  // rank 0 may still be writing its stripes: closing ends that
   a.join();
   expect(errors[1].find("sent " + std::to_string(sent) + " bytes") != std::string::npos &&
-             errors[1].find("expected " + std::to_string(expected) + " bytes") != std::string::npos,
+             errors[1].find("expects " + std::to_string(expected) + " bytes") != std::string::npos,
          "striped size mismatch refused with both sizes: " + errors[1]);
 }
 
