@@ -369,6 +369,59 @@ def test_callbacks_chained_late(pools, world):
     pools.check(world, callbacks_chained_late_task, timeout=60)
 
 
+def callbacks_chained_in_turn_task(rank, world):
+    """Three async ops issued, then a callback chained to each one's future in turn, each issuing
+    an all_reduce of one size: their ops run in the order chained on every rank, whether the ops
+    completed before the chaining (the last rank: the callbacks run on the calling thread) or
+    after it (the others: the first callback runs as op 0 completes, and its op first runs ops 1
+    and 2). Until 2026-12-05 the completions of ops 1 and 2 ran their callbacks inside the first
+    one, so there the callbacks' ops ran last first, and the ranks summed one callback's tensor
+    with another's, silently (a review helper found it). Also with the futures of
+    get_future_result(), with a first callback that waits for op 2 before it issues its own, and
+    with callbacks that issue their ops async and leave them (whose ops, queued on a rank where
+    the callback ran on the calling thread, come before the next future is obtained)."""
+    rep = Report(rank)
+    late = rank == world - 1
+    total = world * (world + 1) // 2
+    for variant in ("get_future", "get_future_result", "first callback waits for op 2", "async callback ops"):
+        for round_ in range(2):
+            with rep.cell(f"{variant}, round {round_}"):
+                dist.barrier()
+                if late:
+                    time.sleep(0.2)  # the others chain their callbacks while their ops wait for this rank
+                ts = [torch.full((1000 * (k + 1),), float(rank)) for k in range(3)]
+                works = [dist.all_reduce(t, async_op=True) for t in ts]
+                if late:
+                    time.sleep(0.3)  # its ops complete before it chains
+                got = {}
+
+                def callback(k):
+                    def run(_):
+                        if variant == "first callback waits for op 2" and k == 0:
+                            works[2].wait()
+                        x = torch.full((64,), float((rank + 1) * 10 ** k))
+                        got[k] = (x, dist.all_reduce(x, async_op=variant == "async callback ops"))
+                    return run
+                futures = [(w.get_future_result() if variant == "get_future_result" else w.get_future()).then(callback(k))
+                           for k, w in enumerate(works)]
+                for f in futures:
+                    f.wait()
+                for x, w in got.values():
+                    if w is not None:
+                        w.wait()
+                got = {k: x[0].item() for k, (x, _) in got.items()}
+                want = {k: float(total * 10 ** k) for k in range(3)}
+                rep.expect(got == want, f"the callbacks' ops gave {got}, want {want}")
+                rep.expect(all(t.eq(world * (world - 1) // 2).all() for t in ts),
+                           f"the ops gave {[t[0].item() for t in ts]}")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_callbacks_chained_in_turn(pools, world):
+    pools.check(world, callbacks_chained_in_turn_task, timeout=90)
+
+
 def queued_ops_read_at_start_task(rank, world):
     """An async op queued behind another that writes the same memory reads what that one wrote:
     the copies an op needs (a non-contiguous tensor made contiguous, an input that overlaps its

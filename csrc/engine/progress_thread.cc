@@ -14,6 +14,8 @@ thread_local const ProgressThread* tlsRunning = nullptr;
 // The innermost IssueOrder of the calling thread.
 thread_local const ProgressThread* tlsOrderThread = nullptr;
 thread_local uint64_t tlsOrderBefore = 0;
+// The progress thread whose queued task the calling thread runs within callbacks (runningAhead).
+thread_local const ProgressThread* tlsAhead = nullptr;
 }  // namespace
 
 ProgressThread::IssueOrder::IssueOrder(const ProgressThread* thread, uint64_t before)
@@ -80,8 +82,28 @@ bool ProgressThread::runFrontNested(const std::function<bool(uint64_t)>& take) {
     if (queue_.empty() || !take(queue_.front().number)) return false;
     task = popFrontLocked();
   }
+  const ProgressThread* outerAhead = tlsAhead;
+  tlsAhead = ordering() ? this : nullptr;
   runAsOwn(task);
+  tlsAhead = outerAhead;
   return true;
+}
+
+bool ProgressThread::runningAhead() const { return tlsAhead == this; }
+
+bool ProgressThread::ordering() const { return tlsOrderThread == this; }
+
+void ProgressThread::deferCallbacks(Task callbacks) { deferredCallbacks_.push_back(std::move(callbacks)); }
+
+void ProgressThread::runDeferredCallbacks() {
+  if (runningDeferred_) return;  // the run under way takes those deferred meanwhile
+  runningDeferred_ = true;
+  while (!deferredCallbacks_.empty()) {
+    Task callbacks = std::move(deferredCallbacks_.front());
+    deferredCallbacks_.pop_front();
+    callbacks();
+  }
+  runningDeferred_ = false;
 }
 
 void ProgressThread::runNested(const Task& task) {

@@ -56,10 +56,15 @@ class ProgressThread {
   // that issues an op and waits for it: DDP's PowerSGD hook does) runs at once, nested, on the
   // same thread: queued, it would wait for the task that waits for it. Before it, the queued
   // tasks numbered below the bound that an IssueOrder on this thread sets run (none without
-  // one): the ops issued before the callback's future was obtained. Where an op completes before its
-  // callback is chained, the callback runs on the caller's thread and its op is queued behind
-  // those same tasks, so the op takes the same place on every rank either way, wherever the
-  // caller's thread has got to meanwhile.
+  // one): the ops issued before the callback's future was obtained. Where an op completes before
+  // its callback is chained, the callback runs on the caller's thread and its op is queued
+  // behind those same tasks, so the op takes the same place on every rank either way, as long
+  // as the caller issues nothing between obtaining the future and chaining the callback (which
+  // nobody can see: then the order depends on the ranks' pace).
+  // A queued task run nested within callbacks (ahead of a callback's op, or by a callback's wait)
+  // leaves the callbacks of its own future for later (runningAhead(), deferCallbacks()): they run
+  // after the outermost callbacks return, in the order the tasks ran, as they would where those
+  // ops had completed before their callbacks were chained.
   // `deferWake`: the thread, asleep, may take it only after the wake delay (for a task that its
   // issuer will likely wait for, and then run, soon); otherwise it is woken now.
   void enqueue(Task task, bool deferWake = false);
@@ -114,6 +119,16 @@ class ProgressThread {
   };
   // Since when (steady clock, ns) the running task has been in callbacks; 0: it is not.
   int64_t callbacksSince() const { return callbacksSince_.load(std::memory_order_acquire); }
+  // Whether the task the calling thread runs was taken from the queue within callbacks on this
+  // thread (above): its future's callbacks are then to be deferred.
+  bool runningAhead() const;
+  // Whether the calling thread is within an IssueOrder of this thread (a future's completion).
+  bool ordering() const;
+  // Holds `callbacks` (a completed op's future's) until runDeferredCallbacks().
+  void deferCallbacks(Task callbacks);
+  // Called as the outermost callbacks on this thread return: runs the deferred ones in order,
+  // and those they defer in turn, until none is left (at once where a run is under way).
+  void runDeferredCallbacks();
   // Stops after the queued tasks have run. Idempotent.
   void stop();
 
@@ -144,6 +159,9 @@ class ProgressThread {
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<Queued> queue_;
+  // deferCallbacks(): touched only by whoever runs this thread's tasks, one at a time.
+  std::deque<Task> deferredCallbacks_;
+  bool runningDeferred_ = false;
   std::atomic<uint64_t> issued_{0};  // changed under mutex_
   bool stopping_ = false;
   bool busy_ = false;      // a task is running, on the thread or inline

@@ -133,12 +133,6 @@ c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFuture() {
 }
 
 void SmddpWork::complete(std::exception_ptr error) {
-  // The future's callbacks run below, on the thread that holds the group (waitForStart()).
-  std::optional<engine::ProgressThread::InCallbacks> inCallbacks;
-  if (runner_ && runner_->runningHere()) inCallbacks.emplace(*runner_);
-  // The ops the future's callbacks issue here go after those issued before getFuture().
-  std::optional<engine::ProgressThread::IssueOrder> order;
-  if (runner_) order.emplace(runner_.get(), callbacksAfter_.load(std::memory_order_acquire));
   // Before the future completes: whoever saw the op done may ask for its duration.
   durationNs_.store(FlightRecorder::get().finished(traceId_, !error), std::memory_order_release);
   c10d::WorkResult result = c10d::WorkResult::SUCCESS;
@@ -150,29 +144,62 @@ void SmddpWork::complete(std::exception_ptr error) {
     } catch (...) {
       result = c10d::WorkResult::COMM_ERROR;
     }
+    FlightRecorder::get().dumpOnError(pgId_, rank_);
   }
   result_ = result;  // read only by those who saw completed_, which finish() sets under mutex_
+  if (runner_ && runner_->runningAhead()) {
+    // Run ahead of a callback's op, or for a callback's wait: this op's callbacks come after
+    // that callback's, as where this op had completed before they were chained. wait() returns
+    // now (a callback may wait for it); the future completes with its callbacks.
+    finishWork(error);
+    runner_->deferCallbacks(
+        [self = c10::intrusive_ptr<SmddpWork>::reclaim_copy(this), error] { self->runCallbacks(error, true); });
+    return;
+  }
+  runCallbacks(error, false);
+}
+
+void SmddpWork::finishWork(const std::exception_ptr& error) {
   if (error) {
-    FlightRecorder::get().dumpOnError(pgId_, rank_);
-    if (!cuda_) future_->setError(error);  // a CUDA op's future completed at launch (setCuda)
     finish(error);
   } else {
-    if (!cuda_) future_->markCompleted(c10::IValue(outputs_));
     finish();
   }
   finished_.store(true, std::memory_order_release);
-  // No lock per op unless the result was asked for: getFutureResult() sets resultWanted_ under
-  // mutex_ before finish() took it, or it saw completed_ and marks the result itself.
-  if (!resultWanted_.load(std::memory_order_acquire)) return;
-  c10::intrusive_ptr<c10::ivalue::Future> pending;
+}
+
+void SmddpWork::runCallbacks(const std::exception_ptr& error, bool finished) {
+  const bool outermost = runner_ && runner_->runningHere() && !runner_->ordering();
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!resultMarked_) {
-      resultMarked_ = true;
-      pending = futureResult_;
+    // The future's callbacks run below, on the thread that holds the group (waitForStart()).
+    std::optional<engine::ProgressThread::InCallbacks> inCallbacks;
+    if (runner_ && runner_->runningHere()) inCallbacks.emplace(*runner_);
+    // The ops the future's callbacks issue here go after those issued before getFuture().
+    std::optional<engine::ProgressThread::IssueOrder> order;
+    if (runner_) order.emplace(runner_.get(), callbacksAfter_.load(std::memory_order_acquire));
+    if (!cuda_) {  // a CUDA op's future completed at launch (setCuda)
+      if (error) {
+        future_->setError(error);
+      } else {
+        future_->markCompleted(c10::IValue(outputs_));
+      }
+    }
+    if (!finished) finishWork(error);
+    // No lock per op unless the result was asked for: getFutureResult() sets resultWanted_ under
+    // mutex_ before finish() took it, or it saw completed_ and marks the result itself.
+    if (resultWanted_.load(std::memory_order_acquire)) {
+      c10::intrusive_ptr<c10::ivalue::Future> pending;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!resultMarked_) {
+          resultMarked_ = true;
+          pending = futureResult_;
+        }
+      }
+      if (pending) pending->markCompleted(c10::IValue(static_cast<int64_t>(result_)));  // its callbacks run unlocked
     }
   }
-  if (pending) pending->markCompleted(c10::IValue(static_cast<int64_t>(result)));  // its callbacks run unlocked
+  if (outermost) runner_->runDeferredCallbacks();
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFutureResult() {

@@ -61,9 +61,10 @@ class SmddpWork : public c10d::Work {
 
   // DDP consumes its gradient allreduce only through this future. An op that one of its
   // callbacks issues takes its place in issue order as of this call, on every rank alike: after
-  // the ops issued before it, before those issued after it (ProgressThread::IssueOrder), whether
-  // the callback runs as the op completes or, chained to a completed future, on the caller's
-  // thread.
+  // the ops issued before it, before those issued after the callback is chained
+  // (ProgressThread::IssueOrder), whether the callback runs as the op completes or, chained to a
+  // completed future, on the caller's thread. An op issued between this call and the chaining
+  // goes either side, by the ranks' pace: the chaining is torch's, unseen here.
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   // Completes, as the op does, with a c10d::WorkResult: SUCCESS, TIMEOUT (the op's peers did not
   // come in time) or COMM_ERROR (any other failure); it never holds an error.
@@ -73,8 +74,11 @@ class SmddpWork : public c10d::Work {
   float getDuration() const override;
   std::vector<at::Tensor> result() override { return outputs_; }
   // CPU ops: completed as soon as the future is, so work.is_completed() is true once
-  // get_future().wait() returns (the base class flag is set a moment later, by finish()).
-  bool isCompleted() override { return cuda_ ? c10d::Work::isCompleted() : future_->completed(); }
+  // get_future().wait() returns (the base class flag is set a moment later, by finish()), or
+  // once finished where the future's callbacks wait for a callback's (runCallbacks()).
+  bool isCompleted() override {
+    return cuda_ ? c10d::Work::isCompleted() : future_->completed() || finished_.load(std::memory_order_acquire);
+  }
 
   // Called once, on the progress (or p2p, or CUDA completion) thread.
   void complete(std::exception_ptr error);
@@ -129,6 +133,13 @@ class SmddpWork : public c10d::Work {
   // A future is handed out: its callbacks' ops go after what is issued so far, and its waiter
   // cannot run the op, so the group's thread is hurried.
   void futureHandedOut();
+  // finish(), and then what wait() polls.
+  void finishWork(const std::exception_ptr& error);
+  // Completes the future (and the result's, if asked for) with IssueOrder set, so that ops their
+  // callbacks issue take the place getFuture() gave them; `finished`: finishWork() ran already
+  // (where the callbacks were deferred: ProgressThread::runningAhead()). Once the outermost
+  // callbacks on the group's thread return, runs those deferred meanwhile.
+  void runCallbacks(const std::exception_ptr& error, bool finished);
   int pgId_ = 0;
   int64_t traceId_ = -1;
 };
