@@ -6,11 +6,14 @@ cause), and every process must exit."""
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from _jobs import Job
+from _pool import free_port
 from _util import IS_SMDDP
 
 CHILD = r"""
@@ -699,3 +702,49 @@ def test_p2p_timeouts_say_where_the_peer_waits(hosts):
     assert "rank 1 waits in allreduce #2 (float32, sum)" in outs[0], outs[0][-2000:]
     assert "allreduce #2" in outs[1] and "rank 0 waits in recv from rank 1 (tag 0, 262144 bytes) " \
            "(point-to-point)" in outs[1], outs[1][-2000:]
+
+
+PID_NAMESPACE_CHILD = r"""
+import datetime, sys, time, torch, torch.distributed as dist
+import smddp
+rank, url = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("smddp", init_method=url, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+print("transport", backend._topology()["transport"], flush=True)
+for i in range(2):
+    if rank == 0:
+        time.sleep(1.0)  # rank 1 waits for it a second: twenty of the waits' liveness checks
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    assert t.eq(3).all(), t
+print("summed", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_host_mates_in_other_pid_namespaces():
+    """Containers that share /dev/shm (docker --ipc=host) but each have their own pid namespace
+    form one host. A rank's pid means another process, or none, in its host-mate's namespace, so
+    it tells nothing of whether that rank lives: until 2026-12-05 a rank that waited 50 ms for a
+    slow host-mate raised "rank 0 (pid N) exited while this rank was waiting for it" (a review
+    helper found it). Rank 1 runs in a pid namespace of its own (`unshare -p`, root only)."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    probe = subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a pid namespace here (needs root and unshare): {probe.stderr.strip()}")
+    url = f"tcp://127.0.0.1:{free_port()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-u", "-c", PID_NAMESPACE_CHILD]
+    procs = [subprocess.Popen(prefix + cmd + [str(r), url], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+             for r, prefix in enumerate([[], ["unshare", "-p", "-f", "--mount-proc"]])]
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and "transport shm\n" in out and "summed" in out, f"rank {r}:\n{out[-3000:]}"
