@@ -377,13 +377,16 @@ def callbacks_chained_in_turn_task(rank, world):
     and 2). Until 2026-12-05 the completions of ops 1 and 2 ran their callbacks inside the first
     one, so there the callbacks' ops ran last first, and the ranks summed one callback's tensor
     with another's, silently (a review helper found it). Also with the futures of
-    get_future_result(), with a first callback that waits for op 2 before it issues its own, and
-    with callbacks that issue their ops async and leave them (whose ops, queued on a rank where
-    the callback ran on the calling thread, come before the next future is obtained)."""
+    get_future_result(), with a first callback that waits for op 2 before it issues its own, with
+    callbacks that issue their ops async and leave them (whose ops, queued on a rank where the
+    callback ran on the calling thread, come before the next future is obtained), and with a
+    first callback that waits for the later ops' futures after its op (which ran them first).
+    Meanwhile the main thread's wait() for each op returns with its future complete."""
     rep = Report(rank)
     late = rank == world - 1
     total = world * (world + 1) // 2
-    for variant in ("get_future", "get_future_result", "first callback waits for op 2", "async callback ops"):
+    for variant in ("get_future", "get_future_result", "first callback waits for op 2", "async callback ops",
+                    "first callback waits for later futures"):
         for round_ in range(2):
             with rep.cell(f"{variant}, round {round_}"):
                 dist.barrier()
@@ -401,9 +404,16 @@ def callbacks_chained_in_turn_task(rank, world):
                             works[2].wait()
                         x = torch.full((64,), float((rank + 1) * 10 ** k))
                         got[k] = (x, dist.all_reduce(x, async_op=variant == "async callback ops"))
+                        if variant == "first callback waits for later futures" and k == 0:
+                            torch.futures.wait_all([works[1].get_future(), works[2].get_future()])
                     return run
                 futures = [(w.get_future_result() if variant == "get_future_result" else w.get_future()).then(callback(k))
                            for k, w in enumerate(works)]
+                for k, w in enumerate(works):  # on the others while the callbacks run
+                    w.wait()
+                    rep.expect(w.is_completed() and w.get_future().done(),
+                               f"op {k}: wait() returned, is_completed() {w.is_completed()}, its future's done() "
+                               f"{w.get_future().done()}")
                 for f in futures:
                     f.wait()
                 for x, w in got.values():

@@ -98,12 +98,15 @@ void ProgressThread::deferCallbacks(Task callbacks) { deferredCallbacks_.push_ba
 void ProgressThread::runDeferredCallbacks() {
   if (runningDeferred_) return;  // the run under way takes those deferred meanwhile
   runningDeferred_ = true;
+  struct Done {
+    bool& running;
+    ~Done() { running = false; }  // a callback that throws must not hold back later runs
+  } done{runningDeferred_};
   while (!deferredCallbacks_.empty()) {
     Task callbacks = std::move(deferredCallbacks_.front());
     deferredCallbacks_.pop_front();
     callbacks();
   }
-  runningDeferred_ = false;
 }
 
 void ProgressThread::runNested(const Task& task) {

@@ -56,7 +56,12 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
   if (runner_ && timeout == kNoTimeout && !started_.load(std::memory_order_acquire)) waitForStart();
   spinUntil(spin_, [this] { return finished_.load(std::memory_order_acquire); });
   try {
-    return c10d::Work::wait(timeout);  // then synchronize()
+    const bool done = c10d::Work::wait(timeout);  // then synchronize()
+    // Finished, its callbacks deferred: another thread returns once the future is complete too,
+    // so that what it reads of the future agrees with wait() (the group's thread completes it
+    // as the callbacks that hold it return).
+    if (callbacksDeferred_.load(std::memory_order_acquire) && !runner_->runningHere()) future_->wait();
+    return done;
   } catch (const c10::Error&) {
     // The op's own error; or the op completed just after the base class gave up waiting, whose
     // "Operation timed out!" would then be wrong: the results are there.
@@ -123,13 +128,26 @@ void SmddpWork::waitForStart() {
 void SmddpWork::futureHandedOut() {
   if (!runner_) return;
   callbacksAfter_.store(runner_->issued(), std::memory_order_release);
+  futureOut_.store(true, std::memory_order_release);
   // Whoever waits for the future cannot run the op: the group's thread must, without delay.
   if (!started_.load(std::memory_order_acquire)) runner_->hurry();
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFuture() {
   futureHandedOut();
+  runDeferredHere();
   return future_;
+}
+
+void SmddpWork::runDeferredHere() {
+  // A callback that asks for this op's future after the op ran ahead of it may wait for it:
+  // deferred until that callback returns, it would never complete. Its callbacks run now, nested
+  // as they did before deferral existed (the order of their ops then follows this call).
+  if (callbacksDeferred_.load(std::memory_order_acquire) && runner_->runningHere()) runDeferred();
+}
+
+void SmddpWork::runDeferred() {
+  if (callbacksDeferred_.exchange(false, std::memory_order_acq_rel)) runCallbacks(deferredError_, true);
 }
 
 void SmddpWork::complete(std::exception_ptr error) {
@@ -147,13 +165,16 @@ void SmddpWork::complete(std::exception_ptr error) {
     FlightRecorder::get().dumpOnError(pgId_, rank_);
   }
   result_ = result;  // read only by those who saw completed_, which finish() sets under mutex_
-  if (runner_ && runner_->runningAhead()) {
+  // A future nobody has asked for has no callbacks to defer (and asked for later, it is complete).
+  if (runner_ && runner_->runningAhead() && futureOut_.load(std::memory_order_acquire)) {
     // Run ahead of a callback's op, or for a callback's wait: this op's callbacks come after
     // that callback's, as where this op had completed before they were chained. wait() returns
-    // now (a callback may wait for it); the future completes with its callbacks.
+    // now on this thread (a callback may wait for it); the future completes with its callbacks,
+    // or as the running callback asks for it (runDeferredHere()).
+    deferredError_ = error;
+    callbacksDeferred_.store(true, std::memory_order_release);  // before finished: wait() looks
     finishWork(error);
-    runner_->deferCallbacks(
-        [self = c10::intrusive_ptr<SmddpWork>::reclaim_copy(this), error] { self->runCallbacks(error, true); });
+    runner_->deferCallbacks([self = c10::intrusive_ptr<SmddpWork>::reclaim_copy(this)] { self->runDeferred(); });
     return;
   }
   runCallbacks(error, false);
@@ -204,6 +225,7 @@ void SmddpWork::runCallbacks(const std::exception_ptr& error, bool finished) {
 
 c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFutureResult() {
   futureHandedOut();
+  runDeferredHere();
   c10::intrusive_ptr<c10::ivalue::Future> f;
   bool markNow = false;
   {

@@ -74,10 +74,12 @@ class SmddpWork : public c10d::Work {
   float getDuration() const override;
   std::vector<at::Tensor> result() override { return outputs_; }
   // CPU ops: completed as soon as the future is, so work.is_completed() is true once
-  // get_future().wait() returns (the base class flag is set a moment later, by finish()), or
-  // once finished where the future's callbacks wait for a callback's (runCallbacks()).
+  // get_future().wait() returns (the base class flag is set a moment later, by finish()); on the
+  // group's thread also once finished where the future's callbacks are deferred (complete()).
   bool isCompleted() override {
-    return cuda_ ? c10d::Work::isCompleted() : future_->completed() || finished_.load(std::memory_order_acquire);
+    if (cuda_) return c10d::Work::isCompleted();
+    return future_->completed() ||
+           (finished_.load(std::memory_order_acquire) && runner_ && runner_->runningHere());
   }
 
   // Called once, on the progress (or p2p, or CUDA completion) thread.
@@ -130,6 +132,7 @@ class SmddpWork : public c10d::Work {
   // longer than the op's timeout; returns once the op has started or completed.
   void waitForStart();
   std::atomic<uint64_t> callbacksAfter_{0};  // runner_'s issued() at the last getFuture*()
+  std::atomic<bool> futureOut_{false};        // getFuture*() was called
   // A future is handed out: its callbacks' ops go after what is issued so far, and its waiter
   // cannot run the op, so the group's thread is hurried.
   void futureHandedOut();
@@ -140,6 +143,12 @@ class SmddpWork : public c10d::Work {
   // (where the callbacks were deferred: ProgressThread::runningAhead()). Once the outermost
   // callbacks on the group's thread return, runs those deferred meanwhile.
   void runCallbacks(const std::exception_ptr& error, bool finished);
+  // Set where complete() deferred the callbacks, until they run (runDeferred(), once).
+  std::atomic<bool> callbacksDeferred_{false};
+  std::exception_ptr deferredError_;
+  void runDeferred();
+  // On the group's thread, the callbacks deferred run now (getFuture*()).
+  void runDeferredHere();
   int pgId_ = 0;
   int64_t traceId_ = -1;
 };
