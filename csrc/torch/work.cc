@@ -60,7 +60,7 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
     // Finished, its callbacks deferred: another thread returns once the future is complete too,
     // so that what it reads of the future agrees with wait() (the group's thread completes it
     // as the callbacks that hold it return).
-    if (callbacksDeferred_.load(std::memory_order_acquire) && !runner_->runningHere()) future_->wait();
+    if (!cuda_ && !future_->completed() && !(runner_ && runner_->runningHere())) future_->wait();
     return done;
   } catch (const c10::Error&) {
     // The op's own error; or the op completed just after the base class gave up waiting, whose
