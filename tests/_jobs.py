@@ -22,14 +22,17 @@ _LIVE = []  # every Job not finished yet; conftest kills what a failed test left
 class Job(list):
     """The ranks' processes (a list of Popen, indexed by rank) and their output so far."""
 
-    def __init__(self, script, world, args, hosts=None, url=None, **env_vars):
+    def __init__(self, script, world, args, hosts=None, url=None, prefixes=None, **env_vars):
         """Rank r runs `script` with argv [r, world, url, *args]. hosts: e.g. "0011" gives rank r
         SMDDP_HOST_ID=hosts[r] (emulated hosts, TCP between them). url: the init method, by
-        default a TCP store that rank 0 hosts. env_vars: more environment for every rank."""
+        default a TCP store that rank 0 hosts. prefixes: rank r's command runs under
+        prefixes[r] (e.g. ["unshare", "-p", "-f"]). env_vars: more environment for every rank."""
         self.url = url or f"tcp://127.0.0.1:{free_port()}"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR, **env_vars)
+        prefixes = prefixes or [[]] * world
         super().__init__(
-            subprocess.Popen([sys.executable, "-u", "-c", script, str(r), str(world), self.url, *map(str, args)],
+            subprocess.Popen([*prefixes[r], sys.executable, "-u", "-c", script, str(r), str(world), self.url,
+                              *map(str, args)],
                              env=dict(env, SMDDP_HOST_ID=hosts[r]) if hosts else env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for r in range(world))

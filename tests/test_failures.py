@@ -7,13 +7,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from _jobs import Job
-from _pool import free_port
 from _util import IS_SMDDP
 
 CHILD = r"""
@@ -707,8 +705,8 @@ def test_p2p_timeouts_say_where_the_peer_waits(hosts):
 PID_NAMESPACE_CHILD = r"""
 import datetime, sys, time, torch, torch.distributed as dist
 import smddp
-rank, url = int(sys.argv[1]), sys.argv[2]
-dist.init_process_group("smddp", init_method=url, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+rank, world, url = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
 backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
 print("transport", backend._topology()["transport"], flush=True)
 for i in range(2):
@@ -734,17 +732,7 @@ def test_host_mates_in_other_pid_namespaces():
     probe = subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a pid namespace here (needs root and unshare): {probe.stderr.strip()}")
-    url = f"tcp://127.0.0.1:{free_port()}"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-u", "-c", PID_NAMESPACE_CHILD]
-    procs = [subprocess.Popen(prefix + cmd + [str(r), url], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-             for r, prefix in enumerate([[], ["unshare", "-p", "-f", "--mount-proc"]])]
-    try:
-        outs = [p.communicate(timeout=90)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs = Job(PID_NAMESPACE_CHILD, 2, [], prefixes=[[], ["unshare", "-p", "-f", "--mount-proc"]])
+    outs = procs.finish(90)
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and "transport shm\n" in out and "summed" in out, f"rank {r}:\n{out[-3000:]}"
