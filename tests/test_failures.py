@@ -6,6 +6,7 @@ cause), and every process must exit."""
 import os
 import re
 import signal
+import struct
 import subprocess
 import time
 
@@ -736,3 +737,69 @@ def test_host_mates_in_other_pid_namespaces():
     outs = procs.finish(90)
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and "transport shm\n" in out and "summed" in out, f"rank {r}:\n{out[-3000:]}"
+
+
+SET_UP_THEN_ALL_REDUCE = r"""
+import sys, torch, torch.distributed as dist
+import smddp
+rank, world, url = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world)
+t = torch.full((100,), float(rank + 1))
+dist.all_reduce(t)
+assert t.eq(3).all(), t
+print("summed", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _names_made_by(pids):
+    """The smddp names in /dev/shm whose owner stamp (transport/shm_owner.h: magic, pid namespace,
+    start time, pid, ...) names one of `pids`."""
+    names = set()
+    for n in os.listdir("/dev/shm"):
+        try:
+            with open(f"/dev/shm/{n}", "rb") as f:
+                head = f.read(32)
+        except OSError:
+            continue
+        if n.startswith("smddp-") and len(head) == 32 and struct.unpack_from("<i", head, 24)[0] in pids:
+            names.add(n)
+    return names
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_names_left_by_a_set_up_killed_are_removed_by_the_next(sig, tmp_path):
+    """Ranks killed while they set up a group (SIGKILL, or the SIGTERM torchrun sends its workers
+    when one fails; Python dies of it without unwinding) leave their names in /dev/shm, which live
+    only during the set-up. The next group set up on the host removes them, as their creators are
+    gone; until 2026-12-05 they stayed until reboot. The ranks are stopped (SIGSTOP) the moment
+    their names show, then killed; a try whose set-up ended first is tried again. The case of a
+    segment made by a killed rank is also tests/cpp/test_shm_owner.cc's, deterministic there."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    left = set()
+    for attempt in range(40):
+        # A file store: slow polls keep the set-up's names longer than a TCP store would.
+        first = Job(SET_UP_THEN_ALL_REDUCE, 2, [], url=f"file://{tmp_path}/first{attempt}")
+        pids = {p.pid for p in first}
+        while not (names := _names_made_by(pids)) and all(p.poll() is None for p in first):
+            pass
+        for p in first:
+            p.send_signal(signal.SIGSTOP)
+        left = _names_made_by(pids)
+        for p in first:
+            p.send_signal(getattr(signal, sig))
+            p.send_signal(signal.SIGCONT)
+        for p in first:
+            p.wait(30)
+        first.kill_all()
+        if left:
+            break
+    assert left, "no try stopped the ranks within their set-up"
+    assert left <= set(os.listdir("/dev/shm")), "the killed ranks' names outlived them until the next set-up"
+    second = Job(SET_UP_THEN_ALL_REDUCE, 2, [], url=f"file://{tmp_path}/second")
+    for r, out in enumerate(second.finish(60)):
+        assert second[r].returncode == 0 and "summed" in out, f"rank {r}:\n{out[-2000:]}"
+    assert not left & set(os.listdir("/dev/shm")), f"left by the killed set-up: {sorted(left)}"
+    print(f"removed {sorted(left)} (try {attempt + 1})")

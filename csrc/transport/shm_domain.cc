@@ -2,9 +2,7 @@
 
 #include <linux/futex.h>
 #include <sched.h>
-#include <signal.h>
 #include <sys/syscall.h>
-#include <sys/stat.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -20,11 +18,12 @@
 #include "core/log.h"
 #include "core/random.h"
 #include "core/spin.h"
+#include "transport/shm_owner.h"
 
 namespace smddp::shm {
 
 namespace {
-constexpr uint64_t kMagic = 0x736d646470736d31ull;  // "smddpsm1"
+constexpr uint64_t kMagic = 0x736d646470736d32ull;  // "smddpsm2"
 constexpr size_t kHeaderBytes = 4096;
 constexpr auto kSleepTick = std::chrono::milliseconds(50);  // how often a sleeper checks deadline/peers
 
@@ -49,11 +48,10 @@ void futexWakeAll(std::atomic<uint64_t>* phase) {
 // Lives at the start of each rank's segment. Fields written by the owner and fields written by
 // peers sit on separate cache lines.
 struct Domain::Control {
+  OwnerStamp owner;  // first, as in every name smddp creates in /dev/shm (sweepStaleNames reads it)
   uint64_t magic;
-  int32_t pid;
   int32_t rank;
   uint64_t slotBytes;
-  uint64_t pidNamespace;  // its inode (0: unknown): `pid` means this process only in that namespace
   alignas(64) std::atomic<uint64_t> phase;     // written by the owner; peers wait on it
   std::atomic<int32_t> cpu;                     // the CPU the owner last published from; -1: none yet
   alignas(64) std::atomic<uint32_t> sleepers;  // peers asleep on `phase`; the owner wakes them
@@ -86,11 +84,6 @@ constexpr size_t kCounterStride = 64;
 constexpr size_t kGaveUpOffset = 8;  // in consumedFrom's line
 constexpr size_t kPairReasonBytes = 512;
 size_t roundUpPage(size_t n) { return (n + 4095) / 4096 * 4096; }
-// This process's pid namespace, by its inode; 0 where /proc does not say.
-uint64_t pidNamespaceId() {
-  struct stat st;
-  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
-}
 size_t countersBytes(int size) {
   return roundUpPage(static_cast<size_t>(size) * (2 * kCounterStride + kPairReasonBytes));
 }
@@ -158,8 +151,7 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   // a group that is never used, or never uses point-to-point, costs no staging memory.
   d->segments_[rank] = Segment::create(nameOf(rank), segBytes, segBytes * size, rank, slotsOffset);
   Control* mine = new (d->segments_[rank].data()) Control();
-  mine->pid = getpid();
-  mine->pidNamespace = pidNamespaceId();
+  mine->owner = OwnerStamp::mine();
   mine->cpu.store(-1, std::memory_order_relaxed);
   mine->rank = rank;
   mine->slotBytes = slotBytes;
@@ -313,7 +305,7 @@ bool Domain::readsPeers(int rank) const {
 }
 
 int Domain::readFromPeer(int peer, void* dst, uint64_t address, size_t bytes) const {
-  const pid_t pid = control(peer)->pid;
+  const pid_t pid = control(peer)->owner.pid;
   auto* at = static_cast<uint8_t*>(dst);
   while (bytes > 0) {  // the kernel may copy less than asked (at most IOV_MAX pages' worth per call)
     struct iovec local{at, bytes};
@@ -352,20 +344,7 @@ bool Domain::peerAlive(int rank) const {
   // Containers that share /dev/shm but not their pids: the peer's pid names another process
   // here, or none, and says nothing of the peer (which then counts as alive: a death shows at
   // the timeout, as on gloo; until 2026-12-05 a slow peer read as exited).
-  if (control(rank)->pidNamespace != control(rank_)->pidNamespace) return true;
-  const int pid = control(rank)->pid;
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  // A killed process stays a zombie until its parent reaps it, and kill() still finds it.
-  char path[64];
-  snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-  FILE* f = fopen(path, "r");
-  if (f == nullptr) return true;  // another pid namespace, say: trust kill()
-  char buf[512];
-  const size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-  fclose(f);
-  buf[n] = '\0';
-  const char* close = strrchr(buf, ')');  // the state follows the command name, which may hold spaces
-  return !(close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X'));
+  return control(rank)->owner.creatorAlive();
 }
 
 void Domain::markP2pClosed() {
@@ -480,7 +459,7 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
     }
     if (!peerAlive(peer)) {
       throwError(ErrorCode::kRemoteError, "rank %d (pid %d) exited while this rank was waiting for it", groupRank(peer),
-                 c->pid);
+                 c->owner.pid);
     }
     if (std::chrono::steady_clock::now() >= ctx.deadline) return false;
     if (ctx.stall != nullptr) ctx.stall->stalled(since, [&] { return std::vector<int>{groupRank(peer)}; });

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <mutex>
 #include <set>
 #include <sstream>
 
@@ -14,6 +15,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/random.h"
+#include "transport/shm_owner.h"
 
 namespace smddp {
 namespace {
@@ -115,6 +117,9 @@ Topology Topology::discover(Store& store, int rank, int size) {
   Topology t;
   t.rank = rank;
   t.size = size;
+  // Names a process killed during an earlier set-up left in /dev/shm (shm_owner.h).
+  static std::once_flag swept;
+  std::call_once(swept, [rank] { shm::sweepStaleNames(rank); });
   if (rank == 0) store.set(kNonceKey, randomHex(8));
   const std::string token = "/smddp-" + store.get(kNonceKey) + "-host-" + std::to_string(rank);
   const int fd = shm_open(token.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -122,6 +127,10 @@ Topology Topology::discover(Store& store, int rank, int size) {
     throwError(ErrorCode::kSystemError, "rank %d: cannot create the topology token %s in /dev/shm: %s", rank,
                token.c_str(), errnoString(errno).c_str());
   }
+  // Only its name matters to the peers; the stamp lets a later sweep remove it if we are killed
+  // before the set-up ends. A failed write (a full /dev/shm) leaves an empty token, still valid.
+  const shm::OwnerStamp stamp = shm::OwnerStamp::mine();
+  [[maybe_unused]] const ssize_t wrote = write(fd, &stamp, sizeof(stamp));
   close(fd);
   struct Unlink {
     std::string name;

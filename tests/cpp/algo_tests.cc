@@ -2,6 +2,7 @@
 #include "expect.h"
 
 int main() {
+  shmOwnerTests();  // first: it forks, best before any other test has started threads
   wayPolicyTests();
   alltoallBufferTests();
   singleCopyTests();

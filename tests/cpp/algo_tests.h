@@ -1,6 +1,6 @@
 // smddp_algo_tests: torch-free tests of the algorithm layer (single-rank logic, the policies its
-// waits and stagings follow, and algorithms with ranks as threads), one function per file, run in
-// turn by algo_tests.cc.
+// waits and stagings follow, and algorithms with ranks as threads) and of the shared memory under
+// it, one function per file, run in turn by algo_tests.cc.
 #pragma once
 
 void wayPolicyTests();   // test_way_policy.cc
@@ -8,3 +8,4 @@ void alltoallBufferTests();  // test_alltoall_buffers.cc
 void singleCopyTests();  // test_single_copy.cc
 void yieldGateTests();   // test_yield_gate.cc
 void groupKeysTests();   // test_group_keys.cc
+void shmOwnerTests();    // test_shm_owner.cc
