@@ -32,7 +32,7 @@ uint64_t pidNamespaceId();
 // Removes the names smddp left in /dev/shm that belong to this user and whose creators are gone
 // (creatorAlive() false); names of live processes, of other users or other pid namespaces, and
 // names of another format stay. Returns how many it removed. Cheap (a directory listing); run
-// once per process, at its first set-up of a group with host-mates.
+// once per process, at its first set-up of a group of two or more ranks.
 int sweepStaleNames(int rank);
 
 }  // namespace smddp::shm
