@@ -812,6 +812,12 @@ def sizes_differ_by_host_task(rank, world, topo, kind, n):
         return rep.to_dict()
     rep.expect("collectives do not match across ranks" in text and f" on {n} elements" in text and
                f" on {2 * n} elements" in text, f"rank {rank}: the error does not name both sizes: {text}")
+    # Each size is its own rank's, also where a peer's reason is relayed: until 2026-12-05 the
+    # relayed text kept the peer's "this rank runs ... on <its size>", read as this rank's.
+    for who, peer, size in re.findall(r"(this rank|rank (\d+)) runs \w+ #\d+ \([^)]*\) on (\d+) elements", text):
+        owner = rank if who == "this rank" else int(peer)
+        want = 2 * n if topo[owner] == topo[-1] else n
+        rep.expect(int(size) == want, f"rank {rank}: the error gives {who} {size} elements, it runs {want}: {text}")
     rep.expect(secs < 20, f"rank {rank}: took {secs:.1f} s to fail (a timeout, not the mismatch?)")
     return rep.to_dict()
 

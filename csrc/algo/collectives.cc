@@ -191,7 +191,7 @@ void throwIfPeerLeft(OpContext& ctx, int peer, int err = 0) {
   std::string why;
   if (ctx.domain->gaveUp(peer, &why)) {
     throwError(ErrorCode::kRemoteError, "rank %d gave up on this collective while this rank read its part: %s",
-               ctx.domain->groupRank(peer), why.c_str());
+               ctx.domain->groupRank(peer), inTheWordsOf(ctx.domain->groupRank(peer), why).c_str());
   }
   if (err == ESRCH) {
     throwError(ErrorCode::kRemoteError, "rank %d exited while this rank read its part", ctx.domain->groupRank(peer));

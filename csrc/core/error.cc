@@ -1,5 +1,6 @@
 #include "core/error.h"
 
+#include <cctype>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -53,6 +54,24 @@ std::string errnoString(int err) {
   // GNU strerror_r may return a static string instead of filling buf.
   const char* s = strerror_r(err, buf, sizeof(buf));
   return std::string(s) + " (errno " + std::to_string(err) + ")";
+}
+
+std::string inTheWordsOf(int rank, const std::string& why) {
+  const auto isWordChar = [&](size_t i) { return std::isalnum(static_cast<unsigned char>(why[i])) != 0; };
+  std::string out;
+  size_t i = 0;
+  while (i < why.size()) {
+    const bool phrase = why.compare(i + 1, 8, "his rank") == 0 && (why[i] == 't' || why[i] == 'T') &&
+                        (i == 0 || !isWordChar(i - 1)) && (i + 9 == why.size() || !isWordChar(i + 9));
+    if (phrase) {
+      out += why[i] == 'T' ? "Rank " : "rank ";
+      out += std::to_string(rank);
+      i += 9;
+    } else {
+      out += why[i++];
+    }
+  }
+  return out;
 }
 
 }  // namespace smddp

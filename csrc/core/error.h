@@ -40,4 +40,9 @@ std::string joinRanks(const std::vector<int>& ranks);
 // errno as text, for messages about failed system calls.
 std::string errnoString(int err);
 
+// A reason `rank` gave in its own words ("this rank runs allreduce #1 ..."), reworded for
+// another rank's message about it ("rank 1 runs allreduce #1 ..."): relayed as written, its
+// "this rank" read as the relaying rank.
+std::string inTheWordsOf(int rank, const std::string& why);
+
 }  // namespace smddp

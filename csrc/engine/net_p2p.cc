@@ -320,7 +320,7 @@ std::optional<std::string> NetP2p::farewellOn(Lane& l) {
 void NetP2p::peerGaveUp(Peer& p, const std::string& what, const std::string& reason) {
   failPeer(p, ErrorCode::kRemoteError,
            what + ": rank " + std::to_string(p.rank) + " on " + topo_.describeHost(topo_.hostOf[p.rank]) +
-               " gave up point-to-point with this rank: " + reason);
+               " gave up point-to-point with this rank: " + inTheWordsOf(p.rank, reason));
 }
 
 void NetP2p::failAll() {

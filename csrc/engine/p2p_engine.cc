@@ -454,7 +454,7 @@ void P2pEngine::checkDeadlinesAndPeers() {
     if (dead) {
       why += ": rank " + who + " exited" + partly;
     } else if (closed && !gaveUp.empty()) {
-      why += ": rank " + who + " gave up point-to-point with this rank: " + gaveUp;
+      why += ": rank " + who + " gave up point-to-point with this rank: " + inTheWordsOf(domain_->groupRank(peer), gaveUp);
     } else if (closed) {
       why += ": rank " + who + " shut down or aborted the process group" + partly;
     } else if (op.isSend) {

@@ -277,6 +277,7 @@ c10::intrusive_ptr<c10d::Backend> SmddpBackend::split(const c10::intrusive_ptr<c
   for (int r : ranks) childGlobalRanks.push_back(globalRanks_.at(r));
   auto child = c10::make_intrusive<SmddpBackend>(store, static_cast<int>(it - ranks.begin()),
                                                  static_cast<int>(ranks.size()), timeout, childGlobalRanks);
+  registerLive(child);
   lastSplitStore_ = store.get();
   lastSplitRanks_ = ranks;
   lastSplit_ = c10::weak_intrusive_ptr<c10d::Backend>(c10::intrusive_ptr<c10d::Backend>(child));
@@ -316,9 +317,11 @@ c10::intrusive_ptr<c10d::Backend> SmddpBackend::shrink(const std::vector<int64_t
   SMDDP_INFO(kInit, "rank %d/%d: shrinking to %zu ranks (%s), this rank becomes %d", rank_, size_,
              childGlobalRanks.size(), prefix.c_str(), childRank);
   try {
-    return c10::make_intrusive<SmddpBackend>(c10::make_intrusive<c10d::PrefixStore>(prefix + "/", c10dStore_),
-                                             childRank, static_cast<int>(childGlobalRanks.size()), timeout,
-                                             childGlobalRanks);
+    auto child = c10::make_intrusive<SmddpBackend>(c10::make_intrusive<c10d::PrefixStore>(prefix + "/", c10dStore_),
+                                                   childRank, static_cast<int>(childGlobalRanks.size()), timeout,
+                                                   childGlobalRanks);
+    registerLive(child);
+    return child;
   } catch (const c10::DistBackendError& e) {
     // The set-up's error names ranks of the new group; the caller knows this group's.
     std::string why = e.what_without_backtrace();
@@ -439,10 +442,36 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueue(c10d::OpType opType, const 
   return work;
 }
 
+namespace {
+std::mutex liveMutex;
+std::vector<c10::weak_intrusive_ptr<SmddpBackend>> liveGroups;  // expired ones pruned as groups are added
+}  // namespace
+
+void SmddpBackend::registerLive(const c10::intrusive_ptr<SmddpBackend>& group) {
+  std::lock_guard<std::mutex> lock(liveMutex);
+  liveGroups.erase(std::remove_if(liveGroups.begin(), liveGroups.end(), [](const auto& g) { return g.expired(); }),
+                   liveGroups.end());
+  liveGroups.emplace_back(group);
+}
+
+void SmddpBackend::shutDownLiveGroups() {
+  std::vector<c10::weak_intrusive_ptr<SmddpBackend>> groups;
+  {
+    std::lock_guard<std::mutex> lock(liveMutex);
+    groups.swap(liveGroups);
+  }
+  // Not under the lock: a pending op's callback may make or drop a group.
+  for (const auto& weak : groups) {
+    if (auto group = weak.lock()) group->shutdown();
+  }
+}
+
 c10::intrusive_ptr<c10d::Backend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                 std::chrono::milliseconds timeout, std::vector<int64_t> globalRanks,
                                                 const std::string& groupUid) {
-  return c10::make_intrusive<SmddpBackend>(store, rank, size, timeout, std::move(globalRanks), groupUid);
+  auto group = c10::make_intrusive<SmddpBackend>(store, rank, size, timeout, std::move(globalRanks), groupUid);
+  SmddpBackend::registerLive(group);
+  return group;
 }
 
 }  // namespace smddp::torchext

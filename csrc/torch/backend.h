@@ -135,6 +135,13 @@ class SmddpBackend : public c10d::Backend {
   void shutdown() override;  // nothing in a forked child (see the destructor)
   void abort() override { shutdown(); }
 
+  // Every group this process made (each creation site registers its group), shut down: run by an
+  // atexit handler, while the interpreter is whole. Groups left for Python's finalisation to
+  // destroy fail their pending ops there, and a Python callback on such an op's future needs the
+  // GIL then, which ends the progress thread in the middle of it ("terminate called", SIGABRT).
+  static void registerLive(const c10::intrusive_ptr<SmddpBackend>& group);
+  static void shutDownLiveGroups();
+
  private:
   using Body = std::function<void(algo::Communicator&, std::chrono::milliseconds)>;
   using Work = c10::intrusive_ptr<c10d::Work>;

@@ -58,7 +58,12 @@ class C10dStore : public Store {
     const std::string what = keys.size() == 1 ? keys[0] : keys[0] + " (and " + std::to_string(keys.size() - 1) +
                                                                " more keys)";
     guarded("reading", what, [&] {
-      store_->wait(keys, timeout_);
+      try {
+        store_->wait(keys, timeout_);
+      } catch (const std::exception& e) {
+        if (isTimeout(e)) timedOut(keys);
+        throw;
+      }
       for (const std::vector<uint8_t>& v : store_->multiGet(keys)) values.emplace_back(v.begin(), v.end());
     });
     return values;
@@ -69,16 +74,38 @@ class C10dStore : public Store {
   static void guarded(const char* what, const std::string& key, Fn&& fn) {
     try {
       fn();
-    } catch (const c10::DistStoreError& e) {  // the store's own timeout
-      failed(ErrorCode::kTimeout, what, key, e, "");
+    } catch (const Error&) {
+      throw;  // timedOut()'s, which says what was missing
     } catch (const std::exception& e) {
-      // FileStore's timeouts are plain c10::Errors: its get's, and its wait's.
-      if (std::strncmp(e.what(), "Timeout waiting for key", 23) == 0 || std::strncmp(e.what(), "Wait timeout", 12) == 0) {
-        failed(ErrorCode::kTimeout, what, key, e, "");
-      }
+      if (isTimeout(e)) failed(ErrorCode::kTimeout, what, key, e, "");
       failed(ErrorCode::kRemoteError, what, key, e,
              ": the process that hosts it (rank 0's, for init_method tcp:// or env://) may have exited");
     }
+  }
+  // The store's own timeout: TCPStore's DistStoreError; FileStore's are plain c10::Errors (its
+  // get's, and its wait's).
+  static bool isTimeout(const std::exception& e) {
+    return dynamic_cast<const c10::DistStoreError*>(&e) != nullptr ||
+           std::strncmp(e.what(), "Timeout waiting for key", 23) == 0 || std::strncmp(e.what(), "Wait timeout", 12) == 0;
+  }
+  // Which of `keys` never came, rather than the store's list of all of them: their names end in
+  // the rank that sets them (the set-up's keys), so the message names the ranks that did not come.
+  [[noreturn]] void timedOut(const std::vector<std::string>& keys) {
+    std::string missing;
+    size_t count = 0;
+    for (const std::string& k : keys) {
+      bool there = true;
+      try {
+        there = store_->check({k});
+      } catch (const std::exception&) {
+      }
+      if (!there) missing += (count++ ? ", " : "") + k;
+    }
+    throwError(ErrorCode::kTimeout,
+               "timed out after %lld ms waiting for %zu of %zu keys in the process group's store: %s (the number "
+               "that ends a key is the rank that sets it, counted within its host where the key names one, as in "
+               "smddp/host1/...: that rank has not come this far into the set-up, being late, stalled or gone)",
+               static_cast<long long>(timeout_.count()), count, keys.size(), count ? missing.c_str() : "(none missing now)");
   }
   [[noreturn]] static void failed(ErrorCode code, const char* what, const std::string& key, const std::exception& e,
                                   const char* hint) {

@@ -37,6 +37,11 @@ PYBIND11_MODULE(_C, m) {
       // Bootstrap blocks on the store: let other Python threads run meanwhile.
       py::call_guard<py::gil_scoped_release>());
 
+  // smddp's atexit handler (see SmddpBackend::shutDownLiveGroups). Without the GIL: a pending
+  // op's Python callbacks run on the groups' threads as their ops fail.
+  m.def("_shut_down_live_groups", &smddp::torchext::SmddpBackend::shutDownLiveGroups,
+        py::call_guard<py::gil_scoped_release>());
+
   // setup.py runs this once after a build: formatting numbers into a message is what every error
   // of the extension does, and it crashes when the compiler's C++ headers do not match the
   // libstdc++ loaded at run time (seen with a second gcc in /opt on a GPU image).

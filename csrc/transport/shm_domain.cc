@@ -449,8 +449,8 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
     }
     c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (!arrived() && c->failed.load(std::memory_order_acquire)) {
-      throwError(ErrorCode::kRemoteError, "rank %d gave up on this collective: %.*s", groupRank(peer),
-                 static_cast<int>(sizeof(c->failure)), c->failure);
+      throwError(ErrorCode::kRemoteError, "rank %d gave up on this collective: %s", groupRank(peer),
+                 inTheWordsOf(groupRank(peer), std::string(c->failure, strnlen(c->failure, sizeof(c->failure)))).c_str());
     }
     if (arrived()) return true;
     if (ctx.abort != nullptr && ctx.abort->load(std::memory_order_relaxed)) {

@@ -130,7 +130,7 @@ std::optional<std::string> TcpMesh::farewellOf(const Conn& c) {
 
 void TcpMesh::peerGaveUp(const Conn& c, const char* what, const std::string& why) {
   throwError(ErrorCode::kRemoteError, "rank %d on %s gave up the group (this rank was %s): %s", c.rank,
-             topo_.describeHost(topo_.hostOf[c.rank]).c_str(), what, why.c_str());
+             topo_.describeHost(topo_.hostOf[c.rank]).c_str(), what, inTheWordsOf(c.rank, why).c_str());
 }
 
 void TcpMesh::peerFailed(const Conn& c, const char* what, int err) {

@@ -3,6 +3,8 @@
 ``import smddp`` registers the backend "smddp"; then
 ``torch.distributed.init_process_group(backend="smddp")`` works with env://, tcp:// and file://.
 """
+import atexit
+
 import torch
 import torch.distributed as dist
 
@@ -34,6 +36,9 @@ def _register():
 
 
 _register()
+# After the program's own atexit handlers (they run last registered first), before Python's
+# finalisation: groups never destroyed are shut down while Python callbacks can still run.
+atexit.register(_C._shut_down_live_groups)
 
 
 def env_params():

@@ -8,5 +8,6 @@ int main() {
   singleCopyTests();
   yieldGateTests();
   groupKeysTests();
+  errorWordsTests();
   return smddp::test::report();
 }

@@ -9,3 +9,4 @@ void singleCopyTests();  // test_single_copy.cc
 void yieldGateTests();   // test_yield_gate.cc
 void groupKeysTests();   // test_group_keys.cc
 void shmOwnerTests();    // test_shm_owner.cc
+void errorWordsTests();  // test_error_words.cc

@@ -1,0 +1,31 @@
+// inTheWordsOf (core/error.h): a peer's reason, relayed in another rank's message, speaks of the
+// peer by its rank instead of as "this rank" (read as the rank relaying it).
+#include <string>
+
+#include "algo_tests.h"
+#include "core/error.h"
+#include "expect.h"
+
+using smddp::inTheWordsOf;
+using smddp::test::expect;
+
+namespace {
+
+void same(const std::string& got, const std::string& want) {
+  expect(got == want, "reworded as '" + want + "', got '" + got + "'");
+}
+
+}  // namespace
+
+void errorWordsTests() {
+  same(inTheWordsOf(1, "allreduce #1: this rank runs allreduce #1 (float32, sum) on 5 elements, but rank 0 runs "
+                       "allreduce #1 (float32, sum) on 4 elements"),
+       "allreduce #1: rank 1 runs allreduce #1 (float32, sum) on 5 elements, but rank 0 runs allreduce #1 (float32, "
+       "sum) on 4 elements");
+  same(inTheWordsOf(3, "This rank expects 8 bytes; this rank's part"), "Rank 3 expects 8 bytes; rank 3's part");
+  same(inTheWordsOf(2, "this rank"), "rank 2");
+  // Only the phrase itself: words that merely contain it stay.
+  same(inTheWordsOf(2, "athis rank, this ranking, this rank2"), "athis rank, this ranking, this rank2");
+  same(inTheWordsOf(2, "timed out waiting for rank(s) [0]"), "timed out waiting for rank(s) [0]");
+  same(inTheWordsOf(2, ""), "");
+}
