@@ -78,6 +78,14 @@ constexpr Param kParams[] = {
      "progress thread to take it (a wake-up each way; where ranks outnumber cores, each waits for a "
      "core). 0: async ops run on the progress thread (except one that a callback running there "
      "waits for: that wait runs it, as it would otherwise wait forever)."},
+    {"SMDDP_INTERRUPTIBLE_WAITS", "1",
+     "1: Ctrl-C (SIGINT) ends a wait of the program's main thread for an op, as it ends Python "
+     "code: where SIGINT's Python handler is the default, the wait raises KeyboardInterrupt (an op "
+     "the thread was running fails, and its group with it: the peers are told at once; an op the "
+     "group's thread runs stays pending, as after wait(timeout) ran out); another handler runs "
+     "during the wait, and the wait goes on unless it raises. smddp puts a handler in front of "
+     "Python's that notes the signal and calls Python's. 0: SIGINT waits for the op to end, as "
+     "with gloo."},
     {"SMDDP_DEFER_WAKE_US", "-1",
      "Microseconds an op issued on the CPU and queued for its group's progress thread "
      "(async_op=True, or a blocking op issued while another runs) may wait for that thread, where "
@@ -293,6 +301,7 @@ std::vector<ParamInfo> allParams() {
   X(yieldMicros, "SMDDP_YIELD_US") \
   X(lingerMicros, "SMDDP_LINGER_US") \
   X(waitRunsOp, "SMDDP_WAIT_RUNS_OP") \
+  X(interruptibleWaits, "SMDDP_INTERRUPTIBLE_WAITS") \
   X(deferWakeMicros, "SMDDP_DEFER_WAKE_US") \
   X(coalescePackBytes, "SMDDP_COALESCE_PACK_BYTES") \
   X(debugChecks, "SMDDP_DEBUG_CHECKS") \

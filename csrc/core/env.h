@@ -68,6 +68,8 @@ int64_t yieldMicros();
 int64_t lingerMicros();
 // 1: Work::wait runs its op on the waiting thread if the progress thread has not started it.
 int64_t waitRunsOp();
+// 1: Ctrl-C ends a wait of the main thread (core/interrupt.h).
+int64_t interruptibleWaits();
 // Microseconds the progress thread, asleep, lets an async op wait before it wakes for it; -1 = choose.
 int64_t deferWakeMicros();
 // all_reduce_coalesced: tensors of at most this many bytes, one after another and of one dtype,

@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/interrupt.h"
 #include "core/log.h"
 #include "core/spin.h"
 #include "transport/sockets.h"
@@ -55,6 +56,7 @@ void ring(int eventFd) {
 // Waits up to `ms` for the set's sockets; a ring of its bell (its first fd) is taken at once,
 // even where the results turn out stale: the pass after this one looks at everything again.
 int pollSet(std::vector<pollfd>& fds, int ms) {
+  if (ms > 0) interrupt::watch();  // a SIGINT wakes the poll: a waiter's done() looks (torch/work.cc)
   const int n = poll(fds.data(), fds.size(), ms);
   if (n > 0 && fds[0].revents) {
     uint64_t v;

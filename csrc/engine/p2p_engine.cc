@@ -10,6 +10,7 @@
 
 #include "core/env.h"
 #include "core/error.h"
+#include "core/interrupt.h"
 #include "core/log.h"
 #include "core/spin.h"
 
@@ -571,6 +572,7 @@ void P2pEngine::finish(std::vector<Completion>& done) {
 
 void P2pEngine::await(uint32_t bell, const Pass& p, bool poll) {
   if ((poll || p.streaming) && spinUntil(spin_, [&] { return domain_->doorbell() != bell; })) return;
+  interrupt::watch();  // a SIGINT wakes the sleep: a waiter's done() looks (torch/work.cc)
   domain_->sleepOnDoorbell(bell, kActiveTick);
   if (!p.pending) return;
   std::vector<Completion> done;

@@ -7,6 +7,7 @@
 #include "core/reduce.h"
 #include "torch/backend.h"
 #include "torch/flight_recorder.h"
+#include "torch/interrupts.h"
 
 namespace py = pybind11;
 
@@ -28,9 +29,14 @@ PYBIND11_MODULE(_C, m) {
       "_create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
          const std::chrono::duration<float>& timeout, std::vector<int64_t> globalRanks, const std::string& groupUid) {
-        return smddp::torchext::createBackend(store, rank, size,
-                                              std::chrono::duration_cast<std::chrono::milliseconds>(timeout),
-                                              std::move(globalRanks), groupUid);
+        try {
+          return smddp::torchext::createBackend(store, rank, size,
+                                                std::chrono::duration_cast<std::chrono::milliseconds>(timeout),
+                                                std::move(globalRanks), groupUid);
+        } catch (...) {
+          smddp::torchext::raiseInterrupt();  // a set-up that a Ctrl-C ended raises KeyboardInterrupt
+          throw;
+        }
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("global_ranks"),
       py::arg("group_uid") = "",
@@ -41,6 +47,9 @@ PYBIND11_MODULE(_C, m) {
   // op's Python callbacks run on the groups' threads as their ops fail.
   m.def("_shut_down_live_groups", &smddp::torchext::SmddpBackend::shutDownLiveGroups,
         py::call_guard<py::gil_scoped_release>());
+
+  // At import: Ctrl-C ends the main thread's waits (SMDDP_INTERRUPTIBLE_WAITS; torch/interrupts.h).
+  m.def("_watch_interrupts", &smddp::torchext::watchInterrupts, py::arg("main_thread_id"));
 
   // setup.py runs this once after a build: formatting numbers into a message is what every error
   // of the extension does, and it crashes when the compiler's C++ headers do not match the

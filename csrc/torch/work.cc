@@ -5,9 +5,11 @@
 #include <algorithm>
 
 #include "core/env.h"
+#include "core/interrupt.h"
 #include "core/spin.h"
 #include "torch/errors.h"
 #include "torch/flight_recorder.h"
+#include "torch/interrupts.h"
 
 namespace smddp::torchext {
 
@@ -44,19 +46,23 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
   if (queuedAt_ != std::chrono::steady_clock::time_point{} && !waited_.exchange(true, std::memory_order_relaxed)) {
     runner_->noteWait(std::chrono::steady_clock::now() - queuedAt_);
   }
-  // Without a time limit only: the engine's own deadlines end the drive, not the caller's.
-  if (p2pDriver_ && timeout == kNoTimeout) p2pDriver_->driveUntil([this] { return isCompleted(); });
+  // Without a time limit only: the engine's own deadlines end the drive, not the caller's. A
+  // SIGINT ends the drive too: the wait below raises its KeyboardInterrupt, or goes on there.
+  if (p2pDriver_ && timeout == kNoTimeout) {
+    p2pDriver_->driveUntil([this] { return isCompleted() || interruptPending(); });
+  }
   if (runner_ && !isCompleted() &&
       ((timeout == kNoTimeout && env::waitRunsOp() != 0) || runner_->runningHere())) {
-    runner_->runQueuedUntil([this] { return isCompleted(); });
+    runner_->runQueuedUntil([this] { return isCompleted() || interruptPending(); });
   }
   // Not run here (a time limit, SMDDP_WAIT_RUNS_OP=0, or another op running): the group's thread
   // takes it, now rather than after its wake delay.
   if (runner_ && !started_.load(std::memory_order_acquire)) runner_->hurry();
   if (runner_ && timeout == kNoTimeout && !started_.load(std::memory_order_acquire)) waitForStart();
   spinUntil(spin_, [this] { return finished_.load(std::memory_order_acquire); });
+  const std::chrono::milliseconds left = interrupt::onMainThread() ? waitInterruptibly(timeout) : timeout;
   try {
-    const bool done = c10d::Work::wait(timeout);  // then synchronize()
+    const bool done = c10d::Work::wait(left);  // then synchronize()
     // Finished, its callbacks deferred: another thread returns once the future is complete too,
     // so that what it reads of the future agrees with wait() (the group's thread completes it
     // as the callbacks that hold it return).
@@ -73,6 +79,26 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
                                          " ms) ran out before the op completed; the op is still pending (the "
                                          "group's timeout ends it if its peers never come)");
   }
+}
+
+std::chrono::milliseconds SmddpWork::waitInterruptibly(std::chrono::milliseconds timeout) {
+  // A signal does not wake a condition variable's wait: it looks every kInterruptSlice.
+  using std::chrono::steady_clock;
+  const auto deadline = timeout == kNoTimeout ? steady_clock::time_point::max() : steady_clock::now() + timeout;
+  raiseInterrupt();  // owed by an op this thread ran, which failed for it
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!completed_ && steady_clock::now() < deadline) {
+    interrupt::watch();
+    cv_.wait_until(lock, std::min(deadline, steady_clock::now() + kInterruptSlice));
+    if (interrupt::noted()) {
+      lock.unlock();
+      raiseInterrupt();
+      lock.lock();
+    }
+  }
+  if (timeout == kNoTimeout) return timeout;
+  return std::max(std::chrono::milliseconds(0),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(deadline - steady_clock::now()));
 }
 
 void SmddpWork::synchronize() {
@@ -121,7 +147,13 @@ void SmddpWork::waitForStart() {
                    "callbacks one at a time, so a callback that waits for an op of another group whose own " +
                    "callback waits for an op of this group never returns; the op stays queued until it does");
     }
-    cv_.wait_for(lock, slice);  // completion notifies; a start or a callback's end is seen at the next slice
+    // Completion notifies; a start or a callback's end is seen at the next slice, a SIGINT too.
+    cv_.wait_for(lock, interrupt::onMainThread() ? std::min<milliseconds>(slice, kInterruptSlice) : slice);
+    if (interruptPending()) {
+      lock.unlock();
+      raiseInterrupt();
+      lock.lock();
+    }
   }
 }
 

@@ -131,6 +131,11 @@ class SmddpWork : public c10d::Work {
   // each waiting for an op queued behind the other's). Raises once one has held the thread for
   // longer than the op's timeout; returns once the op has started or completed.
   void waitForStart();
+  // On the program's main thread: waits for completion (or `timeout`) in slices, raising a
+  // SIGINT's KeyboardInterrupt (torch/interrupts.h) meanwhile; the op stays pending then.
+  // Returns what is left of `timeout`.
+  std::chrono::milliseconds waitInterruptibly(std::chrono::milliseconds timeout);
+  static constexpr std::chrono::milliseconds kInterruptSlice{100};
   std::atomic<uint64_t> callbacksAfter_{0};  // runner_'s issued() at the last getFuture*()
   std::atomic<bool> futureOut_{false};        // getFuture*() was called
   // A future is handed out: its callbacks' ops go after what is issued so far, and its waiter

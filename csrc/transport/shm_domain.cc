@@ -15,6 +15,7 @@
 
 #include "core/env.h"
 #include "core/error.h"
+#include "core/interrupt.h"
 #include "core/log.h"
 #include "core/random.h"
 #include "core/spin.h"
@@ -439,6 +440,7 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
   }
   const auto since = std::chrono::steady_clock::now();
   while (true) {
+    interrupt::watch();
     c->sleepers.fetch_add(1, std::memory_order_seq_cst);
     uint64_t seen = flag.load(std::memory_order_seq_cst);
     if (seen < phase) {
@@ -456,6 +458,9 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
     if (ctx.abort != nullptr && ctx.abort->load(std::memory_order_relaxed)) {
       throwError(ErrorCode::kAborted, "the process group was shut down or aborted while waiting for rank %d",
                  groupRank(peer));
+    }
+    if (interrupt::noted() && interrupt::endsWait()) {
+      interrupt::throwInterrupted(("waiting for rank " + std::to_string(groupRank(peer))).c_str());
     }
     if (!peerAlive(peer)) {
       throwError(ErrorCode::kRemoteError, "rank %d (pid %d) exited while this rank was waiting for it", groupRank(peer),

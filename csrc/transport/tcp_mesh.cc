@@ -17,6 +17,7 @@
 
 #include "core/env.h"
 #include "core/error.h"
+#include "core/interrupt.h"
 #include "core/log.h"
 #include "core/random.h"
 #include "transport/sockets.h"
@@ -683,6 +684,7 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
       if (wait.abort && wait.abort->load()) {
         throwError(ErrorCode::kAborted, "the process group was shut down or aborted during an inter-host exchange");
       }
+      interrupt::throwIfInterrupted("in an inter-host exchange");
       if (Clock::now() >= wait.deadline) {
         throwError(ErrorCode::kTimeout, "timed out in an inter-host exchange (step %llu): %s; they may have hung, "
                    "be doing other work, or be issuing a different sequence of collectives",
@@ -715,6 +717,7 @@ void TcpMesh::exchange(Tag tag, const std::vector<Send>& sends, const std::vecto
     // A window-blocked peer frees up as acks arrive, which poll() does not report: re-check soon.
     const auto tick = windowBlocked ? std::chrono::milliseconds(1) : kPollTick;
     const int ms = moved ? 0 : std::min<int>(msLeft(wait.deadline), static_cast<int>(tick.count()));
+    if (ms > 0) interrupt::watch();
     poll(pfds.data(), pfds.size(), ms);
     for (size_t i = 0; i < pfds.size(); ++i) {
       const short rev = pfds[i].revents;

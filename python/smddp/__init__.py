@@ -4,6 +4,7 @@
 ``torch.distributed.init_process_group(backend="smddp")`` works with env://, tcp:// and file://.
 """
 import atexit
+import threading
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,8 @@ _register()
 # After the program's own atexit handlers (they run last registered first), before Python's
 # finalisation: groups never destroyed are shut down while Python callbacks can still run.
 atexit.register(_C._shut_down_live_groups)
+# Ctrl-C ends a wait of the main thread for an op, as it ends Python code (SMDDP_INTERRUPTIBLE_WAITS).
+_C._watch_interrupts(threading.main_thread().ident)
 
 
 def env_params():

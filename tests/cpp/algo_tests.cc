@@ -9,5 +9,6 @@ int main() {
   yieldGateTests();
   groupKeysTests();
   errorWordsTests();
+  interruptTests();
   return smddp::test::report();
 }

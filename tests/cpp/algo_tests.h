@@ -10,3 +10,4 @@ void yieldGateTests();   // test_yield_gate.cc
 void groupKeysTests();   // test_group_keys.cc
 void shmOwnerTests();    // test_shm_owner.cc
 void errorWordsTests();  // test_error_words.cc
+void interruptTests();   // test_interrupt.cc
