@@ -4,8 +4,6 @@
 
 #include <signal.h>
 
-#include <atomic>
-
 #include "core/interrupt.h"
 
 namespace py = pybind11;

@@ -97,7 +97,8 @@ std::chrono::milliseconds SmddpWork::waitInterruptibly(std::chrono::milliseconds
     }
   }
   if (timeout == kNoTimeout) return timeout;
-  return std::max(std::chrono::milliseconds(0),
+  // At least 1 ms: 0 is kNoTimeout, a wait without end.
+  return std::max(std::chrono::milliseconds(1),
                   std::chrono::duration_cast<std::chrono::milliseconds>(deadline - steady_clock::now()));
 }
 

@@ -133,7 +133,7 @@ class SmddpWork : public c10d::Work {
   void waitForStart();
   // On the program's main thread: waits for completion (or `timeout`) in slices, raising a
   // SIGINT's KeyboardInterrupt (torch/interrupts.h) meanwhile; the op stays pending then.
-  // Returns what is left of `timeout`.
+  // Returns what is left of `timeout` (kNoTimeout stays kNoTimeout).
   std::chrono::milliseconds waitInterruptibly(std::chrono::milliseconds timeout);
   static constexpr std::chrono::milliseconds kInterruptSlice{100};
   std::atomic<uint64_t> callbacksAfter_{0};  // runner_'s issued() at the last getFuture*()
