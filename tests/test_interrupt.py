@@ -14,8 +14,12 @@ from _util import IS_SMDDP
 
 pytestmark = pytest.mark.skipif(not IS_SMDDP, reason="smddp's waits (gloo's ignore SIGINT until the op ends)")
 
+# SIGINT as a program started from a terminal has it: a job started in the background by a
+# shell without job control (CI's, for one) inherits it ignored.
 INTERRUPTED_WAIT = r"""
-import os, signal, sys, time, torch, torch.distributed as dist
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+import torch, torch.distributed as dist
 import smddp
 rank, world, url, wait, handler, go = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
 dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world)
