@@ -1265,6 +1265,48 @@ def errors_task(rank, world):
                 rep.expect(writes and "share memory" in str(e) and "took its part in the op" in str(e),
                            f"{label}: rank {rank}: {str(e)[:300]}")
             rep.group_still_works(label + " (after the error)", world, rank)
+    # A gather's root whose output list does not fit the op takes its part into memory of its own,
+    # then raises: until 2026-12-06 it raised before, and the others' gather waited for it.
+    for case, outs in (("a list one too long", [torch.zeros(2) for _ in range(world + 1)]),
+                       ("outputs of 3 elements for an input of 2", [torch.zeros(3) for _ in range(world)])):
+        label = f"gather with {case} on the root world={world}"
+        with rep.cell(label):
+            try:
+                dist.gather(torch.full((2,), float(rank)), outs if rank == root else None, dst=root)
+                rep.expect(rank != root, f"{label}: the root's gather completed")
+            except ValueError as e:
+                rep.expect(rank == root and "smddp rank" in str(e) and "gather" in str(e),
+                           f"{label}: rank {rank}: {str(e)[:300]}")
+            rep.group_still_works(label + " (after the error)", world, rank)
+    # A scatter's root whose input list does not fit the op cannot give the others their blocks:
+    # it raises, and they fail at once with its reason (until 2026-12-06 they waited for the
+    # root's next op, or their timeout). The group is unusable after it, as after any failed op.
+    if world > 1:
+        label = f"scatter with inputs of 3 elements for an output of 2 on the root world={world}"
+        side = dist.new_group()
+        with rep.cell(label):
+            t0 = time.monotonic()
+            try:
+                dist.scatter(torch.zeros(2), [torch.ones(3) for _ in range(world)] if rank == root else None,
+                             src=root, group=side)
+                rep.expect(False, f"{label}: rank {rank}'s scatter completed")
+            except (ValueError, dist.DistBackendError) as e:
+                text = str(e)
+                reason = "every input must have the output's 2 elements, got one with 3"
+                rep.expect(reason in text and (rank == root) == isinstance(e, ValueError) and
+                           (rank == root or f"rank {root} gave up on this collective" in text),
+                           f"{label}: rank {rank}: {type(e).__name__}: {text[:300]}")
+            rep.expect(time.monotonic() - t0 < 20, f"{label}: rank {rank} took {time.monotonic() - t0:.1f} s")
+        dist.destroy_process_group(side)
+    # ProcessGroup's own API: a root tensor other than the list's one is refused (it was ignored).
+    pg = dist.distributed_c10d._get_default_group()
+    for name in ("broadcast", "reduce"):
+        label = f"{name} with rootTensor 1 for a list of one tensor world={world}"
+        opts = dist.BroadcastOptions() if name == "broadcast" else dist.ReduceOptions()
+        opts.rootRank, opts.rootTensor = 0, 1
+        with rep.cell(label):
+            if rep.expect_refusal(label, lambda: getattr(pg, name)([torch.ones(2)], opts), need=("root tensor 1",)):
+                rep.group_still_works(label + " (after the error)", world, rank)
     return rep.to_dict()
 
 

@@ -296,6 +296,15 @@ def size_mismatch(rank, world, sender=1, receiver=0, sent=4, expected=8):
         except ValueError as e:
             rep.expect(f"(tag 5, {expected * 4} bytes): the message from rank {sender} with that tag has {sent * 4} "
                        "bytes" in str(e), f"unexpected error: {e}")
+        # The pair stays given up; a later op says why once (across hosts it said "an earlier
+        # point-to-point failure with rank 1: an earlier point-to-point error with rank 1: ...").
+        try:
+            dist.recv(torch.empty(1), sender, tag=6)
+            rep.expect(False, "a recv after the size mismatch completed")
+        except Exception as e:  # noqa: BLE001
+            text = str(e)
+            rep.expect(text.count("an earlier point-to-point") == 1 and f"with that tag has {sent * 4} bytes" in text,
+                       f"unexpected error after the mismatch: {e}")
     return rep.to_dict()
 
 

@@ -363,8 +363,11 @@ void NetP2p::intake() {
     }
     Peer& p = *peers_[op.peer];
     if (p.broken) {
-      const std::string why =
-          describeOp(op, p.rank) + ": an earlier point-to-point failure with rank " + std::to_string(p.rank) + ": " + p.why;
+      // Most reasons name the earlier failure already (a timeout's, a size mismatch's).
+      const bool named = p.why.rfind("an earlier point-to-point ", 0) == 0;
+      const std::string why = describeOp(op, p.rank) + ": " +
+                              (named ? "" : "an earlier point-to-point failure with rank " + std::to_string(p.rank) + ": ") +
+                              p.why;
       complete(std::move(op), errorOf(ErrorCode::kAborted, why), p.rank);
       continue;
     }

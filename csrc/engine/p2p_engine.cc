@@ -122,7 +122,10 @@ void P2pEngine::submit(P2pOp op) {
     op.finish(errorOf(ErrorCode::kAborted, why), op.peer);
     return;
   }
-  if (op.isSend) domain_->commitOutboxes();  // throws on the caller's thread if /dev/shm is full
+  if (op.isSend) {
+    domain_->commitOutboxes();  // throws on the caller's thread if /dev/shm is full
+    op.readableInPlace = op.bytes >= singleCopyBytes_ && domain_->readableByPeers(op.buffer, op.bytes);
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     op.postSeq = nextPostSeq();
@@ -236,7 +239,7 @@ bool P2pEngine::progressSend(P2pOp& op) {
     // Buffer i % 2 still holds chunk i - 2 until the receiver has consumed it.
     if (i >= 2 && domain_->consumedFrom(d, rank_).load(std::memory_order_acquire) < i - 1) break;
     uint8_t* chunk = domain_->outbox(rank_, d, i);
-    if (!op.started && op.bytes >= singleCopyBytes_ && domain_->readsPeers(d)) {
+    if (!op.started && op.readableInPlace && domain_->readsPeers(d)) {
       // One copy instead of two: the receiver reads the message where it is.
       const ChunkHeader h{op.bytes, op.tag, 0, reinterpret_cast<uint64_t>(op.buffer)};
       std::memcpy(chunk, &h, sizeof(h));

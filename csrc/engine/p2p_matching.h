@@ -81,6 +81,11 @@ struct P2pOp {
   // (never expires, so never breaks the pair) and never posted as where this rank waits.
   bool background = false;
 
+  // A send its receiver may read where it is (single copy): large enough, and in memory other
+  // processes may read (a driver's pinned memory may not be). Set by the shared-memory engine's
+  // submit(), on the caller's thread.
+  bool readableInPlace = false;
+
   size_t offset = 0;
   bool started = false;  // first chunk sent / matched
   uint64_t readUntil = 0;  // shared-memory send handed over by address: done once the peer consumed this many chunks

@@ -117,6 +117,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::reduce(std::vector<at::Tensor>& ten
   const int root = static_cast<int>(opts.rootRank);
   TORCH_CHECK_VALUE(root >= 0 && root < size_, who(), ": reduce: root ", root,
                     " is not a rank of this group of size ", size_);
+  checkRootTensor(opts.rootTensor, who(), "reduce");
   if (isCudaOp(tensors, "reduce")) {  // only the root's tensor changes, as with NCCL
     return cudaFlat(c10d::OpType::REDUCE, "smddp:reduce", tensors, resolveTimeout(opts.timeout),
                     {{t, true, rank_ == root,
@@ -144,6 +145,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::broadcast(std::vector<at::Tensor>& 
   const int root = static_cast<int>(opts.rootRank);
   TORCH_CHECK_VALUE(root >= 0 && root < size_, who(), ": broadcast: root ", root,
                     " is not a rank of this group of size ", size_);
+  checkRootTensor(opts.rootTensor, who(), "broadcast");
   if (isCudaOp(tensors, "broadcast")) {
     return cudaFlat(c10d::OpType::BROADCAST, "smddp:broadcast", tensors, resolveTimeout(opts.timeout),
                     {{t, rank_ == root, rank_ != root,
@@ -607,16 +609,26 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
   }
   std::vector<Staged> staged;
   std::vector<at::Tensor> outs;
-  std::string refusal;  // only the root writes: it takes its part before refusing (stageOut)
+  // Only the root writes: where its outputs cannot take the result, it takes its part into memory
+  // of its own before raising, so the other ranks complete the op and the group stays usable.
+  std::string refusal;  // an output that cannot be written in place (stageOut)
+  std::exception_ptr rootError;  // an output list that does not fit the op
   if (rank_ == root) {
-    TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_, who(),
-                      ": gather: the root needs one output list of ", size_, " tensors");
-    outs = outputs[0];
+    try {
+      TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_, who(),
+                        ": gather: the root needs one output list of ", size_, " tensors");
+      for (const at::Tensor& o : outputs[0]) {
+        checkMovedTensor(o, who(), "gather");
+        checkSameType(o, in, who(), "gather");
+        TORCH_CHECK_VALUE(o.numel() == in.numel(), who(), ": gather: every output must have the input's ",
+                          in.numel(), " elements, got one with ", o.numel());
+      }
+      outs = outputs[0];
+    } catch (const c10::Error&) {
+      rootError = std::current_exception();
+      for (int r = 0; r < size_; ++r) outs.push_back(at::empty({in.numel()}, in.options()));
+    }
     for (const at::Tensor& o : outs) {
-      checkMovedTensor(o, who(), "gather");
-      checkSameType(o, in, who(), "gather");
-      TORCH_CHECK_VALUE(o.numel() == in.numel(), who(), ": gather: every output must have the input's ",
-                        in.numel(), " elements, got one with ", o.numel());
       std::string why;
       staged.push_back(stageOut(o, who(), "gather", &why));
       if (refusal.empty()) refusal = why;
@@ -645,6 +657,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
         c.allgather(o, to);
         for (const Staged& s : staged) finishStaged(s);
       });
+  if (rootError) std::rethrow_exception(rootError);
   TORCH_CHECK_VALUE(refusal.empty(), refusal);
   return work;
 }
@@ -668,9 +681,19 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& ou
   std::vector<Staged> srcs;
   Tensors ins;
   if (rank_ == root) {
-    TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_, who(),
-                      ": scatter: the root needs one input list of ", size_, " tensors");
-    srcs = stageBlocks(inputs[0], s, rank_, who(), "scatter");
+    try {
+      TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_, who(),
+                        ": scatter: the root needs one input list of ", size_, " tensors");
+      srcs = stageBlocks(inputs[0], s, rank_, who(), "scatter");
+    } catch (const c10::Error&) {
+      // The other ranks cannot be given blocks the root does not have: the op fails in its turn,
+      // and its peers are told the root's reason at once (the group is unusable after it, as after
+      // any failed collective), instead of waiting for the root's next op or their timeout.
+      const std::exception_ptr error = std::current_exception();
+      enqueue(c10d::OpType::SCATTER, "smddp:scatter", outputs, {}, resolveTimeout(opts.timeout), /*async=*/false,
+              [error](algo::Communicator&, std::chrono::milliseconds) { std::rethrow_exception(error); });
+      throw;
+    }
     ins = inputs[0];
   } else {
     TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), who(),

@@ -115,6 +115,11 @@ const at::Tensor& onlyTensor(const std::vector<at::Tensor>& tensors, const std::
   return tensors[0];
 }
 
+void checkRootTensor(int64_t rootTensor, const std::string& who, const char* op) {
+  TORCH_CHECK_VALUE(rootTensor == 0, who, ": ", op, ": root tensor ", rootTensor,
+                    " is not an index of the list of 1 tensor (ProcessGroup's rootTensor option)");
+}
+
 Reduction toReduction(const c10d::ReduceOp& op, DataType dtype, int size, const std::string& who, const char* opName) {
   Reduction r;
   switch (op.op_) {

@@ -50,6 +50,8 @@ std::vector<at::Tensor> concatTensors(std::vector<at::Tensor> a, const std::vect
 
 // The one tensor of a list that must hold exactly one (torch's list form of single-tensor ops).
 const at::Tensor& onlyTensor(const std::vector<at::Tensor>& tensors, const std::string& who, const char* op);
+// The index of the root's tensor in that list (BroadcastOptions' and ReduceOptions' rootTensor): 0.
+void checkRootTensor(int64_t rootTensor, const std::string& who, const char* op);
 
 // torch's reduce op for `dtype` as the core's (PREMUL_SUM's factor, AVG's divisor `size`);
 // NotImplementedError for a pair the core does not compute.

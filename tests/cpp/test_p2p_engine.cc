@@ -6,7 +6,8 @@
 // released by the op's deadline, and by shutdown() from another thread; a wait after shutdown
 // returns at once; of the receives a message matches, the first posted takes it; a message
 // handed over by address whose send failed before it was read fails its recv instead of
-// delivering the reused buffer, and a send whose message is being read waits for the read.
+// delivering the reused buffer, and a send whose message is being read waits for the read; a
+// large send from memory its receiver may not read is copied instead of handed over.
 // The same binary tests a group's progress thread (test_progress_thread.cc).
 // tests/test_core_cpp.py also builds it under ThreadSanitizer when clang can.
 // Prints "N passed, N failed".
@@ -27,6 +28,7 @@
 #include "engine/p2p_engine.h"
 #include "expect.h"
 #include "p2p_harness.h"
+#include "secret_memory.h"
 #include "transport/shm_domain.h"
 
 using namespace smddp;
@@ -244,6 +246,45 @@ void testSendBeingRead(const std::string& dir, bool byShutdown) {
   eng.shutdown();
 }
 
+// A send large enough to be read in place, from memory its receiver may not read (memfd_secret's,
+// as a driver's pinned memory may be): it must go through the mailboxes. It was handed over by
+// address, and the receiver's read failed with EFAULT, failing both ops and the pair after them.
+void testUnreadableSendIsCopied(const std::string& dir) {
+  FileStore store(dir, std::chrono::seconds(30));
+  auto d = domains(store);
+  if (!d[0]->readsPeers(1)) {
+    std::printf("skipped: no single-copy reads here (a send from memory peers may not read)\n");
+    return;
+  }
+  constexpr size_t kBytes = 1 << 20;  // well past the engines' 256 KiB
+  uint8_t* secret = test::secretArray<uint8_t>(kBytes);
+  if (secret == nullptr) {
+    std::printf("skipped: no memfd_secret here (a send from memory peers may not read)\n");
+    return;
+  }
+  auto eng = engines(d);
+  for (int m = 0; m < 2; ++m) {  // and the pair carries on
+    Slot send, recv;
+    send.data.resize(kBytes);
+    for (size_t i = 0; i < kBytes; ++i) secret[i] = test::pattern(0, m, i);
+    recv.data.assign(kBytes, 0);
+    engine::P2pOp op = opFor(true, 1, send, std::chrono::seconds(10));
+    op.buffer = secret;
+    eng[0]->submit(std::move(op));
+    eng[1]->submit(opFor(false, 0, recv, std::chrono::seconds(10)));
+    eng[1]->driveUntil([&] { return recv.done.load(); });
+    eng[0]->driveUntil([&] { return send.done.load(); });
+    size_t wrong = 0;
+    for (size_t i = 0; i < kBytes; ++i) wrong += recv.data[i] != test::pattern(0, m, i);
+    const std::string what = "a send from memory peers may not read, #" + std::to_string(m + 1) + ": ";
+    expect(send.errors.load() == 0, what + "the send failed: " + send.why);
+    expect(recv.errors.load() == 0, what + "the recv failed: " + recv.why);
+    expect(wrong == 0, what + std::to_string(wrong) + " wrong bytes");
+  }
+  for (auto& e : eng) e->shutdown();
+  munmap(secret, kBytes);
+}
+
 }  // namespace
 
 // test_progress_thread.cc
@@ -276,6 +317,7 @@ int main() {
       [](const std::string& dir) { testWithdrawnBeforeRead(dir, false, true); },
       [](const std::string& dir) { testSendBeingRead(dir, false); },
       [](const std::string& dir) { testSendBeingRead(dir, true); },
+      testUnreadableSendIsCopied,
   };
   if (!test::runInOwnDirs("smddp_p2p_tests", tests)) return 1;
   progressThreadTests();

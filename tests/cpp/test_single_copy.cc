@@ -12,8 +12,6 @@
 // chooses not to; a rank whose buffers may not be read (memfd_secret's, or a rank that says so,
 // as one whose buffers are CUDA's pinned staging) makes every rank stage, with the right sums.
 #include <sys/mman.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -35,6 +33,7 @@
 #include "core/types.h"
 #include "domains.h"
 #include "expect.h"
+#include "secret_memory.h"
 #include "transport/shm_domain.h"
 
 using namespace smddp;
@@ -189,27 +188,10 @@ void testOwnerThatGaveUpFailsTheReader(const std::string& dir) {
          "the reader of an owner that gave up: \"" + error + "\"");
 }
 
-// Memory only this process may read: process_vm_readv from any process, itself included, fails
-// with EFAULT. Null where the kernel has no memfd_secret (before 5.14, or disabled).
-float* secretFloats(size_t n) {
-#ifdef SYS_memfd_secret
-  const int fd = static_cast<int>(syscall(SYS_memfd_secret, 0));
-  if (fd < 0) return nullptr;
-  void* p = ftruncate(fd, static_cast<off_t>(n * sizeof(float))) == 0
-                ? mmap(nullptr, n * sizeof(float), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
-                : MAP_FAILED;
-  close(fd);
-  return p == MAP_FAILED ? nullptr : static_cast<float*>(p);
-#else
-  (void)n;
-  return nullptr;
-#endif
-}
-
 void testUnreadableInputIsStaged(const std::string& dir) {
   constexpr int kWorld = 3;
   constexpr size_t kCount = 300001;  // several copy steps when staged
-  float* secret = secretFloats(kCount);
+  float* secret = test::secretArray<float>(kCount);
   if (secret == nullptr) {
     std::printf("all-gather of an input other processes may not read: skipped, no memfd_secret here\n");
     return;
@@ -279,7 +261,7 @@ void testAllreduceReadsInPlace(const std::string& dir) {
   FileStore store(dir, std::chrono::seconds(30));
   auto d = domains(store, kWorld);
   if (!d[0]->allReadPeers()) return;  // said above
-  float* secret = secretFloats(kCount);
+  float* secret = test::secretArray<float>(kCount);
   enum class Case { kRead, kStage, kRankSaysUnreadable, kSecretInput };
   std::atomic<bool> abort{false};
   uint64_t seq = 0;
