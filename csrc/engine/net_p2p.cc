@@ -180,7 +180,12 @@ NetP2p::NetP2p(Store& store, const Topology& topo, const std::vector<net::LocalA
   thread_ = std::thread([this] { loop(); });
 }
 
-NetP2p::~NetP2p() { shutdown(); }
+NetP2p::~NetP2p() {
+  shutdown();
+  // Here, not in shutdown(): a submit() on another thread may still ring them after it.
+  close(wakeFd_);
+  close(driverBellFd_);
+}
 
 void NetP2p::shutdown() {
   std::call_once(shutdownOnce_, [this] {
@@ -202,8 +207,6 @@ void NetP2p::shutdown() {
     runCompletions();
     for (auto& in : incoming_) close(in->fd);
     for (int fd : listenFds_) close(fd);
-    close(wakeFd_);
-    close(driverBellFd_);
   });
 }
 
@@ -222,6 +225,16 @@ void NetP2p::submit(P2pOp op) {
     std::lock_guard<std::mutex> lock(mutex_);
     op.postSeq = nextPostSeq();
     submitted_.push_back(std::move(op));
+  }
+  if (aborted_.load()) {
+    // An abort came after the check above: the engine's thread, or shutdown() after it, may have
+    // failed what was queued before this op was, and this caller must fail it.
+    {
+      std::lock_guard<std::mutex> lock(stateMutex_);
+      failAll();
+    }
+    runCompletions();
+    return;
   }
   // Moves what it can at once on the caller's thread (a send the socket takes whole is done
   // without waking the engine's thread), unless that thread is making a pass.

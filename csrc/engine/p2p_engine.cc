@@ -131,7 +131,9 @@ void P2pEngine::submit(P2pOp op) {
     op.postSeq = nextPostSeq();
     incoming_.push_back(std::move(op));
   }
-  const Pass p = pass(/*tryOnly=*/true);
+  // After an abort, shutdown()'s last pass may have come before this op was queued: this pass
+  // must run then (it fails the op), not be left to a thread that is gone.
+  const Pass p = pass(/*tryOnly=*/!aborted_.load());
   if (p.ran && !p.pending) return;
   // Another thread is making a pass (it reads the doorbell before each, so it will pass again),
   // or ops are left for the thread or a driver to finish.
