@@ -947,6 +947,49 @@ def test_wrapped_blocks_survive_deepcopy(wrap):
         assert torch.equal(p.grad, q.grad), name
 
 
+def transformed_copy_task(rank, world, kind):
+    """copy.deepcopy of a model after transform() (an EMA, a teacher) computes with the copy's
+    parameters and gives them the gradients: until 2026-12-06 the forwards that context
+    parallelism (the model's), expert parallelism (the experts modules') and GPT-2's tensor
+    parallelism (its Conv1D layers') put on the modules were closures over the original, and the
+    copy silently ran the original's weights. And a model built from the same config object
+    (a teacher) is left alone: context parallelism switched that shared config's attention, and
+    the teacher silently ran the context-parallel attention on whole sequences."""
+    from test_smp_ep import _build as build_moe
+    from test_smp_tp import _build
+
+    rep = Report(rank)
+    degree = {"cp": "context_parallel_degree", "ep": "expert_parallel_degree", "tp": "tensor_parallel_degree"}[kind]
+    tsm.init({degree: 2, "random_seed": 5}, device_type="cpu")
+    model = build_moe("mixtral") if kind == "ep" else _build("gpt2" if kind == "tp" else "llama")[0]
+    teacher = type(model)(model.config).double()  # the same config object
+    teacher.load_state_dict(model.state_dict())
+    implementation = teacher.config._attn_implementation
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    taught = teacher(tokens).logits.detach()
+    tsm.transform(model)
+    want = model(tokens).logits.detach()
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    got = twin(tokens).logits
+    got.sum().backward()
+    rep.expect(not torch.allclose(got, want), f"{kind}: the copy computed with the original's parameters")
+    rep.expect(torch.equal(model(tokens).logits, want), f"{kind}: the original's output changed")
+    rep.expect(all(p.grad is None for p in model.parameters()), f"{kind}: the copy's backward reached the original")
+    rep.expect(teacher.config._attn_implementation == implementation and torch.equal(teacher(tokens).logits, taught),
+               f"{kind}: the teacher built from the model's config changed: attention "
+               f"{teacher.config._attn_implementation!r}, was {implementation!r}")
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("kind", ["cp", "ep", "tp"])
+def test_transformed_models_survive_deepcopy(pools, kind):
+    pytest.importorskip("transformers")
+    pools.check(2, transformed_copy_task, kind, timeout=300)
+
+
 def test_a_layer_shared_across_positions_is_one_block():
     """nn.ModuleList([layer] * 3) (ALBERT): one block, wrapped once, called three times per
     forward (until 2026-12-04 apply_hybrid_sharding raised torch's "fully_shard has already been

@@ -37,7 +37,6 @@ import contextlib
 import inspect
 import json
 import os
-import types
 import warnings
 import weakref
 from dataclasses import dataclass, field, fields
@@ -46,6 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._forwards import wrap_forward
 
 __all__ = ["CONFIG_KEYS", "SMPConfig", "init", "state", "apply_hybrid_sharding", "validate", "materialize",
            "save_checkpoint", "load_checkpoint", "apply_activation_checkpointing", "apply_activation_offloading",
@@ -953,18 +954,8 @@ def apply_activation_checkpointing(model, blocks=None):
             # no recomputation, silently.
             raise ValueError("smddp.smp.apply_activation_checkpointing: the block's activations are offloaded "
                              "already; apply activation checkpointing first, then offloading")
-        _wrap_forward(block, "_smddp_checkpointed", _checkpointed_forward, _signature_of(block.forward))
+        wrap_forward(block, "_smddp_checkpointed", _checkpointed_forward, _signature_of(block.forward))
     return model
-
-
-def _wrap_forward(block, slot, wrapper, context):
-    """Makes `wrapper` the block's forward: a method bound to the block (an instance attribute, so
-    nn.Module.__call__ and FSDP2's hooks around it still run first), which finds the forward it
-    wraps, and `context`, under the block's attribute `slot`. Bound methods and attributes, not a
-    closure: copy.deepcopy(model) binds the copy's to the copy (a closure kept calling the
-    original's forward, on the original's parameters, silently)."""
-    setattr(block, slot, (block.forward, context))
-    block.forward = types.MethodType(wrapper, block)
 
 
 def _checkpointed_forward(block, *args, **kwargs):
@@ -1248,7 +1239,7 @@ def apply_activation_offloading(model, blocks=None, horizon=None):
     if any(hasattr(block, "_smddp_offloaded_by") for block in blocks):
         raise ValueError("smddp.smp.apply_activation_offloading: a block's activations are offloaded already")
     for index, block in enumerate(blocks):
-        _wrap_forward(block, "_smddp_offloaded_by", _offloaded_forward, (off, index))
+        wrap_forward(block, "_smddp_offloaded_by", _offloaded_forward, (off, index))
     return off
 
 

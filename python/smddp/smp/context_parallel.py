@@ -40,9 +40,12 @@ transformers turns into a block-diagonal mask): the CP attention knows only the 
 the whole row, so both are refused (NotImplementedError) rather than attended across.
 """
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
+from ._forwards import wrap_forward
 from .ring_attention import positions
 
 ATTENTION = "smddp_context_parallel"          # cp_comm_type "all_gather"
@@ -194,70 +197,68 @@ def _packed(position_ids):
     return bool((position_ids[..., 1:] - position_ids[..., :-1] != 1).any())
 
 
-def _split_forward(model, degree, rank):
-    forward = model.forward
+def _split_forward(model, input_ids=None, attention_mask=None, position_ids=None, labels=None,
+                   num_items_in_batch=None, return_dict=None, **kwargs):
+    """The context-parallel model's forward (wrap_forward): this rank's part of each sequence."""
+    forward, (degree, rank) = model._smddp_context_parallel
+    if input_ids is None:
+        raise NotImplementedError("smddp.smp: with context parallelism the model takes input_ids (the full "
+                                  "sequences), not inputs_embeds")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise NotImplementedError("smddp.smp: context parallelism does not support padding (an attention_mask "
+                                  "with zeros); pack or trim the sequences")
+    if kwargs.get("past_key_values") is not None or kwargs.pop("use_cache", None):
+        raise NotImplementedError("smddp.smp: context parallelism is for training: no key/value cache")
+    if position_ids is not None and attention_mask is None and _packed(position_ids):
+        # transformers (no attention_mask, no cache) then attends within each packed sequence
+        # only; the CP attention knows only the causal mask over the whole row and would attend
+        # across the sequences' boundaries: different logits, silently.
+        raise NotImplementedError("smddp.smp: context parallelism does not support packed sequences "
+                                  "(position_ids that restart or jump within a row, which transformers turns "
+                                  "into a block-diagonal attention mask): its attention would cross the "
+                                  "sequences' boundaries; give each sequence its own row")
+    length = input_ids.shape[1]
+    mine = local_tokens(length, degree, rank, _balanced()).to(input_ids.device)
+    if position_ids is None:
+        position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
+    # Always an output object, so that the loss can be set; a tuple at the end if asked for.
+    out = forward(input_ids=input_ids[:, mine], position_ids=position_ids[:, mine], use_cache=False,
+                  return_dict=True, **kwargs)
+    routed = kwargs.get("output_router_logits")
+    if routed is None:
+        routed = getattr(model.config, "output_router_logits", False)
+    balance = routed and getattr(out, "router_logits", None)
+    if balance:
+        # The model computed its routers' balance loss over this rank's tokens only.
+        from . import state
 
-    def split(input_ids=None, attention_mask=None, position_ids=None, labels=None, num_items_in_batch=None,
-              return_dict=None, **kwargs):
-        if input_ids is None:
-            raise NotImplementedError("smddp.smp: with context parallelism the model takes input_ids (the full "
-                                      "sequences), not inputs_embeds")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise NotImplementedError("smddp.smp: context parallelism does not support padding (an attention_mask "
-                                      "with zeros); pack or trim the sequences")
-        if kwargs.get("past_key_values") is not None or kwargs.pop("use_cache", None):
-            raise NotImplementedError("smddp.smp: context parallelism is for training: no key/value cache")
-        if position_ids is not None and attention_mask is None and _packed(position_ids):
-            # transformers (no attention_mask, no cache) then attends within each packed sequence
-            # only; the CP attention knows only the causal mask over the whole row and would attend
-            # across the sequences' boundaries: different logits, silently.
-            raise NotImplementedError("smddp.smp: context parallelism does not support packed sequences "
-                                      "(position_ids that restart or jump within a row, which transformers turns "
-                                      "into a block-diagonal attention mask): its attention would cross the "
-                                      "sequences' boundaries; give each sequence its own row")
-        length = input_ids.shape[1]
-        mine = local_tokens(length, degree, rank, _balanced()).to(input_ids.device)
-        if position_ids is None:
-            position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
-        # Always an output object, so that the loss can be set; a tuple at the end if asked for.
-        out = forward(input_ids=input_ids[:, mine], position_ids=position_ids[:, mine], use_cache=False,
-                      return_dict=True, **kwargs)
-        routed = kwargs.get("output_router_logits")
-        if routed is None:
-            routed = getattr(model.config, "output_router_logits", False)
-        balance = routed and getattr(out, "router_logits", None)
+        out.aux_loss = _balance_loss(model, out.router_logits, state.cp_group, degree)
+    if labels is not None:
+        # Each token's target is the next token of the whole sequence, the last one's none (as
+        # transformers' own loss). transformers divides the summed token losses by
+        # num_items_in_batch where given (the Trainer's count over its accumulated
+        # micro-batches), else by the batch's labelled tokens; each rank divides its own sum
+        # by 1/degree of that, so that the CP group's mean is the unsplit model's loss.
+        targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+        logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
+        summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, mine].reshape(-1),
+                                 ignore_index=-100, reduction="sum")
+        # A batch without a labelled token gives NaN (0 / 0), as transformers' mean does.
+        if num_items_in_batch is None:
+            num_items_in_batch = (targets != -100).sum().to(summed.dtype)  # on the device: no sync
+        elif torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(summed.device)
+        loss = summed * degree / num_items_in_batch
         if balance:
-            # The model computed its routers' balance loss over this rank's tokens only.
-            from . import state
+            loss = loss + model.router_aux_loss_coef * out.aux_loss
+        # A new output rather than out.loss = ...: a field that was None is not among a
+        # ModelOutput's keys, so out["loss"], out[0] and to_tuple() would not see it.
+        out = type(out)(**{**out, "loss": loss})
+    if return_dict is None:
+        return_dict = getattr(model.config, "return_dict", True)
+    # As transformers with return_dict=False: the fields that are not None, the loss first.
+    return out if return_dict else out.to_tuple()
 
-            out.aux_loss = _balance_loss(model, out.router_logits, state.cp_group, degree)
-        if labels is not None:
-            # Each token's target is the next token of the whole sequence, the last one's none (as
-            # transformers' own loss). transformers divides the summed token losses by
-            # num_items_in_batch where given (the Trainer's count over its accumulated
-            # micro-batches), else by the batch's labelled tokens; each rank divides its own sum
-            # by 1/degree of that, so that the CP group's mean is the unsplit model's loss.
-            targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
-            logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
-            summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, mine].reshape(-1),
-                                     ignore_index=-100, reduction="sum")
-            # A batch without a labelled token gives NaN (0 / 0), as transformers' mean does.
-            if num_items_in_batch is None:
-                num_items_in_batch = (targets != -100).sum().to(summed.dtype)  # on the device: no sync
-            elif torch.is_tensor(num_items_in_batch):
-                num_items_in_batch = num_items_in_batch.to(summed.device)
-            loss = summed * degree / num_items_in_batch
-            if balance:
-                loss = loss + model.router_aux_loss_coef * out.aux_loss
-            # A new output rather than out.loss = ...: a field that was None is not among a
-            # ModelOutput's keys, so out["loss"], out[0] and to_tuple() would not see it.
-            out = type(out)(**{**out, "loss": loss})
-        if return_dict is None:
-            return_dict = getattr(model.config, "return_dict", True)
-        # As transformers with return_dict=False: the fields that are not None, the loss first.
-        return out if return_dict else out.to_tuple()
-
-    return split
 
 
 def check_supported(model):
@@ -287,7 +288,20 @@ def transform(model, comm_type="p2p"):
     if getattr(model.config, "_attn_implementation", None) in COMM_TYPES.values():
         raise RuntimeError("smddp.smp.transform: the model is already context-parallel; call transform() once")
     _register()
+    _own_config(model)
     model.set_attn_implementation(COMM_TYPES[comm_type])
-    # An instance attribute: nn.Module.__call__ (and FSDP2's hooks around it) still run first.
-    model.forward = _split_forward(model, state.cp_size, state.cp_rank)
+    wrap_forward(model, "_smddp_context_parallel", _split_forward, (state.cp_size, state.cp_rank))
     return model
+
+
+def _own_config(model):
+    """Gives `model` a config of its own, its modules' references and sub-configs included: models
+    built from one config object share it, and their attention reads its implementation at each
+    call, so switching it for this model switched every other built from that object (a teacher
+    beside the student ran the context-parallel attention on the whole sequence, silently)."""
+    copies = {}
+    copy.deepcopy(model.config, copies)
+    for m in model.modules():
+        c = getattr(m, "config", None)
+        if c is not None and id(c) in copies and copies[id(c)] is not c:
+            m.config = copies[id(c)]

@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._forwards import Shared, wrap_forward
+
 
 def _layout_problem(module):
     """Why `module` (an experts module) cannot be split, or None."""
@@ -148,10 +150,11 @@ def transform(model):
             p = getattr(m, weight)
             m.register_parameter(weight, nn.Parameter(distribute_tensor(p.data, mesh, (Shard(0),)),
                                                       requires_grad=p.requires_grad))
-
-        def forward(hidden_states, top_k_index, top_k_weights, _m=m):
-            return _expert_parallel_forward(_m, group, degree, hidden_states, top_k_index, top_k_weights)
-
-        # An instance attribute: nn.Module.__call__ (and FSDP2's hooks around it) still run first.
-        m.forward = forward
+        wrap_forward(m, "_smddp_expert_parallel", _experts_forward, Shared((group, degree)))
     return model
+
+
+def _experts_forward(module, hidden_states, top_k_index, top_k_weights):
+    """An expert-parallel experts module's forward (wrap_forward)."""
+    group, degree = module._smddp_expert_parallel[1].value
+    return _expert_parallel_forward(module, group, degree, hidden_states, top_k_index, top_k_weights)

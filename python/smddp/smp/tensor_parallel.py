@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._forwards import Shared, wrap_forward
+
 
 @dataclass(frozen=True)
 class _Family:
@@ -255,9 +257,7 @@ def _styles():
                 module.register_parameter(name, nn.Parameter(
                     distribute_tensor(p.data, mesh, (placement,), src_data_rank=self.src_data_rank),
                     requires_grad=p.requires_grad))
-            run = self._row if self.rowwise else self._column
-            # An instance attribute: nn.Module.__call__ and its hooks (FSDP2's) still run around it.
-            module.forward = lambda x: run(module, mesh, x)
+            wrap_forward(module, "_smddp_tensor_parallel", _placed_forward, Shared((self, mesh)))
             return module
 
         def _column(self, module, mesh, x):
@@ -285,6 +285,12 @@ def _styles():
             return y.to_local() if self.use_local_output else y
 
     return GatherSequence, Conv1DParallel, Replicated
+
+
+def _placed_forward(module, x):
+    """A GPT-2 Conv1D's forward once Conv1DParallel has placed it (wrap_forward)."""
+    style, mesh = module._smddp_tensor_parallel[1].value
+    return (style._row if style.rowwise else style._column)(module, mesh, x)
 
 
 def _plan(model, family, sequence_parallel):
