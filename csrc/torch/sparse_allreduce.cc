@@ -49,6 +49,16 @@ bool sameKind(const Record& a, const Record& b) {
   return true;
 }
 
+// One of the op's all-gathers; an error names the op its caller ran before the step that failed
+// ("all_reduce of sparse tensors: allgather #3: rank 1 exited ...", not a bare "allgather #3").
+void gatherStep(algo::Communicator& c, const algo::AllgatherOptions& o, std::chrono::milliseconds timeout) {
+  try {
+    c.allgather(o, timeout);
+  } catch (const Error& e) {
+    throw Error(e.code(), std::string(kOp) + ": " + e.what());
+  }
+}
+
 std::string describe(const Record& r) {
   std::ostringstream s;
   s << "size [";
@@ -139,7 +149,7 @@ void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides,
   {
     algo::AllgatherOptions o{DataType::kInt64, &mine, {}, std::vector<size_t>(size, sizeof(Record) / sizeof(int64_t))};
     for (Record& r : records) o.outputs.push_back(&r);
-    c.allgather(o, timeout);
+    gatherStep(c, o, timeout);
   }
   // Every rank sees the same records and raises here alike, so the group stays in step: the
   // core's error type says so (a ValueError to Python), where torch's would break the group.
@@ -178,7 +188,7 @@ void run(const at::Tensor& t, bool average, const std::vector<int64_t>& strides,
   {
     algo::AllgatherOptions o{DataType::kUInt8, packed, {}, counts};
     for (int p = 0; p < size; ++p) o.outputs.push_back(gathered + offsets[p]);
-    c.allgather(o, timeout);
+    gatherStep(c, o, timeout);
   }
 
   // 3. The sum, the same on every rank: rows in rank order, into zeros.

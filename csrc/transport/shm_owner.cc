@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -54,6 +55,14 @@ ProcessState readProcess(int pid) {
   return st;
 }
 
+// Whether the name `st` describes has not changed for `grace`: its creator, which stamps it as
+// soon as it has sized it, is gone (a creator's every step changes the name's ctime).
+bool unstampedFor(const struct stat& st, std::chrono::seconds grace) {
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  return now.tv_sec - st.st_ctim.tv_sec >= grace.count();
+}
+
 }  // namespace
 
 uint64_t pidNamespaceId() {
@@ -83,7 +92,7 @@ bool OwnerStamp::creatorAlive() const {
   return !st.exited && (startTicks == 0 || st.startTicks == startTicks);
 }
 
-int sweepStaleNames(int rank) {
+int sweepStaleNames(int rank, std::chrono::seconds unstampedGrace) {
   DIR* dir = opendir("/dev/shm");
   if (dir == nullptr) return 0;
   int removed = 0;
@@ -95,14 +104,20 @@ int sweepStaleNames(int rank) {
     if (fd < 0) continue;  // another user's, or removed meanwhile
     struct stat st;
     OwnerStamp stamp;
-    const bool read = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == me &&
-                      pread(fd, &stamp, sizeof(stamp), 0) == static_cast<ssize_t>(sizeof(stamp));
+    const bool ours = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == me;
+    const bool whole = ours && pread(fd, &stamp, sizeof(stamp), 0) == static_cast<ssize_t>(sizeof(stamp));
     close(fd);
-    // A name being created right now has no intact stamp yet: it stays.
-    if (!read || !stamp.intact() || stamp.creatorAlive()) continue;
+    if (!ours) continue;
+    const bool stamped = whole && stamp.intact();
+    if (stamped ? stamp.creatorAlive() : !unstampedFor(st, unstampedGrace)) continue;
     if (shm_unlink(name.c_str()) == 0) {
       ++removed;
-      SMDDP_INFO(kShm, "rank %d removed /dev/shm%s, left by pid %d, which has exited", rank, name.c_str(), stamp.pid);
+      if (stamped) {
+        SMDDP_INFO(kShm, "rank %d removed /dev/shm%s, left by pid %d, which has exited", rank, name.c_str(), stamp.pid);
+      } else {
+        SMDDP_INFO(kShm, "rank %d removed /dev/shm%s, which has had no owner stamp for %lld s or more (its creator "
+                   "was killed as it made it)", rank, name.c_str(), static_cast<long long>(unstampedGrace.count()));
+      }
     }
   }
   closedir(dir);

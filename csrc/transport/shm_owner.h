@@ -4,6 +4,8 @@
 // told from names in use, and removed by the next group set up on the host.
 #pragma once
 
+#include <chrono>
+
 #include <cstdint>
 
 namespace smddp::shm {
@@ -29,10 +31,15 @@ struct OwnerStamp {
 // This process's pid namespace, by its inode; 0 where /proc does not say.
 uint64_t pidNamespaceId();
 
+// A name without an intact stamp is one being created (its creator stamps it microseconds after
+// creating it), or one whose creator was killed in between: after this long, the latter.
+constexpr std::chrono::seconds kUnstampedGrace{60};
+
 // Removes the names smddp left in /dev/shm that belong to this user and whose creators are gone
-// (creatorAlive() false); names of live processes, of other users or other pid namespaces, and
-// names of another format stay. Returns how many it removed. Cheap (a directory listing); run
-// once per process, at its first set-up of a group of two or more ranks.
-int sweepStaleNames(int rank);
+// (creatorAlive() false), or that have had no intact stamp for `unstampedGrace`; names of live
+// processes, of other users or other pid namespaces stay. Returns
+// how many it removed. Cheap (a directory listing); run once per process, at its first set-up of
+// a group of two or more ranks.
+int sweepStaleNames(int rank, std::chrono::seconds unstampedGrace = kUnstampedGrace);
 
 }  // namespace smddp::shm

@@ -1,7 +1,8 @@
 // Owner stamps and the sweep of names left in /dev/shm (transport/shm_owner.h), fork-and-kill
 // style: a child creates a segment and a token as a rank does during set-up, and is killed there.
 // Its names are removed by the sweep once it has exited (reaped or still a zombie); a live
-// child's names, and names without an intact stamp, stay.
+// child's names, and names without an intact stamp (being made), stay, until they have had none
+// for a grace period (their creator was killed as it made them).
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -88,7 +89,9 @@ void sweepRemovesOnlyDeadCreatorsNames(bool reap) {
   const int removed = shm::sweepStaleNames(0);
   expect(removed >= 2, std::string("the sweep counts what it removed") + how + ": " + std::to_string(removed));
   expect(!exists(segment) && !exists(token), std::string("a killed creator's segment and token are removed") + how);
-  expect(exists(unstamped), "a name without a stamp stays");
+  expect(exists(unstamped), "a name without a stamp stays while it may be being made");
+  shm::sweepStaleNames(0, std::chrono::seconds(0));
+  expect(!exists(unstamped), "a name without a stamp is removed once it has had none for the grace period");
   shm_unlink(unstamped.c_str());
   if (!reap) waitpid(child, nullptr, 0);
 }
