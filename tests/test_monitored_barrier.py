@@ -62,6 +62,8 @@ else:
     try:
         if rank in missing and mode in ("asleep", "no_stale_post"):
             time.sleep(3600)
+        elif rank in missing and mode == "dies":
+            os._exit(0)
         elif rank in missing and mode == "in_recv":  # blocked in a point-to-point op of the group
             dist.recv(t, (rank + 1) % world)
         else:
@@ -175,6 +177,25 @@ def test_monitored_barrier_fails_fast_on_the_first_missing_rank():
         took, kind, msg = _error(out)
         assert kind == "DistBackendError" and took < 6, out[-3000:]
         assert f"smddp rank {r}: monitored_barrier: rank 0 reports that rank(s) 1 did not reach it" in msg, msg
+    _no_leftovers(outs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", [None, "011"])
+def test_monitored_barrier_names_a_rank_that_died(hosts):
+    """Rank 1 exits before the barrier: rank 0 says it failed (not that it did not come within
+    the timeout, which has not passed), with the cause, at once; rank 2 hears the same from rank 0
+    (until 2026-12-06 both said "did not reach it within 2000 ms", and rank 2 lost the cause)."""
+    procs = Job(CHILD, 3, ["dies", "1"], hosts=hosts, WAIT_ALL="1")
+    procs.wait_ready()
+    outs = procs.finish(40, ranks=[0, 2])
+    took, kind, msg = _error(outs[0])
+    assert kind == "DistBackendError" and took < 1.9, outs[0][-3000:]
+    assert "smddp rank 0: monitored_barrier: rank(s) 1 failed before reaching it" in msg and "rank 1: " in msg, msg
+    took, kind, msg = _error(outs[1])
+    assert kind == "DistBackendError" and took < 1.9, outs[1][-3000:]
+    assert "smddp rank 2: monitored_barrier: rank 0 reports that rank(s) 1 failed before reaching it (rank 0's " \
+           "error says why)" in msg, msg
     _no_leftovers(outs)
 
 

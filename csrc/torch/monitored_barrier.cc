@@ -7,6 +7,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "algo/desync_probe.h"
 #include "torch/backend.h"
@@ -23,6 +24,19 @@ constexpr uint32_t kMonitoredBarrierTagSpan = 1u << 30;
 // How much longer than rank 0 the other ranks wait: rank 0 answers once its own timeout has run
 // out on a missing rank.
 constexpr auto kMonitoredBarrierAnswerGrace = std::chrono::seconds(5);
+
+// Rank 0's answer: one byte per rank, how rank 0 heard from it.
+constexpr uint8_t kNotHeard = 0;  // nothing within the timeout
+constexpr uint8_t kCame = 1;
+constexpr uint8_t kFailed = 2;  // its message could not come: it exited, or the pair broke
+
+// "rank(s) 1, 3 did not reach it within 2000 ms; rank(s) 2 failed before reaching it"
+std::string missedRanks(const std::vector<int>& late, const std::vector<int>& failed, const std::string& within) {
+  std::string text;
+  if (!late.empty()) text = "rank(s) " + joinRanks(late) + " did not reach it " + within;
+  if (!failed.empty()) text += (text.empty() ? "" : "; ") + ("rank(s) " + joinRanks(failed) + " failed before reaching it");
+  return text;
+}
 
 // Waits up to `ms` for `work`: "" when it succeeded, the op's error when it failed, nullopt when
 // the time ran out first.
@@ -50,7 +64,7 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
   const std::string me = rankPrefix(this->who()) + "monitored_barrier: ";
   const std::string within = "within " + std::to_string(timeout.count()) + " ms";
   const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
-  // Rank 0's answer: one byte per rank, 1 for each rank that reached the barrier in time.
+  // Rank 0's answer: one byte per rank (kCame, kNotHeard, kFailed).
   const auto bytes = [](int64_t n) { return at::zeros({n}, at::TensorOptions().dtype(at::kByte)); };
   if (rank_ != 0) {
     std::vector<at::Tensor> token{bytes(1)}, answer{bytes(size_)};
@@ -67,14 +81,14 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
         throw c10::DistBackendError(loc, me + "this rank reached it, but its exchange with rank 0 failed: " + *error);
       }
     }
-    const uint8_t* came = answer[0].data_ptr<uint8_t>();
-    std::vector<int> missing;
+    const uint8_t* heard = answer[0].data_ptr<uint8_t>();
+    std::vector<int> late, failed;
     for (int r = 0; r < size_; ++r) {
-      if (!came[r]) missing.push_back(r);
+      if (heard[r] != kCame) (heard[r] == kFailed ? failed : late).push_back(r);
     }
-    if (!missing.empty()) {
-      throw c10::DistBackendError(loc, me + "rank 0 reports that rank(s) " + joinRanks(missing) +
-                                           " did not reach it " + within);
+    if (!late.empty() || !failed.empty()) {
+      throw c10::DistBackendError(loc, me + "rank 0 reports that " + missedRanks(late, failed, within) +
+                                           (failed.empty() ? "" : " (rank 0's error says why)"));
     }
     return;
   }
@@ -84,21 +98,23 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
     tokens[r] = {bytes(1)};
     arrivals[r] = p2p(false, tokens[r], r, tag, true);
   }
-  at::Tensor came = bytes(size_);
-  uint8_t* cameBytes = came.data_ptr<uint8_t>();
-  cameBytes[0] = 1;
-  std::vector<int> missing;
+  at::Tensor heard = bytes(size_);
+  uint8_t* heardBytes = heard.data_ptr<uint8_t>();
+  heardBytes[0] = kCame;
+  std::vector<int> late, failed;
   std::string causes;
   for (int r = 1; r < size_; ++r) {
     const std::optional<std::string> error = waitWithin(arrivals[r], left(start + timeout));
     if (error && error->empty()) {
-      cameBytes[r] = 1;
+      heardBytes[r] = kCame;
       continue;
     }
-    missing.push_back(r);
     if (error) {
+      heardBytes[r] = kFailed;
+      failed.push_back(r);
       causes += "\n  rank " + std::to_string(r) + ": " + *error;
     } else {
+      late.push_back(r);
       // A rank that stalls in an op of the group posts where it waits (stallInterval_).
       const std::string where =
           stallInterval_.count() > 0 ? algo::DesyncProbe::whereIs(*storeErrands_, r, stallInterval_) : "";
@@ -106,22 +122,24 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
     }
     if (!waitAllRanks) break;
   }
-  if (!waitAllRanks && !missing.empty()) {
-    // The ranks not waited for that have come all the same hear the outcome too.
-    for (int r = missing.back() + 1; r < size_; ++r) {
-      cameBytes[r] = arrivals[r]->isCompleted() && !arrivals[r]->exception();
+  const bool missed = !late.empty() || !failed.empty();
+  if (!waitAllRanks && missed) {
+    // The ranks not waited for that have come all the same hear the outcome too (after the one
+    // missed rank the loop stopped at).
+    for (int r = (late.empty() ? failed : late).back() + 1; r < size_; ++r) {
+      heardBytes[r] = arrivals[r]->isCompleted() && !arrivals[r]->exception() ? kCame : kNotHeard;
     }
   }
   // Every rank that came gets the answer; on success rank 0 returns once they all have it.
   std::vector<Work> answers;
   for (int r = 1; r < size_; ++r) {
-    if (!cameBytes[r]) continue;
-    std::vector<at::Tensor> answer{came};
+    if (heardBytes[r] != kCame) continue;
+    std::vector<at::Tensor> answer{heard};
     answers.push_back(p2p(true, answer, r, tag, true));
   }
-  if (!missing.empty()) {
+  if (missed) {
     throw c10::DistBackendError(
-        loc, me + "rank(s) " + joinRanks(missing) + " did not reach it " + within +
+        loc, me + missedRanks(late, failed, within) +
                  (waitAllRanks ? "" : " (the first one missed; wait_all_ranks=True waits for every rank)") + causes);
   }
   for (const Work& w : answers) w->wait();
