@@ -255,23 +255,31 @@ def test_delayed_init(pools, world, degree):
     pools.check(world, delayed_init_task, degree, timeout=300)
 
 
-def delayed_init_hf_task(rank, world):
+def delayed_init_hf_task(rank, world, tied):
     """A Hugging Face Llama built on the meta device, sharded, then filled from rank 0's state
     dict: its rotary embedding's inverse frequencies, a non-persistent buffer no state dict
     holds, are built again, so the logits are the eager model's (until 2026-11-30 the buffer kept
-    whatever memory to_empty() gave it, and the logits differed, silently)."""
+    whatever memory to_empty() gave it, and the logits differed, silently). tied: the LM head is
+    the token embedding, and rank 0's state dict holds it once, under the embedding's name, as
+    Hugging Face's checkpoints do (until 2026-12-06 refused: "missing key(s): lm_head.weight")."""
     import transformers as tf
 
     rep = Report(rank)
-    tag = f"delayed init of a Hugging Face Llama world={world}"
+    tag = f"delayed init of a Hugging Face Llama{' (tied LM head)' if tied else ''} world={world}"
     tsm.init({"random_seed": 5}, device_type="cpu")
     config = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            tie_word_embeddings=tied)
     eager = tf.LlamaForCausalLM(config).double()
     with torch.device("meta"):
         model = tf.LlamaForCausalLM(config).double()
     tsm.apply_hybrid_sharding(model)
-    tsm.materialize(model, rank0_state_dict=eager.state_dict() if rank == 0 else None)
+    full = eager.state_dict()
+    if tied:
+        del full["lm_head.weight"]
+    tsm.materialize(model, rank0_state_dict=full if rank == 0 else None)
+    if tied:
+        rep.expect(model.lm_head.weight is model.model.embed_tokens.weight, f"{tag}: the LM head is no longer tied")
     for name in ("inv_freq", "original_inv_freq"):
         rep.expect(torch.equal(getattr(model.model.rotary_emb, name), getattr(eager.model.rotary_emb, name)),
                    f"{tag}: rotary {name} differs from the eager model's")
@@ -281,8 +289,9 @@ def delayed_init_hf_task(rank, world):
     return rep.to_dict()
 
 
-def test_delayed_init_of_a_hugging_face_model(pools):
-    pools.check(2, delayed_init_hf_task, timeout=300)
+@pytest.mark.parametrize("tied", [False, True])
+def test_delayed_init_of_a_hugging_face_model(pools, tied):
+    pools.check(2, delayed_init_hf_task, tied, timeout=300)
 
 
 class _Positions(torch.nn.Module):

@@ -724,7 +724,7 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     if rank0_state_dict is not _UNSET:
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         judge = not distributed or dist.get_rank() == 0
-        full = rank0_state_dict if judge else {}
+        full = _naming_tied_weights(model, rank0_state_dict) if judge else {}
         # Judged on rank 0, raised on every rank: torch's own checks of the keys fail on rank 0
         # alone (an unexpected key), while the others go on as if filled.
         misfit = [_state_dict_misfit(model, full) if judge else None]
@@ -759,6 +759,23 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     if after != before:
         raise RuntimeError(f"smddp.smp.materialize: {before} parameters before, {after} after")
     return model
+
+
+def _naming_tied_weights(model, full):
+    """`full` with each tied weight (an LM head that is the token embedding: one tensor, two
+    names) under every name it has in `model` where it holds it under one: Hugging Face's
+    checkpoints keep only the embedding's. Anything else, `full` itself."""
+    if not isinstance(full, dict):
+        return full
+    names = {}
+    for k, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(k)
+    added = {}
+    for aliases in names.values():
+        held = [k for k in aliases if k in full]
+        if held:
+            added.update({k: full[held[0]] for k in aliases if k not in full})
+    return {**full, **added} if added else full
 
 
 def _state_dict_misfit(model, full):
