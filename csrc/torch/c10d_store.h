@@ -71,15 +71,28 @@ class C10dStore : public Store {
 
  private:
   template <class Fn>
-  static void guarded(const char* what, const std::string& key, Fn&& fn) {
+  void guarded(const char* what, const std::string& key, Fn&& fn) {
     try {
       fn();
     } catch (const Error&) {
       throw;  // timedOut()'s, which says what was missing
     } catch (const std::exception& e) {
-      if (isTimeout(e)) failed(ErrorCode::kTimeout, what, key, e, "");
-      failed(ErrorCode::kRemoteError, what, key, e,
-             ": the process that hosts it (rank 0's, for init_method tcp:// or env://) may have exited");
+      std::string why = e.what();
+      why = why.substr(0, why.find('\n'));  // c10 appends a C++ backtrace
+      if (isTimeout(e) && std::strcmp(what, "reading") == 0) {  // the store answered: the key never came
+        throwError(ErrorCode::kTimeout,
+                   "timed out after %lld ms waiting for %s in the process group's store (whoever sets it has not "
+                   "come this far into the set-up, being late, stalled or gone)",
+                   static_cast<long long>(timeout_.count()), key.c_str());
+      }
+      if (isTimeout(e)) {
+        throwError(ErrorCode::kTimeout, "the process group's store did not answer while %s %s (%s)", what, key.c_str(),
+                   why.c_str());
+      }
+      throwError(ErrorCode::kRemoteError,
+                 "the process group's store failed while %s %s (%s): the process that hosts it (rank 0's, for "
+                 "init_method tcp:// or env://) may have exited",
+                 what, key.c_str(), why.c_str());
     }
   }
   // The store's own timeout: TCPStore's DistStoreError; FileStore's are plain c10::Errors (its
@@ -106,12 +119,6 @@ class C10dStore : public Store {
                "that ends a key is the rank that sets it, counted within its host where the key names one, as in "
                "smddp/host1/...: that rank has not come this far into the set-up, being late, stalled or gone)",
                static_cast<long long>(timeout_.count()), count, keys.size(), count ? missing.c_str() : "(none missing now)");
-  }
-  [[noreturn]] static void failed(ErrorCode code, const char* what, const std::string& key, const std::exception& e,
-                                  const char* hint) {
-    std::string why = e.what();
-    why = why.substr(0, why.find('\n'));  // c10 appends a C++ backtrace
-    throwError(code, "the process group's store failed while %s %s (%s)%s", what, key.c_str(), why.c_str(), hint);
   }
 
   c10::intrusive_ptr<c10d::Store> store_;
