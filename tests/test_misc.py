@@ -1073,14 +1073,7 @@ def shm_task(rank, world):
     rep.expect(not left, f"/dev/shm after init + first all_reduce world={world}: "
                          f"found {left} (segments must be unlinked once every rank attached)")
     # This rank's own segment stays open (unlinked): owner-only mode and an unguessable name.
-    segs = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if "/dev/shm/smddp-" in target:
-                segs.append((target, oct(os.stat(f"/proc/self/fd/{fd}").st_mode & 0o777)))
-        except OSError:
-            pass
+    segs = _segment_fds()
     backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     if IS_SMDDP and int(backend._topology()["local_size"]) > 1:  # a rank alone on its host maps nothing
         rep.expect(segs and all(mode == "0o600" for _, mode in segs), f"segment modes: {segs}")
@@ -1091,6 +1084,7 @@ def shm_task(rank, world):
     dist.barrier()
     # After the default group's first op, which may start threads of its own (SMDDP_CPU_THREADS).
     threads_before = _threads()
+    segs_before = _segment_fds()
     g = dist.new_group(list(range(world)))
     try:
         x = torch.ones(5)
@@ -1107,7 +1101,27 @@ def shm_task(rank, world):
     after = _threads()
     rep.expect(after == threads_before, f"rank {rank}: threads after destroying a group: {after}; before "
                                         f"creating it: {threads_before}")
+    # Once nothing holds the group, its shared memory goes (until 2026-12-06 it stayed mapped, with
+    # its store and sockets, until the next group was made or the process exited).
+    del g
+    gc.collect()
+    segs_after = _segment_fds()
+    rep.expect(segs_after == segs_before, f"rank {rank}: shared memory after destroying and dropping a group: "
+                                          f"{segs_after}; before creating it: {segs_before}")
     return rep.to_dict()
+
+
+def _segment_fds():
+    """The /dev/shm/smddp-* segments this process holds open, and their modes."""
+    segs = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if "/dev/shm/smddp-" in target:
+                segs.append((target, oct(os.stat(f"/proc/self/fd/{fd}").st_mode & 0o777)))
+        except OSError:
+            pass
+    return sorted(segs)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -1308,6 +1322,37 @@ def errors_task(rank, world):
             if rep.expect_refusal(label, lambda: getattr(pg, name)([torch.ones(2)], opts), need=("root tensor 1",)):
                 rep.group_still_works(label + " (after the error)", world, rank)
     return rep.to_dict()
+
+
+def pg_timeout_task(rank, world):
+    """torch's _set_pg_timeout (what torch.distributed.breakpoint() calls so that the ranks wait
+    for the one in the debugger) sets an smddp group's timeout: torch applies it to gloo's and
+    NCCL's groups only, and warned "only supported for either nccl or gloo" (until 2026-12-06)."""
+    import warnings
+
+    rep = Report(rank)
+    g = dist.new_group(list(range(world)))  # the world's timeout, minutes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=1), g)
+    rep.expect(not [w for w in caught if "only supported" in str(w.message)],
+               f"rank {rank}: {[str(w.message) for w in caught]}")
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            dist.recv(torch.empty(1), 1, group=g)  # rank 1 never sends
+            rep.expect(False, "the recv completed")
+        except Exception as e:  # noqa: BLE001
+            took = time.monotonic() - t0
+            rep.expect("timed out" in str(e) and took < 10, f"recv failed after {took:.1f} s: {str(e)[:300]}")
+    dist.barrier()
+    dist.destroy_process_group(g)
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="torch serves gloo itself")
+def test_set_pg_timeout(pools):
+    pools.check(2, pg_timeout_task)
 
 
 @pytest.mark.parametrize("world", WORLDS)

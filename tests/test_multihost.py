@@ -1146,8 +1146,10 @@ def test_slot_sizes_that_differ_between_host_mates_are_named(hosts, tmp_path):
     ("0011", [1], {"SMDDP_COALESCE_PACK_BYTES": "64k"}, "variable SMDDP_COALESCE_PACK_BYTES=64k is not an integer"),
     # read before the set-up until 2026-11-30: rank 1 alone failed, its peers waited out the timeout
     ("0011", [1], {"SMDDP_DEBUG_CHECKS": "on"}, "variable SMDDP_DEBUG_CHECKS=on is not an integer"),
+    # read at import until 2026-12-06: `import smddp` raised RuntimeError there
+    ("0011", [1], {"SMDDP_INTERRUPTIBLE_WAITS": "yes"}, "variable SMDDP_INTERRUPTIBLE_WAITS=yes is not an integer"),
 ], ids=["net_algo_on_one_host", "ifname_on_one_host", "shm_too_small_on_one_host", "stage_stream_on_one_rank",
-        "malformed_integer_on_one_rank", "malformed_debug_checks_on_one_rank"])
+        "malformed_integer_on_one_rank", "malformed_debug_checks_on_one_rank", "malformed_interruptible_waits"])
 def test_setup_failure_on_one_host_fails_every_rank(hosts, bad, settings, cause, tmp_path):
     """A set-up that fails on one host only (a variable set on one node, a container with too
     little /dev/shm) fails every rank at init_process_group within seconds: the failed ranks

@@ -124,13 +124,31 @@ std::shared_ptr<const std::string> SmddpBackend::whoShared() const {
   return who_;
 }
 
-SmddpBackend::~SmddpBackend() {
+SmddpBackend::~SmddpBackend() { releaseParts(); }
+
+void SmddpBackend::releaseParts() {
+  if (released_) return;
+  released_ = true;
   if (inForkedChild()) {
     abandonInForkedChild();
     return;
   }
   shutdown();
   FlightRecorder::get().removeGroup(pgId_);
+  {
+    std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
+    cuda_.reset();
+  }
+  sparseScratch_.reset();
+  netP2p_.reset();
+  p2p_.reset();
+  progress_.reset();
+  comm_.reset();
+  bootstrap_.reset();
+  storeErrands_.reset();
+  groupStore_.reset();
+  store_.reset();
+  c10dStore_.reset();
 }
 
 void SmddpBackend::endSetUpInStore(std::vector<std::string> spent) {

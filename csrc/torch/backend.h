@@ -44,6 +44,11 @@ class SmddpBackend : public c10d::Backend {
   // Python's finalisation destroys the group there), its parts are left as they are: its threads
   // are not in the child, and its connections and shared memory are the parent's, still in use.
   ~SmddpBackend() override;
+  // c10 calls this as the last strong reference goes, but deletes the object only once its weak
+  // references go too, and the registry of live groups (registerLive) holds one until the next
+  // group is made or the process exits: the group's store, shared memory, sockets and threads
+  // go here, as the destructor would take them.
+  void release_resources() override { releaseParts(); }
 
   const std::string getBackendName() const override { return "smddp"; }
   void setTimeout(std::chrono::milliseconds timeout) override { timeoutMs_.store(timeout.count()); }
@@ -249,6 +254,10 @@ class SmddpBackend : public c10d::Backend {
   void throwIfForked(const char* op) const;
   // The destructor in a forked child: leaks every part instead of tearing it down.
   void abandonInForkedChild();
+  // The destructor's work, once (release_resources, then the destructor): shuts the group down
+  // and drops its parts, in the order their destruction would take.
+  void releaseParts();
+  bool released_ = false;
 
   const pid_t ownerPid_ = currentPid();
   std::atomic<int64_t> timeoutMs_;

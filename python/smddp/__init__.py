@@ -4,6 +4,7 @@
 ``torch.distributed.init_process_group(backend="smddp")`` works with env://, tcp:// and file://.
 """
 import atexit
+import os
 import threading
 
 import torch
@@ -14,7 +15,7 @@ from ._loader import load_extension as _load_extension
 _C = _load_extension()
 
 from ._build_info import VERSION as __version__  # noqa: E402
-from ._groups import monitored_barrier, shrink_group  # noqa: E402
+from ._groups import _setting_pg_timeout, monitored_barrier, shrink_group  # noqa: E402
 
 BACKEND_NAME = "smddp"
 
@@ -41,7 +42,17 @@ _register()
 # finalisation: groups never destroyed are shut down while Python callbacks can still run.
 atexit.register(_C._shut_down_live_groups)
 # Ctrl-C ends a wait of the main thread for an op, as it ends Python code (SMDDP_INTERRUPTIBLE_WAITS).
-_C._watch_interrupts(threading.main_thread().ident)
+try:
+    _C._watch_interrupts(threading.main_thread().ident)
+except RuntimeError:
+    # A malformed SMDDP_INTERRUPTIBLE_WAITS: init_process_group raises ValueError naming it, as
+    # for every other setting; the import must not fail on it.
+    if "SMDDP_INTERRUPTIBLE_WAITS" not in os.environ:
+        raise
+# torch applies it to gloo's and NCCL's groups only (torch.distributed.breakpoint() relies on it).
+if not hasattr(dist.distributed_c10d._set_pg_timeout, "__wrapped_by_smddp__"):
+    dist.distributed_c10d._set_pg_timeout = _setting_pg_timeout(dist.distributed_c10d._set_pg_timeout)
+    dist.distributed_c10d._set_pg_timeout.__wrapped_by_smddp__ = True
 
 
 def env_params():

@@ -8,7 +8,8 @@ from torch.distributed import ProcessGroup
 
 def _require_smddp(group, name, torch_serves):
     backend_name = dist.get_backend(group)
-    if backend_name != "smddp":
+    # "smddp", or per device type ("cpu:smddp,cuda:smddp"): smddp for every one.
+    if {part.split(":")[-1].strip() for part in backend_name.split(",")} != {"smddp"}:
         raise ValueError(f"smddp.{name}: the group's backend is {backend_name!r}, not smddp "
                          f"(torch.distributed.{name} {torch_serves})")
 
@@ -53,3 +54,29 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
     if timeout is None:
         return pg.monitored_barrier(wait_all_ranks=wait_all_ranks)
     return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+
+def _setting_pg_timeout(torch_set_pg_timeout):
+    """torch.distributed.distributed_c10d._set_pg_timeout, which torch applies to gloo's and NCCL's
+    backends only (warning for any other), for smddp's too: torch.distributed.breakpoint() uses it
+    to keep the other ranks from timing out while one sits in the debugger."""
+
+    def _set_pg_timeout(timeout, group=None):
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        if dist.distributed_c10d._rank_not_in_group(pg):
+            return torch_set_pg_timeout(timeout, group)  # torch's error
+        backends = {pg._get_backend(device) for device in pg._device_types}
+        ours = {b for b in backends if isinstance(b, _smddp_backend_class())}
+        for backend in ours:
+            backend.set_timeout(timeout)
+        if backends - ours:
+            torch_set_pg_timeout(timeout, group)
+
+    _set_pg_timeout.__doc__ = torch_set_pg_timeout.__doc__
+    return _set_pg_timeout
+
+
+def _smddp_backend_class():
+    from . import _C
+
+    return _C.SmddpBackend
