@@ -5,7 +5,6 @@
 #pragma once
 
 #include <chrono>
-
 #include <cstdint>
 
 namespace smddp::shm {
@@ -37,9 +36,8 @@ constexpr std::chrono::seconds kUnstampedGrace{60};
 
 // Removes the names smddp left in /dev/shm that belong to this user and whose creators are gone
 // (creatorAlive() false), or that have had no intact stamp for `unstampedGrace`; names of live
-// processes, of other users or other pid namespaces stay. Returns
-// how many it removed. Cheap (a directory listing); run once per process, at its first set-up of
-// a group of two or more ranks.
+// processes, of other users or other pid namespaces stay. Returns how many it removed. Cheap (a
+// directory listing); run once per process, at its first set-up of a group of two or more ranks.
 int sweepStaleNames(int rank, std::chrono::seconds unstampedGrace = kUnstampedGrace);
 
 }  // namespace smddp::shm
