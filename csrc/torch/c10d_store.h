@@ -30,7 +30,12 @@ class C10dStore : public Store {
   std::string get(const std::string& key) override {
     std::string value;
     guarded("reading", key, [&] {
-      store_->wait({key}, timeout_);
+      try {
+        store_->wait({key}, timeout_);
+      } catch (const std::exception& e) {
+        if (isTimeout(e)) timedOut({key});  // the store answered: the key never came
+        throw;
+      }
       auto v = store_->get(key);
       value.assign(v.begin(), v.end());
     });
@@ -71,7 +76,7 @@ class C10dStore : public Store {
 
  private:
   template <class Fn>
-  void guarded(const char* what, const std::string& key, Fn&& fn) {
+  static void guarded(const char* what, const std::string& key, Fn&& fn) {
     try {
       fn();
     } catch (const Error&) {
@@ -79,12 +84,6 @@ class C10dStore : public Store {
     } catch (const std::exception& e) {
       std::string why = e.what();
       why = why.substr(0, why.find('\n'));  // c10 appends a C++ backtrace
-      if (isTimeout(e) && std::strcmp(what, "reading") == 0) {  // the store answered: the key never came
-        throwError(ErrorCode::kTimeout,
-                   "timed out after %lld ms waiting for %s in the process group's store (whoever sets it has not "
-                   "come this far into the set-up, being late, stalled or gone)",
-                   static_cast<long long>(timeout_.count()), key.c_str());
-      }
       if (isTimeout(e)) {
         throwError(ErrorCode::kTimeout, "the process group's store did not answer while %s %s (%s)", what, key.c_str(),
                    why.c_str());

@@ -5,6 +5,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from . import _C
+
 
 def _require_smddp(group, name, torch_serves):
     backend_name = dist.get_backend(group)
@@ -66,7 +68,7 @@ def _setting_pg_timeout(torch_set_pg_timeout):
         if dist.distributed_c10d._rank_not_in_group(pg):
             return torch_set_pg_timeout(timeout, group)  # torch's error
         backends = {pg._get_backend(device) for device in pg._device_types}
-        ours = {b for b in backends if isinstance(b, _smddp_backend_class())}
+        ours = {b for b in backends if isinstance(b, _C.SmddpBackend)}
         for backend in ours:
             backend.set_timeout(timeout)
         if backends - ours:
@@ -74,9 +76,3 @@ def _setting_pg_timeout(torch_set_pg_timeout):
 
     _set_pg_timeout.__doc__ = torch_set_pg_timeout.__doc__
     return _set_pg_timeout
-
-
-def _smddp_backend_class():
-    from . import _C
-
-    return _C.SmddpBackend
