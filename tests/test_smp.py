@@ -27,6 +27,8 @@ import smddp.smp as tsm
     ({"tensor_parallel_degree": 2, "expert_parallel_degree": 2}, 4, "cannot both be > 1"),
     ({"expert_parallel_degree": 3}, 4, "expert_parallel_degree=3 must be >= 1 and divide the world size 4"),
     ({"context_parallel_degree": 4, "hybrid_shard_degree": 2}, 4, "context_parallel_degree=4 must be <= hybrid_shard_degree=2"),
+    ({"context_parallel_degree": 2, "tensor_parallel_degree": 2}, 2,  # was "<= hybrid_shard_degree=1", never set
+     "context_parallel_degree=2 must be <= the data-parallel size 1 (world 2 / tensor_parallel_degree 2)"),
     ({"context_parallel_degree": 4, "tensor_parallel_degree": 2}, 12,
      "context_parallel_degree=4 must divide the data-parallel size 6 (world 12 / tensor_parallel_degree 2)"),
     ({"activation_loading_horizon": 0}, 4, "activation_loading_horizon=0 must be >= 1"),
@@ -60,6 +62,10 @@ def test_config_sources(tmp_path, monkeypatch):
     path.write_text(json.dumps({"hybrid_shard_degree": 2, "random_seed": 3}))
     assert tsm.validate(str(path), 4).hybrid_shard_degree == 2
     assert tsm.validate('{"hybrid_shard_degree": 1}', 4).hybrid_shard_degree == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hybrid_shard_degree": 2,}')
+    with pytest.raises(ValueError, match=f"smddp.smp config: the file {bad} is not valid JSON: "):
+        tsm.validate(str(bad), 4)  # was a bare JSONDecodeError, naming neither the file nor smddp
     monkeypatch.setenv("SMDDP_SMP_CONFIG", str(path))
     assert tsm.validate(None, 4).random_seed == 3
     monkeypatch.delenv("SMDDP_SMP_CONFIG")
@@ -467,7 +473,10 @@ def test_materialize_runs_init_fn_as_apply_does(pools):
 def materialize_misfit_task(rank, world):
     """materialize(rank0_state_dict=...) with a state dict that does not fit the model: every rank
     raises, naming what does not fit (until 2026-12-05 an unexpected key raised on rank 0 alone,
-    and rank 1 returned as if filled); the group goes on."""
+    and rank 1 returned as if filled); the group goes on. Every rank refuses alike, too, a state
+    dict passed on rank 0 alone (until 2026-12-06 rank 1 raised "equal(): argument 'input' must be
+    Tensor, not str", its RNG broadcast matched with rank 0's of the misfit), and a model
+    materialised already (was initialised again, silently: a trained model's weights lost)."""
     rep = Report(rank)
     tsm.init({}, device_type="cpu")
     eager = _Stack()
@@ -487,6 +496,26 @@ def materialize_misfit_task(rank, world):
                 rep.fail(f"{want}: no error")
             except ValueError as e:
                 rep.expect(f"rank 0's rank0_state_dict does not fit the model: {want}" in str(e), f"{want}: {e}")
+    with torch.device("meta"):
+        model = _Stack()
+    tsm.apply_hybrid_sharding(model)
+    with rep.cell("rank0_state_dict passed on rank 0 alone"):
+        try:
+            tsm.materialize(model, rank0_state_dict=good) if rank == 0 else tsm.materialize(model)
+            rep.fail("no error")
+        except ValueError as e:
+            here = "passed" if rank == 0 else "not passed"
+            rep.expect(f"rank0_state_dict was passed on some ranks and not on others ({here} here)" in str(e), str(e))
+    with rep.cell("a model materialised twice"):
+        tsm.materialize(model, rank0_state_dict=good if rank == 0 else None)
+        before = [p.to_local().clone() for p in model.parameters()]
+        try:
+            tsm.materialize(model, init_fn=_init_as_gpt2)
+            rep.fail("no error")
+        except ValueError as e:
+            rep.expect("parameter(s) blocks.0.proj.weight, " in str(e) and "are not on the meta device" in str(e),
+                       str(e))
+        rep.expect(all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before)), "values changed")
     rep.group_still_works("the group after the refusals", world, rank)
     return rep.to_dict()
 
@@ -692,6 +721,60 @@ def checkpoint_resume_task(rank, world, path, how):
 @pytest.mark.parametrize("how", ["fresh", "grads held", "partly trained"])
 def test_checkpoint_resumes_exactly(pools, tmp_path, how):
     pools.check(2, checkpoint_resume_task, str(tmp_path / "ckpt"), how, timeout=300)
+
+
+def checkpoint_leaves_optimizer_task(rank, world, path):
+    """Saving and failing to load leave the optimizer as it was. A save before the first step
+    (a "step 0" checkpoint) made state for every parameter (torch's get_state_dict steps an empty
+    optimizer at lr 0), so the first real step was AdamW's second, bias-corrected one (parameters
+    off by 2.6e-3 at lr 1e-2 until 2026-12-06), and the checkpoint held that state. A load that
+    failed (no checkpoint at the path; one saved without an optimizer) had emptied the state
+    first: a caller that carried on trained with zeroed moments."""
+    rep = Report(rank)
+    batches = _batches(world, key=17, steps=2)
+
+    def step(model, opt, i):
+        x, y = batches[i]
+        opt.zero_grad()
+        _loss(model, _local(x, rank), _local(y, rank)).backward()
+        opt.step()
+
+    tsm.init({}, device_type="cpu")
+    model = tsm.apply_hybrid_sharding(_mlp())
+    opt = _adamw(model.parameters())
+    tsm.save_checkpoint(f"{path}/step0", model, opt)
+    rep.expect(not opt.state, f"optimizer state after saving before the first step: {len(opt.state)} entries")
+    tsm.save_checkpoint(f"{path}/model_only", model)
+    never_saved = tsm.apply_hybrid_sharding(_mlp())
+    never_saved_opt = _adamw(never_saved.parameters())
+    for i in range(2):
+        step(model, opt, i)
+        step(never_saved, never_saved_opt, i)
+    for (name, p), q in zip(model.named_parameters(), never_saved.parameters()):
+        rep.expect(torch.equal(p.to_local(), q.to_local()), f"{name} after 2 steps differs from a run without the save")
+
+    state = {p: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    for where, error in ((f"{path}/none", FileNotFoundError), (f"{path}/model_only", ValueError)):
+        with rep.cell(f"a load from {where} with an optimizer"):
+            try:
+                tsm.load_checkpoint(where, model, opt)
+                rep.fail("no error")
+            except error as e:
+                rep.expect(error is not ValueError or "holds no optimizer state" in str(e), str(e))
+            rep.expect(state.keys() == opt.state.keys() and all(
+                torch.equal(v, opt.state[p][k]) for p, st in state.items() for k, v in st.items()),
+                "the optimizer's state changed")
+
+    fresh = tsm.apply_hybrid_sharding(_mlp(seed=99))
+    fresh_opt = _adamw(fresh.parameters())
+    tsm.load_checkpoint(f"{path}/step0", fresh, fresh_opt)
+    rep.expect(not fresh_opt.state, f"state loaded from a step-0 checkpoint: {len(fresh_opt.state)} entries")
+    rep.group_still_works("the group afterwards", world, rank)
+    return rep.to_dict()
+
+
+def test_checkpoint_leaves_the_optimizer_as_it_was(pools, tmp_path):
+    pools.check(2, checkpoint_leaves_optimizer_task, str(tmp_path / "ckpt"), timeout=300)
 
 
 def activation_checkpointing_task(rank, world, degree):
@@ -1046,6 +1129,15 @@ def test_checkpointing_after_offloading_refused():
     tsm.apply_activation_offloading(model, blocks=list(model), horizon=1)
     with pytest.raises(ValueError, match="apply activation checkpointing first, then offloading"):
         tsm.apply_activation_checkpointing(model, blocks=list(model))
+
+
+@pytest.mark.parametrize("horizon", [2.0, True, "2"])
+def test_activation_offloading_refuses_a_horizon_not_an_int(horizon):
+    """Until 2026-12-06 horizon=2.0 was taken, and the backward raised "'float' object cannot be
+    interpreted as an integer"."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=f"activation_loading_horizon must be an int, got {horizon!r}"):
+        tsm.apply_activation_offloading(model, blocks=list(model), horizon=horizon)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

@@ -111,7 +111,10 @@ def _load(config):
         text = str(config)
         if os.path.exists(text):
             with open(text) as f:
-                config = json.load(f)
+                try:
+                    config = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"smddp.smp config: the file {text} is not valid JSON: {e}") from None
         else:
             try:
                 config = json.loads(text)
@@ -154,9 +157,10 @@ def validate(config, world_size):
         raise ValueError("smddp.smp config: expert_parallel_degree and tensor_parallel_degree cannot both be > 1")
     effective_hsd = hsd or world_size // tp
     cp = cfg.context_parallel_degree
-    if cp > effective_hsd:
-        raise ValueError(f"smddp.smp config: context_parallel_degree={cp} must be <= "
-                         f"hybrid_shard_degree={effective_hsd}")
+    if cp > effective_hsd:  # context parallelism splits the shard group
+        bound = (f"hybrid_shard_degree={hsd}" if hsd else
+                 f"the data-parallel size {effective_hsd} (world {world_size} / tensor_parallel_degree {tp})")
+        raise ValueError(f"smddp.smp config: context_parallel_degree={cp} must be <= {bound}")
     if (world_size // tp) % cp:
         raise ValueError(f"smddp.smp config: context_parallel_degree={cp} must divide the data-parallel size "
                          f"{world_size // tp} (world {world_size} / tensor_parallel_degree {tp})")
@@ -413,11 +417,16 @@ _UNSET = object()
 def _any_rank(flag):
     """Whether `flag` holds on any rank (collective where distributed): for a decision every rank
     must take alike (a refusal; how much of the RNG a call draws, or the ranks' streams part)."""
+    return _on_any_rank([flag])[0]
+
+
+def _on_any_rank(flags):
+    """_any_rank of each of `flags`, in one collective."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    t = torch.tensor([int(flag)])
+        return [bool(f) for f in flags]
+    t = torch.tensor([int(bool(f)) for f in flags])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
 
 
 def _rank0_rng_state():
@@ -687,10 +696,12 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     a meta tensor or an unfillable buffer is left, a floating-point parameter is left wholly or
     partly unwritten by init_fn / reset_parameters(), or the parameter count changed, ValueError
     without init_fn or rank0_state_dict where a parameter's module has no reset_parameters() (it
-    would keep uninitialised memory; an init_fn must fill every parameter itself). Returns the
-    model."""
+    would keep uninitialised memory; an init_fn must fill every parameter itself), where a
+    parameter is not on the meta device (materialised already: its values would be overwritten),
+    or where ranks differ in passing rank0_state_dict or init_fn. Returns the model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    _refuse_misfit_materialize(model, rank0_state_dict is not _UNSET, init_fn is not None)
     before = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its global size
     persistent, pending = _meta_buffers(model)
     rebuilt = _twin_buffers(pending)
@@ -759,6 +770,29 @@ def materialize(model, rank0_state_dict=_UNSET, init_fn=None):
     if after != before:
         raise RuntimeError(f"smddp.smp.materialize: {before} parameters before, {after} after")
     return model
+
+
+def _refuse_misfit_materialize(model, from_state_dict, with_init_fn):
+    """materialize()'s refusals that every rank takes alike (one collective): a parameter off the
+    meta device (a model materialised already, or built eagerly), whose values the initialisation
+    would overwrite; and ranks that disagree on how to fill the model (rank0_state_dict passed on
+    some ranks only: they would run different collectives)."""
+    off_meta = [n for n, p in model.named_parameters() if not p.is_meta]
+    off, given, not_given, fn, no_fn = _on_any_rank([off_meta, from_state_dict, not from_state_dict, with_init_fn,
+                                                     not with_init_fn])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if off:
+        shown = ", ".join(off_meta[:4]) + (f" and {len(off_meta) - 4} more" if len(off_meta) > 4 else "")
+        where = f"parameter(s) {shown} are" if off_meta else "another rank's parameters are"
+        raise ValueError(f"smddp.smp.materialize (rank {rank}): {where} not on the meta device: materialize "
+                         "initialises every parameter and would overwrite their values (a model materialised "
+                         "already, or built eagerly); build the model under torch.device('meta')")
+    for name, mine, some, others in (("rank0_state_dict", from_state_dict, given, not_given),
+                                     ("init_fn", with_init_fn, fn, no_fn)):
+        if some and others:
+            raise ValueError(f"smddp.smp.materialize (rank {rank}): {name} was passed on some ranks and not on "
+                             f"others ({'passed' if mine else 'not passed'} here); every rank must pass it "
+                             "(rank0_state_dict: None on the ranks other than 0)")
 
 
 def _naming_tied_weights(model, full):
@@ -879,14 +913,42 @@ def save_checkpoint(path, model, optimizer=None):
     or without tensor parallelism (the checkpoint holds the untransformed layout)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_map_tree(_plain_layout, _checkpoint_state(model, optimizer)), checkpoint_id=str(path))
+    untrained = optimizer is not None and not optimizer.state
+    state_dict = _checkpoint_state(model, optimizer)
+    if untrained:
+        # torch's get_state_dict made state for every parameter with a step at lr 0 (step 1,
+        # zero moments), which would make the next real step Adam's second, bias-corrected one.
+        # The optimizer stays as it was, and the checkpoint holds no state, as it had none.
+        optimizer.state.clear()
+        state_dict["optimizer"]["state"] = {}
+    dcp.save(_map_tree(_plain_layout, state_dict), checkpoint_id=str(path))
 
 
 def load_checkpoint(path, model, optimizer=None):
     """Loads a checkpoint written by save_checkpoint into `model` (and `optimizer`), whatever the
     sharding each was saved with. Collective. The optimizer's state becomes the saved one: a
     parameter that had none when saved (not yet trained) has none after, and gradients the
-    parameters hold are left as they are."""
+    parameters hold are left as they are. A load that fails leaves the optimizer's state as it
+    was (the model may be partly loaded)."""
+    import torch.distributed.checkpoint as dcp
+
+    # First: a path that holds no checkpoint, or one without the optimizer's state, fails before
+    # anything changes.
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    if optimizer is not None and not any(k.startswith("optimizer.") for k in metadata.state_dict_metadata):
+        raise ValueError(f"smddp.smp.load_checkpoint: the checkpoint {path} holds no optimizer state (it was saved "
+                         "without an optimizer): pass optimizer=None, or load one that holds it")
+    kept = dict(optimizer.state) if optimizer is not None else {}
+    try:
+        _load_checkpoint(path, metadata, model, optimizer)
+    except BaseException:  # dcp's CheckpointException is one
+        if optimizer is not None:
+            optimizer.state.clear()
+            optimizer.state.update(kept)
+        raise
+
+
+def _load_checkpoint(path, metadata, model, optimizer):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
@@ -907,7 +969,7 @@ def load_checkpoint(path, model, optimizer=None):
         for p, grad in held:
             p.grad = grad
     if optimizer is not None:
-        _keep_saved_optimizer_state(state_dict["optimizer"], dcp.FileSystemReader(str(path)).read_metadata())
+        _keep_saved_optimizer_state(state_dict["optimizer"], metadata)
     plain = _map_tree(_plain_layout, state_dict)
     dcp.load(plain, checkpoint_id=str(path))  # fills `plain` in place
     state_dict = _map_tree(lambda got, want: got.redistribute(placements=want.placements) if _is_strided(want)
@@ -1076,6 +1138,8 @@ class ActivationOffloader:
     EVENTS_KEPT = 4096
 
     def __init__(self, horizon):
+        if not isinstance(horizon, int) or isinstance(horizon, bool):
+            raise TypeError(f"smddp.smp: activation_loading_horizon must be an int, got {horizon!r}")
         if horizon < 1:
             raise ValueError(f"smddp.smp: activation_loading_horizon={horizon} must be >= 1")
         self.horizon = horizon
