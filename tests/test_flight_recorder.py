@@ -329,7 +329,7 @@ def test_analyzer_names_counts_that_differ_where_rings_dropped_the_ops():
         return {"pg_config": {"g": {"desc": "d", "ranks": "[0, 1, 2]", "pg_id": "0"}}, "pg_status": {"0": status},
                 "entries": entries}
 
-    entry = {"process_group": ("g", "d"), "is_p2p": False, "profiling_name": "smddp:all_reduce", "p2p_seq_id": 0,
+    entry = {"process_group": ("g", "d"), "pg_id": 0, "is_p2p": False, "profiling_name": "smddp:all_reduce", "p2p_seq_id": 0,
              "input_sizes": [[4]], "input_dtypes": ["Float"], "output_sizes": [[4]], "output_dtypes": ["Float"],
              "state": "completed", "retired": True}
     lines = fr_trace.analyze({0: dump([], 3), 1: dump([dict(entry, collective_seq_id=s) for s in (1, 2, 3)], 3),
@@ -348,7 +348,7 @@ def test_analyzer_leaves_out_files_that_are_not_dumps(tmp_path):
     import pickle
 
     from smddp import fr_trace
-    entry = {"process_group": ("g", "d"), "is_p2p": False, "profiling_name": "smddp:all_reduce", "p2p_seq_id": 0,
+    entry = {"process_group": ("g", "d"), "pg_id": 0, "is_p2p": False, "profiling_name": "smddp:all_reduce", "p2p_seq_id": 0,
              "input_sizes": [[4]], "input_dtypes": ["Float"], "output_sizes": [[4]], "output_dtypes": ["Float"],
              "state": "completed", "retired": True, "collective_seq_id": 1}
     status = {"last_enqueued_collective": 1, "last_started_collective": 1, "last_completed_collective": 1}
@@ -374,3 +374,40 @@ def test_analyzer_leaves_out_files_that_are_not_dumps(tmp_path):
     run = subprocess.run([sys.executable, "-m", "smddp.fr_trace", str(tmp_path / "missing")],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "is not a directory" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+REINIT = r"""
+import pickle, sys, torch, torch.distributed as dist
+import smddp
+rank, world, urls, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:5], sys.argv[5]
+dist.init_process_group("smddp", init_method=urls[0], rank=rank, world_size=world)
+for _ in range(3):
+    dist.all_reduce(torch.ones(4))
+dist.destroy_process_group()
+dist.init_process_group("smddp", init_method=urls[1], rank=rank, world_size=world)
+dist.all_gather_into_tensor(torch.empty(2 * world), torch.ones(2))
+smddp.dump_flight_recorder(path + str(rank))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_default_group_made_again_is_told_from_the_destroyed_one(tmp_path):
+    """A job that destroys its default group and makes it again (an elastic restart) has two
+    groups named "0" while the ring holds the first one's ops: pg_config names the live one, and
+    fr_trace compares only its ops (until 2026-12-06 the config kept the destroyed group's, and
+    the report read its three all_reduces and the new all_gather as one group's #1-#3)."""
+    prefix = str(tmp_path / "trace_")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=TESTS_DIR)
+    urls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", REINIT, str(r), "2", *urls, prefix], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
+    with open(prefix + "0", "rb") as f:
+        dump = pickle.load(f)
+    live = [e["pg_id"] for e in _entries(dump, "0") if e["profiling_name"] == "smddp:all_gather_into_tensor"]
+    assert len(live) == 1 and dump["pg_config"]["0"]["pg_id"] == str(live[0]), dump["pg_config"]
+    report = subprocess.run([sys.executable, "-m", "smddp.fr_trace", str(tmp_path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60).stdout
+    assert _section(report, "0")[:1] == ["collectives #1-#1: the same on every rank with a dump"], report

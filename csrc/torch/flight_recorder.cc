@@ -212,7 +212,9 @@ std::string FlightRecorder::dump() {
     // Not in torch's layout: the key of the group's pg_status, for a rank whose ring no longer
     // holds any op of the group (pg_status is keyed by pg_id, which differs between ranks).
     c.insert("pg_id", std::to_string(i));
-    config.insert(g.name, c);
+    // A name comes back after the default group is destroyed and made again (torch restarts its
+    // count): the latest group of a name holds it, while the ring may still hold the old one's ops.
+    config.insert_or_assign(g.name, c);
     c10::impl::GenericDict st = newDict();
     st.insert("last_enqueued_collective", g.collectives);
     st.insert("last_started_collective", g.lastStarted);

@@ -182,10 +182,13 @@ def analyze(dumps):
         ops, p2p, status = {}, {}, {}  # rank -> {collective number: entry}; rank -> _p2p_ops; rank -> pg_status
         for r in ranks:
             if r in dumps:
-                mine = [e for e in dumps[r]["entries"] if e["process_group"][0] == name]
+                cfg = dumps[r]["pg_config"].get(name, {})
+                # Ops of an earlier group of the name (destroyed, then the default group made
+                # again), whose numbers start from #1 too, are not this group's.
+                mine = [e for e in dumps[r]["entries"] if e["process_group"][0] == name
+                        and ("pg_id" not in cfg or str(e["pg_id"]) == cfg["pg_id"])]
                 ops[r] = {e["collective_seq_id"]: e for e in mine if not e["is_p2p"]}
                 p2p[r] = _p2p_ops([e for e in mine if e["is_p2p"]], ranks)
-                cfg = dumps[r]["pg_config"].get(name, {})
                 status[r] = dumps[r].get("pg_status", {}).get(cfg.get("pg_id"), {})
         if not ops:
             continue
