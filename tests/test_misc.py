@@ -715,11 +715,99 @@ def test_ops_after_shutdown(pools, world, hosts):
     pools.check(world, ops_after_shutdown_task, hosts=hosts)
 
 
+def shut_down_in_callbacks_task(rank, world):
+    """A group shut down from one of its own futures' callbacks (until 2026-12-06): destroying it
+    from a callback on its thread killed the process ("terminate called without an active
+    exception": its last reference went with the op's task, on the thread that runs them); a
+    callback that aborted it while the main thread destroyed it (or while exiting) hung both; and
+    one that aborted it within a Work.wait() that ran the queued op on the caller's thread hung
+    the caller. Now the callback's shutdown aborts the group's ops and returns; the threads are
+    joined by the other shutdown, or once the task returns, and none is left."""
+    rep = Report(rank)
+    before = _threads()
+    for op in ("all_reduce", "recv", "send"):  # point-to-point ops complete on their engine's thread
+        with rep.cell(f"destroy_process_group from a callback of {op}"):
+            groups = [dist.new_group(list(range(world)))]
+            done = threading.Event()
+
+            def destroy(fut):
+                dist.destroy_process_group(groups.pop())  # its last reference: the group is released here
+                done.set()
+                return fut.value()
+
+            t = torch.full((4,), float(rank))
+            work = None
+            if op == "all_reduce":
+                work, want = dist.all_reduce(t, group=groups[0], async_op=True), torch.full((4,), world * (world - 1) / 2)
+            elif rank < 2:  # rank 1 sends to rank 0; the callback is the receive's or the send's
+                work, want = (dist.irecv(t, 1, group=groups[0]), torch.ones(4)) if rank == 0 else \
+                    (dist.isend(t, 0, group=groups[0]), t.clone())
+            if work is not None and (op == "all_reduce" or rank == (0 if op == "recv" else 1)):
+                fut = work.get_future().then(destroy)
+                rep.expect(done.wait(60), "the callback did not return")
+                got = fut.wait()[0]
+                rep.expect(torch.equal(got, want), f"the op's result: {got}, want {want}")
+            else:
+                if work is not None:
+                    work.wait()
+                dist.destroy_process_group(groups.pop())
+            del work
+            dist.barrier()
+    with rep.cell("abort() from a callback while the main thread destroys the group"):
+        g = dist.new_group(list(range(world)))
+        if rank == 0:  # the others never join its op: it fails as the group is destroyed
+
+            def abort_on_failure(fut):
+                try:
+                    return fut.value()
+                except Exception:
+                    g.abort()
+                    raise
+
+            fut = dist.all_reduce(torch.ones(4), group=g, async_op=True).get_future().then(abort_on_failure)
+            time.sleep(0.2)
+        dist.destroy_process_group(g)
+        if rank == 0:
+            try:
+                fut.wait()
+                rep.fail("the op did not fail with its group")
+            except RuntimeError as e:  # torch wraps the callback's error
+                rep.expect("shut down or aborted" in str(e), str(e)[:300])
+        del g
+        dist.barrier()
+    with rep.cell("abort() from a callback that Work.wait() runs"):
+        for _ in range(5):  # which thread runs the callback depends on timing
+            g = dist.new_group(list(range(world)))
+            first = dist.all_reduce(torch.ones(4), group=g, async_op=True)
+            fut = dist.all_reduce(torch.ones(4), group=g, async_op=True).get_future().then(
+                lambda f, g=g: (g.abort(), f.value())[1])
+            last = dist.all_reduce(torch.ones(4), group=g, async_op=True)
+            try:
+                last.wait()
+            except dist.DistBackendError as e:
+                rep.expect("shut down or aborted" in str(e), str(e)[:300])
+            dist.destroy_process_group(g)
+            del g, first, fut, last
+            dist.barrier()
+    deadline = time.time() + 10  # a group released from its own task is dropped on a thread of its own
+    while _threads() != before and time.time() < deadline:
+        time.sleep(0.1)
+    rep.expect(_threads() == before, f"threads after: {_threads()}; before: {before}")
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="gloo aborts the process on the first case (Resource deadlock avoided)")
+@pytest.mark.parametrize("world, hosts", [(2, None), (3, "001")])
+def test_shut_down_from_own_callbacks(pools, world, hosts):
+    pools.check(world, shut_down_in_callbacks_task, hosts=hosts, timeout=120)
+
+
 def nonpositive_timeout_task(rank, world):
     """A group timeout of zero or less is refused on every rank at once (until 2026-11-29 rank 0
-    failed at once and the others waited for a store timeout, or the set-up blamed an earlier run)."""
+    failed at once and the others waited for a store timeout, or the set-up blamed an earlier run);
+    timedelta.max, which torch wraps around to a negative count, is named as the cause."""
     rep = Report(rank)
-    for td in (timedelta(0), timedelta(seconds=-5)):
+    for td in (timedelta(0), timedelta(seconds=-5), timedelta.max):
         with rep.cell(f"new_group(timeout={td})"):
             try:
                 dist.new_group(list(range(world)), timeout=td)
@@ -727,6 +815,8 @@ def nonpositive_timeout_task(rank, world):
             except ValueError as e:
                 rep.expect(re.match(rf"smddp rank {rank} of group \S+, world rank {rank}: the process group's timeout "
                                     "must be positive", str(e)) is not None, str(e)[:300])
+                # torch's conversion wraps timedelta.max around to a negative count of ms
+                rep.expect((td != timedelta.max) == ("such as timedelta.max" not in str(e)), str(e)[:300])
     with rep.cell("the default group after the refusals"):
         dist.barrier()
     return rep.to_dict()

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <sstream>
+#include <system_error>
+#include <thread>
 
 #include "algo/desync_probe.h"
 #include "algo/group_keys.h"
@@ -53,8 +55,12 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   }
   if (!groupUid.empty()) setGroupUid(groupUid);
   // Every rank refuses it alike, before waiting for any other (0 would be a deadline of now).
+  // torch's conversion of a timedelta beyond int64 microseconds (timedelta.max) wraps around.
   TORCH_CHECK_VALUE(timeout.count() > 0, who(), ": the process group's timeout must be positive, got ",
-                    timeout.count(), " ms");
+                    timeout.count(), " ms",
+                    timeout.count() < -(int64_t{1} << 50) ? " (what torch makes of a timedelta past about 292,000 "
+                                                            "years, such as timedelta.max)"
+                                                          : "");
   c10dStore_ = store;
   store_ = std::make_shared<C10dStore>(store, timeout);
   std::vector<std::string> spentKeys;  // of store_: those this rank removes as its set-up ends
@@ -133,22 +139,46 @@ void SmddpBackend::releaseParts() {
     abandonInForkedChild();
     return;
   }
+  // Released from one of its own ops' callbacks (which destroyed the group, the last reference
+  // going with it): shutdown() only aborts there, and the ops still queued use the parts. They
+  // go on a thread of their own, which joins the group's threads first.
+  const bool fromOwnCallbacks = SmddpWork::runningCallbacksOf(serial_);
   shutdown();
   FlightRecorder::get().removeGroup(pgId_);
+  std::shared_ptr<CudaPath> cuda;
   {
     std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
-    cuda_.reset();
+    cuda = std::move(cuda_);
   }
-  sparseScratch_.reset();
-  netP2p_.reset();
-  p2p_.reset();
-  progress_.reset();
-  comm_.reset();
-  bootstrap_.reset();
-  storeErrands_.reset();
-  groupStore_.reset();
-  store_.reset();
-  c10dStore_.reset();
+  // Dropped in the order their destruction would take (p2p before the domain it uses).
+  auto drop = [cuda = std::move(cuda), sparse = std::move(sparseScratch_), netP2p = std::move(netP2p_),
+               p2p = std::move(p2p_), progress = std::move(progress_), comm = std::move(comm_),
+               bootstrap = std::move(bootstrap_), errands = std::move(storeErrands_),
+               groupStore = std::move(groupStore_), store = std::move(store_),
+               c10dStore = std::move(c10dStore_)]() mutable {
+    stopThreads(progress.get(), comm.get(), p2p.get(), netP2p.get());  // done already unless fromOwnCallbacks
+    cuda.reset();
+    sparse.reset();
+    netP2p.reset();
+    p2p.reset();
+    progress.reset();
+    comm.reset();
+    bootstrap.reset();
+    errands.reset();
+    groupStore.reset();
+    store.reset();
+    c10dStore.reset();
+  };
+  if (!fromOwnCallbacks) {
+    drop();
+    return;
+  }
+  auto owned = std::make_shared<decltype(drop)>(std::move(drop));
+  try {
+    std::thread([owned] { (*owned)(); }).detach();
+  } catch (const std::system_error&) {
+    new std::shared_ptr<decltype(drop)>(std::move(owned));  // no thread to join them: leaked, not hung
+  }
 }
 
 void SmddpBackend::endSetUpInStore(std::vector<std::string> spent) {
@@ -212,21 +242,30 @@ void SmddpBackend::throwIfForked(const char* op) const {
 
 void SmddpBackend::shutdown() {
   if (inForkedChild()) return;  // the parent's group: see the destructor
-  std::call_once(shutdownOnce_, [this] {
-    {
-      std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
-      if (cuda_) cuda_->abort();  // no stream stays parked on a host that stopped
-    }
-    if (comm_) comm_->abort();
-    if (p2p_) p2p_->abort();
-    if (netP2p_) netP2p_->abort();
-    if (progress_) progress_->stop();
-    if (comm_) comm_->stopHelpers();
-    // Joined and closed now, kept until the group is destroyed (p2p_ before the domain it uses):
-    // a send or recv issued after this, on another thread too, fails in their submit().
-    if (p2p_) p2p_->shutdown();
-    if (netP2p_) netP2p_->shutdown();  // a Work may still hold it: its sockets and thread go now
-  });
+  // Idempotent, from any thread: every pending op fails, every wait returns.
+  {
+    std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
+    if (cuda_) cuda_->abort();  // no stream stays parked on a host that stopped
+  }
+  if (comm_) comm_->abort();
+  if (p2p_) p2p_->abort();
+  if (netP2p_) netP2p_->abort();
+  // From a callback of one of the group's ops (one that aborts or destroys the group), on one of
+  // its threads, or on a caller's that runs its queued ops or drives its point-to-point engine:
+  // joining would wait for the callback that asks. A shutdown from elsewhere joins them (one may
+  // be joining now), or the group's release.
+  if (SmddpWork::runningCallbacksOf(serial_)) return;
+  std::call_once(shutdownOnce_, [this] { stopThreads(progress_.get(), comm_.get(), p2p_.get(), netP2p_.get()); });
+}
+
+void SmddpBackend::stopThreads(engine::ProgressThread* progress, algo::Communicator* comm, engine::P2pEngine* p2p,
+                               engine::NetP2p* netP2p) {
+  if (progress) progress->stop();
+  if (comm) comm->stopHelpers();
+  // Joined and closed now, kept until the group is destroyed (p2p before the domain it uses): a
+  // send or recv issued after this, on another thread too, fails in their submit().
+  if (p2p) p2p->shutdown();
+  if (netP2p) netP2p->shutdown();  // a Work may still hold it: its sockets and thread go now
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> SmddpBackend::getBackendOptions() {
@@ -407,6 +446,7 @@ c10::intrusive_ptr<SmddpWork> SmddpBackend::newWork(c10d::OpType opType, const c
   auto work = c10::make_intrusive<SmddpWork>(rank_, whoShared(), opType, title, std::move(outputs),
                                              std::optional<Tensors>(std::move(inputs)), handOffLinger_);
   work->setTrace(pgId_, traceId);
+  work->setGroup(serial_);
   return work;
 }
 

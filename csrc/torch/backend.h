@@ -257,9 +257,16 @@ class SmddpBackend : public c10d::Backend {
   // The destructor's work, once (release_resources, then the destructor): shuts the group down
   // and drops its parts, in the order their destruction would take.
   void releaseParts();
+  // shutdown()'s joins: the threads that run the group's ops stop, after what is queued. Each
+  // part's stop is idempotent; null parts are skipped.
+  static void stopThreads(engine::ProgressThread* progress, algo::Communicator* comm, engine::P2pEngine* p2p,
+                          engine::NetP2p* netP2p);
   bool released_ = false;
 
   const pid_t ownerPid_ = currentPid();
+  // Tells this group's Works from others' (SmddpWork::setGroup); never 0, never reused.
+  const uint64_t serial_ = nextSerial_.fetch_add(1) + 1;
+  static inline std::atomic<uint64_t> nextSerial_{0};
   std::atomic<int64_t> timeoutMs_;
   bool debugChecks_ = false;
   std::chrono::microseconds handOffLinger_;  // the progress thread's and Work::wait's polling

@@ -222,9 +222,22 @@ void SmddpWork::finishWork(const std::exception_ptr& error) {
   finished_.store(true, std::memory_order_release);
 }
 
+namespace {
+thread_local uint64_t tlsCallbacksOf = 0;  // the group whose Work's callbacks run on this thread, innermost
+
+struct RunningCallbacksOf {
+  explicit RunningCallbacksOf(uint64_t group) : outer(tlsCallbacksOf) { tlsCallbacksOf = group; }
+  ~RunningCallbacksOf() { tlsCallbacksOf = outer; }
+  const uint64_t outer;
+};
+}  // namespace
+
+bool SmddpWork::runningCallbacksOf(uint64_t group) { return group != 0 && tlsCallbacksOf == group; }
+
 void SmddpWork::runCallbacks(const std::exception_ptr& error, bool finished) {
   const bool outermost = runner_ && runner_->runningHere() && !runner_->ordering();
   {
+    const RunningCallbacksOf running(group_);
     // The future's callbacks run below, on the thread that holds the group (waitForStart()).
     std::optional<engine::ProgressThread::InCallbacks> inCallbacks;
     if (runner_ && runner_->runningHere()) inCallbacks.emplace(*runner_);

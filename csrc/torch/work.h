@@ -84,6 +84,12 @@ class SmddpWork : public c10d::Work {
 
   // Called once, on the progress (or p2p, or CUDA completion) thread.
   void complete(std::exception_ptr error);
+  // The group that issued the op (SmddpBackend's serial). While the future's callbacks run,
+  // runningCallbacksOf(group) holds on their thread: a shutdown of the group from them (abort(),
+  // destroy_process_group) must not join the threads of the group, among them the one it runs on
+  // or one that waits for it.
+  void setGroup(uint64_t group) { group_ = group; }
+  static bool runningCallbacksOf(uint64_t group);
 
   // The op's entry in the flight recorder (FlightRecorder::record), updated as it runs.
   void setTrace(int pgId, int64_t traceId) {
@@ -102,6 +108,7 @@ class SmddpWork : public c10d::Work {
 
  private:
   std::shared_ptr<const std::string> who_;  // for errors, as the group's: see the constructor
+  uint64_t group_ = 0;                      // setGroup(); 0: none
   std::string title_;                      // "allreduce", for errors
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
