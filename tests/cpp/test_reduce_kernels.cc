@@ -455,6 +455,64 @@ void checkHalfNanBitsAgree() {
   (bad == 0 ? passed : failed)++;
 }
 
+// Two NaNs meeting (a NaN on two ranks, of other signs or payloads): the first source's wins, as
+// its NaN alone would come out (quieted), on every instruction set and in a block as in its tail.
+// x86 returns an add's first operand where both are NaN, and the compiler may swap the operands
+// of a + b per loop and instruction set: hosts reducing one segment each for itself (the
+// one-shot all_reduce across hosts) gave different bits (float8 SUM: 0x7f on AVX-512, 0xff on
+// AVX2, until 2026-12-06).
+// A quiet NaN of `dt` with the sign and payload given (the payload's low bits).
+uint64_t nanBits(DataType dt, uint64_t sign, uint64_t payload) {
+  switch (dt) {
+    case DataType::kFloat32: return sign << 31 | 0x7fc00000u | (payload & 0x3fffff);
+    case DataType::kFloat64: return sign << 63 | 0x7ff8000000000000ull | (payload & 0x7ffffffffffffull);
+    case DataType::kFloat16: return sign << 15 | 0x7e00u | (payload & 0x1ff);
+    case DataType::kBFloat16: return sign << 15 | 0x7fc0u | (payload & 0x3f);
+    case DataType::kFloat8E5M2: return sign << 7 | 0x7eu | (payload & 1);
+    default: return sign << 7 | 0x7fu;  // float8_e4m3fn has one NaN per sign
+  }
+}
+
+void checkTwoNansAgree() {
+  const size_t n = 64 + 37;  // a block and a tail
+  for (DataType dt : {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16, DataType::kBFloat16,
+                      DataType::kFloat8E4M3, DataType::kFloat8E5M2}) {
+    const size_t es = elementSize(dt);
+    std::vector<uint8_t> a(n * es), b(n * es);  // NaN everywhere in both, of other signs and payloads
+    for (size_t i = 0; i < n; ++i) {
+      const uint64_t x = nanBits(dt, i & 1, 0x2b5 * i + 7), y = nanBits(dt, ~i & 1, 0x1c3 * i + 2);
+      std::memcpy(&a[i * es], &x, es);  // little-endian: the low bytes
+      std::memcpy(&b[i * es], &y, es);
+    }
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kAvg, ReduceOp::kPremulSum}) {
+      std::vector<uint8_t> first;
+      Isa firstIsa = Isa::kScalar;
+      size_t bad = 0;
+      for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+        if (!isaSupported(isa)) continue;
+        std::vector<uint8_t> out(n * es), alone(n * es);
+        const void* two[2] = {a.data(), b.data()};
+        const void* one = a.data();
+        reduceWithIsa(isa, dt, Reduction{op, 0.5, 2}, out.data(), two, 2, n);
+        reduceWithIsa(isa, dt, Reduction{ReduceOp::kMax}, alone.data(), &one, 1, n);
+        for (size_t i = 0; i < n && bad < 3; ++i) {
+          if (std::memcmp(&out[i * es], &alone[i * es], es) != 0 ||
+              (!first.empty() && std::memcmp(&out[i * es], &first[i * es], es) != 0)) {
+            printf("FAIL %s %s %s of two NaNs, element %zu: not the first source's NaN, or not %s's\n", isaName(isa),
+                   dataTypeName(dt), reduceOpName(op), i, isaName(firstIsa));
+            ++bad;
+          }
+        }
+        if (first.empty()) {
+          first = out;
+          firstIsa = isa;
+        }
+      }
+      (bad == 0 ? passed : failed)++;
+    }
+  }
+}
+
 // Integer AVG divides by a multiplication (InvariantDivisor): compared with the compiler's
 // division for every int8/uint8 value, and for each type's edge values (0, +-1, powers of two and
 // their neighbours, min, max) plus random ones, by divisors from 1 up to 2^31 - 1 (AVG's divisor is
@@ -577,6 +635,7 @@ int main() {
     checkIntAvgDivision(isa, rng64);
   }
   checkHalfNanBitsAgree();
+  checkTwoNansAgree();
   checkFlushToZeroIgnored();
   checkStreamingCopy();
   checkStridedCopy(rng);
