@@ -1382,21 +1382,27 @@ def errors_task(rank, world):
                 rep.expect(rank == root and "smddp rank" in str(e) and "gather" in str(e),
                            f"{label}: rank {rank}: {str(e)[:300]}")
             rep.group_still_works(label + " (after the error)", world, rank)
-    # A scatter's root whose input list does not fit the op cannot give the others their blocks:
-    # it raises, and they fail at once with its reason (until 2026-12-06 they waited for the
-    # root's next op, or their timeout). The group is unusable after it, as after any failed op.
-    if world > 1:
-        label = f"scatter with inputs of 3 elements for an output of 2 on the root world={world}"
+    # A scatter's root whose input list does not fit the op, or whose output it refuses (an
+    # expanded tensor, whose elements share memory), cannot give the others their blocks: it
+    # raises, and they fail at once with its reason (until 2026-12-06 they waited for the root's
+    # next op, or their timeout). The group is unusable after it, as after any failed op.
+    for case, out, ins, reason in (
+            ("inputs of 3 elements for an output of 2", torch.zeros(2), [torch.ones(3) for _ in range(world)],
+             "every input must have the output's 2 elements, got one with 3"),
+            ("an expanded output", torch.zeros(1).expand(2), [torch.ones(2) for _ in range(world)],
+             "elements that share memory")):
+        if world == 1:
+            break
+        label = f"scatter with {case} on the root world={world}"
         side = dist.new_group()
         with rep.cell(label):
             t0 = time.monotonic()
             try:
-                dist.scatter(torch.zeros(2), [torch.ones(3) for _ in range(world)] if rank == root else None,
-                             src=root, group=side)
+                dist.scatter(out if rank == root else torch.zeros(2), ins if rank == root else None, src=root,
+                             group=side)
                 rep.expect(False, f"{label}: rank {rank}'s scatter completed")
             except (ValueError, dist.DistBackendError) as e:
                 text = str(e)
-                reason = "every input must have the output's 2 elements, got one with 3"
                 rep.expect(reason in text and (rank == root) == isinstance(e, ValueError) and
                            (rank == root or f"rank {root} gave up on this collective" in text),
                            f"{label}: rank {rank}: {type(e).__name__}: {text[:300]}")

@@ -677,16 +677,18 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& ou
       return scatter(o, i, opts);
     });
   }
-  Staged s = stageOut(out, who(), "scatter");
+  Staged s;
   std::vector<Staged> srcs;
   Tensors ins;
   if (rank_ == root) {
     try {
+      s = stageOut(out, who(), "scatter");
       TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_, who(),
                         ": scatter: the root needs one input list of ", size_, " tensors");
       srcs = stageBlocks(inputs[0], s, rank_, who(), "scatter");
     } catch (const c10::Error&) {
-      // The other ranks cannot be given blocks the root does not have: the op fails in its turn,
+      // The other ranks cannot be given blocks the root does not have (or could not keep its own
+      // in its output: one with elements that share memory): the op fails in its turn,
       // and its peers are told the root's reason at once (the group is unusable after it, as after
       // any failed collective), instead of waiting for the root's next op or their timeout.
       const std::exception_ptr error = std::current_exception();
@@ -698,6 +700,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& ou
   } else {
     TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), who(),
                       ": scatter: only the root (rank ", root, ") takes an input list");
+    s = stageOut(out, who(), "scatter");
   }
   return enqueue(c10d::OpType::SCATTER, "smddp:scatter", outputs, ins, resolveTimeout(opts.timeout), opts.asyncOp,
                  [s, srcs, dtype, root](algo::Communicator& c, std::chrono::milliseconds to) mutable {
