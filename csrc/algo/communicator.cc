@@ -37,7 +37,7 @@ void logParamsOnce() {
 // only steal them.
 int cpuThreadsFor(const CpuShare& machine) {
   const int64_t v = env::cpuThreads();
-  if (v >= 1) return static_cast<int>(std::min<int64_t>(v, 64));
+  if (v >= 1) return static_cast<int>(v);
   return std::clamp(std::min(usableCpus(), machine.cpus / std::max(1, machine.ranks)), 1, 4);
 }
 
@@ -115,7 +115,7 @@ Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chron
       // ranks still using it, or leaving a rank's host-mates waiting for its shared memory.
       stagingPolicy_(tellingPeers(store, rank,
                                   [] {
-                                    env::checkIntegers();
+                                    env::checkSettings();
                                     return WayPolicy::parseMode("SMDDP_STAGE_STREAM", env::stageStream());
                                   }),
                      "staging", "cached", "streamed"),
@@ -128,7 +128,7 @@ Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chron
       topo_(tellingPeers(store, rank, [&] { return discoverAfterShmCheck(store, rank, size); })),
       cpuClaim_(topo_.cpuShare),
       machine_(cpuClaim_.busiest()),
-      oneShotMaxBytes_(static_cast<size_t>(std::max<int64_t>(0, env::allreduceOneShotMaxBytes()))),
+      oneShotMaxBytes_(static_cast<size_t>(env::allreduceOneShotMaxBytes())),
       copyStepBytes_(copyStepBytesFromEnv()),
       singleCopyBytes_(singleCopyBytesFor(machine_)),
       alltoallSingleCopyBytes_(alltoallSingleCopyBytesFor(machine_)),
@@ -175,8 +175,8 @@ void Communicator::setUp(std::chrono::milliseconds timeout) {
 void Communicator::agreeOnSchedule(Store& store) {
   const std::string algo = env::netAlgo();
   netAlgo_ = netAlgoFromName(algo);  // this rank's own value must be valid too
-  netBufferBytes_ = static_cast<size_t>(std::max<int64_t>(1 << 16, env::netBufferBytes()));
-  netOneShotBytes_ = static_cast<size_t>(std::max<int64_t>(0, env::netOneShotBytes()));
+  netBufferBytes_ = static_cast<size_t>(env::netBufferBytes());
+  netOneShotBytes_ = static_cast<size_t>(env::netOneShotBytes());
   // auto reads in place only where every rank has a core: 4 ranks on 2 cores, 4 KiB pages, it
   // took 1.4-1.8x the staged time at 2-8 MiB (0.86x at 32 MiB), whose pipelined steps let the
   // ranks that share a core take turns.

@@ -1,7 +1,10 @@
 #include "core/env.h"
 
 #include <cerrno>
+#include <climits>
+#include <cstdint>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 
@@ -249,8 +252,9 @@ std::string readString(const char* name) {
   return (v && (*v || p.emptyIsValue)) ? std::string(v) : std::string(p.defaultValue);
 }
 
-// Decimal, or hexadecimal after 0x; not octal ("010" is ten, as a user means it).
-int64_t readInt(const char* name) {
+// Decimal, or hexadecimal after 0x; not octal ("010" is ten, as a user means it). A value outside
+// min..max is refused rather than clamped, which would run with a setting nobody chose.
+int64_t readInt(const char* name, int64_t min, int64_t max) {
   const std::string text = readString(name);
   const size_t digits = text.find_first_not_of("+-");
   const bool hex = digits != std::string::npos && digits <= 1 && text.compare(digits, 2, "0x") == 0;
@@ -260,25 +264,64 @@ int64_t readInt(const char* name) {
   if (end == text.c_str() || *end != '\0') {
     throwError(ErrorCode::kInvalidUsage, "smddp: environment variable %s=%s is not an integer", name, text.c_str());
   }
-  if (errno == ERANGE) {
-    throwError(ErrorCode::kInvalidUsage, "smddp: environment variable %s=%s is out of range", name, text.c_str());
+  if (errno == ERANGE || v < min || v > max) {
+    const std::string expected = max == INT64_MAX       ? std::to_string(min) + " or more"
+                                 : max == min + 1       ? std::to_string(min) + " or " + std::to_string(max)
+                                                        : std::to_string(min) + " to " + std::to_string(max);
+    throwError(ErrorCode::kInvalidUsage, "smddp: environment variable %s=%s is out of range: expected %s", name,
+               text.c_str(), expected.c_str());
   }
   return v;
 }
 
-}  // namespace
-
-std::vector<ParamInfo> allParams() {
-  std::vector<ParamInfo> out;
-  for (const Param& p : kParams) out.push_back({p.name, p.defaultValue, p.help, readString(p.name)});
-  return out;
+// Text of one line: it goes into a line of the topology record every rank publishes.
+std::string readLine(const char* name) {
+  const std::string v = readString(name);
+  if (v.find('\n') != std::string::npos) {
+    throwError(ErrorCode::kInvalidUsage, "%s may not hold a line break (its value: \"%s\")", name, v.c_str());
+  }
+  return v;
 }
 
-// Each accessor reads its variable once (a function-local static: thread-safe) and caches it.
-#define SMDDP_INT_PARAM(fn, NAME)             \
-  int64_t fn() {                              \
-    static const int64_t v = readInt(NAME);   \
-    return v;                                 \
+// One of `choices` ("a|b|c"), checked before the accessor caches it: a value refused once is
+// read again at the next try (after the caller fixed os.environ).
+std::string readChoice(const char* name, const std::string& choices) {
+  const std::string v = readString(name);
+  std::vector<std::string> list;
+  for (size_t from = 0;;) {
+    const size_t bar = choices.find('|', from);
+    list.push_back(choices.substr(from, bar - from));
+    if (bar == std::string::npos) break;
+    from = bar + 1;
+  }
+  for (const std::string& c : list) {
+    if (v == c) return v;
+  }
+  std::string expected;
+  for (size_t i = 0; i < list.size(); ++i) {
+    expected += (i == 0 ? "" : i + 1 == list.size() ? " or " : ", ") + (list[i].empty() ? "nothing" : list[i]);
+  }
+  throwError(ErrorCode::kInvalidUsage, "%s=%s: expected %s", name, v.c_str(), expected.c_str());
+}
+
+}  // namespace
+
+// Each accessor reads its variable once (a function-local static: thread-safe) and caches it; one
+// that throws caches nothing.
+#define SMDDP_INT_PARAM(fn, NAME, MIN, MAX)          \
+  int64_t fn() {                                     \
+    static const int64_t v = readInt(NAME, MIN, MAX); \
+    return v;                                        \
+  }
+#define SMDDP_CHOICE_PARAM(fn, NAME, CHOICES)                \
+  const std::string& fn() {                                  \
+    static const std::string v = readChoice(NAME, CHOICES);  \
+    return v;                                                \
+  }
+#define SMDDP_LINE_PARAM(fn, NAME)                \
+  const std::string& fn() {                       \
+    static const std::string v = readLine(NAME);  \
+    return v;                                     \
   }
 #define SMDDP_STRING_PARAM(fn, NAME)                \
   const std::string& fn() {                         \
@@ -286,55 +329,96 @@ std::vector<ParamInfo> allParams() {
     return v;                                       \
   }
 
-#define SMDDP_INT_PARAMS(X) \
-  X(shmSlotBytes, "SMDDP_SHM_SLOT_BYTES") \
-  X(shmCopyStepBytes, "SMDDP_SHM_COPY_STEP_BYTES") \
-  X(shmSingleCopyBytes, "SMDDP_SHM_SINGLE_COPY_BYTES") \
-  X(allreduceOneShotMaxBytes, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES") \
-  X(streamMinBytes, "SMDDP_STREAM_MIN_BYTES") \
-  X(stageStreamMinBytes, "SMDDP_STAGE_STREAM_MIN_BYTES") \
-  X(p2pSingleCopyBytes, "SMDDP_P2P_SINGLE_COPY_BYTES") \
-  X(p2pUnexpectedBytes, "SMDDP_P2P_UNEXPECTED_BYTES") \
-  X(cpuThreads, "SMDDP_CPU_THREADS") \
-  X(spinMicros, "SMDDP_SPIN_US") \
-  X(spinCheckCpu, "SMDDP_SPIN_CHECK_CPU") \
-  X(yieldMicros, "SMDDP_YIELD_US") \
-  X(lingerMicros, "SMDDP_LINGER_US") \
-  X(waitRunsOp, "SMDDP_WAIT_RUNS_OP") \
-  X(interruptibleWaits, "SMDDP_INTERRUPTIBLE_WAITS") \
-  X(deferWakeMicros, "SMDDP_DEFER_WAKE_US") \
-  X(coalescePackBytes, "SMDDP_COALESCE_PACK_BYTES") \
-  X(debugChecks, "SMDDP_DEBUG_CHECKS") \
-  X(desyncCheckMs, "SMDDP_DESYNC_CHECK_MS") \
-  X(netChunkBytes, "SMDDP_NET_CHUNK_BYTES") \
-  X(netSocketsPerPeer, "SMDDP_NET_SOCKETS_PER_PEER") \
-  X(netBufferBytes, "SMDDP_NET_BUFFER_BYTES") \
-  X(netOneShotBytes, "SMDDP_NET_ONESHOT_BYTES") \
-  X(cudaStagingBytes, "SMDDP_CUDA_STAGING_BYTES") \
-  X(cudaRoundBytes, "SMDDP_CUDA_ROUND_BYTES") \
-  X(cudaBlockingWait, "SMDDP_CUDA_BLOCKING_WAIT")
-SMDDP_INT_PARAMS(SMDDP_INT_PARAM)
-SMDDP_STRING_PARAM(stageStream, "SMDDP_STAGE_STREAM")
-SMDDP_STRING_PARAM(shmAllreduceSingleCopy, "SMDDP_SHM_ALLREDUCE_SINGLE_COPY")
-SMDDP_STRING_PARAM(debugLevel, "SMDDP_DEBUG")
-SMDDP_STRING_PARAM(debugSubsys, "SMDDP_DEBUG_SUBSYS")
-SMDDP_STRING_PARAM(debugFile, "SMDDP_DEBUG_FILE")
-SMDDP_STRING_PARAM(hostId, "SMDDP_HOST_ID")
-SMDDP_STRING_PARAM(frDumpFile, "SMDDP_FR_DUMP_FILE")
-SMDDP_STRING_PARAM(socketIfname, "SMDDP_SOCKET_IFNAME")
-SMDDP_STRING_PARAM(socketFamily, "SMDDP_SOCKET_FAMILY")
-SMDDP_STRING_PARAM(netAlgo, "SMDDP_NET_ALGO")
-SMDDP_STRING_PARAM(netCongestion, "SMDDP_NET_CONGESTION")
-SMDDP_STRING_PARAM(simd, "SMDDP_SIMD")
-SMDDP_STRING_PARAM(cudaFlags, "SMDDP_CUDA_FLAGS")
+constexpr int64_t kAny = INT64_MAX;
+// The most a polling budget (SMDDP_SPIN_US, SMDDP_YIELD_US, SMDDP_LINGER_US) may be: a poll does
+// not look at deadlines, aborts or failed peers, so a longer one would delay a timeout, a
+// shutdown or a dead peer's report by as much.
+constexpr int64_t kMaxPollMicros = 100000;
+constexpr int64_t kMaxMillis = INT32_MAX;   // 24.8 days: an interval that can never come
 
-void checkIntegers() {
-#define SMDDP_READ(fn, NAME) fn();
+// (accessor, variable, least value, greatest value)
+#define SMDDP_INT_PARAMS(X) \
+  X(shmSlotBytes, "SMDDP_SHM_SLOT_BYTES", INT64_MIN, kAny) /* Domain::checkCapacity says why not */ \
+  X(shmCopyStepBytes, "SMDDP_SHM_COPY_STEP_BYTES", 1, kAny) \
+  X(shmSingleCopyBytes, "SMDDP_SHM_SINGLE_COPY_BYTES", -1, kAny) \
+  X(allreduceOneShotMaxBytes, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES", 0, kAny) \
+  X(streamMinBytes, "SMDDP_STREAM_MIN_BYTES", -1, kAny) \
+  X(stageStreamMinBytes, "SMDDP_STAGE_STREAM_MIN_BYTES", -1, kAny) \
+  X(p2pSingleCopyBytes, "SMDDP_P2P_SINGLE_COPY_BYTES", -1, kAny) \
+  X(p2pUnexpectedBytes, "SMDDP_P2P_UNEXPECTED_BYTES", 0, kAny) \
+  X(cpuThreads, "SMDDP_CPU_THREADS", -1, 64) \
+  X(spinMicros, "SMDDP_SPIN_US", -1, kMaxPollMicros) \
+  X(spinCheckCpu, "SMDDP_SPIN_CHECK_CPU", 0, 1) \
+  X(yieldMicros, "SMDDP_YIELD_US", 0, kMaxPollMicros) \
+  X(lingerMicros, "SMDDP_LINGER_US", -1, kMaxPollMicros) \
+  X(waitRunsOp, "SMDDP_WAIT_RUNS_OP", 0, 1) \
+  X(interruptibleWaits, "SMDDP_INTERRUPTIBLE_WAITS", 0, 1) \
+  X(deferWakeMicros, "SMDDP_DEFER_WAKE_US", -1, kMaxPollMicros) \
+  X(coalescePackBytes, "SMDDP_COALESCE_PACK_BYTES", 0, kAny) \
+  X(debugChecks, "SMDDP_DEBUG_CHECKS", 0, 1) \
+  X(desyncCheckMs, "SMDDP_DESYNC_CHECK_MS", 0, kMaxMillis) \
+  X(netChunkBytes, "SMDDP_NET_CHUNK_BYTES", 4096, kAny) \
+  X(netSocketsPerPeer, "SMDDP_NET_SOCKETS_PER_PEER", INT64_MIN, kAny) /* clamped with a warning */ \
+  X(netBufferBytes, "SMDDP_NET_BUFFER_BYTES", 65536, kAny) \
+  X(netOneShotBytes, "SMDDP_NET_ONESHOT_BYTES", 0, kAny) \
+  X(cudaStagingBytes, "SMDDP_CUDA_STAGING_BYTES", 4096, kAny) \
+  X(cudaRoundBytes, "SMDDP_CUDA_ROUND_BYTES", 1, kAny) \
+  X(cudaBlockingWait, "SMDDP_CUDA_BLOCKING_WAIT", 0, 1)
+// (accessor, variable, its values)
+#define SMDDP_CHOICE_PARAMS(X) \
+  X(stageStream, "SMDDP_STAGE_STREAM", "auto|1|0") \
+  X(shmAllreduceSingleCopy, "SMDDP_SHM_ALLREDUCE_SINGLE_COPY", "auto|1|0") \
+  X(socketFamily, "SMDDP_SOCKET_FAMILY", "AF_INET|AF_INET6|") \
+  X(netAlgo, "SMDDP_NET_ALGO", "mesh|naive|ring") \
+  X(cudaFlags, "SMDDP_CUDA_FLAGS", "auto|memops|kernel")
+// (accessor, variable): one line of text
+#define SMDDP_LINE_PARAMS(X) \
+  X(hostId, "SMDDP_HOST_ID")
+// (accessor, variable): free text, or words the reader warns about (SMDDP_DEBUG, SMDDP_SIMD)
+#define SMDDP_STRING_PARAMS(X) \
+  X(debugLevel, "SMDDP_DEBUG") \
+  X(debugSubsys, "SMDDP_DEBUG_SUBSYS") \
+  X(debugFile, "SMDDP_DEBUG_FILE") \
+  X(frDumpFile, "SMDDP_FR_DUMP_FILE") \
+  X(socketIfname, "SMDDP_SOCKET_IFNAME") \
+  X(netCongestion, "SMDDP_NET_CONGESTION") \
+  X(simd, "SMDDP_SIMD")
+SMDDP_INT_PARAMS(SMDDP_INT_PARAM)
+SMDDP_CHOICE_PARAMS(SMDDP_CHOICE_PARAM)
+SMDDP_LINE_PARAMS(SMDDP_LINE_PARAM)
+SMDDP_STRING_PARAMS(SMDDP_STRING_PARAM)
+
+void checkSettings() {
+#define SMDDP_READ(fn, NAME, ...) fn();
   SMDDP_INT_PARAMS(SMDDP_READ)
+  SMDDP_CHOICE_PARAMS(SMDDP_READ)
+  SMDDP_LINE_PARAMS(SMDDP_READ)
 #undef SMDDP_READ
 }
+
+std::vector<ParamInfo> allParams() {
+  // What this process runs with: each accessor's value, read once (a variable changed after its
+  // first read changes nothing). A value refused raises here too.
+  std::map<std::string, std::string> inForce;
+#define SMDDP_INT_VALUE(fn, NAME, ...) inForce[NAME] = std::to_string(fn());
+#define SMDDP_STRING_VALUE(fn, NAME, ...) inForce[NAME] = fn();
+  SMDDP_INT_PARAMS(SMDDP_INT_VALUE)
+  SMDDP_CHOICE_PARAMS(SMDDP_STRING_VALUE)
+  SMDDP_LINE_PARAMS(SMDDP_STRING_VALUE)
+  SMDDP_STRING_PARAMS(SMDDP_STRING_VALUE)
+#undef SMDDP_INT_VALUE
+#undef SMDDP_STRING_VALUE
+  std::vector<ParamInfo> out;
+  for (const Param& p : kParams) out.push_back({p.name, p.defaultValue, p.help, inForce.at(p.name)});
+  return out;
+}
 #undef SMDDP_INT_PARAMS
+#undef SMDDP_CHOICE_PARAMS
+#undef SMDDP_LINE_PARAMS
+#undef SMDDP_STRING_PARAMS
 #undef SMDDP_INT_PARAM
+#undef SMDDP_CHOICE_PARAM
+#undef SMDDP_LINE_PARAM
 #undef SMDDP_STRING_PARAM
 
 }  // namespace smddp::env

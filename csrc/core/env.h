@@ -3,7 +3,8 @@
 // Every tunable is declared once in env.cc with its default and a help line (smddp.env_params()
 // lists them; tests/test_env_readme.py checks that README's table names the same ones). Each value
 // is read from the environment on first use and then cached for the life of the process, like
-// NCCL's NCCL_PARAM (the integers all at the first group's set-up: checkIntegers).
+// NCCL's NCCL_PARAM (the integers and the settings with fixed values all at the first group's
+// set-up: checkSettings). A value out of its range is refused, never clamped.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +25,9 @@ std::vector<ParamInfo> allParams();
 
 // Reads every integer parameter: throws (kInvalidUsage) for one that is malformed, so a group's
 // set-up fails on it instead of the first op that happens to read it, steps into a run.
-void checkIntegers();
+// Reads every integer, every setting with a fixed set of values and SMDDP_HOST_ID (one line),
+// which raises (kInvalidUsage) for the first malformed or out of range.
+void checkSettings();
 
 // Per-rank staging: bytes of one of the two shared-memory slots each rank owns.
 int64_t shmSlotBytes();

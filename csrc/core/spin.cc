@@ -65,13 +65,9 @@ void YieldGate::yielded(bool slow) {
   skip_.store(backoff, std::memory_order_relaxed);
 }
 
-std::chrono::microseconds pollBudget(int64_t us) {
-  return std::chrono::microseconds(std::clamp<int64_t>(us, 0, kMaxPollMicros));
-}
-
 std::chrono::microseconds spinBudget(const CpuShare& share) {
   const int64_t us = env::spinMicros();
-  if (us >= 0) return pollBudget(us);
+  if (us >= 0) return std::chrono::microseconds(us);
   // A peer that is late by more than this has most likely been descheduled; past it, sleeping
   // costs a wake-up (tens of microseconds) but frees the core.
   return std::chrono::microseconds(share.oversubscribed() ? 2 : 500);
@@ -83,7 +79,7 @@ std::chrono::microseconds lingerBudget(const CpuShare& share) {
 
 std::chrono::microseconds handOffLinger(const CpuShare& share) {
   const int64_t us = env::lingerMicros();
-  if (us >= 0) return pollBudget(us);
+  if (us >= 0) return std::chrono::microseconds(us);
   // Measured on 2 ranks sharing 2 cores: all_reduce(async_op=True).wait() of 8 bytes took 111 us
   // with both threads polling 50 us, 11 us sleeping at once (the wake-ups cost less than the
   // polls steal).
@@ -99,7 +95,7 @@ constexpr int64_t kDefaultWakeDelayMicros = 1000;
 
 std::chrono::microseconds progressWakeDelay(const CpuShare& share) {
   const int64_t us = env::deferWakeMicros();
-  if (us >= 0) return pollBudget(us);
+  if (us >= 0) return std::chrono::microseconds(us);
   if (!share.underTwoCoresPerRank() || env::waitRunsOp() == 0) return std::chrono::microseconds(0);
   return std::chrono::microseconds(kDefaultWakeDelayMicros);
 }

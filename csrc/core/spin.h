@@ -46,12 +46,6 @@ class CpuShareClaim {
   CpuShare share_;
 };
 
-// The most a polling budget set by SMDDP_SPIN_US, SMDDP_YIELD_US or SMDDP_LINGER_US may be: a
-// poll does not look at deadlines, aborts or failed peers, so a longer one would delay a
-// timeout, a shutdown or a dead peer's report by as much.
-constexpr int64_t kMaxPollMicros = 100000;
-std::chrono::microseconds pollBudget(int64_t us);  // us clamped to 0..kMaxPollMicros
-
 // How long a rank polls a peer's flag inside a collective: SMDDP_SPIN_US when set (>= 0), else
 // 500 us, or 2 us when the machine's ranks outnumber its cores.
 std::chrono::microseconds spinBudget(const CpuShare& share);

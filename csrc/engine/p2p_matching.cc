@@ -154,7 +154,7 @@ bool routeMessage(std::deque<P2pOp>& recvs, std::deque<P2pOp>& anyRecvs, Unexpec
   };
   uint64_t held = 0;
   for (const auto& m : unexpected) held += m->data.size();
-  const auto limit = static_cast<uint64_t>(std::max<int64_t>(env::p2pUnexpectedBytes(), 0));
+  const auto limit = static_cast<uint64_t>(env::p2pUnexpectedBytes());
   if (held + bytes > limit) {
     return holdBack(formatString("setting it aside would take the messages held aside from that rank (%llu bytes) "
                                  "past SMDDP_P2P_UNEXPECTED_BYTES (%llu)",

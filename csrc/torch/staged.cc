@@ -236,7 +236,7 @@ std::vector<CoalescedItem> planCoalesced(const std::vector<at::Tensor>& tensors,
   return items;
 }
 
-size_t packBytesSetting() { return static_cast<size_t>(std::max<int64_t>(0, env::coalescePackBytes())); }
+size_t packBytesSetting() { return static_cast<size_t>(env::coalescePackBytes()); }
 
 void copyToBytes(uint8_t* bytes, const at::Tensor& t) {
   if (t.is_contiguous()) {

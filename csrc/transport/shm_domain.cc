@@ -136,7 +136,7 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   d->spin_ = spinBudget(machine);
   d->checkCpu_ = env::spinCheckCpu() != 0;
   d->yieldFor_ =
-      machine.oversubscribed() ? pollBudget(env::yieldMicros()) : std::chrono::microseconds(0);
+      machine.oversubscribed() ? std::chrono::microseconds(env::yieldMicros()) : std::chrono::microseconds(0);
   if (size == 1) return d;
 
   if (rank == 0) store.set(kTokenKey, randomHex(8));

@@ -182,7 +182,7 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
                                          const std::vector<int>& peers, std::chrono::milliseconds timeout) {
   const int rank = topo.rank;
   std::unique_ptr<TcpMesh> m(new TcpMesh(topo));
-  m->chunkBytes_ = static_cast<size_t>(std::max<int64_t>(4096, env::netChunkBytes()));
+  m->chunkBytes_ = static_cast<size_t>(env::netChunkBytes());
   m->addrs_ = addrs;
   m->conns_.resize(topo.size);
   // The listeners stay open for the group's life, so a later connect() needs no new address and
