@@ -330,9 +330,9 @@ std::string readChoice(const char* name, const std::string& choices) {
   }
 
 constexpr int64_t kAny = INT64_MAX;
-// The most a polling budget (SMDDP_SPIN_US, SMDDP_YIELD_US, SMDDP_LINGER_US) may be: a poll does
-// not look at deadlines, aborts or failed peers, so a longer one would delay a timeout, a
-// shutdown or a dead peer's report by as much.
+// The most a polling budget (SMDDP_SPIN_US, SMDDP_YIELD_US, SMDDP_LINGER_US) or a deferred wake-up
+// (SMDDP_DEFER_WAKE_US) may be: a poll does not look at deadlines, aborts or failed peers, so a
+// longer one would delay a timeout, a shutdown or a dead peer's report by as much.
 constexpr int64_t kMaxPollMicros = 100000;
 constexpr int64_t kMaxMillis = INT32_MAX;   // 24.8 days: an interval that can never come
 

@@ -223,16 +223,26 @@ void SmddpWork::finishWork(const std::exception_ptr& error) {
 }
 
 namespace {
-thread_local uint64_t tlsCallbacksOf = 0;  // the group whose Work's callbacks run on this thread, innermost
-
+// The Works whose callbacks run on this thread, innermost first (a callback may wait for an op of
+// another group, whose callbacks then run within it).
 struct RunningCallbacksOf {
-  explicit RunningCallbacksOf(uint64_t group) : outer(tlsCallbacksOf) { tlsCallbacksOf = group; }
-  ~RunningCallbacksOf() { tlsCallbacksOf = outer; }
-  const uint64_t outer;
+  explicit RunningCallbacksOf(uint64_t group);
+  ~RunningCallbacksOf();
+  const uint64_t group;
+  const RunningCallbacksOf* const outer;
 };
+thread_local const RunningCallbacksOf* tlsCallbacks = nullptr;
+
+RunningCallbacksOf::RunningCallbacksOf(uint64_t g) : group(g), outer(tlsCallbacks) { tlsCallbacks = this; }
+RunningCallbacksOf::~RunningCallbacksOf() { tlsCallbacks = outer; }
 }  // namespace
 
-bool SmddpWork::runningCallbacksOf(uint64_t group) { return group != 0 && tlsCallbacksOf == group; }
+bool SmddpWork::runningCallbacksOf(uint64_t group) {
+  for (const RunningCallbacksOf* r = tlsCallbacks; r != nullptr; r = r->outer) {
+    if (r->group == group && group != 0) return true;
+  }
+  return false;
+}
 
 void SmddpWork::runCallbacks(const std::exception_ptr& error, bool finished) {
   const bool outermost = runner_ && runner_->runningHere() && !runner_->ordering();
