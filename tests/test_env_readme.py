@@ -63,3 +63,30 @@ def test_a_setting_out_of_range_is_refused_and_can_be_fixed(name, bad, good, exp
                          stderr=subprocess.STDOUT, text=True, timeout=120).stdout
     assert "REFUSED smddp rank 0: " in out and expected in out, out
     assert f"RETRY OK [1.0, 1.0, 1.0] {good}" in out, out
+
+
+LISTED = r"""
+import os
+import torch.distributed as dist, tempfile
+import smddp
+value = lambda: {p["name"]: p["value"] for p in smddp.env_params()}["SMDDP_NET_ALGO"]
+os.environ["SMDDP_NET_ALGO"] = "naive"
+before = value()  # not read yet: the environment's; listing reads nothing
+os.environ["SMDDP_NET_ALGO"] = "ring"
+dist.init_process_group("smddp", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+os.environ["SMDDP_NET_ALGO"] = "mesh"  # too late: read at the set-up
+print("VALUES", before, value())
+dist.destroy_process_group()
+"""
+
+
+def test_env_params_lists_what_was_read():
+    """A variable read already shows the value read, not the environment's now (until 2026-12-06
+    env_params() re-read the environment: a change after the first group showed, though it
+    changed nothing); one not read yet shows the environment's, and listing reads nothing."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", LISTED], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=120).stdout
+    assert "VALUES naive ring" in out, out

@@ -765,6 +765,14 @@ def checkpoint_leaves_optimizer_task(rank, world, path):
                 torch.equal(v, opt.state[p][k]) for p, st in state.items() for k, v in st.items()),
                 "the optimizer's state changed")
 
+    # An optimizer that keeps no state (plain SGD) was stepped at lr 0 at every save, its hooks run.
+    model.zero_grad(set_to_none=True)
+    sgd, steps = torch.optim.SGD(model.parameters(), lr=0.1), []
+    sgd.register_step_post_hook(lambda *args: steps.append(1))
+    tsm.save_checkpoint(f"{path}/sgd", model, sgd)
+    rep.expect(not steps and all(p.grad is None for p in model.parameters()),
+               f"saving stepped a stateless optimizer {len(steps)} time(s)")
+
     fresh = tsm.apply_hybrid_sharding(_mlp(seed=99))
     fresh_opt = _adamw(fresh.parameters())
     tsm.load_checkpoint(f"{path}/step0", fresh, fresh_opt)

@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <type_traits>
 
 #include "core/error.h"
 
@@ -58,7 +59,8 @@ constexpr Param kParams[] = {
      "Threads per rank that copy and reduce large messages: the one running the op plus "
      "SMDDP_CPU_THREADS - 1 helpers, started at a group's first op. They help where one core "
      "cannot use up the memory bandwidth (servers, GPU hosts). -1 = the CPUs this process may use "
-     "divided by the job's ranks on this machine, at most 4 (so 1 when ranks fill the cores)."},
+     "divided by the job's ranks on this machine, at most 4 (so 1 when ranks fill the cores); 0 picks the same. "
+     "At most 64."},
     {"SMDDP_SPIN_US", "-1",
      "Microseconds a rank polls a peer's flag inside a collective before it sleeps on a futex. -1 "
      "picks 500 us, or 2 us when ranks outnumber cores (then SMDDP_YIELD_US applies): the job's "
@@ -264,7 +266,11 @@ int64_t readInt(const char* name, int64_t min, int64_t max) {
   if (end == text.c_str() || *end != '\0') {
     throwError(ErrorCode::kInvalidUsage, "smddp: environment variable %s=%s is not an integer", name, text.c_str());
   }
-  if (errno == ERANGE || v < min || v > max) {
+  if (errno == ERANGE) {
+    throwError(ErrorCode::kInvalidUsage, "smddp: environment variable %s=%s is out of range (past 64 bits)", name,
+               text.c_str());
+  }
+  if (v < min || v > max) {
     const std::string expected = max == INT64_MAX       ? std::to_string(min) + " or more"
                                  : max == min + 1       ? std::to_string(min) + " or " + std::to_string(max)
                                                         : std::to_string(min) + " to " + std::to_string(max);
@@ -304,29 +310,47 @@ std::string readChoice(const char* name, const std::string& choices) {
   throwError(ErrorCode::kInvalidUsage, "%s=%s: expected %s", name, v.c_str(), expected.c_str());
 }
 
+// The values the accessors have read (allParams): variable -> value as text.
+std::mutex gReadMutex;
+std::map<std::string, std::string>& readValues() {
+  static std::map<std::string, std::string> values;
+  return values;
+}
+
+template <class T>
+T noteRead(const char* name, T value) {
+  std::lock_guard<std::mutex> lock(gReadMutex);
+  if constexpr (std::is_same_v<T, std::string>) {
+    readValues()[name] = value;
+  } else {
+    readValues()[name] = std::to_string(value);
+  }
+  return value;
+}
+
 }  // namespace
 
 // Each accessor reads its variable once (a function-local static: thread-safe) and caches it; one
 // that throws caches nothing.
-#define SMDDP_INT_PARAM(fn, NAME, MIN, MAX)          \
-  int64_t fn() {                                     \
-    static const int64_t v = readInt(NAME, MIN, MAX); \
-    return v;                                        \
+#define SMDDP_INT_PARAM(fn, NAME, MIN, MAX)                              \
+  int64_t fn() {                                                         \
+    static const int64_t v = noteRead(NAME, readInt(NAME, MIN, MAX));    \
+    return v;                                                            \
   }
-#define SMDDP_CHOICE_PARAM(fn, NAME, CHOICES)                \
-  const std::string& fn() {                                  \
-    static const std::string v = readChoice(NAME, CHOICES);  \
-    return v;                                                \
+#define SMDDP_CHOICE_PARAM(fn, NAME, CHOICES)                                  \
+  const std::string& fn() {                                                    \
+    static const std::string v = noteRead(NAME, readChoice(NAME, CHOICES));    \
+    return v;                                                                  \
   }
-#define SMDDP_LINE_PARAM(fn, NAME)                \
-  const std::string& fn() {                       \
-    static const std::string v = readLine(NAME);  \
-    return v;                                     \
+#define SMDDP_LINE_PARAM(fn, NAME)                                  \
+  const std::string& fn() {                                         \
+    static const std::string v = noteRead(NAME, readLine(NAME));    \
+    return v;                                                       \
   }
-#define SMDDP_STRING_PARAM(fn, NAME)                \
-  const std::string& fn() {                         \
-    static const std::string v = readString(NAME);  \
-    return v;                                       \
+#define SMDDP_STRING_PARAM(fn, NAME)                                  \
+  const std::string& fn() {                                           \
+    static const std::string v = noteRead(NAME, readString(NAME));    \
+    return v;                                                         \
   }
 
 constexpr int64_t kAny = INT64_MAX;
@@ -397,19 +421,15 @@ void checkSettings() {
 }
 
 std::vector<ParamInfo> allParams() {
-  // What this process runs with: each accessor's value, read once (a variable changed after its
-  // first read changes nothing). A value refused raises here too.
-  std::map<std::string, std::string> inForce;
-#define SMDDP_INT_VALUE(fn, NAME, ...) inForce[NAME] = std::to_string(fn());
-#define SMDDP_STRING_VALUE(fn, NAME, ...) inForce[NAME] = fn();
-  SMDDP_INT_PARAMS(SMDDP_INT_VALUE)
-  SMDDP_CHOICE_PARAMS(SMDDP_STRING_VALUE)
-  SMDDP_LINE_PARAMS(SMDDP_STRING_VALUE)
-  SMDDP_STRING_PARAMS(SMDDP_STRING_VALUE)
-#undef SMDDP_INT_VALUE
-#undef SMDDP_STRING_VALUE
+  // A variable read already holds its value for the life of the process (changed later, it
+  // changes nothing); one not read yet shows what the environment says now, which its first
+  // read will take (listing them reads nothing, so that settings made afterwards still count).
+  std::lock_guard<std::mutex> lock(gReadMutex);
   std::vector<ParamInfo> out;
-  for (const Param& p : kParams) out.push_back({p.name, p.defaultValue, p.help, inForce.at(p.name)});
+  for (const Param& p : kParams) {
+    const auto read = readValues().find(p.name);
+    out.push_back({p.name, p.defaultValue, p.help, read != readValues().end() ? read->second : readString(p.name)});
+  }
   return out;
 }
 #undef SMDDP_INT_PARAMS

@@ -17,7 +17,7 @@ struct ParamInfo {
   std::string name;          // full variable name, e.g. "SMDDP_SHM_SLOT_BYTES"
   std::string defaultValue;  // as text
   std::string help;
-  std::string value;         // the value in force (default when unset)
+  std::string value;         // the value read (or, not read yet, the environment's now; default when unset)
 };
 
 // All parameters, in declaration order, with the values in force.

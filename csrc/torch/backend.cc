@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <sstream>
+#include <condition_variable>
+#include <mutex>
 #include <system_error>
 #include <thread>
 
@@ -130,9 +132,18 @@ std::shared_ptr<const std::string> SmddpBackend::whoShared() const {
   return who_;
 }
 
-SmddpBackend::~SmddpBackend() { releaseParts(); }
+SmddpBackend::~SmddpBackend() { releaseParts(/*objectStays=*/false); }
 
-void SmddpBackend::releaseParts() {
+namespace {
+// Groups released from their own callbacks whose parts a thread of their own still drops (see
+// releaseParts): the exit handler waits for them, or Python's finalisation would end a thread
+// that still runs a callback, and the process with it.
+std::mutex releasingMutex;
+std::condition_variable releasingDone;
+int releasing = 0;
+}  // namespace
+
+void SmddpBackend::releaseParts(bool objectStays) {
   if (released_) return;
   released_ = true;
   if (inForkedChild()) {
@@ -140,45 +151,54 @@ void SmddpBackend::releaseParts() {
     return;
   }
   // Released from one of its own ops' callbacks (which destroyed the group, the last reference
-  // going with it): shutdown() only aborts there, and the ops still queued use the parts. They
-  // go on a thread of their own, which joins the group's threads first.
+  // going with it): shutdown() only aborts there, and the ops still queued use the parts and
+  // this object (a CUDA op's task reports its failure to it). A thread of its own joins the
+  // group's threads, then drops the parts; a weak reference keeps this object, not destroyed,
+  // until then. From the destructor (never registered as live: no weak reference held it) there
+  // is no keeping it: as before.
   const bool fromOwnCallbacks = SmddpWork::runningCallbacksOf(serial_);
   shutdown();
   FlightRecorder::get().removeGroup(pgId_);
-  std::shared_ptr<CudaPath> cuda;
-  {
-    std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
-    cuda = std::move(cuda_);
-  }
-  // Dropped in the order their destruction would take (p2p before the domain it uses).
-  auto drop = [cuda = std::move(cuda), sparse = std::move(sparseScratch_), netP2p = std::move(netP2p_),
-               p2p = std::move(p2p_), progress = std::move(progress_), comm = std::move(comm_),
-               bootstrap = std::move(bootstrap_), errands = std::move(storeErrands_),
-               groupStore = std::move(groupStore_), store = std::move(store_),
-               c10dStore = std::move(c10dStore_)]() mutable {
-    stopThreads(progress.get(), comm.get(), p2p.get(), netP2p.get());  // done already unless fromOwnCallbacks
-    cuda.reset();
-    sparse.reset();
-    netP2p.reset();
-    p2p.reset();
-    progress.reset();
-    comm.reset();
-    bootstrap.reset();
-    errands.reset();
-    groupStore.reset();
-    store.reset();
-    c10dStore.reset();
-  };
-  if (!fromOwnCallbacks) {
-    drop();
+  if (!fromOwnCallbacks || !objectStays) {
+    dropParts();
     return;
   }
-  auto owned = std::make_shared<decltype(drop)>(std::move(drop));
-  try {
-    std::thread([owned] { (*owned)(); }).detach();
-  } catch (const std::system_error&) {
-    new std::shared_ptr<decltype(drop)>(std::move(owned));  // no thread to join them: leaked, not hung
+  c10::raw::weak_intrusive_ptr::incref(this);
+  {
+    std::lock_guard<std::mutex> lock(releasingMutex);
+    ++releasing;
   }
+  auto finish = [this] {
+    dropParts();
+    c10::raw::weak_intrusive_ptr::decref(this);  // may delete this object
+    std::lock_guard<std::mutex> lock(releasingMutex);
+    if (--releasing == 0) releasingDone.notify_all();
+  };
+  try {
+    std::thread(finish).detach();
+  } catch (const std::system_error&) {
+    std::lock_guard<std::mutex> lock(releasingMutex);  // no thread to join them: leaked, not hung
+    if (--releasing == 0) releasingDone.notify_all();
+  }
+}
+
+void SmddpBackend::dropParts() {
+  stopThreads(progress_.get(), comm_.get(), p2p_.get(), netP2p_.get());  // done already unless from a callback
+  {
+    std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
+    cuda_.reset();
+  }
+  // In the order their destruction would take (p2p before the domain it uses).
+  sparseScratch_.reset();
+  netP2p_.reset();
+  p2p_.reset();
+  progress_.reset();
+  comm_.reset();
+  bootstrap_.reset();
+  storeErrands_.reset();
+  groupStore_.reset();
+  store_.reset();
+  c10dStore_.reset();
 }
 
 void SmddpBackend::endSetUpInStore(std::vector<std::string> spent) {
@@ -522,6 +542,8 @@ void SmddpBackend::shutDownLiveGroups() {
   for (const auto& weak : groups) {
     if (auto group = weak.lock()) group->shutdown();
   }
+  std::unique_lock<std::mutex> lock(releasingMutex);
+  releasingDone.wait(lock, [] { return releasing == 0; });
 }
 
 c10::intrusive_ptr<c10d::Backend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,

@@ -48,7 +48,7 @@ class SmddpBackend : public c10d::Backend {
   // references go too, and the registry of live groups (registerLive) holds one until the next
   // group is made or the process exits: the group's store, shared memory, sockets and threads
   // go here, as the destructor would take them.
-  void release_resources() override { releaseParts(); }
+  void release_resources() override { releaseParts(/*objectStays=*/true); }
 
   const std::string getBackendName() const override { return "smddp"; }
   void setTimeout(std::chrono::milliseconds timeout) override { timeoutMs_.store(timeout.count()); }
@@ -144,6 +144,7 @@ class SmddpBackend : public c10d::Backend {
   // atexit handler, while the interpreter is whole. Groups left for Python's finalisation to
   // destroy fail their pending ops there, and a Python callback on such an op's future needs the
   // GIL then, which ends the progress thread in the middle of it ("terminate called", SIGABRT).
+  // It also waits for the groups released from their own callbacks to be dropped (releaseParts).
   static void registerLive(const c10::intrusive_ptr<SmddpBackend>& group);
   static void shutDownLiveGroups();
 
@@ -255,8 +256,10 @@ class SmddpBackend : public c10d::Backend {
   // The destructor in a forked child: leaks every part instead of tearing it down.
   void abandonInForkedChild();
   // The destructor's work, once (release_resources, then the destructor): shuts the group down
-  // and drops its parts, in the order their destruction would take.
-  void releaseParts();
+  // and drops its parts (dropParts). `objectStays`: called from release_resources, where a weak
+  // reference may keep this object until the parts are dropped.
+  void releaseParts(bool objectStays);
+  void dropParts();
   // shutdown()'s joins: the threads that run the group's ops stop, after what is queued. Each
   // part's stop is idempotent; null parts are skipped.
   static void stopThreads(engine::ProgressThread* progress, algo::Communicator* comm, engine::P2pEngine* p2p,

@@ -60,13 +60,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_reduce_isa", [] { return std::string(smddp::isaName(smddp::activeIsa())); });
   m.def("_env_params", [] {
     py::list out;
-    std::vector<smddp::env::ParamInfo> params;
-    try {
-      params = smddp::env::allParams();
-    } catch (const smddp::Error& e) {  // a malformed or out of range value: the user's to fix
-      throw py::value_error(e.what());
-    }
-    for (const auto& p : params) {
+    for (const auto& p : smddp::env::allParams()) {
       out.append(py::dict(py::arg("name") = p.name, py::arg("default") = p.defaultValue, py::arg("help") = p.help,
                           py::arg("value") = p.value));
     }

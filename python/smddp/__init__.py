@@ -56,10 +56,11 @@ if not hasattr(dist.distributed_c10d._set_pg_timeout, "__wrapped_by_smddp__"):
 
 
 def env_params():
-    """Every SMDDP_* environment variable: name, default, help and the value this process runs
-    with (each is read once, at its first use: a change to os.environ after that changes nothing;
-    where the README says rank 0's value holds for a group, a group's set-up may take that
-    instead). Raises ValueError naming a variable whose value is malformed or out of range."""
+    """Every SMDDP_* environment variable: name, default, help and value: the one this process
+    runs with where read already (each is read once, at its first use, mostly the first group's
+    set-up: a change to os.environ after that changes nothing; where the README says rank 0's
+    value holds for a group, a group's set-up may take that instead), else what the environment
+    says now (unchecked: init_process_group refuses a malformed one). Reads nothing itself."""
     return _C._env_params()
 
 

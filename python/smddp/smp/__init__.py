@@ -913,14 +913,20 @@ def save_checkpoint(path, model, optimizer=None):
     or without tensor parallelism (the checkpoint holds the untransformed layout)."""
     import torch.distributed.checkpoint as dcp
 
-    untrained = optimizer is not None and not optimizer.state
-    state_dict = _checkpoint_state(model, optimizer)
-    if untrained:
-        # torch's get_state_dict made state for every parameter with a step at lr 0 (step 1,
-        # zero moments), which would make the next real step Adam's second, bias-corrected one.
-        # The optimizer stays as it was, and the checkpoint holds no state, as it had none.
-        optimizer.state.clear()
-        state_dict["optimizer"]["state"] = {}
+    # torch's get_state_dict steps an optimizer with no state at lr 0 (unless a parameter holds a
+    # gradient), making state for every parameter (step 1, zero moments: the next real step
+    # would be Adam's second, bias-corrected one) and running its step hooks. A zero gradient
+    # held meanwhile stops it: the optimizer stays as it was, and the checkpoint holds no state.
+    blocker = None
+    if optimizer is not None and not optimizer.state:
+        blocker = next((p for g in optimizer.param_groups for p in g["params"] if p.grad is None), None)
+        if blocker is not None:
+            blocker.grad = torch.zeros_like(blocker)
+    try:
+        state_dict = _checkpoint_state(model, optimizer)
+    finally:
+        if blocker is not None:
+            blocker.grad = None
     dcp.save(_map_tree(_plain_layout, state_dict), checkpoint_id=str(path))
 
 
