@@ -609,6 +609,14 @@ def test_materialize_refuses_persistent_buffers_nothing_fills():
             assert torch.equal(model.get_buffer(name), want), name
 
 
+def _train_step(model, opt, batch, rank):
+    """One optimizer step on this rank's part of `batch` (x, y)."""
+    x, y = batch
+    opt.zero_grad()
+    _loss(model, _local(x, rank), _local(y, rank)).backward()
+    opt.step()
+
+
 def checkpoint_task(rank, world, path, save_degree, load_degree):
     """A sharded checkpoint saved under one hybrid_shard_degree and loaded under another: the
     model and the optimizer state come back, so training continues exactly as without the break."""
@@ -619,10 +627,7 @@ def checkpoint_task(rank, world, path, save_degree, load_degree):
     batches = _batches(world, key=11, steps=3)
 
     def step(model, opt, i):
-        x, y = batches[i]
-        opt.zero_grad()
-        _loss(model, _local(x, rank), _local(y, rank)).backward()
-        opt.step()
+        _train_step(model, opt, batches[i], rank)
 
     tsm.init({"hybrid_shard_degree": save_degree}, device_type="cpu")
     model = tsm.apply_hybrid_sharding(_mlp())
@@ -683,11 +688,8 @@ def checkpoint_resume_task(rank, world, path, how):
     head_from = 0 if how == "partly trained" else 2
 
     def step(model, opt, i, head=None):
-        x, y = batches[i]
         model.use_head = i >= head_from if head is None else head
-        opt.zero_grad()
-        _loss(model, _local(x, rank), _local(y, rank)).backward()
-        opt.step()
+        _train_step(model, opt, batches[i], rank)
 
     tsm.init({}, device_type="cpu")
     model = tsm.apply_hybrid_sharding(_LateHead(seed=5))
@@ -734,10 +736,7 @@ def checkpoint_leaves_optimizer_task(rank, world, path):
     batches = _batches(world, key=17, steps=2)
 
     def step(model, opt, i):
-        x, y = batches[i]
-        opt.zero_grad()
-        _loss(model, _local(x, rank), _local(y, rank)).backward()
-        opt.step()
+        _train_step(model, opt, batches[i], rank)
 
     tsm.init({}, device_type="cpu")
     model = tsm.apply_hybrid_sharding(_mlp())

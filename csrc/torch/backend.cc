@@ -183,7 +183,7 @@ void SmddpBackend::releaseParts(bool objectStays) {
 }
 
 void SmddpBackend::dropParts() {
-  stopThreads(progress_.get(), comm_.get(), p2p_.get(), netP2p_.get());  // done already unless from a callback
+  stopThreads();  // done already unless from a callback
   {
     std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
     cuda_.reset();
@@ -275,17 +275,16 @@ void SmddpBackend::shutdown() {
   // joining would wait for the callback that asks. A shutdown from elsewhere joins them (one may
   // be joining now), or the group's release.
   if (SmddpWork::runningCallbacksOf(serial_)) return;
-  std::call_once(shutdownOnce_, [this] { stopThreads(progress_.get(), comm_.get(), p2p_.get(), netP2p_.get()); });
+  std::call_once(shutdownOnce_, [this] { stopThreads(); });
 }
 
-void SmddpBackend::stopThreads(engine::ProgressThread* progress, algo::Communicator* comm, engine::P2pEngine* p2p,
-                               engine::NetP2p* netP2p) {
-  if (progress) progress->stop();
-  if (comm) comm->stopHelpers();
-  // Joined and closed now, kept until the group is destroyed (p2p before the domain it uses): a
+void SmddpBackend::stopThreads() {
+  if (progress_) progress_->stop();
+  if (comm_) comm_->stopHelpers();
+  // Joined and closed now, kept until the group is destroyed (p2p_ before the domain it uses): a
   // send or recv issued after this, on another thread too, fails in their submit().
-  if (p2p) p2p->shutdown();
-  if (netP2p) netP2p->shutdown();  // a Work may still hold it: its sockets and thread go now
+  if (p2p_) p2p_->shutdown();
+  if (netP2p_) netP2p_->shutdown();  // a Work may still hold it: its sockets and thread go now
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> SmddpBackend::getBackendOptions() {

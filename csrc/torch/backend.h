@@ -262,8 +262,7 @@ class SmddpBackend : public c10d::Backend {
   void dropParts();
   // shutdown()'s joins: the threads that run the group's ops stop, after what is queued. Each
   // part's stop is idempotent; null parts are skipped.
-  static void stopThreads(engine::ProgressThread* progress, algo::Communicator* comm, engine::P2pEngine* p2p,
-                          engine::NetP2p* netP2p);
+  void stopThreads();
   bool released_ = false;
 
   const pid_t ownerPid_ = currentPid();
