@@ -69,6 +69,8 @@ else:
         else:
             if rank in missing and mode in ("late", "very_late"):
                 time.sleep(3 if mode == "late" else 4.5)
+            if rank in missing and mode == "aborted":
+                dist.group.WORLD._get_backend(torch.device("cpu")).abort()
             smddp.monitored_barrier(timeout=timeout, wait_all_ranks=os.environ["WAIT_ALL"] == "1")
         print("PASSED", flush=True)
     except Exception as e:
@@ -272,4 +274,30 @@ def test_monitored_barrier_receive_left_waiting_is_not_reported_as_where_rank_0_
     assert m, outs[1][-3000:]
     assert "where rank 0 stands (its latest posts in the group's store): rank 0 has not waited in any " \
            "collective of this group, nor in a point-to-point op" in m.group(1), m.group(1)
+    _no_leftovers(outs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("aborted", [0, 1])
+def test_monitored_barrier_on_a_group_this_rank_aborted(aborted):
+    """A rank that aborted the group itself is told so, not that its peers failed (until
+    2026-12-06 rank 0 said "rank(s) 1, 2 failed before reaching it" of its own aborted group); the
+    others name the rank that aborted."""
+    procs = Job(CHILD, 3, ["aborted", str(aborted)], WAIT_ALL="1")
+    outs = procs.finish(40)
+    took, kind, msg = _error(outs[aborted])
+    assert kind == "DistBackendError" and took < 1.9, outs[aborted][-3000:]
+    assert msg.startswith(f"smddp rank {aborted}: monitored_barrier: the process group has been shut down or "
+                          "aborted"), msg
+    for r in {0, 1, 2} - {aborted}:
+        took, kind, msg = _error(outs[r])
+        assert kind == "DistBackendError" and took < 1.9, outs[r][-3000:]
+        if r == 0:
+            assert "smddp rank 0: monitored_barrier: rank(s) 1 failed before reaching it" in msg, msg
+        elif aborted == 1:
+            assert f"smddp rank {r}: monitored_barrier: rank 0 reports that rank(s) 1 failed before reaching it" \
+                   in msg, msg
+        else:
+            assert f"smddp rank {r}: monitored_barrier: this rank reached it, but its exchange with rank 0 failed" \
+                   in msg and "rank 0 shut down or aborted the process group" in msg, msg
     _no_leftovers(outs)

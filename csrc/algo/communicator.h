@@ -100,6 +100,7 @@ class Communicator {
 
   // Makes every current and future wait fail promptly with kAborted. Thread-safe.
   void abort();
+  bool aborted() const { return aborted_.load(); }
   // For an op that fails on this rank outside its collectives (staging before the first, work
   // between two: its peers may already wait in one): marks the group broken as a failed one does
   // and tells the peers `what`, so they fail at once instead of at the timeout. Same thread as

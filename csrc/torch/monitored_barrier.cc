@@ -66,6 +66,11 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
   const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
   // Rank 0's answer: one byte per rank (kCame, kNotHeard, kFailed).
   const auto bytes = [](int64_t n) { return at::zeros({n}, at::TensorOptions().dtype(at::kByte)); };
+  // A group this rank shut down fails every exchange on its own side: that names no peer.
+  const auto throwIfShutDown = [&] {
+    if (comm_->aborted()) throw c10::DistBackendError(loc, me + "the process group has been shut down or aborted");
+  };
+  throwIfShutDown();
   if (rank_ != 0) {
     std::vector<at::Tensor> token{bytes(1)}, answer{bytes(size_)};
     Work sent = p2p(true, token, 0, tag, true);
@@ -78,6 +83,7 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
                                              " s more); rank 0's own error names the ranks it missed");
       }
       if (!error->empty()) {
+        throwIfShutDown();
         throw c10::DistBackendError(loc, me + "this rank reached it, but its exchange with rank 0 failed: " + *error);
       }
     }
@@ -138,6 +144,7 @@ void SmddpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
     answers.push_back(p2p(true, answer, r, tag, true));
   }
   if (missed) {
+    throwIfShutDown();  // shut down meanwhile, by another thread: the ranks missed are not to blame
     throw c10::DistBackendError(
         loc, me + missedRanks(late, failed, within) +
                  (waitAllRanks ? "" : " (the first one missed; wait_all_ranks=True waits for every rank)") + causes);
