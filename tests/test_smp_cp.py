@@ -251,6 +251,10 @@ def refusals_task(rank, world):
              NotImplementedError, "takes input_ids")
     _refused(rep, "cache", lambda: model(tokens, use_cache=True), NotImplementedError, "no key/value cache")
     rep.expect(model(tokens, use_cache=False).logits.shape[1] == SEQ // 2, "use_cache=False: not this rank's half")
+    for keep in (1, torch.tensor([SEQ - 1])):  # until 2026-12-06 the last token of this rank's part
+        _refused(rep, f"logits_to_keep={keep}", lambda: model(tokens, logits_to_keep=keep), NotImplementedError,
+                 "logits_to_keep is not supported")
+    rep.expect(model(tokens, logits_to_keep=0).logits.shape[1] == SEQ // 2, "logits_to_keep=0: not this rank's half")
     tsm.init({"context_parallel_degree": 2, "random_seed": 3, "context_parallel_load_balance": True}, device_type="cpu")
     balanced = tsm.transform(_build("llama")[0])
     for what, call in (("model", lambda: balanced(tokens[:, :SEQ - 2])),

@@ -209,6 +209,14 @@ def _split_forward(model, input_ids=None, attention_mask=None, position_ids=None
                                   "with zeros); pack or trim the sequences")
     if kwargs.get("past_key_values") is not None or kwargs.pop("use_cache", None):
         raise NotImplementedError("smddp.smp: context parallelism is for training: no key/value cache")
+    for name in ("logits_to_keep", "num_logits_to_keep"):  # the latter: transformers before 4.50
+        keep = kwargs.get(name)
+        if torch.is_tensor(keep) or keep not in (None, 0):
+            # transformers would pick the positions within this rank's part: another token's
+            # logits on every rank but the last, silently.
+            raise NotImplementedError(f"smddp.smp: context parallelism gives every rank's logits: {name} is not "
+                                      f"supported (pick the positions from the full logits, gathered over the "
+                                      f"context-parallel group)")
     if position_ids is not None and attention_mask is None and _packed(position_ids):
         # transformers (no attention_mask, no cache) then attends within each packed sequence
         # only; the CP attention knows only the causal mask over the whole row and would attend
