@@ -572,6 +572,50 @@ def test_host_mate_ending_its_group_fails_receives_from_it(how):
                      r"after \d+ of the message's 67108864 bytes had arrived", m.group(3)), out[-3000:]
 
 
+COLLECTIVE_PEER_ENDS = r"""
+import datetime, sys, time, torch, torch.distributed as dist
+import smddp
+rank, world, url, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+dist.all_reduce(torch.ones(1))
+print("ready", flush=True)
+if rank == 1:
+    time.sleep(0.5)  # the others wait in their all_reduce meanwhile
+    if how == "destroy":
+        dist.destroy_process_group()
+    else:
+        dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).abort()
+    time.sleep(30)  # alive: only its group ended
+else:
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1000))
+        print("all_reduce completed", flush=True)
+    except Exception as e:
+        print(f"raised after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["destroy", "abort"])
+@pytest.mark.parametrize("hosts", [None, "001"], ids=["one-host", "across-hosts"])
+def test_a_rank_ending_its_group_fails_its_peers_collective(how, hosts):
+    """Rank 1 ends its group (destroy_process_group or abort) while ranks 0 and 2 wait in an
+    all_reduce, and stays alive: they fail at once; its host-mate rank 0 says that rank 1 shut
+    the group down (until 2026-12-06 it waited out the group's timeout and then said rank 1 was
+    busy elsewhere; ranks of other hosts saw its connections close)."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = Job(COLLECTIVE_PEER_ENDS, 3, [how], hosts=hosts)
+    procs.wait_ready()
+    outs = procs.finish(40, ranks=[0, 2])
+    procs.kill(1)
+    for out in outs:
+        m = re.search(r"raised after ([0-9.]+)s: (\w+): (.*)", out)
+        assert m and m.group(2) == "DistBackendError" and float(m.group(1)) < 5, out[-3000:]
+    assert "rank 1 shut down or aborted the process group" in outs[0], outs[0][-3000:]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("hosts", ["0011", None], ids=["across-hosts", "one-host"])
 def test_peer_killed_during_send_recv(hosts):

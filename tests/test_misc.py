@@ -1004,7 +1004,8 @@ def test_size_mismatch_names_what_each_runs(pools):
 def work_result_and_duration_task(rank, world):
     """Work.get_future_result() completes with torch's WorkResult as the op does (SUCCESS 0,
     TIMEOUT 1, COMM_ERROR 2), asked before or after; Work._get_duration() gives the op's time
-    from its start, and refuses before completion and after a failure."""
+    from its start, and refuses before completion and after a failure; Work.result() refuses
+    before completion."""
     rep = Report(rank)
     store = dist.distributed_c10d._get_default_store()
     group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
@@ -1023,8 +1024,14 @@ def work_result_and_duration_task(rank, world):
             except RuntimeError as e:
                 rep.expect(re.match(r"smddp rank 0 of group \S+, world rank 0: recv: _get_duration\(\) before the op "
                                     "completed", str(e)) is not None, str(e))
+            try:  # as gloo's (until 2026-12-06 it gave the output as it was before the op)
+                work.result()
+                rep.expect(False, "result() answered before the op completed")
+            except RuntimeError as e:
+                rep.expect("recv: the op has not completed: call wait() before result()" in str(e), str(e))
             store.set("work_result/posted", "1")
             work.wait()
+            rep.expect(len(work.result()) == 1 and work.result()[0] is t, "result() after wait(): not [t]")
             rep.expect(result.wait() == 0 and work.get_future_result().value() == 0,
                        f"result {result.value()} for a recv that succeeded")
             ms = work._get_duration()

@@ -232,7 +232,12 @@ HierContext Communicator::hier(const OpContext& ctx) {
 
 Communicator::~Communicator() = default;
 
-void Communicator::abort() { aborted_.store(true); }
+void Communicator::abort() {
+  aborted_.store(true);
+  // Host-mates waiting for this rank in a collective fail now, naming the cause, not at their
+  // timeout (ranks of other hosts see its connections close).
+  if (domain_) domain_->markClosed();
+}
 
 std::unique_ptr<HelperPool> Communicator::startHelpers() {
   try {

@@ -98,7 +98,8 @@ class Communicator {
   void alltoall(const AlltoallOptions& opts, std::chrono::milliseconds timeout);
   void barrier(std::chrono::milliseconds timeout);
 
-  // Makes every current and future wait fail promptly with kAborted. Thread-safe.
+  // Makes every current and future wait fail promptly with kAborted, this rank's and its
+  // host-mates' waits for it in this group. Thread-safe.
   void abort();
   bool aborted() const { return aborted_.load(); }
   // For an op that fails on this rank outside its collectives (staging before the first, work

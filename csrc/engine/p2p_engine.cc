@@ -84,7 +84,7 @@ P2pEngine::~P2pEngine() { shutdown(); }
 
 void P2pEngine::abort() {
   aborted_.store(true);
-  domain_->markP2pClosed();  // host-mates' receives from this rank fail now, not at their timeout
+  domain_->markClosed();  // host-mates' receives from this rank fail now, not at their timeout
   domain_->ringDoorbell(rank_);  // wakes a driver, or the thread asleep with ops pending
   std::lock_guard<std::mutex> lock(mutex_);
   kicked_ = true;
@@ -234,7 +234,7 @@ bool P2pEngine::progressSend(P2pOp& op) {
   const int d = op.peer;
   // A peer whose group has shut down, or that gave up on this pair, takes nothing more: the send
   // stays queued for checkDeadlinesAndPeers to fail, instead of completing into a slot no one reads.
-  if (!op.started && (domain_->p2pClosed(d) || domain_->pairGaveUp(d, rank_))) return false;
+  if (!op.started && (domain_->closed(d) || domain_->pairGaveUp(d, rank_))) return false;
   bool moved = false;
   while (!op.started || op.offset < op.bytes) {
     const uint64_t i = sendNext_[d];
@@ -439,7 +439,7 @@ void P2pEngine::checkDeadlinesAndPeers() {
     // peer published before (the pair's flag and closed are ordered after them), a send at once.
     std::string gaveUp;
     const bool closed = !dead && peer >= 0 &&
-                        (domain_->pairGaveUp(peer, rank_, &gaveUp) || domain_->p2pClosed(peer)) &&
+                        (domain_->pairGaveUp(peer, rank_, &gaveUp) || domain_->closed(peer)) &&
                         (q.front().isSend || !unreadFrom(peer));
     const auto late = [&](const P2pOp& op) { return now >= op.deadline; };
     const auto it = dead || closed ? q.begin() : std::find_if(q.begin(), q.end(), late);
@@ -527,7 +527,7 @@ std::string P2pEngine::sendersGone() const {
     }
     // Read before what the peer sent, which it publishes before either (as in expire()).
     const bool gaveUp = domain_->pairGaveUp(s, rank_);
-    const bool closed = gaveUp || domain_->p2pClosed(s);
+    const bool closed = gaveUp || domain_->closed(s);
     if (!closed && domain_->peerAlive(s)) return "";  // most calls end here, at the first peer
     if (unreadFrom(s)) return "";                      // the next pass routes it
     gone += (gone.empty() ? "" : ", ") + who() +

@@ -72,7 +72,14 @@ class SmddpWork : public c10d::Work {
   // Milliseconds from the op's start (a collective's first step; a point-to-point op's post) to
   // its completion, by the flight recorder's clock: after a successful op only.
   float getDuration() const override;
-  std::vector<at::Tensor> result() override { return outputs_; }
+  // CPU ops: refused before completion, as gloo's (the outputs would hold what they held before
+  // the op: until 2026-12-06 returned without a word). CUDA ops: as NCCL's, at once (the stream
+  // orders the reads).
+  std::vector<at::Tensor> result() override {
+    TORCH_CHECK(cuda_ || isCompleted(), who(), ": ", title_,
+                ": the op has not completed: call wait() before result()");
+    return outputs_;
+  }
   // CPU ops: completed as soon as the future is, so work.is_completed() is true once
   // get_future().wait() returns (the base class flag is set a moment later, by finish()); on the
   // group's thread also once finished where the future's callbacks are deferred (complete()).

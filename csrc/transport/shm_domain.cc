@@ -65,7 +65,7 @@ struct Domain::Control {
   char failure[1024];  // room for a reason relayed from another host (a farewell, nested)
   // Set when the owner's point-to-point engine stopped, so that a peer's receive from it fails
   // once it has taken what the owner sent, instead of waiting out its timeout.
-  alignas(64) std::atomic<uint32_t> p2pClosed;
+  alignas(64) std::atomic<uint32_t> closed;
   // Single-copy reads: a random token, where the owner keeps a copy of it in its own memory;
   // whether the owner could read every peer's copy (0: not checked yet, 1: yes, 2: no, 3: not
   // tried), and whether it also takes point-to-point messages by address (the same, and
@@ -348,15 +348,17 @@ bool Domain::peerAlive(int rank) const {
   return control(rank)->owner.creatorAlive();
 }
 
-void Domain::markP2pClosed() {
+void Domain::markClosed() {
   if (segments_.empty()) return;
-  control(rank_)->p2pClosed.store(1, std::memory_order_seq_cst);
+  Control* c = control(rank_);
+  c->closed.store(1, std::memory_order_seq_cst);
+  futexWakeAll(&c->phase);
   for (int p = 0; p < size_; ++p) {
     if (p != rank_) ringDoorbell(p);
   }
 }
 
-bool Domain::p2pClosed(int rank) const { return control(rank)->p2pClosed.load(std::memory_order_seq_cst) != 0; }
+bool Domain::closed(int rank) const { return control(rank)->closed.load(std::memory_order_seq_cst) != 0; }
 
 namespace {
 std::atomic<uint32_t>& gaveUpWord(std::atomic<uint64_t>& consumed) {
@@ -455,6 +457,11 @@ bool Domain::waitFor(int peer, uint64_t phase, const WaitContext& ctx) {
                  inTheWordsOf(groupRank(peer), std::string(c->failure, strnlen(c->failure, sizeof(c->failure)))).c_str());
     }
     if (arrived()) return true;
+    // A peer that shut its group down never comes (destroy_process_group, abort, exit: its own
+    // ops have ended, and published all they will). Read after the flag, its phase is final.
+    if (closed(peer) && !arrived()) {
+      throwError(ErrorCode::kRemoteError, "rank %d shut down or aborted the process group", groupRank(peer));
+    }
     if (ctx.abort != nullptr && ctx.abort->load(std::memory_order_relaxed)) {
       throwError(ErrorCode::kAborted, "the process group was shut down or aborted while waiting for rank %d",
                  groupRank(peer));

@@ -130,11 +130,11 @@ class Domain {
   // Sleeps until this rank's doorbell differs from `seen` (or `max` passes).
   void sleepOnDoorbell(uint32_t seen, std::chrono::nanoseconds max);
   bool peerAlive(int rank) const;
-  // This rank's point-to-point engine stopped (the group shut down or aborted): nothing more
-  // comes from it, and it takes nothing more. Ordered after every message it published (a full
-  // fence), and rings every peer's doorbell.
-  void markP2pClosed();
-  bool p2pClosed(int rank) const;
+  // This rank's group shut down or aborted: nothing more comes from it, in point-to-point ops or
+  // collectives, and it takes nothing more. Ordered after everything it published (a full
+  // fence); wakes the peers, in waitFor and on their doorbells. Idempotent.
+  void markClosed();
+  bool closed(int rank) const;
   // This rank gave up on its point-to-point stream with `peer` (a size mismatch, a timeout):
   // `why` for the peer, which treats this rank as closed for the pair (its sends fail, its
   // receives once they have taken what this rank had sent, as a farewell does across hosts), and
