@@ -171,8 +171,9 @@ size_t parseSize(const std::string& flag, const char* text) {
     case 'M': case 'm': v *= 1024 * 1024, ++end; break;
     case 'G': case 'g': v *= 1024.0 * 1024 * 1024, ++end; break;
   }
-  if (end == text || *end != '\0' || errno != 0 || !(v >= 0 && v < 0x1p63)) {
-    usage((flag + " needs a size in bytes (suffix K, M or G), not \"" + text + "\"").c_str());
+  const bool whole = v >= 0 && v < 0x1p63 && v == static_cast<double>(static_cast<size_t>(v));  // "1.5" is no size
+  if (end == text || *end != '\0' || errno != 0 || !whole) {
+    usage((flag + " needs a whole size in bytes (suffix K, M or G), not \"" + text + "\"").c_str());
   }
   return static_cast<size_t>(v);
 }
@@ -479,7 +480,7 @@ int rankMain(const Args& a, int rank, Store& store) {
                     "%s  {\"collective\": \"%s\", \"size\": %zu, \"count\": %zu, \"type\": \"%s\", \"redop\": \"%s\", "
                     "\"root\": %d, \"in_place\": %s, \"time_us\": %.3f, \"algbw\": %.4f, \"busbw\": %.4f, "
                     "\"wrong\": %s}",
-                    firstJson ? "" : ",\n", a.coll.c_str(), sizeCol, s.countCol, typeName(k.dt), opName(k.op),
+                    firstJson ? "" : ",\n", a.coll.c_str(), sizeCol, s.countCol, typeName(k.dt), reduces(a.coll) ? opName(k.op) : "none",
                     a.coll == "broadcast" ? a.root : -1, m ? "true" : "false", times[m], algbw, busbw,
                     wrongJson.c_str());
             firstJson = false;

@@ -82,6 +82,11 @@ def test_json_output_and_min_bw(tmp_path):
     recs = json.loads(out.read_text())
     assert len(recs) == 2 * 3 and {r["in_place"] for r in recs} == {True, False}
     assert all(r["wrong"] == 0 and r["busbw"] > 0 and r["type"] == "float" for r in recs)
+    assert {r["redop"] for r in recs} == {"sum"}, recs
+    p = run([BIN / "smddp_perf", "-np", 2, "--collective", "all_gather", "-b", "1K", "-e", "1K", "-J", out])
+    assert p.returncode == 0, p.stdout
+    # an op that reduces nothing: "none", as its table row (until 2026-12-06 "sum")
+    assert {r["redop"] for r in json.loads(out.read_text())} == {"none"}
 
 
 def test_huge_pages_and_cache_placement_lines():
@@ -108,8 +113,9 @@ def test_huge_pages_and_cache_placement_lines():
     # Until 2026-12-01 these ran, and printed negative times, or measured 1 byte for "1T" and 0
     # for "abc", or stepped by 1 MiB for a factor of nan, each ending "OK".
     (["-n", "-3"], "bad -n, -w, -T or --timeout"),
-    (["-b", "1T", "-e", "1T"], '-b needs a size in bytes (suffix K, M or G), not "1T"'),
-    (["-b", "abc"], '-b needs a size in bytes (suffix K, M or G), not "abc"'),
+    (["-b", "1T", "-e", "1T"], '-b needs a whole size in bytes (suffix K, M or G), not "1T"'),
+    (["-b", "abc"], '-b needs a whole size in bytes (suffix K, M or G), not "abc"'),
+    (["-b", "1.5"], '-b needs a whole size in bytes (suffix K, M or G), not "1.5"'),
     (["-f", "nan"], '-f needs a finite number, not "nan"'),
     (["-f", "0.5"], "bad size range"),
     (["-n", "1O"], '-n needs an integer, not "1O"'),

@@ -63,8 +63,9 @@ struct Domain::Control {
   // fail at once with its reason instead of waiting out the timeout.
   alignas(64) std::atomic<uint32_t> failed;
   char failure[1024];  // room for a reason relayed from another host (a farewell, nested)
-  // Set when the owner's point-to-point engine stopped, so that a peer's receive from it fails
-  // once it has taken what the owner sent, instead of waiting out its timeout.
+  // Set when the owner's group shut down or aborted (markClosed), so that a peer's receive from it
+  // fails once it has taken what the owner sent, and a peer's wait for it in a collective once
+  // its phase falls short, instead of waiting out the timeout.
   alignas(64) std::atomic<uint32_t> closed;
   // Single-copy reads: a random token, where the owner keeps a copy of it in its own memory;
   // whether the owner could read every peer's copy (0: not checked yet, 1: yes, 2: no, 3: not
