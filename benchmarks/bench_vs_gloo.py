@@ -111,7 +111,7 @@ def parse_size(text: str) -> int:
     try:
         value = float(s[:-1]) * mult[s[-1]] if s and s[-1] in mult else float(s)
     except ValueError:
-        value = -1.0
+        value = math.nan  # not a number at all: refused below, as inf and fractions are
     if not math.isfinite(value) or value < 0 or value != int(value):
         raise argparse.ArgumentTypeError(f"bad size {text!r}")
     return int(value)
@@ -711,11 +711,11 @@ class Worker:
                     r.update(
                         time_us=sec * 1e6, algbw=algbw, busbw=algbw * BUSBW_FACTOR[op](w), iters=iters
                     )
-                for b in self.backends if cfg["check"] else ():
-                    # Checked again on fresh data: a backend may time another path than its first
-                    # op took (smddp learns its way per size class from the second op on).
+                # Checked again on fresh data: a backend may time another path than its first op
+                # took (smddp learns its way per size class from the second op on).
+                for b in self.backends:
                     r = results[b.label]
-                    if r["error"] is None:
+                    if cfg["check"] and r["error"] is None:
                         wrong, err = self.check(b, op, out, inp, ref, count)
                         if err is None:
                             r["wrong"] += wrong

@@ -463,8 +463,9 @@ int rankMain(const Args& a, int rank, Store& store) {
         wrongs[inPlace] = a.check ? sumWrong(store, rank, W, wrong, measurements++) : 0;
       }
       if (rank == 0) {
-        printf("%12zu  %12zu  %8s  %6s  %6d", sizeCol, s.countCol, typeName(k.dt),
-               reduces(a.coll) ? opName(k.op) : "none", a.coll == "broadcast" ? a.root : -1);
+        const char* redop = reduces(a.coll) ? opName(k.op) : "none";  // the table's and the JSON's
+        printf("%12zu  %12zu  %8s  %6s  %6d", sizeCol, s.countCol, typeName(k.dt), redop,
+               a.coll == "broadcast" ? a.root : -1);
         for (int m = 0; m < 2; ++m) {
           const double algbw = sizeCol / times[m] / 1e3;
           const double busbw = algbw * s.busFactor;
@@ -480,7 +481,7 @@ int rankMain(const Args& a, int rank, Store& store) {
                     "%s  {\"collective\": \"%s\", \"size\": %zu, \"count\": %zu, \"type\": \"%s\", \"redop\": \"%s\", "
                     "\"root\": %d, \"in_place\": %s, \"time_us\": %.3f, \"algbw\": %.4f, \"busbw\": %.4f, "
                     "\"wrong\": %s}",
-                    firstJson ? "" : ",\n", a.coll.c_str(), sizeCol, s.countCol, typeName(k.dt), reduces(a.coll) ? opName(k.op) : "none",
+                    firstJson ? "" : ",\n", a.coll.c_str(), sizeCol, s.countCol, typeName(k.dt), redop,
                     a.coll == "broadcast" ? a.root : -1, m ? "true" : "false", times[m], algbw, busbw,
                     wrongJson.c_str());
             firstJson = false;
