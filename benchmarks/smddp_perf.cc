@@ -360,8 +360,10 @@ class Buffer {
 int rankMain(const Args& a, int rank, Store& store) {
   // Set up as the backend sets a group up (its keys left in the store: the job is the group).
   std::vector<std::string> namespaceKeys;
-  PrefixStore groupStore(store, freshNamespace(store, rank, a.ranks, a.timeout, namespaceKeys));
+  const FreshNamespace ns = freshNamespace(store, rank, a.ranks, a.timeout, namespaceKeys);
+  PrefixStore groupStore(store, ns.prefix);
   BootstrapStore bootstrap(groupStore);
+  if (!ns.refusal.empty()) algo::Communicator::refuseSetUp(bootstrap, rank, ns.refusal);
   const std::unique_ptr<algo::Communicator> owned = settingUp(
       groupStore, [&] { return std::make_unique<algo::Communicator>(bootstrap, rank, a.ranks, a.timeout); });
   algo::Communicator& comm = *owned;

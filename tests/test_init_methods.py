@@ -163,6 +163,46 @@ def test_a_rank_that_never_comes_is_named_by_every_rank(missing, tmp_path):
         assert 3 < float(out.split("failed after ")[1].split("s:")[0]) < 20, out
 
 
+@pytest.mark.parametrize("sizes", [(2, 3, 3), (3, 2, 3)], ids=["rank0-smaller", "rank1-smaller"])
+def test_ranks_given_different_world_sizes_fail_at_once_naming_both(sizes, tmp_path):
+    """Ranks 0, 1, 2 started with the world sizes `sizes` (a launch script that sets WORLD_SIZE
+    per node): every rank fails within seconds naming both sizes, rank 2 also where rank 0's
+    group has no rank 2, instead of waiting out the timeout for ranks that will never come."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argvs = [[sys.executable, "-c", MISSING_CHILD.replace("seconds=4", "seconds=60"), str(r), str(n),
+              f"file://{tmp_path}/store"] for r, n in enumerate(sizes)]
+    procs, outs = _run_ranks(argvs, [env] * 3, 90)
+    odd = 1 if sizes[1] != sizes[0] else 0  # the rank rank 0 names
+    for r, out in enumerate(outs):
+        # ValueError where the rank itself finds the mismatch; a rank told of it by rank 0 raises
+        # DistBackendError ("rank 0 could not set up the process group: ...").
+        assert "failed after" in out and ("ValueError" in out or "DistBackendError" in out), f"rank {r}:\n{out}"
+        assert f"rank 0 sets the group up with {sizes[0]} rank(s) and rank " in out, f"rank {r}:\n{out[-3000:]}"
+        assert "same world_size" in out, f"rank {r}:\n{out[-3000:]}"
+        assert float(out.split("failed after ")[1].split("s:")[0]) < 20, out
+    assert f"and rank {odd} with {sizes[odd]}" in outs[0], outs[0]
+    if sizes[0] < 3:
+        assert "and rank 2 with 3, so rank 0 has no such rank" in outs[2], outs[2]
+
+
+def test_two_processes_given_one_rank_are_told(tmp_path):
+    """Ranks 0, 1, 1 of a world of 3: rank 0 names rank 2 as never come; of the two rank 1s,
+    one is told another process joined as rank 1 (whichever rank 0 answered second, or did not
+    answer), instead of both setting up as one rank."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argvs = [[sys.executable, "-c", MISSING_CHILD, str(r), "3", f"file://{tmp_path}/store"] for r in (0, 1, 1)]
+    procs, outs = _run_ranks(argvs, [env] * 3, 60)
+    assert "rank(s) 2 did not reach the group's set-up" in outs[0], outs[0]
+    told = [o for o in outs[1:] if "another process has joined the group as rank 1 too" in o
+            or "or another process joined as rank 1 and was answered instead" in o]
+    assert len(told) >= 1, outs
+    assert all("failed after" in o for o in outs), outs
+
+
 # A store that outlives the processes, as torchrun's (shared with its rendezvous since torch 2.5,
 # and not cleared between restarts): the keys a group set itself up with are still there when the
 # restarted ranks build the group again under the same names. Ranks that arrive late would then

@@ -105,6 +105,11 @@ Topology discoverAfterShmCheck(Store& store, int rank, int size) {
 std::string hostPrefix(const Topology& t) { return "smddp/host" + std::to_string(t.host()) + "/"; }
 }  // namespace
 
+void Communicator::refuseSetUp(BootstrapStore& store, int rank, const std::string& why) {
+  store.publishFailure(groupKeysOwedBy(rank), rank, why);
+  throwError(ErrorCode::kInvalidUsage, "%s", why.c_str());
+}
+
 Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout)
     : store_(store),
       rank_(rank),

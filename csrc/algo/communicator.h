@@ -32,6 +32,10 @@ class Communicator {
   // throws, so that its peers fail with it at once.
   Communicator(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout);
   ~Communicator();
+  // Instead of the constructor, on a rank that knows the group cannot be set up (rank 0, told of
+  // a rank given another world_size): throws kInvalidUsage with `why`, published first under the
+  // keys the peers' set-up waits for from this rank, so that they fail at once with it.
+  [[noreturn]] static void refuseSetUp(BootstrapStore& store, int rank, const std::string& why);
   // Before the first op, where SMDDP_DESYNC_CHECK_MS is not 0: how an op that stalls that long
   // reaches the group's store (DesyncProbe); without, no op looks.
   void setStoreErrands(std::shared_ptr<StoreErrands> errands) { storeErrands_ = std::move(errands); }

@@ -72,40 +72,113 @@ std::optional<Error> namingLateRanks(Store& groupStore, const Error& e) {
                                                  late.c_str(), e.what()));
 }
 
-std::string freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout,
-                           std::vector<std::string>& keysSet) {
+namespace {
+// A ticket's value: "<hex> <group size>"; its answer's: "<namespace> <rank 0's group size>".
+// The sizes travel with them so that a rank started with another world_size (or, with new_group,
+// other ranks) fails at once, naming both sizes, instead of waiting out the timeout for ranks
+// that will never come.
+struct Sized {
+  std::string word;
+  int size = -1;  // -1: not a number (left by a build before sizes travelled): no check
+};
+
+Sized parseSized(const std::string& value) {
+  Sized out;
+  const size_t space = value.find(' ');
+  out.word = value.substr(0, space);
+  if (space == std::string::npos) return out;
+  try {
+    size_t used = 0;
+    const int n = std::stoi(value.substr(space + 1), &used);
+    if (used == value.size() - space - 1 && n > 0) out.size = n;
+  } catch (const std::exception&) {  // stoi's invalid_argument or out_of_range: not a size
+  }
+  return out;
+}
+
+// Ranks of one launch start within seconds of each other; one that comes later than this after
+// a mismatch waits out its timeout, naming rank 0's silence.
+constexpr std::chrono::seconds kMismatchGrace{10};
+
+std::string sized(const std::string& word, int size) { return word + " " + std::to_string(size); }
+
+std::string sizeMismatch(int rank0Size, int rank, int size) {
+  return formatString("rank 0 sets the group up with %d rank(s) and rank %d with %d%s: every rank must be given the "
+                      "same world_size (with new_group, the same ranks)",
+                      rank0Size, rank, size, rank >= rank0Size ? ", so rank 0 has no such rank" : "");
+}
+}  // namespace
+
+FreshNamespace freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout,
+                              std::vector<std::string>& keysSet) {
   auto ticketKey = [](int r) { return "smddp/ticket/" + std::to_string(r); };
   auto answerKey = [](const std::string& ticket) { return "smddp/answer/" + ticket; };
   auto confirmKey = [](const std::string& ns, int r) { return "smddp/confirm/" + ns + "/" + std::to_string(r); };
   if (rank != 0) {
     const std::string ticket = randomHex(8);
-    store.set(ticketKey(rank), ticket);
+    store.set(ticketKey(rank), sized(ticket, size));
     // This rank's, though rank 0 set the answer: only this rank knows which answer it read.
     keysSet.insert(keysSet.end(), {ticketKey(rank), answerKey(ticket)});
-    std::string ns;
+    Sized answer;
     try {
-      ns = store.get(answerKey(ticket));
+      answer = parseSized(store.get(answerKey(ticket)));
     } catch (const Error& e) {
       if (!isTimeout(e)) throw;
       throwError(ErrorCode::kTimeout,
-                 "rank 0 never answered this rank's arrival: it did not reach the group's set-up within the timeout "
-                 "(%s)",
-                 e.what());
+                 "rank 0 never answered this rank's arrival: it did not reach the group's set-up within the timeout, "
+                 "or another process joined as rank %d and was answered instead (%s)",
+                 rank, e.what());
     }
-    store.set(confirmKey(ns, rank), "1");
-    keysSet.push_back(confirmKey(ns, rank));
-    return ns + "/";
+    // Counted, not set: a second process started as this rank (two launches given the same
+    // RANK) reads the same answer, and the count tells it so. Confirmed even where the sizes
+    // differ, so that rank 0 stops waiting for this rank and tells the others.
+    int64_t claims = 1;
+    try {
+      claims = store.add(confirmKey(answer.word, rank), 1);
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kInvalidUsage) throw;
+      store.set(confirmKey(answer.word, rank), "1");  // a store that cannot add: no such check
+    }
+    keysSet.push_back(confirmKey(answer.word, rank));
+    if (answer.size > 0 && answer.size != size) throwError(ErrorCode::kInvalidUsage, "%s", sizeMismatch(answer.size, rank, size).c_str());
+    if (claims > 1) {
+      throwError(ErrorCode::kInvalidUsage,
+                 "another process has joined the group as rank %d too: every process must be given a rank of its own",
+                 rank);
+    }
+    return {answer.word + "/", ""};
   }
   const std::string ns = randomHex(8);
+  const std::string answerValue = sized(ns, size);
   std::vector<std::string> answered(size);  // the ticket each rank was last answered for
+  std::vector<int> answeredSize(size, size);  // the size that ticket named
   std::vector<int> pending;
   for (int r = 1; r < size; ++r) pending.push_back(r);
   std::string waiting;  // the ranks not come yet, as last published under kNotArrivedKey
   const std::string notArrivedKey = ns + "/" + kNotArrivedKey;
   bool notArrivedSet = false;
+  std::string mismatch;  // the first rank that came with another size, as sizeMismatch says it
+  std::chrono::steady_clock::time_point mismatchSeen;
+  // Past this group's last rank, up to the largest size a ticket named: ranks that cannot join,
+  // answered (once per ticket) so that they fail at once naming rank 0's size.
+  int outsideEnd = size;
+  std::vector<std::string> outsideAnswered;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::milliseconds(1);
   while (true) {
+    // A size is taken from a ticket once its rank has confirmed: only then is the ticket known to
+    // be this run's (a restarted job's store may hold tickets of a run with another world_size).
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                 [&](int r) {
+                                   if (!store.check(confirmKey(ns, r))) return false;
+                                   if (answeredSize[r] > 0 && answeredSize[r] != size && mismatch.empty()) {
+                                     mismatch = sizeMismatch(size, r, answeredSize[r]);
+                                     mismatchSeen = std::chrono::steady_clock::now();
+                                     outsideEnd = std::max(outsideEnd, answeredSize[r]);
+                                   }
+                                   return true;
+                                 }),
+                  pending.end());
     // Polled, not waited for in rank order: every rank that has come is answered, whoever is late.
     std::vector<int> absent;
     for (int r : pending) {
@@ -113,13 +186,26 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
         absent.push_back(r);
         continue;
       }
-      const std::string ticket = store.get(ticketKey(r));
-      if (ticket != answered[r]) {
-        store.set(answerKey(ticket), ns);
+      const Sized ticket = parseSized(store.get(ticketKey(r)));
+      if (ticket.word != answered[r]) {
+        store.set(answerKey(ticket.word), answerValue);
         // The rank that drew a ticket answered before never reads that answer now.
         if (!answered[r].empty()) keysSet.push_back(answerKey(answered[r]));
-        answered[r] = ticket;
+        answered[r] = ticket.word;
       }
+      answeredSize[r] = ticket.size;
+    }
+    outsideAnswered.resize(static_cast<size_t>(outsideEnd - size));
+    bool outsideAllTold = true;
+    for (int r = size; r < outsideEnd; ++r) {
+      std::string& last = outsideAnswered[static_cast<size_t>(r - size)];
+      if (!last.empty() && store.check(confirmKey(ns, r))) continue;
+      outsideAllTold = false;
+      if (!store.check(ticketKey(r))) continue;
+      const Sized ticket = parseSized(store.get(ticketKey(r)));
+      if (ticket.word == last) continue;
+      store.set(answerKey(ticket.word), answerValue);
+      last = ticket.word;
     }
     if (std::string now = joinRanks(absent); now != waiting) {
       waiting = std::move(now);
@@ -127,10 +213,12 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
       if (!notArrivedSet) keysSet.push_back(notArrivedKey);
       notArrivedSet = true;
     }
-    pending.erase(std::remove_if(pending.begin(), pending.end(),
-                                 [&](int r) { return store.check(confirmKey(ns, r)); }),
-                  pending.end());
-    if (pending.empty()) break;
+    if (pending.empty() && outsideAllTold) break;
+    // After a mismatch some ranks may never come (started with a smaller world_size, or past the
+    // end of rank 0's): rank 0 answers those that come within kMismatchGrace and then stops,
+    // telling the answered ones through its own set-up's keys (FreshNamespace::refusal), which
+    // they wait for next.
+    if (!mismatch.empty() && std::chrono::steady_clock::now() > mismatchSeen + kMismatchGrace) break;
     if (std::chrono::steady_clock::now() > deadline) {
       if (!absent.empty()) {
         throwError(ErrorCode::kTimeout, "rank(s) %s did not reach the group's set-up within %lld ms",
@@ -147,7 +235,7 @@ std::string freshNamespace(Store& store, int rank, int size, std::chrono::millis
     const auto cap = std::chrono::milliseconds(std::clamp<int64_t>(static_cast<int64_t>(pending.size()) / 4, 20, 250));
     pause = std::min(pause * 2, cap);
   }
-  return ns + "/";
+  return {ns + "/", mismatch};
 }
 
 }  // namespace smddp

@@ -91,7 +91,7 @@ class PrefixStore : public Store {
 // workers it restarts the store of the attempt that failed, every key of that attempt still in
 // it under the same names. A rank that read one would take a dead rank's records (shared-memory
 // names, ports) for its peer's. So a group's set-up first agrees on a namespace of its own,
-// random, and keeps every other key under it; returns that prefix ("<16 hex digits>/").
+// random, and keeps every other key under it.
 //
 // Rank 0 draws the namespace. Every other rank draws a ticket, publishes it under its rank and
 // waits for the key named after the ticket, which only a rank 0 that read this ticket can have
@@ -101,8 +101,15 @@ class PrefixStore : public Store {
 // publishes the ranks it has not heard from in the new namespace (namingLateRanks).
 // `keysSet` gets the keys of `store` this rank is to remove once every rank has set up the group
 // (no rank reads them then).
-std::string freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout,
-                           std::vector<std::string>& keysSet);
+// Every rank's ticket and rank 0's answer carry the group's size as each was given it: a rank
+// given another size than rank 0's fails here, naming both, and so does a second process that
+// joins as a rank already taken; rank 0 returns its `refusal` for its set-up to publish.
+struct FreshNamespace {
+  std::string prefix;   // "<16 hex digits>/"
+  std::string refusal;  // rank 0: why the group cannot be set up (a rank given another size); "" if none
+};
+FreshNamespace freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout,
+                              std::vector<std::string>& keysSet);
 
 // `e` reworded to name the ranks rank 0 had not heard from at its latest look, read from a
 // group's namespace (freshNamespace's prefix): they are why the key a rank's set-up waited for

@@ -67,9 +67,11 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   store_ = std::make_shared<C10dStore>(store, timeout);
   std::vector<std::string> spentKeys;  // of store_: those this rank removes as its set-up ends
   try {
-    groupPrefix_ = freshNamespace(*store_, rank, size, timeout, spentKeys);
+    FreshNamespace ns = freshNamespace(*store_, rank, size, timeout, spentKeys);
+    groupPrefix_ = std::move(ns.prefix);
     groupStore_ = std::make_shared<PrefixStore>(store_, groupPrefix_);
     bootstrap_ = std::make_unique<BootstrapStore>(*groupStore_);
+    if (!ns.refusal.empty()) algo::Communicator::refuseSetUp(*bootstrap_, rank, ns.refusal);
     comm_ = settingUp(*groupStore_,
                       [&] { return std::make_unique<algo::Communicator>(*bootstrap_, rank, size, timeout); });
   } catch (const Error& e) {
