@@ -9,6 +9,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -468,6 +469,57 @@ def refusals(rank, world, dev):
     check(bool((t == world).all()), "group usable after refusals")
 
 
+def edge_semantics(rank, world, dev):
+    """Cases a review found by reading: each went wrong before its fix (not run on a GPU then)."""
+    # all_reduce_coalesced of one tensor listed three times: reduced once, as on the CPU path and
+    # gloo (the third part's input was staged after the first part's results were copied back).
+    for n in (5, (3 << 20) // 4):  # one staging round per part, and several
+        t = torch.full((n,), float(rank + 1), device=dev)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # all_reduce_coalesced is deprecated
+            dist.all_reduce_coalesced([t, t, t])
+        want = float(sum(range(1, world + 1)))
+        check(bool((t == want).all()), f"all_reduce_coalesced([t, t, t]) n={n}: got {t[:2].tolist()} want {want}")
+    # A non-root gather's wait() orders the caller's stream after the op has read the input, so
+    # overwriting the input right after cannot change what the root gets (it had no event).
+    s = torch.cuda.Stream()
+    root = world - 1
+    for _ in range(3):
+        x = torch.full((1 << 20,), float(rank + 1), device=dev)
+        outs = [torch.empty_like(x) for _ in range(world)] if rank == root else None
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(int(5e7))
+            dist.gather(x, outs, dst=root)
+            x.fill_(-1.0)
+        s.synchronize()
+        if rank == root:
+            check(all(bool((o == r + 1).all()) for r, o in enumerate(outs)),
+                  f"gather after which non-roots overwrite the input: got {[o[0].item() for o in outs]}")
+    # A root whose output list does not fit raises, its tensors left unwritten; the group is usable.
+    x = torch.full((8,), float(rank + 1), device=dev)
+    outs = [torch.full((8,), -7.0, device=dev) for _ in range(world - 1)] + [torch.full((9,), -7.0, device=dev)]
+    try:
+        dist.gather(x, outs if rank == 0 else None, dst=0)
+        check(rank != 0, "gather with an output of the wrong size: no error on the root")
+    except ValueError as e:
+        check(rank == 0 and "rank 0" in str(e), f"gather refusal: {e}")
+    torch.cuda.synchronize()
+    if rank == 0:
+        check(all(bool((o == -7.0).all()) for o in outs), "gather refusal wrote into the root's outputs")
+    # Graph capture is refused before anything is recorded; the group stays usable.
+    g = torch.cuda.CUDAGraph()
+    t = torch.ones(4, device=dev)
+    try:
+        with torch.cuda.graph(g):
+            dist.all_reduce(t)
+        check(False, "all_reduce under CUDA graph capture: no error")
+    except NotImplementedError as e:
+        check(f"rank {rank}" in str(e) and "graph capture" in str(e), f"capture refusal: {e}")
+    t = torch.ones(4, device=dev)
+    dist.all_reduce(t)
+    check(bool((t == world).all()), "group usable after the capture refusal")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int)
@@ -506,6 +558,7 @@ def main():
         ddp(a.rank, a.world, dev)
         block_caps(a.rank, a.world, dev)
         refusals(a.rank, a.world, dev)
+        edge_semantics(a.rank, a.world, dev)
     dist.destroy_process_group()
     print(f"rank {a.rank}: {checks} checks, {len(failures)} failed", flush=True)
     sys.exit(1 if failures else 0)

@@ -87,6 +87,18 @@ class CudaDeviceOps final : public DeviceOps {
     check(e, "cudaStreamQuery");
     return true;
   }
+  bool streamCapturing(Stream s) override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    // The legacy default stream while another stream captures in global mode answers
+    // cudaErrorStreamCaptureImplicit: capturing too, as far as an op on it is concerned.
+    const cudaError_t e = cudaStreamIsCapturing(native(s), &status);
+    if (e == cudaErrorStreamCaptureImplicit) {
+      (void)cudaGetLastError();
+      return true;
+    }
+    check(e, "cudaStreamIsCapturing");
+    return status != cudaStreamCaptureStatusNone;
+  }
   void* createEvent() override {
     cudaEvent_t e = nullptr;
     check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");

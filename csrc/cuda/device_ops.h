@@ -38,6 +38,8 @@ class DeviceOps {
   virtual void destroyStream(Stream s) = 0;
   // True once everything enqueued on `s` has run.
   virtual bool streamIdle(Stream s) = 0;
+  // True while `s` is being captured into a CUDA graph (work enqueued on it is recorded, not run).
+  virtual bool streamCapturing(Stream s) = 0;
   virtual void* createEvent() = 0;
   virtual void destroyEvent(void* event) = 0;
   virtual void recordEvent(void* event, Stream s) = 0;

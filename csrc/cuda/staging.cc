@@ -46,13 +46,22 @@ Ticket StagingPipeline::enqueue(const std::vector<Round>& rounds, Stream stream)
     for (const Copy& c : rounds[i].toHost) ops_.toHost(base(i), c, stream);
     ops_.signal(flags_.device(kReady), t.first + i, stream);
   };
-  if (!rounds.empty()) stageIn(0);
-  for (size_t i = 0; i < rounds.size(); ++i) {
-    if (i + 1 < rounds.size()) stageIn(i + 1);  // overlaps the host work of round i
-    ops_.waitFor(flags_.device(kDone), t.first + i, stream);
-    for (const Copy& c : rounds[i].toDevice) ops_.toDevice(base(i), c, stream);
+  try {
+    if (!rounds.empty()) stageIn(0);
+    for (size_t i = 0; i < rounds.size(); ++i) {
+      if (i + 1 < rounds.size()) stageIn(i + 1);  // overlaps the host work of round i
+      ops_.waitFor(flags_.device(kDone), t.first + i, stream);
+      for (const Copy& c : rounds[i].toDevice) ops_.toDevice(base(i), c, stream);
+    }
+    if (!rounds.empty()) ops_.signal(flags_.device(kBack), t.first + rounds.size() - 1, stream);
+  } catch (...) {
+    // Part of the op is on the stream (a device call refused a later copy). Its round numbers
+    // are spent and released: the stream must not wait on them for ever, and the next op must
+    // not take them, whose host side would then read this op's staged data as its own.
+    nextRound_ += rounds.size();
+    releaseAll(t);
+    throw;
   }
-  if (!rounds.empty()) ops_.signal(flags_.device(kBack), t.first + rounds.size() - 1, stream);
   nextRound_ += rounds.size();
   return t;
 }

@@ -58,7 +58,9 @@ class StagingPipeline {
 
   // Caller's thread, in issue order: enqueues the device side of `rounds` on `stream`, ending
   // with a signal that the op's results are back on the device. Throws std::length_error if a
-  // round without memory of its own does not fit a half.
+  // round without memory of its own does not fit a half (nothing enqueued then), and what a
+  // device call throws: the op's copies enqueued so far stay on the stream, its rounds spent and
+  // released (its outputs are undefined; later ops are not affected).
   Ticket enqueue(const std::vector<Round>& rounds, Stream stream);
   // Where the next op's first round will be staged, while the caller keeps enqueues serialised.
   uint8_t* nextStaging() const { return buffer_ + (nextRound_ % 2) * half_; }

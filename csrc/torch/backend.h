@@ -173,6 +173,10 @@ class SmddpBackend : public c10d::Backend {
     bool copyIn;
     bool copyOut;
     FlatRun run;
+    // Where copyIn reads instead of `tensor`: a copy made at the call, for a tensor that shares
+    // memory with an earlier part (the earlier part's results are copied back before this one's
+    // input is staged, and it would reduce them again).
+    at::Tensor readFrom = {};
   };
   Work cudaFlat(c10d::OpType opType, const char* title, const Tensors& tensors, std::chrono::milliseconds timeout,
                 std::vector<FlatPart> parts);
@@ -192,11 +196,13 @@ class SmddpBackend : public c10d::Backend {
   // stage more (a gather's root), and leave their peers in an op they never join.
   using CpuTwin = std::function<Work(const Tensors& hostReads, const Tensors& hostWrites)>;
   Work cudaWhole(const char* op, const Tensors& reads, const Tensors& writes, const CpuTwin& cpuTwin);
-  // The staged op: launches its rounds on the staging stream and queues the host side.
+  // The staged op: launches its rounds on the staging stream and queues the host side. `held`:
+  // memory of the op's own that its copies use (pinned staging, copies of inputs), kept until
+  // the results are back as the tensors are.
   Work enqueueCuda(c10d::OpType opType, const char* title, Tensors outputs, Tensors inputs,
                    std::chrono::milliseconds timeout, const std::vector<cuda::Round>& rounds,
                    const std::function<std::vector<CudaStep>(const CudaPath::Launch&)>& makeSteps,
-                   const at::Tensor& ownStaging = {}, P2pPeer peer = {});
+                   const Tensors& held = {}, P2pPeer peer = {});
   CudaPath& cudaPathFor(const Tensors& tensors, const char* op);
   // send: staged like a collective; its host side copies the data out of staging and hands the
   // message to the engine, so the Work is done once the tensor may be reused (a failure later is

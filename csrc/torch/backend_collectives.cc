@@ -56,12 +56,16 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::allreduce_coalesced(std::vector<at:
     kinds.emplace_back(dtype, toReduction(opts.reduceOp, dtype, size_, who(), "allreduce_coalesced"));
   }
   if (isCudaOp(tensors, "allreduce_coalesced")) {
+    // A tensor that shares memory with an earlier one reduces a copy of its values as they are at
+    // the call (as the CPU path's stageSharersApart): the earlier one's results may be back first.
+    const std::vector<bool> shares = sharesWithEarlier(tensors);
     std::vector<FlatPart> parts;
     for (size_t i = 0; i < tensors.size(); ++i) {
       parts.push_back({tensors[i], true, true,
                        [kind = kinds[i]](algo::Communicator& c, std::chrono::milliseconds to, void* p, size_t n) {
                          c.allreduce({kind.first, kind.second, n, p, p, -1}, to);
-                       }});
+                       },
+                       shares[i] ? tensors[i].clone() : at::Tensor()});
     }
     return cudaFlat(c10d::OpType::ALLREDUCE_COALESCED, "smddp:all_reduce_coalesced", tensors,
                     resolveTimeout(opts.timeout), std::move(parts));
@@ -599,19 +603,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
   const DataType dtype = checkMovedTensor(in, who(), "gather");
   const int root = checkRoot(opts.rootRank, who(), size_, "gather");
   const Tensors rootOuts = rank_ == root && outputs.size() == 1 ? outputs[0] : Tensors{};
-  if (isCudaOp(concatTensors({in}, rootOuts), "gather")) {
-    return cudaWhole("gather", {in}, rootOuts, [&](const Tensors& hostIn, const Tensors& hostOut) {
-      std::vector<std::vector<at::Tensor>> o;
-      if (rank_ == root) o.push_back(hostOut);
-      Tensors i = hostIn;
-      return gather(o, i, opts);
-    });
-  }
-  std::vector<Staged> staged;
-  std::vector<at::Tensor> outs;
   // Only the root writes: where its outputs cannot take the result, it takes its part into memory
   // of its own before raising, so the other ranks complete the op and the group stays usable.
-  std::string refusal;  // an output that cannot be written in place (stageOut)
   std::exception_ptr rootError;  // an output list that does not fit the op
   if (rank_ == root) {
     try {
@@ -623,10 +616,35 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
         TORCH_CHECK_VALUE(o.numel() == in.numel(), who(), ": gather: every output must have the input's ",
                           in.numel(), " elements, got one with ", o.numel());
       }
-      outs = outputs[0];
     } catch (const c10::Error&) {
       rootError = std::current_exception();
+    }
+  }
+  if (isCudaOp(concatTensors({in}, rootOuts), "gather")) {
+    // A root whose list does not fit stages no copy back into it: its CPU twin gets no list and
+    // takes its part into memory of its own (raising its own refusal, this one's stands).
+    try {
+      Work work = cudaWhole("gather", {in}, rootError ? Tensors{} : rootOuts,
+                            [&](const Tensors& hostIn, const Tensors& hostOut) {
+                              std::vector<std::vector<at::Tensor>> o;
+                              if (rank_ == root) o.push_back(hostOut);
+                              Tensors i = hostIn;
+                              return gather(o, i, opts);
+                            });
+      if (!rootError) return work;
+    } catch (const c10::Error&) {
+      if (!rootError) throw;
+    }
+    std::rethrow_exception(rootError);
+  }
+  std::vector<Staged> staged;
+  std::vector<at::Tensor> outs;
+  std::string refusal;  // an output that cannot be written in place (stageOut)
+  if (rank_ == root) {
+    if (rootError) {
       for (int r = 0; r < size_; ++r) outs.push_back(at::empty({in.numel()}, in.options()));
+    } else {
+      outs = outputs[0];
     }
     for (const at::Tensor& o : outs) {
       std::string why;

@@ -92,7 +92,7 @@ void SmddpBackend::recordCudaFailure(std::exception_ptr error) {
 c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
     c10d::OpType opType, const char* title, Tensors outputs, Tensors inputs, std::chrono::milliseconds timeout,
     const std::vector<cuda::Round>& rounds,
-    const std::function<std::vector<CudaStep>(const CudaPath::Launch&)>& makeSteps, const at::Tensor& ownStaging,
+    const std::function<std::vector<CudaStep>(const CudaPath::Launch&)>& makeSteps, const Tensors& held,
     P2pPeer peer) {
   std::lock_guard<std::recursive_mutex> lock(cudaMutex_);
   throwIfCudaFailed(title);
@@ -102,11 +102,11 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
   // allocator cannot hand their memory to someone else while the staging stream still uses it.
   Tensors keep = outputs;
   keep.insert(keep.end(), inputs.begin(), inputs.end());
-  if (ownStaging.defined()) keep.push_back(ownStaging);
+  keep.insert(keep.end(), held.begin(), held.end());
   auto work = newWork(opType, title, outputs, inputs, timeout, peer);
   const CudaPath::Launch launch = path->launch(rounds);
   try {
-    work->setCuda(path->stagingStream());
+    work->setCuda(path->stagingStream(), inputs);
   } catch (...) {
     path->release(launch);
     throw;
@@ -146,10 +146,20 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaFlat(c10d::OpType opType, const
   CudaPath& path = cudaPathFor(tensors, title);
   std::vector<cuda::Round> rounds;
   std::vector<size_t> partOf;  // round -> part
+  Tensors held;
   for (size_t k = 0; k < parts.size(); ++k) {
-    const at::Tensor& t = parts[k].tensor;
-    for (cuda::Round& r : cuda::planFlat(bytePtr(t), static_cast<size_t>(t.numel()), t.element_size(),
-                                         path.pipelinedRoundBytes(), parts[k].copyIn, parts[k].copyOut)) {
+    const FlatPart& p = parts[k];
+    const size_t n = static_cast<size_t>(p.tensor.numel()), es = p.tensor.element_size();
+    std::vector<cuda::Round> plan =
+        cuda::planFlat(bytePtr(p.tensor), n, es, path.pipelinedRoundBytes(), p.copyIn && !p.readFrom.defined(),
+                       p.copyOut);
+    if (p.readFrom.defined()) {
+      held.push_back(p.readFrom);
+      const std::vector<cuda::Round> in =
+          cuda::planFlat(bytePtr(p.readFrom), n, es, path.pipelinedRoundBytes(), p.copyIn, false);
+      for (size_t i = 0; i < plan.size(); ++i) plan[i].toHost = in[i].toHost;  // alike: same count and size
+    }
+    for (cuda::Round& r : plan) {
       rounds.push_back(std::move(r));
       partOf.push_back(k);
     }
@@ -164,7 +174,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaFlat(c10d::OpType opType, const
       });
     }
     return steps;
-  });
+  }, held);
 }
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaColumns(c10d::OpType opType, const char* title,
@@ -264,7 +274,8 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::divertToCuda(c10d::OpType opType, c
   tlsWholeOp = nullptr;  // the twin's body is the one op
   whole->used = true;
   return enqueueCuda(opType, title, whole->outputs, whole->inputs, timeout, whole->rounds,
-                     [&body](const CudaPath::Launch&) { return std::vector<CudaStep>{body}; }, whole->ownStaging);
+                     [&body](const CudaPath::Launch&) { return std::vector<CudaStep>{body}; },
+                     whole->ownStaging.defined() ? Tensors{whole->ownStaging} : Tensors{});
 }
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int peer, int tag) {
@@ -298,7 +309,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaSend(const at::Tensor& t, int p
                          submitP2p(o);
                        }};
                      },
-                     message, {peer, tag});
+                     {message}, {peer, tag});
 }
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int peer, int tag) {
@@ -313,7 +324,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
   work->traceStarted();
   const uint64_t number = path->launchReceive(bytePtr(t), bytePtr(message), bytes);
   try {
-    work->setCuda(path->receiveStream());
+    work->setCuda(path->receiveStream(), {});
   } catch (...) {
     path->received(number);
     throw;

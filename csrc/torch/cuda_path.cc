@@ -116,7 +116,15 @@ void CudaPath::completeLater(std::function<void()> finish) {
 
 void CudaPath::followCaller(cuda::Stream s) {
   c10::impl::VirtualGuardImpl impl(device_.type());
-  ops_->recordEvent(callerReady_, impl.getStream(device_).native_handle());
+  void* caller = impl.getStream(device_).native_handle();
+  // Captured, the op's copies and flag writes would be recorded into the graph instead of run,
+  // while its host side waits for them: the group would time out and break. NCCL's kernels can
+  // be captured; smddp's host reduction cannot.
+  if (ops_->streamCapturing(caller)) {
+    throw CaptureRefused(who_ + ": CUDA graph capture of smddp ops is not supported (the reduction runs on the host, "
+                                "outside the graph); issue the op outside the captured region");
+  }
+  ops_->recordEvent(callerReady_, caller);
   ops_->streamWaitEvent(s, callerReady_);
 }
 
@@ -129,8 +137,9 @@ CudaPath::Launch CudaPath::launch(const std::vector<cuda::Round>& rounds) {
     for (size_t i = 0; i < rounds.size(); ++i) l.bases.push_back(pipeline_->stagingOf(l.ticket, rounds, i));
   } catch (const std::length_error& e) {
     TORCH_CHECK_VALUE(false, who_, ": ", e.what(), "; raise SMDDP_CUDA_STAGING_BYTES");
-  } catch (const std::exception& e) {
-    if (l.ticket.rounds > 0) pipeline_->releaseAll(l.ticket);
+  } catch (const CaptureRefused& e) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, e.what());
+  } catch (const std::exception& e) {  // enqueue released whatever it had queued
     TORCH_CHECK(false, who_, ": ", e.what());
   }
   return l;
@@ -141,6 +150,8 @@ uint64_t CudaPath::launchReceive(uint8_t* device, const uint8_t* host, size_t by
   try {
     followCaller(receiveStream_);
     return receives_->enqueue(device, host, bytes, receiveStream_);
+  } catch (const CaptureRefused& e) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, e.what());
   } catch (const std::exception& e) {
     TORCH_CHECK(false, who_, ": ", e.what());
   }

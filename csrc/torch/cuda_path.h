@@ -12,6 +12,8 @@
 #include <functional>
 #include <memory>
 #include <vector>
+#include <stdexcept>
+#include <string>
 
 #include "algo/communicator.h"
 #include "cuda/receive_queue.h"
@@ -82,8 +84,11 @@ class CudaPath {
 
  private:
   // Caller's thread, device guard held: later work on `s` waits for what the caller's current
-  // stream holds now.
+  // stream holds now. Throws CaptureRefused while that stream is being captured into a graph.
   void followCaller(cuda::Stream s);
+  struct CaptureRefused : std::runtime_error {
+    using std::runtime_error::runtime_error;
+  };
   // torch's id of an external CUDA stream is its handle (c10::cuda::getStreamFromExternal, which
   // lives in libc10_cuda, which this extension does not link); the constructor checks that this
   // torch reads it back as that handle.

@@ -23,10 +23,14 @@ SmddpWork::SmddpWork(int rank, std::shared_ptr<const std::string> who, c10d::OpT
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
       spin_(spin) {}
 
-void SmddpWork::setCuda(c10::Stream doneOn) {
+void SmddpWork::setCuda(c10::Stream doneOn, const std::vector<at::Tensor>& inputs) {
   future_ = c10::make_intrusive<c10::ivalue::Future>(future_->elementType(), std::vector<c10::Device>{doneOn.device()});
   c10::StreamGuard onDoneStream(doneOn);  // the future records its event on the current stream
-  future_->markCompleted(c10::IValue(outputs_));
+  // The future records an event on the devices of the storages it is given, taken from its value
+  // by default: a value without tensors would get no event, and waiting on it would order nothing.
+  std::vector<c10::ivalue::Future::WeakStorage> storages;
+  for (const at::Tensor& t : outputs_.empty() ? inputs : outputs_) storages.push_back(t.storage().getWeakStorageImpl());
+  future_->markCompleted(c10::IValue(outputs_), std::move(storages));
   cuda_ = true;
 }
 

@@ -30,7 +30,9 @@ class SmddpWork : public c10d::Work {
   // thread), makes the current stream wait for the op, so callbacks issue their ops in the same
   // order on every rank and may wait for them. The Work itself completes (isCompleted(), the
   // op's error) once the host has seen the results arrive.
-  void setCuda(c10::Stream doneOn);
+  // An op without outputs (a gather's non-root) waits on its `inputs` instead: the caller's
+  // stream must not overwrite them before the staging stream has read them.
+  void setCuda(c10::Stream doneOn, const std::vector<at::Tensor>& inputs);
   // A point-to-point op: wait() runs the engine that moves it until the op is done
   // (P2pDriver::driveUntil), rather than sleep until the engine's thread wakes it.
   void setP2pDriver(std::shared_ptr<engine::P2pDriver> engine) { p2pDriver_ = std::move(engine); }

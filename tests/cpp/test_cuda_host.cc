@@ -332,6 +332,7 @@ class HostDeviceOps final : public DeviceOps {
   Stream createStream() override { throw std::logic_error("not used"); }
   void destroyStream(Stream) override {}
   bool streamIdle(Stream s) override { return static_cast<FakeStream*>(s)->drain(std::chrono::milliseconds(0)); }
+  bool streamCapturing(Stream) override { return false; }
   void* createEvent() override { throw std::logic_error("not used"); }
   void destroyEvent(void*) override {}
   void recordEvent(void*, Stream) override { throw std::logic_error("not used"); }
@@ -339,7 +340,10 @@ class HostDeviceOps final : public DeviceOps {
   void* hostAlloc(size_t bytes) override { return std::aligned_alloc(256, (bytes + 255) / 256 * 256); }
   void hostFree(void* p) override { std::free(p); }
   void* deviceAddress(void* host) override { return host; }
+  // The n-th toHost from now on throws, as cudaMemcpy2DAsync refusing a pitch (0: none does).
+  int failToHostIn = 0;
   void toHost(uint8_t* base, const Copy& c, Stream s) override {
+    if (failToHostIn > 0 && --failToHostIn == 0) throw std::runtime_error("invalid pitch argument (injected)");
     auto* fs = static_cast<FakeStream*>(s);
     fs->push([=] {
       fs->log("H");
@@ -489,6 +493,31 @@ void checkPipelineGatherScatter() {
 
 void checkPipelineFailures() {
   HostDeviceOps ops;
+  {  // A device call that fails part way through an op's enqueue: some of its copies, signals
+     // and waits are on the stream. Its rounds are released and never reused: the next op's host
+     // side reads that op's own data (it read the failed op's, when the numbers were reused).
+    FakeStream stream;
+    StagingPipeline p(ops, 2 * 1024);
+    std::vector<float> failed(1000, 5.f), next(1000, 1.f);
+    auto failedRounds = planFlat(reinterpret_cast<uint8_t*>(failed.data()), 1000, 4, p.roundCapacity(), true, true);
+    ops.failToHostIn = 3;  // rounds 0 and 1 staged, round 2's copy refused
+    bool threw = false;
+    try {
+      p.enqueue(failedRounds, &stream);
+    } catch (const std::runtime_error&) {
+      threw = true;
+    }
+    ops.failToHostIn = 0;
+    auto rounds = planFlat(reinterpret_cast<uint8_t*>(next.data()), 1000, 4, p.roundCapacity(), true, true);
+    Ticket t = p.enqueue(rounds, &stream);
+    hostSide(p, t, rounds, [](uint8_t* base, const Round& r) {
+      for (size_t i = 0; i < r.count; ++i) reinterpret_cast<float*>(base)[i] *= 2.f;
+    });
+    const bool drained = stream.drain(std::chrono::seconds(10));
+    expect(threw && drained && next == std::vector<float>(1000, 2.f) && t.first == failedRounds.size() + 1,
+           "pipeline: after an enqueue that failed part way, the stream drains and the next op reduces its own "
+           "data under fresh round numbers");
+  }
   {
     FakeStream stream;
     StagingPipeline p(ops, 1024);
