@@ -260,7 +260,9 @@ Args parseArgs(int argc, char** argv) {
     if (const char* port = getenv("SMDDP_STORE_PORT"); port && *port) a.masterPort = atoi(port);
     if (a.launchRank < 0 || a.launchRank >= a.ranks) usage("RANK must be in [0, WORLD_SIZE)");
   }
-  if (a.ranks < 1 || a.root < 0 || a.root >= a.ranks || a.avgMode < 0 || a.avgMode > 3) usage("bad -np, -r or -a");
+  if (a.ranks < 1) usage("-np (the number of ranks) must be at least 1");
+  if (a.root < 0 || a.root >= a.ranks) usage(("-r (the root) must be a rank, 0 to " + std::to_string(a.ranks - 1)).c_str());
+  if (a.avgMode < 0 || a.avgMode > 3) usage("-a (how times are averaged across ranks) must be 0, 1, 2 or 3");
   const auto named = [&](const auto& c) { return a.coll == c.first; };
   if (std::none_of(std::begin(kCollectives), std::end(kCollectives), named)) {
     usage(("unknown collective " + a.coll).c_str());

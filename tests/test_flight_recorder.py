@@ -40,6 +40,11 @@ def contents_task(rank, world):
     pending.wait()
     dump = pickle.loads(smddp.dump_flight_recorder())
     rep.expect(dump["version"] == "2.10", f"version {dump['version']}")
+    try:  # open() would take an int as a file descriptor (1: the pickle went to stdout)
+        smddp.dump_flight_recorder(1)
+        rep.expect(False, "dump_flight_recorder(1) was taken")
+    except TypeError as e:
+        rep.expect("path must be a file name, got int 1" in str(e), str(e))
     cfg = dump["pg_config"].get(name)
     rep.expect(cfg is not None and cfg["ranks"] == str(list(range(world))), f"pg_config of {name}: {cfg}")
     got = [(e["profiling_name"], e["collective_seq_id"], e["p2p_seq_id"], e["is_p2p"], e["state"], e["retired"],

@@ -51,6 +51,11 @@ if mode == "pass":
     except ValueError as e:
         print("REFUSED", e, flush=True)
     try:
+        smddp.monitored_barrier(timeout="abc")
+        raise AssertionError("a timeout of text was taken")
+    except TypeError as e:
+        print("REFUSED", e, flush=True)
+    try:
         smddp.monitored_barrier(gloo)
         raise AssertionError("a gloo group was taken")
     except ValueError as e:
@@ -124,7 +129,8 @@ def _no_leftovers(outs):
 def test_monitored_barrier_passes_between_ops(hosts, backend):
     """20 monitored barriers with a timedelta, seconds or no timeout, with and without
     wait_all_ranks, each followed by an all_reduce and a ring of sends with a negative user tag,
-    all checked; the reserved tags, a zero timeout and a gloo group are refused with ValueError.
+    all checked; the reserved tags, a zero timeout and a gloo group are refused with ValueError,
+    a timeout of text with TypeError (it raised torch's comparison error).
     A group made with smddp per device type is smddp's too (until 2026-12-06 refused:
     "the group's backend is 'cpu:smddp,cuda:smddp', not smddp")."""
     procs = Job(CHILD, 4, ["pass"], hosts=hosts, BACKEND=backend)
@@ -134,6 +140,7 @@ def test_monitored_barrier_passes_between_ops(hosts, backend):
         assert "send: tag -2147483648 is reserved" in out and "recv: tag -2147483643 is reserved" in out, out[-2000:]
         assert "the group's backend is 'gloo', not smddp" in out, out[-2000:]
         assert "timeout must be positive, got 0:00:00" in out, out[-2000:]
+        assert "timeout must be a datetime.timedelta or a number of seconds, got str 'abc'" in out, out[-2000:]
 
 
 @pytest.mark.timeout(120)

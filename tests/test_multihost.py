@@ -1104,10 +1104,12 @@ def test_interface_and_family_choice(settings, want):
 
 @pytest.mark.parametrize("settings, want", [
     ({"SMDDP_SHM_SLOT_BYTES": "-4096"},
-     "ERROR ValueError smddp rank {rank}: SMDDP_SHM_SLOT_BYTES=-4096 must be a multiple of 4096 from 4096 to 2^40"),
+     "ERROR ValueError smddp rank {rank}: smddp: environment variable SMDDP_SHM_SLOT_BYTES=-4096 is out of range: "
+     "expected 4096 to 1099511627776"),
     ({"SMDDP_SHM_SLOT_BYTES": "99999999999999999999"},
      "environment variable SMDDP_SHM_SLOT_BYTES=99999999999999999999 is out of range"),
-    ({"SMDDP_SHM_SLOT_BYTES": "010"}, "SMDDP_SHM_SLOT_BYTES=10 must be a multiple of 4096"),
+    # 4096 in octal
+    ({"SMDDP_SHM_SLOT_BYTES": "010000"}, "SMDDP_SHM_SLOT_BYTES=10000 is not a multiple of 4096"),
     ({"SMDDP_SHM_SLOT_BYTES": "0x100000"}, "OK"),
 ], ids=["negative", "out_of_range", "decimal_not_octal", "hex"])
 def test_integer_settings_read_as_written(settings, want, tmp_path):
@@ -1119,6 +1121,43 @@ def test_integer_settings_read_as_written(settings, want, tmp_path):
     outs = _hosts_with(settings, url=f"file://{tmp_path}/store")
     for rank, out in enumerate(outs):
         assert want.format(rank=rank) in out, f"rank {rank}:\n{out[-2000:]}"
+
+
+RETRY_CHILD = r"""
+import datetime, os, sys, torch, torch.distributed as dist
+import smddp
+rank, store_dir, name, bad, good = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+for attempt, value in enumerate([bad, good]):
+    os.environ[name] = value
+    try:
+        dist.init_process_group("smddp", init_method=f"file://{store_dir}/store{attempt}", rank=int(rank),
+                                world_size=2, timeout=datetime.timedelta(seconds=30))
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        print("OK", value, t.tolist(), flush=True)
+        dist.destroy_process_group()
+    except Exception as e:
+        print("ERROR", value, type(e).__name__, e, flush=True)
+"""
+
+
+@pytest.mark.parametrize("name, bad, good, hosts", [
+    ("SMDDP_SHM_SLOT_BYTES", "5000", "8192", "00"),
+    ("SMDDP_SOCKET_IFNAME", "nosuch0", "=lo", "01"),
+])
+def test_a_refused_setting_is_read_again_at_the_next_try(name, bad, good, hosts, tmp_path):
+    """The README's promise: a refused value is not kept; the same process, its environment
+    fixed, sets a group up. Both settings were checked only after their accessor had cached them
+    (where the slots are made, where the interfaces are matched), so every later try was refused
+    with the first value."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", RETRY_CHILD, str(r), str(tmp_path), name, bad, good],
+                              env=dict(env, SMDDP_HOST_ID=hosts[r]), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for rank, out in enumerate(outs):
+        assert f"ERROR {bad} ValueError" in out and f"{name}={bad}" in out, f"rank {rank}:\n{out[-2000:]}"
+        assert f"OK {good} [2.0, 2.0, 2.0]" in out, f"rank {rank}:\n{out[-2000:]}"
 
 
 @pytest.mark.parametrize("hosts", ["000", "0011"])

@@ -45,6 +45,12 @@ SetUpEnd endSetUp(Store& root, Store& group, int rank, int size, const std::vect
         came = group.add(kSetUpDoneKey, 0);
       } catch (const Error&) {  // the timeout says enough
       }
+      if (came == size) {  // the last to count tells the others: it failed or died in between
+        throwError(ErrorCode::kTimeout,
+                   "every rank ended its set-up of the group, but the last of them failed or died before telling "
+                   "the others (%s)",
+                   e.what());
+      }
       throwError(ErrorCode::kTimeout,
                  "%s of %d ranks ended their set-up of the group within the timeout (the others failed or died "
                  "after their own set-up; %s)",

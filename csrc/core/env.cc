@@ -362,7 +362,6 @@ constexpr int64_t kMaxMillis = INT32_MAX;   // 24.8 days: an interval that can n
 
 // (accessor, variable, least value, greatest value)
 #define SMDDP_INT_PARAMS(X) \
-  X(shmSlotBytes, "SMDDP_SHM_SLOT_BYTES", INT64_MIN, kAny) /* Domain::checkCapacity says why not */ \
   X(shmCopyStepBytes, "SMDDP_SHM_COPY_STEP_BYTES", 1, kAny) \
   X(shmSingleCopyBytes, "SMDDP_SHM_SINGLE_COPY_BYTES", -1, kAny) \
   X(allreduceOneShotMaxBytes, "SMDDP_ALLREDUCE_ONESHOT_MAX_BYTES", 0, kAny) \
@@ -404,7 +403,6 @@ constexpr int64_t kMaxMillis = INT32_MAX;   // 24.8 days: an interval that can n
   X(debugSubsys, "SMDDP_DEBUG_SUBSYS") \
   X(debugFile, "SMDDP_DEBUG_FILE") \
   X(frDumpFile, "SMDDP_FR_DUMP_FILE") \
-  X(socketIfname, "SMDDP_SOCKET_IFNAME") \
   X(netCongestion, "SMDDP_NET_CONGESTION") \
   X(simd, "SMDDP_SIMD")
 SMDDP_INT_PARAMS(SMDDP_INT_PARAM)
@@ -412,8 +410,28 @@ SMDDP_CHOICE_PARAMS(SMDDP_CHOICE_PARAM)
 SMDDP_LINE_PARAMS(SMDDP_LINE_PARAM)
 SMDDP_STRING_PARAMS(SMDDP_STRING_PARAM)
 
+// The slots are page-aligned in the segment. Checked here, before the accessor caches it, so
+// that a refused value is read again at the next try, as every other integer's.
+int64_t shmSlotBytes() {
+  static const int64_t v = noteRead("SMDDP_SHM_SLOT_BYTES", [] {
+    const int64_t bytes = readInt("SMDDP_SHM_SLOT_BYTES", 4096, int64_t{1} << 40);
+    if (bytes % 4096 != 0) {
+      throwError(ErrorCode::kInvalidUsage, "smddp: environment variable SMDDP_SHM_SLOT_BYTES=%lld is not a multiple "
+                 "of 4096", static_cast<long long>(bytes));
+    }
+    return bytes;
+  }());
+  return v;
+}
+
+// Read at every call, not cached: it is checked only against the interfaces that are up, where
+// the addresses are chosen (netif.cc), which caches what it chose; a refused value is then read
+// again at the next try.
+std::string socketIfname() { return noteRead("SMDDP_SOCKET_IFNAME", readString("SMDDP_SOCKET_IFNAME")); }
+
 void checkSettings() {
 #define SMDDP_READ(fn, NAME, ...) fn();
+  shmSlotBytes();
   SMDDP_INT_PARAMS(SMDDP_READ)
   SMDDP_CHOICE_PARAMS(SMDDP_READ)
   SMDDP_LINE_PARAMS(SMDDP_READ)

@@ -82,8 +82,9 @@ int64_t coalescePackBytes();
 const std::string& hostId();
 // SMDDP_FR_DUMP_FILE: where a failed op dumps the flight recorder (empty: nowhere).
 const std::string& frDumpFile();
-// Interfaces for the TCP mesh (NCCL_SOCKET_IFNAME syntax); empty = route to MASTER_ADDR.
-const std::string& socketIfname();
+// Interfaces for the TCP mesh (NCCL_SOCKET_IFNAME syntax); empty = route to MASTER_ADDR. Read
+// at every call (net::chooseLocalAddresses keeps what it chose).
+std::string socketIfname();
 // Address family of the inter-host connections ("", "AF_INET" or "AF_INET6").
 const std::string& socketFamily();
 // Inter-host schedule: mesh, naive or ring.

@@ -89,7 +89,7 @@ std::vector<LocalAddress> pickLocalAddresses(const std::string& master) {
   if (family != AF_UNSPEC) {
     std::erase_if(all, [&](const LocalAddress& a) { return a.ipv6 != (family == AF_INET6); });
   }
-  const std::string& spec = env::socketIfname();
+  const std::string spec = env::socketIfname();
   if (!spec.empty()) {
     // One address per interface (its first: IPv4 before IPv6), all of one family: lane k of a
     // pair joins the two ranks' k-th interfaces, which must speak the same protocol. Names (a

@@ -78,6 +78,9 @@ def dump_flight_recorder(path=None):
     <prefix><global rank> in one directory, are what ``python -m smddp.fr_trace <dir>`` compares
     to find the rank and collective where a job diverged or hung; SMDDP_FR_DUMP_FILE writes them
     when an op fails."""
+    if path is not None and not isinstance(path, (str, bytes, os.PathLike)):
+        # open() would take an int as a file descriptor: path=1 wrote the pickle to stdout.
+        raise TypeError(f"smddp.dump_flight_recorder: path must be a file name, got {type(path).__name__} {path!r}")
     data = _C._dump_flight_recorder()
     if path is not None:
         with open(path, "wb") as f:

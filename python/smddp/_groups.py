@@ -48,8 +48,11 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
     if group is not None and group == dist.GroupMember.NON_GROUP_MEMBER:
         return
     _require_smddp(group, "monitored_barrier", "serves gloo groups")
-    if isinstance(timeout, (int, float)):
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         timeout = datetime.timedelta(seconds=timeout)
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"smddp.monitored_barrier: timeout must be a datetime.timedelta or a number of seconds, "
+                        f"got {type(timeout).__name__} {timeout!r}")
     if timeout is not None and timeout <= datetime.timedelta(0):
         raise ValueError(f"smddp.monitored_barrier: timeout must be positive, got {timeout}")
     pg = group if group is not None else dist.distributed_c10d._get_default_group()

@@ -240,6 +240,49 @@ void checkNanPropagates(Isa isa) {
   }
 }
 
+// bool bytes other than 0 and 1 (a bool tensor viewed from integers) are true, as torch reads
+// them, and every result is 0 or 1: bitwise AND of 2 and 1 gave false for PRODUCT/MIN/BAND.
+void checkBoolBytesAreTruthValues(Isa isa) {
+  const uint8_t bytes[] = {0, 1, 2, 255};
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kBor, ReduceOp::kProduct, ReduceOp::kMin,
+                      ReduceOp::kBand, ReduceOp::kBxor}) {
+    for (int n = 1; n <= 3; ++n) {
+      // Every combination of the four bytes over n sources, each at its own element; 70 copies
+      // so that the 64-element blocks and the tail both see them.
+      size_t combos = 1;
+      for (int s = 0; s < n; ++s) combos *= 4;
+      const size_t count = combos * 70;
+      std::vector<std::vector<uint8_t>> src(n, std::vector<uint8_t>(count));
+      for (size_t i = 0; i < count; ++i) {
+        size_t c = i % combos;
+        for (int s = 0; s < n; ++s, c /= 4) src[s][i] = bytes[c % 4];
+      }
+      std::vector<const void*> ptrs;
+      for (auto& v : src) ptrs.push_back(v.data());
+      std::vector<uint8_t> out(count, 7);
+      reduceWithIsa(isa, DataType::kBool, Reduction{op}, out.data(), ptrs.data(), n, count);
+      bool ok = true;
+      for (size_t i = 0; i < count && ok; ++i) {
+        int any = 0, all = 1, parity = 0;
+        for (int s = 0; s < n; ++s) {
+          const int t = src[s][i] != 0;
+          any |= t;
+          all &= t;
+          parity ^= t;
+        }
+        const bool isAnd = op == ReduceOp::kProduct || op == ReduceOp::kMin || op == ReduceOp::kBand;
+        const int want = op == ReduceOp::kBxor ? parity : isAnd ? all : any;
+        ok = out[i] == want;
+        if (!ok) {
+          printf("FAIL %s bool %s n=%d: element %zu is byte %d, want %d\n", isaName(isa), reduceOpName(op), n, i,
+                 out[i], want);
+        }
+      }
+      (ok ? passed : failed)++;
+    }
+  }
+}
+
 // 16-bit float conversions: every bit pattern (inf, NaN, subnormals included) must round-trip
 // through float exactly (NaN as some NaN), identically on every instruction set.
 void checkHalfRoundTrip(Isa isa) {
@@ -629,6 +672,7 @@ int main() {
       }
     }
     checkNanPropagates(isa);
+    checkBoolBytesAreTruthValues(isa);
     checkHalfRoundTrip(isa);
     checkFloat8(isa);
     checkHalfRounding(isa);
