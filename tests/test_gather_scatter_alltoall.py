@@ -75,21 +75,24 @@ def alltoall_cases(rank, world, rows_per_peer, dtypes):
     return rep.to_dict()
 
 
-def alltoall_split_mismatch(rank, world):
-    """Rank 0 expects one row more from rank 1 than rank 1 sends: an error on every rank (not a
-    short read, not a hang of the ranks that did nothing wrong)."""
+def alltoall_split_mismatch(rank, world, sender):
+    """Rank 0 expects one row more from `sender` (rank 1, or itself: one row fewer) than it sends:
+    a ValueError on every rank naming both (not a short read, not a hang of the ranks that did
+    nothing wrong; until 2026-12-06 a rank whose own counts differed raised alone, its host-mates
+    only hearing that it gave up)."""
     rep = Report(rank)
     out_splits = [2] * world
     if rank == 0:
-        out_splits[1] = 3
+        out_splits[sender] = 3 if sender else 1
     out = torch.empty(sum(out_splits), dtype=torch.float32)
     inp = torch.ones(2 * world)
     try:
         dist.all_to_all_single(out, inp, out_splits, [2] * world)
         rep.expect(False, f"rank {rank}: mismatched split sizes were not detected")
-    except Exception as e:  # noqa: BLE001
-        rep.expect("split sizes do not match" in str(e) and "rank 1 sends 2 elements to rank 0" in str(e),
-                   f"rank {rank}: unexpected error: {e}")
+    except ValueError as e:
+        rep.expect("split sizes do not match" in str(e) and
+                   f"rank {sender} sends 2 elements to rank 0, which expects {out_splits[sender] if rank == 0 else ''}"
+                   in str(e), f"rank {rank}: unexpected error: {e}")
     return rep.to_dict()
 
 
@@ -129,11 +132,12 @@ def test_alltoall_single_copy_setting(pools, world, single_copy):
     pools.check(world, alltoall_cases, 1 << 16, ["float32"], env=env, timeout=300)
 
 
-def test_alltoall_split_mismatch_is_an_error(pools):
+@pytest.mark.parametrize("sender", [1, 0], ids=["peer", "self"])
+def test_alltoall_split_mismatch_is_an_error(pools, sender):
     try:
-        pools.check(2, alltoall_split_mismatch)
+        pools.check(3, alltoall_split_mismatch, sender)
     finally:
-        pools.discard(2)  # the group refuses further ops after a failed collective
+        pools.discard(3)  # the group refuses further ops after a failed collective
 
 
 def overlapping_output_lists(rank, world, n):

@@ -692,14 +692,19 @@ bool alltoallInPlace(OpContext& ctx, const AlltoallOptions& o, const Expect& e, 
 void alltoall(OpContext& ctx, const AlltoallOptions& o) {
   const size_t es = elementSize(o.dtype);
   const int W = ctx.size;
-  if (o.outCounts[ctx.rank] != o.inCounts[ctx.rank]) {
-    throwError(ErrorCode::kInvalidUsage, "alltoall: this rank sends itself %zu elements but expects %zu",
-               o.inCounts[ctx.rank], o.outCounts[ctx.rank]);
+  auto moveOwnBlock = [&] {
+    if (o.inCounts[ctx.rank] > 0 && o.outputs[ctx.rank] != o.inputs[ctx.rank]) {
+      std::memmove(o.outputs[ctx.rank], o.inputs[ctx.rank], o.inCounts[ctx.rank] * es);
+    }
+  };
+  if (W == 1) {
+    if (o.outCounts[0] != o.inCounts[0]) {
+      throwError(ErrorCode::kInvalidUsage, "alltoall: this rank sends itself %zu elements but expects %zu",
+                 o.inCounts[0], o.outCounts[0]);
+    }
+    moveOwnBlock();
+    return;
   }
-  if (o.inCounts[ctx.rank] > 0 && o.outputs[ctx.rank] != o.inputs[ctx.rank]) {
-    std::memmove(o.outputs[ctx.rank], o.inputs[ctx.rank], o.inCounts[ctx.rank] * es);
-  }
-  if (W == 1) return;
   shm::Domain& d = *ctx.domain;
   // The counts' phase's words: W sends, W receives, the block size from which this rank would
   // read in place, whether it gives where its blocks are, and W addresses.
@@ -752,6 +757,9 @@ void alltoall(OpContext& ctx, const AlltoallOptions& o) {
       if (n != expects) throwSplitMismatch(d.groupRank(q), n, d.groupRank(p), expects);
     }
   }
+  // After the check of the whole matrix, its own block included: a rank whose own counts differ
+  // fails with the others, all naming it, instead of alone before they publish theirs.
+  moveOwnBlock();
   auto addressAt = [&](int q, int p) { return wordAt(q, addresses + p); };
   if (maxCrossing >= readsFrom &&
       alltoallInPlace(ctx, o, e, wordAt, allGave ? std::optional(addressAt) : std::nullopt)) {

@@ -49,8 +49,8 @@ cuda::DeviceOps* loadDeviceOps(const std::string& who) {
 
 CudaPath::CudaPath(int rank, std::string who, c10::Device device)
     : rank_(rank), who_(std::move(who)), device_(device) {
+  c10::DeviceGuard guard(device_);  // first: loading checks the current device's capabilities
   ops_ = loadDeviceOps(who_);
-  c10::DeviceGuard guard(device_);
   const int64_t bytes = env::cudaStagingBytes();  // at least 4096 (env.cc)
   try {
     stream_ = ops_->createStream();
