@@ -127,8 +127,13 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::enqueueCuda(
     }
     if (error) recordCudaFailure(error);
     // The Work and the tensors go to the completion thread: dropping the last reference to a
-    // tensor may enter the CUDA allocator, and to a Work destroys its future's CUDA event.
-    path->completeLater([work = std::move(work), keep = std::move(keep), error]() { work->complete(error); });
+    // tensor may enter the CUDA allocator, and to a Work destroys its future's CUDA event. After
+    // a failure the stream may still copy into or out of them (the op's rounds were released).
+    // A raw pointer: the CudaPath finishes its queued completions before it goes (cudaRecv).
+    path->completeLater([p = path.get(), work = std::move(work), keep = std::move(keep), error]() {
+      if (error) p->holdForStream(keep, p->stagingStream());
+      work->complete(error);
+    });
   };
   try {
     progress_->enqueue(std::move(task));
@@ -323,10 +328,16 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
                       {peer, tag});
   work->traceStarted();
   const uint64_t number = path->launchReceive(bytePtr(t), bytePtr(message), bytes);
+  // A receive that fails before its message is handed to the engine lets the stream copy the
+  // (unwritten) message into `t` all the same: both stay held for the stream.
+  auto abandon = [&] {
+    path->received(number);
+    path->holdForStream({t, message}, path->receiveStream());
+  };
   try {
     work->setCuda(path->receiveStream(), {});
   } catch (...) {
-    path->received(number);
+    abandon();
     throw;
   }
   engine::P2pOp o = p2pOp(false, peer, tag, message);
@@ -353,7 +364,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::cudaRecv(const at::Tensor& t, int p
   try {
     submitP2p(o);
   } catch (...) {
-    path->received(number);
+    abandon();
     throw;
   }
   return work;

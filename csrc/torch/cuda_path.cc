@@ -82,9 +82,9 @@ CudaPath::CudaPath(int rank, std::string who, c10::Device device)
 
 CudaPath::~CudaPath() {
   abort();
-  completer_->stop();  // finishes the Works still queued
-  // Pinned memory may be freed only once the streams stopped using it. A stream stuck behind a
-  // kernel that never ends would hold us forever: give them a few seconds, then leak the memory.
+  // Memory may be freed only once the streams stopped using it: the queued Works' tensors and
+  // messages (dropped as the completion thread finishes them), the pinned staging. A stream stuck
+  // behind a kernel that never ends would hold us forever: give them a few seconds, then leak.
   bool idle = false;
   try {
     for (int i = 0; i < 5000 && !(idle = ops_->streamIdle(stream_) && ops_->streamIdle(receiveStream_)); ++i) {
@@ -92,18 +92,34 @@ CudaPath::~CudaPath() {
     }
   } catch (const std::exception&) {
   }
+  completer_->stop();  // finishes the Works still queued
   if (idle) {
     pipeline_.reset();
     receives_.reset();
+    held_.clear();
   } else {
     SMDDP_WARN(kInit, "rank %d: a CUDA stream of the group is still busy at shutdown; its pinned memory is not freed",
                rank_);
     (void)pipeline_.release();
     (void)receives_.release();
+    (void)new std::vector<at::Tensor>(std::move(held_));  // leaked with the staging
   }
   ops_->destroyEvent(callerReady_);
   ops_->destroyStream(receiveStream_);
   ops_->destroyStream(stream_);
+}
+
+void CudaPath::holdForStream(const std::vector<at::Tensor>& tensors, c10::Stream stream) {
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  std::lock_guard<std::mutex> lock(heldMutex_);
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined() || !t.has_storage()) continue;
+    if (t.is_cuda()) {
+      impl.recordDataPtrOnStream(t.storage().data_ptr(), stream);
+    } else {
+      held_.push_back(t);
+    }
+  }
 }
 
 void CudaPath::completeLater(std::function<void()> finish) {

@@ -5,15 +5,17 @@
 // gets a clear NotImplementedError.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
 
 #include <chrono>
 #include <functional>
 #include <memory>
-#include <vector>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "algo/communicator.h"
 #include "cuda/receive_queue.h"
@@ -76,6 +78,13 @@ class CudaPath {
     receives_->awaitDelivered(number, std::chrono::steady_clock::now() + timeout);
   }
 
+  // After a failure, where `stream` may still copy into or out of `tensors` (the op's rounds were
+  // released, or it was never waited for): device tensors are recorded on `stream` for torch's
+  // caching allocator, which then reuses their memory only once the stream has passed this
+  // point; host ones (pinned memory of the op's own) are kept until the group ends. Any thread
+  // that may enter the allocator (not the progress thread).
+  void holdForStream(const std::vector<at::Tensor>& tensors, c10::Stream stream);
+
   // Unblocks every stream and host waiter for good (group shutdown).
   void abort() {
     pipeline_->abort();
@@ -107,6 +116,8 @@ class CudaPath {
   std::unique_ptr<cuda::ReceiveQueue> receives_;
   size_t pipelinedRoundBytes_ = 0;
   std::unique_ptr<engine::ProgressThread> completer_;
+  std::mutex heldMutex_;
+  std::vector<at::Tensor> held_;  // holdForStream's host tensors, freed once the streams are idle
 };
 
 }  // namespace smddp::torchext
