@@ -1519,6 +1519,11 @@ def split_groups(rank, world):
     t = torch.full((1000,), float(rank + 1))
     sub.allreduce([t]).wait()
     rep.expect(torch.equal(t, torch.full((1000,), float(sum(r + 1 for r in mine)))), f"allreduce on the split group: {t[:3]}")
+    # The backend's options name the group and its world ranks, as gloo's and NCCL's (they were
+    # empty until 2026-12-06).
+    opts = sub._get_backend(torch.device("cpu")).options
+    rep.expect((opts.group_name, list(opts.global_ranks_in_group)) == (f"split-{mine[0]}", mine),
+               f"options of the split group: {opts.group_name!r}, {list(opts.global_ranks_in_group)}")
     return rep.to_dict()
 
 

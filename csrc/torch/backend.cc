@@ -290,7 +290,12 @@ void SmddpBackend::stopThreads() {
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> SmddpBackend::getBackendOptions() {
-  return c10::make_intrusive<Options>(getBackendName(), std::chrono::milliseconds(timeoutMs_.load()));
+  auto options = c10::make_intrusive<Options>(getBackendName(), std::chrono::milliseconds(timeoutMs_.load()));
+  // As gloo's and NCCL's: the group's name, description and world ranks.
+  options->group_name = getGroupUid();
+  options->group_desc = getGroupDesc();
+  options->global_ranks_in_group.assign(globalRanks_.begin(), globalRanks_.end());
+  return options;
 }
 
 std::map<std::string, std::string> SmddpBackend::topologySummary() const {
