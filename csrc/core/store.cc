@@ -140,7 +140,9 @@ FreshNamespace freshNamespace(Store& store, int rank, int size, std::chrono::mil
       store.set(confirmKey(answer.word, rank), "1");  // a store that cannot add: no such check
     }
     keysSet.push_back(confirmKey(answer.word, rank));
-    if (answer.size > 0 && answer.size != size) throwError(ErrorCode::kInvalidUsage, "%s", sizeMismatch(answer.size, rank, size).c_str());
+    if (answer.size > 0 && answer.size != size) {
+      throwError(ErrorCode::kInvalidUsage, "%s", sizeMismatch(answer.size, rank, size).c_str());
+    }
     if (claims > 1) {
       throwError(ErrorCode::kInvalidUsage,
                  "another process has joined the group as rank %d too: every process must be given a rank of its own",
