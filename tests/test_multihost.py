@@ -1105,7 +1105,7 @@ def test_interface_and_family_choice(settings, want):
 @pytest.mark.parametrize("settings, want", [
     ({"SMDDP_SHM_SLOT_BYTES": "-4096"},
      "ERROR ValueError smddp rank {rank}: smddp: environment variable SMDDP_SHM_SLOT_BYTES=-4096 is out of range: "
-     "expected 4096 to 1099511627776"),
+     "expected 4096 or more"),
     ({"SMDDP_SHM_SLOT_BYTES": "99999999999999999999"},
      "environment variable SMDDP_SHM_SLOT_BYTES=99999999999999999999 is out of range"),
     # 4096 in octal
