@@ -165,6 +165,17 @@ FreshNamespace freshNamespace(Store& store, int rank, int size, std::chrono::mil
   // answered (once per ticket) so that they fail at once naming rank 0's size.
   int outsideEnd = size;
   std::vector<std::string> outsideAnswered;
+  // Rank r's ticket, answered where it is not the one answered last (`last`, updated).
+  auto answerTicket = [&](int r, std::string& last) {
+    const Sized ticket = parseSized(store.get(ticketKey(r)));
+    if (ticket.word != last) {
+      store.set(answerKey(ticket.word), answerValue);
+      // The rank that drew a ticket answered before never reads that answer now.
+      if (!last.empty()) keysSet.push_back(answerKey(last));
+      last = ticket.word;
+    }
+    return ticket;
+  };
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::milliseconds(1);
   while (true) {
@@ -188,14 +199,7 @@ FreshNamespace freshNamespace(Store& store, int rank, int size, std::chrono::mil
         absent.push_back(r);
         continue;
       }
-      const Sized ticket = parseSized(store.get(ticketKey(r)));
-      if (ticket.word != answered[r]) {
-        store.set(answerKey(ticket.word), answerValue);
-        // The rank that drew a ticket answered before never reads that answer now.
-        if (!answered[r].empty()) keysSet.push_back(answerKey(answered[r]));
-        answered[r] = ticket.word;
-      }
-      answeredSize[r] = ticket.size;
+      answeredSize[r] = answerTicket(r, answered[r]).size;
     }
     outsideAnswered.resize(static_cast<size_t>(outsideEnd - size));
     bool outsideAllTold = true;
@@ -203,11 +207,7 @@ FreshNamespace freshNamespace(Store& store, int rank, int size, std::chrono::mil
       std::string& last = outsideAnswered[static_cast<size_t>(r - size)];
       if (!last.empty() && store.check(confirmKey(ns, r))) continue;
       outsideAllTold = false;
-      if (!store.check(ticketKey(r))) continue;
-      const Sized ticket = parseSized(store.get(ticketKey(r)));
-      if (ticket.word == last) continue;
-      store.set(answerKey(ticket.word), answerValue);
-      last = ticket.word;
+      if (store.check(ticketKey(r))) answerTicket(r, last);
     }
     if (std::string now = joinRanks(absent); now != waiting) {
       waiting = std::move(now);
