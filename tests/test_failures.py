@@ -54,26 +54,28 @@ if mode == "p2p":  # ranks 0 and 2 (other hosts with hosts="0011") stream messag
         dist.destroy_process_group()
         sys.exit(0)
     op = (lambda: dist.recv(t, 2)) if rank == 0 else (lambda: dist.send(t, 0))
-if mode.startswith("send_to_gone"):  # rank 1 leaves (after one message, unless "_unmet"); rank 0's next send must fail
-    small, sent, met = torch.ones(16), [], not mode.endswith("_unmet")
-    if rank == 1:
+if mode.startswith("send_to_gone"):  # rank 1 (rank 0 with "_lower") leaves after one message, unless "_unmet"; the
+    small, sent, met = torch.ones(16), [], "_unmet" not in mode  # other's next send to it must fail
+    leaver = 0 if mode.endswith("_lower") else 1
+    if rank == leaver:
         if met:
-            dist.recv(small, 0)
+            dist.recv(small, 1 - leaver)
         dist.destroy_process_group()
         sys.exit(0)
     if met:
-        dist.send(small, 1)
+        dist.send(small, leaver)
     time.sleep(1.5)
 
     def op():
         sent.append(1)
         print(f"send #{len(sent)}", flush=True)
-        dist.send(small, 1)
-if mode.startswith("anysrc"):  # rank 0 receives from any rank, in a loop, while the others leave
-    if rank != 0:  # "anysrc_<r>_sends": rank r sends one message 1.5 s from now first
+        dist.send(small, leaver)
+if mode.startswith("anysrc"):  # rank 0 (the last rank with "_top") receives from any rank, in a loop, while the
+    receiver = world - 1 if mode.endswith("_top") else 0  # others leave
+    if rank != receiver:  # "anysrc_<r>_sends": rank r sends one message 1.5 s from now first
         if mode == f"anysrc_{rank}_sends":
             time.sleep(1.5)
-            dist.send(torch.full_like(t, rank), 0)
+            dist.send(torch.full_like(t, rank), receiver)
         if mode == "anysrc_killed":
             os.kill(os.getpid(), signal.SIGKILL)
         dist.destroy_process_group()
@@ -641,48 +643,63 @@ def test_peer_killed_during_send_recv(hosts):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("hosts", ["01", None], ids=["across-hosts", "one-host"])
-@pytest.mark.parametrize("mode", ["send_to_gone", "send_to_gone_unmet"], ids=["after a message", "first message"])
-def test_send_to_a_rank_that_left_fails(hosts, mode):
-    """Rank 1 destroys its group and exits; 1.5 s later rank 0 sends it 64 bytes. That send fails,
-    naming the send and rank 1 (across hosts it completed into the socket until 2026-12-04, and
-    only the next send failed: the message was lost silently). Where the two had not exchanged a
-    message yet, across hosts the send finds rank 1's listener gone, and says so."""
+@pytest.mark.parametrize("mode", ["send_to_gone", "send_to_gone_unmet", "send_to_gone_lower", "send_to_gone_unmet_lower"],
+                         ids=["after a message", "first message", "after a message, lower", "first message, lower"])
+def test_send_to_a_rank_that_left_fails(hosts, mode, tmp_path):
+    """One rank destroys its group and exits; 1.5 s later the other sends it 64 bytes. That send
+    fails, naming the send and the rank that left (across hosts it completed into the socket until
+    2026-12-04, and only the next send failed: the message was lost silently). Where the two had
+    not exchanged a message yet, across hosts the send finds the leaver's listener gone, and says
+    so: also where the leaver is the lower rank, which connects a pair at its first message (until
+    2026-12-06 that send waited out the group's 30 s timeout). The job's store is a file, so that
+    rank 0's exit takes no store with it."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
-    procs = _job(2, mode, 10, hosts=hosts)
+    leaver = 0 if mode.endswith("_lower") else 1
+    procs = _job(2, mode, 30, hosts=hosts, url=f"file://{tmp_path}/store")
     procs.wait_ready()
-    out = procs.finish(30, ranks=[0])[0]
-    assert procs[0].returncode == 3, f"rank 0: exit {procs[0].returncode}\n{out[-2000:]}"
+    t0 = time.monotonic()
+    out = procs.finish(30, ranks=[1 - leaver])[0]
+    elapsed = time.monotonic() - t0
+    assert procs[1 - leaver].returncode == 3, f"exit {procs[1 - leaver].returncode}\n{out[-2000:]}"
     assert "send #1" in out and "send #2" not in out, out[-2000:]
-    assert "rank 1" in out and "send to rank 1 (tag 0, 64 bytes)" in out, out[-2000:]
+    assert f"send to rank {leaver} (tag 0, 64 bytes)" in out, out[-2000:]
+    if mode == "send_to_gone_unmet_lower" and hosts:
+        assert f"rank {leaver} on vm (host 0) refuses connections: it exited, or ended its process group" in out, out[-2000:]
     assert "backend threads left: 0" in out, out[-2000:]
+    assert elapsed < 10, f"the send took {elapsed:.1f}s to fail"
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("hosts,mode", [(None, "anysrc_left"), (None, "anysrc_killed"), ("001", "anysrc_left"),
                                         ("011", "anysrc_killed"), (None, "anysrc_2_sends"), ("001", "anysrc_2_sends"),
-                                        ("001", "anysrc_1_sends")])
-def test_recv_from_any_rank_fails_once_no_rank_can_send(hosts, mode):
+                                        ("001", "anysrc_1_sends"), ("001", "anysrc_left_top"),
+                                        ("011", "anysrc_killed_top")])
+def test_recv_from_any_rank_fails_once_no_rank_can_send(hosts, mode, tmp_path):
     """Rank 0 receives from any rank, in a loop, while ranks 1 and 2 leave (destroy their group, or
     are killed); with "_<r>_sends" rank r first sends one message, 1.5 s after the other left.
     That message is received, from rank r (across hosts, one engine's copy of the receive has
     given up by then: the other takes it); then, with every sender gone, the next receive fails
     within seconds, naming each rank and why, instead of at the group's 60 s timeout (until
-    2026-12-05 it waited that out)."""
+    2026-12-05 it waited that out). With "_top" rank 2 receives while ranks 0 and 1 leave: across
+    hosts the lower ranks, which connect a pair at their first message, never did (until
+    2026-12-06 the receive then waited out the timeout). The store is a file, so that rank 0's
+    exit takes no store with it."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
-    procs = _job(3, mode, 60, hosts=hosts)
+    receiver = 2 if mode.endswith("_top") else 0
+    procs = _job(3, mode, 60, hosts=hosts, url=f"file://{tmp_path}/store")
     procs.wait_ready()
     t0 = time.monotonic()
-    out = procs.finish(30, ranks=[0])[0]
+    out = procs.finish(30, ranks=[receiver])[0]
     elapsed = time.monotonic() - t0
-    assert procs[0].returncode == 3, f"rank 0: exit {procs[0].returncode}\n{out[-2000:]}"
+    assert procs[receiver].returncode == 3, f"exit {procs[receiver].returncode}\n{out[-2000:]}"
     received = re.findall(r"received from rank (\d+): (\S+)", out)
     sender = mode.split("_")[1] if mode.endswith("_sends") else None
     assert received == ([(sender, f"{sender}")] if sender else []), out[-2000:]
     m = re.search(r"recv from any rank \(tag 0, 262144 bytes\): no rank can send it any more: (.*)", out)
     assert m, out[-2000:]
-    for r in (1, 2):
+    for r in {0, 1, 2} - {receiver}:
         assert f"rank {r}" in m.group(1), m.group(1)
     if hosts is None:
         gone = "exited" if mode == "anysrc_killed" else "shut down or aborted the process group"

@@ -28,6 +28,10 @@ using net::wire::MsgHeader;
 constexpr int kActiveTickMs = 50;  // how often deadlines are checked while something is pending
 constexpr int kIdleTickMs = 1000;
 constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client must introduce itself by then
+// How long an op waits for a lower rank to call before that rank's listener is checked, and
+// between checks; a check whose connect is neither refused nor accepted by then tells nothing.
+constexpr auto kProbeEvery = std::chrono::seconds(1);
+constexpr auto kProbeWithin = std::chrono::seconds(1);
 // Why a connection closes without a farewell: one a rank gives up in the middle of a message
 // (its own timeout, say) cannot carry one, so that case reads like a crash here.
 const std::string kPeerGone =
@@ -94,6 +98,10 @@ struct NetP2p::Peer {
   std::string why;  // when broken
   std::deque<P2pOp> sends, recvs;  // in issue order
   UnexpectedQueue unexpected;
+  // A lower rank that ops wait on to call: the connect that checks it is still there
+  // (probeSilentPeer), and when the next one starts or this one gives up.
+  int probeFd = -1;
+  Clock::time_point probeAt{}, probeUntil{};
 
   bool idle() const { return !broken && lanes[0].state == Lane::State::kIdle; }  // not dialled yet
   bool ready() const {
@@ -290,6 +298,7 @@ void NetP2p::failQueued(Peer& p, ErrorCode code, const std::string& why, bool na
 
 void NetP2p::failPeer(Peer& p, ErrorCode code, const std::string& why, const std::string& farewell) {
   ++fdGeneration_;
+  closeProbe(p);
   const std::string frame = farewell.empty() ? std::string() : net::wire::farewellFrame(farewell);
   for (Lane& l : p.lanes) {
     if (l.fd < 0) continue;
@@ -425,6 +434,11 @@ void NetP2p::introduce(Incoming& in) {
     for (int lane = 0; lane < lanes_; ++lane) {
       if (p->lanes[static_cast<size_t>(lane)].fd < 0) expected.push_back(p->rank * lanes_ + lane);
     }
+  }
+  if (k == 0 && in.got == 0) {  // closed before a byte: another host's rank checking that this one is there
+    close(in.fd);
+    in.fd = -1;
+    return;
   }
   if (k <= 0 || !net::wire::helloAccepted(in.hello, secret_, rank_, lanes_, expected) ||
       !net::sendWithin(in.fd, &net::wire::kHelloAccepted, 1, Clock::now() + kAckTimeout)) {
@@ -748,8 +762,51 @@ void NetP2p::processPolled(const PollSet& ps) {
   }
 }
 
+void NetP2p::closeProbe(Peer& p) {
+  if (p.probeFd >= 0) close(p.probeFd);
+  p.probeFd = -1;
+}
+
+void NetP2p::probeSilentPeer(Peer& p, Clock::time_point now) {
+  if (p.rank > rank_ || !p.idle() || (p.sends.empty() && p.recvs.empty() && anyRecvs_.empty())) {
+    closeProbe(p);
+    p.probeAt = {};
+    return;
+  }
+  if (p.probeAt == Clock::time_point{}) p.probeAt = now + kProbeEvery;
+  int err = 0;
+  if (p.probeFd < 0) {
+    if (now < p.probeAt) return;
+    try {
+      const std::vector<net::SocketAddress> peerAddrs = net::parseAddresses(p.address, p.rank);
+      const net::SocketAddress* to = nullptr;
+      p.probeFd = net::laneSocket(peerAddrs, addrs_, 0, rank_, &to);
+      if (connect(p.probeFd, to->get(), to->len) != 0 && errno != EINPROGRESS) err = errno;
+    } catch (const Error& e) {
+      SMDDP_INFO(kNet, "rank %d: point-to-point: cannot check on rank %d: %s", rank_, p.rank, e.what());
+    }
+    p.probeUntil = now + kProbeWithin;
+  }
+  pollfd pfd{p.probeFd, POLLOUT, 0};
+  if (err == 0 && p.probeFd >= 0) {
+    if (poll(&pfd, 1, 0) == 0 && now < p.probeUntil) return;  // still connecting
+    socklen_t len = sizeof(err);
+    getsockopt(p.probeFd, SOL_SOCKET, SO_ERROR, &err, &len);
+  }
+  closeProbe(p);
+  p.probeAt = now + kProbeEvery;
+  if (err != ECONNREFUSED) return;  // accepted (the rank is there), or no answer: nothing known
+  failDial(p, ErrorCode::kRemoteError,
+           "rank " + std::to_string(p.rank) + " on " + topo_.describeHost(topo_.hostOf[p.rank]) +
+               " refuses connections: it exited, or ended its process group, before its first message to or "
+               "receive from this rank (a lower rank on another host connects then)");
+}
+
 void NetP2p::checkDeadlines() {
   const auto now = Clock::now();
+  for (auto& p : peers_) {
+    if (p) probeSilentPeer(*p, now);
+  }
   for (auto& in : incoming_) {
     if (now >= in->deadline) {
       close(in->fd);

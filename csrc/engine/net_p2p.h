@@ -30,6 +30,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -128,7 +129,15 @@ class NetP2p : public P2pDriver {
   std::optional<std::string> farewellOn(Lane& l);
   void peerGaveUp(Peer& p, const std::string& what, const std::string& reason);
   void failAll();  // after shutdown() or abort(): every op, each named
-  void checkDeadlines();
+  // A lower rank that ops wait on to call this one (at its first message to or receive from it)
+  // may have exited or ended its group before it did: no call would come, and the ops would wait
+  // out the group's timeout (gloo, which connects every pair at set-up, sees the connection close
+  // at once). Its listener tells: a connect is refused once its process or its group has ended,
+  // while a slow or stopped rank's kernel still accepts one (closed at once; introduce() drops
+  // it quietly). A refusal fails p's ops.
+  void probeSilentPeer(Peer& p, std::chrono::steady_clock::time_point now);
+  void closeProbe(Peer& p);
+  void checkDeadlines();  // and probeSilentPeer()
   bool anyPending() const;
 
   Topology topo_;
