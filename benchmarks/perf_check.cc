@@ -118,7 +118,10 @@ size_t spread(size_t i) {  // splitmix64's finaliser: neighbouring i give unrela
 double valueOf(ReduceOp op, DataType dt, int W, int r, size_t i) {
   const size_t h = spread(i);
   const size_t place = (static_cast<size_t>(r) + h) % static_cast<size_t>(W);  // r's among i's ranks
-  const unsigned bits = static_cast<unsigned>(h >> (2 * (r % 32))) & 3;         // r's own 2 bits of h
+  // Hashed apart from `place`: bits of h itself repeat the place's at a world of 2^k ranks (at
+  // 16, rank 1 carried a MIN's 1..4 only as 4 or in a tie, so leaving it out counted 0 wrong) and
+  // every 32 ranks (until 2026-12-06).
+  const unsigned bits = static_cast<unsigned>(spread(h ^ spread(static_cast<size_t>(r)))) & 3;
   if (op == ReduceOp::kProduct) return place < (h >> 60) % 5 ? 2 : 1;
   if (op == ReduceOp::kMin || op == ReduceOp::kMax) return place < 2 ? 1 + bits : op == ReduceOp::kMin ? 4 : 1;
   const size_t carriers = dt == DataType::kFloat8E5M2 ? 4 : 8;

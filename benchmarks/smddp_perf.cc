@@ -48,6 +48,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -83,6 +84,7 @@ struct Args {
   std::vector<DataType> dtypes{DataType::kFloat32};
   std::vector<ReduceOp> ops{ReduceOp::kSum};
   std::string json;
+  double minBusBw = 0;     // SMDDP_TESTS_MIN_BW, GB/s (0: none)
   bool hugePages = false;  // buffers on transparent huge pages (torch's THP_MEM_ALLOC_ENABLE=1)
   bool touch = false;      // the input rewritten before each timed op, outside the time
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // set-up, and each op
@@ -126,9 +128,10 @@ const char* opName(ReduceOp op) {
   return reduceOpName(op);
 }
 
+// Without `why` (-h), the usage goes to stdout and the exit is 0, as nccl-tests' -h.
 [[noreturn]] void usage(const char* why = nullptr) {
   if (why) fprintf(stderr, "smddp_perf: %s\n", why);
-  fprintf(stderr,
+  fprintf(why ? stderr : stdout,
           "usage: smddp_perf [-np ranks] [--collective all_reduce|all_gather|reduce_scatter|broadcast|all_to_all] "
           "[-b minbytes] "
           "[-e maxbytes] [-f factor | -i stepbytes] [-n iters (0 = auto, see -T)] [-w warmup] [-m agg] [-c 0/1] "
@@ -136,7 +139,13 @@ const char* opName(ReduceOp op) {
           "[-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|f8e4m3|f8e5m2|all] "
           "[-r root] [-a 0..3] [-J json] [-T target_ms] [--timeout seconds (set-up and each op; default 300)] "
           "[--huge-pages 0/1] [--touch 0/1]\n");
-  exit(2);
+  exit(why ? 2 : 0);
+}
+
+std::string formatNumber(double v) {
+  char text[32];
+  snprintf(text, sizeof(text), "%g", v);
+  return text;
 }
 
 // Strict readers of option values: a typo ("-n 1O", "-b 1T") stops the run instead of measuring
@@ -214,7 +223,7 @@ Args parseArgs(int argc, char** argv) {
     else if (f == "-i" || f == "--stepbytes") a.stepBytes = parseSize(f, need(i)), a.factor = 1;
     else if (f == "-n" || f == "--iters") a.iters = parseInt(f, need(i)), a.autoIters = a.iters == 0;
     else if (f == "-w" || f == "--warmup_iters") a.warmup = parseInt(f, need(i));
-    else if (f == "-m" || f == "--agg_iters") a.agg = std::max(1, parseInt(f, need(i)));
+    else if (f == "-m" || f == "--agg_iters") a.agg = parseInt(f, need(i));
     else if (f == "-c" || f == "--check") a.check = parseInt(f, need(i)) != 0;
     else if (f == "-a" || f == "--average") a.avgMode = parseInt(f, need(i));
     else if (f == "-r" || f == "--root") a.root = parseInt(f, need(i));
@@ -222,7 +231,13 @@ Args parseArgs(int argc, char** argv) {
     else if (f == "-T") a.targetMs = parseNumber(f, need(i));
     else if (f == "--huge-pages") a.hugePages = parseInt(f, need(i)) != 0;
     else if (f == "--touch") a.touch = parseInt(f, need(i)) != 0;
-    else if (f == "--timeout") a.timeout = std::chrono::milliseconds(static_cast<int64_t>(parseNumber(f, need(i)) * 1000));
+    else if (f == "--timeout") {
+      // A year at most: a deadline past steady_clock's range wrapped round to the past, so that
+      // every rank "timed out" at once, blaming the others (until 2026-12-06).
+      const double seconds = parseNumber(f, need(i));
+      if (seconds <= 0 || seconds > 365.0 * 86400) usage("--timeout (seconds) must be more than 0 and at most a year");
+      a.timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+    }
     else if (f == "-t" || f == "-g") {
       if (parseInt(f, need(i)) != 1) usage("one thread and one device per rank (use -np for more ranks)");
     } else if (f == "-d" || f == "--datatype") {
@@ -269,6 +284,11 @@ Args parseArgs(int argc, char** argv) {
   }
   if (a.minBytes > a.maxBytes || a.factor < 1 || (a.factor == 1 && a.stepBytes == 0)) usage("bad size range");
   if (a.iters < 0 || a.warmup < 0 || a.targetMs <= 0 || a.timeout.count() <= 0) usage("bad -n, -w, -T or --timeout");
+  if (a.agg < 1) usage("-m (operations per timed measurement) must be at least 1");
+  if (const char* minBw = getenv("SMDDP_TESTS_MIN_BW"); minBw && *minBw) {
+    a.minBusBw = parseNumber("SMDDP_TESTS_MIN_BW", minBw);
+    if (a.minBusBw < 0) usage("SMDDP_TESTS_MIN_BW (GB/s) must not be negative");
+  }
   return a;
 }
 
@@ -376,7 +396,7 @@ int rankMain(const Args& a, int rank, Store& store) {
     printf("# nThread 1 nGpus 1 minBytes %zu maxBytes %zu step: %s warmup iters: %d iters: %d agg iters: %d "
            "validation: %d graph: 0\n",
            a.minBytes, a.maxBytes,
-           (a.factor > 1 ? std::to_string(static_cast<long>(a.factor)) + "(factor)"
+           (a.factor > 1 ? formatNumber(a.factor) + "(factor)"
                          : std::to_string(a.stepBytes) + "(bytes)").c_str(),
            a.warmup, a.iters, a.agg, a.check ? 1 : 0);
     printf("#\n# Using devices\n");
@@ -394,7 +414,8 @@ int rankMain(const Args& a, int rank, Store& store) {
            "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
     if (!a.json.empty()) {
       json = fopen(a.json.c_str(), "w");
-      if (json) fprintf(json, "[\n");
+      if (!json) throw std::runtime_error("cannot write the -J file " + a.json + ": " + strerror(errno));
+      fprintf(json, "[\n");
     }
   }
   double bwSum = 0;
@@ -506,8 +527,8 @@ int rankMain(const Args& a, int rank, Store& store) {
       fprintf(json, "\n]\n");
       fclose(json);
     }
-    if (const char* minBw = getenv("SMDDP_TESTS_MIN_BW"); minBw && *minBw && avg < atof(minBw)) {
-      printf("# Average bus bandwidth %g GB/s is below SMDDP_TESTS_MIN_BW=%s\n", avg, minBw);
+    if (a.minBusBw > 0 && avg < a.minBusBw) {
+      printf("# Average bus bandwidth %g GB/s is below SMDDP_TESTS_MIN_BW=%g\n", avg, a.minBusBw);
       if (rc == 0) rc = 4;
     }
   }
@@ -573,6 +594,11 @@ void printCacheLineRoundTrip(const char* when) {
   fflush(stdout);
 }
 
+// A signal that stops the launcher (SIGINT, SIGTERM, SIGHUP): its ranks are killed and the
+// store's folder removed before it dies of that signal (until 2026-12-06 the folder stayed).
+volatile sig_atomic_t gStopSignal = 0;
+void onStopSignal(int sig) { gStopSignal = sig; }
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -588,17 +614,30 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  char tmpl[] = "/tmp/smddp_perf.XXXXXX";
-  if (!mkdtemp(tmpl)) return 1;
-  const std::string dir = tmpl;
+  // The ranks' store: a folder in $TMPDIR (/tmp by default).
+  const char* tmpdir = getenv("TMPDIR");
+  std::string dir = std::string(tmpdir && *tmpdir ? tmpdir : "/tmp") + "/smddp_perf.XXXXXX";
+  if (!mkdtemp(dir.data())) {
+    fprintf(stderr, "smddp_perf: cannot make the ranks' store folder %s: %s\n", dir.c_str(), strerror(errno));
+    return 1;
+  }
   printCacheLineRoundTrip("before the run");
   fflush(stdout);  // the ranks inherit this buffer: empty it before they fork
   std::vector<pid_t> kids;
   const pid_t launcher = getpid();
+  // Installed before the forks (without SA_RESTART, so that the launcher's waitpid() returns at
+  // once); each rank takes the default actions back.
+  struct sigaction stop{};
+  stop.sa_handler = onStopSignal;
+  sigemptyset(&stop.sa_mask);
+  constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+  for (int sig : kStopSignals) sigaction(sig, &stop, nullptr);
+  signal(SIGPIPE, SIG_IGN);  // its output closed (`| head`), the launcher still removes the folder
   for (int r = 0; r < a.ranks; ++r) {
     pid_t pid = fork();
     if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);  // a killed launcher leaves no rank behind
+      for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) signal(sig, SIG_DFL);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);  // a killed launcher leaves no rank behind (SIGKILL leaves the folder)
       if (getppid() != launcher) _exit(1);  // it died before the line above
       int rc = 1;
       try {
@@ -615,21 +654,37 @@ int main(int argc, char** argv) {
   // The first rank to fail names the job's outcome. Wrong values (3) and a bandwidth below
   // SMDDP_TESTS_MIN_BW (4) are results: every rank still finishes. Any other failure would leave
   // the other ranks waiting, so they are killed, and their deaths must not mask the cause.
+  const std::vector<pid_t> rankPids = kids;
   int first = 0;
+  bool killed = false;
   while (!kids.empty()) {
+    if (gStopSignal && !killed) {
+      for (pid_t other : kids) kill(other, SIGKILL);  // only ranks not yet reaped: no pid reuse
+      killed = true;
+    }
     int st = 0;
     const pid_t k = waitpid(-1, &st, 0);  // in the order they end, so that the cause comes first
+    if (k < 0 && errno == EINTR) continue;
     if (k < 0) break;
     kids.erase(std::remove(kids.begin(), kids.end(), k), kids.end());
     const int rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    if (rc == 0 || first != 0) continue;
+    if (rc == 0 || first != 0 || gStopSignal) continue;
     first = rc;
+    if (WIFSIGNALED(st)) {  // a rank that fails says why itself; one killed cannot
+      const long rank = std::find(rankPids.begin(), rankPids.end(), k) - rankPids.begin();
+      fprintf(stderr, "smddp_perf: rank %ld was killed by signal %d (%s)\n", rank, WTERMSIG(st),
+              strsignal(WTERMSIG(st)));
+    }
     if (rc != 3 && rc != 4) {
-      for (pid_t other : kids) kill(other, SIGKILL);  // only ranks not yet reaped: no pid reuse
+      for (pid_t other : kids) kill(other, SIGKILL);
     }
   }
-  printCacheLineRoundTrip("after the run");
+  if (!gStopSignal) printCacheLineRoundTrip("after the run");
   std::string cmd = "rm -rf " + dir;
   if (system(cmd.c_str()) != 0) fprintf(stderr, "smddp_perf: could not remove %s\n", dir.c_str());
+  if (const int sig = gStopSignal) {
+    signal(sig, SIG_DFL);
+    raise(sig);
+  }
   return first;
 }

@@ -119,10 +119,56 @@ def test_huge_pages_and_cache_placement_lines():
     (["-f", "nan"], '-f needs a finite number, not "nan"'),
     (["-f", "0.5"], "bad size range"),
     (["-n", "1O"], '-n needs an integer, not "1O"'),
+    # Until 2026-12-06: -m 0 ran as 1; a timeout past steady_clock's range failed every rank at
+    # once, blaming rank 0; SMDDP_TESTS_MIN_BW=abc read as 0, so the bandwidth test never failed.
+    (["-m", "0"], "-m (operations per timed measurement) must be at least 1"),
+    (["--timeout", "1e10"], "--timeout (seconds) must be more than 0 and at most a year"),
+    (["-b", "1K", "-e", "1K", "SMDDP_TESTS_MIN_BW=abc"], 'SMDDP_TESTS_MIN_BW needs a finite number, not "abc"'),
 ])
 def test_bad_arguments_fail_with_usage(args, why):
-    p = run([BIN / "smddp_perf", "-np", 2, *args])
+    env = dict(a.split("=", 1) for a in args if "=" in a)
+    p = run([BIN / "smddp_perf", "-np", 2, *[a for a in args if "=" not in a]], env=env)
     assert p.returncode == 2 and why in p.stderr, p.stderr
+
+
+def test_help_and_unwritable_json():
+    """-h prints the usage to stdout and exits 0, as nccl-tests'; a -J file that cannot be opened
+    fails the run naming it (until 2026-12-06 the JSON was skipped and the run ended 0)."""
+    p = run([BIN / "smddp_perf", "-h"])
+    assert p.returncode == 0 and p.stdout.startswith("usage: smddp_perf"), p.stdout + p.stderr
+    p = run([BIN / "smddp_perf", "-np", 2, "-b", "8", "-e", "8", "-n", "1", "-w", "0", "-J", "/nonexistent/x.json"])
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "rank 0: cannot write the -J file /nonexistent/x.json: No such file or directory" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGKILL to a rank"])
+def test_a_stopped_launcher_or_killed_rank_leaves_nothing(how, tmp_path):
+    """A launcher stopped by SIGTERM (or SIGINT, SIGHUP) kills its ranks, removes its store's
+    folder and dies of that signal (until 2026-12-06 the folder stayed in $TMPDIR); a rank killed
+    by a signal is named, with the signal (the launcher exited 137 without a word)."""
+    import signal
+    import time
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    p = subprocess.Popen([str(BIN / "smddp_perf"), "-np", "3", "-b", "16M", "-e", "16M", "-n", "100000"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("smddp_perf.*/*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2)  # the ranks are in their timed loop
+    ranks = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()]
+    assert len(ranks) == 3, ranks
+    if how.startswith("SIGTERM"):
+        p.send_signal(signal.SIGTERM)
+    else:
+        os.kill(ranks[-1], signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    if how.startswith("SIGTERM"):
+        assert p.returncode == -signal.SIGTERM, (p.returncode, err)
+    else:
+        assert p.returncode == 128 + signal.SIGKILL and "rank 2 was killed by signal 9 (Killed)" in err, err
+    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
+    for pid in ranks:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
 
 
 @pytest.mark.parametrize("hosts", ["01234", "0011223"], ids=["5x1", "uneven"])
