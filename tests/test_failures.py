@@ -88,6 +88,15 @@ if mode == "p2p_pair":  # rank 1 receives what rank 0 sends
     op = (lambda: dist.recv(t, 0)) if rank == 1 else (lambda: dist.send(t, 1))
 if mode == "p2p_idle":  # rank 0 blocks in a recv whose sender never comes
     op = lambda: dist.recv(t, 1)
+if mode.startswith("p2p_unread"):  # rank 1 sends 64 MiB that rank 0 never reads, or 1 GiB it reads while rank 1
+    big = torch.ones(16 << 20 if mode == "p2p_unread" else 256 << 20)  # freezes 0.3 s into it
+    dist.send(t, 1) if rank == 0 else dist.recv(t, 0)  # rank 0 connects the pair (the lower rank dials)
+    if rank == 0 and mode == "p2p_unread":
+        time.sleep(3600)
+    if rank == 1 and mode == "p2p_unread_frozen":
+        import threading
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGSTOP)).start()  # the test ends it
+    op = (lambda: dist.recv(big, 1)) if rank == 0 else (lambda: dist.send(big, 0))
 if mode == "p2p_deadlock":  # ranks 0 and 1 each receive from the other before sending
     op = lambda: dist.recv(t, 1 - rank)
 if mode == "p2p_vs_collective":  # rank 0 receives from rank 1, which waits in an all_reduce
@@ -729,6 +738,33 @@ def test_recv_without_sender_times_out(hosts):
            "of this group, nor in a point-to-point op (busy elsewhere" in out, out[-2000:]
     assert "backend threads left: 0" in out, out[-2000:]
     assert elapsed < 10, f"a timeout of 3 s took {elapsed:.1f}s to surface"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["p2p_unread", "p2p_unread_frozen"], ids=["never read", "sender frozen"])
+def test_a_stalled_message_across_hosts_says_how_far_it_got(mode):
+    """A 64 MiB send across hosts that its receiver never reads times out saying how much went
+    into the socket before the receiver stopped taking it; a 1 GiB recv whose sender freezes
+    (SIGSTOP) in the middle says how much arrived. Until 2026-12-06 they said "no matching recv
+    (send) was posted", while the where-it-waits note after it could say the peer waits in it."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = _job(2, mode, 3, hosts="01")
+    procs.wait_ready()
+    waiter = 1 if mode == "p2p_unread" else 0
+    out = procs.finish(30, ranks=[waiter])[0]
+    procs.kill(1 - waiter)
+    assert procs[waiter].returncode == 3, f"exit {procs[waiter].returncode}\n{out[-2000:]}"
+    if mode == "p2p_unread":
+        m = re.search(r"send to rank 0 \(tag 0, 67108864 bytes\) timed out: (\d+) of the message's 67108864 bytes "
+                      r"went out, then rank 0 stopped taking them \(no matching recv was posted, or that rank stopped "
+                      r"reading", out)
+        assert m and 0 < int(m.group(1)) < 1 << 26, out[-2000:]
+    else:
+        m = re.search(r"recv from rank 1 \(tag 0, 1073741824 bytes\) timed out: the message stopped arriving after "
+                      r"(\d+) of its 1073741824 bytes \(rank 1 stopped sending", out)
+        assert m and int(m.group(1)) < 1 << 30, out[-2000:]
+    assert "backend threads left: 0" in out, out[-2000:]
 
 
 @pytest.mark.timeout(120)

@@ -802,6 +802,29 @@ void NetP2p::probeSilentPeer(Peer& p, Clock::time_point now) {
                "receive from this rank (a lower rank on another host connects then)");
 }
 
+std::string NetP2p::timeoutReason(const Peer& p, const P2pOp& op) const {
+  const std::deque<P2pOp>& q = op.isSend ? p.sends : p.recvs;
+  size_t moved = 0;  // of the payload, where op is the message under way
+  const bool underWay = p.ready() && &q.front() == &op && (op.isSend || p.lanes[0].recvChecked);
+  for (const Lane& l : p.lanes) {
+    if (underWay) moved += op.isSend ? (l.sendOff > kHeaderBytes ? l.sendOff - kHeaderBytes : 0) : l.recvOff;
+  }
+  const std::string who = "rank " + std::to_string(p.rank);
+  if (op.isSend && moved > 0) {
+    // TCP takes a socket buffer's worth before the receiver reads: a recv need not be posted.
+    return formatString("%zu of the message's %zu bytes went out, then %s stopped taking them (no matching recv "
+                        "was posted, or that rank stopped reading: its process is frozen or the connection stalled)",
+                        moved, op.bytes, who.c_str());
+  }
+  if (op.isSend) return "no matching recv was posted";
+  if (underWay) {  // its header matched this recv: the send is posted
+    return formatString("the message stopped arriving after %zu of its %zu bytes (%s stopped sending: its process is "
+                        "frozen or the connection stalled)",
+                        moved, op.bytes, who.c_str());
+  }
+  return recvTimeoutReason(p.unexpected, p.rank);
+}
+
 void NetP2p::checkDeadlines() {
   const auto now = Clock::now();
   for (auto& p : peers_) {
@@ -823,10 +846,9 @@ void NetP2p::checkDeadlines() {
       const auto late = std::find_if(q->begin(), q->end(), [&](const P2pOp& op) { return now >= op.deadline; });
       if (late == q->end()) continue;
       // Part of a message may have moved: the stream to this peer can no longer be trusted.
-      const std::string why =
-          describeOp(*late, p->rank) + " timed out: " +
-          (late->isSend ? "no matching recv was posted" : recvTimeoutReason(p->unexpected, p->rank)) +
-          (p->ready() ? "" : " (the connection to that rank was never completed)") + board_.where(p->rank);
+      const std::string why = describeOp(*late, p->rank) + " timed out: " + timeoutReason(*p, *late) +
+                              (p->ready() ? "" : " (the connection to that rank was never completed)") +
+                              board_.where(p->rank);
       P2pOp op = std::move(*late);
       q->erase(late);
       complete(std::move(op), errorOf(ErrorCode::kTimeout, why), p->rank);

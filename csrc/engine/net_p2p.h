@@ -137,6 +137,8 @@ class NetP2p : public P2pDriver {
   // it quietly). A refusal fails p's ops.
   void probeSilentPeer(Peer& p, std::chrono::steady_clock::time_point now);
   void closeProbe(Peer& p);
+  // Why `op`, waiting on p, timed out: where it is the message under way, how far it got.
+  std::string timeoutReason(const Peer& p, const P2pOp& op) const;
   void checkDeadlines();  // and probeSilentPeer()
   bool anyPending() const;
 
