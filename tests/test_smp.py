@@ -37,6 +37,7 @@ import smddp.smp as tsm
     ({"random_seed": 2**64}, 4, "random_seed must be an integer in [-2**63, 2**64)"),
     ("not json", 4, "neither an existing JSON file nor JSON text"),
     ([1, 2], 4, "must be a dict"),
+    ({1: 2, "x": 3}, 4, "keys must be strings"),  # was a TypeError from sorting the unknown keys
 ])
 def test_invalid_configs_rejected(config, world, message):
     with pytest.raises(ValueError) as e:
@@ -66,6 +67,8 @@ def test_config_sources(tmp_path, monkeypatch):
     bad.write_text('{"hybrid_shard_degree": 2,}')
     with pytest.raises(ValueError, match=f"smddp.smp config: the file {bad} is not valid JSON: "):
         tsm.validate(str(bad), 4)  # was a bare JSONDecodeError, naming neither the file nor smddp
+    with pytest.raises(ValueError, match=f"smddp.smp config: {tmp_path} is a directory, not a JSON file"):
+        tsm.validate(str(tmp_path), 4)  # was a bare IsADirectoryError
     monkeypatch.setenv("SMDDP_SMP_CONFIG", str(path))
     assert tsm.validate(None, 4).random_seed == 3
     monkeypatch.delenv("SMDDP_SMP_CONFIG")
@@ -782,6 +785,100 @@ def checkpoint_leaves_optimizer_task(rank, world, path):
 
 def test_checkpoint_leaves_the_optimizer_as_it_was(pools, tmp_path):
     pools.check(2, checkpoint_leaves_optimizer_task, str(tmp_path / "ckpt"), timeout=300)
+
+
+def checkpoint_mismatch_task(rank, world, path):
+    """Loads that do not fit what was saved. Until 2026-12-06: an AdamW(amsgrad=True) loading an
+    AdamW checkpoint dropped the whole saved state without a word (state was asked for only where
+    the checkpoint held every entry this optimizer makes); an optimizer over fewer parameters got
+    a bare IndexError; a model with fewer layers loaded, ignoring the rest; a model still on the
+    meta device "loaded" (every copy a no-op). Now the optimizer takes the saved state and
+    settings, as torch's optimizer.load_state_dict does, and the others raise ValueError."""
+    rep = Report(rank)
+    batches = _batches(world, key=23, steps=2)
+    tsm.init({}, device_type="cpu")
+    for amsgrad in (False, True):
+        model = tsm.apply_hybrid_sharding(_mlp())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=amsgrad)
+        for b in batches:
+            _train_step(model, opt, b, rank)
+        tsm.save_checkpoint(f"{path}/amsgrad{amsgrad}", model, opt)
+        if not amsgrad:
+            first_saved = {n: _plain(p).clone() for n, p in model.named_parameters()}
+        fresh = tsm.apply_hybrid_sharding(_mlp(seed=5))
+        other = torch.optim.AdamW(fresh.parameters(), lr=1e-2, amsgrad=not amsgrad)
+        tsm.load_checkpoint(f"{path}/amsgrad{amsgrad}", fresh, other)
+        tag = f"saved amsgrad={amsgrad}, loaded into amsgrad={not amsgrad}"
+        rep.expect(other.param_groups[0]["amsgrad"] == amsgrad, f"{tag}: the saved settings were not taken")
+        for p, q in zip(model.parameters(), fresh.parameters()):
+            saved, got = opt.state[p], other.state.get(q, {})
+            rep.expect(sorted(got) == sorted(saved) and all(torch.equal(_plain(got[k]), _plain(saved[k])) for k in saved),
+                       f"{tag}: state {sorted(got)} differs from the saved {sorted(saved)}")
+        _train_step(model, opt, batches[0], rank)
+        _train_step(fresh, other, batches[0], rank)
+        for p, q in zip(model.parameters(), fresh.parameters()):
+            rep.expect(torch.equal(p.to_local(), q.to_local()), f"{tag}: the step after the load differs")
+
+    def refused(what, load, message):
+        with rep.cell(what):
+            try:
+                load()
+                rep.fail("no error")
+            except ValueError as e:
+                rep.expect(message in str(e), str(e))
+
+    saved = f"{path}/amsgradFalse"
+    model = tsm.apply_hybrid_sharding(_mlp(seed=5))
+    subset = torch.optim.AdamW(list(model.parameters())[2:], lr=1e-2)
+    refused("an optimizer over fewer parameters", lambda: tsm.load_checkpoint(saved, model, subset),
+            "param group 0 of the checkpoint " + saved + " holds other parameters than this optimizer's: saved only "
+            "['0.bias', '0.weight']")
+    torch.manual_seed(3)
+    shorter = tsm.apply_hybrid_sharding(torch.nn.Sequential(*list(_mlp().children())[:3]))
+    refused("a model with fewer layers", lambda: tsm.load_checkpoint(saved, shorter),
+            "holds 2 model entries this model lacks (4.bias, 4.weight): is it another model's? strict=False ignores")
+    tsm.load_checkpoint(saved, shorter, strict=False)
+    rep.expect(torch.equal(_plain(shorter[2].weight), first_saved["2.weight"]),
+               "strict=False: the layers the model has were not loaded")
+    with torch.device("meta"):
+        unmade = _mlp()
+    unmade = tsm.apply_hybrid_sharding(unmade)
+    refused("a model on the meta device", lambda: tsm.load_checkpoint(saved, unmade),
+            "the model's parameters are on the meta device (delayed initialisation): call materialize(model) first")
+    return rep.to_dict()
+
+
+def _plain(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def test_checkpoint_mismatches_load_as_torch_or_are_refused(pools, tmp_path):
+    pools.check(2, checkpoint_mismatch_task, str(tmp_path / "ckpt"), timeout=300)
+
+
+def differing_config_task(rank, world):
+    """A rank given another config (a launcher that sets one per node) made other meshes, and the
+    others hung in a collective until their timeout (until 2026-12-06); a config refused on one
+    rank raised there only. Now every rank raises the same ValueError at once."""
+    rep = Report(rank)
+    for config, message in (
+            ({"hybrid_shard_degree": 2 if rank == 0 else 0}, "smddp.smp.init: every rank must be given the same "
+             "config; rank 1 has hybrid_shard_degree=0 where rank 0 has hybrid_shard_degree=2"),
+            ({"hybrid_shard_degree": 3 if rank == 2 else 0}, "hybrid_shard_degree=3 must divide the data-parallel")):
+        with rep.cell(str(config)):
+            try:
+                tsm.init(config, device_type="cpu")
+                rep.fail("no error")
+            except ValueError as e:
+                rep.expect(message in str(e), str(e))
+                if rank != 2 and "must divide" in message:
+                    rep.expect(str(e).startswith("smddp.smp.init: rank 2's config is refused: "), str(e))
+    tsm.init({"random_seed": rank}, device_type="cpu")  # a seed of the rank's own is allowed
+    return rep.to_dict()
+
+
+def test_ranks_given_different_configs_all_refuse(pools):
+    pools.check(4, differing_config_task, timeout=120)
 
 
 def activation_checkpointing_task(rank, world, degree):

@@ -39,7 +39,7 @@ import json
 import os
 import warnings
 import weakref
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -109,6 +109,8 @@ def _load(config):
         config = os.environ.get("SMDDP_SMP_CONFIG") or {}
     if isinstance(config, (str, os.PathLike)):
         text = str(config)
+        if os.path.isdir(text):
+            raise ValueError(f"smddp.smp config: {text} is a directory, not a JSON file")
         if os.path.exists(text):
             with open(text) as f:
                 try:
@@ -128,6 +130,10 @@ def _load(config):
 def validate(config, world_size):
     """The SMPConfig for `config` (see init) on `world_size` ranks; ValueError naming the key otherwise."""
     raw = _load(config)
+    odd = [k for k in raw if not isinstance(k, str)]
+    if odd:
+        raise ValueError(f"smddp.smp config: keys must be strings (the known ones: {', '.join(CONFIG_KEYS)}), "
+                         f"got {odd[0]!r}")
     unknown = sorted(set(raw) - set(CONFIG_KEYS))
     if unknown:
         raise ValueError(f"smddp.smp config: unknown key(s) {', '.join(unknown)} (known: {', '.join(CONFIG_KEYS)})")
@@ -166,6 +172,30 @@ def validate(config, world_size):
                          f"{world_size // tp} (world {world_size} / tensor_parallel_degree {tp})")
     if cfg.activation_loading_horizon < 1:
         raise ValueError(f"smddp.smp config: activation_loading_horizon={cfg.activation_loading_horizon} must be >= 1")
+    return cfg
+
+
+def _validate_alike(config, world):
+    """validate() on every rank, and the ranks' configs compared: a rank given another config (a
+    launcher that sets one per node, say) would otherwise build other meshes and hang the others
+    in a collective until their timeout. Every rank raises the same ValueError, naming the first
+    rank that differs from rank 0 (or whose config is wrong) and how. random_seed may differ."""
+    try:
+        cfg, error = validate(config, world), None
+    except ValueError as e:
+        cfg, error = None, str(e)
+    seen = [None] * world
+    dist.all_gather_object(seen, (error, asdict(cfg) if cfg is not None else None))
+    for r, (err, got) in enumerate(seen):
+        if err is not None:
+            raise ValueError(err if r == dist.get_rank() else f"smddp.smp.init: rank {r}'s config is refused: {err}")
+    first = seen[0][1]
+    for r, (_, got) in enumerate(seen):
+        keys = [k for k in first if first[k] != got[k] and k != "random_seed"]  # a seed may be the rank's own
+        if keys:
+            raise ValueError("smddp.smp.init: every rank must be given the same config; rank "
+                             f"{r} has {', '.join(f'{k}={got[k]!r}' for k in keys)} where rank 0 has "
+                             f"{', '.join(f'{k}={first[k]!r}' for k in keys)}")
     return cfg
 
 
@@ -217,7 +247,7 @@ def init(config=None, backend="smddp", device_type=None):
             import smddp  # noqa: F401  (registers the backend)
         dist.init_process_group(backend=backend)
     world, rank = dist.get_world_size(), dist.get_rank()
-    cfg = validate(config, world)
+    cfg = _validate_alike(config, world)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type not in ("cuda", "cpu"):
@@ -930,14 +960,22 @@ def save_checkpoint(path, model, optimizer=None):
     dcp.save(_map_tree(_plain_layout, state_dict), checkpoint_id=str(path))
 
 
-def load_checkpoint(path, model, optimizer=None):
+def load_checkpoint(path, model, optimizer=None, strict=True):
     """Loads a checkpoint written by save_checkpoint into `model` (and `optimizer`), whatever the
-    sharding each was saved with. Collective. The optimizer's state becomes the saved one: a
-    parameter that had none when saved (not yet trained) has none after, and gradients the
-    parameters hold are left as they are. A load that fails leaves the optimizer's state as it
-    was (the model may be partly loaded)."""
+    sharding each was saved with. Collective. The optimizer's state becomes the saved one, as
+    torch's optimizer.load_state_dict makes it (its param_groups' settings too): a parameter that
+    had none when saved (not yet trained) has none after, a state entry the saved optimizer did
+    not make (say, amsgrad's) is not made up, and gradients the parameters hold are left as they
+    are. strict: a checkpoint that holds model entries the model lacks is refused, as torch's
+    load_state_dict(strict=True) does (False: they are ignored). An optimizer must cover the same
+    parameters, in the same groups, as the saved one. A load that fails leaves the optimizer's
+    state as it was (the model may be partly loaded)."""
     import torch.distributed.checkpoint as dcp
 
+    tensors = list(model.parameters()) + list(model.buffers())
+    if _any_rank(any(t.is_meta for t in tensors)):  # every rank refuses alike, or none does
+        raise ValueError("smddp.smp.load_checkpoint: the model's parameters are on the meta device (delayed "
+                         "initialisation): call materialize(model) first, then load the checkpoint into it")
     # First: a path that holds no checkpoint, or one without the optimizer's state, fails before
     # anything changes.
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
@@ -946,7 +984,7 @@ def load_checkpoint(path, model, optimizer=None):
                          "without an optimizer): pass optimizer=None, or load one that holds it")
     kept = dict(optimizer.state) if optimizer is not None else {}
     try:
-        _load_checkpoint(path, metadata, model, optimizer)
+        _load_checkpoint(path, metadata, model, optimizer, strict)
     except BaseException:  # dcp's CheckpointException is one
         if optimizer is not None:
             optimizer.state.clear()
@@ -954,7 +992,7 @@ def load_checkpoint(path, model, optimizer=None):
         raise
 
 
-def _load_checkpoint(path, metadata, model, optimizer):
+def _load_checkpoint(path, metadata, model, optimizer, strict):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
@@ -974,8 +1012,16 @@ def _load_checkpoint(path, metadata, model, optimizer):
     finally:
         for p, grad in held:
             p.grad = grad
+    saved = metadata.state_dict_metadata
+    extra = sorted(k[len("model."):] for k in saved if k.startswith("model.") and k[len("model."):]
+                   not in state_dict["model"])
+    if strict and extra:
+        raise ValueError(f"smddp.smp.load_checkpoint: the checkpoint {path} holds {len(extra)} model entr"
+                         f"{'y' if len(extra) == 1 else 'ies'} this model lacks ({', '.join(extra[:5])}"
+                         f"{', ...' if len(extra) > 5 else ''}): is it another model's? strict=False ignores them")
     if optimizer is not None:
-        _keep_saved_optimizer_state(state_dict["optimizer"], metadata)
+        _check_saved_param_groups(path, saved, state_dict["optimizer"]["param_groups"])
+        _keep_saved_optimizer_state(state_dict["optimizer"], saved)
     plain = _map_tree(_plain_layout, state_dict)
     dcp.load(plain, checkpoint_id=str(path))  # fills `plain` in place
     state_dict = _map_tree(lambda got, want: got.redistribute(placements=want.placements) if _is_strided(want)
@@ -987,15 +1033,53 @@ def _load_checkpoint(path, metadata, model, optimizer):
         set_optimizer_state_dict(model, optimizer, state_dict["optimizer"], options=StateDictOptions(strict=False))
 
 
-def _keep_saved_optimizer_state(optim_sd, metadata):
-    """Drops from `optim_sd` (get_state_dict's, keyed by parameter name) the state of parameters
-    the checkpoint holds none for: they had none when it was saved (no step had updated them, e.g.
-    a branch not used yet), while torch made state for every parameter here, which dcp.load would
-    look for in vain ("Missing key in checkpoint state_dict")."""
-    saved = metadata.state_dict_metadata
+def _check_saved_param_groups(path, saved, groups):
+    """The saved optimizer's param_groups must list the same parameters as `groups` (get_state_dict's,
+    by name): dcp.load would replace them with the saved lists, which then no longer line up with
+    this optimizer's parameters (an IndexError, or state given to the wrong parameter)."""
+    import torch.distributed.checkpoint as dcp
+
+    count = len({k.split(".")[2] for k in saved if k.startswith("optimizer.param_groups.")})
+    if count != len(groups):
+        raise ValueError(f"smddp.smp.load_checkpoint: the checkpoint {path} holds an optimizer of {count} param "
+                         f"group(s); this optimizer has {len(groups)}")
+    lists = {"optimizer": {"param_groups": [{"params": None} for _ in groups]}}
+    dcp.load(lists, checkpoint_id=str(path))  # those lists only
+    for i, (got, want) in enumerate(zip(lists["optimizer"]["param_groups"], groups)):
+        if list(got["params"]) != list(want["params"]):
+            missing = sorted(set(got["params"]) - set(want["params"]))
+            added = sorted(set(want["params"]) - set(got["params"]))
+            raise ValueError(f"smddp.smp.load_checkpoint: param group {i} of the checkpoint {path} holds other "
+                             f"parameters than this optimizer's: saved only {missing[:5]}, here only {added[:5]}"
+                             f"{'' if missing or added else ' (the same ones, in another order)'}")
+
+
+def _keep_saved_optimizer_state(optim_sd, saved):
+    """Asks, in `optim_sd` (get_state_dict's, keyed by parameter name), for the state entries the
+    checkpoint holds (`saved`: its metadata's entries), as optimizer.load_state_dict would take
+    them: no state for a parameter that had none when saved (no step had updated it, e.g. a branch
+    not used yet), no entry the saved optimizer did not make (torch made state for every parameter
+    here, with this optimizer's entries, which dcp.load would look for in vain: "Missing key in
+    checkpoint state_dict"), and a saved entry this optimizer did not make (amsgrad's, saved with
+    amsgrad=True) in a tensor like a sibling's of its size."""
     for name in list(optim_sd["state"]):
-        if not all(f"optimizer.state.{name}.{key}" in saved for key in optim_sd["state"][name]):
+        mine = optim_sd["state"][name]
+        prefix = f"optimizer.state.{name}."
+        keys = [k[len(prefix):] for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]]
+        if not keys:
             del optim_sd["state"][name]
+            continue
+        for key in [k for k in mine if k not in keys]:
+            del mine[key]
+        for key in [k for k in keys if k not in mine]:
+            size = getattr(saved[prefix + key], "size", None)
+            like = next((t for t in mine.values() if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(size
+                         if size is not None else ())), None)
+            if like is None:
+                raise ValueError(f"smddp.smp.load_checkpoint: the checkpoint holds optimizer state {key!r} of "
+                                 f"{name} that this optimizer does not make, and no entry of its size to load it "
+                                 "into: build the optimizer as it was saved")
+            mine[key] = torch.empty_like(like)
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
