@@ -787,8 +787,8 @@ void NetP2p::probeSilentPeer(Peer& p, Clock::time_point now) {
     }
     p.probeUntil = now + kProbeWithin;
   }
-  pollfd pfd{p.probeFd, POLLOUT, 0};
   if (err == 0 && p.probeFd >= 0) {
+    pollfd pfd{p.probeFd, POLLOUT, 0};
     if (poll(&pfd, 1, 0) == 0 && now < p.probeUntil) return;  // still connecting
     socklen_t len = sizeof(err);
     getsockopt(p.probeFd, SOL_SOCKET, SO_ERROR, &err, &len);
