@@ -819,6 +819,25 @@ def checkpoint_mismatch_task(rank, world, path):
         for p, q in zip(model.parameters(), fresh.parameters()):
             rep.expect(torch.equal(p.to_local(), q.to_local()), f"{tag}: the step after the load differs")
 
+    # A parameter frozen after training (its state kept, as torch keeps it), saved and loaded
+    # frozen: its state was neither asked for nor loaded (until 2026-12-06), nor a saved entry's
+    # dtype kept where the optimizer made no such entry (a float64 max_exp_avg_sq read into a tensor
+    # like the float32 step).
+    model = tsm.apply_hybrid_sharding(_mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for b in batches:
+        _train_step(model, opt, b, rank)
+    model[0].weight.requires_grad_(False)
+    tsm.save_checkpoint(f"{path}/frozen", model, opt)
+    fresh = tsm.apply_hybrid_sharding(_mlp(seed=5))
+    fresh[0].weight.requires_grad_(False)
+    other = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    tsm.load_checkpoint(f"{path}/frozen", fresh, other)
+    saved, got = opt.state[model[0].weight], other.state.get(fresh[0].weight, {})
+    rep.expect(sorted(got) == sorted(saved) and all(torch.equal(_plain(got[k]), _plain(saved[k])) for k in saved),
+               f"a frozen parameter's state: {sorted(got)} loaded, {sorted(saved)} saved")
+    rep.expect(not fresh[0].weight.requires_grad, "the frozen parameter was left unfrozen")
+
     def refused(what, load, message):
         with rep.cell(what):
             try:

@@ -32,6 +32,9 @@ constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client 
 // between checks; a check whose connect is neither refused nor accepted by then tells nothing.
 constexpr auto kProbeEvery = std::chrono::seconds(1);
 constexpr auto kProbeWithin = std::chrono::seconds(1);
+// A gap this long between two deadline checks (they come every kActiveTickMs while ops are
+// pending, kIdleTickMs otherwise) means this process was stopped.
+constexpr auto kResumedAfter = std::chrono::seconds(3);
 // Why a connection closes without a farewell: one a rank gives up in the middle of a message
 // (its own timeout, say) cannot carry one, so that case reads like a crash here.
 const std::string kPeerGone =
@@ -810,6 +813,13 @@ std::string NetP2p::timeoutReason(const Peer& p, const P2pOp& op) const {
     if (underWay) moved += op.isSend ? (l.sendOff > kHeaderBytes ? l.sendOff - kHeaderBytes : 0) : l.recvOff;
   }
   const std::string who = "rank " + std::to_string(p.rank);
+  if (!p.ready()) {  // nothing can have moved, and whether the peer posted its op is unknown
+    return "the connection to " + who + " was never completed (" +
+           (p.rank < rank_ ? "that rank connects at its first message to or receive from this one, and made none"
+                           : "that rank did not accept this one's connection: its process is frozen or busy "
+                             "outside smddp, or the network drops packets") +
+           ")";
+  }
   if (op.isSend && moved > 0) {
     // TCP takes a socket buffer's worth before the receiver reads: a recv need not be posted.
     return formatString("%zu of the message's %zu bytes went out, then %s stopped taking them (no matching recv "
@@ -830,6 +840,11 @@ void NetP2p::checkDeadlines() {
   for (auto& p : peers_) {
     if (p) probeSilentPeer(*p, now);
   }
+  // A process stopped (SIGSTOP, a debugger) past its ops' deadlines reads what arrived meanwhile
+  // before it times one out: the next pass, in kActiveTickMs; else it would blame its peer for
+  // what its own stop held up.
+  const bool resumed = lastDeadlineCheck_ != Clock::time_point{} && now - lastDeadlineCheck_ > kResumedAfter;
+  lastDeadlineCheck_ = now;
   for (auto& in : incoming_) {
     if (now >= in->deadline) {
       close(in->fd);
@@ -840,14 +855,13 @@ void NetP2p::checkDeadlines() {
   incoming_.erase(std::remove_if(incoming_.begin(), incoming_.end(), [](const auto& in) { return in->fd < 0; }),
                   incoming_.end());
   for (auto& p : peers_) {
-    if (!p) continue;
+    if (!p || resumed) continue;
     for (auto* q : {&p->sends, &p->recvs}) {
       // Receives are taken out of order by tag: any of them may be the one past its deadline.
       const auto late = std::find_if(q->begin(), q->end(), [&](const P2pOp& op) { return now >= op.deadline; });
       if (late == q->end()) continue;
       // Part of a message may have moved: the stream to this peer can no longer be trusted.
       const std::string why = describeOp(*late, p->rank) + " timed out: " + timeoutReason(*p, *late) +
-                              (p->ready() ? "" : " (the connection to that rank was never completed)") +
                               board_.where(p->rank);
       P2pOp op = std::move(*late);
       q->erase(late);
@@ -874,7 +888,7 @@ void NetP2p::checkDeadlines() {
       });
     }
   }
-  if (!anyRecvs_.empty() && now >= anyRecvs_.front().deadline) {
+  if (!anyRecvs_.empty() && !resumed && now >= anyRecvs_.front().deadline) {
     P2pOp op = std::move(anyRecvs_.front());
     anyRecvs_.pop_front();
     std::string why = describeOp(op, -1) + " timed out: no matching send was posted";

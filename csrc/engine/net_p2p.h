@@ -170,6 +170,7 @@ class NetP2p : public P2pDriver {
   // Counts changes to the set of sockets (dialled, closed, accepted, introduced) and passes over
   // poll() results: a poll whose set was built at an older count has stale results, ignored.
   uint64_t fdGeneration_ = 0;
+  std::chrono::steady_clock::time_point lastDeadlineCheck_{};  // under stateMutex_
   std::vector<Completion> completions_;
   std::vector<std::unique_ptr<Peer>> peers_;  // by rank; null for ranks of this host
   std::vector<std::unique_ptr<Incoming>> incoming_;

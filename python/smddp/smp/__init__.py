@@ -993,6 +993,19 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
 
 
 def _load_checkpoint(path, metadata, model, optimizer, strict):
+    # torch's state-dict helpers make no optimizer state for a frozen parameter (requires_grad
+    # False), nor load any into it: its saved state was lost (until 2026-12-06). Unfrozen meanwhile.
+    frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad] if optimizer else []
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        _load_into(path, metadata, model, optimizer, strict)
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+
+
+def _load_into(path, metadata, model, optimizer, strict):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
@@ -1072,14 +1085,14 @@ def _keep_saved_optimizer_state(optim_sd, saved):
         for key in [k for k in mine if k not in keys]:
             del mine[key]
         for key in [k for k in keys if k not in mine]:
-            size = getattr(saved[prefix + key], "size", None)
-            like = next((t for t in mine.values() if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(size
-                         if size is not None else ())), None)
-            if like is None:
+            entry = saved[prefix + key]
+            size = tuple(getattr(entry, "size", None) or ())
+            like = next((t for t in mine.values() if isinstance(t, torch.Tensor) and tuple(t.shape) == size), None)
+            if like is None or not hasattr(entry, "properties"):
                 raise ValueError(f"smddp.smp.load_checkpoint: the checkpoint holds optimizer state {key!r} of "
                                  f"{name} that this optimizer does not make, and no entry of its size to load it "
                                  "into: build the optimizer as it was saved")
-            mine[key] = torch.empty_like(like)
+            mine[key] = torch.empty_like(like, dtype=entry.properties.dtype)  # the saved dtype, not the sibling's
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
