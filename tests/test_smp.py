@@ -820,7 +820,7 @@ def checkpoint_mismatch_task(rank, world, path):
             rep.expect(torch.equal(p.to_local(), q.to_local()), f"{tag}: the step after the load differs")
 
     # A parameter frozen after training (its state kept, as torch keeps it), saved and loaded
-    # frozen: its state was neither asked for nor loaded (until 2026-12-06), nor a saved entry's
+    # frozen: its state was not loaded (until 2026-12-06), nor a saved entry's
     # dtype kept where the optimizer made no such entry (a float64 max_exp_avg_sq read into a tensor
     # like the float32 step).
     model = tsm.apply_hybrid_sharding(_mlp())
