@@ -180,6 +180,11 @@ def _validate_alike(config, world):
     launcher that sets one per node, say) would otherwise build other meshes and hang the others
     in a collective until their timeout. Every rank raises the same ValueError, naming the first
     rank that differs from rank 0 (or whose config is wrong) and how. random_seed may differ."""
+    backend = dist.get_backend()
+    if backend not in ("smddp", "gloo") and "cpu:" not in backend:
+        # An object collective of a CUDA-only group (nccl) would use the current device, which the
+        # mesh has not selected yet: every rank on cuda:0. Each rank checks its own config only.
+        return validate(config, world)
     try:
         cfg, error = validate(config, world), None
     except ValueError as e:
@@ -1075,10 +1080,15 @@ def _keep_saved_optimizer_state(optim_sd, saved):
     here, with this optimizer's entries, which dcp.load would look for in vain: "Missing key in
     checkpoint state_dict"), and a saved entry this optimizer did not make (amsgrad's, saved with
     amsgrad=True) in a tensor like a sibling's of its size."""
+    by_name = {}  # "optimizer.state.<parameter name>.<entry>": the entries' names hold no dot
+    for k in saved:
+        if k.startswith("optimizer.state."):
+            name, key = k[len("optimizer.state."):].rsplit(".", 1)
+            by_name.setdefault(name, []).append(key)
     for name in list(optim_sd["state"]):
         mine = optim_sd["state"][name]
         prefix = f"optimizer.state.{name}."
-        keys = [k[len(prefix):] for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]]
+        keys = by_name.get(name, [])
         if not keys:
             del optim_sd["state"][name]
             continue
