@@ -636,7 +636,8 @@ int main(int argc, char** argv) {
   for (int r = 0; r < a.ranks; ++r) {
     pid_t pid = fork();
     if (pid == 0) {
-      for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) signal(sig, SIG_DFL);
+      for (int sig : kStopSignals) signal(sig, SIG_DFL);
+      signal(SIGPIPE, SIG_DFL);
       prctl(PR_SET_PDEATHSIG, SIGKILL);  // a killed launcher leaves no rank behind (SIGKILL leaves the folder)
       if (getppid() != launcher) _exit(1);  // it died before the line above
       int rc = 1;

@@ -350,10 +350,15 @@ def context_parallel_shard(tensor, dim=1):
     return tensor.index_select(dim, tokens.to(tensor.device))
 
 
+def _any_meta_on_any_rank(tensors):
+    """Whether any rank holds a tensor on the meta device: every rank refuses alike, or none does."""
+    return _any_rank(any(t.is_meta for t in tensors))
+
+
 def _take_rank0_state(model):
     """Every parameter and buffer of `model` replaced, in place, by the world's rank 0's."""
     tensors = list(model.parameters()) + list(model.buffers())
-    if _any_rank(any(t.is_meta for t in tensors)):  # every rank refuses alike, or none does
+    if _any_meta_on_any_rank(tensors):
         raise ValueError("smddp.smp.transform: load_state_dict_from_rank0=True needs the model's parameters "
                          "allocated on every rank (some are on the meta device); for delayed initialisation call "
                          "materialize(model, rank0_state_dict=...) after apply_hybrid_sharding() instead")
@@ -977,8 +982,7 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
     state as it was (the model may be partly loaded)."""
     import torch.distributed.checkpoint as dcp
 
-    tensors = list(model.parameters()) + list(model.buffers())
-    if _any_rank(any(t.is_meta for t in tensors)):  # every rank refuses alike, or none does
+    if _any_meta_on_any_rank(list(model.parameters()) + list(model.buffers())):
         raise ValueError("smddp.smp.load_checkpoint: the model's parameters are on the meta device (delayed "
                          "initialisation): call materialize(model) first, then load the checkpoint into it")
     # First: a path that holds no checkpoint, or one without the optimizer's state, fails before
