@@ -1,6 +1,6 @@
 """One rank of the CUDA tests (tests/test_cuda.py runs `world` of these): every collective on
 CUDA tensors against a CPU reference, stream semantics, futures and callbacks that issue ops,
-blocking waits, DDP (PowerSGD too), ring attention, kernel block caps, refusals.
+blocking waits, DDP (PowerSGD too), SyncBatchNorm, ring attention, kernel block caps, refusals.
 Prints "FAIL ..." lines and exits non-zero on any failure."""
 import argparse
 import json
@@ -182,6 +182,37 @@ def ddp(rank, world, dev):
         ropt.step()
     for (name, p), q in zip(net.module.named_parameters(), ref.parameters()):
         check(torch.allclose(p, q, rtol=1e-4, atol=1e-5), f"DDP on CUDA: parameter {name} differs from 1-process training")
+
+
+def sync_batch_norm(rank, world, dev):
+    """nn.SyncBatchNorm over ranks with batches of different sizes against BatchNorm1d in one
+    process on the whole batch: output, input gradient, running statistics, and the weight's and
+    bias's gradients (SyncBatchNorm leaves those local, so they are summed over ranks here)."""
+    channels, length, sizes = 5, 7, [r + 2 for r in range(world)]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(sizes), channels, length, generator=g).to(dev)
+    grad = torch.randn(sum(sizes), channels, length, generator=g).to(dev)
+    mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    ref = torch.nn.BatchNorm1d(channels).to(dev)
+    with torch.no_grad():
+        ref.weight.copy_(torch.linspace(0.5, 1.5, channels))
+        ref.bias.copy_(torch.linspace(-1, 1, channels))
+    sync = torch.nn.SyncBatchNorm(channels).to(dev)
+    sync.load_state_dict(ref.state_dict())
+    whole = x.clone().requires_grad_()
+    ref_out = ref(whole)
+    ref_out.backward(grad)
+    part = x[mine].clone().requires_grad_()
+    out = sync(part)
+    out.backward(grad[mine])
+    grads = torch.cat([sync.weight.grad, sync.bias.grad])
+    dist.all_reduce(grads)
+    for label, got, want in [("output", out, ref_out[mine]), ("input gradient", part.grad, whole.grad[mine]),
+                             ("running mean", sync.running_mean, ref.running_mean),
+                             ("running var", sync.running_var, ref.running_var),
+                             ("weight and bias gradients", grads, torch.cat([ref.weight.grad, ref.bias.grad]))]:
+        check(torch.allclose(got.detach(), want.detach(), rtol=1e-4, atol=1e-5),
+              f"SyncBatchNorm {label} off by {(got - want).abs().max().item():.3e}")
 
 
 def block_caps(rank, world, dev):
@@ -556,6 +587,7 @@ def main():
     elif a.case == "semantics":
         stream_semantics(a.rank, a.world, dev)
         ddp(a.rank, a.world, dev)
+        sync_batch_norm(a.rank, a.world, dev)
         block_caps(a.rank, a.world, dev)
         refusals(a.rank, a.world, dev)
         edge_semantics(a.rank, a.world, dev)
