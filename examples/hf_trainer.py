@@ -4,8 +4,10 @@
     torchrun --nproc-per-node 2 examples/hf_trainer.py --backend smddp [--steps 3]
 
 The Trainer (through accelerate) takes the process group that is already initialized, so the
-only change to a Trainer script is to start it on smddp before building TrainingArguments
-(``ddp_backend`` accepts only the backends transformers knows). The Trainer then wraps the model
+only change to a Trainer script is to start it on smddp before building TrainingArguments and
+leave ``ddp_backend`` unset (transformers' parser refuses "smddp" as a choice, and accelerate
+refuses it on CPU). On a CPU-only machine ``use_cpu=True`` is needed too, on any backend: without
+it the Trainer does not wrap the model and each rank trains alone. The Trainer then wraps the model
 in DistributedDataParallel over that group, gives each rank its shard of the dataset and gathers
 the logged loss across the ranks. A tiny Llama built from its config (nothing downloaded) trains
 on random token ids; rank 0 prints each step's logged loss: ``step <i> loss <repr(float)>``.
