@@ -33,7 +33,9 @@ joins its threads in shutdown(), which destroy_process_group() calls).
 
 The deepspeed / transformers / accelerate cases skip when the package is not importable
 (pip install -r requirements-examples.txt). The first DeepSpeed run on a machine
-JIT-compiles DeepSpeed's CPU shm op (~35 s, cached in ~/.cache/torch_extensions).
+JIT-compiles DeepSpeed's CPU shm op (~35 s, cached in ~/.cache/torch_extensions). A run
+killed while it compiles leaves torch's `lock` file in that op's folder, and every later
+DeepSpeed run waits on it in init_distributed (here until RUN_TIMEOUT): delete the file.
 
 Runtime: two torchrun launches per case (21 cases against gloo, 11 against the single-process
 reference; 9 and 4 of them in the default tier, the rest in the deep one: DEEP_CASES), ~4.5 s of
