@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -99,6 +100,22 @@ def test_exclusion_selects_one_of_several_nics():
         results, logs = run_job(c, cfg, env={"SMDDP_SOCKET_IFNAME": "^lo"})
     assert all(r["ok"] for r in results), "\n".join(f"rank {i}: {r}\n{logs[i]}" for i, r in enumerate(results))
     assert [r["topology"]["net_interface"] for r in results] == ["eth0"] * (HOSTS * PER_HOST), results
+
+
+def test_loopback_between_namespace_hosts_is_refused():
+    """SMDDP_SOCKET_IFNAME=lo on hosts that are network namespaces of one machine: they share a
+    kernel (boot id) but not a loopback, so every rank refuses the setting at set-up, naming
+    loopback, instead of dialling a peer's 127.0.0.1 into its own namespace (until 2026-12-07:
+    "cannot connect to rank 2 ... Connection refused (that rank exited or aborted)" while it lived)."""
+    with netcluster.NetCluster(HOSTS) as c:
+        t0 = time.monotonic()
+        results, logs = run_job(c, {"backend": "smddp", "mode": "check", "ops": ["allreduce"], "sizes": [8]},
+                                env={"SMDDP_SOCKET_IFNAME": "lo"})
+        took = time.monotonic() - t0
+    assert not any(r["ok"] for r in results), results
+    for i, log in enumerate(logs):
+        assert "loopback" in log and "another network namespace" in log, f"rank {i}:\n{log}"
+    assert took < 90, f"the ranks took {took:.0f} s to refuse (the group's timeout is 120 s)"
 
 
 @pytest.mark.skipif(netcluster.available(delay=True) is not None, reason=f"{netcluster.available(delay=True)}")

@@ -244,10 +244,11 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
   for (int p : wanted) {
     if (connected(p)) continue;
     for (const LocalAddress& a : addrs_) {
-      if (a.loopback && topo_.bootIds[p] != topo_.bootIds[rank]) {
+      if (a.loopback && !topo_.sharesLoopback(p, rank)) {
         throwError(ErrorCode::kInvalidUsage,
                    "rank %d would use the loopback interface (%s, %s) but its peer rank %d runs on another machine "
-                   "(%s): set SMDDP_SOCKET_IFNAME to interfaces that reach it",
+                   "or in another network namespace (%s), which loopback does not reach: set SMDDP_SOCKET_IFNAME to "
+                   "interfaces that reach it",
                    rank, a.ifname.c_str(), a.ip.c_str(), p, topo_.hostnames[p].c_str());
       }
     }
@@ -366,9 +367,10 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
       const int p = upward[i];
       const std::vector<SocketAddress> peerAddrs = parseAddresses(upwardAddrs[i], p);  // one per interface
       for (const SocketAddress& a : peerAddrs) {
-        if (isLoopback(a) && topo_.bootIds[p] != topo_.bootIds[rank]) {
+        if (isLoopback(a) && !topo_.sharesLoopback(p, rank)) {
           throwError(ErrorCode::kInvalidUsage,
-                     "rank %d on %s listens on loopback (%s) but this rank %d is on another machine: set "
+                     "rank %d on %s listens on loopback (%s) but this rank %d is on another machine or in another "
+                     "network namespace, which its loopback does not reach: set "
                      "SMDDP_SOCKET_IFNAME on every host to interfaces the hosts share",
                      p, topo_.hostnames[p].c_str(), addressText(a).c_str(), rank);
         }

@@ -31,6 +31,12 @@ std::string bootId() {
   return id.empty() ? "unknown-boot-id" : id;
 }
 
+std::string netNamespace() {
+  char link[64] = {};
+  const ssize_t n = readlink("/proc/self/ns/net", link, sizeof(link) - 1);
+  return n > 0 ? std::string(link, n) : "unknown-net-namespace";
+}
+
 std::string hostname() {
   char buf[256] = {};
   gethostname(buf, sizeof(buf) - 1);
@@ -87,6 +93,10 @@ int Topology::maxLocalSize() const {
   return static_cast<int>(m);
 }
 
+bool Topology::sharesLoopback(int a, int b) const {
+  return bootIds[a] == bootIds[b] && netNamespaces[a] == netNamespaces[b];
+}
+
 std::string Topology::describeHost(int h) const {
   return hostnames[members[h][0]] + " (host " + std::to_string(h) + ")";
 }
@@ -102,6 +112,7 @@ Topology Topology::singleHost(int rank, int size) {
     t.members[0].push_back(r);
   }
   t.bootIds.assign(size, bootId());
+  t.netNamespaces.assign(size, netNamespace());
   t.hostnames.assign(size, hostname());
   t.cpuShare = {size, usableCpus()};
   return t;
@@ -140,20 +151,23 @@ Topology Topology::discover(Store& store, int rank, int size) {
   // Round 1: who am I.
   const std::string myKey = env::hostId(), myBoot = bootId();
   store.set(infoKey(rank),
-            myBoot + "\n" + myKey + "\n" + hostname() + "\n" + token + "\n" + cpuList(usableCpuIds()));
+            myBoot + "\n" + myKey + "\n" + hostname() + "\n" + token + "\n" + cpuList(usableCpuIds()) + "\n" +
+                netNamespace());
   std::vector<std::string> keys(size), tokens(size);
   int machineRanks = 0;
   std::set<int> machineCpus;
   t.bootIds.resize(size);
+  t.netNamespaces.resize(size);
   t.hostnames.resize(size);
   const std::vector<std::string> records = store.multiGet(keysOf(size, infoKey));
   for (int r = 0; r < size; ++r) {
     const auto f = splitOn(records[r], '\n');
-    if (f.size() != 5) throwError(ErrorCode::kRemoteError, "rank %d published a malformed topology record", r);
+    if (f.size() != 6) throwError(ErrorCode::kRemoteError, "rank %d published a malformed topology record", r);
     t.bootIds[r] = f[0];
     keys[r] = f[1];
     t.hostnames[r] = f[2];
     tokens[r] = f[3];
+    t.netNamespaces[r] = f[5];
     if (t.bootIds[r] == myBoot) {
       ++machineRanks;
       addCpuList(f[4], r, machineCpus);

@@ -22,6 +22,7 @@ struct Topology {
   std::vector<int> localOf;               // rank -> index among the ranks of its host
   std::vector<std::vector<int>> members;  // host -> its ranks, ascending
   std::vector<std::string> bootIds;       // rank -> kernel boot id (same machine <=> same boot id)
+  std::vector<std::string> netNamespaces;  // rank -> its network namespace (the /proc/self/ns/net link)
   std::vector<std::string> hostnames;     // rank -> hostname, for messages
   // This rank's machine: an emulated cluster's "hosts" (network namespaces, SMDDP_HOST_ID) share
   // one machine's cores, and a rank that spins as if it had a core to itself starves the others.
@@ -32,6 +33,9 @@ struct Topology {
   int localRank() const { return localOf[rank]; }
   int localSize() const { return static_cast<int>(members[host()].size()); }
   int maxLocalSize() const;
+  // Whether rank a's loopback interface reaches rank b: one kernel and one network namespace
+  // (containers and namespace "hosts" of one machine share a boot id, not a loopback).
+  bool sharesLoopback(int a, int b) const;
   // "hostname (host 2)" for error messages.
   std::string describeHost(int host) const;
 
