@@ -1407,15 +1407,17 @@ def errors_task(rank, world):
             rep.group_still_works(label + " (after the error)", world, rank)
     # A gather's root whose output list does not fit the op takes its part into memory of its own,
     # then raises: until 2026-12-06 it raised before, and the others' gather waited for it.
-    for case, outs in (("a list one too long", [torch.zeros(2) for _ in range(world + 1)]),
-                       ("outputs of 3 elements for an input of 2", [torch.zeros(3) for _ in range(world)])):
+    for case, outs, reason in (
+            ("a list one too long", [torch.zeros(2) for _ in range(world + 1)],
+             f"needs one output list of {world} tensors, got a list of {world + 1}"),
+            ("outputs of 3 elements for an input of 2", [torch.zeros(3) for _ in range(world)], "gather")):
         label = f"gather with {case} on the root world={world}"
         with rep.cell(label):
             try:
                 dist.gather(torch.full((2,), float(rank)), outs if rank == root else None, dst=root)
                 rep.expect(rank != root, f"{label}: the root's gather completed")
             except ValueError as e:
-                rep.expect(rank == root and "smddp rank" in str(e) and "gather" in str(e),
+                rep.expect(rank == root and "smddp rank" in str(e) and reason in str(e),
                            f"{label}: rank {rank}: {str(e)[:300]}")
             rep.group_still_works(label + " (after the error)", world, rank)
     # A scatter's root whose input list does not fit the op, or whose output it refuses (an
@@ -1425,6 +1427,8 @@ def errors_task(rank, world):
     for case, out, ins, reason in (
             ("inputs of 3 elements for an output of 2", torch.zeros(2), [torch.ones(3) for _ in range(world)],
              "every input must have the output's 2 elements, got one with 3"),
+            ("a list one too long", torch.zeros(2), [torch.ones(2) for _ in range(world + 1)],
+             f"needs one input list of {world} tensors, got a list of {world + 1}"),
             ("an expanded output", torch.zeros(1).expand(2), [torch.ones(2) for _ in range(world)],
              "elements that share memory")):
         if world == 1:

@@ -595,6 +595,12 @@ int checkRoot(int64_t root, const std::string& who, int size, const char* op) {
                     " is not a rank of this group of size ", size);
   return static_cast<int>(root);
 }
+
+// What a root passed instead of one list of a tensor per rank, for its error.
+std::string listsGiven(const std::vector<std::vector<at::Tensor>>& lists) {
+  if (lists.size() != 1) return std::to_string(lists.size()) + " lists";
+  return "a list of " + std::to_string(lists[0].size());
+}
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -609,7 +615,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::gather(std::vector<std::vector<at::
   if (rank_ == root) {
     try {
       TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_, who(),
-                        ": gather: the root needs one output list of ", size_, " tensors");
+                        ": gather: the root needs one output list of ", size_, " tensors, got ", listsGiven(outputs));
       for (const at::Tensor& o : outputs[0]) {
         checkMovedTensor(o, who(), "gather");
         checkSameType(o, in, who(), "gather");
@@ -702,7 +708,7 @@ c10::intrusive_ptr<c10d::Work> SmddpBackend::scatter(std::vector<at::Tensor>& ou
     try {
       s = stageOut(out, who(), "scatter");
       TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_, who(),
-                        ": scatter: the root needs one input list of ", size_, " tensors");
+                        ": scatter: the root needs one input list of ", size_, " tensors, got ", listsGiven(inputs));
       srcs = stageBlocks(inputs[0], s, rank_, who(), "scatter");
     } catch (const c10::Error&) {
       // The other ranks cannot be given blocks the root does not have (or could not keep its own
