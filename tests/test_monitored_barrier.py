@@ -308,3 +308,39 @@ def test_monitored_barrier_on_a_group_this_rank_aborted(aborted):
             assert f"smddp rank {r}: monitored_barrier: this rank reached it, but its exchange with rank 0 failed" \
                    in msg and "rank 0 shut down or aborted the process group" in msg, msg
     _no_leftovers(outs)
+
+
+SUBGROUP_STORE_GONE = r"""
+import datetime, os, sys, time, torch, torch.distributed as dist
+import smddp
+rank, world, url = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=60))
+g = dist.new_group([1, 2])
+dist.all_reduce(torch.ones(1))  # every rank has set the subgroup up
+print("ready", flush=True)
+if rank == 0:  # hosts the tcp:// store, and leaves
+    os._exit(0)
+if rank == 2:
+    time.sleep(3600)
+time.sleep(1)
+try:
+    smddp.monitored_barrier(g, timeout=datetime.timedelta(seconds=2))
+except Exception as e:
+    print(f"ERROR after 0s: {type(e).__name__}: {e}", flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_monitored_barrier_says_why_a_missing_rank_has_no_position():
+    """Where the group's store has gone with the process that hosted it (world rank 0, outside
+    this group), the missing rank's position cannot be read: the error says so and why (until
+    2026-12-07 it said only "not heard from")."""
+    procs = Job(SUBGROUP_STORE_GONE, 3, [])
+    procs.wait_ready()
+    out = procs.finish(40, ranks=[1])[0]
+    procs.kill(2)
+    _, kind, msg = _error(out)
+    assert kind == "DistBackendError" and "rank(s) 1 did not reach it within 2000 ms" in msg, msg
+    assert "where rank 1 stands is not known: the group's store failed (" in msg, msg

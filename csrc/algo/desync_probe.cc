@@ -77,15 +77,16 @@ std::string silence(const std::string& what) {
          " s (the process that hosts it, rank 0's for init_method tcp:// and env://, may be stopped or frozen)";
 }
 
-// The answer of `request` if the store gives it within kPatience; otherwise silence(what). ""
-// when the request fails: the store itself failed, and the caller's error says enough.
+// The answer of `request` if the store gives it within kPatience; otherwise silence(what), or
+// the store's failure (the process hosting it may have exited: a reader is told why it sees no
+// position rather than nothing).
 std::string ask(StoreErrands& errands, const std::string& what, StoreErrands::Request request) {
   try {
     std::shared_ptr<StoreErrands::Errand> errand = errands.start(std::move(request));
     std::optional<std::string> answer = errand ? errand->wait(DesyncProbe::kPatience) : std::nullopt;
     if (answer) return *answer;
-  } catch (const std::exception&) {
-    return {};
+  } catch (const std::exception& e) {
+    return "; " + what + " is not known: the group's store failed (" + e.what() + ")";
   }
   return silence(what);
 }
