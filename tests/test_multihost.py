@@ -1168,13 +1168,29 @@ def test_slot_sizes_that_differ_between_host_mates_are_named(hosts, tmp_path):
     removed it reported "cannot open rank 1's shared memory: No such file or directory"."""
     last = len(hosts) - 1
     outs = _hosts_with({}, hosts, {"SMDDP_SHM_SLOT_BYTES": str(2 << 20)}, [last], url=f"file://{tmp_path}/store")
-    sizes = {"000": "[1048576, 1048576, 2097152] bytes for its ranks 0 to 2",
-             "0011": "[1048576, 2097152] bytes for its ranks 0 to 1"}[hosts]
+    sizes = {"000": "[1048576, 1048576, 2097152] bytes for its ranks in ascending order (local ranks 0 to 2;",
+             "0011": "[1048576, 2097152] bytes for its ranks in ascending order (local ranks 0 to 1;"}[hosts]
     for rank, out in enumerate(outs):
         if hosts[rank] != hosts[last]:
             continue  # the other host: its ranks report that a rank of this one could not set up
         assert (f"ERROR ValueError smddp rank {rank}: SMDDP_SHM_SLOT_BYTES differs between the ranks of this "
                 f"host: {sizes}") in out, f"rank {rank}:\n{out[-2000:]}"
+
+
+@pytest.mark.parametrize("hosts", ["01", "000"])
+def test_rank_0_whose_set_up_fails_waits_until_its_peers_know_why(hosts):
+    """Rank 0 hosts the tcp:// store, and its set-up fails (a setting only it has): it raises
+    once its peers have read its cause, so they name it too. Until 2026-12-07 it raised at once,
+    its script exited with the store, and a peer that read after that reported "the process
+    that hosts it may have exited" (found by the environment review, for 1 peer in 2 runs)."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    outs = _hosts_with({}, hosts, {"SMDDP_CPU_THREADS": "abc"}, [0])
+    for rank, out in enumerate(outs):
+        line = next((l for l in out.splitlines() if l.startswith("ERROR")), "")
+        assert "variable SMDDP_CPU_THREADS=abc is not an integer" in line, f"rank {rank}:\n{out[-2000:]}"
+        assert rank == 0 or "rank 0 could not set up the process group" in line, line
+        assert float(re.search(r"\(after ([0-9.]+) s\)", line).group(1)) < 10, line
 
 
 @pytest.mark.parametrize("hosts, bad, settings, cause", [

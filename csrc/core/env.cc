@@ -410,20 +410,17 @@ SMDDP_CHOICE_PARAMS(SMDDP_CHOICE_PARAM)
 SMDDP_LINE_PARAMS(SMDDP_LINE_PARAM)
 SMDDP_STRING_PARAMS(SMDDP_STRING_PARAM)
 
-// The slots are page-aligned in the segment. Checked here, before the accessor caches it, so
-// that a refused value is read again at the next try, as every other integer's. No upper bound
-// here: a size /dev/shm cannot hold fails first, saying how much the group needs
-// (Domain::checkCapacity); Domain::create refuses one past 2^40.
+// The slots are page-aligned in the segment. Read at every call, not cached (only group set-ups
+// read it): a size /dev/shm cannot hold is refused after the read (Domain::checkCapacity, which
+// says how much it needs; Domain::create refuses one past 2^40), and the lower size the error
+// advises must then count at the next try.
 int64_t shmSlotBytes() {
-  static const int64_t v = noteRead("SMDDP_SHM_SLOT_BYTES", [] {
-    const int64_t bytes = readInt("SMDDP_SHM_SLOT_BYTES", 4096, kAny);
-    if (bytes % 4096 != 0) {
-      throwError(ErrorCode::kInvalidUsage, "smddp: environment variable SMDDP_SHM_SLOT_BYTES=%lld is not a multiple "
-                 "of 4096", static_cast<long long>(bytes));
-    }
-    return bytes;
-  }());
-  return v;
+  const int64_t bytes = readInt("SMDDP_SHM_SLOT_BYTES", 4096, kAny);
+  if (bytes % 4096 != 0) {
+    throwError(ErrorCode::kInvalidUsage, "smddp: environment variable SMDDP_SHM_SLOT_BYTES=%lld is not a multiple "
+               "of 4096", static_cast<long long>(bytes));
+  }
+  return noteRead("SMDDP_SHM_SLOT_BYTES", bytes);
 }
 
 // Read at every call, not cached: it is checked only against the interfaces that are up, where

@@ -13,12 +13,37 @@ namespace {
 // records: addresses, numbers, hex, host records).
 constexpr char kFailed[] = "\x01smddp: set-up failed\x01";
 constexpr size_t kFailedChars = sizeof(kFailed) - 1;
-
-const std::string& unlessFailed(const std::string& value) {
-  if (value.compare(0, kFailedChars, kFailed) == 0) throw Error(ErrorCode::kRemoteError, value.substr(kFailedChars));
-  return value;
-}
+// In the group's namespace: how many ranks know that its set-up failed.
+constexpr char kKnowingOfFailureKey[] = "smddp/failure-known";
 }  // namespace
+
+const std::string& BootstrapStore::unlessFailed(const std::string& value) {
+  if (value.compare(0, kFailedChars, kFailed) != 0) return value;
+  countKnowingOfFailure();
+  throw Error(ErrorCode::kRemoteError, value.substr(kFailedChars));
+}
+
+void BootstrapStore::countKnowingOfFailure() noexcept {
+  if (knowsOfFailure_) return;
+  knowsOfFailure_ = true;
+  try {
+    inner_.add(kKnowingOfFailureKey, 1);
+  } catch (...) {  // the store is gone: nobody is waiting for the count
+  }
+}
+
+void BootstrapStore::awaitPeersKnowingOfFailure(int size, std::chrono::milliseconds patience) noexcept {
+  countKnowingOfFailure();
+  const auto deadline = std::chrono::steady_clock::now() + patience;
+  auto pause = std::chrono::milliseconds(1);
+  try {
+    while (inner_.add(kKnowingOfFailureKey, 0) < size && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(50));
+    }
+  } catch (...) {  // the store is gone: nothing to wait for
+  }
+}
 
 int64_t Store::add(const std::string& key, int64_t /*delta*/) {
   throwError(ErrorCode::kInvalidUsage, "this store cannot add to a key (%s)", key.c_str());
@@ -51,6 +76,7 @@ void BootstrapStore::publishFailure(const std::vector<std::string>& keys, int ra
     }
   } catch (...) {  // the store is gone too: peers will hear of that from it
   }
+  countKnowingOfFailure();
 }
 
 namespace {

@@ -146,12 +146,22 @@ class BootstrapStore : public Store {
   // Publishes "rank `rank` could not set up the process group: `why`" under each of `keys` this
   // rank has not set itself. Never throws: the store may be what failed.
   void publishFailure(const std::vector<std::string>& keys, int rank, const std::string& why) noexcept;
+  // Waits up to `patience` for all `size` ranks to know that the set-up failed (each counts once:
+  // as it publishes its own failure, or reads a peer's). Rank 0 calls it before raising: its
+  // process may host the store (tcp://, env://), and a script exits when init raises, so a peer
+  // that read after that would report the store's loss instead of the cause. Never throws.
+  void awaitPeersKnowingOfFailure(int size, std::chrono::milliseconds patience) noexcept;
   // The keys set through this store so far.
   const std::set<std::string>& keysSet() const { return set_; }
 
  private:
+  // Counts this rank among those that know the set-up failed, once. Never throws.
+  void countKnowingOfFailure() noexcept;
+  const std::string& unlessFailed(const std::string& value);
+
   Store& inner_;
   std::set<std::string> set_;  // keys this rank has set: their values are good
+  bool knowsOfFailure_ = false;
 };
 
 }  // namespace smddp

@@ -119,8 +119,8 @@ size_t Domain::segmentBytes(int size, size_t slotBytes) {
 }
 
 void Domain::checkCapacity(int rank, size_t slotBytes) {
-  const size_t bytes = segmentBytes(1, slotBytes);
-  shm::checkShmFits(bytes, bytes, rank);
+  // Before the topology: which ranks share this host is not known yet.
+  shm::checkShmFits(segmentBytes(1, slotBytes), 0, rank);
 }
 
 std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t slotBytes,
@@ -188,8 +188,8 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   }
   if (differ) {
     throwError(ErrorCode::kInvalidUsage,
-               "SMDDP_SHM_SLOT_BYTES differs between the ranks of this host: [%s] bytes for its ranks 0 to %d (set "
-               "it alike everywhere, or not at all)",
+               "SMDDP_SHM_SLOT_BYTES differs between the ranks of this host: [%s] bytes for its ranks in ascending "
+               "order (local ranks 0 to %d; set it alike everywhere, or not at all)",
                sizes.c_str(), size - 1);
   }
   for (int r = 0; r < size; ++r) {

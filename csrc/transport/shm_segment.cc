@@ -28,15 +28,23 @@ std::string humanBytes(double b) {
   return buf;
 }
 
-[[noreturn]] void throwNoSpace(int rank, size_t groupBytes, size_t freeBytes, const char* what) {
-  // Suggest a docker --shm-size that fits the group with room to spare, rounded up to whole MiB.
+// groupBytes: what the group's ranks on this host need together, or 0 where only this rank's
+// `bytes` is known (before the group knows which ranks share the host).
+[[noreturn]] void throwNoSpace(int rank, size_t bytes, size_t groupBytes, size_t freeBytes, const char* what) {
+  const std::string need =
+      groupBytes ? "this process group needs " + humanBytes(static_cast<double>(groupBytes)) +
+                       " of shared memory on this host"
+                 : "this rank needs " + humanBytes(static_cast<double>(bytes)) +
+                       " of shared memory, and each of the group's ranks on this host as much";
+  // A docker --shm-size that fits the group with room to spare, rounded up to whole MiB.
   const size_t suggestMiB = (groupBytes * 2 + (1u << 20) - 1) >> 20;
+  const std::string fix = groupBytes ? formatString("docker run --shm-size=%zum", suggestMiB)
+                                     : "docker run --shm-size with twice that per rank of the host";
   throwError(ErrorCode::kSystemError,
-             "smddp rank %d: /dev/shm is too small (%s): this process group needs %s of shared memory on this "
-             "host and %s are free. Fix: give the container more shared memory (e.g. docker run --shm-size=%zum, "
-             "or remount /dev/shm larger), or lower SMDDP_SHM_SLOT_BYTES (per rank: 2 x slot + 128 KiB per rank of mailboxes).",
-             rank, what, humanBytes(static_cast<double>(groupBytes)).c_str(),
-             humanBytes(static_cast<double>(freeBytes)).c_str(), suggestMiB);
+             "smddp rank %d: /dev/shm is too small (%s): %s and %s are free. Fix: give the container more shared "
+             "memory (e.g. %s, or remount /dev/shm larger), or lower SMDDP_SHM_SLOT_BYTES (per rank: 2 x slot + "
+             "128 KiB per rank of mailboxes).",
+             rank, what, need.c_str(), humanBytes(static_cast<double>(freeBytes)).c_str(), fix.c_str());
 }
 
 }  // namespace
@@ -49,7 +57,7 @@ size_t shmFreeBytes() {
 
 void checkShmFits(size_t bytes, size_t groupBytes, int rank) {
   const size_t freeBytes = shmFreeBytes();
-  if (bytes > freeBytes) throwNoSpace(rank, groupBytes, freeBytes, "checked before allocating");
+  if (bytes > freeBytes) throwNoSpace(rank, bytes, groupBytes, freeBytes, "checked before allocating");
 }
 
 Segment Segment::create(const std::string& name, size_t bytes, size_t groupBytes, int rank, size_t commitBytes) {
@@ -83,7 +91,7 @@ Segment Segment::create(const std::string& name, size_t bytes, size_t groupBytes
 void Segment::commit(size_t offset, size_t len, size_t groupBytes, int rank) {
   if (len == 0) return;
   const int err = posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(len));
-  if (err == ENOSPC) throwNoSpace(rank, groupBytes, shmFreeBytes(), "allocation failed");
+  if (err == ENOSPC) throwNoSpace(rank, len, groupBytes, shmFreeBytes(), "allocation failed");
   if (err != 0) {
     throwError(ErrorCode::kSystemError, "smddp rank %d: allocating %zu bytes of %s failed: %s", rank, len,
                name_.c_str(), errnoString(err).c_str());

@@ -45,7 +45,8 @@ class Segment {
 // Free bytes in /dev/shm (where POSIX shm_open places segments on Linux).
 size_t shmFreeBytes();
 
-// Throws the "/dev/shm is too small" error (with the fix) when `bytes` cannot fit now.
+// Throws the "/dev/shm is too small" error (with the fix) when `bytes` cannot fit now;
+// groupBytes: what the group's ranks on this host need together, 0 where that is not known yet.
 void checkShmFits(size_t bytes, size_t groupBytes, int rank);
 
 }  // namespace smddp::shm

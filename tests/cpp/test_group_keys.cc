@@ -235,6 +235,42 @@ void storesThatCannot() {
          "a failed removal is reported: '" + d.failure + "'");
 }
 
+// A rank whose set-up failed (BootstrapStore::publishFailure) waits for its peers to know:
+// each counts once, whether it publishes its own failure or reads one, however often; the wait
+// ends when all have, at its patience where one never does, and at once where the store has no
+// add.
+void aFailedRankWaitsUntilItsPeersKnow() {
+  MemoryStore root;
+  PrefixStore group(root, kPrefix);
+  BootstrapStore failing(group), reader(group), alsoFailing(group);
+  failing.publishFailure({"topo/0"}, 0, "no /dev/shm");
+  for (int i = 0; i < 2; ++i) {  // counted once
+    try {
+      reader.get("topo/0");
+    } catch (const Error&) {
+    }
+  }
+  alsoFailing.publishFailure({"topo/2"}, 2, "a bad setting");
+  alsoFailing.publishFailure({"topo/2"}, 2, "a bad setting");
+  auto t0 = std::chrono::steady_clock::now();
+  failing.awaitPeersKnowingOfFailure(3, std::chrono::seconds(5));
+  expect(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1),
+         "a failed rank's wait ends once its peers know of the failure");
+  t0 = std::chrono::steady_clock::now();
+  failing.awaitPeersKnowingOfFailure(4, std::chrono::milliseconds(300));
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  expect(waited >= std::chrono::milliseconds(300) && waited < std::chrono::seconds(2),
+         "a failed rank's wait for a peer that never knows ends at its patience");
+
+  MemoryStore noAdd;
+  noAdd.addFails = ErrorCode::kInvalidUsage;
+  BootstrapStore alone(noAdd);
+  t0 = std::chrono::steady_clock::now();
+  alone.publishFailure({"k"}, 0, "x");
+  alone.awaitPeersKnowingOfFailure(2, std::chrono::seconds(5));
+  expect(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1), "without add, a failed rank does not wait");
+}
+
 }  // namespace
 
 void groupKeysTests() {
@@ -243,4 +279,5 @@ void groupKeysTests() {
   rank0IsTheLastToTouchTheStore();
   aPeerThatNeverComesIsATimeout();
   storesThatCannot();
+  aFailedRankWaitsUntilItsPeersKnow();
 }
