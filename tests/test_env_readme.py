@@ -42,6 +42,8 @@ dist.destroy_process_group()
     ("SMDDP_DESYNC_CHECK_MS", "10000000000000", "100",
      "SMDDP_DESYNC_CHECK_MS=10000000000000 is out of range: expected 0 to 2147483647"),
     ("SMDDP_CPU_THREADS", "1000", "1", "SMDDP_CPU_THREADS=1000 is out of range: expected -1 to 64"),
+    # a leading blank was skipped (a trailing one refused) until 2026-12-07; 0X was refused
+    ("SMDDP_CPU_THREADS", " 12", "0X2", "SMDDP_CPU_THREADS= 12 is not an integer"),
     ("SMDDP_SPIN_US", "20000000", "100000", "SMDDP_SPIN_US=20000000 is out of range: expected -1 to 100000"),
     ("SMDDP_NET_ALGO", "bogus", "ring", "SMDDP_NET_ALGO=bogus: expected mesh, naive or ring"),
     ("SMDDP_CUDA_FLAGS", "garbage", "kernel", "SMDDP_CUDA_FLAGS=garbage: expected auto, memops or kernel"),
@@ -66,7 +68,7 @@ def test_a_setting_out_of_range_is_refused_and_can_be_fixed(name, bad, good, exp
     out = subprocess.run([sys.executable, "-c", RETRY, name, bad, good], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=120).stdout
     assert "REFUSED smddp rank 0: " in out and expected in out, out
-    assert f"RETRY OK [1.0, 1.0, 1.0] {good}" in out, out
+    assert f"RETRY OK [1.0, 1.0, 1.0] {int(good, 0) if good.lower().startswith('0x') else good}" in out, out
 
 
 LISTED = r"""

@@ -1,5 +1,6 @@
 #include "core/env.h"
 
+#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cstdint>
@@ -259,11 +260,13 @@ std::string readString(const char* name) {
 int64_t readInt(const char* name, int64_t min, int64_t max) {
   const std::string text = readString(name);
   const size_t digits = text.find_first_not_of("+-");
-  const bool hex = digits != std::string::npos && digits <= 1 && text.compare(digits, 2, "0x") == 0;
+  const bool hex = digits != std::string::npos && digits <= 1 &&
+                   (text.compare(digits, 2, "0x") == 0 || text.compare(digits, 2, "0X") == 0);
   char* end = nullptr;
   errno = 0;
   const long long v = std::strtoll(text.c_str(), &end, hex ? 16 : 10);
-  if (end == text.c_str() || *end != '\0') {
+  // strtoll skips leading blanks: refused as trailing ones are, and as the choices' are.
+  if (end == text.c_str() || *end != '\0' || std::isspace(static_cast<unsigned char>(text[0]))) {
     throwError(ErrorCode::kInvalidUsage, "smddp: environment variable %s=%s is not an integer", name, text.c_str());
   }
   if (errno == ERANGE) {
