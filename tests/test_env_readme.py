@@ -43,7 +43,7 @@ dist.destroy_process_group()
      "SMDDP_DESYNC_CHECK_MS=10000000000000 is out of range: expected 0 to 2147483647"),
     ("SMDDP_CPU_THREADS", "1000", "1", "SMDDP_CPU_THREADS=1000 is out of range: expected -1 to 64"),
     # a leading blank was skipped (a trailing one refused) until 2026-12-07; 0X was refused
-    ("SMDDP_CPU_THREADS", " 12", "0X2", "SMDDP_CPU_THREADS= 12 is not an integer"),
+    ("SMDDP_CPU_THREADS", " 12", "0X2", "SMDDP_CPU_THREADS= 12 is not an integer (it has blanks around it)"),
     ("SMDDP_SPIN_US", "20000000", "100000", "SMDDP_SPIN_US=20000000 is out of range: expected -1 to 100000"),
     ("SMDDP_NET_ALGO", "bogus", "ring", "SMDDP_NET_ALGO=bogus: expected mesh, naive or ring"),
     ("SMDDP_CUDA_FLAGS", "garbage", "kernel", "SMDDP_CUDA_FLAGS=garbage: expected auto, memops or kernel"),

@@ -86,25 +86,32 @@ std::vector<std::string> groupKeysOwedBy(int rank) {
 }
 
 // How long rank 0, whose set-up failed, waits for its peers to have read why before raising
-// (BootstrapStore::awaitPeersKnowingOfFailure); as long as it answers ranks of another world size.
+// (BootstrapStore::awaitPeersKnowingOfFailure): at most as long as it answers ranks of another
+// world size (and the group's timeout), and 2 s after the last peer counted: peers waiting on the
+// keys it failed to set read them within milliseconds, and the others (waiting elsewhere, dead)
+// would not count at all.
 constexpr auto kFailureTellingPatience = std::chrono::seconds(10);
+constexpr auto kFailureTellingQuiet = std::chrono::seconds(2);
 
 // Rank 0 waits for its peers to know of its failure, unless it timed out: then a peer is late or
 // gone and would not count, and the others are timing out as well.
-void awaitPeersIfRank0(BootstrapStore& store, int rank, int size, const std::exception& e) {
+void awaitPeersIfRank0(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout,
+                       const std::exception& e) {
   const auto* error = dynamic_cast<const Error*>(&e);
   if (rank != 0 || (error != nullptr && error->code() == ErrorCode::kTimeout)) return;
-  store.awaitPeersKnowingOfFailure(size, kFailureTellingPatience);
+  store.awaitPeersKnowingOfFailure(
+      size, std::min<std::chrono::milliseconds>(kFailureTellingPatience, timeout), kFailureTellingQuiet);
 }
 
 // fn(), or, if it throws, the error published to the peers first.
 template <class Fn>
-auto tellingPeers(BootstrapStore& store, int rank, int size, Fn&& fn) -> decltype(fn()) {
+auto tellingPeers(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout, Fn&& fn)
+    -> decltype(fn()) {
   try {
     return fn();
   } catch (const std::exception& e) {
     store.publishFailure(groupKeysOwedBy(rank), rank, e.what());
-    awaitPeersIfRank0(store, rank, size, e);
+    awaitPeersIfRank0(store, rank, size, timeout, e);
     throw;
   }
 }
@@ -131,19 +138,19 @@ Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chron
       // integer, SMDDP_STAGE_STREAM, SMDDP_SOCKET_IFNAME, SMDDP_SOCKET_FAMILY) then fails every
       // rank alike, instead of failing rank 0 first and taking the store its process hosts from
       // ranks still using it, or leaving a rank's host-mates waiting for its shared memory.
-      stagingPolicy_(tellingPeers(store, rank, size,
+      stagingPolicy_(tellingPeers(store, rank, size, timeout,
                                   [] {
                                     env::checkSettings();
                                     return WayPolicy::parseMode("SMDDP_STAGE_STREAM", env::stageStream());
                                   }),
                      "staging", "cached", "streamed"),
-      allreduceReads_(tellingPeers(store, rank, size, [] {
+      allreduceReads_(tellingPeers(store, rank, size, timeout, [] {
         return WayPolicy::parseMode("SMDDP_SHM_ALLREDUCE_SINGLE_COPY", env::shmAllreduceSingleCopy());
       })),
       allreduceReadPolicy_(WayPolicy::Mode::kNever, "single copy", "staged", "read in place"),
-      netAddrs_(size > 1 ? tellingPeers(store, rank, size, [] { return net::chooseLocalAddresses(); })
+      netAddrs_(size > 1 ? tellingPeers(store, rank, size, timeout, [] { return net::chooseLocalAddresses(); })
                          : std::vector<net::LocalAddress>{}),
-      topo_(tellingPeers(store, rank, size, [&] { return discoverAfterShmCheck(store, rank, size); })),
+      topo_(tellingPeers(store, rank, size, timeout, [&] { return discoverAfterShmCheck(store, rank, size); })),
       cpuClaim_(topo_.cpuShare),
       machine_(cpuClaim_.busiest()),
       oneShotMaxBytes_(static_cast<size_t>(env::allreduceOneShotMaxBytes())),
@@ -156,7 +163,7 @@ Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chron
     setUp(timeout);
   } catch (const std::exception& e) {
     store.publishFailure(keysOwed(), rank, e.what());
-    awaitPeersIfRank0(store, rank, size, e);
+    awaitPeersIfRank0(store, rank, size, timeout, e);
     throw;
   }
 }

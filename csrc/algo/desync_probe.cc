@@ -86,7 +86,8 @@ std::string ask(StoreErrands& errands, const std::string& what, StoreErrands::Re
     std::optional<std::string> answer = errand ? errand->wait(DesyncProbe::kPatience) : std::nullopt;
     if (answer) return *answer;
   } catch (const std::exception& e) {
-    return "; " + what + " is not known: the group's store failed (" + e.what() + ")";
+    const std::string why = e.what();  // its first line: torch's store errors go on with a stack trace
+    return "; " + what + " is not known: the group's store failed (" + why.substr(0, why.find('\n')) + ")";
   }
   return silence(what);
 }

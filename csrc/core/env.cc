@@ -255,7 +255,7 @@ std::string readString(const char* name) {
   return (v && (*v || p.emptyIsValue)) ? std::string(v) : std::string(p.defaultValue);
 }
 
-// Decimal, or hexadecimal after 0x; not octal ("010" is ten, as a user means it). A value outside
+// Decimal, or hexadecimal after 0x or 0X; not octal ("010" is ten, as a user means it). A value outside
 // min..max is refused rather than clamped, which would run with a setting nobody chose.
 int64_t readInt(const char* name, int64_t min, int64_t max) {
   const std::string text = readString(name);
@@ -266,8 +266,11 @@ int64_t readInt(const char* name, int64_t min, int64_t max) {
   errno = 0;
   const long long v = std::strtoll(text.c_str(), &end, hex ? 16 : 10);
   // strtoll skips leading blanks: refused as trailing ones are, and as the choices' are.
-  if (end == text.c_str() || *end != '\0' || std::isspace(static_cast<unsigned char>(text[0]))) {
-    throwError(ErrorCode::kInvalidUsage, "smddp: environment variable %s=%s is not an integer", name, text.c_str());
+  const bool blanks = !text.empty() && (std::isspace(static_cast<unsigned char>(text.front())) ||
+                                       std::isspace(static_cast<unsigned char>(text.back())));
+  if (end == text.c_str() || *end != '\0' || blanks) {
+    throwError(ErrorCode::kInvalidUsage, "smddp: environment variable %s=%s is not an integer%s", name, text.c_str(),
+               blanks ? " (it has blanks around it)" : "");
   }
   if (errno == ERANGE) {
     throwError(ErrorCode::kInvalidUsage, "smddp: environment variable %s=%s is out of range (past 64 bits)", name,

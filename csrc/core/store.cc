@@ -32,12 +32,21 @@ void BootstrapStore::countKnowingOfFailure() noexcept {
   }
 }
 
-void BootstrapStore::awaitPeersKnowingOfFailure(int size, std::chrono::milliseconds patience) noexcept {
+void BootstrapStore::awaitPeersKnowingOfFailure(int size, std::chrono::milliseconds patience,
+                                                std::chrono::milliseconds quiet) noexcept {
   countKnowingOfFailure();
-  const auto deadline = std::chrono::steady_clock::now() + patience;
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + patience;
+  auto lastCount = Clock::now();
+  int64_t known = 0;
   auto pause = std::chrono::milliseconds(1);
   try {
-    while (inner_.add(kKnowingOfFailureKey, 0) < size && std::chrono::steady_clock::now() < deadline) {
+    for (int64_t now = inner_.add(kKnowingOfFailureKey, 0); now < size; now = inner_.add(kKnowingOfFailureKey, 0)) {
+      if (now > known) {
+        known = now;
+        lastCount = Clock::now();
+      }
+      if (Clock::now() >= deadline || Clock::now() - lastCount >= quiet) return;
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(50));
     }

@@ -147,10 +147,13 @@ class BootstrapStore : public Store {
   // rank has not set itself. Never throws: the store may be what failed.
   void publishFailure(const std::vector<std::string>& keys, int rank, const std::string& why) noexcept;
   // Waits up to `patience` for all `size` ranks to know that the set-up failed (each counts once:
-  // as it publishes its own failure, or reads a peer's). Rank 0 calls it before raising: its
-  // process may host the store (tcp://, env://), and a script exits when init raises, so a peer
-  // that read after that would report the store's loss instead of the cause. Never throws.
-  void awaitPeersKnowingOfFailure(int size, std::chrono::milliseconds patience) noexcept;
+  // as it publishes its own failure, or reads a peer's), and no longer than `quiet` after the
+  // last one counted (peers waiting elsewhere, or dead, would not). Rank 0 calls it before
+  // raising: its process may host the store (tcp://, env://), and a script exits when init
+  // raises, so a peer that read after that would report the store's loss instead of the cause.
+  // Never throws.
+  void awaitPeersKnowingOfFailure(int size, std::chrono::milliseconds patience,
+                                  std::chrono::milliseconds quiet) noexcept;
   // The keys set through this store so far.
   const std::set<std::string>& keysSet() const { return set_; }
 

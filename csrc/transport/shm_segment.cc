@@ -35,16 +35,16 @@ std::string humanBytes(double b) {
       groupBytes ? "this process group needs " + humanBytes(static_cast<double>(groupBytes)) +
                        " of shared memory on this host"
                  : "this rank needs " + humanBytes(static_cast<double>(bytes)) +
-                       " of shared memory, and each of the group's ranks on this host as much";
-  // A docker --shm-size that fits the group with room to spare, rounded up to whole MiB.
-  const size_t suggestMiB = (groupBytes * 2 + (1u << 20) - 1) >> 20;
-  const std::string fix = groupBytes ? formatString("docker run --shm-size=%zum", suggestMiB)
-                                     : "docker run --shm-size with twice that per rank of the host";
+                       " of shared memory (as does each rank of the group on this host with the same setting)";
+  // A docker --shm-size that fits the group with room to spare, rounded up to whole MiB; before
+  // the topology, per rank of the host.
+  const size_t suggestMiB = ((groupBytes ? groupBytes : bytes) * 2 + (1u << 20) - 1) >> 20;
   throwError(ErrorCode::kSystemError,
-             "smddp rank %d: /dev/shm is too small (%s): %s and %s are free. Fix: give the container more shared "
-             "memory (e.g. %s, or remount /dev/shm larger), or lower SMDDP_SHM_SLOT_BYTES (per rank: 2 x slot + "
-             "128 KiB per rank of mailboxes).",
-             rank, what, need.c_str(), humanBytes(static_cast<double>(freeBytes)).c_str(), fix.c_str());
+             "smddp rank %d: /dev/shm is too small (%s): %s, and %s are free. Fix: give the container more shared "
+             "memory (e.g. docker run --shm-size=%zum%s, or remount /dev/shm larger), or lower SMDDP_SHM_SLOT_BYTES "
+             "(per rank: 2 x slot + 128 KiB per rank of mailboxes).",
+             rank, what, need.c_str(), humanBytes(static_cast<double>(freeBytes)).c_str(), suggestMiB,
+             groupBytes ? "" : " for each rank of the host");
 }
 
 }  // namespace

@@ -253,21 +253,32 @@ void aFailedRankWaitsUntilItsPeersKnow() {
   alsoFailing.publishFailure({"topo/2"}, 2, "a bad setting");
   alsoFailing.publishFailure({"topo/2"}, 2, "a bad setting");
   auto t0 = std::chrono::steady_clock::now();
-  failing.awaitPeersKnowingOfFailure(3, std::chrono::seconds(5));
+  failing.awaitPeersKnowingOfFailure(3, std::chrono::seconds(5), std::chrono::seconds(5));
   expect(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1),
          "a failed rank's wait ends once its peers know of the failure");
   t0 = std::chrono::steady_clock::now();
-  failing.awaitPeersKnowingOfFailure(4, std::chrono::milliseconds(300));
-  const auto waited = std::chrono::steady_clock::now() - t0;
+  failing.awaitPeersKnowingOfFailure(4, std::chrono::milliseconds(300), std::chrono::seconds(5));
+  auto waited = std::chrono::steady_clock::now() - t0;
   expect(waited >= std::chrono::milliseconds(300) && waited < std::chrono::seconds(2),
          "a failed rank's wait for a peer that never knows ends at its patience");
+  // No peer counts for `quiet`: the wait ends then; a count within it restarts it.
+  t0 = std::chrono::steady_clock::now();
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    BootstrapStore(group).publishFailure({"topo/3"}, 3, "late");
+  });
+  failing.awaitPeersKnowingOfFailure(5, std::chrono::seconds(5), std::chrono::milliseconds(300));
+  late.join();
+  waited = std::chrono::steady_clock::now() - t0;
+  expect(waited >= std::chrono::milliseconds(480) && waited < std::chrono::seconds(2),
+         "a failed rank's wait ends once no peer has counted for its quiet time, counted from the last");
 
   MemoryStore noAdd;
   noAdd.addFails = ErrorCode::kInvalidUsage;
   BootstrapStore alone(noAdd);
   t0 = std::chrono::steady_clock::now();
   alone.publishFailure({"k"}, 0, "x");
-  alone.awaitPeersKnowingOfFailure(2, std::chrono::seconds(5));
+  alone.awaitPeersKnowingOfFailure(2, std::chrono::seconds(5), std::chrono::seconds(5));
   expect(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1), "without add, a failed rank does not wait");
 }
 
