@@ -29,7 +29,8 @@ std::vector<ParamInfo> allParams();
 // which raises (kInvalidUsage) for the first malformed or out of range.
 void checkSettings();
 
-// Per-rank staging: bytes of one of the two shared-memory slots each rank owns.
+// Per-rank staging: bytes of one of the two shared-memory slots each rank owns. Read at every
+// call, not cached (see env.cc): a size /dev/shm refused must not outlive the caller's fix.
 int64_t shmSlotBytes();
 // Allgather/gather/broadcast: most bytes a rank stages per step (capped by the slot).
 int64_t shmCopyStepBytes();

@@ -37,16 +37,17 @@ void BootstrapStore::awaitPeersKnowingOfFailure(int size, std::chrono::milliseco
   countKnowingOfFailure();
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + patience;
-  auto lastCount = Clock::now();
-  int64_t known = 0;
+  auto lastCounted = Clock::now();
+  int64_t seen = 0;
   auto pause = std::chrono::milliseconds(1);
   try {
-    for (int64_t now = inner_.add(kKnowingOfFailureKey, 0); now < size; now = inner_.add(kKnowingOfFailureKey, 0)) {
-      if (now > known) {
-        known = now;
-        lastCount = Clock::now();
+    for (int64_t known; (known = inner_.add(kKnowingOfFailureKey, 0)) < size;) {
+      const auto now = Clock::now();
+      if (known > seen) {
+        seen = known;
+        lastCounted = now;
       }
-      if (Clock::now() >= deadline || Clock::now() - lastCount >= quiet) return;
+      if (now >= deadline || now - lastCounted >= quiet) return;
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(50));
     }
