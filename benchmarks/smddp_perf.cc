@@ -4,7 +4,7 @@
 //              -b 8 -e 128M -f 2 [-o sum|prod|min|max|avg|all]
 //              [-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|f8e4m3|f8e5m2|all]
 //              [-r root] [-n iters]
-//              [-w warmup] [-m agg] [-c 0/1] [-a 0..3] [-J file.json] [-T target_ms] [--timeout seconds]
+//              [-w warmup] [-m agg] [-c 0/1] [-a 0..3] [-J file.json] [-T|--timeout seconds] [--target-ms ms]
 //
 // Invoked as all_reduce_perf, all_gather_perf, reduce_scatter_perf, broadcast_perf or alltoall_perf
 // (a link to this binary; the package's bin/ has scripts of those names that pass --collective),
@@ -18,7 +18,8 @@
 // nccl-tests' bus factors, #wrong from a real check of the result) and footer. -a combines the
 // ranks' times like nccl-tests: 0 = rank 0's, 1 = average (default), 2 = min, 3 = max.
 // SMDDP_TESTS_MIN_BW (GB/s, like NCCL_TESTS_MIN_BW): exit 4 when the average bus bandwidth is lower.
-// --timeout bounds the set-up (a rank that never starts is named by every other) and each op.
+// -T/--timeout bounds the set-up (a rank that never starts is named by every other) and each op, as
+// nccl-tests' -T does (0: no limit); --target-ms is the time -n 0 aims each measurement at.
 // --huge-pages 1 puts the buffers on transparent huge pages, as torch's THP_MEM_ALLOC_ENABLE=1 does.
 // --touch 1 rewrites each rank's input before every timed op, then passes a barrier (both outside
 // the time), as a training step writes what it then communicates: nccl-tests' loop reuses
@@ -28,6 +29,7 @@
 // two CPUs the job may use: tens of ns where they share a last-level cache, hundreds where they do
 // not, which decides how fast ranks read each other's staged data and which sysfs may not show
 // (a VM's host moves its vCPUs between caches; benchmarks/bench_staging.py sorts runs by it).
+#include <ftw.h>
 #include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
@@ -134,10 +136,11 @@ const char* opName(ReduceOp op) {
   fprintf(why ? stderr : stdout,
           "usage: smddp_perf [-np ranks] [--collective all_reduce|all_gather|reduce_scatter|broadcast|all_to_all] "
           "[-b minbytes] "
-          "[-e maxbytes] [-f factor | -i stepbytes] [-n iters (0 = auto, see -T)] [-w warmup] [-m agg] [-c 0/1] "
+          "[-e maxbytes] [-f factor | -i stepbytes] [-n iters (0 = auto, see --target-ms)] [-w warmup] [-m agg] [-c 0/1] "
           "[-o sum|prod|min|max|avg|all] "
           "[-d float|double|half|bfloat16|int32|int8|uint8|int64|uint32|uint64|f8e4m3|f8e5m2|all] "
-          "[-r root] [-a 0..3] [-J json] [-T target_ms] [--timeout seconds (set-up and each op; default 300)] "
+          "[-r root] [-a 0..3] [-J json] [-T|--timeout seconds (set-up and each op; default 300, 0 = none)] "
+          "[--target-ms ms (each measurement's aim under -n 0; default 100)] "
           "[--huge-pages 0/1] [--touch 0/1]\n");
   exit(why ? 2 : 0);
 }
@@ -228,15 +231,19 @@ Args parseArgs(int argc, char** argv) {
     else if (f == "-a" || f == "--average") a.avgMode = parseInt(f, need(i));
     else if (f == "-r" || f == "--root") a.root = parseInt(f, need(i));
     else if (f == "-J" || f == "--output_file") a.json = need(i);
-    else if (f == "-T") a.targetMs = parseNumber(f, need(i));
+    else if (f == "--target-ms") a.targetMs = parseNumber(f, need(i));
     else if (f == "--huge-pages") a.hugePages = parseInt(f, need(i)) != 0;
     else if (f == "--touch") a.touch = parseInt(f, need(i)) != 0;
-    else if (f == "--timeout") {
-      // A year at most: a deadline past steady_clock's range wrapped round to the past, so that
-      // every rank "timed out" at once, blaming the others (until 2026-12-06).
-      const double seconds = parseNumber(f, need(i));
-      if (seconds <= 0 || seconds > 365.0 * 86400) usage("--timeout (seconds) must be more than 0 and at most a year");
-      a.timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+    else if (f == "-T" || f == "--timeout") {
+      // nccl-tests' -T, whose 0 means no limit: here a year. At most a year: a deadline past
+      // steady_clock's range wrapped round to the past, so that every rank "timed out" at once,
+      // blaming the others (until 2026-12-06). Until 2026-12-07 -T was --target-ms, so that
+      // nccl-tests' "-T 60" asked for 60 ms measurements and kept the 300 s timeout.
+      constexpr double kYear = 365.0 * 86400;
+      double seconds = parseNumber(f, need(i));
+      if (seconds == 0) seconds = kYear;
+      if (seconds < 0 || seconds > kYear) usage((f + " (seconds) must be 0 (no limit) or more, and at most a year").c_str());
+      a.timeout = std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(seconds * 1000)));
     }
     else if (f == "-t" || f == "-g") {
       if (parseInt(f, need(i)) != 1) usage("one thread and one device per rank (use -np for more ranks)");
@@ -283,7 +290,7 @@ Args parseArgs(int argc, char** argv) {
     usage(("unknown collective " + a.coll).c_str());
   }
   if (a.minBytes > a.maxBytes || a.factor < 1 || (a.factor == 1 && a.stepBytes == 0)) usage("bad size range");
-  if (a.iters < 0 || a.warmup < 0 || a.targetMs <= 0 || a.timeout.count() <= 0) usage("bad -n, -w, -T or --timeout");
+  if (a.iters < 0 || a.warmup < 0 || a.targetMs <= 0) usage("bad -n, -w or --target-ms");
   if (a.agg < 1) usage("-m (operations per timed measurement) must be at least 1");
   if (const char* minBw = getenv("SMDDP_TESTS_MIN_BW"); minBw && *minBw) {
     a.minBusBw = parseNumber("SMDDP_TESTS_MIN_BW", minBw);
@@ -598,6 +605,37 @@ void printCacheLineRoundTrip(const char* when) {
 // store's folder removed before it dies of that signal (until 2026-12-06 the folder stayed).
 volatile sig_atomic_t gStopSignal = 0;
 void onStopSignal(int sig) { gStopSignal = sig; }
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
+// The process that removes the ranks' store folder once the launcher is gone, however it went:
+// a SIGKILLed launcher (the OOM killer, a scheduler's kill -9) runs no code of its own, and its
+// folder stayed in $TMPDIR until 2026-12-07. It waits for the end of a pipe that only the
+// launcher holds open (the ranks close their copies), and ignores the stop signals, which a
+// terminal sends to the whole process group. Returns the pipe's write end and the cleaner's pid.
+std::pair<int, pid_t> startFolderCleaner(const std::string& dir) {
+  int fds[2];
+  if (pipe(fds) != 0) return {-1, -1};
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[1]);
+    for (int sig : kStopSignals) signal(sig, SIG_IGN);
+    char byte;
+    while (read(fds[0], &byte, 1) < 0 && errno == EINTR) {
+    }
+    // A rank dying with the launcher may still add a file while the folder goes: try again.
+    const auto removeOne = [](const char* path, const struct stat*, int, struct FTW*) { return remove(path); };
+    for (int attempt = 0; attempt < 5 && access(dir.c_str(), F_OK) == 0; ++attempt) {
+      if (nftw(dir.c_str(), removeOne, 16, FTW_DEPTH | FTW_PHYS) != 0) usleep(100 * 1000);
+    }
+    _exit(access(dir.c_str(), F_OK) == 0 ? 1 : 0);
+  }
+  close(fds[0]);
+  if (pid < 0) {
+    close(fds[1]);
+    return {-1, -1};
+  }
+  return {fds[1], pid};
+}
 
 }  // namespace
 
@@ -622,7 +660,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   printCacheLineRoundTrip("before the run");
-  fflush(stdout);  // the ranks inherit this buffer: empty it before they fork
+  fflush(stdout);  // the ranks and the cleaner inherit this buffer: empty it before they fork
+  const auto [cleanerPipe, cleaner] = startFolderCleaner(dir);
+  if (cleaner < 0) {
+    fprintf(stderr, "smddp_perf: cannot start the process that removes %s: %s\n", dir.c_str(), strerror(errno));
+    rmdir(dir.c_str());
+    return 1;
+  }
   std::vector<pid_t> kids;
   const pid_t launcher = getpid();
   // Installed before the forks (without SA_RESTART, so that the launcher's waitpid() returns at
@@ -630,7 +674,6 @@ int main(int argc, char** argv) {
   struct sigaction stop{};
   stop.sa_handler = onStopSignal;
   sigemptyset(&stop.sa_mask);
-  constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
   for (int sig : kStopSignals) sigaction(sig, &stop, nullptr);
   signal(SIGPIPE, SIG_IGN);  // its output closed (`| head`), the launcher still removes the folder
   for (int r = 0; r < a.ranks; ++r) {
@@ -638,7 +681,8 @@ int main(int argc, char** argv) {
     if (pid == 0) {
       for (int sig : kStopSignals) signal(sig, SIG_DFL);
       signal(SIGPIPE, SIG_DFL);
-      prctl(PR_SET_PDEATHSIG, SIGKILL);  // a killed launcher leaves no rank behind (SIGKILL leaves the folder)
+      close(cleanerPipe);  // only the launcher's copy keeps the cleaner waiting
+      prctl(PR_SET_PDEATHSIG, SIGKILL);  // a killed launcher leaves no rank behind
       if (getppid() != launcher) _exit(1);  // it died before the line above
       int rc = 1;
       try {
@@ -667,6 +711,7 @@ int main(int argc, char** argv) {
     const pid_t k = waitpid(-1, &st, 0);  // in the order they end, so that the cause comes first
     if (k < 0 && errno == EINTR) continue;
     if (k < 0) break;
+    if (std::find(kids.begin(), kids.end(), k) == kids.end()) continue;  // the cleaner, killed by someone
     kids.erase(std::remove(kids.begin(), kids.end(), k), kids.end());
     const int rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
     if (rc == 0 || first != 0 || gStopSignal) continue;
@@ -681,8 +726,11 @@ int main(int argc, char** argv) {
     }
   }
   if (!gStopSignal) printCacheLineRoundTrip("after the run");
-  std::string cmd = "rm -rf " + dir;
-  if (system(cmd.c_str()) != 0) fprintf(stderr, "smddp_perf: could not remove %s\n", dir.c_str());
+  close(cleanerPipe);
+  int st = 0;
+  while (waitpid(cleaner, &st, 0) < 0 && errno == EINTR) {
+  }
+  if (access(dir.c_str(), F_OK) == 0) fprintf(stderr, "smddp_perf: could not remove %s\n", dir.c_str());
   if (const int sig = gStopSignal) {
     signal(sig, SIG_DFL);
     raise(sig);

@@ -112,7 +112,7 @@ def test_huge_pages_and_cache_placement_lines():
     (["-d", "complex64"], "unknown datatype complex64"),
     # Until 2026-12-01 these ran, and printed negative times, or measured 1 byte for "1T" and 0
     # for "abc", or stepped by 1 MiB for a factor of nan, each ending "OK".
-    (["-n", "-3"], "bad -n, -w, -T or --timeout"),
+    (["-n", "-3"], "bad -n, -w or --target-ms"),
     (["-b", "1T", "-e", "1T"], '-b needs a whole size in bytes (suffix K, M or G), not "1T"'),
     (["-b", "abc"], '-b needs a whole size in bytes (suffix K, M or G), not "abc"'),
     (["-b", "1.5"], '-b needs a whole size in bytes (suffix K, M or G), not "1.5"'),
@@ -122,7 +122,8 @@ def test_huge_pages_and_cache_placement_lines():
     # Until 2026-12-06: -m 0 ran as 1; a timeout past steady_clock's range failed every rank at
     # once, blaming rank 0; SMDDP_TESTS_MIN_BW=abc read as 0, so the bandwidth test never failed.
     (["-m", "0"], "-m (operations per timed measurement) must be at least 1"),
-    (["--timeout", "1e10"], "--timeout (seconds) must be more than 0 and at most a year"),
+    (["--timeout", "1e10"], "--timeout (seconds) must be 0 (no limit) or more, and at most a year"),
+    (["-T", "-1"], "-T (seconds) must be 0 (no limit) or more, and at most a year"),
     (["-b", "1K", "-e", "1K", "SMDDP_TESTS_MIN_BW=abc"], 'SMDDP_TESTS_MIN_BW needs a finite number, not "abc"'),
 ])
 def test_bad_arguments_fail_with_usage(args, why):
@@ -141,11 +142,13 @@ def test_help_and_unwritable_json():
     assert "rank 0: cannot write the -J file /nonexistent/x.json: No such file or directory" in p.stderr, p.stderr
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGKILL to a rank"])
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGKILL to the launcher", "SIGKILL to a rank"])
 def test_a_stopped_launcher_or_killed_rank_leaves_nothing(how, tmp_path):
     """A launcher stopped by SIGTERM (or SIGINT, SIGHUP) kills its ranks, removes its store's
-    folder and dies of that signal (until 2026-12-06 the folder stayed in $TMPDIR); a rank killed
-    by a signal is named, with the signal (the launcher exited 137 without a word)."""
+    folder and dies of that signal (until 2026-12-06 the folder stayed in $TMPDIR); a SIGKILLed
+    launcher's ranks die with it and a process it started for that removes the folder (until
+    2026-12-07 the folder stayed); a rank killed by a signal is named, with the signal (the
+    launcher exited 137 without a word)."""
     import signal
     import time
     env = dict(os.environ, TMPDIR=str(tmp_path))
@@ -155,19 +158,34 @@ def test_a_stopped_launcher_or_killed_rank_leaves_nothing(how, tmp_path):
     while not list(tmp_path.glob("smddp_perf.*/*")) and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(2)  # the ranks are in their timed loop
-    ranks = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()]
-    assert len(ranks) == 3, ranks
-    if how.startswith("SIGTERM"):
+    # The launcher's children: the ranks, and the folder's cleaner, which ignores SIGTERM.
+    kids = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()]
+
+    def ignores_sigterm(pid):
+        ignored = next(x for x in open(f"/proc/{pid}/status") if x.startswith("SigIgn:")).split()[1]
+        return bool(int(ignored, 16) >> (signal.SIGTERM - 1) & 1)
+
+    ranks = [k for k in kids if not ignores_sigterm(k)]
+    assert len(kids) == 4 and len(ranks) == 3, kids
+    if how == "SIGTERM to the launcher":
         p.send_signal(signal.SIGTERM)
+    elif how == "SIGKILL to the launcher":
+        p.send_signal(signal.SIGKILL)
     else:
         os.kill(ranks[-1], signal.SIGKILL)
     _, err = p.communicate(timeout=60)
-    if how.startswith("SIGTERM"):
+    if how == "SIGTERM to the launcher":
         assert p.returncode == -signal.SIGTERM, (p.returncode, err)
+    elif how == "SIGKILL to the launcher":
+        assert p.returncode == -signal.SIGKILL, (p.returncode, err)
     else:
         assert p.returncode == 128 + signal.SIGKILL and "rank 2 was killed by signal 9 (Killed)" in err, err
+    deadline = time.monotonic() + 10  # without its launcher, the cleaner works on its own time
+    while (list(tmp_path.iterdir()) or any(os.path.exists(f"/proc/{k}") and open(f"/proc/{k}/stat").read().split()[2] != "Z"
+                                           for k in kids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
-    for pid in ranks:
+    for pid in kids:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
 
 
@@ -212,10 +230,13 @@ def test_torchrun_style_launch(hosts, master):
 
 @pytest.mark.parametrize("hosts", ["000", "001"], ids=["one_host", "across_hosts"])
 def test_a_rank_that_never_starts_is_named(hosts):
-    """Ranks 0 and 1 of a world of 3 start; rank 2 never does. With --timeout 3 both fail in
+    """Ranks 0 and 1 of a world of 3 start; rank 2 never does. With a timeout of 3 s both fail in
     seconds, and both name rank 2: rank 0 waited for its arrival; rank 1, answered by rank 0,
-    waited for a key of rank 2's in the set-up and reads from the store whom rank 0 still lacks."""
-    procs, outs = run_ranks([BIN / "smddp_perf", "-b", "8", "-e", "8", "--timeout", "3"], 3, hosts[:2], timeout=60)
+    waited for a key of rank 2's in the set-up and reads from the store whom rank 0 still lacks.
+    -T is the timeout, as nccl-tests' (until 2026-12-07 it was the -n 0 aim, in ms, and the run
+    waited the default 300 s)."""
+    flag = "-T" if hosts == "000" else "--timeout"
+    procs, outs = run_ranks([BIN / "smddp_perf", "-b", "8", "-e", "8", flag, "3"], 3, hosts[:2], timeout=60)
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 1, f"rank {r}: exit {p.returncode}\n{out[-2000:]}\n{err[-2000:]}"
         assert f"smddp_perf rank {r}: rank(s) 2 did not reach the group's set-up within " in err, err[-2000:]
