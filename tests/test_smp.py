@@ -900,6 +900,50 @@ def test_ranks_given_different_configs_all_refuse(pools):
     pools.check(4, differing_config_task, timeout=120)
 
 
+def repeated_init_task(rank, world):
+    """init() again with the same config keeps its meshes: until 2026-12-07 every call built new
+    ones, each adding process groups that lived until the default group was destroyed. Another
+    config, or a mesh group destroyed since, builds new ones; a new seed still seeds."""
+    import torch.distributed as dist
+
+    rep = Report(rank)
+    groups = lambda: len(dist.distributed_c10d._world.pg_map)  # noqa: E731
+    first = tsm.init({"hybrid_shard_degree": 2, "random_seed": 7}, device_type="cpu")
+    mesh, count = first.mesh, groups()
+    again = tsm.init({"hybrid_shard_degree": 2, "random_seed": 8}, device_type="cpu")
+    rep.expect(again.mesh is mesh and groups() == count, f"the same config built new meshes ({count} -> {groups()} "
+                                                         "process groups)")
+    drawn = torch.rand(3)
+    torch.manual_seed(8)
+    rep.expect(torch.equal(drawn, torch.rand(3)), "init() again did not seed with the new random_seed")
+    other = tsm.init({"hybrid_shard_degree": 1}, device_type="cpu")
+    rep.expect(other.mesh is not mesh and other.hybrid_shard_degree == 1, "another config kept the old meshes")
+    mesh = other.mesh
+    dist.destroy_process_group(other.tp_group)
+    rebuilt = tsm.init({"hybrid_shard_degree": 1}, device_type="cpu")
+    rep.expect(rebuilt.mesh is not mesh and rebuilt.tp_group in dist.distributed_c10d._world.pg_map,
+               "init() kept meshes one of whose groups was destroyed")
+    # hybrid_shard_degree 1: the replicate group holds every rank
+    rep.check("a collective on the rebuilt meshes", _all_reduced(rebuilt.replicate_group, rank), _sum_of_ranks(world))
+    return rep.to_dict()
+
+
+def _all_reduced(group, rank):
+    import torch.distributed as dist
+
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def _sum_of_ranks(world):
+    return torch.full((4,), float(world * (world + 1) // 2))
+
+
+def test_init_again_keeps_its_meshes(pools):
+    pools.check(4, repeated_init_task, timeout=120)
+
+
 def activation_checkpointing_task(rank, world, degree):
     """Checkpointed blocks under hybrid sharding: gradients and parameters equal to the same
     model without checkpointing, step after step."""

@@ -230,16 +230,34 @@ class State:
     cp_size: int = 1               # context_parallel_degree: ranks one sequence is split over
     cp_rank: int = 0               # which part of the sequence this rank runs
     cp_group: object = None
+    device_type: str = "cpu"       # the meshes' device type
+    world_group: object = None     # the default process group the meshes were built from
 
 
 state = State()
+
+
+def _meshes_fit(cfg, device_type):
+    """Whether the meshes a previous init() built serve this one: the same config (but for
+    random_seed), device type and default process group, with none of their groups destroyed.
+    Building them again would create new process groups at every call, each holding its
+    resources until the process group is destroyed."""
+    if not state.initialized or state.world_group is not dist.group.WORLD or state.device_type != device_type:
+        return False
+    if any(getattr(state.config, k) != getattr(cfg, k) for k in SMPConfig.__dataclass_fields__ if k != "random_seed"):
+        return False
+    live = dist.distributed_c10d._world.pg_map
+    return all(g is None or g in live for g in (state.shard_group, state.replicate_group, state.tp_group,
+                                                 state.ep_group, state.cp_group))
 
 
 def init(config=None, backend="smddp", device_type=None):
     """Initialises SMP-style training: reads and validates `config` (a dict, a JSON file path, JSON
     text, or None for $SMDDP_SMP_CONFIG / the defaults), starts the process group with `backend`
     if none exists (torchrun's environment variables), builds the (replicate, shard, tp)
-    DeviceMesh and fills `state`. Returns `state`.
+    DeviceMesh and fills `state`. Returns `state`. Called again with the same config (random_seed
+    aside) and device type on the same default group, it keeps the meshes it built (seeding
+    again); otherwise it builds new ones, whose process groups add to the old ones'.
 
     device_type: where the models live, "cuda" or "cpu"; default "cuda" where torch sees a CUDA
     device. The meshes are built for it, and FSDP2 (apply_hybrid_sharding) and materialize() put
@@ -262,9 +280,13 @@ def init(config=None, backend="smddp", device_type=None):
     rep = world // (tp * hsd)
     if cfg.random_seed is not None:
         torch.manual_seed(cfg.random_seed)
+    if _meshes_fit(cfg, device_type):
+        state.config = cfg
+        return state
     mesh = init_device_mesh(device_type, (rep, hsd, tp), mesh_dim_names=("replicate", "shard", "tp"))
     state.initialized = True
     state.config = cfg
+    state.device_type, state.world_group = device_type, dist.group.WORLD
     state.rank, state.world_size = rank, world
     state.local_rank = int(os.environ.get("LOCAL_RANK", rank))
     state.hybrid_shard_degree, state.replicate_degree = hsd, rep
