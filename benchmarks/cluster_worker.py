@@ -3,7 +3,7 @@ bench_cluster.py and tests/test_netns.py with torchrun-style variables (RANK, WO
 MASTER_ADDR, MASTER_PORT) and one JSON argument:
 
   {"backend": "smddp" | "gloo", "mode": "check" | "bench", "ops": [...], "sizes": [...bytes],
-   "iters": N, "warmup": N, "target_s": seconds per measurement}
+   "iters": N, "warmup": N, "target_s": seconds per measurement, "timeout": the group's, s (120)}
 
 check: every op on every size against a reference; prints {"rank", "ok", "errors", "topology"}.
 bench: rank 0 prints one JSON line per (op, size): {"op", "size", "time_us", "cpu_us"} (max over ranks
@@ -144,7 +144,7 @@ def main():
     if cfg["backend"] == "smddp":
         import smddp  # noqa: F401
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(cfg["backend"], timeout=timedelta(seconds=120))
+    dist.init_process_group(cfg["backend"], timeout=timedelta(seconds=cfg.get("timeout", 120)))
     ctrl = dist.new_group(backend="gloo")
     topology = {}
     if cfg["backend"] == "smddp":

@@ -6,6 +6,7 @@ Skipped (with the reason) where network namespaces cannot be created."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -116,6 +117,40 @@ def test_loopback_between_namespace_hosts_is_refused():
     for i, log in enumerate(logs):
         assert "loopback" in log and "another network namespace" in log, f"rank {i}:\n{log}"
     assert took < 90, f"the ranks took {took:.0f} s to refuse (the group's timeout is 120 s)"
+
+
+@pytest.mark.skipif(shutil.which("iptables") is None, reason="no iptables command (apt-get install iptables)")
+@pytest.mark.parametrize("action", ["REJECT", "DROP"])
+def test_a_firewall_between_two_hosts_is_named_by_every_rank(action):
+    """Host 0's firewall refuses (REJECT) or drops (DROP) new connections to the last host: rank 0
+    cannot dial that rank. Every rank names the blocked pair, where until 2026-12-07 the ranks
+    waiting for rank 0's dial waited out the group's timeout (30 minutes by default) and blamed
+    rank 0 ("rank(s) 0 did not connect"), and those already connected to it reported the loss of
+    the store its process hosts. A refused dial now fails every rank at once; a dropped one at
+    the timeout (20 s here), the dialled rank saying what keeps its peers away."""
+    hosts = 3 if action == "REJECT" else 4
+    with netcluster.NetCluster(hosts) as c:
+        rule = ["-j", "REJECT", "--reject-with", "tcp-reset"] if action == "REJECT" else ["-j", "DROP"]
+        subprocess.run(["ip", "netns", "exec", c.hosts[0], "iptables", "-A", "OUTPUT", "-d", c.address_v4(hosts - 1),
+                        "-p", "tcp", "-m", "conntrack", "--ctstate", "NEW", *rule], check=True)
+        t0 = time.monotonic()
+        procs = c.launch_ranks(1, {"backend": "smddp", "mode": "check", "ops": ["allreduce"], "sizes": [8],
+                                   "timeout": 20}, port=29521)
+        logs = [p.communicate(timeout=120)[1] for p in procs]
+        took = time.monotonic() - t0
+    last = hosts - 1
+    for rank, log in enumerate(logs):
+        line = next((x for x in log.splitlines() if "DistBackendError" in x), log[-2000:])
+        if action == "REJECT":
+            assert f"cannot connect to rank {last} at " in line and "a firewall rejects connections to it" in line, \
+                f"rank {rank}: {line}"
+            assert rank == 0 or "rank 0 could not set up the process group" in line, f"rank {rank}: {line}"
+        elif rank < last:
+            assert f"rank {last} at " in line and "never answered the dial" in line, f"rank {rank}: {line}"
+        else:  # the dialled rank times out at the same moment, unless it read rank 0's account first
+            assert "never answered the dial" in line or ("rank(s) 0 did not connect" in line and
+                                                         "a firewall that drops connections" in line), line
+    assert took < (15 if action == "REJECT" else 60), f"the ranks took {took:.0f} s (the group's timeout is 20 s)"
 
 
 @pytest.mark.skipif(netcluster.available(delay=True) is not None, reason=f"{netcluster.available(delay=True)}")

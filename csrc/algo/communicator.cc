@@ -77,41 +77,24 @@ size_t alltoallSingleCopyBytesFor(const CpuShare& machine) {
 const std::string kScheduleKey = "smddp/schedule";
 
 // The keys of the group's set-up that peers wait for from `rank`, but the host's shared-memory
-// ones (its host is not known before the topology, and its host-mates fail on the topology's).
-std::vector<std::string> groupKeysOwedBy(int rank) {
+// ones (its host is not known before the topology, and its host-mates fail on the topology's),
+// and `later`, those of the caller's set-up after the communicator's (Communicator()).
+std::vector<std::string> groupKeysOwedBy(int rank, const std::vector<std::string>& later) {
   std::vector<std::string> keys = Topology::keysOwedBy(rank);
   for (const std::string& k : net::TcpMesh::keysOwedBy(rank)) keys.push_back(k);
   if (rank == 0) keys.push_back(kScheduleKey);
+  keys.insert(keys.end(), later.begin(), later.end());
   return keys;
 }
 
-// How long rank 0, whose set-up failed, waits for its peers to have read why before raising
-// (BootstrapStore::awaitPeersKnowingOfFailure): at most as long as it answers ranks of another
-// world size (and the group's timeout), and 2 s after the last peer counted: peers waiting on the
-// keys it failed to set read them within milliseconds, and the others (waiting elsewhere, dead)
-// would not count at all.
-constexpr auto kFailureTellingPatience = std::chrono::seconds(10);
-constexpr auto kFailureTellingQuiet = std::chrono::seconds(2);
-
-// Rank 0 waits for its peers to know of its failure, unless it timed out: then a peer is late or
-// gone and would not count, and the others are timing out as well.
-void awaitPeersIfRank0(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout,
-                       const std::exception& e) {
-  const auto* error = dynamic_cast<const Error*>(&e);
-  if (rank != 0 || (error != nullptr && error->code() == ErrorCode::kTimeout)) return;
-  store.awaitPeersKnowingOfFailure(
-      size, std::min<std::chrono::milliseconds>(kFailureTellingPatience, timeout), kFailureTellingQuiet);
-}
-
-// fn(), or, if it throws, the error published to the peers first.
+// fn(), or, if it throws, the error told to the peers first.
 template <class Fn>
-auto tellingPeers(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout, Fn&& fn)
-    -> decltype(fn()) {
+auto tellingPeers(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout,
+                  const std::vector<std::string>& later, Fn&& fn) -> decltype(fn()) {
   try {
     return fn();
   } catch (const std::exception& e) {
-    store.publishFailure(groupKeysOwedBy(rank), rank, e.what());
-    awaitPeersIfRank0(store, rank, size, timeout, e);
+    store.tellPeersOfFailure(groupKeysOwedBy(rank, later), rank, size, timeout, e.what());
     throw;
   }
 }
@@ -126,11 +109,12 @@ std::string hostPrefix(const Topology& t) { return "smddp/host" + std::to_string
 }  // namespace
 
 void Communicator::refuseSetUp(BootstrapStore& store, int rank, const std::string& why) {
-  store.publishFailure(groupKeysOwedBy(rank), rank, why);
+  store.publishFailure(groupKeysOwedBy(rank, {}), rank, why);
   throwError(ErrorCode::kInvalidUsage, "%s", why.c_str());
 }
 
-Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout)
+Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout,
+                           const std::vector<std::string>& keysOwedLater)
     : store_(store),
       rank_(rank),
       size_(size),
@@ -138,19 +122,19 @@ Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chron
       // integer, SMDDP_STAGE_STREAM, SMDDP_SOCKET_IFNAME, SMDDP_SOCKET_FAMILY) then fails every
       // rank alike, instead of failing rank 0 first and taking the store its process hosts from
       // ranks still using it, or leaving a rank's host-mates waiting for its shared memory.
-      stagingPolicy_(tellingPeers(store, rank, size, timeout,
+      stagingPolicy_(tellingPeers(store, rank, size, timeout, keysOwedLater,
                                   [] {
                                     env::checkSettings();
                                     return WayPolicy::parseMode("SMDDP_STAGE_STREAM", env::stageStream());
                                   }),
                      "staging", "cached", "streamed"),
-      allreduceReads_(tellingPeers(store, rank, size, timeout, [] {
+      allreduceReads_(tellingPeers(store, rank, size, timeout, keysOwedLater, [] {
         return WayPolicy::parseMode("SMDDP_SHM_ALLREDUCE_SINGLE_COPY", env::shmAllreduceSingleCopy());
       })),
       allreduceReadPolicy_(WayPolicy::Mode::kNever, "single copy", "staged", "read in place"),
-      netAddrs_(size > 1 ? tellingPeers(store, rank, size, timeout, [] { return net::chooseLocalAddresses(); })
+      netAddrs_(size > 1 ? tellingPeers(store, rank, size, timeout, keysOwedLater, [] { return net::chooseLocalAddresses(); })
                          : std::vector<net::LocalAddress>{}),
-      topo_(tellingPeers(store, rank, size, timeout, [&] { return discoverAfterShmCheck(store, rank, size); })),
+      topo_(tellingPeers(store, rank, size, timeout, keysOwedLater, [&] { return discoverAfterShmCheck(store, rank, size); })),
       cpuClaim_(topo_.cpuShare),
       machine_(cpuClaim_.busiest()),
       oneShotMaxBytes_(static_cast<size_t>(env::allreduceOneShotMaxBytes())),
@@ -162,14 +146,13 @@ Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chron
   try {
     setUp(timeout);
   } catch (const std::exception& e) {
-    store.publishFailure(keysOwed(), rank, e.what());
-    awaitPeersIfRank0(store, rank, size, timeout, e);
+    store.tellPeersOfFailure(keysOwed(keysOwedLater), rank, size, timeout, e.what());
     throw;
   }
 }
 
-std::vector<std::string> Communicator::keysOwed() const {
-  std::vector<std::string> keys = groupKeysOwedBy(rank_);
+std::vector<std::string> Communicator::keysOwed(const std::vector<std::string>& later) const {
+  std::vector<std::string> keys = groupKeysOwedBy(rank_, later);
   const std::string prefix = topo_.hosts() == 1 ? "" : hostPrefix(topo_);
   for (const std::string& k : shm::Domain::keysOwedBy(topo_.localRank())) keys.push_back(prefix + k);
   return keys;

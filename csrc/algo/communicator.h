@@ -29,8 +29,11 @@ class Communicator {
   // Collective over the group (bootstrap through `store`; `timeout` bounds connection set-up).
   // `store` must outlive the communicator: a multi-host group's first all_to_all connects more
   // ranks through it. A rank whose set-up fails publishes its error through `store` before it
-  // throws, so that its peers fail with it at once.
-  Communicator(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout);
+  // throws, so that its peers fail with it at once; also under `keysOwedLater`, the keys the
+  // caller's set-up sets after this one, for peers whose part of this set-up is done and who wait
+  // for those (rank 0's debug-checks setting, say, after it failed to reach a third rank).
+  Communicator(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout,
+               const std::vector<std::string>& keysOwedLater = {});
   ~Communicator();
   // Instead of the constructor, on a rank that knows the group cannot be set up (rank 0, told of
   // a rank given another world_size): throws kInvalidUsage with `why`, published first under the
@@ -130,8 +133,8 @@ class Communicator {
   HierContext hier(const OpContext& ctx);
   // The set-up after the topology: shared memory, and across hosts settings and the mesh.
   void setUp(std::chrono::milliseconds timeout);
-  // The store keys this rank's set-up sets that its peers wait for.
-  std::vector<std::string> keysOwed() const;
+  // The store keys this rank's set-up sets that its peers wait for, and `later`.
+  std::vector<std::string> keysOwed(const std::vector<std::string>& later) const;
   // Sets netAlgo_, netBufferBytes_, netOneShotBytes_, oneShotMaxBytes_, copyStepBytes_,
   // singleCopyBytes_, allreduceReads_: rank 0's values (collective, store).
   void agreeOnSchedule(Store& store);

@@ -84,9 +84,31 @@ void BootstrapStore::publishFailure(const std::vector<std::string>& keys, int ra
     for (const std::string& key : keys) {
       if (set_.count(key) == 0) inner_.set(key, value);
     }
+    // The first cause, rather than a peer's account of it (rank 1 could not ...: rank 0 could not ...).
+    if (!inner_.check(kSetUpFailedKey)) inner_.set(kSetUpFailedKey, value);
   } catch (...) {  // the store is gone too: peers will hear of that from it
   }
   countKnowingOfFailure();
+}
+
+void BootstrapStore::tellPeersOfFailure(const std::vector<std::string>& keys, int rank, int size,
+                                        std::chrono::milliseconds timeout, const std::string& why) noexcept {
+  // Rank 0's patience is as long as it answers ranks of another world size (freshNamespace); its
+  // peers waiting on the keys it failed to set read them within milliseconds.
+  constexpr auto kPatience = std::chrono::seconds(10);
+  constexpr auto kQuiet = std::chrono::seconds(2);
+  publishFailure(keys, rank, why);
+  if (rank == 0) awaitPeersKnowingOfFailure(size, std::min<std::chrono::milliseconds>(kPatience, timeout), kQuiet);
+}
+
+void throwIfASetUpFailed(Store& store) {
+  try {
+    if (!store.check(kSetUpFailedKey)) return;
+  } catch (const Error&) {
+    return;
+  }
+  const std::string value = store.get(kSetUpFailedKey);  // a BootstrapStore throws the error itself
+  if (value.compare(0, kFailedChars, kFailed) == 0) throw Error(ErrorCode::kRemoteError, value.substr(kFailedChars));
 }
 
 namespace {

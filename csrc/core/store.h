@@ -117,6 +117,16 @@ FreshNamespace freshNamespace(Store& store, int rank, int size, std::chrono::mil
 // them; <e>)"). nullopt when `e` is no timeout, or rank 0 heard from all, or the store cannot say.
 std::optional<Error> namingLateRanks(Store& groupStore, const Error& e);
 
+// Set, with its error, by the first rank whose set-up of the group fails (publishFailure): a
+// wait that reads no key of the failed rank's (ranks connecting to each other) looks at it now
+// and then, and fails with that error instead of waiting out the timeout for a rank that gave up.
+inline constexpr char kSetUpFailedKey[] = "smddp/set-up-failed";
+
+// Throws the error a rank published under kSetUpFailedKey, if one did (kRemoteError, counted as
+// BootstrapStore::get counts it where `store` is one). A store that fails to answer is left to
+// the caller's own wait, which will say so.
+void throwIfASetUpFailed(Store& store);
+
 // Runs `setUp`, a group's set-up over `groupStore`; a timeout it raises names the late ranks
 // (namingLateRanks).
 template <class Fn>
@@ -144,8 +154,15 @@ class BootstrapStore : public Store {
   // Throws as get() does for the first key that holds a failed peer's error.
   std::vector<std::string> multiGet(const std::vector<std::string>& keys) override;
   // Publishes "rank `rank` could not set up the process group: `why`" under each of `keys` this
-  // rank has not set itself. Never throws: the store may be what failed.
+  // rank has not set itself, and under kSetUpFailedKey unless a rank did first. Never throws:
+  // the store may be what failed.
   void publishFailure(const std::vector<std::string>& keys, int rank, const std::string& why) noexcept;
+  // publishFailure, then, on rank 0, awaitPeersKnowingOfFailure: at most 10 s (and `timeout`, the
+  // group's), ending 2 s after the last rank counted (peers waiting elsewhere, or dead, would
+  // not). A timeout of rank 0's own waits as well: peers already past the keys it failed to set
+  // read its failure under the keys they wait for next, within milliseconds. Never throws.
+  void tellPeersOfFailure(const std::vector<std::string>& keys, int rank, int size, std::chrono::milliseconds timeout,
+                          const std::string& why) noexcept;
   // Waits up to `patience` for all `size` ranks to know that the set-up failed (each counts once:
   // as it publishes its own failure, or reads a peer's), and no longer than `quiet` after the
   // last one counted (peers waiting elsewhere, or dead, would not). Rank 0 calls it before

@@ -21,6 +21,9 @@
 namespace smddp::torchext {
 
 namespace {
+// Rank 0's debug-checks setting, which holds for the group (agreeOnDebugChecks).
+constexpr char kDebugChecksKey[] = "smddp/debug_checks";
+
 // An op's tensors in a log line: "float32, 2 inputs (2048 elements), 1 output (1024 elements)";
 // for a send or recv (which passes its one buffer as both) "int64, 3 elements (24 bytes)".
 std::string describeTensors(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs, bool p2p) {
@@ -72,8 +75,13 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     groupStore_ = std::make_shared<PrefixStore>(store_, groupPrefix_);
     bootstrap_ = std::make_unique<BootstrapStore>(*groupStore_);
     if (!ns.refusal.empty()) algo::Communicator::refuseSetUp(*bootstrap_, rank, ns.refusal);
-    comm_ = settingUp(*groupStore_,
-                      [&] { return std::make_unique<algo::Communicator>(*bootstrap_, rank, size, timeout); });
+    // What this constructor sets after the communicator's set-up, which peers done with theirs
+    // wait for: a failure is published there too.
+    std::vector<std::string> later = engine::NetP2p::keysOwedBy(rank);
+    if (rank == 0) later.push_back(kDebugChecksKey);
+    comm_ = settingUp(*groupStore_, [&] {
+      return std::make_unique<algo::Communicator>(*bootstrap_, rank, size, timeout, later);
+    });
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, who()));
   }
@@ -96,7 +104,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
       netP2p_ = std::make_shared<engine::NetP2p>(*bootstrap_, comm_->topology(), comm_->netAddresses(),
                                                  comm_->netLanes(), p2pLinger, "smddp-np2p" + std::to_string(rank));
     } catch (const Error& e) {
-      bootstrap_->publishFailure(engine::NetP2p::keysOwedBy(rank), rank, e.what());
+      bootstrap_->tellPeersOfFailure(engine::NetP2p::keysOwedBy(rank), rank, size, timeout, e.what());
       std::rethrow_exception(toTorchError(e, who()));
     }
   }
@@ -228,7 +236,7 @@ bool SmddpBackend::agreeOnDebugChecks() {
   if (size_ == 1) return mine;
   std::string group;
   try {
-    group = rank0Value(*bootstrap_, rank_, "smddp/debug_checks", mine ? "1" : "0");
+    group = rank0Value(*bootstrap_, rank_, kDebugChecksKey, mine ? "1" : "0");
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, who()));
   }

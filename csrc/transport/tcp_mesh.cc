@@ -31,6 +31,10 @@ using wire::kHeaderBytes;
 using wire::kSecretChars;
 constexpr auto kHelloTimeout = std::chrono::seconds(10);  // an accepted client must introduce itself by then
 constexpr auto kPollTick = std::chrono::milliseconds(50);  // how often a waiter checks abort and deadline
+// How often ranks waiting for each other's connections look whether a rank's set-up failed: one
+// that cannot reach a peer (a firewall) connects to none of the others after it, and they waited
+// out the timeout for it, "rank(s) 0 did not connect" (until 2026-12-07).
+constexpr auto kFailureLook = std::chrono::milliseconds(200);
 constexpr int64_t kMaxLanes = 16;
 // How long a rank that leaves an exchange in the middle of messages (an error) tries to finish
 // them, so that its streams end between two messages, where a farewell can say why it left.
@@ -289,9 +293,14 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
     return ", or " + a.ifname + " (" + a.ip + ") does not reach it: SMDDP_SOCKET_IFNAME selects " +
            interfaceNames(addrs_) + ", and each must reach the other hosts";
   };
+  // Its listeners stay open as long as the group lives, so a refusal means the rank is gone, or
+  // something between the hosts (a firewall rejects; a route is missing) stands in the way.
   auto refused = [&](const Dialing& d, int err) {
-    throwError(ErrorCode::kRemoteError, "rank %d: cannot connect to rank %d at %s: %s (that rank exited or aborted%s)",
-               rank, d.rank, d.where.c_str(), errnoString(err).c_str(), interfaceHint(d).c_str());
+    const char* why = err == ECONNREFUSED ? "that rank exited or aborted, or a firewall rejects connections to it"
+                      : err == EHOSTUNREACH || err == ENETUNREACH ? "no route from this host reaches it"
+                                                                  : "that rank exited or aborted";
+    throwError(ErrorCode::kRemoteError, "rank %d: cannot connect to rank %d at %s: %s (%s%s)", rank, d.rank,
+               d.where.c_str(), errnoString(err).c_str(), why, interfaceHint(d).c_str());
   };
   auto introduce = [&](Dialing& d) {
     wire::Hello h = wire::makeHello(secret_, rank, d.rank, d.lane);
@@ -387,9 +396,14 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
       }
     }
 
+    auto nextFailureLook = Clock::now() + kFailureLook;
     while (!dialing.empty() || !waiting.empty()) {
       if (wait.abort && wait.abort->load()) {
         throwError(ErrorCode::kAborted, "the process group was shut down or aborted while connecting to its peers");
+      }
+      if (Clock::now() >= nextFailureLook) {
+        throwIfASetUpFailed(store);
+        nextFailureLook = Clock::now() + kFailureLook;
       }
       if (Clock::now() >= wait.deadline) {
         std::set<int> late;
@@ -402,6 +416,10 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
           unanswered =
               " (rank " + std::to_string(d.rank) + " at " + d.where + " never answered the dial" + interfaceHint(d) + ")";
           break;
+        }
+        if (unanswered.empty() && dialing.empty()) {
+          unanswered = " (they dial this rank: a rank stalled or stopped, or a firewall that drops connections to this "
+                       "host, keeps them away)";
         }
         throwError(ErrorCode::kTimeout, "rank %d: rank(s) %s did not connect within the timeout%s", rank,
                    joinRanks({late.begin(), late.end()}).c_str(), unanswered.c_str());

@@ -1008,6 +1008,42 @@ void testDialToSilentPeer(const std::string& dir) {
   close(hole.fd);
 }
 
+// Rank 0 fails its set-up before it dials rank 1 (say, a firewall rejects its dial to rank 2):
+// rank 1, waiting for that connection, reads no key of rank 0's, yet fails within a moment with
+// rank 0's cause (until 2026-12-07 it waited out its timeout: "rank(s) 0 did not connect").
+void testWaitForAFailedRanksDialEnds(const std::string& dir) {
+  FileStore files(dir, std::chrono::seconds(30));
+  BootstrapStore rank0(files), rank1(files);
+  std::thread failing([&] {
+    auto alone = meshOf(rank0, threeHosts(0), {});  // its address, secret and lanes: rank 1 goes on to wait
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    rank0.publishFailure({}, 0, "rank 0: cannot connect to rank 2 at 10.0.0.3:5000: Connection refused");
+  });
+  const auto t0 = Clock::now();
+  std::string err = "no error";
+  bool remote = false;
+  try {
+    meshOf(rank1, threeHosts(1), {0});
+  } catch (const Error& e) {
+    err = e.what();
+    remote = e.code() == ErrorCode::kRemoteError;
+  }
+  failing.join();
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  expect(remote && s < 5 &&
+             err == "rank 0 could not set up the process group: cannot connect to rank 2 at 10.0.0.3:5000: "
+                    "Connection refused",
+         "a rank waiting for a failed rank's dial raises its cause after " + std::to_string(s) + " s: " + err);
+  rank0.publishFailure({}, 2, "a later account");
+  std::string first;
+  try {
+    throwIfASetUpFailed(files);
+  } catch (const Error& e) {
+    first = e.what();
+  }
+  expect(first.find("rank 0 could not set up") == 0, "the first failure stays under the key: " + first);
+}
+
 std::string congestionOf(int fd) {
   char name[32] = {};
   socklen_t n = sizeof(name);
@@ -1152,7 +1188,8 @@ int main() {
   testPeekFarewellArrivingInParts();
   if (!test::runInOwnDirs("smddp_net_tests",
                           {testStrangersRefusedThenExchange, testConnectLater, testEarlyDialKeptForLaterRound, testStripedSizeMismatch,
-                           testCollectiveMismatch, testStallProbe, testStallProbeSilentStore, testDialToSilentPeer, testStalledExchangeReport,
+                           testCollectiveMismatch, testStallProbe, testStallProbeSilentStore, testDialToSilentPeer,
+                           testWaitForAFailedRanksDialEnds, testStalledExchangeReport,
                            testFarewell, testPeerLeftWhileReceiveHeld, testTwoInterfaces, testUnevenInterfaces,
                            testStoreMultiGet})) {
     return 1;
