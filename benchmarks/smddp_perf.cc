@@ -607,27 +607,34 @@ volatile sig_atomic_t gStopSignal = 0;
 void onStopSignal(int sig) { gStopSignal = sig; }
 constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
 
+// Removes the folder and what is in it; false if it is still there. A rank dying with the
+// launcher may still add a file while the folder goes: tried again.
+bool removeFolder(const std::string& dir) {
+  const auto removeOne = [](const char* path, const struct stat*, int, struct FTW*) { return remove(path); };
+  for (int attempt = 0; attempt < 5 && access(dir.c_str(), F_OK) == 0; ++attempt) {
+    if (nftw(dir.c_str(), removeOne, 16, FTW_DEPTH | FTW_PHYS) != 0) usleep(100 * 1000);
+  }
+  return access(dir.c_str(), F_OK) != 0;
+}
+
 // The process that removes the ranks' store folder once the launcher is gone, however it went:
 // a SIGKILLed launcher (the OOM killer, a scheduler's kill -9) runs no code of its own, and its
 // folder stayed in $TMPDIR until 2026-12-07. It waits for the end of a pipe that only the
-// launcher holds open (the ranks close their copies), and ignores the stop signals, which a
-// terminal sends to the whole process group. Returns the pipe's write end and the cleaner's pid.
+// launcher holds open (the ranks close their copies), in a process group of its own, so that
+// signals to the launcher's group (a terminal's Ctrl-C or Ctrl-\, a scheduler's kill -9 of the
+// job) leave it running. Returns the pipe's write end and the cleaner's pid.
 std::pair<int, pid_t> startFolderCleaner(const std::string& dir) {
   int fds[2];
   if (pipe(fds) != 0) return {-1, -1};
   const pid_t pid = fork();
   if (pid == 0) {
     close(fds[1]);
-    for (int sig : kStopSignals) signal(sig, SIG_IGN);
+    setpgid(0, 0);
+    for (int sig : kStopSignals) signal(sig, SIG_IGN);  // also sent to it alone
     char byte;
     while (read(fds[0], &byte, 1) < 0 && errno == EINTR) {
     }
-    // A rank dying with the launcher may still add a file while the folder goes: try again.
-    const auto removeOne = [](const char* path, const struct stat*, int, struct FTW*) { return remove(path); };
-    for (int attempt = 0; attempt < 5 && access(dir.c_str(), F_OK) == 0; ++attempt) {
-      if (nftw(dir.c_str(), removeOne, 16, FTW_DEPTH | FTW_PHYS) != 0) usleep(100 * 1000);
-    }
-    _exit(access(dir.c_str(), F_OK) == 0 ? 1 : 0);
+    _exit(removeFolder(dir) ? 0 : 1);
   }
   close(fds[0]);
   if (pid < 0) {
@@ -659,14 +666,15 @@ int main(int argc, char** argv) {
     fprintf(stderr, "smddp_perf: cannot make the ranks' store folder %s: %s\n", dir.c_str(), strerror(errno));
     return 1;
   }
-  printCacheLineRoundTrip("before the run");
-  fflush(stdout);  // the ranks and the cleaner inherit this buffer: empty it before they fork
+  fflush(stdout);  // the cleaner and the ranks inherit this buffer: empty it before they fork
   const auto [cleanerPipe, cleaner] = startFolderCleaner(dir);
   if (cleaner < 0) {
     fprintf(stderr, "smddp_perf: cannot start the process that removes %s: %s\n", dir.c_str(), strerror(errno));
     rmdir(dir.c_str());
     return 1;
   }
+  printCacheLineRoundTrip("before the run");
+  fflush(stdout);
   std::vector<pid_t> kids;
   const pid_t launcher = getpid();
   // Installed before the forks (without SA_RESTART, so that the launcher's waitpid() returns at
@@ -730,7 +738,8 @@ int main(int argc, char** argv) {
   int st = 0;
   while (waitpid(cleaner, &st, 0) < 0 && errno == EINTR) {
   }
-  if (access(dir.c_str(), F_OK) == 0) fprintf(stderr, "smddp_perf: could not remove %s\n", dir.c_str());
+  // Itself where the cleaner was killed.
+  if (!removeFolder(dir)) fprintf(stderr, "smddp_perf: could not remove %s\n", dir.c_str());
   if (const int sig = gStopSignal) {
     signal(sig, SIG_DFL);
     raise(sig);

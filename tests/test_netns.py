@@ -120,33 +120,37 @@ def test_loopback_between_namespace_hosts_is_refused():
 
 
 @pytest.mark.skipif(shutil.which("iptables") is None, reason="no iptables command (apt-get install iptables)")
-@pytest.mark.parametrize("action", ["REJECT", "DROP"])
-def test_a_firewall_between_two_hosts_is_named_by_every_rank(action):
+@pytest.mark.parametrize("hosts, blocked, action", [(3, (0, 2), "REJECT"), (4, (1, 3), "REJECT"), (4, (0, 3), "DROP")],
+                         ids=["reject_0_to_2", "reject_1_to_3", "drop_0_to_3"])
+def test_a_firewall_between_two_hosts_is_named_by_every_rank(hosts, blocked, action):
     """Host 0's firewall refuses (REJECT) or drops (DROP) new connections to the last host: rank 0
     cannot dial that rank. Every rank names the blocked pair, where until 2026-12-07 the ranks
     waiting for rank 0's dial waited out the group's timeout (30 minutes by default) and blamed
     rank 0 ("rank(s) 0 did not connect"), and those already connected to it reported the loss of
     the store its process hosts. A refused dial now fails every rank at once; a dropped one at
-    the timeout (20 s here), the dialled rank saying what keeps its peers away."""
-    hosts = 3 if action == "REJECT" else 4
+    the timeout (20 s here), the dialled rank saying what keeps its peers away. Between hosts 1
+    and 3, rank 0 reported what it saw of rank 1's failure ("rank 1 did not accept the
+    connection"), and ranks 2-3 that (found by the review of the change): a rank that sees a peer
+    fail while connecting now waits a moment for the first cause."""
+    src, dst = blocked
     with netcluster.NetCluster(hosts) as c:
         rule = ["-j", "REJECT", "--reject-with", "tcp-reset"] if action == "REJECT" else ["-j", "DROP"]
-        subprocess.run(["ip", "netns", "exec", c.hosts[0], "iptables", "-A", "OUTPUT", "-d", c.address_v4(hosts - 1),
+        subprocess.run(["ip", "netns", "exec", c.hosts[src], "iptables", "-A", "OUTPUT", "-d", c.address_v4(dst),
                         "-p", "tcp", "-m", "conntrack", "--ctstate", "NEW", *rule], check=True)
         t0 = time.monotonic()
         procs = c.launch_ranks(1, {"backend": "smddp", "mode": "check", "ops": ["allreduce"], "sizes": [8],
                                    "timeout": 20}, port=29521)
         logs = [p.communicate(timeout=120)[1] for p in procs]
         took = time.monotonic() - t0
-    last = hosts - 1
     for rank, log in enumerate(logs):
         line = next((x for x in log.splitlines() if "DistBackendError" in x), log[-2000:])
         if action == "REJECT":
-            assert f"cannot connect to rank {last} at " in line and "a firewall rejects connections to it" in line, \
+            assert f"cannot connect to rank {dst} at " in line and "a firewall rejects connections to it" in line, \
                 f"rank {rank}: {line}"
-            assert rank == 0 or "rank 0 could not set up the process group" in line, f"rank {rank}: {line}"
-        elif rank < last:
-            assert f"rank {last} at " in line and "never answered the dial" in line, f"rank {rank}: {line}"
+            assert rank == src or f"rank {src} could not set up the process group" in line, f"rank {rank}: {line}"
+            assert f"smddp rank {rank}: rank {rank}: " not in line, line  # named once
+        elif rank < dst:
+            assert f"rank {dst} at " in line and "never answered the dial" in line, f"rank {rank}: {line}"
         else:  # the dialled rank times out at the same moment, unless it read rank 0's account first
             assert "never answered the dial" in line or ("rank(s) 0 did not connect" in line and
                                                          "a firewall that drops connections" in line), line

@@ -925,6 +925,36 @@ def repeated_init_task(rank, world):
                "init() kept meshes one of whose groups was destroyed")
     # hybrid_shard_degree 1: the replicate group holds every rank
     rep.check("a collective on the rebuilt meshes", _all_reduced(rebuilt.replicate_group, rank), _sum_of_ranks(world))
+    # Any group of the meshes counts, the expert-parallel mesh's "edp" too (found by the review
+    # of this change, as the next one).
+    ep = tsm.init({"expert_parallel_degree": 2}, device_type="cpu")
+    mesh = ep.ep_mesh
+    dist.destroy_process_group(mesh["edp"].get_group())
+    ep = tsm.init({"expert_parallel_degree": 2}, device_type="cpu")
+    rep.expect(ep.ep_mesh is not mesh, "init() kept an expert-parallel mesh whose edp group was destroyed")
+    got = _all_reduced(ep.ep_mesh["edp"].get_group(), rank)  # edp: the ranks of this rank's parity
+    rep.expect(torch.equal(got, torch.full((4,), float(sum(r + 1 for r in range(rank % 2, world, 2))))),
+               f"a collective on the rebuilt edp group gave {got.tolist()}")
+    # An init() that fails part of the way leaves nothing a retry would take as built.
+    import torch.distributed.device_mesh as device_mesh
+    real = device_mesh.init_device_mesh
+
+    def failing_on_the_ep_mesh(device_type, shape, mesh_dim_names=None):
+        if mesh_dim_names == ("edp", "ep"):
+            raise RuntimeError("injected: the expert-parallel mesh")
+        return real(device_type, shape, mesh_dim_names=mesh_dim_names)
+
+    device_mesh.init_device_mesh = failing_on_the_ep_mesh
+    try:
+        tsm.init({"expert_parallel_degree": 2, "hybrid_shard_degree": 2}, device_type="cpu")
+        rep.fail("the injected failure did not raise")
+    except RuntimeError as e:
+        rep.expect("injected" in str(e), str(e))
+    finally:
+        device_mesh.init_device_mesh = real
+    st = tsm.init({"expert_parallel_degree": 2, "hybrid_shard_degree": 2}, device_type="cpu")
+    rep.expect(st.ep_mesh is not None and st.ep_group is not None and st.ep_size == 2,
+               f"a retry after a failed init() took its half-built state: ep_mesh {st.ep_mesh}")
     return rep.to_dict()
 
 

@@ -22,14 +22,17 @@ std::string rankName(int rank, bool defaultGroup, const std::string& groupUid, c
 std::string rankPrefix(const std::string& who) { return who + ": "; }
 
 namespace {
-// `what` less a leading "smddp rank <digits>: ", the core's way of naming the rank.
+// `what` less a leading "smddp rank <digits>: " or "rank <digits>: ", the core's ways of naming
+// this rank (who names it again: "smddp rank 0: rank 0: ..." until 2026-12-07).
 std::string withoutCorePrefix(const std::string& what) {
-  constexpr char kStart[] = "smddp rank ";
-  if (what.rfind(kStart, 0) != 0) return what;
-  size_t end = sizeof(kStart) - 1;
-  while (end < what.size() && what[end] >= '0' && what[end] <= '9') ++end;
-  if (end == sizeof(kStart) - 1 || what.compare(end, 2, ": ") != 0) return what;
-  return what.substr(end + 2);
+  for (const std::string start : {"smddp rank ", "rank "}) {
+    if (what.rfind(start, 0) != 0) continue;
+    size_t end = start.size();
+    while (end < what.size() && what[end] >= '0' && what[end] <= '9') ++end;
+    if (end == start.size() || what.compare(end, 2, ": ") != 0) return what;
+    return what.substr(end + 2);
+  }
+  return what;
 }
 }  // namespace
 

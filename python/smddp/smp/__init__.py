@@ -246,9 +246,14 @@ def _meshes_fit(cfg, device_type):
         return False
     if any(getattr(state.config, k) != getattr(cfg, k) for k in SMPConfig.__dataclass_fields__ if k != "random_seed"):
         return False
+    try:  # a mesh resolves its groups by name: a destroyed one raises
+        groups = list(state.mesh.get_all_groups()) + [state.cp_group] * (state.cp_group is not None)
+        if state.ep_mesh is not None:
+            groups += state.ep_mesh.get_all_groups()
+    except RuntimeError:
+        return False
     live = dist.distributed_c10d._world.pg_map
-    return all(g is None or g in live for g in (state.shard_group, state.replicate_group, state.tp_group,
-                                                 state.ep_group, state.cp_group))
+    return all(g in live for g in groups)
 
 
 def init(config=None, backend="smddp", device_type=None):
@@ -283,8 +288,8 @@ def init(config=None, backend="smddp", device_type=None):
     if _meshes_fit(cfg, device_type):
         state.config = cfg
         return state
+    state.initialized = False  # until every mesh is built: a retry after a failure builds them all
     mesh = init_device_mesh(device_type, (rep, hsd, tp), mesh_dim_names=("replicate", "shard", "tp"))
-    state.initialized = True
     state.config = cfg
     state.device_type, state.world_group = device_type, dist.group.WORLD
     state.rank, state.world_size = rank, world
@@ -313,6 +318,7 @@ def init(config=None, backend="smddp", device_type=None):
             ((world // cp, cp), ("batch", "cp"))
         cp_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         state.cp_rank, state.cp_group = cp_mesh["cp"].get_local_rank(), cp_mesh["cp"].get_group()
+    state.initialized = True
     return state
 
 
