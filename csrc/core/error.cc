@@ -56,6 +56,17 @@ std::string errnoString(int err) {
   return std::string(s) + " (errno " + std::to_string(err) + ")";
 }
 
+std::string withoutRankPrefix(const std::string& what) {
+  size_t at = 0;
+  for (const std::string start : {"smddp rank ", "rank "}) {
+    if (what.compare(at, start.size(), start) != 0) continue;
+    size_t end = at + start.size();
+    while (end < what.size() && what[end] >= '0' && what[end] <= '9') ++end;
+    if (end > at + start.size() && what.compare(end, 2, ": ") == 0) at = end + 2;
+  }
+  return what.substr(at);
+}
+
 std::string inTheWordsOf(int rank, const std::string& why) {
   const auto isWordChar = [&](size_t i) { return std::isalnum(static_cast<unsigned char>(why[i])) != 0; };
   std::string out;

@@ -40,6 +40,11 @@ std::string joinRanks(const std::vector<int>& ranks);
 // errno as text, for messages about failed system calls.
 std::string errnoString(int err);
 
+// `what` less the ways the core names the rank that raised it, at its start ("smddp rank 3: ",
+// "rank 3: ", or both): for a message about to be given a prefix naming that rank again. Core
+// messages that start with "rank N: " name the rank raising them.
+std::string withoutRankPrefix(const std::string& what);
+
 // A reason `rank` gave in its own words ("this rank runs allreduce #1 ..."), reworded for
 // another rank's message about it ("rank 1 runs allreduce #1 ..."): relayed as written, its
 // "this rank" read as the relaying rank.

@@ -74,13 +74,8 @@ std::vector<std::string> BootstrapStore::multiGet(const std::vector<std::string>
 
 void BootstrapStore::publishFailure(const std::vector<std::string>& keys, int rank, const std::string& why) noexcept {
   try {
-    // The error may name the rank already; once is enough.
-    std::string cause = why;
-    for (const std::string& named : {formatString("smddp rank %d: ", rank), formatString("rank %d: ", rank)}) {
-      if (cause.compare(0, named.size(), named) == 0) cause.erase(0, named.size());
-    }
-    const std::string value =
-        kFailed + formatString("rank %d could not set up the process group: %s", rank, cause.c_str());
+    const std::string value = kFailed + formatString("rank %d could not set up the process group: %s", rank,
+                                                     withoutRankPrefix(why).c_str());  // named once
     for (const std::string& key : keys) {
       if (set_.count(key) == 0) inner_.set(key, value);
     }

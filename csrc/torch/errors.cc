@@ -21,26 +21,11 @@ std::string rankName(int rank, bool defaultGroup, const std::string& groupUid, c
 
 std::string rankPrefix(const std::string& who) { return who + ": "; }
 
-namespace {
-// `what` less a leading "smddp rank <digits>: " or "rank <digits>: ", the core's ways of naming
-// this rank (who names it again: "smddp rank 0: rank 0: ..." until 2026-12-07).
-std::string withoutCorePrefix(const std::string& what) {
-  for (const std::string start : {"smddp rank ", "rank "}) {
-    if (what.rfind(start, 0) != 0) continue;
-    size_t end = start.size();
-    while (end < what.size() && what[end] >= '0' && what[end] <= '9') ++end;
-    if (end == start.size() || what.compare(end, 2, ": ") != 0) return what;
-    return what.substr(end + 2);
-  }
-  return what;
-}
-}  // namespace
-
 std::exception_ptr toTorchError(const Error& e, const std::string& who) {
   // Messages from this layer's code that knows the rank already start with rankPrefix(who).
   const std::string prefix = rankPrefix(who);
   const std::string what = e.what();
-  const std::string msg = what.rfind(prefix, 0) == 0 ? what : prefix + withoutCorePrefix(what);
+  const std::string msg = what.rfind(prefix, 0) == 0 ? what : prefix + withoutRankPrefix(what);
   const c10::SourceLocation loc{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
   switch (e.code()) {
     case ErrorCode::kInvalidUsage: return std::make_exception_ptr(c10::ValueError(loc, msg));

@@ -1,5 +1,6 @@
 // inTheWordsOf (core/error.h): a peer's reason, relayed in another rank's message, speaks of the
-// peer by its rank instead of as "this rank" (read as the rank relaying it).
+// peer by its rank instead of as "this rank" (read as the rank relaying it); withoutRankPrefix:
+// a message given a prefix that names its rank names it once.
 #include <string>
 
 #include "algo_tests.h"
@@ -7,6 +8,7 @@
 #include "expect.h"
 
 using smddp::inTheWordsOf;
+using smddp::withoutRankPrefix;
 using smddp::test::expect;
 
 namespace {
@@ -28,4 +30,13 @@ void errorWordsTests() {
   same(inTheWordsOf(2, "athis rank, this ranking, this rank2"), "athis rank, this ranking, this rank2");
   same(inTheWordsOf(2, "timed out waiting for rank(s) [0]"), "timed out waiting for rank(s) [0]");
   same(inTheWordsOf(2, ""), "");
+
+  same(withoutRankPrefix("smddp rank 3: rank 3: cannot connect"), "cannot connect");
+  same(withoutRankPrefix("rank 0: rank(s) 3 did not connect"), "rank(s) 3 did not connect");
+  same(withoutRankPrefix("smddp rank 12: /dev/shm is too small"), "/dev/shm is too small");
+  // Another rank's account, or no rank number: kept whole.
+  same(withoutRankPrefix("rank 0 could not set up the process group: x"), "rank 0 could not set up the process group: x");
+  same(withoutRankPrefix("rank : x"), "rank : x");
+  same(withoutRankPrefix("smddp rank 1:x"), "smddp rank 1:x");
+  same(withoutRankPrefix(""), "");
 }

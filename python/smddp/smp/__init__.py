@@ -196,12 +196,18 @@ def _validate_alike(config, world):
             raise ValueError(err if r == dist.get_rank() else f"smddp.smp.init: rank {r}'s config is refused: {err}")
     first = seen[0][1]
     for r, (_, got) in enumerate(seen):
-        keys = [k for k in first if first[k] != got[k] and k != "random_seed"]  # a seed may be the rank's own
+        keys = _keys_that_differ(first, got)
         if keys:
             raise ValueError("smddp.smp.init: every rank must be given the same config; rank "
                              f"{r} has {', '.join(f'{k}={got[k]!r}' for k in keys)} where rank 0 has "
                              f"{', '.join(f'{k}={first[k]!r}' for k in keys)}")
     return cfg
+
+
+def _keys_that_differ(a, b):
+    """The keys of two configs (asdict) whose values differ, random_seed aside: a seed may be each
+    rank's own, and it builds no mesh."""
+    return [k for k in a if a[k] != b[k] and k != "random_seed"]
 
 
 @dataclass
@@ -244,7 +250,7 @@ def _meshes_fit(cfg, device_type):
     resources until the process group is destroyed."""
     if not state.initialized or state.world_group is not dist.group.WORLD or state.device_type != device_type:
         return False
-    if any(getattr(state.config, k) != getattr(cfg, k) for k in SMPConfig.__dataclass_fields__ if k != "random_seed"):
+    if _keys_that_differ(asdict(state.config), asdict(cfg)):
         return False
     try:  # a mesh resolves its groups by name: a destroyed one raises
         groups = list(state.mesh.get_all_groups()) + [state.cp_group] * (state.cp_group is not None)
