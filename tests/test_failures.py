@@ -952,3 +952,81 @@ def test_exit_with_a_python_callback_pending(peer):
     if peer == "late":
         assert "peer: summed 4.0" in outs[1] or "peer: failed: " in outs[1] and "rank 0" in outs[1], outs[1][-2000:]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("smddp-")]
+
+
+OUT_OF_FILES = r"""
+import datetime, os, resource, sys, time, torch, torch.distributed as dist
+import smddp
+rank, world, url, mode, spare = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+
+def leave_spare(n):  # exactly n descriptors free: the gaps below the highest are filled first
+    top = max(int(f) for f in os.listdir("/proc/self/fd"))
+    while (fd := os.open("/dev/null", os.O_RDONLY)) <= top:
+        pass
+    os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (fd + n, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+host, port = url[len("tcp://"):].rsplit(":", 1)  # the store first: torch's own needs descriptors too
+store = dist.TCPStore(host, int(port), world, rank == 0, timeout=datetime.timedelta(seconds=20))
+t0 = time.monotonic()
+try:
+    if mode == "set_up" and rank == 1:
+        leave_spare(spare)
+    dist.init_process_group("smddp", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    if mode == "p2p":
+        dist.barrier()
+        if rank == 1:
+            leave_spare(spare)
+        t0 = time.monotonic()
+        dist.send(torch.ones(3), 1) if rank == 0 else dist.recv(torch.zeros(3), 0)
+    print(f"completed after {time.monotonic() - t0:.2f}s", flush=True)
+except Exception as e:
+    print(f"raised after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
+"""
+
+
+def _out_of_files(out):
+    """The seconds a rank took to raise and its message, if it raised for want of descriptors."""
+    m = re.search(r"raised after ([0-9.]+)s: DistBackendError: (.*)", out)
+    return (float(m.group(1)), m.group(2)) if m and "Too many open files" in m.group(2) else None
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_out_of_file_descriptors_is_named_by_every_rank():
+    """Rank 1 of two hosts sets its group up with 0-6 descriptors to spare (an RLIMIT_NOFILE just
+    above what it holds): each set-up either completes on both ranks or fails on both within
+    seconds, each rank naming the cause and the limit. Until 2026-12-07, depending on where the
+    descriptors ran out, rank 1 said "no network interface is up", or its accept() loop spun on a
+    connection it could not take until the timeout, blaming rank 0; or rank 0 waited for it in
+    the set-up's last step and then reported the loss of the store."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    failed = []
+    for spare in range(7):
+        procs = Job(OUT_OF_FILES, 2, ["set_up", spare], hosts="01")
+        outs = procs.finish(60)
+        if all("completed after" in out for out in outs):
+            continue
+        named = [_out_of_files(out) for out in outs]
+        assert all(n and n[0] < 5 and "ulimit -n" in n[1] for n in named), f"spare {spare}:\n" + "\n".join(outs)
+        assert "rank 1 could not set up the process group" in named[0][1], outs[0][-2000:]
+        failed.append(spare)
+    assert 0 in failed and 6 not in failed, failed  # the sweep crosses the set-up's needs
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("smddp-")]
+
+
+@pytest.mark.timeout(120)
+def test_a_receive_that_cannot_accept_its_senders_connection_fails_at_once():
+    """Ranks of two hosts connect for point-to-point at their first message, the higher rank
+    accepting. Rank 1 has no descriptor to spare for it: its recv fails at once, naming the
+    cause and the limit (until 2026-12-07 its engine's thread spun on the connection left
+    queued until the group's timeout, and the recv then blamed rank 0), and rank 0's send fails."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = Job(OUT_OF_FILES, 2, ["p2p", 0], hosts="01")
+    outs = procs.finish(60)
+    named = _out_of_files(outs[1])
+    assert named and named[0] < 5 and "cannot accept connections" in named[1] and "ulimit -n" in named[1], outs[1]
+    assert "recv from rank 0" in named[1], outs[1]
+    m = re.search(r"raised after ([0-9.]+)s: DistBackendError: .*send to rank 1", outs[0])
+    assert m and float(m.group(1)) < 5, outs[0]

@@ -1,6 +1,9 @@
 #include "core/error.h"
 
+#include <sys/resource.h>
+
 #include <cctype>
+#include <cerrno>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -53,7 +56,18 @@ std::string errnoString(int err) {
   char buf[256];
   // GNU strerror_r may return a static string instead of filling buf.
   const char* s = strerror_r(err, buf, sizeof(buf));
-  return std::string(s) + " (errno " + std::to_string(err) + ")";
+  std::string text = std::string(s) + " (errno " + std::to_string(err) + ")";
+  // "Too many open files" alone sends users looking for a leak; a group's set-up opens a few
+  // descriptors per peer, so a low `ulimit -n` is the usual cause, and the limit says so.
+  if (err == EMFILE) {
+    rlimit files{};
+    if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY) {
+      text += ": this process may open " + std::to_string(files.rlim_cur) + " files (ulimit -n); raise that limit";
+    }
+  } else if (err == ENFILE) {
+    text += ": the system's limit on open files (sysctl fs.file-max) is reached";
+  }
+  return text;
 }
 
 std::string withoutRankPrefix(const std::string& what) {

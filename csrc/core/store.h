@@ -151,6 +151,8 @@ class BootstrapStore : public Store {
   // Throws kRemoteError with a failed peer's error where one stands in for the value.
   std::string get(const std::string& key) override;
   bool check(const std::string& key) override { return inner_.check(key); }
+  bool deleteKey(const std::string& key) override { return inner_.deleteKey(key); }
+  int64_t add(const std::string& key, int64_t delta) override { return inner_.add(key, delta); }
   // Throws as get() does for the first key that holds a failed peer's error.
   std::vector<std::string> multiGet(const std::vector<std::string>& keys) override;
   // Publishes "rank `rank` could not set up the process group: `why`" under each of `keys` this

@@ -179,7 +179,10 @@ NetP2p::NetP2p(Store& store, const Topology& topo, const std::vector<net::LocalA
     }
     for (int* fd : {&wakeFd_, &driverBellFd_}) {
       *fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-      if (*fd < 0) throwError(ErrorCode::kSystemError, "rank %d: eventfd: %s", rank_, errnoString(errno).c_str());
+      if (*fd < 0) {
+        throwError(ErrorCode::kSystemError, "rank %d: cannot start the point-to-point engine across hosts: eventfd: %s",
+                   rank_, errnoString(errno).c_str());
+      }
     }
   } catch (...) {
     for (int fd : listenFds_) close(fd);
@@ -419,7 +422,7 @@ void NetP2p::dial(Peer& p) {
       l.state = Lane::State::kDialling;
     }
   } catch (const Error& e) {
-    failDial(p, e.code(), e.what());
+    failDial(p, e.code(), withoutRankPrefix(e.what()));  // the op's description names this rank
   }
 }
 
@@ -431,11 +434,11 @@ void NetP2p::introduce(Incoming& in) {
   if (k < 0 && wouldBlock(errno)) return;
   if (k > 0) in.got += static_cast<size_t>(k);
   if (k > 0 && in.got < sizeof(in.hello)) return;
-  std::vector<int> expected;  // rank * lanes + lane
+  std::vector<int> expected, givenUp;  // rank * lanes + lane
   for (const auto& p : peers_) {
-    if (!p || p->rank > rank_ || p->broken) continue;
+    if (!p || p->rank > rank_) continue;
     for (int lane = 0; lane < lanes_; ++lane) {
-      if (p->lanes[static_cast<size_t>(lane)].fd < 0) expected.push_back(p->rank * lanes_ + lane);
+      if (p->lanes[static_cast<size_t>(lane)].fd < 0) (p->broken ? givenUp : expected).push_back(p->rank * lanes_ + lane);
     }
   }
   if (k == 0 && in.got == 0) {  // closed before a byte: another host's rank checking that this one is there
@@ -443,10 +446,18 @@ void NetP2p::introduce(Incoming& in) {
     in.fd = -1;
     return;
   }
-  if (k <= 0 || !net::wire::helloAccepted(in.hello, secret_, rank_, lanes_, expected) ||
+  const bool introduced = k > 0;
+  if (!introduced || !net::wire::helloAccepted(in.hello, secret_, rank_, lanes_, expected) ||
       !net::sendWithin(in.fd, &net::wire::kHelloAccepted, 1, Clock::now() + kAckTimeout)) {
-    SMDDP_WARN(kNet, "rank %d: point-to-point: refused a connection (not a peer of this group, or a bad handshake)",
-               rank_);
+    // A peer this rank gave up on (its ops failed with the reason) is refused as well, without
+    // a warning that would send the reader looking for a stranger.
+    if (introduced && net::wire::helloAccepted(in.hello, secret_, rank_, lanes_, givenUp)) {
+      SMDDP_INFO(kNet, "rank %d: point-to-point: closed a connection from rank %d, which this rank gave up on", rank_,
+                 in.hello.from);
+    } else {
+      SMDDP_WARN(kNet, "rank %d: point-to-point: refused a connection (not a peer of this group, or a bad handshake)",
+                 rank_);
+    }
     close(in.fd);
     in.fd = -1;
     return;
@@ -705,6 +716,25 @@ void NetP2p::connectLane(Peer& p, Lane& l, short revents) {
   }
 }
 
+void NetP2p::cannotAccept(int err) {
+  // Which rank dialled is unknown until its connection is accepted: every rank that would dial
+  // this one (those below it) and has not connected all its lanes fails with the cause, which
+  // the lanes' timeout would otherwise hide. The listeners close, since the connection left
+  // queued keeps them readable (polled, they would spin); the queued connections are reset, so
+  // their diallers fail at once.
+  const std::string why = "rank " + std::to_string(rank_) +
+                          " cannot accept connections from other hosts' ranks: accept: " + errnoString(err);
+  SMDDP_WARN(kNet, "%s", why.c_str());
+  for (auto& p : peers_) {
+    if (!p || p->broken || p->rank > rank_) continue;
+    const bool connected = std::all_of(p->lanes.begin(), p->lanes.end(), [](const Lane& l) { return l.fd >= 0; });
+    if (!connected) failDial(*p, ErrorCode::kSystemError, why);
+  }
+  for (int fd : listenFds_) close(fd);
+  listenFds_.clear();
+  ++fdGeneration_;
+}
+
 void NetP2p::buildPollSet(PollSet& ps, int bellFd) const {
   ps.fds.assign(1, pollfd{bellFd, POLLIN, 0});
   for (int fd : listenFds_) ps.fds.push_back({fd, POLLIN, 0});
@@ -738,10 +768,11 @@ void NetP2p::processPolled(const PollSet& ps) {
   }
   incoming_.erase(std::remove_if(incoming_.begin(), incoming_.end(), [](const auto& in) { return in->fd < 0; }),
                   incoming_.end());
-  for (size_t i = 1; i < ps.incomingAt; ++i) {
+  for (size_t i = 1; i < ps.incomingAt && !listenFds_.empty(); ++i) {
     if (!(ps.fds[i].revents & POLLIN)) continue;
     for (;;) {
       const int fd = accept4(ps.fds[i].fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0 && net::outOfResources(errno)) cannotAccept(errno);
       if (fd < 0) break;
       net::tuneSocket(fd);
       auto in = std::make_unique<Incoming>();

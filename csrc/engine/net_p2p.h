@@ -108,6 +108,8 @@ class NetP2p : public P2pDriver {
   void complete(P2pOp op, std::exception_ptr error, int source);  // done() once the lock is released
   void runCompletions(bool byDriver = false);  // rings the driver's bell unless it ran them
   void dial(Peer& p);
+  // accept() failed for want of descriptors or memory (errno `err`).
+  void cannotAccept(int err);
   void connectLane(Peer& p, Lane& l, short revents);
   void introduce(Incoming& in);
   bool progressSends(Peer& p);

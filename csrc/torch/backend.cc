@@ -104,7 +104,10 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
       netP2p_ = std::make_shared<engine::NetP2p>(*bootstrap_, comm_->topology(), comm_->netAddresses(),
                                                  comm_->netLanes(), p2pLinger, "smddp-np2p" + std::to_string(rank));
     } catch (const Error& e) {
-      bootstrap_->tellPeersOfFailure(engine::NetP2p::keysOwedBy(rank), rank, size, timeout, e.what());
+      // Peers wait for its addresses, or, past their own set-up, in endSetUp for every rank's.
+      std::vector<std::string> owed = engine::NetP2p::keysOwedBy(rank);
+      owed.push_back(algo::group_keys::kAllSetUpKey);
+      bootstrap_->tellPeersOfFailure(owed, rank, size, timeout, e.what());
       std::rethrow_exception(toTorchError(e, who()));
     }
   }
@@ -220,7 +223,8 @@ void SmddpBackend::endSetUpInStore(std::vector<std::string> spent) {
   }
   algo::group_keys::SetUpEnd end;
   try {
-    end = algo::group_keys::endSetUp(*store_, *groupStore_, rank_, size_, spent);
+    // Through bootstrap_: a rank that failed after its communicator's set-up published why there.
+    end = algo::group_keys::endSetUp(*store_, *bootstrap_, rank_, size_, spent);
   } catch (const Error& e) {
     std::rethrow_exception(toTorchError(e, who()));
   }

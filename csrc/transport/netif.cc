@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -28,7 +29,9 @@ namespace {
 std::vector<LocalAddress> upInterfaces() {
   std::vector<LocalAddress> v4, v6;
   ifaddrs* list = nullptr;
-  if (getifaddrs(&list) != 0) return v4;
+  if (getifaddrs(&list) != 0) {  // out of descriptors, say: not the same as no interface
+    throwError(ErrorCode::kSystemError, "cannot list the network interfaces: %s", errnoString(errno).c_str());
+  }
   for (ifaddrs* a = list; a; a = a->ifa_next) {
     if (!a->ifa_addr || !(a->ifa_flags & IFF_UP)) continue;
     const int family = a->ifa_addr->sa_family;
@@ -52,6 +55,14 @@ std::string routeTo(const std::string& host, int family) {
   if (getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || !res) return "";
   std::string ip;
   const int fd = socket(res->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 && (errno == EMFILE || errno == ENFILE)) {
+    // Not a missing route: the interface picked without it may be one that does not reach the
+    // other hosts.
+    const int err = errno;
+    freeaddrinfo(res);
+    throwError(ErrorCode::kSystemError, "cannot find the interface that routes to %s: socket: %s", host.c_str(),
+               errnoString(err).c_str());
+  }
   if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
     sockaddr_storage local{};
     socklen_t len = sizeof(local);

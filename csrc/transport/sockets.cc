@@ -240,6 +240,8 @@ std::optional<std::string> peekFarewell(int fd) {
   }
 }
 
+bool outOfResources(int err) { return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM; }
+
 void tuneSocket(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));

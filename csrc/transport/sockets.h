@@ -65,6 +65,10 @@ int laneSocket(const std::vector<SocketAddress>& peer, const std::vector<LocalAd
 // congestion control SMDDP_NET_CONGESTION names (warns once per process where it cannot be had).
 void tuneSocket(int fd);
 
+// Whether a failed accept4's errno means this process ran out of descriptors or memory: the
+// connection stays queued, so the listener stays readable and a poll loop would spin on it.
+bool outOfResources(int err);
+
 // Milliseconds from now to `deadline`, for poll(): 0 once past.
 int msLeft(std::chrono::steady_clock::time_point deadline);
 // Sends all of [buf, buf + n) on fd, or receives that many bytes into it, waiting for the socket

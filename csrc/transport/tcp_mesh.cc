@@ -366,7 +366,13 @@ void TcpMesh::connect(Store& store, const std::vector<int>& wanted, const shm::W
     SocketAddress from;
     from.len = sizeof(from.storage);
     const int fd = accept4(listenFd, reinterpret_cast<sockaddr*>(&from.storage), &from.len, SOCK_CLOEXEC);
-    if (fd < 0) return;
+    if (fd < 0 && net::outOfResources(errno)) {
+      // The connection stays queued, so the listener stays readable: this loop would spin until
+      // the timeout and then blame the peer.
+      throwError(ErrorCode::kSystemError, "rank %d: cannot accept a peer's connection: %s", rank,
+                 errnoString(errno).c_str());
+    }
+    if (fd < 0) return;  // the dialler gave up already (ECONNABORTED), or a signal came
     wire::Hello h{};
     const auto helloDeadline = std::min(wait.deadline, Clock::now() + kHelloTimeout);
     const bool introduced = recvWithin(fd, &h, sizeof(h), helloDeadline);
