@@ -955,6 +955,22 @@ def repeated_init_task(rank, world):
     st = tsm.init({"expert_parallel_degree": 2, "hybrid_shard_degree": 2}, device_type="cpu")
     rep.expect(st.ep_mesh is not None and st.ep_group is not None and st.ep_size == 2,
                f"a retry after a failed init() took its half-built state: ep_mesh {st.ep_mesh}")
+    # A mesh group destroyed on rank 0 only: every rank rebuilds, as the ranks agree. Until
+    # 2026-12-07 each decided alone, and rank 0, building new groups the others did not, hung.
+    mesh = st.mesh
+    if rank == 0:
+        dist.destroy_process_group(st.tp_group)
+    st = tsm.init({"expert_parallel_degree": 2, "hybrid_shard_degree": 2}, device_type="cpu")
+    rep.expect(st.mesh is not mesh, f"rank {rank} kept the meshes whose tp group rank 0 destroyed")
+    got = _all_reduced(st.shard_group, rank)  # shard: ranks 0-1, 2-3
+    rep.expect(torch.equal(got, torch.full((4,), float(sum(r + 1 for r in range(rank // 2 * 2, rank // 2 * 2 + 2))))),
+               f"a collective on meshes rebuilt where one rank lost a group gave {got.tolist()}")
+    # Meshes of another device type on one rank: every rank refuses, before building any.
+    try:
+        tsm.init({"expert_parallel_degree": 2, "hybrid_shard_degree": 2}, device_type="cuda" if rank == 1 else "cpu")
+        rep.fail("device types that differ by rank were taken")
+    except ValueError as e:
+        rep.expect("rank 1 has device_type='cuda' where rank 0 has 'cpu'" in str(e), str(e))
     return rep.to_dict()
 
 

@@ -175,33 +175,47 @@ def validate(config, world_size):
     return cfg
 
 
-def _validate_alike(config, world):
-    """validate() on every rank, and the ranks' configs compared: a rank given another config (a
-    launcher that sets one per node, say) would otherwise build other meshes and hang the others
-    in a collective until their timeout. Every rank raises the same ValueError, naming the first
-    rank that differs from rank 0 (or whose config is wrong) and how. random_seed may differ."""
+def _validate_alike(config, world, device_type):
+    """validate() on every rank, and the ranks' configs and device types compared: a rank given
+    another config (a launcher that sets one per node, say) would otherwise build other meshes
+    and hang the others in a collective until their timeout. Every rank raises the same
+    ValueError, naming the first rank that differs from rank 0 (or whose config is wrong) and
+    how. random_seed may differ. Returns the config and whether the meshes of the last init()
+    serve it on every rank (_meshes_fit): one rank rebuilding alone would hang in new_group."""
     backend = dist.get_backend()
     if backend not in ("smddp", "gloo") and "cpu:" not in backend:
         # An object collective of a CUDA-only group (nccl) would use the current device, which the
         # mesh has not selected yet: every rank on cuda:0. Each rank checks its own config only.
-        return validate(config, world)
+        cfg = validate(config, world)
+        _check_device_type(device_type)
+        return cfg, _meshes_fit(cfg, device_type)
     try:
         cfg, error = validate(config, world), None
+        _check_device_type(device_type)
     except ValueError as e:
         cfg, error = None, str(e)
+    fits = cfg is not None and _meshes_fit(cfg, device_type)
     seen = [None] * world
-    dist.all_gather_object(seen, (error, asdict(cfg) if cfg is not None else None))
-    for r, (err, got) in enumerate(seen):
+    dist.all_gather_object(seen, (error, asdict(cfg) if cfg is not None else None, device_type, fits))
+    for r, (err, *_) in enumerate(seen):
         if err is not None:
             raise ValueError(err if r == dist.get_rank() else f"smddp.smp.init: rank {r}'s config is refused: {err}")
-    first = seen[0][1]
-    for r, (_, got) in enumerate(seen):
+    first, first_device = seen[0][1], seen[0][2]
+    for r, (_, got, device, _) in enumerate(seen):
         keys = _keys_that_differ(first, got)
         if keys:
             raise ValueError("smddp.smp.init: every rank must be given the same config; rank "
                              f"{r} has {', '.join(f'{k}={got[k]!r}' for k in keys)} where rank 0 has "
                              f"{', '.join(f'{k}={first[k]!r}' for k in keys)}")
-    return cfg
+        if device != first_device:
+            raise ValueError(f"smddp.smp.init: every rank must build its meshes for the same device type; rank {r} "
+                             f"has device_type={device!r} where rank 0 has {first_device!r}")
+    return cfg, all(fit for *_, fit in seen)
+
+
+def _check_device_type(device_type):
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"smddp.smp.init: device_type must be 'cuda' or 'cpu', got {device_type!r}")
 
 
 def _keys_that_differ(a, b):
@@ -281,17 +295,15 @@ def init(config=None, backend="smddp", device_type=None):
             import smddp  # noqa: F401  (registers the backend)
         dist.init_process_group(backend=backend)
     world, rank = dist.get_world_size(), dist.get_rank()
-    cfg = _validate_alike(config, world)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if device_type not in ("cuda", "cpu"):
-        raise ValueError(f"smddp.smp.init: device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    cfg, meshes_fit = _validate_alike(config, world, device_type)
     tp = cfg.tensor_parallel_degree
     hsd = cfg.hybrid_shard_degree or world // tp
     rep = world // (tp * hsd)
     if cfg.random_seed is not None:
         torch.manual_seed(cfg.random_seed)
-    if _meshes_fit(cfg, device_type):
+    if meshes_fit:
         state.config = cfg
         return state
     state.initialized = False  # until every mesh is built: a retry after a failure builds them all
