@@ -8,7 +8,9 @@ import re
 import signal
 import struct
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -973,12 +975,27 @@ try:
     if mode == "set_up" and rank == 1:
         leave_spare(spare)
     dist.init_process_group("smddp", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
-    if mode == "p2p":
+    if mode == "p2p":  # rank 0 sends to the last rank, which has no descriptor to spare
+        last = world - 1
         dist.barrier()
-        if rank == 1:
+        if rank == last:
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)
             leave_spare(spare)
         t0 = time.monotonic()
-        dist.send(torch.ones(3), 1) if rank == 0 else dist.recv(torch.zeros(3), 0)
+        try:
+            if rank in (0, last):
+                dist.send(torch.ones(3), last) if rank == 0 else dist.recv(torch.zeros(3), 0)
+        except Exception as e:
+            print(f"raised after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
+        if rank == last:
+            resource.setrlimit(resource.RLIMIT_NOFILE, limit)
+        dist.barrier()
+        if rank not in (0, last):  # a rank that never dialled it before connects now
+            dist.send(torch.full((3,), float(rank)), last)
+        if rank == last:
+            got = torch.zeros(3)
+            dist.recv(got, 1)
+            print(f"received {got.tolist()} from rank 1", flush=True)
     print(f"completed after {time.monotonic() - t0:.2f}s", flush=True)
 except Exception as e:
     print(f"raised after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
@@ -1017,16 +1034,120 @@ def test_a_rank_out_of_file_descriptors_is_named_by_every_rank():
 
 @pytest.mark.timeout(120)
 def test_a_receive_that_cannot_accept_its_senders_connection_fails_at_once():
-    """Ranks of two hosts connect for point-to-point at their first message, the higher rank
-    accepting. Rank 1 has no descriptor to spare for it: its recv fails at once, naming the
-    cause and the limit (until 2026-12-07 its engine's thread spun on the connection left
-    queued until the group's timeout, and the recv then blamed rank 0), and rank 0's send fails."""
+    """Ranks of three hosts connect for point-to-point at their first message, the higher rank
+    accepting. Rank 2 has no descriptor to spare as rank 0 sends to it: its recv fails at once
+    naming the cause and the limit, and rank 0's send says that rank 2 could not accept the
+    connection for want of descriptors; once rank 2's limit is raised again, rank 1 connects to
+    it. Until 2026-12-07 rank 2's engine spun on the connection it could not take until the
+    group's timeout, and then blamed rank 0; the first fix closed its listeners instead, so no
+    rank could connect to it again, and the others took it for gone (found by a review helper)."""
     if not IS_SMDDP:
         pytest.skip("smddp-specific")
-    procs = Job(OUT_OF_FILES, 2, ["p2p", 0], hosts="01")
+    procs = Job(OUT_OF_FILES, 3, ["p2p", 0], hosts="012")
     outs = procs.finish(60)
-    named = _out_of_files(outs[1])
-    assert named and named[0] < 5 and "cannot accept connections" in named[1] and "ulimit -n" in named[1], outs[1]
-    assert "recv from rank 0" in named[1], outs[1]
-    m = re.search(r"raised after ([0-9.]+)s: DistBackendError: .*send to rank 1", outs[0])
+    named = _out_of_files(outs[2])
+    assert named and named[0] < 5 and "cannot accept connections" in named[1] and "ulimit -n" in named[1], outs[2]
+    assert "recv from rank 0" in named[1], outs[2]
+    m = re.search(r"raised after ([0-9.]+)s: DistBackendError: (.*send to rank 2.*)", outs[0])
     assert m and float(m.group(1)) < 5, outs[0]
+    assert "could not accept the connection: that process has no file descriptor left" in m.group(2), outs[0]
+    assert "received [1.0, 1.0, 1.0] from rank 1" in outs[2] and all("completed after" in o for o in outs), outs
+
+
+THREADS_REFUSED = r"""
+import datetime, os, sys, time, torch, torch.distributed as dist
+import smddp
+rank, world, url, cgroup = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+host, port = url[len("tcp://"):].rsplit(":", 1)
+store = dist.TCPStore(host, int(port), world, rank == 0, timeout=datetime.timedelta(seconds=20))
+if rank == 1:  # no thread more than it has now
+    with open(f"{cgroup}/cgroup.procs", "w") as f:
+        f.write(str(os.getpid()))
+    with open(f"{cgroup}/pids.current") as f:
+        current = f.read().strip()
+    with open(f"{cgroup}/pids.max", "w") as f:
+        f.write(current)
+t0 = time.monotonic()
+try:
+    dist.init_process_group("smddp", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    print("completed", flush=True)
+except Exception as e:
+    print(f"raised after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", [None, "01"], ids=["one-host", "across-hosts"])
+def test_a_rank_that_cannot_start_threads_is_named_by_every_rank(hosts):
+    """Rank 1 may start no thread (a pids cgroup at its current count), so the group's progress
+    thread cannot start: every rank fails within seconds, naming rank 1 and the cause. Until
+    2026-12-07 rank 1 raised a bare "Resource temporarily unavailable" and its peers waited out
+    the group's timeout in the set-up's last step (found by a review helper)."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    root = "/sys/fs/cgroup/pids"  # cgroup v1's pids controller, as on this project's machines
+    if not os.access(root, os.W_OK):
+        pytest.skip(f"{root} is not writable: no pids cgroup to limit a rank's threads with")
+    cgroup = f"{root}/smddp_test_{os.getpid()}"
+    os.makedirs(cgroup, exist_ok=True)
+    try:
+        procs = Job(THREADS_REFUSED, 2, [cgroup], hosts=hosts)
+        outs = procs.finish(60)
+    finally:
+        os.rmdir(cgroup)  # empty once rank 1 has exited
+    for r, out in enumerate(outs):
+        m = re.search(r"raised after ([0-9.]+)s: DistBackendError: (.*)", out)
+        assert m and float(m.group(1)) < 5, f"rank {r}:\n{out[-2000:]}"
+        assert "cannot start the group's threads: Resource temporarily unavailable" in m.group(2), out[-2000:]
+        assert r == 1 or "rank 1 could not set up the process group" in m.group(2), out[-2000:]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("smddp-")]
+
+
+SHM_FULL_AT_FIRST_SEND = r"""
+import datetime, os, sys, time, torch, torch.distributed as dist
+import smddp
+rank, world, url = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("smddp", init_method=url, rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=20))
+dist.all_reduce(torch.ones(4))
+if rank == 1:  # fills the private /dev/shm but for 64 KiB: rank 0's outboxes cannot be had
+    st = os.statvfs("/dev/shm")
+    fd = os.open("/dev/shm/filler", os.O_CREAT | os.O_RDWR, 0o600)
+    os.posix_fallocate(fd, 0, st.f_bavail * st.f_frsize - (64 << 10))
+    os.close(fd)
+dist.barrier()
+t0 = time.monotonic()
+try:
+    dist.send(torch.ones(1 << 16), 1) if rank == 0 else dist.recv(torch.zeros(1 << 16), 0)
+    print("completed", flush=True)
+except Exception as e:
+    print(f"raised after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_dev_shm_full_at_a_first_send_fails_its_receiver_too(tmp_path):
+    """/dev/shm fills up (a 16 MiB tmpfs of the job's own, in a mount namespace) before rank 0's
+    first send to its host-mate, whose outboxes are then committed: the send fails naming
+    /dev/shm, and so does the receive, at once. Until 2026-12-07 the receiver waited out the
+    group's timeout and then said no matching send was posted (found by a review helper)."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    (tmp_path / "launch.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from _jobs import Job\n"
+        f"procs = Job({SHM_FULL_AT_FIRST_SEND!r}, 2, [])\n"
+        "for r, out in enumerate(procs.finish(60)):\n"
+        "    print(f'--- rank {r}\\n{out}', flush=True)\n")
+    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                        f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {sys.executable} -u {tmp_path}/launch.py"],
+                       capture_output=True, text=True, timeout=100)
+    if p.returncode != 0 and not p.stdout:
+        pytest.skip(f"no private mount namespace with a tmpfs of its own here: {p.stderr[-300:]}")
+    outs = p.stdout.split("--- rank ")[1:]
+    assert len(outs) == 2, p.stdout[-3000:] + p.stderr[-3000:]
+    for r, out in enumerate(outs):
+        m = re.search(r"raised after ([0-9.]+)s: DistBackendError: (.*)", out)
+        assert m and float(m.group(1)) < 5 and "/dev/shm is too small" in m.group(2), f"rank {r}:\n{out[-2000:]}"
+    assert "rank 0 gave up point-to-point with this rank" in outs[1], outs[1][-2000:]

@@ -106,6 +106,13 @@ void throwIfASetUpFailed(Store& store) {
   if (value.compare(0, kFailedChars, kFailed) == 0) throw Error(ErrorCode::kRemoteError, value.substr(kFailedChars));
 }
 
+void throwFirstCauseWithin(Store& store, std::chrono::milliseconds patience) {
+  for (const auto until = std::chrono::steady_clock::now() + patience; std::chrono::steady_clock::now() < until;) {
+    throwIfASetUpFailed(store);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 namespace {
 bool isTimeout(const Error& e) { return e.code() == ErrorCode::kTimeout; }
 // In the group's namespace: the ranks rank 0 has not heard from yet, as a list ("" once all came).

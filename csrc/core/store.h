@@ -127,6 +127,14 @@ inline constexpr char kSetUpFailedKey[] = "smddp/set-up-failed";
 // the caller's own wait, which will say so.
 void throwIfASetUpFailed(Store& store);
 
+// For a set-up step that failed because of a peer (a connection it closed, a segment it already
+// removed): what this rank saw is a consequence, and a peer whose set-up failed publishes its
+// cause within a moment. Waits up to `patience` for it and throws it (throwIfASetUpFailed);
+// returns if none came.
+void throwFirstCauseWithin(Store& store, std::chrono::milliseconds patience);
+// The patience set-up steps give it.
+inline constexpr std::chrono::milliseconds kFirstCauseWait{1000};
+
 // Runs `setUp`, a group's set-up over `groupStore`; a timeout it raises names the late ranks
 // (namingLateRanks).
 template <class Fn>

@@ -149,6 +149,7 @@ struct NetP2p::Incoming {
   net::wire::Hello hello{};
   size_t got = 0;
   Clock::time_point deadline;
+  int turnedAway = 0;  // the errno that left no descriptor for it: accepted on the reserve, to be refused
 };
 
 std::vector<std::string> NetP2p::keysOwedBy(int rank) { return {addrKey(rank)}; }
@@ -183,6 +184,11 @@ NetP2p::NetP2p(Store& store, const Topology& topo, const std::vector<net::LocalA
         throwError(ErrorCode::kSystemError, "rank %d: cannot start the point-to-point engine across hosts: eventfd: %s",
                    rank_, errnoString(errno).c_str());
       }
+    }
+    reserveFd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (reserveFd_ < 0) {
+      throwError(ErrorCode::kSystemError, "rank %d: cannot start the point-to-point engine across hosts: %s", rank_,
+                 errnoString(errno).c_str());
     }
   } catch (...) {
     for (int fd : listenFds_) close(fd);
@@ -219,8 +225,10 @@ void NetP2p::shutdown() {
       }
     }
     runCompletions();
-    for (auto& in : incoming_) close(in->fd);
+    for (auto& in : incoming_) dropIncoming(*in);
     for (int fd : listenFds_) close(fd);
+    if (reserveFd_ >= 0) close(reserveFd_);
+    reserveFd_ = -1;
   });
 }
 
@@ -442,11 +450,14 @@ void NetP2p::introduce(Incoming& in) {
     }
   }
   if (k == 0 && in.got == 0) {  // closed before a byte: another host's rank checking that this one is there
-    close(in.fd);
-    in.fd = -1;
+    dropIncoming(in);
     return;
   }
   const bool introduced = k > 0;
+  if (in.turnedAway != 0) {
+    refuseOutOfDescriptors(in, introduced && net::wire::helloAccepted(in.hello, secret_, rank_, lanes_, expected));
+    return;
+  }
   if (!introduced || !net::wire::helloAccepted(in.hello, secret_, rank_, lanes_, expected) ||
       !net::sendWithin(in.fd, &net::wire::kHelloAccepted, 1, Clock::now() + kAckTimeout)) {
     // A peer this rank gave up on (its ops failed with the reason) is refused as well, without
@@ -458,8 +469,7 @@ void NetP2p::introduce(Incoming& in) {
       SMDDP_WARN(kNet, "rank %d: point-to-point: refused a connection (not a peer of this group, or a bad handshake)",
                  rank_);
     }
-    close(in.fd);
-    in.fd = -1;
+    dropIncoming(in);
     return;
   }
   Lane& l = peers_[in.hello.from]->lanes[static_cast<size_t>(in.hello.lane)];
@@ -706,6 +716,12 @@ void NetP2p::connectLane(Peer& p, Lane& l, short revents) {
     char ack = 0;
     const ssize_t k = recv(l.fd, &ack, 1, MSG_DONTWAIT);
     if (k < 0 && wouldBlock(errno)) return;
+    if (k == 1 && ack == net::wire::kHelloOutOfDescriptors) {
+      failDial(p, ErrorCode::kRemoteError,
+               "rank " + std::to_string(p.rank) + " at " + p.address +
+                   " could not accept the connection: that process has no file descriptor left (raise its ulimit -n)");
+      return;
+    }
     if (k != 1 || ack != net::wire::kHelloAccepted) {
       failDial(p, ErrorCode::kRemoteError,
                "rank " + std::to_string(p.rank) + " at " + p.address + " did not accept the connection");
@@ -716,14 +732,69 @@ void NetP2p::connectLane(Peer& p, Lane& l, short revents) {
   }
 }
 
+void NetP2p::turnAway(int listenFd, int err) {
+  // The connection left queued keeps the listener readable (polled, it would spin), and its
+  // dialler would wait for an answer until its timeout. The descriptor held in reserve takes it
+  // instead, long enough to learn which rank dialled and to tell it why; the listeners rest
+  // until the reserve is back (buildPollSet), and take later connections once descriptors are
+  // free again. Only where the reserve cannot take it either do they close for good.
+  if (!reserveLent_ && reserveFd_ >= 0) {
+    close(reserveFd_);
+    reserveFd_ = -1;
+    const int fd = accept4(listenFd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd >= 0) {
+      reserveLent_ = true;
+      net::tuneSocket(fd);
+      auto in = std::make_unique<Incoming>();
+      in->fd = fd;
+      in->deadline = Clock::now() + kHelloTimeout;
+      in->turnedAway = err;
+      incoming_.push_back(std::move(in));
+      ++fdGeneration_;
+      return;
+    }
+    err = net::outOfResources(errno) ? errno : err;
+    reserveFd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  }
+  cannotAccept(err);
+}
+
+void NetP2p::refuseOutOfDescriptors(Incoming& in, bool introduced) {
+  const std::string why = outOfDescriptors(in.turnedAway);
+  if (introduced) {
+    // Its dialler names the cause; this rank's ops with it fail with it too.
+    const char no = net::wire::kHelloOutOfDescriptors;
+    (void)!send(in.fd, &no, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    Peer& p = *peers_[in.hello.from];
+    if (!p.broken) failDial(p, ErrorCode::kSystemError, why);
+  }
+  SMDDP_WARN(kNet, "%s", why.c_str());
+  dropIncoming(in);
+}
+
+void NetP2p::dropIncoming(Incoming& in) {
+  if (in.fd >= 0) close(in.fd);
+  in.fd = -1;
+  ++fdGeneration_;
+  if (in.turnedAway == 0) return;
+  in.turnedAway = 0;
+  reserveLent_ = false;
+  // Failing, another thread of the process took the descriptor meanwhile: the next connection
+  // that finds none makes the listeners close (cannotAccept).
+  reserveFd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+}
+
+std::string NetP2p::outOfDescriptors(int err) const {
+  return "rank " + std::to_string(rank_) + " cannot accept connections from other hosts' ranks: accept: " +
+         errnoString(err);
+}
+
 void NetP2p::cannotAccept(int err) {
   // Which rank dialled is unknown until its connection is accepted: every rank that would dial
   // this one (those below it) and has not connected all its lanes fails with the cause, which
   // the lanes' timeout would otherwise hide. The listeners close, since the connection left
-  // queued keeps them readable (polled, they would spin); the queued connections are reset, so
-  // their diallers fail at once.
-  const std::string why = "rank " + std::to_string(rank_) +
-                          " cannot accept connections from other hosts' ranks: accept: " + errnoString(err);
+  // queued keeps them readable; the queued connections are reset, so their diallers fail at once.
+  const std::string why = outOfDescriptors(err);
   SMDDP_WARN(kNet, "%s", why.c_str());
   for (auto& p : peers_) {
     if (!p || p->broken || p->rank > rank_) continue;
@@ -737,7 +808,9 @@ void NetP2p::cannotAccept(int err) {
 
 void NetP2p::buildPollSet(PollSet& ps, int bellFd) const {
   ps.fds.assign(1, pollfd{bellFd, POLLIN, 0});
-  for (int fd : listenFds_) ps.fds.push_back({fd, POLLIN, 0});
+  if (!reserveLent_) {  // lent, the listeners' next connection would find no descriptor either
+    for (int fd : listenFds_) ps.fds.push_back({fd, POLLIN, 0});
+  }
   ps.incomingAt = ps.fds.size();
   for (const auto& in : incoming_) ps.fds.push_back({in->fd, POLLIN, 0});
   ps.polled.clear();
@@ -772,7 +845,7 @@ void NetP2p::processPolled(const PollSet& ps) {
     if (!(ps.fds[i].revents & POLLIN)) continue;
     for (;;) {
       const int fd = accept4(ps.fds[i].fd, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0 && net::outOfResources(errno)) cannotAccept(errno);
+      if (fd < 0 && net::outOfResources(errno)) turnAway(ps.fds[i].fd, errno);
       if (fd < 0) break;
       net::tuneSocket(fd);
       auto in = std::make_unique<Incoming>();
@@ -846,7 +919,8 @@ std::string NetP2p::timeoutReason(const Peer& p, const P2pOp& op) const {
   const std::string who = "rank " + std::to_string(p.rank);
   if (!p.ready()) {  // nothing can have moved, and whether the peer posted its op is unknown
     return "the connection to " + who + " was never completed (" +
-           (p.rank < rank_ ? "that rank connects at its first message to or receive from this one, and made none"
+           (p.rank < rank_ ? "that rank connects at its first message to or receive from this one: it made none, or "
+                             "could not connect, which its own error names"
                            : "that rank did not accept this one's connection: its process is frozen or busy "
                              "outside smddp, or the network drops packets") +
            ")";
@@ -877,11 +951,7 @@ void NetP2p::checkDeadlines() {
   const bool resumed = lastDeadlineCheck_ != Clock::time_point{} && now - lastDeadlineCheck_ > kResumedAfter;
   lastDeadlineCheck_ = now;
   for (auto& in : incoming_) {
-    if (now >= in->deadline) {
-      close(in->fd);
-      in->fd = -1;
-      ++fdGeneration_;
-    }
+    if (now >= in->deadline) dropIncoming(*in);
   }
   incoming_.erase(std::remove_if(incoming_.begin(), incoming_.end(), [](const auto& in) { return in->fd < 0; }),
                   incoming_.end());

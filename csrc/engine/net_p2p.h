@@ -108,8 +108,15 @@ class NetP2p : public P2pDriver {
   void complete(P2pOp op, std::exception_ptr error, int source);  // done() once the lock is released
   void runCompletions(bool byDriver = false);  // rings the driver's bell unless it ran them
   void dial(Peer& p);
-  // accept() failed for want of descriptors or memory (errno `err`).
+  // accept() on `listenFd` failed for want of descriptors or memory (errno `err`): the connection
+  // is taken on the reserve descriptor and refused (refuseOutOfDescriptors), or else
+  // cannotAccept.
+  void turnAway(int listenFd, int err);
+  void refuseOutOfDescriptors(Incoming& in, bool introduced);
   void cannotAccept(int err);
+  std::string outOfDescriptors(int err) const;
+  // Closes an accepted connection not (or no longer) wanted; gives the reserve back if it was on it.
+  void dropIncoming(Incoming& in);
   void connectLane(Peer& p, Lane& l, short revents);
   void introduce(Incoming& in);
   bool progressSends(Peer& p);
@@ -152,6 +159,10 @@ class NetP2p : public P2pDriver {
   std::string name_;
   std::vector<net::LocalAddress> addrs_;  // this rank's, one per interface
   std::vector<int> listenFds_;  // one per address
+  // A descriptor held back (/dev/null) for accepting one connection when the process has none
+  // left, to tell its dialler so (turnAway); lent meanwhile. Under stateMutex_ after the ctor.
+  int reserveFd_ = -1;
+  bool reserveLent_ = false;
   int wakeFd_ = -1;  // eventfd: submissions and abort
   int driverBellFd_ = -1;  // eventfd: a driver's op was completed by another thread, or abort
   std::mutex driveMutex_;  // held by the one driver

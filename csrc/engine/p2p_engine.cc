@@ -123,7 +123,20 @@ void P2pEngine::submit(P2pOp op) {
     return;
   }
   if (op.isSend) {
-    domain_->commitOutboxes();  // throws on the caller's thread if /dev/shm is full
+    try {
+      domain_->commitOutboxes();  // throws on the caller's thread if /dev/shm is full
+    } catch (const Error& e) {
+      // The receiver would wait for this message until its timeout, then blame this rank for
+      // not sending: the pair gives up, with the cause, which its receives report at once.
+      std::vector<Completion> done;
+      {
+        std::lock_guard<std::mutex> lock(progressMutex_);
+        breakPair(op.peer, withoutRankPrefix(e.what()), "failure");
+        done.swap(completions_);
+      }
+      finish(done);
+      throw;
+    }
     op.readableInPlace = op.bytes >= singleCopyBytes_ && domain_->readableByPeers(op.buffer, op.bytes);
   }
   {

@@ -89,27 +89,33 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
   // a malformed SMDDP_DEBUG_CHECKS failed this rank alone, its peers waiting out the timeout).
   debugChecks_ = agreeOnDebugChecks();
   handOffLinger_ = handOffLinger(comm_->machineShare());
-  progress_ = std::make_shared<engine::ProgressThread>("smddp-r" + std::to_string(rank), handOffLinger_,
-                                                       progressWakeDelay(comm_->machineShare()));
   // A blocking point-to-point wait runs its engine on the caller's thread: no second thread of
   // this rank is busy meanwhile, so the engines keep the plain linger budget.
   const std::chrono::microseconds p2pLinger = lingerBudget(comm_->machineShare());
-  if (comm_->topology().localSize() > 1) {
-    p2p_ = std::make_shared<engine::P2pEngine>(comm_->domain(), p2pLinger,
-                                               engine::P2pEngine::singleCopyBytesFor(comm_->machineShare()),
-                                               "smddp-p2p" + std::to_string(rank));
-  }
-  if (comm_->multiHost()) {
-    try {
+  try {
+    progress_ = std::make_shared<engine::ProgressThread>("smddp-r" + std::to_string(rank), handOffLinger_,
+                                                         progressWakeDelay(comm_->machineShare()));
+    if (comm_->topology().localSize() > 1) {
+      p2p_ = std::make_shared<engine::P2pEngine>(comm_->domain(), p2pLinger,
+                                                 engine::P2pEngine::singleCopyBytesFor(comm_->machineShare()),
+                                                 "smddp-p2p" + std::to_string(rank));
+    }
+    if (comm_->multiHost()) {
       netP2p_ = std::make_shared<engine::NetP2p>(*bootstrap_, comm_->topology(), comm_->netAddresses(),
                                                  comm_->netLanes(), p2pLinger, "smddp-np2p" + std::to_string(rank));
-    } catch (const Error& e) {
-      // Peers wait for its addresses, or, past their own set-up, in endSetUp for every rank's.
-      std::vector<std::string> owed = engine::NetP2p::keysOwedBy(rank);
-      owed.push_back(algo::group_keys::kAllSetUpKey);
-      bootstrap_->tellPeersOfFailure(owed, rank, size, timeout, e.what());
-      std::rethrow_exception(toTorchError(e, who()));
     }
+  } catch (const std::exception& e) {
+    // A thread that cannot start (a pids limit, no memory for its stack: std::system_error) or
+    // a descriptor that cannot be had. Peers wait for NetP2p's addresses, or, past their own
+    // set-up, in endSetUp for every rank's: the cause is published there.
+    const auto* ours = dynamic_cast<const Error*>(&e);
+    const Error error = ours ? *ours
+                             : Error(ErrorCode::kSystemError,
+                                     formatString("rank %d: cannot start the group's threads: %s", rank, e.what()));
+    std::vector<std::string> owed = engine::NetP2p::keysOwedBy(rank);
+    owed.push_back(algo::group_keys::kAllSetUpKey);
+    bootstrap_->tellPeersOfFailure(owed, rank, size, timeout, error.what());
+    std::rethrow_exception(toTorchError(error, who()));
   }
   // The group's store itself (thread-safe), not bootstrap_, whose record of its keys is not.
   storeErrands_ = std::make_shared<StoreErrands>(groupStore_);

@@ -194,7 +194,12 @@ std::unique_ptr<Domain> Domain::create(Store& store, int rank, int size, size_t 
   }
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
-    d->segments_[r] = Segment::open(nameOf(r), rank, r);
+    try {
+      d->segments_[r] = Segment::open(nameOf(r), rank, r);
+    } catch (const Error& e) {
+      if (e.code() == ErrorCode::kRemoteError) throwFirstCauseWithin(store, kFirstCauseWait);
+      throw;
+    }
     Control* c = d->control(r);
     if (d->segments_[r].size() != segBytes || c->magic != kMagic || c->rank != r || c->slotBytes != slotBytes) {
       throwError(ErrorCode::kInvalidUsage,

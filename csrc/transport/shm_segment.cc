@@ -101,8 +101,11 @@ void Segment::commit(size_t offset, size_t len, size_t groupBytes, int rank) {
 Segment Segment::open(const std::string& name, int rank, int ownerRank) {
   int fd = shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) {
-    throwError(ErrorCode::kSystemError, "smddp rank %d: cannot open rank %d's shared memory %s: %s", rank,
-               ownerRank, name.c_str(), errnoString(errno).c_str());
+    const int err = errno;
+    // Gone (ENOENT) after its owner published it: the owner removed it, its set-up having failed.
+    throwError(err == ENOENT ? ErrorCode::kRemoteError : ErrorCode::kSystemError,
+               "smddp rank %d: cannot open rank %d's shared memory %s: %s", rank, ownerRank, name.c_str(),
+               errnoString(err).c_str());
   }
   struct stat st;
   if (fstat(fd, &st) != 0) {

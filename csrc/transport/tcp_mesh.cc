@@ -36,8 +36,6 @@ constexpr auto kPollTick = std::chrono::milliseconds(50);  // how often a waiter
 // that cannot reach a peer (a firewall) connects to none of the others after it, and they waited
 // out the timeout for it, "rank(s) 0 did not connect" (until 2026-12-07).
 constexpr auto kFailureLook = std::chrono::milliseconds(200);
-// How long a rank that saw a peer fail while connecting waits for the first cause.
-constexpr auto kFirstCauseWait = std::chrono::seconds(1);
 constexpr int64_t kMaxLanes = 16;
 // How long a rank that leaves an exchange in the middle of messages (an error) tries to finish
 // them, so that its streams end between two messages, where a farewell can say why it left.
@@ -232,12 +230,7 @@ std::unique_ptr<TcpMesh> TcpMesh::create(Store& store, const Topology& topo, con
     // 2026-12-07 a firewall between hosts 1 and 3 had rank 0 report "rank 1 did not accept the
     // connection"). The connections stay open meanwhile, so that peers do not take this rank
     // for the cause.
-    if (e.code() == ErrorCode::kRemoteError) {
-      for (const auto until = Clock::now() + kFirstCauseWait; Clock::now() < until;) {
-        throwIfASetUpFailed(store);
-        std::this_thread::sleep_for(kFailureLook / 10);
-      }
-    }
+    if (e.code() == ErrorCode::kRemoteError) throwFirstCauseWithin(store, kFirstCauseWait);
     throw;
   }
   return m;

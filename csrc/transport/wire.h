@@ -76,6 +76,8 @@ struct Hello {
 Hello makeHello(const std::string& secret, int from, int to, int lane);
 // The one byte that answers an accepted Hello.
 constexpr char kHelloAccepted = 'K';
+// Its answer from a rank that has no file descriptor left for the connection.
+constexpr char kHelloOutOfDescriptors = 'F';
 // Whether a Hello, as received from an unknown client, comes from a connection this rank still
 // waits for (`waiting` holds from * lanes + lane), with the group's secret (compared in
 // constant time).
