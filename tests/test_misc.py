@@ -899,7 +899,9 @@ def test_wait_limit_runs_out(pools, world):
 def subgroup_errors_name_the_group_task(rank, world):
     """An error in a group other than the default one names the group as torch does (its name,
     and its description unless torch's "undefined") and the world rank, since group ranks repeat
-    across a job's groups: raised at the call, by a body on the group's thread and by a
+    across a job's groups, and which world ranks the group's ranks are, since the other ranks
+    its messages name are group ranks (until 2026-12-07 "rank 5 could not set up" in a subgroup
+    read as world rank 5): raised at the call, by a body on the group's thread and by a
     wait(timeout) (at the group's set-up: test_nonpositive_timeout_refused); the default group's
     keep "smddp rank N: "."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -926,7 +928,7 @@ def subgroup_errors_name_the_group_task(rank, world):
                 dist.broadcast(expanded, src=1, group=tp)
                 rep.expect(rank == 1, "broadcast into an expanded tensor succeeded")
             except ValueError as e:
-                want = f"smddp rank 1 of group {name} (tp), world rank 2: broadcast: the output tensor"
+                want = f"smddp rank 1 of group {name} (tp), world rank 2 (group ranks 0-1 are world ranks 1-2): broadcast: the output tensor"
                 rep.expect(rank == 2 and str(e).startswith(want), f"want {want!r}, got {str(e)[:300]!r}")
     with rep.cell("undescribed group, wait(timeout) that runs out"):
         if rank in (0, 2):
@@ -937,7 +939,7 @@ def subgroup_errors_name_the_group_task(rank, world):
                     work.wait(timedelta(milliseconds=100))
                     rep.fail("wait(100 ms) returned although the root comes 1 s late")
                 except dist.DistBackendError as e:
-                    want = f"smddp rank 1 of group {name}, world rank 2: broadcast: wait(timeout=100 ms) ran out"
+                    want = f"smddp rank 1 of group {name}, world rank 2 (group ranks 0-1 are world ranks 0, 2): broadcast: wait(timeout=100 ms) ran out"
                     rep.expect(str(e).startswith(want), f"want {want!r}, got {str(e)[:300]!r}")
                 work.wait()
             else:
@@ -953,7 +955,8 @@ def subgroup_errors_name_the_group_task(rank, world):
             dist.all_reduce(t, group=cp, async_op=True).wait()
             rep.fail("sparse all_reduce of different shapes succeeded")
         except ValueError as e:
-            want = f"smddp rank {cp_rank} of group {name} (mesh_cp), world rank {rank}: allreduce of sparse tensors"
+            renumbered = "" if rank < 2 else " (group ranks 0-1 are world ranks 2-3)"  # ranks 0-1: as in the world
+            want = f"smddp rank {cp_rank} of group {name} (mesh_cp), world rank {rank}{renumbered}: allreduce of sparse tensors"
             rep.expect(str(e).startswith(want), f"want {want!r}, got {str(e)[:300]!r}")
     with rep.cell("the groups after the errors"):
         for g in (tp, plain, mesh.get_group("cp"), None):

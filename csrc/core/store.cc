@@ -1,6 +1,7 @@
 #include "core/store.h"
 
 #include <algorithm>
+#include <cctype>
 #include <thread>
 #include <utility>
 
@@ -15,6 +16,16 @@ constexpr char kFailed[] = "\x01smddp: set-up failed\x01";
 constexpr size_t kFailedChars = sizeof(kFailed) - 1;
 // In the group's namespace: how many ranks know that its set-up failed.
 constexpr char kKnowingOfFailureKey[] = "smddp/failure-known";
+constexpr char kCouldNotSetUp[] = " could not set up the process group: ";
+
+// Whether `what` is a rank's published account of its failed set-up: "rank N could not set up
+// the process group: ...".
+bool isSetUpFailure(const std::string& what) {
+  size_t at = 5;
+  if (what.compare(0, at, "rank ") != 0) return false;
+  while (at < what.size() && std::isdigit(static_cast<unsigned char>(what[at]))) ++at;
+  return at > 5 && what.compare(at, sizeof(kCouldNotSetUp) - 1, kCouldNotSetUp) == 0;
+}
 }  // namespace
 
 const std::string& BootstrapStore::unlessFailed(const std::string& value) {
@@ -74,8 +85,12 @@ std::vector<std::string> BootstrapStore::multiGet(const std::vector<std::string>
 
 void BootstrapStore::publishFailure(const std::vector<std::string>& keys, int rank, const std::string& why) noexcept {
   try {
-    const std::string value = kFailed + formatString("rank %d could not set up the process group: %s", rank,
-                                                     withoutRankPrefix(why).c_str());  // named once
+    // A peer's account read from the store is passed on as it is: its rank is the one at fault,
+    // where "rank 4 could not set up ...: rank 15 could not set up ..." named a relay first.
+    const std::string own = withoutRankPrefix(why);  // named once
+    const std::string account =
+        isSetUpFailure(own) ? own : formatString("rank %d could not set up the process group: %s", rank, own.c_str());
+    const std::string value = kFailed + account;
     for (const std::string& key : keys) {
       if (set_.count(key) == 0) inner_.set(key, value);
     }

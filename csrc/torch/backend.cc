@@ -145,7 +145,7 @@ std::shared_ptr<const std::string> SmddpBackend::whoShared() const {
     if (who_) whoBefore_.push_back(std::move(who_));
     whoUid_ = getGroupUid();
     whoDesc_ = getGroupDesc();
-    who_ = std::make_shared<const std::string>(rankName(rank_, defaultGroup_, whoUid_, whoDesc_, globalRanks_[rank_]));
+    who_ = std::make_shared<const std::string>(rankName(rank_, defaultGroup_, whoUid_, whoDesc_, globalRanks_));
   }
   if (!whoDesc_.empty()) whoSettled_.store(true, std::memory_order_release);
   return who_;
@@ -426,7 +426,7 @@ c10::intrusive_ptr<c10d::Backend> SmddpBackend::shrink(const std::vector<int64_t
   } catch (const c10::DistBackendError& e) {
     // The set-up's error names ranks of the new group; the caller knows this group's.
     std::string why = e.what_without_backtrace();
-    const std::string named = rankPrefix(rankName(childRank, false, "", "", globalRanks_[rank_]));
+    const std::string named = rankPrefix(rankName(childRank, false, "", "", childGlobalRanks));
     if (why.rfind(named, 0) == 0) why.erase(0, named.size());
     std::string remaining;
     constexpr int kNamed = 16;  // a large group's list would bury the cause

@@ -9,14 +9,41 @@ namespace smddp::torchext {
 
 const char* opName(const char* title) { return std::strncmp(title, "smddp:", 6) == 0 ? title + 6 : title; }
 
+namespace {
+// The world ranks of a group's ranks, in group rank order, as briefly as they allow: "2-9",
+// "0, 4, ..., 28", or the list (its first 8 and a count where it is longer than 16).
+std::string worldRanksText(const std::vector<int64_t>& ranks) {
+  const size_t n = ranks.size();
+  const int64_t step = n > 1 ? ranks[1] - ranks[0] : 0;
+  bool even = n > 1 && step > 0;
+  for (size_t i = 2; even && i < n; ++i) even = ranks[i] - ranks[i - 1] == step;
+  if (even && step == 1) return std::to_string(ranks.front()) + "-" + std::to_string(ranks.back());
+  if (even && n > 3) {
+    return std::to_string(ranks[0]) + ", " + std::to_string(ranks[1]) + ", ..., " + std::to_string(ranks.back());
+  }
+  std::string text;
+  const size_t shown = n > 16 ? 8 : n;
+  for (size_t i = 0; i < shown; ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
+  if (shown < n) text += ", ... (" + std::to_string(n) + " in all)";
+  return text;
+}
+}  // namespace
+
 std::string rankName(int rank, bool defaultGroup, const std::string& groupUid, const std::string& groupDesc,
-                     int64_t worldRank) {
+                     const std::vector<int64_t>& worldRanks) {
   std::string name = "smddp rank " + std::to_string(rank);
   if (defaultGroup) return name;
-  if (groupUid.empty()) return name + " (world rank " + std::to_string(worldRank) + ")";
+  const std::string worldRank = std::to_string(worldRanks[static_cast<size_t>(rank)]);
+  if (groupUid.empty()) return name + " (world rank " + worldRank + ")";
   name += " of group " + groupUid;
   if (!groupDesc.empty() && groupDesc != "undefined") name += " (" + groupDesc + ")";
-  return name + ", world rank " + std::to_string(worldRank);
+  name += ", world rank " + worldRank;
+  bool renumbered = false;
+  for (size_t r = 0; r < worldRanks.size(); ++r) renumbered |= worldRanks[r] != static_cast<int64_t>(r);
+  if (!renumbered) return name;
+  // The ranks its messages name are this group's: "rank 5 could not set up" is no world rank 5.
+  return name + " (group ranks 0-" + std::to_string(worldRanks.size() - 1) + " are world ranks " +
+         worldRanksText(worldRanks) + ")";
 }
 
 std::string rankPrefix(const std::string& who) { return who + ": "; }

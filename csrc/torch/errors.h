@@ -7,8 +7,10 @@
 #include <c10/util/Exception.h>
 #include <sys/types.h>
 
+#include <cstdint>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include "algo/communicator.h"
 #include "core/error.h"
@@ -27,10 +29,13 @@ const char* opName(const char* title);
 // How messages name a rank: "smddp rank 1" in the default group (`defaultGroup`). Group ranks
 // repeat across a job's groups (every tensor-parallel group has a rank 0), so in any other the
 // name also gives the group as torch names it (`groupUid`, and `groupDesc` unless torch's
-// "undefined") and the world rank, as torch's own logs do: "smddp rank 1 of group 3 (mesh_tp),
-// world rank 5"; before torch has named the group, "smddp rank 1 (world rank 5)".
+// "undefined") and the world rank, as torch's own logs do, and where the group numbers its ranks
+// otherwise than the world, which world ranks they are (`worldRanks`, by group rank; the other
+// ranks its messages name are group ranks): "smddp rank 1 of group 3 (mesh_tp), world rank 5
+// (group ranks 0-1 are world ranks 4-5)"; before torch has named the group, "smddp rank 1
+// (world rank 5)".
 std::string rankName(int rank, bool defaultGroup, const std::string& groupUid, const std::string& groupDesc,
-                     int64_t worldRank);
+                     const std::vector<int64_t>& worldRanks);
 
 // "<who>: ", how every message of this layer starts; `who` is a rankName().
 std::string rankPrefix(const std::string& who);

@@ -1,6 +1,9 @@
 // inTheWordsOf (core/error.h): a peer's reason, relayed in another rank's message, speaks of the
 // peer by its rank instead of as "this rank" (read as the rank relaying it); withoutRankPrefix:
-// a message given a prefix that names its rank names it once.
+// a message given a prefix that names its rank names it once; errnoString: the limit reached.
+#include <sys/resource.h>
+
+#include <cerrno>
 #include <string>
 
 #include "algo_tests.h"
@@ -8,6 +11,7 @@
 #include "expect.h"
 
 using smddp::inTheWordsOf;
+using smddp::errnoString;
 using smddp::withoutRankPrefix;
 using smddp::test::expect;
 
@@ -39,4 +43,13 @@ void errorWordsTests() {
   same(withoutRankPrefix("rank : x"), "rank : x");
   same(withoutRankPrefix("smddp rank 1:x"), "smddp rank 1:x");
   same(withoutRankPrefix(""), "");
+
+  // Out of descriptors: the limit that was reached, so that nobody goes looking for a leak first.
+  rlimit files{};
+  getrlimit(RLIMIT_NOFILE, &files);
+  same(errnoString(EMFILE), "Too many open files (errno 24): this process may open " + std::to_string(files.rlim_cur) +
+                                " files (ulimit -n); raise that limit");
+  same(errnoString(ENFILE), "Too many open files in system (errno 23): the system's limit on open files (sysctl "
+                            "fs.file-max) is reached");
+  same(errnoString(ENOENT), "No such file or directory (errno 2)");
 }

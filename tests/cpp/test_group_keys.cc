@@ -282,6 +282,30 @@ void aFailedRankWaitsUntilItsPeersKnow() {
   expect(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1), "without add, a failed rank does not wait");
 }
 
+// A rank failed by a peer's published failure passes that account on as it is: readers name
+// the rank at fault, not the relay ("rank 4 could not set up ...: rank 15 could not ..." until
+// 2026-12-07); its own error is given its rank once.
+void aRelayedFailureNamesItsFirstRank() {
+  MemoryStore root;
+  PrefixStore group(root, kPrefix);
+  BootstrapStore first(group), relay(group), reader(group);
+  first.publishFailure({"topo/15"}, 15, "rank 15: Too many open files");
+  std::string relayed;
+  try {
+    relay.get("topo/15");
+  } catch (const Error& e) {
+    relayed = e.what();
+  }
+  relay.publishFailure({"topo/4"}, 4, "rank 4: " + relayed);
+  std::string read;
+  try {
+    reader.get("topo/4");
+  } catch (const Error& e) {
+    read = e.what();
+  }
+  expect(read == "rank 15 could not set up the process group: Too many open files", "relayed as '" + read + "'");
+}
+
 }  // namespace
 
 void groupKeysTests() {
@@ -291,4 +315,5 @@ void groupKeysTests() {
   aPeerThatNeverComesIsATimeout();
   storesThatCannot();
   aFailedRankWaitsUntilItsPeersKnow();
+  aRelayedFailureNamesItsFirstRank();
 }
