@@ -392,7 +392,7 @@ int rankMain(const Args& a, int rank, Store& store) {
   const FreshNamespace ns = freshNamespace(store, rank, a.ranks, a.timeout, namespaceKeys);
   PrefixStore groupStore(store, ns.prefix);
   BootstrapStore bootstrap(groupStore);
-  if (!ns.refusal.empty()) algo::Communicator::refuseSetUp(bootstrap, rank, ns.refusal);
+  if (!ns.refusal.empty()) algo::Communicator::refuseSetUp(bootstrap, rank, a.ranks, a.timeout, ns);
   const std::unique_ptr<algo::Communicator> owned = settingUp(
       groupStore, [&] { return std::make_unique<algo::Communicator>(bootstrap, rank, a.ranks, a.timeout); });
   algo::Communicator& comm = *owned;

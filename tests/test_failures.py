@@ -1151,3 +1151,39 @@ def test_dev_shm_full_at_a_first_send_fails_its_receiver_too(tmp_path):
         m = re.search(r"raised after ([0-9.]+)s: DistBackendError: (.*)", out)
         assert m and float(m.group(1)) < 5 and "/dev/shm is too small" in m.group(2), f"rank {r}:\n{out[-2000:]}"
     assert "rank 0 gave up point-to-point with this rank" in outs[1], outs[1][-2000:]
+
+
+LATE_RANK_STORE_ON_RANK_0 = r"""
+import datetime, sys, time, torch, torch.distributed as dist
+import smddp
+rank, world, url = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+host, port = url[len("tcp://"):].rsplit(":", 1)
+store = dist.TCPStore(host, int(port), world, rank == 0, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+if rank == world - 1:
+    time.sleep(30)  # never comes to the group's set-up
+    sys.exit(0)
+time.sleep(1.0 * rank)  # the later a rank comes, the later its own deadline: rank 0's is the first
+t0 = time.monotonic()
+try:
+    dist.init_process_group("smddp", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=4))
+except Exception as e:
+    print(f"raised after {time.monotonic() - t0:.2f}s: {type(e).__name__}: {e}", flush=True)
+"""  # then exits, rank 0 taking the store with it
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_comes_is_named_where_rank_0_hosts_the_store():
+    """The last of 4 ranks never comes; rank 0 hosts the job's TCP store and reaches its deadline
+    first (the others came 1-2 s later), raises and exits, taking the store with it. Every rank
+    names the late one: rank 0 tells the ranks it answered, and waits until they know. Until
+    2026-12-07 rank 0 raised at once, and ranks still waiting reported the loss of the store
+    (found by a review helper, at 8 ranks)."""
+    if not IS_SMDDP:
+        pytest.skip("smddp-specific")
+    procs = Job(LATE_RANK_STORE_ON_RANK_0, 4, [])
+    outs = procs.finish(60, ranks=[0, 1, 2])
+    procs.kill(3)
+    for r, out in enumerate(outs):
+        m = re.search(r"raised after ([0-9.]+)s: DistBackendError: (.*)", out)
+        assert m and "rank(s) 3 did not reach the group's set-up" in m.group(2), f"rank {r}:\n{out[-2000:]}"
+        assert float(m.group(1)) < 10, out[-2000:]

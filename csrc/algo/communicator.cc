@@ -108,9 +108,14 @@ Topology discoverAfterShmCheck(Store& store, int rank, int size) {
 std::string hostPrefix(const Topology& t) { return "smddp/host" + std::to_string(t.host()) + "/"; }
 }  // namespace
 
-void Communicator::refuseSetUp(BootstrapStore& store, int rank, const std::string& why) {
-  store.publishFailure(groupKeysOwedBy(rank, {}), rank, why);
-  throwError(ErrorCode::kInvalidUsage, "%s", why.c_str());
+void Communicator::refuseSetUp(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout,
+                               const FreshNamespace& ns) {
+  if (ns.refusalCode == ErrorCode::kTimeout) {
+    store.tellPeersOfFailure(groupKeysOwedBy(rank, {}), rank, size, timeout, ns.refusal);
+  } else {
+    store.publishFailure(groupKeysOwedBy(rank, {}), rank, ns.refusal);
+  }
+  throwError(ns.refusalCode, "%s", ns.refusal.c_str());
 }
 
 Communicator::Communicator(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout,

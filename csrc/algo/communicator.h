@@ -35,10 +35,13 @@ class Communicator {
   Communicator(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout,
                const std::vector<std::string>& keysOwedLater = {});
   ~Communicator();
-  // Instead of the constructor, on a rank that knows the group cannot be set up (rank 0, told of
-  // a rank given another world_size): throws kInvalidUsage with `why`, published first under the
-  // keys the peers' set-up waits for from this rank, so that they fail at once with it.
-  [[noreturn]] static void refuseSetUp(BootstrapStore& store, int rank, const std::string& why);
+  // Instead of the constructor, on rank 0 where freshNamespace refused the group (`ns.refusal`):
+  // throws it with its code, published first under the keys the peers' set-up waits for from
+  // this rank, so that they fail at once with it; for ranks that never came, after the peers
+  // know (rank 0's process may host the store; a rank given another world_size was given
+  // freshNamespace's grace already).
+  [[noreturn]] static void refuseSetUp(BootstrapStore& store, int rank, int size, std::chrono::milliseconds timeout,
+                                       const FreshNamespace& ns);
   // Before the first op, where SMDDP_DESYNC_CHECK_MS is not 0: how an op that stalls that long
   // reaches the group's store (DesyncProbe); without, no op looks.
   void setStoreErrands(std::shared_ptr<StoreErrands> errands) { storeErrands_ = std::move(errands); }

@@ -297,10 +297,15 @@ FreshNamespace freshNamespace(Store& store, int rank, int size, std::chrono::mil
     // they wait for next.
     if (!mismatch.empty() && std::chrono::steady_clock::now() > mismatchSeen + kMismatchGrace) break;
     if (std::chrono::steady_clock::now() > deadline) {
-      if (!absent.empty()) {
-        throwError(ErrorCode::kTimeout, "rank(s) %s did not reach the group's set-up within %lld ms",
-                   waiting.c_str(), static_cast<long long>(timeout.count()));
+      const std::string late = formatString("rank(s) %s did not reach the group's set-up within %lld ms",
+                                            waiting.c_str(), static_cast<long long>(timeout.count()));
+      // The ranks answered wait in the new namespace for rank 0's keys, each until its own
+      // deadline, a moment after this one: told there (Communicator::refuseSetUp), they name the
+      // late ranks rather than the loss of the store that rank 0's process may host.
+      if (!absent.empty() && pending.size() + 1 < static_cast<size_t>(size)) {
+        return {ns + "/", late, ErrorCode::kTimeout};
       }
+      if (!absent.empty()) throwError(ErrorCode::kTimeout, "%s", late.c_str());
       throwError(ErrorCode::kTimeout,
                  "rank(s) %s did not join the group's set-up within %lld ms (the ticket the store holds for them "
                  "may be left from an earlier run over the same store, by ranks since gone)",

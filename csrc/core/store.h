@@ -106,7 +106,10 @@ class PrefixStore : public Store {
 // joins as a rank already taken; rank 0 returns its `refusal` for its set-up to publish.
 struct FreshNamespace {
   std::string prefix;   // "<16 hex digits>/"
-  std::string refusal;  // rank 0: why the group cannot be set up (a rank given another size); "" if none
+  // Rank 0: why the group cannot be set up, "" if it can: a rank given another size
+  // (kInvalidUsage), or ranks that never came while others did (kTimeout).
+  std::string refusal;
+  ErrorCode refusalCode = ErrorCode::kInvalidUsage;
 };
 FreshNamespace freshNamespace(Store& store, int rank, int size, std::chrono::milliseconds timeout,
                               std::vector<std::string>& keysSet);

@@ -74,7 +74,7 @@ SmddpBackend::SmddpBackend(const c10::intrusive_ptr<c10d::Store>& store, int ran
     groupPrefix_ = std::move(ns.prefix);
     groupStore_ = std::make_shared<PrefixStore>(store_, groupPrefix_);
     bootstrap_ = std::make_unique<BootstrapStore>(*groupStore_);
-    if (!ns.refusal.empty()) algo::Communicator::refuseSetUp(*bootstrap_, rank, ns.refusal);
+    if (!ns.refusal.empty()) algo::Communicator::refuseSetUp(*bootstrap_, rank, size, timeout, ns);
     // What this constructor sets after the communicator's set-up, which peers done with theirs
     // wait for: a failure is published there too.
     std::vector<std::string> later = engine::NetP2p::keysOwedBy(rank);

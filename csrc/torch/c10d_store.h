@@ -3,6 +3,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <cctype>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -105,19 +106,23 @@ class C10dStore : public Store {
   [[noreturn]] void timedOut(const std::vector<std::string>& keys) {
     std::string missing;
     size_t count = 0;
+    bool ranked = false;  // a missing key ends in the rank that sets it
     for (const std::string& k : keys) {
       bool there = true;
       try {
         there = store_->check({k});
       } catch (const std::exception&) {
       }
-      if (!there) missing += (count++ ? ", " : "") + k;
+      if (there) continue;
+      missing += (count++ ? ", " : "") + k;
+      ranked |= !k.empty() && std::isdigit(static_cast<unsigned char>(k.back()));
     }
-    throwError(ErrorCode::kTimeout,
-               "timed out after %lld ms waiting for %zu of %zu keys in the process group's store: %s (the number "
-               "that ends a key is the rank that sets it, counted within its host where the key names one, as in "
-               "smddp/host1/...: that rank has not come this far into the set-up, being late, stalled or gone)",
-               static_cast<long long>(timeout_.count()), count, keys.size(), count ? missing.c_str() : "(none missing now)");
+    throwError(ErrorCode::kTimeout, "timed out after %lld ms waiting for %zu of %zu keys in the process group's store: %s%s",
+               static_cast<long long>(timeout_.count()), count, keys.size(), count ? missing.c_str() : "(none missing now)",
+               ranked ? " (the number that ends a key is the rank that sets it, counted within its host where the key "
+                        "names one, as in smddp/host1/...: that rank has not come this far into the set-up, being "
+                        "late, stalled or gone)"
+                      : "");
   }
 
   c10::intrusive_ptr<c10d::Store> store_;
