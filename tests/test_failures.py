@@ -981,6 +981,9 @@ try:
         if rank == last:
             limit = resource.getrlimit(resource.RLIMIT_NOFILE)
             leave_spare(spare)
+            store.set("limited", "1")
+        if rank == 0:  # its engine's thread accepts whenever a connection comes: not before the limit
+            store.get("limited")
         t0 = time.monotonic()
         try:
             if rank in (0, last):

@@ -190,14 +190,14 @@ NetP2p::NetP2p(Store& store, const Topology& topo, const std::vector<net::LocalA
       throwError(ErrorCode::kSystemError, "rank %d: cannot start the point-to-point engine across hosts: %s", rank_,
                  errnoString(errno).c_str());
     }
+    thread_ = std::thread([this] { loop(); });
   } catch (...) {
     for (int fd : listenFds_) close(fd);
-    for (int fd : {wakeFd_, driverBellFd_}) {
+    for (int fd : {wakeFd_, driverBellFd_, reserveFd_}) {
       if (fd >= 0) close(fd);
     }
     throw;
   }
-  thread_ = std::thread([this] { loop(); });
 }
 
 NetP2p::~NetP2p() {
@@ -738,7 +738,8 @@ void NetP2p::turnAway(int listenFd, int err) {
   // instead, long enough to learn which rank dialled and to tell it why; the listeners rest
   // until the reserve is back (buildPollSet), and take later connections once descriptors are
   // free again. Only where the reserve cannot take it either do they close for good.
-  if (!reserveLent_ && reserveFd_ >= 0) {
+  if (reserveLent_) return;  // another listener's connection has it: this one waits, queued
+  if (reserveFd_ >= 0) {
     close(reserveFd_);
     reserveFd_ = -1;
     const int fd = accept4(listenFd, nullptr, nullptr, SOCK_CLOEXEC);

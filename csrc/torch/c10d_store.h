@@ -3,6 +3,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstdint>
@@ -101,6 +102,12 @@ class C10dStore : public Store {
     return dynamic_cast<const c10::DistStoreError*>(&e) != nullptr ||
            std::strncmp(e.what(), "Timeout waiting for key", 23) == 0 || std::strncmp(e.what(), "Wait timeout", 12) == 0;
   }
+  // Whether `key`'s last part is a rank ("smddp/topo/info/11"), not a ticket's 16 hex digits.
+  static bool endsInARank(const std::string& key) {
+    const std::string last = key.substr(key.rfind('/') + 1);
+    return !last.empty() && last.size() <= 7 &&
+           std::all_of(last.begin(), last.end(), [](unsigned char c) { return std::isdigit(c) != 0; });
+  }
   // Which of `keys` never came, rather than the store's list of all of them: their names end in
   // the rank that sets them (the set-up's keys), so the message names the ranks that did not come.
   [[noreturn]] void timedOut(const std::vector<std::string>& keys) {
@@ -115,7 +122,7 @@ class C10dStore : public Store {
       }
       if (there) continue;
       missing += (count++ ? ", " : "") + k;
-      ranked |= !k.empty() && std::isdigit(static_cast<unsigned char>(k.back()));
+      ranked |= endsInARank(k);
     }
     throwError(ErrorCode::kTimeout, "timed out after %lld ms waiting for %zu of %zu keys in the process group's store: %s%s",
                static_cast<long long>(timeout_.count()), count, keys.size(), count ? missing.c_str() : "(none missing now)",

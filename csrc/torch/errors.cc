@@ -40,7 +40,7 @@ std::string rankName(int rank, bool defaultGroup, const std::string& groupUid, c
   name += ", world rank " + worldRank;
   bool renumbered = false;
   for (size_t r = 0; r < worldRanks.size(); ++r) renumbered |= worldRanks[r] != static_cast<int64_t>(r);
-  if (!renumbered) return name;
+  if (!renumbered || worldRanks.size() < 2) return name;
   // The ranks its messages name are this group's: "rank 5 could not set up" is no world rank 5.
   return name + " (group ranks 0-" + std::to_string(worldRanks.size() - 1) + " are world ranks " +
          worldRanksText(worldRanks) + ")";

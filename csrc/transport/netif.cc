@@ -45,6 +45,21 @@ std::vector<LocalAddress> upInterfaces() {
   return v4;
 }
 
+// Where the process has no descriptor left, throws saying so: a route to `host` not found then is
+// no missing route, and the interface picked without it may be one that does not reach the
+// other hosts.
+void throwIfOutOfDescriptors(const std::string& host) {
+  const int probe = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (probe >= 0) {
+    close(probe);
+    return;
+  }
+  if (errno == EMFILE || errno == ENFILE) {
+    throwError(ErrorCode::kSystemError, "cannot find the interface that routes to %s: socket: %s", host.c_str(),
+               errnoString(errno).c_str());
+  }
+}
+
 // The local address the kernel would use to reach `host` (a UDP connect sends nothing), of the
 // first family `host` resolves to that `family` allows (AF_UNSPEC: either).
 std::string routeTo(const std::string& host, int family) {
@@ -52,25 +67,25 @@ std::string routeTo(const std::string& host, int family) {
   hints.ai_family = family;
   hints.ai_socktype = SOCK_DGRAM;
   addrinfo* res = nullptr;
-  if (getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || !res) return "";
+  if (getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || !res) {
+    throwIfOutOfDescriptors(host);  // a name lookup fails so too ("Name or service not known")
+    return "";
+  }
   std::string ip;
   const int fd = socket(res->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (fd < 0 && (errno == EMFILE || errno == ENFILE)) {
-    // Not a missing route: the interface picked without it may be one that does not reach the
-    // other hosts.
-    const int err = errno;
+  if (fd < 0) {
     freeaddrinfo(res);
-    throwError(ErrorCode::kSystemError, "cannot find the interface that routes to %s: socket: %s", host.c_str(),
-               errnoString(err).c_str());
+    throwIfOutOfDescriptors(host);
+    return "";
   }
-  if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+  if (connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
     sockaddr_storage local{};
     socklen_t len = sizeof(local);
     if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
       ip = numericHost(reinterpret_cast<sockaddr*>(&local));
     }
   }
-  if (fd >= 0) close(fd);
+  close(fd);
   freeaddrinfo(res);
   return ip;
 }
