@@ -754,8 +754,10 @@ void NetP2p::turnAway(int listenFd, int err) {
       ++fdGeneration_;
       return;
     }
-    err = net::outOfResources(errno) ? errno : err;
+    const int again = errno;
     reserveFd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (!net::outOfResources(again)) return;  // the queued connection went meanwhile
+    err = again;
   }
   cannotAccept(err);
 }
