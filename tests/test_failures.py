@@ -1005,10 +1005,17 @@ except Exception as e:
 """
 
 
-def _out_of_files(out):
-    """The seconds a rank took to raise and its message, if it raised for want of descriptors."""
+def _backend_error(out):
+    """The seconds a rank took to raise a DistBackendError and its message, as the scripts below
+    print them ("raised after 0.12s: DistBackendError: ..."); None if it raised none."""
     m = re.search(r"raised after ([0-9.]+)s: DistBackendError: (.*)", out)
-    return (float(m.group(1)), m.group(2)) if m and "Too many open files" in m.group(2) else None
+    return (float(m.group(1)), m.group(2)) if m else None
+
+
+def _out_of_files(out):
+    """_backend_error, if the rank raised for want of descriptors."""
+    raised = _backend_error(out)
+    return raised if raised and "Too many open files" in raised[1] else None
 
 
 @pytest.mark.timeout(240)
@@ -1051,9 +1058,9 @@ def test_a_receive_that_cannot_accept_its_senders_connection_fails_at_once():
     named = _out_of_files(outs[2])
     assert named and named[0] < 5 and "cannot accept connections" in named[1] and "ulimit -n" in named[1], outs[2]
     assert "recv from rank 0" in named[1], outs[2]
-    m = re.search(r"raised after ([0-9.]+)s: DistBackendError: (.*send to rank 2.*)", outs[0])
-    assert m and float(m.group(1)) < 5, outs[0]
-    assert "could not accept the connection: that process has no file descriptor left" in m.group(2), outs[0]
+    sent = _backend_error(outs[0])
+    assert sent and sent[0] < 5 and "send to rank 2" in sent[1], outs[0]
+    assert "could not accept the connection: that process has no file descriptor left" in sent[1], outs[0]
     assert "received [1.0, 1.0, 1.0] from rank 1" in outs[2] and all("completed after" in o for o in outs), outs
 
 
@@ -1099,10 +1106,10 @@ def test_a_rank_that_cannot_start_threads_is_named_by_every_rank(hosts):
     finally:
         os.rmdir(cgroup)  # empty once rank 1 has exited
     for r, out in enumerate(outs):
-        m = re.search(r"raised after ([0-9.]+)s: DistBackendError: (.*)", out)
-        assert m and float(m.group(1)) < 5, f"rank {r}:\n{out[-2000:]}"
-        assert "cannot start the group's threads: Resource temporarily unavailable" in m.group(2), out[-2000:]
-        assert r == 1 or "rank 1 could not set up the process group" in m.group(2), out[-2000:]
+        raised = _backend_error(out)
+        assert raised and raised[0] < 5, f"rank {r}:\n{out[-2000:]}"
+        assert "cannot start the group's threads: Resource temporarily unavailable" in raised[1], out[-2000:]
+        assert r == 1 or "rank 1 could not set up the process group" in raised[1], out[-2000:]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("smddp-")]
 
 
@@ -1151,8 +1158,8 @@ def test_dev_shm_full_at_a_first_send_fails_its_receiver_too(tmp_path):
     outs = p.stdout.split("--- rank ")[1:]
     assert len(outs) == 2, p.stdout[-3000:] + p.stderr[-3000:]
     for r, out in enumerate(outs):
-        m = re.search(r"raised after ([0-9.]+)s: DistBackendError: (.*)", out)
-        assert m and float(m.group(1)) < 5 and "/dev/shm is too small" in m.group(2), f"rank {r}:\n{out[-2000:]}"
+        raised = _backend_error(out)
+        assert raised and raised[0] < 5 and "/dev/shm is too small" in raised[1], f"rank {r}:\n{out[-2000:]}"
     assert "rank 0 gave up point-to-point with this rank" in outs[1], outs[1][-2000:]
 
 
@@ -1187,6 +1194,6 @@ def test_a_rank_that_never_comes_is_named_where_rank_0_hosts_the_store():
     outs = procs.finish(60, ranks=[0, 1, 2])
     procs.kill(3)
     for r, out in enumerate(outs):
-        m = re.search(r"raised after ([0-9.]+)s: DistBackendError: (.*)", out)
-        assert m and "rank(s) 3 did not reach the group's set-up" in m.group(2), f"rank {r}:\n{out[-2000:]}"
-        assert float(m.group(1)) < 10, out[-2000:]
+        raised = _backend_error(out)
+        assert raised and "rank(s) 3 did not reach the group's set-up" in raised[1], f"rank {r}:\n{out[-2000:]}"
+        assert raised[0] < 10, out[-2000:]

@@ -88,8 +88,7 @@ void BootstrapStore::publishFailure(const std::vector<std::string>& keys, int ra
     // A peer's account read from the store is passed on as it is: its rank is the one at fault,
     // where "rank 4 could not set up ...: rank 15 could not set up ..." named a relay first.
     const std::string own = withoutRankPrefix(why);  // named once
-    const std::string account =
-        isSetUpFailure(own) ? own : formatString("rank %d could not set up the process group: %s", rank, own.c_str());
+    const std::string account = isSetUpFailure(own) ? own : "rank " + std::to_string(rank) + kCouldNotSetUp + own;
     const std::string value = kFailed + account;
     for (const std::string& key : keys) {
       if (set_.count(key) == 0) inner_.set(key, value);

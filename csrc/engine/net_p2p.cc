@@ -800,9 +800,7 @@ void NetP2p::cannotAccept(int err) {
   const std::string why = outOfDescriptors(err);
   SMDDP_WARN(kNet, "%s", why.c_str());
   for (auto& p : peers_) {
-    if (!p || p->broken || p->rank > rank_) continue;
-    const bool connected = std::all_of(p->lanes.begin(), p->lanes.end(), [](const Lane& l) { return l.fd >= 0; });
-    if (!connected) failDial(*p, ErrorCode::kSystemError, why);
+    if (p && !p->broken && p->rank < rank_ && !p->ready()) failDial(*p, ErrorCode::kSystemError, why);
   }
   for (int fd : listenFds_) close(fd);
   listenFds_.clear();
