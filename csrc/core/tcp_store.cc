@@ -134,7 +134,13 @@ class TcpStore::Server {
       }
       if (pfds[1].revents & POLLIN) {
         const int fd = accept4(listenFd_, nullptr, nullptr, SOCK_CLOEXEC);
-        if (fd >= 0) clients_.push_back({fd, {}, {}});
+        if (fd >= 0) {
+          clients_.push_back({fd, {}, {}});
+        } else if (errno == EMFILE || errno == ENFILE) {
+          // The connection stays queued and the listener readable: without a pause this thread
+          // would spin until a descriptor is free (the dialler times out naming the store).
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
       }
       for (size_t i = 2; i < pfds.size(); ++i) {
         if (!pfds[i].revents) continue;
@@ -247,11 +253,17 @@ void TcpStore::connectToServer() {
   }
   const auto deadline = Clock::now() + timeout_;
   for (;;) {
-    fd_ = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd_ >= 0 && connect(fd_, res->ai_addr, res->ai_addrlen) == 0) break;
-    const int err = errno;
-    if (fd_ >= 0) close(fd_);
-    fd_ = -1;
+    // Every address the name has, in the resolver's order: "localhost" may give ::1 first on a
+    // host whose server could only listen on IPv4.
+    int err = 0;
+    for (const addrinfo* a = res; a != nullptr && fd_ < 0; a = a->ai_next) {
+      fd_ = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd_ >= 0 && connect(fd_, a->ai_addr, a->ai_addrlen) == 0) break;
+      err = errno;
+      if (fd_ >= 0) close(fd_);
+      fd_ = -1;
+    }
+    if (fd_ >= 0) break;
     if (Clock::now() >= deadline) {
       freeaddrinfo(res);
       throwError(ErrorCode::kTimeout, "TcpStore: cannot connect to %s: %s", where_.c_str(), errnoString(err).c_str());

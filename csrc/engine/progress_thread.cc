@@ -116,7 +116,7 @@ void ProgressThread::runNested(const Task& task) {
   task();
 }
 
-void ProgressThread::enqueue(Task task, bool deferWake) {
+void ProgressThread::enqueue(Task&& task, bool deferWake) {
   if (runningHere()) {
     runNested(task);
     return;

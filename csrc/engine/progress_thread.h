@@ -67,7 +67,8 @@ class ProgressThread {
   // ops had completed before their callbacks were chained.
   // `deferWake`: the thread, asleep, may take it only after the wake delay (for a task that its
   // issuer will likely wait for, and then run, soon); otherwise it is woken now.
-  void enqueue(Task task, bool deferWake = false);
+  // After stop() it throws std::logic_error and leaves `task` with the caller, who may run it.
+  void enqueue(Task&& task, bool deferWake = false);
   // A task's issuer waits for it, `sinceIssue` after queuing it (first wait only).
   void noteWait(std::chrono::nanoseconds sinceIssue);
   // Ends the wake delay of what is queued: the thread is woken now if it sleeps, or as soon as

@@ -128,11 +128,16 @@ Segment Segment::open(const std::string& name, int rank, int ownerRank) {
   return seg;
 }
 
-Segment::Segment(Segment&& other) noexcept { *this = std::move(other); }
+Segment::Segment(Segment&& other) noexcept
+    : name_(std::move(other.name_)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      linked_(std::exchange(other.linked_, false)),
+      fd_(std::exchange(other.fd_, -1)) {}
 
 Segment& Segment::operator=(Segment&& other) noexcept {
   if (this != &other) {
-    this->~Segment();
+    release();  // not ~Segment(): that would end name_'s life too, and the move below would write to freed memory
     name_ = std::move(other.name_);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
@@ -149,12 +154,14 @@ void Segment::unlink() {
   }
 }
 
-Segment::~Segment() {
+void Segment::release() {
   unlink();
   if (data_ != nullptr) munmap(data_, size_);
   data_ = nullptr;
   if (fd_ >= 0) close(fd_);
   fd_ = -1;
 }
+
+Segment::~Segment() { release(); }
 
 }  // namespace smddp::shm

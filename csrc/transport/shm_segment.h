@@ -35,6 +35,8 @@ class Segment {
   const std::string& name() const { return name_; }
 
  private:
+  void release();  // unlinks, unmaps and closes what this object holds
+
   std::string name_;
   void* data_ = nullptr;
   size_t size_ = 0;

@@ -194,6 +194,25 @@ void stopRunsDeferredTasks() {
   test::expect(p.ran && Clock::now() - issued < kSoon, "progress thread: stop() runs a deferred task at once");
 }
 
+// A task refused after stop() stays with its caller, who can still run it (CudaPath finishes a
+// Work that way; until 2026-12-07 the task was moved out before the refusal and calling it threw
+// std::bad_function_call, found by static analysis).
+void aRefusedTaskStaysWithItsCaller() {
+  engine::ProgressThread progress("smddp-test-pt", std::chrono::microseconds(0));
+  progress.stop();
+  bool ran = false;
+  engine::ProgressThread::Task task = [&ran] { ran = true; };
+  bool refused = false;
+  try {
+    progress.enqueue(std::move(task));
+  } catch (const std::logic_error&) {
+    refused = true;
+  }
+  test::expect(refused && static_cast<bool>(task), "progress thread: a task refused after stop() is left whole");
+  if (task) task();
+  test::expect(ran, "...and its caller can run it");
+}
+
 }  // namespace
 
 // stop() from another thread while a caller runs a task on its own thread (a blocking op run
@@ -222,4 +241,5 @@ void progressThreadTests() {
   hurryWakesTheThread(false);
   hurryWhileACallerRunsATask();
   stopRunsDeferredTasks();
+  aRefusedTaskStaysWithItsCaller();
 }

@@ -96,9 +96,32 @@ void sweepRemovesOnlyDeadCreatorsNames(bool reap) {
   if (!reap) waitpid(child, nullptr, 0);
 }
 
+// A segment moved onto one that holds another: the target's own name and mapping go, the moved one
+// is kept whole (its name is longer than a short string, so it lives on the heap). Until
+// 2026-12-07 the move ran the destructor first and then moved into the destroyed name: a
+// use-after-free and a double free under AddressSanitizer (found by static analysis).
+void segmentMovedOntoALiveOne() {
+  const std::string tag = "/smddp-move-test-" + randomHex(6);
+  shm::Segment target = shm::Segment::create(tag + "-target", 4096, 4096, 0, 4096);
+  shm::Segment moved = shm::Segment::create(tag + "-moved", 8192, 8192, 0, 4096);
+  static_cast<char*>(moved.data())[0] = 'm';
+  void* const data = moved.data();
+  target = std::move(moved);
+  expect(!exists(tag + "-target"), "the target's own name is removed");
+  expect(target.name() == tag + "-moved" && target.data() == data && target.size() == 8192,
+         "the target now holds the moved segment");
+  expect(static_cast<char*>(target.data())[0] == 'm' && exists(tag + "-moved"), "its mapping and name are intact");
+  expect(moved.data() == nullptr && moved.size() == 0, "the moved-from segment holds nothing");
+  shm::Segment again(std::move(target));
+  expect(again.name() == tag + "-moved" && again.data() == data, "a move-constructed segment takes it whole");
+  again.unlink();
+  expect(!exists(tag + "-moved"), "and unlinks the name it took");
+}
+
 }  // namespace
 
 void shmOwnerTests() {
+  segmentMovedOntoALiveOne();
   stampFields();
   sweepRemovesOnlyDeadCreatorsNames(true);
   sweepRemovesOnlyDeadCreatorsNames(false);
