@@ -397,9 +397,11 @@ void Domain::markFailed(const std::string& why) {
   if (segments_.empty()) return;
   Control* c = control(rank_);
   snprintf(c->failure, sizeof(c->failure), "%s", why.c_str());
-  // Sequentially consistent, a full fence: nothing this rank writes after it (the caller reusing
-  // an input peers read in place, once the failed op returns) comes before it (gaveUp()).
   c->failed.store(1, std::memory_order_seq_cst);
+  // Nothing this rank writes after the flag (the caller reusing an input peers read in place,
+  // once the failed op returns) may be seen before it (gaveUp()). A seq_cst store alone does not
+  // promise that for later plain stores on every CPU (aarch64's stlr lets them pass); the fence does.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
   futexWakeAll(&c->phase);
 }
 
