@@ -346,6 +346,68 @@ def test_a_callback_longer_than_the_timeout_is_no_cycle(pools):
     pools.check(2, callback_longer_than_the_timeout_task, timeout=120)
 
 
+def own_callbacks_wait_task(rank, world):
+    """A future's callback that waits for the future's own op (work.wait(), with or without a
+    limit) gets its outputs at once, and the group's next op completes; a failed op's callback
+    sees the error in work.exception() and from work.wait(). Until 2026-12-07 a wait with a limit
+    held the group's thread for good (the op was finished only once its callbacks returned), so
+    every later op of the group timed out; gloo returns (found by a static-analysis review)."""
+    rep = Report(rank)
+    for limit in (timedelta(seconds=2), None):
+        with rep.cell(f"callback waits for its own op, limit {limit}"):
+            t = torch.full((4,), float(rank + 1))
+            work = dist.all_reduce(t, async_op=True)
+            seen = {}
+
+            def wait_in_callback(fut):
+                t0 = time.monotonic()
+                seen["done"] = work.wait(limit) if limit else work.wait()
+                seen["took"] = time.monotonic() - t0
+                seen["sum"] = t[0].item()
+
+            work.get_future().add_done_callback(wait_in_callback)
+            nxt = torch.ones(3)
+            dist.all_reduce(nxt)
+            work.wait()
+            total = world * (world + 1) / 2
+            rep.expect(nxt.eq(world).all(), f"the next op summed to {nxt.tolist()}")
+            rep.expect(seen.get("done") is True and seen["took"] < 1.0 and seen["sum"] == total,
+                       f"the callback's wait: {seen}")
+    with rep.cell("a failed op's callback sees its error"):
+        g = dist.new_group(timeout=timedelta(seconds=1))
+        if rank == 0:  # the others never join: the op times out
+            work = dist.all_reduce(torch.ones(2), group=g, async_op=True)
+            seen = {}
+
+            def look(fut):
+                seen["exception"] = work.exception()
+                try:
+                    work.wait(timedelta(seconds=5))
+                    seen["wait"] = "returned"
+                except Exception as e:  # noqa: BLE001
+                    seen["wait"] = e
+
+            work.get_future().add_done_callback(look)
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001
+                pass
+            err = seen.get("exception")
+            rep.expect(err is not None and "timed out" in str(err), f"work.exception() in the callback: {err!r}")
+            rep.expect(isinstance(seen.get("wait"), Exception) and str(seen["wait"]) == str(err),
+                       f"work.wait() in the callback: {seen.get('wait')!r}")
+        dist.barrier()
+        dist.destroy_process_group(g)
+    return rep.to_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_callbacks_wait_for_their_own_op(pools, world):
+    if not IS_SMDDP:
+        pytest.skip("gloo's callbacks see is_completed() false and exception() None until the op is finished")
+    pools.check(world, own_callbacks_wait_task, timeout=120)
+
+
 def callbacks_chained_late_task(rank, world):
     """Callbacks chained to an op's future after later ops were issued, on ranks at different
     paces: on the last rank the op has completed when its callback is chained (the callback runs

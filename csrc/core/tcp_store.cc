@@ -256,7 +256,7 @@ void TcpStore::connectToServer() {
     // Every address the name has, in the resolver's order: "localhost" may give ::1 first on a
     // host whose server could only listen on IPv4.
     int err = 0;
-    for (const addrinfo* a = res; a != nullptr && fd_ < 0; a = a->ai_next) {
+    for (const addrinfo* a = res; a != nullptr; a = a->ai_next) {
       fd_ = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
       if (fd_ >= 0 && connect(fd_, a->ai_addr, a->ai_addrlen) == 0) break;
       err = errno;

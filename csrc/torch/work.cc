@@ -40,6 +40,14 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
     // drivers below) would work on the parent's shared memory.
     TORCH_CHECK(false, *who_, ": ", title_, ": wait(): ", forkedWhy(ownerPid_));
   }
+  if (!cuda_ && runningOwnCallbacks()) {
+    // Called by one of the op's own future callbacks: the op is over (the future holds its
+    // outputs or error), but the base class's flag is set by finish(), which this thread runs
+    // only once the callbacks return: waiting for it would hold the group's thread for good,
+    // whatever the time limit (until 2026-12-07; gloo returns).
+    if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+    return true;
+  }
   if (cuda_ && env::cudaBlockingWait() == 0) {
     // An error already known is raised here; a later one by the next call on the group.
     if (std::exception_ptr error = isCompleted() ? exception() : nullptr) std::rethrow_exception(error);
@@ -230,14 +238,17 @@ namespace {
 // The Works whose callbacks run on this thread, innermost first (a callback may wait for an op of
 // another group, whose callbacks then run within it).
 struct RunningCallbacksOf {
-  explicit RunningCallbacksOf(uint64_t group);
+  RunningCallbacksOf(uint64_t group, const SmddpWork* work);
   ~RunningCallbacksOf();
   const uint64_t group;
+  const SmddpWork* const work;
   const RunningCallbacksOf* const outer;
 };
 thread_local const RunningCallbacksOf* tlsCallbacks = nullptr;
 
-RunningCallbacksOf::RunningCallbacksOf(uint64_t g) : group(g), outer(tlsCallbacks) { tlsCallbacks = this; }
+RunningCallbacksOf::RunningCallbacksOf(uint64_t g, const SmddpWork* w) : group(g), work(w), outer(tlsCallbacks) {
+  tlsCallbacks = this;
+}
 RunningCallbacksOf::~RunningCallbacksOf() { tlsCallbacks = outer; }
 }  // namespace
 
@@ -248,10 +259,17 @@ bool SmddpWork::runningCallbacksOf(uint64_t group) {
   return false;
 }
 
+bool SmddpWork::runningOwnCallbacks() const {
+  for (const RunningCallbacksOf* r = tlsCallbacks; r != nullptr; r = r->outer) {
+    if (r->work == this) return true;
+  }
+  return false;
+}
+
 void SmddpWork::runCallbacks(const std::exception_ptr& error, bool finished) {
   const bool outermost = runner_ && runner_->runningHere() && !runner_->ordering();
   {
-    const RunningCallbacksOf running(group_);
+    const RunningCallbacksOf running(group_, this);
     // The future's callbacks run below, on the thread that holds the group (waitForStart()).
     std::optional<engine::ProgressThread::InCallbacks> inCallbacks;
     if (runner_ && runner_->runningHere()) inCallbacks.emplace(*runner_);

@@ -85,6 +85,13 @@ class SmddpWork : public c10d::Work {
   // CPU ops: completed as soon as the future is, so work.is_completed() is true once
   // get_future().wait() returns (the base class flag is set a moment later, by finish()); on the
   // group's thread also once finished where the future's callbacks are deferred (complete()).
+  // CPU ops: the op's error from the moment its future holds it (the callbacks of a failed op
+  // see it, as they see isCompleted(); the base class's is set a moment later, by finish()).
+  std::exception_ptr exception() const override {
+    std::exception_ptr error = c10d::Work::exception();
+    if (!error && !cuda_ && future_->completed() && future_->hasError()) error = future_->exception_ptr();
+    return error;
+  }
   bool isCompleted() override {
     if (cuda_) return c10d::Work::isCompleted();
     return future_->completed() ||
@@ -99,6 +106,8 @@ class SmddpWork : public c10d::Work {
   // or one that waits for it.
   void setGroup(uint64_t group) { group_ = group; }
   static bool runningCallbacksOf(uint64_t group);
+  // This op's own future callbacks run on this thread (its future is complete, finish() not yet).
+  bool runningOwnCallbacks() const;
 
   // The op's entry in the flight recorder (FlightRecorder::record), updated as it runs.
   void setTrace(int pgId, int64_t traceId) {
