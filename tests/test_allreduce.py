@@ -636,3 +636,31 @@ def test_functional_collectives(pools, world):
 def test_float_dtypes_listed():
     # guard against an accidental edit of the dtype list
     assert set(FLOAT_DTYPES) <= set(DTYPES) and len(DTYPES) == 10
+
+
+def bool_bytes_task(rank, world, sizes):
+    """bool tensors viewed from bytes that hold 2 or 255, not only 0 and 1: every byte but 0 is true,
+    as torch reads it, and results are bytes 0 or 1 (the README's "Reduction semantics"). The C++
+    kernel test checks this too; this one takes every path an all_reduce may take (one-shot,
+    reduce-scatter + all-gather, pipelined through the slots, across hosts)."""
+    rep = Report(rank)
+    truth = {"SUM": "any", "MAX": "any", "BOR": "any", "PRODUCT": "all", "MIN": "all", "BAND": "all", "BXOR": "odd"}
+    for n in sizes:
+        raw = [torch.randint(0, 4, (n,), generator=torch.Generator().manual_seed(7 * r + n), dtype=torch.uint8)
+               for r in range(world)]
+        raw = [torch.where(x == 3, torch.full_like(x, 255), x) for x in raw]  # bytes 0, 1, 2, 255
+        true = torch.stack([x != 0 for x in raw])
+        for opname, how in truth.items():
+            label = f"bool bytes n={n} {opname}"
+            with rep.cell(label):
+                t = raw[rank].clone().view(torch.bool)
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, opname))
+                want = {"any": true.any(0), "all": true.all(0), "odd": true.sum(0) % 2 == 1}[how]
+                rep.check(label, t.view(torch.uint8), want.to(torch.uint8))
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="gloo works on the bytes (2 | 1 = 3)")
+@pytest.mark.parametrize("world,hosts", [(2, None), (3, None), (4, "0011"), (3, "012")])
+def test_bool_bytes_are_truth_values(pools, world, hosts):
+    pools.check(world, bool_bytes_task, [1, 1001, 300_001, 2_000_003], hosts=hosts)

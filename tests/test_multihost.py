@@ -27,8 +27,8 @@ from test_gather_scatter_alltoall import alltoall_cases, gather_scatter_all_root
 from test_misc import barrier_task, shm_task
 from test_moved_dtypes import moved_dtypes_task
 from test_p2p import (SIZES as P2P_SIZES, any_source_and_batch, any_source_by_tag, any_source_outstanding,
-                      any_source_then_named, exchange_send_first, ping_pong, size_mismatch, tag_never_sent,
-                      tags_out_of_order, unexpected_limit, waits_from_threads)
+                      any_source_then_named, exchange_send_first, first_posted_takes_it, ping_pong, size_mismatch,
+                      tag_never_sent, tags_out_of_order, unexpected_limit, waits_from_threads)
 from test_reduce_scatter import reduce_scatter_list, reduce_scatter_sizes_disagree, reduce_scatter_tensor_forms
 from test_sparse import ddp_sparse_embedding, sparse_disagree, sparse_matrix
 from test_unsigned import unsigned_task
@@ -883,6 +883,8 @@ def test_send_recv(pools, topo):
     check(pools, topo, any_source_then_named, 300_000, 1)
     check(pools, topo, any_source_then_named, 1, 300_000)
     check(pools, topo, any_source_by_tag)
+    check(pools, topo, first_posted_takes_it, False)
+    check(pools, topo, first_posted_takes_it, True)
     check(pools, topo, tags_out_of_order, 1, False)
     check(pools, topo, tags_out_of_order, 300_000, True)
 

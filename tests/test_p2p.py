@@ -149,6 +149,41 @@ def any_source_then_named(rank, world, n, m):
     return rep.to_dict()
 
 
+def first_posted_takes_it(rank, world, early):
+    """Rank 0 posts, for one tag, a recv from any source, a recv from rank 1, and another from any
+    source (then the same with the named one first); rank 1 sends three messages of that tag.
+    The first posted of the matching receives takes each message (the README's rule), so they
+    arrive in posting order whichever kind each receive is. `early`: the messages come before the
+    receives are posted (read aside), else after (they meet the waiting receives)."""
+    rep = Report(rank)
+    for order in (("any", "named", "any"), ("named", "any", "any")):
+        with rep.cell(f"receives {order}, messages {'before' if early else 'after'} them"):
+            if rank == 1:
+                if not early:
+                    dist.barrier()  # rank 0's receives are posted
+                works = [dist.isend(torch.full((3,), float(i)), 0, tag=7) for i in range(3)]
+                if early:
+                    time.sleep(0.3)  # in rank 0's engine before its receives
+                    dist.barrier()
+                for w in works:
+                    w.wait()
+            elif rank == 0:
+                if early:
+                    dist.barrier()
+                bufs = [torch.empty(3) for _ in order]
+                works = [dist.irecv(b, tag=7) if kind == "any" else dist.irecv(b, 1, tag=7)
+                         for b, kind in zip(bufs, order)]
+                if not early:
+                    dist.barrier()
+                for w in works:
+                    w.wait(timedelta(seconds=30))
+                rep.expect([b[0].item() for b in bufs] == [0.0, 1.0, 2.0],
+                           f"receives {order} took messages {[b[0].item() for b in bufs]}, not in posting order")
+            else:
+                dist.barrier()
+    return rep.to_dict()
+
+
 def any_source_by_tag(rank, world):
     """Rank 0 posts receives from any source for tag 1, then for tag 2; the senders send tag 2
     first and tag 1 only once rank 0 has all of tag 2. A younger any-source receive must take a
@@ -406,6 +441,12 @@ def test_any_source_outstanding(pools, world):
 @pytest.mark.parametrize("n, m", [(1, 1), (300_000, 1), (1, 300_000)])
 def test_any_source_then_named(pools, world, n, m):
     pools.check(world, any_source_then_named, n, m, timeout=240)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("early", [False, True], ids=["messages-after", "messages-before"])
+def test_first_posted_receive_takes_the_message(pools, world, early):
+    pools.check(world, first_posted_takes_it, early, timeout=120)
 
 
 @pytest.mark.parametrize("world", [2, 4])
