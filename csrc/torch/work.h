@@ -85,17 +85,17 @@ class SmddpWork : public c10d::Work {
   // CPU ops: completed as soon as the future is, so work.is_completed() is true once
   // get_future().wait() returns (the base class flag is set a moment later, by finish()); on the
   // group's thread also once finished where the future's callbacks are deferred (complete()).
+  bool isCompleted() override {
+    if (cuda_) return c10d::Work::isCompleted();
+    return future_->completed() ||
+           (finished_.load(std::memory_order_acquire) && runner_ && runner_->runningHere());
+  }
   // CPU ops: the op's error from the moment its future holds it (the callbacks of a failed op
   // see it, as they see isCompleted(); the base class's is set a moment later, by finish()).
   std::exception_ptr exception() const override {
     std::exception_ptr error = c10d::Work::exception();
     if (!error && !cuda_ && future_->completed() && future_->hasError()) error = future_->exception_ptr();
     return error;
-  }
-  bool isCompleted() override {
-    if (cuda_) return c10d::Work::isCompleted();
-    return future_->completed() ||
-           (finished_.load(std::memory_order_acquire) && runner_ && runner_->runningHere());
   }
 
   // Called once, on the progress (or p2p, or CUDA completion) thread.
