@@ -45,7 +45,7 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
     // outputs or error), but the base class's flag is set by finish(), which this thread runs
     // only once the callbacks return: waiting for it would hold the group's thread for good,
     // whatever the time limit (until 2026-12-07; gloo returns).
-    if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+    if (std::exception_ptr error = future_->exception_ptr()) std::rethrow_exception(error);
     return true;
   }
   if (cuda_ && env::cudaBlockingWait() == 0) {
@@ -250,20 +250,22 @@ RunningCallbacksOf::RunningCallbacksOf(uint64_t g, const SmddpWork* w) : group(g
   tlsCallbacks = this;
 }
 RunningCallbacksOf::~RunningCallbacksOf() { tlsCallbacks = outer; }
-}  // namespace
 
-bool SmddpWork::runningCallbacksOf(uint64_t group) {
+template <typename Match>
+bool anyRunningCallbacks(Match match) {
   for (const RunningCallbacksOf* r = tlsCallbacks; r != nullptr; r = r->outer) {
-    if (r->group == group && group != 0) return true;
+    if (match(*r)) return true;
   }
   return false;
 }
+}  // namespace
+
+bool SmddpWork::runningCallbacksOf(uint64_t group) {
+  return group != 0 && anyRunningCallbacks([group](const RunningCallbacksOf& r) { return r.group == group; });
+}
 
 bool SmddpWork::runningOwnCallbacks() const {
-  for (const RunningCallbacksOf* r = tlsCallbacks; r != nullptr; r = r->outer) {
-    if (r->work == this) return true;
-  }
-  return false;
+  return anyRunningCallbacks([this](const RunningCallbacksOf& r) { return r.work == this; });
 }
 
 void SmddpWork::runCallbacks(const std::exception_ptr& error, bool finished) {

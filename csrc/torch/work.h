@@ -94,7 +94,7 @@ class SmddpWork : public c10d::Work {
   // see it, as they see isCompleted(); the base class's is set a moment later, by finish()).
   std::exception_ptr exception() const override {
     std::exception_ptr error = c10d::Work::exception();
-    if (!error && !cuda_ && future_->completed() && future_->hasError()) error = future_->exception_ptr();
+    if (!error && !cuda_ && future_->completed()) error = future_->exception_ptr();
     return error;
   }
 
