@@ -407,6 +407,45 @@ def test_callbacks_wait_for_their_own_op(pools, world):
     pools.check(world, own_callbacks_wait_task, timeout=120)
 
 
+def future_completed_by_its_caller_task(rank, world):
+    """torch's Future lets a caller complete an op's future itself (set_result) before the op ends.
+    Until 2026-12-07 the op's end then completed it again on the group's thread, which threw and
+    ended the process (gloo's does the same). Now the caller's value stands and the op finishes."""
+    rep = Report(rank)
+    total = world * (world + 1) // 2
+    with rep.cell("set_result() on an op's futures before the op ends"):
+        store = dist.distributed_c10d._get_default_store()
+        key = "test_misc/future_completed_by_its_caller"
+        before = store.add(key, 0)
+        dist.barrier()
+        t = torch.full((1 << 16,), float(rank + 1))
+        if rank != 0:  # rank 0's op cannot end before this rank has issued its own
+            while store.add(key, 0) == before:
+                time.sleep(0.01)
+        work = dist.all_reduce(t, async_op=True)
+        if rank == 0:
+            work.get_future().set_result([torch.zeros(1)])
+            work.get_future_result().set_result(7)
+            rep.expect(not work.is_completed(), "work.is_completed() once the caller completed its future")
+            store.add(key, 1)
+        rep.expect(work.wait(timedelta(seconds=30)), "work.wait() returned False")
+        rep.expect(t.eq(total).all().item(), f"all_reduce gave {t[:4].tolist()} (want {total})")
+        if rank == 0:
+            value = work.get_future().value()
+            rep.expect(value[0].tolist() == [0.0], f"the future's value became {value}")
+            rep.expect(work.get_future_result().value() == 7, f"the result future holds {work.get_future_result().value()}")
+        after = torch.full((4,), float(rank + 1))
+        dist.all_reduce(after)
+        rep.expect(after.eq(total).all().item(), f"the next all_reduce gave {after.tolist()}")
+    return rep.to_dict()
+
+
+@pytest.mark.skipif(not IS_SMDDP, reason="gloo's group thread ends the process there")
+@pytest.mark.parametrize("world", [2, 3])
+def test_future_completed_by_its_caller(pools, world):
+    pools.check(world, future_completed_by_its_caller_task, timeout=120)
+
+
 def callbacks_chained_late_task(rank, world):
     """Callbacks chained to an op's future after later ops were issued, on ranks at different
     paces: on the last rank the op has completed when its callback is chained (the callback runs

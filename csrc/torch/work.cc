@@ -6,6 +6,7 @@
 
 #include "core/env.h"
 #include "core/interrupt.h"
+#include "core/log.h"
 #include "core/spin.h"
 #include "torch/errors.h"
 #include "torch/flight_recorder.h"
@@ -45,7 +46,7 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
     // outputs or error), but the base class's flag is set by finish(), which this thread runs
     // only once the callbacks return: waiting for it would hold the group's thread for good,
     // whatever the time limit (until 2026-12-07; gloo returns).
-    if (std::exception_ptr error = future_->exception_ptr()) std::rethrow_exception(error);
+    if (error_) std::rethrow_exception(error_);
     return true;
   }
   if (cuda_ && env::cudaBlockingWait() == 0) {
@@ -192,7 +193,7 @@ void SmddpWork::runDeferredHere() {
 }
 
 void SmddpWork::runDeferred() {
-  if (callbacksDeferred_.exchange(false, std::memory_order_acq_rel)) runCallbacks(deferredError_, true);
+  if (callbacksDeferred_.exchange(false, std::memory_order_acq_rel)) runCallbacks(true);
 }
 
 void SmddpWork::complete(std::exception_ptr error) {
@@ -210,19 +211,19 @@ void SmddpWork::complete(std::exception_ptr error) {
     FlightRecorder::get().dumpOnError(pgId_, rank_);
   }
   result_ = result;  // read only by those who saw completed_, which finish() sets under mutex_
+  error_ = error;
   // A future nobody has asked for has no callbacks to defer (and asked for later, it is complete).
   if (runner_ && runner_->runningAhead() && futureOut_.load(std::memory_order_acquire)) {
     // Run ahead of a callback's op, or for a callback's wait: this op's callbacks come after
     // that callback's, as where this op had completed before they were chained. wait() returns
     // now on this thread (a callback may wait for it); the future completes with its callbacks,
     // or as the running callback asks for it (runDeferredHere()).
-    deferredError_ = error;
     callbacksDeferred_.store(true, std::memory_order_release);  // before finished: wait() looks
     finishWork(error);
     runner_->deferCallbacks([self = c10::intrusive_ptr<SmddpWork>::reclaim_copy(this)] { self->runDeferred(); });
     return;
   }
-  runCallbacks(error, false);
+  runCallbacks(false);
 }
 
 void SmddpWork::finishWork(const std::exception_ptr& error) {
@@ -268,7 +269,24 @@ bool SmddpWork::runningOwnCallbacks() const {
   return anyRunningCallbacks([this](const RunningCallbacksOf& r) { return r.work == this; });
 }
 
-void SmddpWork::runCallbacks(const std::exception_ptr& error, bool finished) {
+namespace {
+// Completes `future` (through `complete`) unless its caller already has: torch's Future lets a
+// user call set_result() before the op ends. Marking it again throws here, on the group's thread,
+// which would end the process (as it does on gloo); instead the caller's value stands, and the op
+// finishes as usual (work.wait() returns its outputs).
+template <typename Complete>
+void completeUnlessCallerDid(c10::ivalue::Future& future, int rank, const std::string& title, Complete complete) {
+  try {
+    complete();
+  } catch (const c10::Error& e) {
+    if (!future.completed()) throw;
+    SMDDP_WARN(kColl, "rank %d: %s: its future was completed before the op ended (set_result()); it keeps that value (%s)",
+               rank, title.c_str(), e.what_without_backtrace());
+  }
+}
+}  // namespace
+
+void SmddpWork::runCallbacks(bool finished) {
   const bool outermost = runner_ && runner_->runningHere() && !runner_->ordering();
   {
     const RunningCallbacksOf running(group_, this);
@@ -279,13 +297,16 @@ void SmddpWork::runCallbacks(const std::exception_ptr& error, bool finished) {
     std::optional<engine::ProgressThread::IssueOrder> order;
     if (runner_) order.emplace(runner_.get(), callbacksAfter_.load(std::memory_order_acquire));
     if (!cuda_) {  // a CUDA op's future completed at launch (setCuda)
-      if (error) {
-        future_->setError(error);
-      } else {
-        future_->markCompleted(c10::IValue(outputs_));
-      }
+      outcome_.store(true, std::memory_order_release);
+      completeUnlessCallerDid(*future_, rank_, title_, [&] {
+        if (error_) {
+          future_->setError(error_);
+        } else {
+          future_->markCompleted(c10::IValue(outputs_));
+        }
+      });
     }
-    if (!finished) finishWork(error);
+    if (!finished) finishWork(error_);
     // No lock per op unless the result was asked for: getFutureResult() sets resultWanted_ under
     // mutex_ before finish() took it, or it saw completed_ and marks the result itself.
     if (resultWanted_.load(std::memory_order_acquire)) {
@@ -297,7 +318,10 @@ void SmddpWork::runCallbacks(const std::exception_ptr& error, bool finished) {
           pending = futureResult_;
         }
       }
-      if (pending) pending->markCompleted(c10::IValue(static_cast<int64_t>(result_)));  // its callbacks run unlocked
+      if (pending) {  // its callbacks run unlocked
+        completeUnlessCallerDid(*pending, rank_, title_,
+                                [&] { pending->markCompleted(c10::IValue(static_cast<int64_t>(result_))); });
+      }
     }
   }
   if (outermost) runner_->runDeferredCallbacks();

@@ -87,14 +87,13 @@ class SmddpWork : public c10d::Work {
   // group's thread also once finished where the future's callbacks are deferred (complete()).
   bool isCompleted() override {
     if (cuda_) return c10d::Work::isCompleted();
-    return future_->completed() ||
-           (finished_.load(std::memory_order_acquire) && runner_ && runner_->runningHere());
+    return futureHoldsOutcome() || (finished_.load(std::memory_order_acquire) && runner_ && runner_->runningHere());
   }
   // CPU ops: the op's error from the moment its future holds it (the callbacks of a failed op
   // see it, as they see isCompleted(); the base class's is set a moment later, by finish()).
   std::exception_ptr exception() const override {
     std::exception_ptr error = c10d::Work::exception();
-    if (!error && !cuda_ && future_->completed()) error = future_->exception_ptr();
+    if (!error && !cuda_ && futureHoldsOutcome()) error = error_;
     return error;
   }
 
@@ -172,10 +171,16 @@ class SmddpWork : public c10d::Work {
   // callbacks issue take the place getFuture() gave them; `finished`: finishWork() ran already
   // (where the callbacks were deferred: ProgressThread::runningAhead()). Once the outermost
   // callbacks on the group's thread return, runs those deferred meanwhile.
-  void runCallbacks(const std::exception_ptr& error, bool finished);
+  void runCallbacks(bool finished);
   // Set where complete() deferred the callbacks, until they run (runDeferred(), once).
   std::atomic<bool> callbacksDeferred_{false};
-  std::exception_ptr deferredError_;
+  // The op's error (null: it succeeded), set by complete(); read by others once outcome_ is set.
+  // The work reads its outcome from here, not from its future, which its caller may complete
+  // before the op ends (set_result()).
+  std::exception_ptr error_;
+  // CPU ops: set just before the future is completed with the op's outcome (runCallbacks()).
+  std::atomic<bool> outcome_{false};
+  bool futureHoldsOutcome() const { return outcome_.load(std::memory_order_acquire) && future_->completed(); }
   void runDeferred();
   // On the group's thread, the callbacks deferred run now (getFuture*()).
   void runDeferredHere();
