@@ -92,12 +92,15 @@ def machine_share_task(rank, world, subgroups=()):
     return {k: info[k] for k in ("machine_ranks", "machine_cpus", "wait_spin_us", "linger_us", "defer_wake_us")}
 
 
-def any_source_timeout_task(rank, world):
+def any_source_timeout_task(rank, world, only_sockets):
     """A recv from any source that nobody answers times out on its own (on both of the engines it
     waits in) and leaves the group working; the next one is answered; one pending when the group
-    is destroyed fails."""
+    is destroyed fails. `only_sockets` (no host-mates): the timeout names the message from the
+    last rank, on another host, that no recv took."""
     rep = Report(rank)
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=2))
+    if rank == world - 1:
+        dist.send(torch.ones(2), 0, tag=8, group=group)  # not the tag rank 0 waits for
     if rank == 0:
         with rep.cell("unanswered recv from any source"):
             t0 = time.monotonic()
@@ -106,7 +109,12 @@ def any_source_timeout_task(rank, world):
                 rep.expect(False, "a recv from any source that nobody sent to completed")
             except Exception as e:  # noqa: BLE001
                 rep.expect("recv from any rank" in str(e) and "timed out" in str(e), f"unexpected error: {e}")
+                untaken = f"messages from rank {world - 1} that no recv has taken: tag 8 (8 bytes)"
+                rep.expect(not only_sockets or untaken in str(e), f"the error does not name tag 8: {e}")
             rep.expect(time.monotonic() - t0 < 30, f"the 2 s timeout took {time.monotonic() - t0:.1f} s")
+        eight = torch.empty(2)
+        dist.recv(eight, world - 1, tag=8, group=group)
+        rep.expect(eight.tolist() == [1.0, 1.0], f"tag 8 gave {eight.tolist()}")
     dist.barrier()
     rep.group_still_works("after the timeout", world, rank, group)
     if rank == 0:
@@ -897,10 +905,11 @@ def test_send_recv_waits_from_several_threads(pools, topo):
     check(pools, topo, waits_from_threads, 3)
 
 
+@pytest.mark.parametrize("aside", [False, True], ids=["posted", "set-aside"])
 @pytest.mark.parametrize("topo, sender, receiver", [("0011", 2, 0), ("0011", 1, 0)])
-def test_send_recv_size_mismatch_is_an_error(pools, topo, sender, receiver):
+def test_send_recv_size_mismatch_is_an_error(pools, topo, sender, receiver, aside):
     try:
-        check(pools, topo, size_mismatch, sender, receiver)
+        check(pools, topo, size_mismatch, sender, receiver, 4, 8, aside)
     finally:
         pools.discard(len(topo), topo, NET_ENV)  # the stream between the two is broken on purpose
 
@@ -985,7 +994,7 @@ def test_nothing_left_behind(pools, topo):
 
 @pytest.mark.parametrize("topo", ["0011", "001", "012"])  # 012: no host-mates, the waiter drives the sockets
 def test_recv_any_source_times_out(pools, topo):
-    check(pools, topo, any_source_timeout_task)
+    check(pools, topo, any_source_timeout_task, topo == "012")
 
 
 @pytest.mark.parametrize("topo", ["0011"])

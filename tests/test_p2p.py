@@ -313,18 +313,26 @@ def tags_out_of_order(rank, world, n, blocking):
     return rep.to_dict()
 
 
-def size_mismatch(rank, world, sender=1, receiver=0, sent=4, expected=8):
+def size_mismatch(rank, world, sender=1, receiver=0, sent=4, expected=8, aside=False):
     """`sender` sends `sent` float32 with tag 5; `receiver` expects `expected` with tag 5. The
     receiver gives the pair up: a send whose message the sockets could not hold whole before that
-    fails with the receiver's reason (a slow sender, e.g. under tests/test_io_faults.py)."""
+    fails with the receiver's reason (a slow sender, e.g. under tests/test_io_faults.py). `aside`:
+    the sender then sends tag 6, which the receiver takes first, so that tag 5's message waits set
+    aside (unexpected) when its recv comes."""
     rep = Report(rank)
     if rank == sender:
         try:
             dist.send(torch.ones(sent), receiver, tag=5)
+            if aside:
+                dist.send(torch.full((2,), 6.0), receiver, tag=6)
         except dist.DistBackendError as e:
             rep.expect(f"the message from rank {sender} with that tag has {sent * 4} bytes" in str(e),
                        f"unexpected error: {e}")
     elif rank == receiver:
+        if aside:
+            six = torch.empty(2)
+            dist.recv(six, sender, tag=6)
+            rep.expect(six.tolist() == [6.0, 6.0], f"tag 6 gave {six.tolist()}")
         try:
             dist.recv(torch.empty(expected), sender, tag=5)
             rep.expect(False, "a recv of another size than the send was accepted")
@@ -334,7 +342,7 @@ def size_mismatch(rank, world, sender=1, receiver=0, sent=4, expected=8):
         # The pair stays given up; a later op says why once (across hosts it said "an earlier
         # point-to-point failure with rank 1: an earlier point-to-point error with rank 1: ...").
         try:
-            dist.recv(torch.empty(1), sender, tag=6)
+            dist.recv(torch.empty(1), sender, tag=7 if aside else 6)
             rep.expect(False, "a recv after the size mismatch completed")
         except Exception as e:  # noqa: BLE001
             text = str(e)
@@ -468,9 +476,10 @@ def test_tags_out_of_order(pools, world, n, blocking):
     pools.check(world, tags_out_of_order, n, blocking, timeout=240)
 
 
-def test_size_mismatch_is_an_error(pools):
+@pytest.mark.parametrize("aside", [False, True], ids=["posted", "set-aside"])
+def test_size_mismatch_is_an_error(pools, aside):
     try:
-        pools.check(2, size_mismatch, timeout=120)
+        pools.check(2, size_mismatch, 1, 0, 4, 8, aside, timeout=120)
     finally:
         pools.discard(2)  # the stream between ranks 0 and 1 is broken on purpose
 
