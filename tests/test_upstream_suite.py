@@ -1,8 +1,8 @@
 """PyTorch's own distributed test suite against smddp (tests/upstream/distributed_spawn.py):
 collectives in their group, full-group, coalesced and object forms, point-to-point with tags and
 any source, profiling, DDP on CPU. An oracle written by others, with its own references. Deep
-tier: about 15 minutes at world 2 on 2 cores, most of it spent starting ranks for tests that skip
-(those needing CUDA devices, 4 or 8 ranks, or gated to gloo, NCCL or MPI by name).
+tier: about 10 minutes at world 2 and 8 at world 3 on 2 cores, most of it spent starting ranks for
+tests that skip (those needing CUDA devices, 4 or 8 ranks, or gated to gloo, NCCL or MPI by name).
 
 Left out, not a fault of smddp: test_ddp_logging_data_cpu compares DDP's logged backend name with
 dist.get_backend(); torch's ProcessGroup names every plugin backend "custom" there.

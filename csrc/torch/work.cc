@@ -259,17 +259,7 @@ bool anyRunningCallbacks(Match match) {
   }
   return false;
 }
-}  // namespace
 
-bool SmddpWork::runningCallbacksOf(uint64_t group) {
-  return group != 0 && anyRunningCallbacks([group](const RunningCallbacksOf& r) { return r.group == group; });
-}
-
-bool SmddpWork::runningOwnCallbacks() const {
-  return anyRunningCallbacks([this](const RunningCallbacksOf& r) { return r.work == this; });
-}
-
-namespace {
 // Completes `future` (through `complete`) unless its caller already has: torch's Future lets a
 // user call set_result() before the op ends. Marking it again throws here, on the group's thread,
 // which would end the process (as it does on gloo); instead the caller's value stands, and the op
@@ -285,6 +275,14 @@ void completeUnlessCallerDid(c10::ivalue::Future& future, int rank, const std::s
   }
 }
 }  // namespace
+
+bool SmddpWork::runningCallbacksOf(uint64_t group) {
+  return group != 0 && anyRunningCallbacks([group](const RunningCallbacksOf& r) { return r.group == group; });
+}
+
+bool SmddpWork::runningOwnCallbacks() const {
+  return anyRunningCallbacks([this](const RunningCallbacksOf& r) { return r.work == this; });
+}
 
 void SmddpWork::runCallbacks(bool finished) {
   const bool outermost = runner_ && runner_->runningHere() && !runner_->ordering();

@@ -82,8 +82,9 @@ class SmddpWork : public c10d::Work {
                 ": the op has not completed: call wait() before result()");
     return outputs_;
   }
-  // CPU ops: completed as soon as the future is, so work.is_completed() is true once
-  // get_future().wait() returns (the base class flag is set a moment later, by finish()); on the
+  // CPU ops: completed as soon as the future holds the op's outcome, so work.is_completed() is
+  // true once get_future().wait() returns (the base class flag is set a moment later, by
+  // finish()), but not where the caller completed the future first (set_result()); on the
   // group's thread also once finished where the future's callbacks are deferred (complete()).
   bool isCompleted() override {
     if (cuda_) return c10d::Work::isCompleted();

@@ -16,12 +16,11 @@ os.environ.setdefault("WORLD_SIZE", "2")
 os.environ.setdefault("INIT_METHOD", "env://")
 
 import torch  # noqa: E402
-
-if os.environ["BACKEND"] == "smddp":
-    import smddp  # noqa: E402,F401  (registers the backend, in this process and in the spawned ranks)
 from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
 
 if os.environ["BACKEND"] == "smddp":
+    import smddp  # noqa: E402,F401  (registers the backend, in this process and in the spawned ranks)
+
     for feature in ("plugin", "ddp", "subgroup"):
         DistTestCases.backend_feature[feature].add("smddp")
 
