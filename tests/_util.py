@@ -8,6 +8,8 @@ reference itself) and in the test process (merging the per-rank reports).
 import functools
 import hashlib
 import os
+import shutil
+import subprocess
 import time
 import zlib
 from collections import defaultdict
@@ -71,6 +73,21 @@ def ptrace_allowed():
             return f.read().strip() == "0"
     except OSError:
         return True
+
+
+def fault_library(tmp_path_factory, name):
+    """Builds tests/fault/<name>.c into an LD_PRELOAD library and returns its path; skips the test
+    where there is no C compiler."""
+    import pytest
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip(f"no C compiler to build tests/fault/{name}.c")
+    lib = tmp_path_factory.mktemp(name) / f"{name}.so"
+    p = subprocess.run([cc, "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", str(lib),
+                        os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault", f"{name}.c"), "-ldl",
+                        "-lpthread"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return lib
 
 
 def topology_states(rank, world, key, wants):

@@ -18,7 +18,6 @@ or a farewell; a farewell was missed when its segments came apart or the pipe br
 rank was still reading the message before it."""
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from _jobs import run_ranks
+from _util import fault_library
 
 pytestmark = pytest.mark.deep  # SMDDP_TEST_DEEP=1 runs it (tests/conftest.py)
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,15 +36,7 @@ FAULTS = ("short", "eagain", "eintr", "signal")
 
 @pytest.fixture(scope="module")
 def faults_library(tmp_path_factory):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build tests/fault/io_faults.c")
-    lib = tmp_path_factory.mktemp("io_faults") / "io_faults.so"
-    p = subprocess.run([cc, "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", str(lib),
-                        str(ROOT / "tests" / "fault" / "io_faults.c"), "-ldl", "-lpthread"],
-                       capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    return lib
+    return fault_library(tmp_path_factory, "io_faults")
 
 
 def _faults_env(lib, log, seed=1):
