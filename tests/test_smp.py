@@ -852,6 +852,10 @@ def checkpoint_mismatch_task(rank, world, path):
     refused("an optimizer over fewer parameters", lambda: tsm.load_checkpoint(saved, model, subset),
             "param group 0 of the checkpoint " + saved + " holds other parameters than this optimizer's: saved only "
             "['0.bias', '0.weight']")
+    params = list(model.parameters())
+    split = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 1e-3}], lr=1e-2)
+    refused("an optimizer with another number of param groups", lambda: tsm.load_checkpoint(saved, model, split),
+            f"the checkpoint {saved} holds an optimizer of 1 param group(s); this optimizer has 2")
     torch.manual_seed(3)
     shorter = tsm.apply_hybrid_sharding(torch.nn.Sequential(*list(_mlp().children())[:3]))
     refused("a model with fewer layers", lambda: tsm.load_checkpoint(saved, shorter),
