@@ -1107,8 +1107,8 @@ def test_size_mismatch_names_what_each_runs(pools):
 def work_result_and_duration_task(rank, world):
     """Work.get_future_result() completes with torch's WorkResult as the op does (SUCCESS 0,
     TIMEOUT 1, COMM_ERROR 2), asked before or after; Work._get_duration() gives the op's time
-    from its start, and refuses before completion and after a failure; Work.result() refuses
-    before completion."""
+    from its start (ProcessGroup._enable_collectives_timing() is accepted), and refuses before
+    completion and after a failure; Work.result() refuses before completion."""
     rep = Report(rank)
     store = dist.distributed_c10d._get_default_store()
     group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
@@ -1143,7 +1143,9 @@ def work_result_and_duration_task(rank, world):
         store.wait(["work_result/posted"])
         time.sleep(0.3)
         dist.send(torch.ones(100), 0, tag=5, group=group)
-    with rep.cell("all_reduce: result asked after it completed"):
+    with rep.cell("all_reduce: result asked after it completed, timing turned on as for gloo and NCCL"):
+        # Until 2026-12-07: "Backend smddp is missing implementation of enableCollectivesTiming"
+        dist.distributed_c10d._get_default_group()._enable_collectives_timing()
         work = dist.all_reduce(torch.ones(10), async_op=True)
         work.wait()
         rep.expect(work.get_future_result().wait() == 0, "an all_reduce that succeeded")

@@ -83,6 +83,10 @@ class SmddpBackend : public c10d::Backend {
   // op to raise, so a group bound to a GPU but used with CPU tensors still works.
   void eagerConnectSingleDevice(at::Device device) override;
 
+  // ProcessGroup._enable_collectives_timing(), which gloo and NCCL need before Work._get_duration():
+  // smddp times every op through the flight recorder, so there is nothing to turn on.
+  void enableCollectivesTiming() override {}
+
   // Collectives issued so far: every rank issues the same ones, so the count agrees across the
   // group from creation on (TORCH_DISTRIBUTED_DEBUG=DETAIL compares it).
   void setSequenceNumberForGroup() override {}
