@@ -78,7 +78,7 @@ def ptrace_allowed():
 def fault_library(tmp_path_factory, name):
     """Builds tests/fault/<name>.c into an LD_PRELOAD library and returns its path; skips the test
     where there is no C compiler."""
-    import pytest
+    import pytest  # here, not at the top: the ranks import this module and need no pytest
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip(f"no C compiler to build tests/fault/{name}.c")
