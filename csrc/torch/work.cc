@@ -261,9 +261,11 @@ bool anyRunningCallbacks(Match match) {
 }
 
 // Completes `future` (through `complete`) unless its caller already has: torch's Future lets a
-// user call set_result() before the op ends. Marking it again throws here, on the group's thread,
-// which would end the process (as it does on gloo); instead the caller's value stands, and the op
-// finishes as usual (work.wait() returns its outputs).
+// user call set_result() before the op ends. Marking it again throws: on the group's thread that
+// would end the process (as it does on gloo), and in get_future_result(), which marks the result
+// where the op finished before the group's thread did, it would raise to a caller who asked after
+// the result. Instead the caller's value stands, and the op finishes as usual (work.wait() returns
+// its outputs).
 template <typename Complete>
 void completeUnlessCallerDid(c10::ivalue::Future& future, int rank, const std::string& title, Complete complete) {
   try {
@@ -340,7 +342,9 @@ c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFutureResult() {
     markNow = completed_ && !resultMarked_;
     resultMarked_ = resultMarked_ || markNow;
   }
-  if (markNow) f->markCompleted(c10::IValue(static_cast<int64_t>(result_)));
+  if (markNow) {  // the op has finished, but its thread had not yet marked the result: this one does
+    completeUnlessCallerDid(*f, rank_, title_, [&] { f->markCompleted(c10::IValue(static_cast<int64_t>(result_))); });
+  }
   return f;
 }
 
