@@ -262,9 +262,9 @@ bool anyRunningCallbacks(Match match) {
 
 // Completes `future` (through `complete`) unless its caller already has: torch's Future lets a
 // user call set_result() before the op ends. Marking it again throws: on the group's thread that
-// would end the process (as it does on gloo), and in get_future_result(), which marks the result
-// where the op finished before the group's thread did, it would raise to a caller who asked after
-// the result. Instead the caller's value stands, and the op finishes as usual (work.wait() returns
+// would end the process (as it does on gloo); in get_future_result(), which marks the result
+// itself where the op has finished but the group's thread has not marked it yet, it would raise to
+// the caller. Instead the caller's value stands, and the op finishes as usual (work.wait() returns
 // its outputs).
 template <typename Complete>
 void completeUnlessCallerDid(c10::ivalue::Future& future, int rank, const std::string& title, Complete complete) {
