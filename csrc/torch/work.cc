@@ -318,10 +318,7 @@ void SmddpWork::runCallbacks(bool finished) {
           pending = futureResult_;
         }
       }
-      if (pending) {  // its callbacks run unlocked
-        completeUnlessCallerDid(*pending, rank_, title_,
-                                [&] { pending->markCompleted(c10::IValue(static_cast<int64_t>(result_))); });
-      }
+      if (pending) markResult(*pending);  // its callbacks run unlocked
     }
   }
   if (outermost) runner_->runDeferredCallbacks();
@@ -342,10 +339,12 @@ c10::intrusive_ptr<c10::ivalue::Future> SmddpWork::getFutureResult() {
     markNow = completed_ && !resultMarked_;
     resultMarked_ = resultMarked_ || markNow;
   }
-  if (markNow) {  // the op has finished, but its thread had not yet marked the result: this one does
-    completeUnlessCallerDid(*f, rank_, title_, [&] { f->markCompleted(c10::IValue(static_cast<int64_t>(result_))); });
-  }
+  if (markNow) markResult(*f);  // the op has finished, but its thread had not yet marked the result
   return f;
+}
+
+void SmddpWork::markResult(c10::ivalue::Future& f) const {
+  completeUnlessCallerDid(f, rank_, title_, [&] { f.markCompleted(c10::IValue(static_cast<int64_t>(result_))); });
 }
 
 float SmddpWork::getDuration() const {

@@ -173,6 +173,9 @@ class SmddpWork : public c10d::Work {
   // (where the callbacks were deferred: ProgressThread::runningAhead()). Once the outermost
   // callbacks on the group's thread return, runs those deferred meanwhile.
   void runCallbacks(bool finished);
+  // Marks futureResult_ (`f`) with result_, keeping a value its caller set first (set_result()).
+  // Called once, by whichever of runCallbacks() and getFutureResult() sets resultMarked_.
+  void markResult(c10::ivalue::Future& f) const;
   // Set where complete() deferred the callbacks, until they run (runDeferred(), once).
   std::atomic<bool> callbacksDeferred_{false};
   // The op's error (null: it succeeded), set by complete(); read by others once outcome_ is set.
