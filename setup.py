@@ -31,7 +31,8 @@ class CMakeBuild(build_ext):
     @staticmethod
     def install_perf(build_dir, out_dir):
         """smddp_perf (and its nccl-tests names) into the package's bin/, where the `smddp_perf`
-        console command finds it; also into the source tree for editable installs. The names are
+        console command finds it; also into the source tree, for editable installs and for the
+        repository's benchmarks and tests, which run it from there after any install. The names are
         three-line shell scripts, not links: a wheel stores a link as a copy of its target, which made
         six copies of the binary in every wheel."""
         for pkg in {out_dir, ROOT / "python" / "smddp"}:
@@ -100,6 +101,17 @@ class CMakeBuild(build_ext):
                 target.write_text(text)
 
 
+def torch_requirement():
+    """The extension imports only under the torch it was built against, so the package asks for
+    that torch's version. Its local label (+cpu) is left out: PyPI's torch has none, and the import
+    check refuses a different build of the same version with a clearer message than pip's."""
+    try:
+        import torch
+    except ImportError:  # e.g. only reading the metadata; the build itself needs torch
+        return "torch"
+    return f"torch=={torch.__version__.split('+')[0]}"
+
+
 def pinned(requirements_file):
     """The pins of a requirements file, so `pip install .[examples]` gets what CI tests."""
     lines = (ROOT / requirements_file).read_text().splitlines()
@@ -115,7 +127,7 @@ setup(
     ext_modules=[CMakeExtension("smddp._C")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
-    install_requires=["torch"],
+    install_requires=[torch_requirement()],
     extras_require={"examples": pinned("requirements-examples.txt"), "bench": pinned("requirements-bench.txt")},
     entry_points={"console_scripts": ["smddp_perf = smddp.perf:main"]},
     package_data={"smddp": ["bin/*", "libsmddp_cuda.so"]},
