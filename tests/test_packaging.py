@@ -30,7 +30,8 @@ def tracked_files():
 @pytest.fixture(scope="module")
 def sdist(tmp_path_factory):
     tree = tmp_path_factory.mktemp("tree")
-    for rel in tracked_files():
+    tracked = tracked_files()
+    for rel in tracked:
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, tree / rel)
     for rel in BUILD_OUTPUTS:  # as if built here, whether or not this checkout has built them
@@ -42,32 +43,32 @@ def sdist(tmp_path_factory):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (archive,) = dist.glob("smddp-*.tar.gz")
+    top = archive.name.removesuffix(".tar.gz")  # the directory every member sits in
     with tarfile.open(archive) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-        pkg_info = tar.extractfile(next(m for m in tar.getmembers() if m.name.count("/") == 1
-                                        and m.name.endswith("/PKG-INFO"))).read().decode()
-    return names, pkg_info
+        pkg_info = tar.extractfile(f"{top}/PKG-INFO").read().decode()
+    return names, pkg_info, tracked
 
 
 def test_sdist_holds_every_source_the_build_compiles(sdist):
-    names, _ = sdist
+    names, _, tracked = sdist
     cmake = (ROOT / "CMakeLists.txt").read_text()
     compiled = set(re.findall(r"(?<![\w/.$}])((?:csrc|tests|benchmarks)/[\w/.-]+\.(?:cc|cu|h|cuh))", cmake))
     assert compiled, "no source paths found in CMakeLists.txt"
     needed = {"setup.py", "CMakeLists.txt", "README.md", "requirements-examples.txt", "requirements-bench.txt",
               "benchmarks/perf_check.h"} | compiled
-    needed |= {p for p in tracked_files() if p.startswith(("csrc/", "tests/cpp/"))}  # headers included by them
+    needed |= {p for p in tracked if p.startswith(("csrc/", "tests/cpp/"))}  # headers included by them
     assert sorted(needed - names) == []
 
 
 def test_sdist_carries_no_build_outputs(sdist):
-    names, _ = sdist
+    names, _, _ = sdist
     shipped = sorted(n for n in names
                      if n.endswith((".so", ".pyc")) or n.startswith(tuple(f"python/smddp/{o}" for o in BUILD_OUTPUTS)))
     assert shipped == []
 
 
 def test_package_requires_the_torch_it_is_built_against(sdist):
-    _, pkg_info = sdist
+    _, pkg_info, _ = sdist
     public = torch.__version__.split("+")[0]
     assert f"Requires-Dist: torch=={public}\n" in pkg_info, pkg_info
