@@ -16,6 +16,9 @@ MPI pays no torch dispatch:
 * allgather:      ``comm.Allgather(inp, out)``
 * reduce_scatter: ``comm.Reduce_scatter_block(inp, out, op)``
 * alltoall:       ``comm.Alltoall(inp, out)``
+* broadcast:      ``comm.Bcast(buf, root)``
+* reduce:         ``comm.Reduce(MPI.IN_PLACE, buf, op, root)`` at the root, ``comm.Reduce(buf, None, op,
+  root)`` elsewhere (in place, as ``dist.reduce``)
 
 Correctness: the same rank-dependent input pattern and the same reference as
 the torch workers (a numpy port of ``Patterns`` / ``_reduce_ref``), ``#wrong``
@@ -142,6 +145,7 @@ class MpiWorker:
         self.mdt = getattr(MPI, mpiname)
         self.esize = self.dtype.itemsize
         self.redop = cfg["redop"]
+        self.root = cfg["root"]
         self.mop = getattr(MPI, MPI_REDOPS[self.redop])
         self.pat = NpPatterns(np, self.dtype, 2 if self.redop == "prod" else 4)
         self.out = open(cfg["result_file"], "w", buffering=1) if self.rank == 0 else None
@@ -171,6 +175,14 @@ class MpiWorker:
         if op == "allreduce":
             b = [inp, dt]
             return lambda: comm.Allreduce(MPI.IN_PLACE, b, op=mop)
+        if op == "broadcast":
+            b, root = [inp, dt], self.root
+            return lambda: comm.Bcast(b, root=root)
+        if op == "reduce":
+            b, root = [inp, dt], self.root
+            if self.rank == root:
+                return lambda: comm.Reduce(MPI.IN_PLACE, b, op=mop, root=root)
+            return lambda: comm.Reduce(b, None, op=mop, root=root)
         if op == "allgather":
             i, o = [inp, dt], [out, dt]
             return lambda: comm.Allgather(i, o)
@@ -198,8 +210,10 @@ class MpiWorker:
 
     def reference(self, op, count):
         w, r = self.world, self.rank
-        if op == "allreduce":
+        if op == "allreduce" or (op == "reduce" and r == self.root):
             return reduce_ref(self.np, [self.pat.get(q, count) for q in range(w)], self.redop)
+        if op == "broadcast":
+            return self.pat.get(self.root, count)
         if op == "reduce_scatter":
             return reduce_ref(self.np, [self.pat.get(q, count, start=r * count) for q in range(w)], self.redop)
         if op == "sendrecv":
@@ -215,6 +229,8 @@ class MpiWorker:
         if op == "allgather":
             return sum(int(np.count_nonzero(out[q * count:(q + 1) * count] != self.pat.get(q, count)))
                        for q in range(self.world))
+        if ref is None:  # reduce, not the root: its buffer's content is unspecified
+            return 0
         return int(np.count_nonzero(out != ref))
 
     def check(self, op, out, inp, ref, count):
@@ -259,7 +275,7 @@ class MpiWorker:
                 r = {"backend": "mpich", "wrong": wrong, "error": err,
                      "time_us": None, "algbw": None, "busbw": None, "iters": 0}
                 if err is None:
-                    if op == "allreduce":
+                    if op in ("allreduce", "reduce"):
                         inp[...] = 0  # repeated in-place reductions of 0 stay 0
                     sec, iters = self.measure(op, out, inp)
                     algbw = eff / sec / 1e9

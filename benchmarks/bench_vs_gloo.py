@@ -77,7 +77,10 @@ OPS = ("allreduce", "allgather", "reduce_scatter")  # the default set
 # pingpong (OSU-style latency): ranks 2k and 2k+1 pair up; the even one sends, then receives the
 # odd one's message (blocking send and recv); time = one round trip; even world sizes only.
 # alltoall (nccl-tests' alltoall_perf): all_to_all_single, every rank sends each rank one block.
-ALL_OPS = OPS + ("sendrecv", "pingpong", "alltoall")
+# broadcast, reduce (nccl-tests' broadcast_perf, reduce_perf): in place, from / to rank --root.
+ALL_OPS = OPS + ("sendrecv", "pingpong", "alltoall", "broadcast", "reduce")
+REDUCING_OPS = ("allreduce", "reduce_scatter", "reduce")  # the rest only move data: compared exactly
+ROOTED_OPS = ("broadcast", "reduce")
 
 # busbw = algbw * factor(n)  (nccl-tests PERFORMANCE.md)
 BUSBW_FACTOR = {
@@ -87,6 +90,8 @@ BUSBW_FACTOR = {
     "sendrecv": lambda n: 1.0,
     "pingpong": lambda n: 2.0,  # a round trip moves the message twice
     "alltoall": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
 }
 
 KIB, MIB = 1024, 1024 * 1024
@@ -135,10 +140,11 @@ def geometry(op: str, size: int, world: int, esize: int):
     allgather:      size = total output bytes,      count = elements per rank
     reduce_scatter: size = total input bytes,       count = output elements per rank
     sendrecv, pingpong: size = bytes each rank sends, count = elements
+    broadcast, reduce: size = tensor bytes,          count = elements
     alltoall:       size = each rank's input bytes,  count = elements per block (one per rank)
     eff_size is the size actually moved after rounding down to whole elements.
     """
-    if op in ("allreduce", "sendrecv", "pingpong"):
+    if op in ("allreduce", "sendrecv", "pingpong", "broadcast", "reduce"):
         count = size // esize
         return count, count, count, count * esize
     count = size // (esize * world)
@@ -153,7 +159,7 @@ def geometry(op: str, size: int, world: int, esize: int):
 
 def buffer_numels(op: str, count: int, world: int):
     """(output, input) element counts of op's buffers for geometry's `count`; input None: in place."""
-    if op == "allreduce":
+    if op in ("allreduce", "broadcast", "reduce"):
         return count, None
     if op in ("sendrecv", "pingpong"):
         return count, count
@@ -271,17 +277,29 @@ class Backend:
     def all_to_all(self, out, inp) -> None:  # inp's block q to rank q, out's block q from it
         raise NotImplementedError
 
+    def broadcast(self, t, root: int) -> None:  # in place: root's t to every rank
+        raise NotImplementedError
+
+    def reduce(self, t, root: int, redop: str) -> None:  # in place: the reduction lands in root's t
+        raise NotImplementedError
+
     def teardown(self) -> None:
         pass
 
     def version(self) -> str:
         return ""
 
-    def make_call(self, op: str, out, inp, redop: str):
+    def make_call(self, op: str, out, inp, redop: str, root: int = 0):
         """Return a zero-argument closure running one blocking collective."""
         if op == "allreduce":
             f = self.all_reduce
             return lambda: f(inp, redop)
+        if op == "broadcast":
+            f = self.broadcast
+            return lambda: f(inp, root)
+        if op == "reduce":
+            f = self.reduce
+            return lambda: f(inp, root, redop)
         if op == "reduce_scatter":
             f = self.reduce_scatter
             return lambda: f(out, inp, redop)
@@ -331,6 +349,14 @@ class TorchDistBackend(Backend):
 
     def all_to_all(self, out, inp):
         self._settle(self._dist.all_to_all_single(out, inp, group=self.group, async_op=self._async))
+
+    # group_src / group_dst: the root is a rank of self.group (the same number in the default group)
+    def broadcast(self, t, root):
+        self._settle(self._dist.broadcast(t, group=self.group, group_src=root, async_op=self._async))
+
+    def reduce(self, t, root, redop):
+        self._settle(self._dist.reduce(t, group=self.group, group_dst=root, op=self._ops[redop],
+                                       async_op=self._async))
 
     def _settle(self, work):
         if self._work_s:
@@ -422,6 +448,14 @@ class GlooBaseline(TorchDistBackend):
             out.div_(self._world, rounding_mode="floor")
         else:
             super().reduce_scatter(out, inp, redop)
+
+    def reduce(self, t, root, redop):
+        if self._int_avg(t, redop):
+            super().reduce(t, root, "sum")
+            if self._dist.get_rank(self.group) == root:
+                t.div_(self._world, rounding_mode="floor")
+        else:
+            super().reduce(t, root, redop)
 
     def teardown(self):
         if self.group is not None:
@@ -527,6 +561,7 @@ class Worker:
         self.dtype = getattr(torch, cfg["dtype"])
         self.esize = torch.empty(0, dtype=self.dtype).element_size()
         self.redop = cfg["redop"]
+        self.root = cfg["root"]
         m = 2 if self.redop == "prod" else 4
         self.pat = Patterns(torch, self.dtype, m)
 
@@ -629,10 +664,13 @@ class Worker:
         inp.copy_(self.pat.get(self.rank, inp.numel()))
 
     def reference(self, op, count):
-        """Expected output of this rank (None for allgather: checked chunkwise)."""
+        """Expected output of this rank (None for allgather: checked chunkwise; for reduce on a rank
+        other than the root: what it holds afterwards is unspecified, as in MPI and NCCL)."""
         w, r = self.world, self.rank
-        if op == "allreduce":
+        if op == "allreduce" or (op == "reduce" and r == self.root):
             return _reduce_ref(self.torch, [self.pat.get(q, count) for q in range(w)], self.redop, self.dtype, w)
+        if op == "broadcast":
+            return self.pat.get(self.root, count)
         if op == "reduce_scatter":
             chunks = [self.pat.get(q, count, start=r * count) for q in range(w)]
             return _reduce_ref(self.torch, chunks, self.redop, self.dtype, w)
@@ -650,8 +688,9 @@ class Worker:
                 _count_wrong(self.torch, out.narrow(0, q * count, count), self.pat.get(q, count), "sum")
                 for q in range(self.world)
             )
-        moves = op in ("sendrecv", "pingpong", "alltoall")  # only moves data: compared exactly
-        return _count_wrong(self.torch, out, ref, "sum" if moves else self.redop)
+        if ref is None:  # reduce, not the root
+            return 0
+        return _count_wrong(self.torch, out, ref, self.redop if op in REDUCING_OPS else "sum")
 
     def check(self, backend, op, out, inp, ref, count):
         """Run once on known data.  Returns (#wrong summed over ranks, error or None).
@@ -661,7 +700,7 @@ class Worker:
         err, wrong = None, 0
         try:
             self.fill_input(op, out, inp)
-            backend.make_call(op, out, inp, self.redop)()
+            backend.make_call(op, out, inp, self.redop, self.root)()
             if self.cfg["check"]:
                 wrong = self.count_wrong(op, out, ref, count)
         except Exception as e:  # noqa: BLE001 - reported, not fatal
@@ -676,8 +715,8 @@ class Worker:
     def measure(self, backend, op, out, inp):
         first = backend.label not in self.measured
         self.measured.add(backend.label)
-        per_op, iters = measure_call(self, backend.make_call(op, out, inp, self.redop), first)
-        if op in ("allreduce", "allgather", "reduce_scatter", "alltoall"):
+        per_op, iters = measure_call(self, backend.make_call(op, out, inp, self.redop, self.root), first)
+        if op not in ("sendrecv", "pingpong"):
             per_op -= self.cfg.get("work_us", 0.0) * 1e-6  # --work-us: the op's own share
         return per_op, iters
 
@@ -699,7 +738,7 @@ class Worker:
                 for b in self.backends:  # correctness, back to back
                     wrong, err = self.check(b, op, out, inp, ref, count)
                     results[b.label] = {"backend": b.label, "wrong": wrong, "error": err}
-                if op == "allreduce":
+                if op in ("allreduce", "reduce"):
                     inp.zero_()  # repeated in-place reductions of 0 stay 0 (no overflow/inf)
                 for b in self.backends:  # timing, interleaved per size
                     r = results[b.label]
@@ -724,7 +763,7 @@ class Worker:
                 del out, inp, ref
                 self.send(
                     type="row", world=w, op=op, size=eff, count=count, dtype=cfg["dtype"],
-                    redop=self.redop if op not in ("allgather", "sendrecv", "pingpong", "alltoall") else "none",
+                    redop=self.redop if op in REDUCING_OPS else "none",
                     results=[results[b.label] for b in self.backends],
                 )
             self.send(type="table_end", world=w, op=op)
@@ -976,8 +1015,10 @@ class Reporter:
             self.out(note)
         self.notes = []
         factor = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n", "sendrecv": "1",
-                  "pingpong": "2", "alltoall": "(n-1)/n"}[op]
-        self.out(f"# world {world}  {op}  dtype {self.args.dtype}  busbw factor {factor} = {BUSBW_FACTOR[op](world):.3f}")
+                  "pingpong": "2", "alltoall": "(n-1)/n", "broadcast": "1", "reduce": "1"}[op]
+        root = f"  root {self.args.root}" if op in ROOTED_OPS else ""
+        self.out(f"# world {world}  {op}{root}  dtype {self.args.dtype}  busbw factor {factor} = "
+                 f"{BUSBW_FACTOR[op](world):.3f}")
         for j in self.jobs:
             if self.world_status.get(j.label):
                 self.out(f"# ({j.label}: {self.world_status[j.label]})")
@@ -1521,6 +1562,7 @@ def parse_args(argv):
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {','.join(ALL_OPS)}")
     p.add_argument("-d", "--dtype", default="float32", choices=list(DTYPES), help="datatype")
     p.add_argument("-o", "--op", default="sum", choices=list(REDOPS), help="reduction op")
+    p.add_argument("-r", "--root", default=0, type=int, help="root rank of broadcast and reduce")
     p.add_argument("-b", "--minbytes", default="8", type=parse_size, help="smallest size (K/M/G suffixes, binary)")
     p.add_argument("-e", "--maxbytes", default="128M", type=parse_size, help="largest size")
     p.add_argument("-f", "--stepfactor", default=2.0, type=float, help="size multiplication factor")
@@ -1610,6 +1652,8 @@ def parse_args(argv):
         p.error("need at least one baseline")
     if any(w < 1 for w in args.worlds):
         p.error("world sizes must be >= 1")
+    if not 0 <= args.root < min(args.worlds):
+        p.error(f"--root {args.root} is not a rank of every world ({min(args.worlds)} ranks in the smallest)")
     if args.minbytes > args.maxbytes:
         p.error("--minbytes > --maxbytes")
     if args.minbytes < args.maxbytes and not (math.isfinite(args.stepfactor) and args.stepfactor > 1):
@@ -1644,7 +1688,7 @@ def main(argv=None) -> int:
     base_cfg = {
         "parent_pid": os.getpid(),
         "backend": args.backend, "baselines": [b for b in args.baselines if b in BASELINES], "ops": args.ops,
-        "dtype": args.dtype, "redop": args.op,
+        "dtype": args.dtype, "redop": args.op, "root": args.root,
         "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
         "iters": args.iters, "warmup": args.warmup, "warmup_ms": args.warmup_ms,
         "job_warmup_ms": args.job_warmup_ms, "target_ms": args.target_ms,
