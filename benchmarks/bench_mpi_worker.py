@@ -241,6 +241,8 @@ class MpiWorker:
             self.make_call(op, out, inp)()
             if self.cfg["check"]:
                 wrong = self.count_wrong(op, out, ref, count)
+                if inp is not out:  # an input of its own must come back as it was given
+                    wrong += int(self.np.count_nonzero(inp != self.pat.get(self.rank, inp.size)))
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             err = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         failed, total = self.ctrl_allreduce([1.0 if err else 0.0, float(wrong)])

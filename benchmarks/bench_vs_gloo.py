@@ -703,6 +703,8 @@ class Worker:
             backend.make_call(op, out, inp, self.redop, self.root)()
             if self.cfg["check"]:
                 wrong = self.count_wrong(op, out, ref, count)
+                if inp is not out:  # an input of its own must come back as it was given
+                    wrong += _count_wrong(self.torch, inp, self.pat.get(self.rank, inp.numel()), "sum")
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             err = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         failed, total_wrong = self.ctrl_allreduce([1.0 if err else 0.0, float(wrong)])
@@ -1098,6 +1100,10 @@ class Reporter:
                 xs = [sp[b] for size, _, sp in self.rows if lo <= size <= hi and sp[b]]
                 mn = f"min {fmt_speedup(min(xs))}, " if xs else ""
                 parts.append(f"{label} {fmt_speedup(geomean(xs))} ({mn}n={len(xs)})")
+            # The classes leave sizes out (8-32 KiB, 16 MiB): the worst of every size is its own entry.
+            worst = min(((sp[b], size) for size, _, sp in self.rows if sp[b]), default=None)
+            if worst:
+                parts.append(f"all sizes: min {fmt_speedup(worst[0])} at {fmt_bytes(worst[1])}")
             self.out(f"# Speedup {self.cand} vs {b} (geomean of {b}_time/{self.cand}_time): " + "  ".join(parts))
         if self.rows and self.memcpy:
             size, res, _ = self.rows[-1]  # the largest size
@@ -1621,6 +1627,8 @@ def parse_args(argv):
     if len(set(args.worlds)) != len(args.worlds):
         p.error("a world size is listed twice (its rows would merge)")
     args.ops = [x.strip() for x in args.ops.split(",") if x.strip()]
+    if len(set(args.ops)) != len(args.ops):
+        p.error("an op is listed twice (the torch backends would keep their best of both sweeps, MPICH its last)")
     args.notes = []
     exe, why = MpichBaseline.availability(args.mpiexec)
     if args.baselines is None:
@@ -1671,6 +1679,8 @@ def parse_args(argv):
         p.error("need 1 <= --min-iters <= --max-iters")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
     if args.idle_seconds < 0:
         p.error("--idle-seconds must be >= 0")
     return args

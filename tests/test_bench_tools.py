@@ -217,7 +217,7 @@ def test_side_by_side_benchmark_checks_point_to_point(tmp_path):
 def test_side_by_side_benchmark_checks_rooted_ops(tmp_path):
     # broadcast and reduce from / to a root other than 0 in a world of 3: every rank's broadcast
     # result and the root's reduction are checked, for smddp, gloo and (where the benchmark finds
-    # it installed, as in the main job) MPICH. A --root that some world lacks is refused.
+    # it installed, as in the main job) MPICH.
     out = tmp_path / "rows.jsonl"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vs_gloo.py"), "--ops", "broadcast,reduce",
                         "--worlds", "3", "--root", "2", "-d", "int32", "-o", "max", "-b", "8", "-e", "300K", "-f", "64",
@@ -232,9 +232,19 @@ def test_side_by_side_benchmark_checks_rooted_ops(tmp_path):
     assert cells == {(op, s, b, "max" if op == "reduce" else "none") for op in ("broadcast", "reduce")
                      for s in (8, 512, 32768) for b in backends}, sorted(cells)
     assert all(r["error"] is None and r["wrong"] == 0 and r["time_us"] > 0 for r in rows), rows
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vs_gloo.py"), "--ops", "reduce",
-                        "--worlds", "2,4", "--root", "2"], capture_output=True, text=True, timeout=60)
-    assert p.returncode != 0 and "--root 2 is not a rank of every world" in p.stderr, p.stderr[-2000:]
+    assert "all sizes: min " in p.stdout, p.stdout[-3000:]
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--ops", "reduce", "--worlds", "2,4", "--root", "2"], "--root 2 is not a rank of every world"),
+    (["--ops", "allreduce,allgather,allreduce"], "an op is listed twice"),
+    (["--reps", "0"], "--reps must be >= 1"),
+])
+def test_side_by_side_benchmark_refuses_misleading_options(args, why):
+    # Options that would run and print something that misleads are refused before any rank starts.
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vs_gloo.py"), *args],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and why in p.stderr, p.stderr[-2000:]
 
 
 @pytest.mark.timeout(300)
