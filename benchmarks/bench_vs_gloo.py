@@ -93,6 +93,10 @@ BUSBW_FACTOR = {
     "broadcast": lambda n: 1.0,
     "reduce": lambda n: 1.0,
 }
+# ...as each table's header writes it
+BUSBW_FACTOR_TEXT = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n", "sendrecv": "1",
+                     "pingpong": "2", "alltoall": "(n-1)/n", "broadcast": "1", "reduce": "1"}
+assert BUSBW_FACTOR.keys() == BUSBW_FACTOR_TEXT.keys() == set(ALL_OPS)
 
 KIB, MIB = 1024, 1024 * 1024
 # Size classes for the geometric-mean speedup summary (inclusive bounds).
@@ -1016,10 +1020,8 @@ class Reporter:
         for note in self.notes:
             self.out(note)
         self.notes = []
-        factor = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n", "sendrecv": "1",
-                  "pingpong": "2", "alltoall": "(n-1)/n", "broadcast": "1", "reduce": "1"}[op]
         root = f"  root {self.args.root}" if op in ROOTED_OPS else ""
-        self.out(f"# world {world}  {op}{root}  dtype {self.args.dtype}  busbw factor {factor} = "
+        self.out(f"# world {world}  {op}{root}  dtype {self.args.dtype}  busbw factor {BUSBW_FACTOR_TEXT[op]} = "
                  f"{BUSBW_FACTOR[op](world):.3f}")
         for j in self.jobs:
             if self.world_status.get(j.label):
